@@ -1,0 +1,72 @@
+"""The `fleetplan` command line.
+
+Each command group lives in its own module exposing `register(subparsers)`; a registered
+subparser sets `handler` to a callable taking the parsed args and returning the exit code.
+Register functions stay light: heavy imports (ortools, aiohttp, numpy) happen inside handlers,
+so `fleetplan --help` is fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+# Modules that contribute commands, in help order.
+COMMAND_MODULES: tuple[str, ...] = (
+    "controller.cli_models",  # models fit | predict | capacity
+    "controller.cli_plan",  # policy check, plan
+    "sim.cli",  # sim-engine, replay-load, bench-engine
+    "sim.lab",  # lab up | down
+    "controller.cli_daemon",  # controller, agent, report, explain, observe, demo
+    "sim.evaluate_cli",  # evaluate
+)
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fleetplan",
+        description="Right-size a bare-metal GPU fleet serving LLMs (vLLM vs TensorRT-LLM).",
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv: debug)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name:  # a command group not built yet
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def configure_logging(verbosity: int) -> None:
+    level = logging.WARNING if verbosity <= 0 else logging.INFO if verbosity == 1 else logging.DEBUG
+    logging.basicConfig(
+        level=level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler: Handler | None = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help()
+        return 2
+    configure_logging(args.verbose)
+    try:
+        return handler(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Simulated engines, trace replay, the lab of real servers, and the replay evaluation."""
