@@ -20,7 +20,8 @@ COMMAND_MODULES: tuple[str, ...] = (
     "controller.cli_plan",  # policy check, plan
     "sim.cli",  # sim-engine, replay-load, bench-engine
     "sim.lab",  # lab up | down
-    "controller.cli_daemon",  # controller, agent, report, explain, observe, demo
+    "controller.cli_agent",  # agent
+    "controller.cli_daemon",  # controller, report, explain, observe, demo
     "sim.evaluate_cli",  # evaluate
 )
 
