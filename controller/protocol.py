@@ -1,0 +1,449 @@
+"""MQTT payloads between the controller and the per-host agents (pydantic, JSON on the wire).
+
+Topics (prefix ``fleetplan/``):
+
+- ``fleetplan/hosts/<host>/desired`` controller -> agent, retained, :class:`DesiredState`.
+  ``version`` increases with every change; the agent ignores (and acks as rejected) older versions.
+- ``fleetplan/hosts/<host>/ack`` agent -> controller, :class:`Ack` per desired version received.
+- ``fleetplan/hosts/<host>/status`` agent -> controller, retained, :class:`HostStatus`; the last will
+  is ``{"host": <host>, "online": false}`` (engines may still run; treat replicas as unknown).
+
+Two levels of validation:
+
+1. The models themselves (static): strict id/template/model patterns, ``tp == len(gpu_indices)``,
+   no GPU used twice, no port used twice, unique ids. :func:`parse_desired` raises
+   :class:`ProtocolError` with one line naming the field and the value.
+2. :func:`check_desired` against what a host can do (:class:`HostLimits`: GPU type and count, port
+   range, launch/build templates of the agent's own config). The controller may call it before
+   publishing; the agent always does and acks the errors.
+
+Nothing here becomes a shell command: the agent substitutes validated values as single argv items
+into templates from its own config.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from models.names import (
+    Engine,
+    GpuType,
+    Precision,
+    UnknownNameError,
+    parse_engine,
+    parse_gpu,
+    parse_precision,
+)
+
+TOPIC_PREFIX = "fleetplan"
+PROTOCOL_VERSION = 1
+
+# Replica/build ids end up in file names and systemd instance names: keep them boring.
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"
+# Template names come from the agent's own config.
+TEMPLATE_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}$"
+# Host names are MQTT topic levels: no '/', '+', '#'.
+HOST_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
+# Model names are passed as one argv item (e.g. "meta-llama/Llama-3.1-8B-Instruct"); no '..',
+# no leading '-' (could read as an option), no whitespace or shell metacharacters.
+MODEL_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/:+-]{0,199}$"
+
+_ID_RE = re.compile(ID_PATTERN)
+_MODEL_RE = re.compile(MODEL_PATTERN)
+_HOST_RE = re.compile(HOST_PATTERN)
+
+
+class ProtocolError(ValueError):
+    """A payload that is not valid; the message is one line naming the field and the value."""
+
+
+class ReplicaPhase(StrEnum):
+    """Replica states as the agent reports them (same values as planner.types.ReplicaState)."""
+
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"  # leaving desired state: SIGTERM sent, waiting for the exit
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+class BuildPhase(StrEnum):
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+
+ReplicaId = Annotated[str, Field(pattern=ID_PATTERN)]
+TemplateName = Annotated[str, Field(pattern=TEMPLATE_PATTERN)]
+HostName = Annotated[str, Field(pattern=HOST_PATTERN)]
+ModelName = Annotated[str, Field(pattern=MODEL_PATTERN)]
+Port = Annotated[int, Field(ge=1, le=65535)]
+GpuIndex = Annotated[int, Field(ge=0, le=1023)]
+Tp = Annotated[int, Field(ge=1, le=64)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _EngineConfigMixin(_Strict):
+    """Shared normalisation: engine/GPU/precision spellings are parsed with models.names."""
+
+    @field_validator("engine", "gpu", "precision", mode="before", check_fields=False)
+    @classmethod
+    def _normalise_names(cls, value: Any, info: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        parse = {"engine": parse_engine, "gpu": parse_gpu, "precision": parse_precision}[info.field_name]
+        try:
+            return parse(value)
+        except UnknownNameError as exc:
+            raise ValueError(str(exc)) from None
+
+    @field_validator("model", check_fields=False)
+    @classmethod
+    def _model_no_dotdot(cls, value: str) -> str:
+        if ".." in value or "//" in value:
+            raise ValueError(f"model name {value!r} must not contain '..' or '//'")
+        return value
+
+
+def _check_indices(indices: Sequence[int], tp: int, what: str) -> None:
+    if len(set(indices)) != len(indices):
+        raise ValueError(f"{what}: gpu_indices {list(indices)} repeat a GPU")
+    if len(indices) != tp:
+        raise ValueError(f"{what}: tp={tp} needs {tp} gpu_indices, got {list(indices)}")
+
+
+class DesiredReplica(_EngineConfigMixin):
+    replica_id: ReplicaId
+    template: TemplateName
+    model: ModelName
+    engine: Engine
+    gpu: GpuType
+    tp: Tp
+    precision: Precision
+    gpu_indices: tuple[GpuIndex, ...]
+    port: Port
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DesiredReplica:
+        _check_indices(self.gpu_indices, self.tp, f"replica {self.replica_id}")
+        return self
+
+
+class DesiredBuild(_EngineConfigMixin):
+    """An engine build (TRT-LLM) run with an allowlisted build template on the given GPUs."""
+
+    build_id: ReplicaId
+    template: TemplateName
+    model: ModelName
+    engine: Engine = Engine.TRTLLM
+    gpu: GpuType
+    tp: Tp
+    precision: Precision
+    gpu_indices: tuple[GpuIndex, ...]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DesiredBuild:
+        _check_indices(self.gpu_indices, self.tp, f"build {self.build_id}")
+        return self
+
+
+class DesiredState(_Strict):
+    """What the controller wants on one host. Level-triggered: the full set, not a delta."""
+
+    version: Annotated[int, Field(ge=0)]
+    replicas: tuple[DesiredReplica, ...] = ()
+    builds: tuple[DesiredBuild, ...] = ()
+
+    @model_validator(mode="after")
+    def _no_conflicts(self) -> DesiredState:
+        errors = desired_conflicts(self)
+        if errors:
+            raise ValueError("; ".join(errors))
+        return self
+
+
+def desired_conflicts(desired: DesiredState) -> list[str]:
+    """Ids, ports and GPUs used twice inside one desired state."""
+    errors: list[str] = []
+    ids: set[str] = set()
+    for item_id in [r.replica_id for r in desired.replicas] + [b.build_id for b in desired.builds]:
+        if item_id in ids:
+            errors.append(f"id {item_id!r} appears twice")
+        ids.add(item_id)
+    ports: dict[int, str] = {}
+    for r in desired.replicas:
+        if r.port in ports:
+            errors.append(f"port {r.port} used by both {ports[r.port]} and {r.replica_id}")
+        ports[r.port] = r.replica_id
+    gpus: dict[int, str] = {}
+    for owner, indices in [(r.replica_id, r.gpu_indices) for r in desired.replicas] + [
+        (b.build_id, b.gpu_indices) for b in desired.builds
+    ]:
+        for g in indices:
+            if g in gpus and gpus[g] != owner:
+                errors.append(f"GPU {g} used by both {gpus[g]} and {owner}")
+            gpus[g] = owner
+    return errors
+
+
+class Ack(_Strict):
+    """The agent's answer to one desired version (ACL denials are silent; acks are not)."""
+
+    version: int
+    accepted: bool
+    errors: tuple[str, ...] = ()
+    host: HostName
+    received_s: float | None = None  # agent wall clock (unix seconds)
+
+
+class ReplicaStatus(_Strict):
+    replica_id: ReplicaId
+    template: TemplateName | None = None
+    model: str
+    engine: Engine
+    gpu: GpuType | None = None
+    tp: int
+    precision: Precision
+    gpu_indices: tuple[int, ...]
+    port: int
+    state: ReplicaPhase
+    since_s: float | None = None  # unix seconds when the replica entered `state`
+    pid: int | None = None  # process actuator
+    unit: str | None = None  # systemd actuator, e.g. fleetplan-engine@r1.service
+    error: str | None = None
+    restarts: int = 0
+
+
+class BuildStatus(_Strict):
+    build_id: ReplicaId
+    template: TemplateName | None = None
+    model: str
+    engine: Engine = Engine.TRTLLM
+    gpu: GpuType
+    tp: int
+    precision: Precision
+    gpu_indices: tuple[int, ...]
+    state: BuildPhase
+    progress: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    since_s: float | None = None
+    pid: int | None = None
+    error: str | None = None
+
+
+class CachedEngine(_Strict):
+    """A built engine the host holds (usable by launch templates with ``{engine_dir}``)."""
+
+    model: str
+    engine: Engine = Engine.TRTLLM
+    gpu: GpuType
+    tp: int
+    precision: Precision
+    path: str | None = None
+    built_s: float | None = None
+
+
+class HostStatus(_Strict):
+    """What an agent reports. ``online=false`` (last will) carries only ``host``: the agent is gone,
+    its engines may still be running — treat its replicas as unknown, not as stopped."""
+
+    host: HostName
+    online: bool
+    gpu: GpuType | None = None
+    gpu_count: int | None = None
+    nvlink_groups: tuple[tuple[int, ...], ...] = ()
+    replicas: tuple[ReplicaStatus, ...] = ()
+    builds: tuple[BuildStatus, ...] = ()
+    engines_cached: tuple[CachedEngine, ...] = ()
+    agent_version: str | None = None
+    updated_s: float | None = None
+    desired_version: int | None = None  # last accepted desired version (None: none yet)
+    port_range: tuple[int, int] | None = None
+    templates: tuple[str, ...] = ()  # launch template names this agent offers
+    build_templates: tuple[str, ...] = ()
+    errors: tuple[str, ...] = ()  # host-level problems (e.g. state dir unreadable)
+
+
+# --------------------------------------------------------------------------------------------
+# Context checks (what this host can do)
+
+
+@dataclass(frozen=True)
+class HostLimits:
+    """The facts about one host a desired state is checked against."""
+
+    host: str
+    gpu: GpuType
+    gpu_count: int
+    port_range: tuple[int, int]  # inclusive
+    launch_templates: Mapping[str, Engine]  # template name -> engine it starts
+    build_templates: frozenset[str] = frozenset()
+    models: frozenset[str] | None = None  # None: any model name matching MODEL_PATTERN
+    engine_templates_need_cache: frozenset[str] = frozenset()  # templates with {engine_dir}
+    engines_cached: frozenset[tuple[str, Engine, GpuType, int, Precision]] = field(default_factory=frozenset)
+
+
+def check_desired(desired: DesiredState, limits: HostLimits) -> list[str]:
+    """Errors (one line each) for everything this host cannot run; empty when all is fine."""
+    errors: list[str] = []
+    lo, hi = limits.port_range
+    building = {(b.model, b.engine, b.gpu, b.tp, b.precision) for b in desired.builds}
+    for r in desired.replicas:
+        where = f"replica {r.replica_id}"
+        if r.template not in limits.launch_templates:
+            known = ", ".join(sorted(limits.launch_templates)) or "none"
+            errors.append(f"{where}: unknown template {r.template!r} (this host has: {known})")
+        elif limits.launch_templates[r.template] != r.engine:
+            errors.append(
+                f"{where}: template {r.template!r} starts {limits.launch_templates[r.template].value}, "
+                f"not engine {r.engine.value!r}"
+            )
+        elif r.template in limits.engine_templates_need_cache:
+            key = (r.model, r.engine, r.gpu, r.tp, r.precision)
+            if key not in limits.engines_cached and key not in building:
+                errors.append(
+                    f"{where}: template {r.template!r} needs a built engine for "
+                    f"{r.model}/{r.gpu.value}/tp{r.tp}/{r.precision.value}; none cached, build it first"
+                )
+        if not lo <= r.port <= hi:
+            errors.append(f"{where}: port {r.port} outside this host's range {lo}-{hi}")
+        errors += _check_common(where, r.model, r.gpu, r.gpu_indices, limits)
+    for b in desired.builds:
+        where = f"build {b.build_id}"
+        if b.template not in limits.build_templates:
+            known = ", ".join(sorted(limits.build_templates)) or "none"
+            errors.append(f"{where}: unknown build template {b.template!r} (this host has: {known})")
+        errors += _check_common(where, b.model, b.gpu, b.gpu_indices, limits)
+    return errors
+
+
+def _check_common(
+    where: str, model: str, gpu: GpuType, indices: Sequence[int], limits: HostLimits
+) -> list[str]:
+    errors: list[str] = []
+    if gpu != limits.gpu:
+        errors.append(f"{where}: gpu {gpu.value!r} but host {limits.host} has {limits.gpu.value}")
+    bad = [g for g in indices if g >= limits.gpu_count]
+    if bad:
+        errors.append(
+            f"{where}: GPU index {bad[0]} out of range (host {limits.host} has {limits.gpu_count} GPUs: "
+            f"0-{limits.gpu_count - 1})"
+        )
+    if limits.models is not None and model not in limits.models:
+        errors.append(f"{where}: model {model!r} is not in this host's model allowlist")
+    return errors
+
+
+def check_version(applied: int | None, incoming: int) -> str | None:
+    """None when `incoming` may be applied after `applied`; else the reason (version going back)."""
+    if applied is not None and incoming < applied:
+        return f"desired version {incoming} is older than the applied version {applied}; ignored"
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Topics and (de)serialisation
+
+
+def _host(host: str) -> str:
+    if not _HOST_RE.match(host):
+        raise ProtocolError(f"host name {host!r} does not match {HOST_PATTERN}")
+    return host
+
+
+def desired_topic(host: str) -> str:
+    return f"{TOPIC_PREFIX}/hosts/{_host(host)}/desired"
+
+
+def status_topic(host: str) -> str:
+    return f"{TOPIC_PREFIX}/hosts/{_host(host)}/status"
+
+
+def ack_topic(host: str) -> str:
+    return f"{TOPIC_PREFIX}/hosts/{_host(host)}/ack"
+
+
+STATUS_WILDCARD = f"{TOPIC_PREFIX}/hosts/+/status"
+ACK_WILDCARD = f"{TOPIC_PREFIX}/hosts/+/ack"
+DESIRED_WILDCARD = f"{TOPIC_PREFIX}/hosts/+/desired"
+
+
+def host_from_topic(topic: str) -> str | None:
+    """'fleetplan/hosts/h1/status' -> 'h1'; None for anything else."""
+    parts = topic.split("/")
+    if len(parts) == 4 and parts[0] == TOPIC_PREFIX and parts[1] == "hosts" and _HOST_RE.match(parts[2]):
+        return parts[2]
+    return None
+
+
+def to_payload(message: BaseModel) -> bytes:
+    return message.model_dump_json().encode()
+
+
+def _one_line(what: str, exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] in ("value_error", "assertion_error", "missing") or "input" not in err:
+            parts.append(f"{loc}: {msg}")
+        else:
+            parts.append(f"{loc}: {msg} (got {err['input']!r:.80})")
+    more = f" (+{exc.error_count() - 5} more)" if exc.error_count() > 5 else ""
+    return f"{what}: " + "; ".join(parts) + more
+
+
+def _parse(model: type[BaseModel], payload: bytes | str, what: str) -> Any:
+    try:
+        data = json.loads(payload)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"{what}: not JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ProtocolError(f"{what}: expected a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise ProtocolError(_one_line(what, exc)) from None
+
+
+def parse_desired(payload: bytes | str) -> DesiredState:
+    result: DesiredState = _parse(DesiredState, payload, "desired state")
+    return result
+
+
+def parse_ack(payload: bytes | str) -> Ack:
+    result: Ack = _parse(Ack, payload, "ack")
+    return result
+
+
+def parse_status(payload: bytes | str) -> HostStatus:
+    result: HostStatus = _parse(HostStatus, payload, "host status")
+    return result
+
+
+def payload_version(payload: bytes | str) -> int | None:
+    """Best effort: the integer ``version`` of a payload that failed validation (for the error ack)."""
+    try:
+        data = json.loads(payload)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    version = data.get("version") if isinstance(data, dict) else None
+    return version if isinstance(version, int) and not isinstance(version, bool) else None
+
+
+def is_valid_id(text: str) -> bool:
+    return bool(_ID_RE.match(text))
+
+
+def is_valid_model(text: str) -> bool:
+    return bool(_MODEL_RE.match(text)) and ".." not in text
