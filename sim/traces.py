@@ -1,0 +1,357 @@
+"""Request traces: readers for public LLM traces and day-shaping.
+
+Formats (detected from the header / first line, never from the file name):
+
+- Azure LLM inference trace CSV (AzurePublicDataset, 2023 and 2024):
+  ``TIMESTAMP,ContextTokens,GeneratedTokens``; TIMESTAMP is an ISO date-time such as
+  ``2023-11-16 18:15:46.6805900`` (up to 7 fractional digits, optional UTC offset).
+- Mooncake JSONL (kvcache-ai/Mooncake FAST25 traces): one JSON object per line with
+  ``timestamp`` (milliseconds), ``input_length``, ``output_length`` (``hash_ids`` ignored).
+- BurstGPT CSV: ``Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type``;
+  Timestamp in seconds. Rows with ``Response tokens`` = 0 are failed requests in BurstGPT: they
+  are SKIPPED and counted in ``Trace.skipped`` (with the first reasons in ``Trace.skip_reasons``).
+
+Any other bad row (missing field, not a number, negative, prompt of 0 tokens, output of 0 tokens
+outside BurstGPT, a timestamp that does not parse) raises ``TraceError`` with one line naming
+the file, the line number, the field and the value. Nothing is silently dropped.
+
+Requests come out sorted by time (stable: ties keep file order) and shifted so that the first
+request is at ``t_s = 0``.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from datetime import datetime
+from enum import StrEnum
+from pathlib import Path
+
+import numpy as np
+
+
+class TraceError(ValueError):
+    """A trace that cannot be read; the message names file, line, field and value."""
+
+
+class TraceFormat(StrEnum):
+    AZURE = "azure"
+    MOONCAKE = "mooncake"
+    BURSTGPT = "burstgpt"
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    t_s: float  # arrival, seconds from the first request of the trace
+    prompt_tokens: int
+    output_tokens: int
+    model: str | None = None  # None: the trace has no model column (one model)
+
+
+@dataclass(frozen=True)
+class Trace:
+    source: str
+    format: TraceFormat
+    requests: tuple[TraceRequest, ...]
+    skipped: int = 0  # rows skipped on purpose (BurstGPT failed requests), see module doc
+    skip_reasons: tuple[str, ...] = ()  # the first few, one line each
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @property
+    def duration_s(self) -> float:
+        """Time of the last arrival (the first is at 0)."""
+        return self.requests[-1].t_s if self.requests else 0.0
+
+    def models(self) -> tuple[str | None, ...]:
+        """Distinct model labels in order of first appearance."""
+        seen: dict[str | None, None] = {}
+        for r in self.requests:
+            seen.setdefault(r.model, None)
+        return tuple(seen)
+
+    def as_single_model(self, model: str) -> Trace:
+        """Every request relabelled as `model` (serve a multi-model trace as one model)."""
+        return replace(self, requests=tuple(replace(r, model=model) for r in self.requests))
+
+    def summary(self) -> dict[str, object]:
+        n = len(self.requests)
+        dur = self.duration_s
+        return {
+            "source": self.source,
+            "format": self.format.value,
+            "requests": n,
+            "skipped": self.skipped,
+            "duration_s": round(dur, 3),
+            "mean_rps": round(n / dur, 4) if dur > 0 else None,
+            "mean_prompt_tokens": round(sum(r.prompt_tokens for r in self.requests) / n, 2) if n else None,
+            "mean_output_tokens": round(sum(r.output_tokens for r in self.requests) / n, 2) if n else None,
+            "models": [m for m in self.models() if m is not None],
+        }
+
+
+_MAX_SKIP_REASONS = 5
+
+
+def _err(source: str, line: int, field: str, value: object, why: str) -> TraceError:
+    return TraceError(f"{source}:{line}: field {field!r} = {value!r}: {why}")
+
+
+def _int_field(source: str, line: int, field: str, raw: object, *, minimum: int) -> int:
+    if raw is None or (isinstance(raw, str) and raw.strip() == ""):
+        raise _err(source, line, field, raw, "missing")
+    if isinstance(raw, bool):
+        raise _err(source, line, field, raw, "not a token count")
+    try:
+        if isinstance(raw, str):
+            text = raw.strip()
+            value_f = float(text)
+        elif isinstance(raw, (int, float)):
+            value_f = float(raw)
+        else:
+            raise ValueError
+    except ValueError:
+        raise _err(source, line, field, raw, "not a number") from None
+    if not math.isfinite(value_f) or value_f != int(value_f):
+        raise _err(source, line, field, raw, "not a whole token count")
+    value = int(value_f)
+    if value < minimum:
+        raise _err(source, line, field, raw, f"must be >= {minimum}")
+    return value
+
+
+def _float_field(source: str, line: int, field: str, raw: object) -> float:
+    if raw is None or (isinstance(raw, str) and raw.strip() == ""):
+        raise _err(source, line, field, raw, "missing")
+    try:
+        if isinstance(raw, bool) or not isinstance(raw, (str, int, float)):
+            raise ValueError
+        value = float(raw)
+    except ValueError:
+        raise _err(source, line, field, raw, "not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise _err(source, line, field, raw, "must be a finite number >= 0")
+    return value
+
+
+def _parse_datetime(source: str, line: int, field: str, raw: str | None) -> float:
+    if raw is None or raw.strip() == "":
+        raise _err(source, line, field, raw, "missing")
+    text = raw.strip()
+    try:
+        dt = datetime.fromisoformat(text)
+    except ValueError:
+        raise _err(source, line, field, raw, "not a date-time like 2023-11-16 18:15:46.6805900") from None
+    if dt.tzinfo is not None:
+        return dt.timestamp()
+    # naive: read as UTC without touching the local time zone
+    return (dt - datetime(1970, 1, 1)).total_seconds()
+
+
+def _norm(name: str) -> str:
+    return name.strip().lower().replace("_", " ")
+
+
+_AZURE_FIELDS = ("timestamp", "contexttokens", "generatedtokens")
+_BURST_FIELDS = ("timestamp", "model", "request tokens", "response tokens")
+
+
+def _detect(source: str, first_line: str) -> TraceFormat:
+    stripped = first_line.strip().lstrip("\ufeff")
+    if stripped.startswith("{"):
+        try:
+            obj = json.loads(stripped)
+        except json.JSONDecodeError:
+            raise TraceError(f"{source}:1: first line starts with '{{' but is not JSON") from None
+        if isinstance(obj, dict) and {"timestamp", "input_length", "output_length"} <= set(obj):
+            return TraceFormat.MOONCAKE
+        raise TraceError(
+            f"{source}:1: JSON lines without the Mooncake fields timestamp, input_length, output_length "
+            f"(keys: {sorted(obj) if isinstance(obj, dict) else type(obj).__name__})"
+        )
+    header = [_norm(h) for h in next(csv.reader([stripped]))]
+    if all(f in header for f in _AZURE_FIELDS):
+        return TraceFormat.AZURE
+    if all(f in header for f in _BURST_FIELDS):
+        return TraceFormat.BURSTGPT
+    raise TraceError(
+        f"{source}:1: unknown trace header {stripped[:120]!r}; expected Azure "
+        "'TIMESTAMP,ContextTokens,GeneratedTokens', BurstGPT "
+        "'Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type' or Mooncake JSONL"
+    )
+
+
+def parse_trace_text(text: str, source: str, *, model: str | None = None) -> Trace:
+    """Parse a trace given as text (see read_trace)."""
+    lines = text.splitlines()
+    first = next((ln for ln in lines if ln.strip()), None)
+    if first is None:
+        raise TraceError(f"{source}: empty trace")
+    fmt = _detect(source, first)
+    raw: list[tuple[float, int, int, str | None]] = []
+    skipped = 0
+    reasons: list[str] = []
+    if fmt is TraceFormat.MOONCAKE:
+        for lineno, ln in enumerate(lines, start=1):
+            if not ln.strip():
+                continue
+            try:
+                obj = json.loads(ln)
+            except json.JSONDecodeError as exc:
+                raise TraceError(f"{source}:{lineno}: not a JSON object ({exc.msg})") from None
+            if not isinstance(obj, dict):
+                raise TraceError(f"{source}:{lineno}: not a JSON object")
+            t_ms = _float_field(source, lineno, "timestamp", obj.get("timestamp"))
+            p = _int_field(source, lineno, "input_length", obj.get("input_length"), minimum=1)
+            o = _int_field(source, lineno, "output_length", obj.get("output_length"), minimum=1)
+            raw.append((t_ms / 1000.0, p, o, model))
+    else:
+        reader = csv.reader(io.StringIO(text))
+        header_row = next(reader)
+        header = [_norm(h.lstrip("\ufeff")) for h in header_row]
+        col = {name: i for i, name in enumerate(header)}
+        names = {_norm(h.lstrip("\ufeff")): h.lstrip("\ufeff").strip() for h in header_row}
+        for row in reader:
+            lineno = reader.line_num
+            if not row or all(not c.strip() for c in row):
+                continue
+
+            def get(key: str, row: Sequence[str] = row) -> str | None:
+                i = col[key]
+                return row[i] if i < len(row) else None
+
+            if fmt is TraceFormat.AZURE:
+                t = _parse_datetime(source, lineno, names["timestamp"], get("timestamp"))
+                p = _int_field(source, lineno, names["contexttokens"], get("contexttokens"), minimum=1)
+                o = _int_field(source, lineno, names["generatedtokens"], get("generatedtokens"), minimum=1)
+                raw.append((t, p, o, model))
+            else:
+                t = _float_field(source, lineno, names["timestamp"], get("timestamp"))
+                m = (get("model") or "").strip()
+                if not m:
+                    raise _err(source, lineno, names["model"], get("model"), "missing")
+                p = _int_field(source, lineno, names["request tokens"], get("request tokens"), minimum=0)
+                o = _int_field(source, lineno, names["response tokens"], get("response tokens"), minimum=0)
+                if o == 0 or p == 0:
+                    skipped += 1
+                    if len(reasons) < _MAX_SKIP_REASONS:
+                        which = "Response tokens" if o == 0 else "Request tokens"
+                        reasons.append(f"{source}:{lineno}: {which} = 0 (failed request), skipped")
+                    continue
+                raw.append((t, p, o, m))
+    if not raw:
+        raise TraceError(f"{source}: no requests ({skipped} rows skipped)")
+    order = sorted(range(len(raw)), key=lambda i: raw[i][0])
+    t0 = raw[order[0]][0]
+    requests = tuple(
+        TraceRequest(t_s=round(raw[i][0] - t0, 6), prompt_tokens=raw[i][1], output_tokens=raw[i][2], model=raw[i][3])
+        for i in order
+    )
+    return Trace(source=source, format=fmt, requests=requests, skipped=skipped, skip_reasons=tuple(reasons))
+
+
+def read_trace(path: str | Path, *, model: str | None = None) -> Trace:
+    """Read an Azure CSV, Mooncake JSONL or BurstGPT CSV trace (format from the header).
+
+    `model` labels the requests of a trace WITHOUT a model column (Azure, Mooncake); BurstGPT
+    rows keep their own model (use ``Trace.as_single_model`` to serve them as one model).
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise TraceError(f"{p}: cannot read trace ({exc.strerror or exc})") from None
+    except UnicodeDecodeError:
+        raise TraceError(f"{p}: not a UTF-8 text trace") from None
+    return parse_trace_text(text, str(p), model=model)
+
+
+# ----------------------------------------------------------------------------------------------
+# Day shaping
+# ----------------------------------------------------------------------------------------------
+
+DEFAULT_DAY_AMPLITUDE = 0.5
+
+
+def day_shape(x: np.ndarray | float, amplitude: float = DEFAULT_DAY_AMPLITUDE) -> np.ndarray:
+    """Relative arrival rate at day fraction x in [0, 1): 1 - A cos(2 pi x); mean 1 over a day.
+
+    Trough (1 - A) at x = 0 (midnight), peak (1 + A) at x = 0.5 (noon); with the default A = 0.5
+    the peak is 3x the trough and 1.5x the daily mean.
+    """
+    return np.asarray(1.0 - amplitude * np.cos(2.0 * np.pi * np.asarray(x, dtype=float)))
+
+
+def reshape(
+    trace: Trace, *, duration_s: float, rate_scale: float = 1.0, amplitude: float = 0.0
+) -> Trace:
+    """Tile and time-warp `trace` onto [0, duration_s) (see shape_day); amplitude 0 = flat."""
+    if duration_s <= 0:
+        raise ValueError(f"duration_s must be > 0, got {duration_s}")
+    if rate_scale <= 0:
+        raise ValueError(f"rate_scale must be > 0, got {rate_scale}")
+    if not 0.0 <= amplitude < 1.0:
+        raise ValueError(f"amplitude must be in [0, 1), got {amplitude}")
+    reqs = trace.requests
+    n = len(reqs)
+    if n == 0:
+        return trace
+    src_t = np.array([r.t_s for r in reqs], dtype=float)
+    # tile period: the trace's span plus one mean gap, so copies neither overlap nor leave a hole
+    period = src_t[-1] + (src_t[-1] / (n - 1) if n > 1 and src_t[-1] > 0 else 1.0)
+    total_src = rate_scale * duration_s  # source seconds consumed over the new duration
+    copies = math.ceil(total_src / period)
+    tiled = (np.arange(copies)[:, None] * period + src_t[None, :]).ravel()
+    idx = np.tile(np.arange(n), copies)
+    keep = tiled < total_src
+    tiled, idx = tiled[keep], idx[keep]
+    # warp: source time tau(t) = rate_scale * integral_0^t f(u/duration) du, f = day_shape
+    # tau(t) = rate_scale * (t - A * D / (2 pi) * sin(2 pi t / D)); strictly increasing for A < 1
+    grid = np.linspace(0.0, duration_s, max(2049, min(200_001, int(duration_s) * 4 + 1)))
+    tau = rate_scale * (grid - amplitude * duration_s / (2 * math.pi) * np.sin(2 * math.pi * grid / duration_s))
+    new_t = np.interp(tiled, tau, grid)
+    out = tuple(
+        TraceRequest(
+            t_s=float(t), prompt_tokens=reqs[i].prompt_tokens, output_tokens=reqs[i].output_tokens,
+            model=reqs[i].model,
+        )
+        for t, i in zip(new_t.tolist(), idx.tolist(), strict=True)
+    )
+    return replace(trace, requests=out)
+
+
+def shape_day(
+    trace: Trace, day_s: float, rate_scale: float = 1.0, *, amplitude: float = DEFAULT_DAY_AMPLITUDE
+) -> Trace:
+    """Stretch/tile a (~1 h) trace into a day shape of `day_s` seconds, keeping request lengths.
+
+    Exactly:
+    1. Tiling: the trace is repeated back to back on a source timeline, copy k shifted by
+       k x P where P = the trace's span + one mean inter-arrival gap. Request k*n + i of the
+       tiled timeline is request i of the trace, with its prompt and output lengths unchanged.
+    2. Time warp: new time t maps to source time
+       tau(t) = rate_scale x integral_0^t f(u / day_s) du,  f(x) = 1 - A cos(2 pi x)  (mean 1),
+       and a source request at tau_i arrives at t_i = tau^-1(tau_i). Requests with
+       tau_i >= tau(day_s) = rate_scale x day_s are dropped.
+    Hence the arrival rate at new time t is rate_scale x f(t/day_s) x (the trace's own rate at
+    tau(t)): the trace's burstiness and length mix are kept, the day's envelope is imposed, and
+    the day holds about rate_scale x day_s / P x n requests. day_s may be shorter than the trace
+    (a compressed day); rate_scale alone (amplitude 0, see reshape) only tiles and speeds up.
+    """
+    return reshape(trace, duration_s=day_s, rate_scale=rate_scale, amplitude=amplitude)
+
+
+def iter_rates(requests: Iterable[TraceRequest], window_s: float, duration_s: float) -> np.ndarray:
+    """Arrivals per second in consecutive windows of `window_s` over [0, duration_s)."""
+    nwin = max(1, math.ceil(duration_s / window_s))
+    counts = np.zeros(nwin)
+    for r in requests:
+        k = int(r.t_s // window_s)
+        if 0 <= k < nwin:
+            counts[k] += 1
+    return counts / window_s
