@@ -1,0 +1,213 @@
+"""controller/observe.py against a REAL Prometheus scraping exporters in both vLLM spellings and TRT-LLM names.
+
+The exporters serve counters that grow at known rates, so the expected rate / ISL / OSL / quantiles are
+exact; a second part stops one exporter (target down) and then Prometheus itself (fail static).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from controller.observe import Observer, ObserverConfig, PromClient, render_snapshot
+
+pytestmark = pytest.mark.integration
+
+PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def vllm_text(prefix: str, model_name: str, t: float) -> str:
+    """vLLM-shaped exposition: 2 req/s, 100 prompt + 20 generated tokens each; TTFT 0.05 s, ITL 0.02 s."""
+    n = 2.0 * t
+    lines = [
+        f'{prefix}request_success_total{{model_name="{model_name}",finished_reason="stop"}} {n}',
+        f'{prefix}prompt_tokens_total{{model_name="{model_name}"}} {100 * n}',
+        f'{prefix}generation_tokens_total{{model_name="{model_name}"}} {20 * n}',
+        f'{prefix}num_requests_waiting{{model_name="{model_name}"}} 3',
+        f'{prefix}num_requests_running{{model_name="{model_name}"}} 5',
+        f'{prefix}kv_cache_usage_perc{{model_name="{model_name}"}} 0.25',
+    ]
+    for le, frac in (("0.01", 0.0), ("0.1", 1.0), ("1.0", 1.0), ("+Inf", 1.0)):
+        lines.append(f'{prefix}time_to_first_token_seconds_bucket{{model_name="{model_name}",le="{le}"}} {frac * n}')
+    for le, frac in (("0.01", 0.0), ("0.025", 1.0), ("0.1", 1.0), ("+Inf", 1.0)):
+        lines.append(f'{prefix}inter_token_latency_seconds_bucket{{model_name="{model_name}",le="{le}"}} {frac * 19 * n}')
+    return "\n".join(lines) + "\n"
+
+
+def trtllm_text(model_name: str, t: float) -> str:
+    n = 1.0 * t
+    lines = [
+        f'trtllm_request_success_total{{model_name="{model_name}"}} {n}',
+        f'trtllm_prompt_tokens_total{{model_name="{model_name}"}} {400 * n}',
+        f'trtllm_generation_tokens_total{{model_name="{model_name}"}} {50 * n}',
+        f'trtllm_num_requests_waiting{{model_name="{model_name}"}} 0',
+        f'trtllm_num_requests_running{{model_name="{model_name}"}} 2',
+        f'trtllm_kv_cache_utilization{{model_name="{model_name}"}} 0.5',
+    ]
+    for le, frac in (("0.1", 0.0), ("0.5", 1.0), ("+Inf", 1.0)):
+        lines.append(f'trtllm_time_to_first_token_seconds_bucket{{model_name="{model_name}",le="{le}"}} {frac * n}')
+    for le, frac in (("0.01", 1.0), ("+Inf", 1.0)):
+        lines.append(f'trtllm_time_per_output_token_seconds_bucket{{model_name="{model_name}",le="{le}"}} {frac * 49 * n}')
+    return "\n".join(lines) + "\n"
+
+
+class Exporter:
+    def __init__(self, render: Callable[[float], str]) -> None:
+        t0 = time.time()
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = render(time.time() - t0).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *a: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def prom_lab(tmp_path: Path) -> Iterator[tuple[str, dict[str, Exporter], subprocess.Popen[bytes]]]:
+    if not Path(PROMETHEUS).exists():
+        pytest.skip("prometheus not installed")
+    exps = {
+        "r-colon": Exporter(lambda t: vllm_text("vllm:", "Llama-3.1-8B-Instruct", t)),
+        "r-under": Exporter(lambda t: vllm_text("vllm_", "llama-3.1-8b", t)),
+        "r-trt": Exporter(lambda t: trtllm_text("qwen-7b", t)),
+    }
+    models = {"r-colon": "llama-3.1-8b", "r-under": "llama-3.1-8b", "r-trt": "qwen-7b"}
+    sd = tmp_path / "targets.json"
+    import json
+
+    sd.write_text(json.dumps([
+        {"targets": [f"127.0.0.1:{e.port}"], "labels": {"replica_id": rid, "model": models[rid]}}
+        for rid, e in exps.items()
+    ]))
+    port = free_port()
+    cfg = tmp_path / "prometheus.yml"
+    cfg.write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        "scrape_configs:\n"
+        "  - job_name: engines\n"
+        "    scrape_interval: 1s\n"
+        f"    file_sd_configs: [{{files: ['{sd}'], refresh_interval: 1s}}]\n"
+    )
+    proc = subprocess.Popen(
+        [PROMETHEUS, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{url}/-/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        yield url, exps, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        for e in exps.values():
+            e.stop()
+
+
+async def wait_for(pred: Callable[[], object], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if await pred():  # type: ignore[misc]
+            return
+        await asyncio.sleep(0.5)
+    raise AssertionError("condition not met in time")
+
+
+async def test_observe_both_spellings_and_trtllm_then_fail_static(prom_lab) -> None:  # type: ignore[no-untyped-def]
+    url, exps, proc = prom_lab
+    canon = {"llama318binstruct": "llama-3.1-8b"}
+    from models.names import model_key
+
+    async with PromClient(url) as client:
+        obs = Observer(
+            client,
+            ObserverConfig(window_s=5, history_s=30, history_step_s=1, time_scale=2.0),
+            canonical=lambda n: canon.get(model_key(n), n),
+        )
+
+        async def ready() -> bool:
+            s = await obs.snapshot(["llama-3.1-8b", "qwen-7b"])
+            return all(not m.stale and m.rate_rps for m in s.models.values()) and len(s.replicas) == 3 and len(s.models["llama-3.1-8b"].history) >= 6
+
+        await wait_for(ready, 30)
+        snap = await obs.snapshot(["llama-3.1-8b", "qwen-7b", "absent-model"])
+        print(render_snapshot(snap))
+        ll, qw = snap.models["llama-3.1-8b"], snap.models["qwen-7b"]
+        # two vLLM replicas at 2 req/s wall each, time scale 2 -> 2 simulated req/s
+        assert ll.rate_rps == pytest.approx(2.0, rel=0.15)
+        assert ll.isl == pytest.approx(100, rel=0.05) and ll.osl == pytest.approx(20, rel=0.05)
+        assert ll.ttft_p99_ms is not None and 10 < ll.ttft_p99_ms <= 100
+        assert ll.itl_p99_ms is not None and 10 < ll.itl_p99_ms <= 25
+        assert ll.queue_depth == 6 and ll.running == 10 and ll.kv_usage == pytest.approx(0.25)
+        assert ll.replicas_up == 2 and not ll.stale
+        assert qw.rate_rps == pytest.approx(0.5, rel=0.15)
+        assert qw.isl == pytest.approx(400, rel=0.05) and qw.osl == pytest.approx(50, rel=0.05)
+        assert qw.ttft_p99_ms is not None and 100 < qw.ttft_p99_ms <= 500
+        assert qw.kv_usage == pytest.approx(0.5)
+        assert snap.replicas["r-trt"].running == 2
+        assert len(ll.history) >= 3 and ll.history[-1][0] <= snap.now_s
+        absent = snap.models["absent-model"]
+        assert absent.stale and absent.rate_rps is None
+        assert any("absent-model" in a for a in snap.alerts)
+
+        # one llama target down -> llama is stale (fail static), qwen still fine
+        exps["r-under"].stop()
+
+        async def llama_stale() -> bool:
+            s = await obs.snapshot(["llama-3.1-8b"])
+            return s.models["llama-3.1-8b"].stale
+
+        await wait_for(llama_stale, 15)
+        snap = await obs.snapshot(["llama-3.1-8b", "qwen-7b"])
+        assert snap.models["llama-3.1-8b"].rate_rps is None
+        assert any("r-under" in a for a in snap.alerts)
+        assert not snap.models["qwen-7b"].stale
+
+        # Prometheus down -> everything stale, one alert, no exception
+        proc.terminate()
+        proc.wait(10)
+        snap = await obs.snapshot(["llama-3.1-8b", "qwen-7b"])
+        assert not snap.prometheus_ok
+        assert all(m.stale and m.rate_rps is None for m in snap.models.values())
+        assert snap.alerts and "unreachable" in snap.alerts[0]
