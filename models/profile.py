@@ -1,0 +1,580 @@
+"""Performance profiles of one serving configuration and what they predict.
+
+A profile answers, for one (model, engine, GPU type, TP size, precision): given an ISL/OSL mix and a
+request rate (open loop) or a number of concurrent clients (closed loop), what TTFT and ITL do
+requests see, what output throughput results, and what is the largest request rate that meets a
+TTFT-p99 and an ITL-p99 target.
+
+The model has physical structure (all times in milliseconds, X = throughput in requests per ms):
+
+    P    = p0 + p1*isl + p2*isl^2              prefill work of one request (linear + attention term)
+    d    = s1 + s2*(isl + osl/2)               decode work per sequence per step (compute + KV read)
+    W    = P + d*(osl - 1)                     GPU work one request adds beyond the fixed step cost
+    rho  = X*W                                 utilisation; X_sat = 1/W
+    ITL  = s0 / (1 - rho)                      s0: fixed step cost (weights read from HBM once a step)
+    B    = X*(osl - 1)*ITL                     sequences in the decode batch (Little's law)
+    Wq   = q*P*rho/(1 - rho)                   queueing for prefill as load nears saturation
+    TTFT = P + ITL/2 + Wq                      own prefill + wait for the running step + queue
+
+The step time rises with the batch size (s1) and the context tokens in the batch (s2); the
+fixed step cost s0 is the roofline time weight bytes / HBM bandwidth. Percentiles: TTFT p50/p99 scale
+the prefill with fitted factors and the queueing wait like an exponential (ln 2, ln 100); ITL p50/p99
+are fitted multiples of the mean. The KV cache caps the batch (B <= kv_tokens / (isl + osl)); a rate
+needing a larger batch is beyond one replica (binding "memory").
+
+Every function here is pure and works on Python floats.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from typing import Any
+
+from models.hardware import GPU_SPECS, llm_spec
+from models.names import (
+    Engine,
+    GpuType,
+    Precision,
+    model_key,
+    parse_engine,
+    parse_gpu,
+    parse_precision,
+)
+
+PROFILES_FORMAT_VERSION = 1
+_LN2 = math.log(2.0)
+_LN100 = math.log(100.0)
+_BISECT_STEPS = 80
+
+
+class ProfileError(ValueError):
+    """A PROFILES.json document that cannot be read; the message names the field and value."""
+
+
+@dataclass(frozen=True)
+class ProfileKey:
+    model: str
+    engine: Engine
+    gpu: GpuType
+    tp: int
+    precision: Precision
+
+    def label(self) -> str:
+        return f"{self.model}/{self.engine.value}/{self.gpu.value}/tp{self.tp}/{self.precision.value}"
+
+
+@dataclass(frozen=True)
+class Workload:
+    isl: float  # mean prompt tokens
+    osl: float  # mean output tokens
+
+
+@dataclass(frozen=True)
+class LatencyStats:
+    mean_ms: float
+    p50_ms: float
+    p99_ms: float
+
+
+@dataclass(frozen=True)
+class Prediction:
+    ttft: LatencyStats
+    itl: LatencyStats
+    output_tok_s: float
+    request_rps: float
+    concurrency: float  # requests in the system (Little's law) or the given client count
+    warnings: tuple[str, ...]
+    batch: float = 0.0  # mean sequences in the decode batch
+    saturated: bool = False  # the load is beyond what one replica sustains: latencies are inf
+
+
+class Binding(StrEnum):
+    TTFT = "ttft"
+    ITL = "itl"
+    MEMORY = "memory"
+
+
+@dataclass(frozen=True)
+class Capacity:
+    max_rps: float
+    binding: Binding
+    warnings: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class PerfParams:
+    """Fitted parameters of the physical model (milliseconds; see the module docstring)."""
+
+    s0_ms: float  # fixed cost of one decode step
+    s1_ms: float  # per sequence in the batch, per step
+    s2_ms: float  # per context token in the batch, per step
+    p0_ms: float  # fixed prefill cost per request
+    p1_ms: float  # per prompt token
+    p2_ms: float  # per prompt token squared (attention)
+    q: float  # queueing coefficient
+    ttft_p50_factor: float = 0.95  # p50 prefill / mean prefill
+    ttft_p99_factor: float = 1.6  # p99 prefill / mean prefill
+    itl_p50_factor: float = 0.95
+    itl_p99_factor: float = 1.8
+
+    def as_tuple(self) -> tuple[float, ...]:
+        return (self.s0_ms, self.s1_ms, self.s2_ms, self.p0_ms, self.p1_ms, self.p2_ms, self.q,
+                self.ttft_p50_factor, self.ttft_p99_factor, self.itl_p50_factor, self.itl_p99_factor)
+
+    @staticmethod
+    def from_tuple(values: tuple[float, ...] | list[float]) -> PerfParams:
+        return PerfParams(*[float(v) for v in values])
+
+
+PARAM_NAMES: tuple[str, ...] = (
+    "s0_ms", "s1_ms", "s2_ms", "p0_ms", "p1_ms", "p2_ms", "q",
+    "ttft_p50_factor", "ttft_p99_factor", "itl_p50_factor", "itl_p99_factor",
+)
+
+
+@dataclass(frozen=True)
+class FitError:
+    """Leave-one-out mean absolute percentage error per metric (None: no data for the metric)."""
+
+    points: int
+    ttft_mape: float | None
+    itl_mape: float | None
+    throughput_mape: float | None
+
+
+@dataclass(frozen=True)
+class DataRange:
+    isl: tuple[float, float]
+    osl: tuple[float, float]
+    rate_rps: tuple[float, float] | None  # open-loop points
+    concurrency: tuple[float, float] | None  # closed-loop points
+
+
+@dataclass(frozen=True)
+class PerfProfile:
+    key: ProfileKey
+    params: PerfParams
+    kv_tokens: float | None = None  # KV-cache capacity in tokens (None: unknown, no memory limit)
+    source: str = "fit"  # "fit" (from benchmark points) or "roofline" (prior only)
+    fit_error: FitError | None = None
+    data_range: DataRange | None = None
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+# --------------------------------------------------------------------------------------------
+# The model equations
+
+
+@dataclass(frozen=True)
+class _State:
+    x: float  # requests per ms
+    itl: float
+    ttft_mean: float
+    ttft_p50: float
+    ttft_p99: float
+    batch: float
+
+
+def _work(p: PerfParams, isl: float, osl: float) -> tuple[float, float]:
+    prefill = p.p0_ms + p.p1_ms * isl + p.p2_ms * isl * isl
+    per_seq = p.s1_ms + p.s2_ms * (isl + osl / 2.0)
+    return prefill, prefill + per_seq * max(osl - 1.0, 0.0)
+
+
+def _state(p: PerfParams, isl: float, osl: float, x: float) -> _State:
+    prefill, work = _work(p, isl, osl)
+    rho = x * work
+    if rho >= 1.0:
+        inf = math.inf
+        return _State(x, inf, inf, inf, inf, inf)
+    itl = p.s0_ms / (1.0 - rho)
+    wq = p.q * prefill * rho / (1.0 - rho)
+    half_step = 0.5 * itl
+    return _State(
+        x=x,
+        itl=itl,
+        ttft_mean=prefill + half_step + wq,
+        ttft_p50=p.ttft_p50_factor * prefill + half_step + _LN2 * wq,
+        ttft_p99=p.ttft_p99_factor * prefill + half_step + _LN100 * wq,
+        batch=x * max(osl - 1.0, 0.0) * itl,
+    )
+
+
+def saturation_rps(profile: PerfProfile, workload: Workload) -> float:
+    """The request rate (per second) at which one replica saturates: compute or KV-cache bound."""
+    return _max_x(profile, workload.isl, workload.osl) * 1000.0
+
+
+def _max_x(profile: PerfProfile, isl: float, osl: float) -> float:
+    _, work = _work(profile.params, isl, osl)
+    x_sat = 1.0 / work
+    b_max = _max_batch(profile, isl, osl)
+    if b_max is None:
+        return x_sat
+    if b_max <= 0.0:
+        return 0.0
+    # B(x) rises from 0 to inf on [0, x_sat): the x at which the batch fills the KV cache
+    lo, hi = 0.0, x_sat
+    for _ in range(_BISECT_STEPS):
+        mid = 0.5 * (lo + hi)
+        if _state(profile.params, isl, osl, mid).batch <= b_max:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _max_batch(profile: PerfProfile, isl: float, osl: float) -> float | None:
+    if profile.kv_tokens is None:
+        return None
+    return profile.kv_tokens / max(isl + osl, 1.0)
+
+
+def _closed_loop_x(p: PerfParams, isl: float, osl: float, clients: float, x_hi: float) -> float:
+    """Throughput with `clients` requests always in flight: x * (TTFT + (osl-1)*ITL) = clients."""
+    lo, hi = 0.0, x_hi
+    for _ in range(_BISECT_STEPS):
+        mid = 0.5 * (lo + hi)
+        s = _state(p, isl, osl, mid)
+        if mid * (s.ttft_mean + max(osl - 1.0, 0.0) * s.itl) <= clients:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _range_warnings(profile: PerfProfile, workload: Workload, rate_rps: float | None,
+                    concurrency: float | None) -> list[str]:
+    warnings: list[str] = []
+    if profile.source == "roofline":
+        warnings.append(f"{profile.key.label()}: roofline prior only (no benchmark data)")
+    r = profile.data_range
+    if r is None:
+        return warnings
+
+    def check(name: str, value: float, span: tuple[float, float]) -> None:
+        lo, hi = span
+        if value < lo * 0.9 or value > hi * 1.1:
+            warnings.append(f"{name} {value:g} outside the data range {lo:g}..{hi:g}")
+
+    check("isl", workload.isl, r.isl)
+    check("osl", workload.osl, r.osl)
+    if rate_rps is not None and r.rate_rps is not None:
+        check("rate_rps", rate_rps, r.rate_rps)
+    if concurrency is not None and r.concurrency is not None:
+        check("concurrency", concurrency, r.concurrency)
+    return warnings
+
+
+def _saturated_prediction(x_rps: float, concurrency: float, warnings: list[str]) -> Prediction:
+    inf = math.inf
+    stats = LatencyStats(inf, inf, inf)
+    return Prediction(stats, stats, 0.0, x_rps, concurrency, tuple(warnings), batch=inf, saturated=True)
+
+
+def predict(profile: PerfProfile, workload: Workload, *, rate_rps: float | None = None,
+            concurrency: float | None = None) -> Prediction:
+    """Latency and throughput at an open-loop request rate or a closed-loop client count.
+
+    A rate at or beyond saturation gives infinite latencies (`saturated=True`, with a warning).
+    """
+    if (rate_rps is None) == (concurrency is None):
+        raise ValueError("predict() needs exactly one of rate_rps and concurrency")
+    if workload.isl < 0 or workload.osl < 1:
+        raise ValueError(f"workload isl={workload.isl} osl={workload.osl}: isl must be >= 0, osl >= 1")
+    p = profile.params
+    isl, osl = workload.isl, workload.osl
+    warnings = _range_warnings(profile, workload, rate_rps, concurrency)
+    x_max = _max_x(profile, isl, osl)
+    itl_p = (p.itl_p50_factor, p.itl_p99_factor)
+    if rate_rps is not None:
+        if rate_rps < 0:
+            raise ValueError(f"rate_rps={rate_rps} must be >= 0")
+        x = rate_rps / 1000.0
+        if x >= x_max:
+            warnings.append(f"rate {rate_rps:g} rps is at or beyond the saturation rate "
+                            f"{x_max * 1000.0:.3g} rps of one replica")
+            return _saturated_prediction(rate_rps, math.inf, warnings)
+        s = _state(p, isl, osl, x)
+        in_system = x * (s.ttft_mean + max(osl - 1.0, 0.0) * s.itl)
+        return Prediction(
+            ttft=LatencyStats(s.ttft_mean, s.ttft_p50, s.ttft_p99),
+            itl=LatencyStats(s.itl, s.itl * itl_p[0], s.itl * itl_p[1]),
+            output_tok_s=rate_rps * osl,
+            request_rps=rate_rps,
+            concurrency=in_system,
+            warnings=tuple(warnings),
+            batch=s.batch,
+        )
+    assert concurrency is not None
+    if concurrency <= 0:
+        raise ValueError(f"concurrency={concurrency} must be > 0")
+    x = _closed_loop_x(p, isl, osl, concurrency, x_max)
+    s = _state(p, isl, osl, x)
+    extra_wait = 0.0
+    if x >= x_max * (1.0 - 1e-9) and x > 0:
+        # the KV cache is full: the clients beyond the batch wait in the queue
+        extra_wait = max(concurrency / x - (s.ttft_mean + max(osl - 1.0, 0.0) * s.itl), 0.0)
+        warnings.append("concurrency beyond the KV-cache batch limit: requests queue")
+    if x <= 0.0:
+        warnings.append("the model does not fit in GPU memory")
+        return _saturated_prediction(0.0, concurrency, warnings)
+    return Prediction(
+        ttft=LatencyStats(s.ttft_mean + extra_wait, s.ttft_p50 + extra_wait, s.ttft_p99 + extra_wait),
+        itl=LatencyStats(s.itl, s.itl * itl_p[0], s.itl * itl_p[1]),
+        output_tok_s=x * 1000.0 * osl,
+        request_rps=x * 1000.0,
+        concurrency=concurrency,
+        warnings=tuple(warnings),
+        batch=s.batch,
+    )
+
+
+def capacity(profile: PerfProfile, workload: Workload, *, ttft_p99_ms: float, itl_p99_ms: float) -> Capacity:
+    """The largest request rate one replica sustains with TTFT p99 and ITL p99 under the targets."""
+    p = profile.params
+    isl, osl = workload.isl, workload.osl
+    warnings = _range_warnings(profile, workload, None, None)
+    _, work = _work(p, isl, osl)
+    x_sat = 1.0 / work
+    x_mem = _max_x(profile, isl, osl)
+    if x_mem <= 0.0:
+        warnings.append("the model does not fit in GPU memory")
+        return Capacity(0.0, Binding.MEMORY, tuple(warnings))
+
+    def ok_ttft(x: float) -> bool:
+        return _state(p, isl, osl, x).ttft_p99 <= ttft_p99_ms
+
+    def ok_itl(x: float) -> bool:
+        return _state(p, isl, osl, x).itl * p.itl_p99_factor <= itl_p99_ms
+
+    def largest(ok: Any) -> float:
+        if not ok(0.0):
+            return 0.0
+        lo, hi = 0.0, x_sat
+        for _ in range(_BISECT_STEPS):
+            mid = 0.5 * (lo + hi)
+            if ok(mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    x_ttft = largest(ok_ttft)
+    x_itl = largest(ok_itl)
+    candidates = [(x_ttft, Binding.TTFT), (x_itl, Binding.ITL)]
+    if profile.kv_tokens is not None:
+        candidates.append((x_mem, Binding.MEMORY))
+    x, binding = min(candidates, key=lambda c: c[0])
+    if x <= 0.0:
+        warnings.append(f"{binding.value} target cannot be met even at zero load")
+    return Capacity(x * 1000.0, binding, tuple(warnings))
+
+
+# --------------------------------------------------------------------------------------------
+# Roofline prior
+
+
+def _engine_factor(engine: Engine) -> float:
+    return 0.9 if engine is Engine.TRTLLM else 1.0
+
+
+def roofline_params(key: ProfileKey) -> PerfParams | None:
+    """Prior parameters from published hardware numbers and the model architecture (None: unknown)."""
+    spec = llm_spec(key.model)
+    gpu = GPU_SPECS.get(key.gpu)
+    if spec is None or gpu is None:
+        return None
+    tp = max(key.tp, 1)
+    bw = gpu.hbm_bandwidth_gb_s * 1e9 * 0.75 * tp  # achievable bytes/s across the TP group
+    flops = gpu.tflops(key.precision) * 1e12 * 0.7 * tp  # achievable FLOP/s
+    f = _engine_factor(key.engine)
+    comm_ms = 0.3 if tp > 1 else 0.0
+    s0 = (spec.weight_bytes(key.precision) / bw * 1000.0 + 1.0 + comm_ms) * f
+    token_ms = 2.0 * spec.params_b * 1e9 / flops * 1000.0
+    s2 = spec.kv_bytes_per_token(key.precision) / bw * 1000.0 * f
+    attn_ms = 2.0 * spec.layers * spec.hidden / flops * 1000.0
+    return PerfParams(
+        s0_ms=s0,
+        s1_ms=token_ms * f,
+        s2_ms=s2,
+        p0_ms=s0 + 2.0,
+        p1_ms=token_ms * f,
+        p2_ms=attn_ms * f,
+        q=1.0,
+    )
+
+
+def kv_capacity_tokens(key: ProfileKey) -> float | None:
+    """Tokens of KV cache one replica holds (90% of HBM minus weights), None when unknown."""
+    spec = llm_spec(key.model)
+    gpu = GPU_SPECS.get(key.gpu)
+    if spec is None or gpu is None:
+        return None
+    free = key.tp * gpu.memory_gb * 1e9 * 0.9 - spec.weight_bytes(key.precision)
+    return max(free, 0.0) / spec.kv_bytes_per_token(key.precision)
+
+
+def roofline_profile(key: ProfileKey) -> PerfProfile | None:
+    """A prior-only profile when no benchmark data exist (None: architecture or GPU unknown)."""
+    params = roofline_params(key)
+    if params is None:
+        return None
+    return PerfProfile(key=key, params=params, kv_tokens=kv_capacity_tokens(key), source="roofline",
+                       notes=("roofline prior: weight bytes / HBM bandwidth per step; no benchmark data",))
+
+
+# --------------------------------------------------------------------------------------------
+# ProfileSet and its JSON form
+
+
+def _key_to_dict(k: ProfileKey) -> dict[str, Any]:
+    return {"model": k.model, "engine": k.engine.value, "gpu": k.gpu.value, "tp": k.tp,
+            "precision": k.precision.value}
+
+
+def _opt_pair(v: tuple[float, float] | None) -> list[float] | None:
+    return None if v is None else [v[0], v[1]]
+
+
+def profile_to_dict(p: PerfProfile) -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "key": _key_to_dict(p.key),
+        "source": p.source,
+        "params": dict(zip(PARAM_NAMES, p.params.as_tuple(), strict=True)),
+        "kv_tokens": p.kv_tokens,
+        "notes": list(p.notes),
+    }
+    if p.fit_error is not None:
+        e = p.fit_error
+        d["fit_error"] = {"points": e.points, "ttft_mape": e.ttft_mape, "itl_mape": e.itl_mape,
+                          "throughput_mape": e.throughput_mape}
+    if p.data_range is not None:
+        r = p.data_range
+        d["data_range"] = {"isl": list(r.isl), "osl": list(r.osl), "rate_rps": _opt_pair(r.rate_rps),
+                           "concurrency": _opt_pair(r.concurrency)}
+    return d
+
+
+def _field(d: Mapping[str, Any], name: str, where: str) -> Any:
+    if not isinstance(d, Mapping) or name not in d:
+        raise ProfileError(f"{where}: missing field {name!r}")
+    return d[name]
+
+
+def _num(v: Any, where: str, *, optional: bool = False) -> float | None:
+    if v is None and optional:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(float(v)):
+        raise ProfileError(f"{where}: expected a finite number, got {v!r}")
+    return float(v)
+
+
+def _req_num(v: Any, where: str) -> float:
+    out = _num(v, where)
+    assert out is not None
+    return out
+
+
+def _pair(v: Any, where: str) -> tuple[float, float] | None:
+    if v is None:
+        return None
+    if not isinstance(v, list | tuple) or len(v) != 2:
+        raise ProfileError(f"{where}: expected [low, high], got {v!r}")
+    return (_req_num(v[0], where), _req_num(v[1], where))
+
+
+def profile_from_dict(d: Mapping[str, Any], where: str = "profile") -> PerfProfile:
+    kd = _field(d, "key", where)
+    kw = f"{where}.key"
+    try:
+        tp_raw = _field(kd, "tp", kw)
+        if isinstance(tp_raw, bool) or not isinstance(tp_raw, int) or tp_raw < 1:
+            raise ProfileError(f"{kw}.tp: expected a positive integer, got {tp_raw!r}")
+        key = ProfileKey(
+            model=str(_field(kd, "model", kw)),
+            engine=parse_engine(str(_field(kd, "engine", kw))),
+            gpu=parse_gpu(str(_field(kd, "gpu", kw))),
+            tp=tp_raw,
+            precision=parse_precision(str(_field(kd, "precision", kw))),
+        )
+    except ValueError as exc:
+        if isinstance(exc, ProfileError):
+            raise
+        raise ProfileError(f"{kw}: {exc}") from exc
+    pd = _field(d, "params", where)
+    values: list[float] = []
+    for name in PARAM_NAMES:
+        value = _req_num(_field(pd, name, f"{where}.params"), f"{where}.params.{name}")
+        if value < 0:
+            raise ProfileError(f"{where}.params.{name}: must be >= 0, got {value!r}")
+        values.append(value)
+    params = PerfParams.from_tuple(values)
+    if params.s0_ms <= 0:
+        raise ProfileError(f"{where}.params.s0_ms: must be > 0, got {params.s0_ms!r}")
+    fit_error = None
+    if d.get("fit_error") is not None:
+        fe = d["fit_error"]
+        w = f"{where}.fit_error"
+        fit_error = FitError(
+            points=int(_req_num(_field(fe, "points", w), f"{w}.points")),
+            ttft_mape=_num(fe.get("ttft_mape"), f"{w}.ttft_mape", optional=True),
+            itl_mape=_num(fe.get("itl_mape"), f"{w}.itl_mape", optional=True),
+            throughput_mape=_num(fe.get("throughput_mape"), f"{w}.throughput_mape", optional=True),
+        )
+    data_range = None
+    if d.get("data_range") is not None:
+        rd = d["data_range"]
+        w = f"{where}.data_range"
+        isl = _pair(_field(rd, "isl", w), f"{w}.isl")
+        osl = _pair(_field(rd, "osl", w), f"{w}.osl")
+        assert isl is not None and osl is not None
+        data_range = DataRange(isl=isl, osl=osl, rate_rps=_pair(rd.get("rate_rps"), f"{w}.rate_rps"),
+                               concurrency=_pair(rd.get("concurrency"), f"{w}.concurrency"))
+    kv = _num(d.get("kv_tokens"), f"{where}.kv_tokens", optional=True)
+    notes = d.get("notes") or []
+    return PerfProfile(key=key, params=params, kv_tokens=kv, source=str(d.get("source", "fit")),
+                       fit_error=fit_error, data_range=data_range, notes=tuple(str(n) for n in notes))
+
+
+@dataclass(frozen=True)
+class ProfileSet:
+    """All profiles of a PROFILES.json, looked up by configuration."""
+
+    profiles: tuple[PerfProfile, ...] = ()
+
+    def get(self, model: str, engine: Engine, gpu: GpuType, tp: int,
+            precision: Precision | None = None) -> PerfProfile | None:
+        mk = model_key(model)
+        matches = [p for p in self.profiles
+                   if model_key(p.key.model) == mk and p.key.engine == engine and p.key.gpu == gpu
+                   and p.key.tp == tp and (precision is None or p.key.precision == precision)]
+        if not matches:
+            return None
+        # fitted profiles before priors; then the most data points
+        matches.sort(key=lambda p: (p.source != "fit", -(p.fit_error.points if p.fit_error else 0)))
+        return matches[0]
+
+    def keys(self) -> tuple[ProfileKey, ...]:
+        return tuple(p.key for p in self.profiles)
+
+    def with_profile(self, profile: PerfProfile) -> ProfileSet:
+        """A copy where `profile` replaces any profile with the same key."""
+        rest = tuple(p for p in self.profiles if p.key != profile.key)
+        return replace(self, profiles=(*rest, profile))
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return {"format": "fleetplan-profiles", "version": PROFILES_FORMAT_VERSION,
+                "profiles": [profile_to_dict(p) for p in self.profiles]}
+
+    @staticmethod
+    def from_json_dict(d: dict[str, Any]) -> ProfileSet:
+        if not isinstance(d, Mapping):
+            raise ProfileError(f"top level: expected an object, got {type(d).__name__}")
+        items = _field(d, "profiles", "top level")
+        if not isinstance(items, list):
+            raise ProfileError(f"profiles: expected a list, got {type(items).__name__}")
+        return ProfileSet(tuple(profile_from_dict(item, f"profiles[{i}]") for i, item in enumerate(items)))

@@ -1,0 +1,162 @@
+"""The performance model: shapes, monotonicity, JSON round trip, roofline prior."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from models.names import Engine, GpuType, Precision
+from models.profile import (
+    Binding,
+    PerfProfile,
+    ProfileError,
+    ProfileKey,
+    ProfileSet,
+    Workload,
+    capacity,
+    predict,
+    roofline_profile,
+    saturation_rps,
+)
+
+KEY_8B = ProfileKey("llama-3.1-8b", Engine.TRTLLM, GpuType.H100, 1, Precision.BF16)
+KEY_70B = ProfileKey("llama-3.1-70b", Engine.VLLM, GpuType.H100, 4, Precision.BF16)
+
+
+def _prior(key: ProfileKey = KEY_8B) -> PerfProfile:
+    p = roofline_profile(key)
+    assert p is not None
+    return p
+
+
+def test_roofline_prior_scales_with_weights_and_bandwidth() -> None:
+    small = _prior(KEY_8B)
+    big = _prior(ProfileKey("llama-3.1-70b", Engine.TRTLLM, GpuType.H100, 1, Precision.BF16))
+    h200 = _prior(ProfileKey("llama-3.1-8b", Engine.TRTLLM, GpuType.H200, 1, Precision.BF16))
+    fp8 = _prior(ProfileKey("llama-3.1-8b", Engine.TRTLLM, GpuType.H100, 1, Precision.FP8))
+    assert big.params.s0_ms > 5 * small.params.s0_ms
+    assert h200.params.s0_ms < small.params.s0_ms
+    assert fp8.params.s0_ms < small.params.s0_ms
+    # 16 GB of weights over 3.35 TB/s is ~5 ms: the fixed step cost is in that region
+    assert 4.0 < small.params.s0_ms < 10.0
+
+
+def test_roofline_unknown_model_is_none() -> None:
+    assert roofline_profile(ProfileKey("no-such-model", Engine.VLLM, GpuType.H100, 1, Precision.BF16)) is None
+
+
+def test_latency_rises_to_saturation_and_rate_beyond_is_infinite() -> None:
+    p = _prior()
+    w = Workload(467, 256)
+    sat = saturation_rps(p, w)
+    low = predict(p, w, rate_rps=sat * 0.1)
+    high = predict(p, w, rate_rps=sat * 0.9)
+    assert high.itl.mean_ms > low.itl.mean_ms
+    assert high.ttft.p99_ms > low.ttft.p99_ms
+    assert low.ttft.p50_ms <= low.ttft.p99_ms and low.itl.p50_ms <= low.itl.p99_ms
+    beyond = predict(p, w, rate_rps=sat * 1.5)
+    assert beyond.saturated and math.isinf(beyond.ttft.mean_ms)
+    assert any("saturation" in w for w in beyond.warnings)
+
+
+def test_closed_loop_throughput_follows_littles_law() -> None:
+    p = _prior()
+    w = Workload(1000, 200)
+    pred = predict(p, w, concurrency=32)
+    latency_s = (pred.ttft.mean_ms + (w.osl - 1) * pred.itl.mean_ms) / 1000.0
+    assert pred.request_rps * latency_s == pytest.approx(32, rel=1e-3)
+    assert pred.output_tok_s == pytest.approx(pred.request_rps * w.osl)
+
+
+def test_longer_prompts_cost_more_prefill() -> None:
+    p = _prior()
+    short = predict(p, Workload(500, 100), rate_rps=1.0)
+    long = predict(p, Workload(8000, 100), rate_rps=1.0)
+    assert long.ttft.mean_ms > 5 * short.ttft.mean_ms
+
+
+def test_capacity_meets_both_targets_and_names_the_binding_one() -> None:
+    p = _prior()
+    w = Workload(467, 256)
+    cap = capacity(p, w, ttft_p99_ms=2000, itl_p99_ms=20)
+    assert cap.binding is Binding.ITL
+    at = predict(p, w, rate_rps=cap.max_rps)
+    assert at.itl.p99_ms == pytest.approx(20, rel=1e-3)
+    assert at.ttft.p99_ms <= 2000
+    tight_ttft = capacity(p, w, ttft_p99_ms=40, itl_p99_ms=1000)
+    assert tight_ttft.binding is Binding.TTFT
+    impossible = capacity(p, w, ttft_p99_ms=1, itl_p99_ms=1000)
+    assert impossible.max_rps == 0.0 and impossible.warnings
+
+
+def test_memory_binds_when_the_kv_cache_is_small() -> None:
+    p = _prior(KEY_70B)
+    w = Workload(30000, 2000)
+    cap = capacity(p, w, ttft_p99_ms=1e9, itl_p99_ms=1e9)
+    assert cap.binding is Binding.MEMORY and cap.max_rps > 0
+
+
+def test_profile_set_round_trip_and_lookup() -> None:
+    s = ProfileSet((_prior(), _prior(KEY_70B)))
+    back = ProfileSet.from_json_dict(s.to_json_dict())
+    assert back == s
+    assert back.get("Llama-3.1-8B", Engine.TRTLLM, GpuType.H100, 1) == _prior()
+    assert back.get("llama-3.1-8b", Engine.VLLM, GpuType.H100, 1) is None
+    assert back.keys() == (KEY_8B, KEY_70B)
+
+
+def test_profile_set_rejects_bad_documents_naming_the_field() -> None:
+    d = ProfileSet((_prior(),)).to_json_dict()
+    d["profiles"][0]["params"]["s0_ms"] = -1.0
+    with pytest.raises(ProfileError, match=r"profiles\[0\]\.params\.s0_ms"):
+        ProfileSet.from_json_dict(d)
+    d = ProfileSet((_prior(),)).to_json_dict()
+    d["profiles"][0]["key"]["gpu"] = "Voodoo5"
+    with pytest.raises(ProfileError, match="Voodoo5"):
+        ProfileSet.from_json_dict(d)
+    with pytest.raises(ProfileError, match="profiles"):
+        ProfileSet.from_json_dict({})
+
+
+load = st.floats(min_value=0.01, max_value=0.99)
+shape = st.tuples(st.floats(min_value=16, max_value=20000), st.floats(min_value=1, max_value=4000))
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=shape, a=load, b=load)
+def test_latency_never_falls_as_rate_rises(shape: tuple[float, float], a: float, b: float) -> None:
+    p = _prior()
+    w = Workload(*shape)
+    sat = saturation_rps(p, w)
+    lo, hi = sorted((a, b))
+    x, y = predict(p, w, rate_rps=lo * sat), predict(p, w, rate_rps=hi * sat)
+    for f in ("mean_ms", "p50_ms", "p99_ms"):
+        assert getattr(y.ttft, f) >= getattr(x.ttft, f)
+        assert getattr(y.itl, f) >= getattr(x.itl, f)
+
+
+@settings(max_examples=30, deadline=None)
+@given(shape=shape, a=st.floats(min_value=1, max_value=2000), b=st.floats(min_value=1, max_value=2000))
+def test_latency_never_falls_as_concurrency_rises(shape: tuple[float, float], a: float, b: float) -> None:
+    p = _prior()
+    w = Workload(*shape)
+    lo, hi = sorted((a, b))
+    x, y = predict(p, w, concurrency=lo), predict(p, w, concurrency=hi)
+    assert y.ttft.p99_ms >= x.ttft.p99_ms * (1 - 1e-9)
+    assert y.itl.p99_ms >= x.itl.p99_ms * (1 - 1e-9)
+    assert y.request_rps >= x.request_rps * (1 - 1e-9)
+
+
+@settings(max_examples=30, deadline=None)
+@given(shape=shape, ttft=st.tuples(st.floats(10, 1e5), st.floats(10, 1e5)),
+       itl=st.tuples(st.floats(2, 500), st.floats(2, 500)))
+def test_capacity_never_rises_as_the_slo_tightens(shape: tuple[float, float], ttft: tuple[float, float],
+                                                  itl: tuple[float, float]) -> None:
+    p = _prior()
+    w = Workload(*shape)
+    loose = capacity(p, w, ttft_p99_ms=max(ttft), itl_p99_ms=max(itl))
+    tight = capacity(p, w, ttft_p99_ms=min(ttft), itl_p99_ms=min(itl))
+    assert tight.max_rps <= loose.max_rps
