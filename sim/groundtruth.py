@@ -1,0 +1,590 @@
+"""Ground truth of the simulator: a clock-free continuous-batching core and a step-time model.
+
+The step time comes from the LLM's architecture (models.hardware.llm_spec: parameters, layers,
+KV heads, head dim) and the GPU's datasheet (HBM bandwidth, FLOP/s), with per-persona efficiency
+factors and seeded noise. It deliberately does NOT use the fitted performance models of models/,
+so that fitting a simulated engine's benchmarks tests the fitting honestly.
+
+`BatchCore` has no clock: the caller (the sim-engine server, the discrete-event evaluator, the
+capacity search below) passes `now_s` and advances time by each step's `duration_s`.
+
+One step (vLLM v1 scheduler, simplified):
+  1. running requests first, in admission order: a request still in prefill takes a chunk of its
+     remaining prompt (chunked prefill) within the token budget `max_num_batched_tokens`; a
+     decoding request takes one token. KV blocks are allocated as tokens are computed; when the
+     pool is exhausted the most recently admitted request is preempted (recompute) - persona vllm.
+     Persona trtllm reserves blocks for prompt + max_tokens at admission (no eviction).
+  2. waiting requests (FIFO) are admitted while the batch has fewer than `max_num_seqs`
+     requests, tokens are left in the budget and the KV pool has room.
+  3. the step's duration is the roofline step time times a lognormal noise factor; every
+     request whose prompt is fully computed emits one token (its first token when prefill ends).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+from models.hardware import GPU_SPECS, LlmSpec, bytes_per_param, llm_spec
+from models.names import Engine, GpuType, Precision
+
+NVLINK_BW_BYTES_S = 200e9  # effective all-reduce bandwidth per GPU over NVLink at serving message sizes
+PCIE_BW_BYTES_S = 12e9
+
+
+class RequestTooLongError(ValueError):
+    """A request whose prompt + max_tokens can never fit this engine's context or KV pool."""
+
+
+@dataclass(frozen=True)
+class PersonaFactors:
+    """How efficiently an engine uses the hardware (fitted once against the TRT-LLM v0.14 table)."""
+
+    mem_eff: float  # fraction of HBM bandwidth reached when streaming weights and KV
+    compute_eff: float  # fraction of dense FLOP/s reached by GEMMs (prefill-heavy steps)
+    overlap: float  # 0: memory and compute time overlap perfectly (max); 1: they add up
+    step_overhead_s: float  # scheduler / launch overhead per step
+    tp_layer_latency_s: float  # per all-reduce latency (2 per layer) when tp > 1
+    ttft_overhead_s: float  # frontend (HTTP/tokeniser) latency before a request is scheduled
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    gpu_memory_utilization: float
+    reserve_full_kv: bool  # True: blocks for prompt + max_tokens reserved at admission
+    startup_s: float  # load time of a replica (model weights), simulated seconds
+    build_s: float  # engine build when no cached engine (trtllm only), simulated seconds
+
+
+PERSONAS: dict[Engine, PersonaFactors] = {
+    Engine.TRTLLM: PersonaFactors(
+        mem_eff=0.80,
+        compute_eff=0.62,
+        overlap=0.35,
+        step_overhead_s=0.0012,
+        tp_layer_latency_s=25e-6,
+        ttft_overhead_s=0.004,
+        max_num_seqs=512,
+        max_num_batched_tokens=8192,
+        gpu_memory_utilization=0.90,
+        reserve_full_kv=True,
+        startup_s=60.0,
+        build_s=1200.0,
+    ),
+    Engine.VLLM: PersonaFactors(
+        mem_eff=0.76,
+        compute_eff=0.55,
+        overlap=0.45,
+        step_overhead_s=0.0020,
+        tp_layer_latency_s=16e-6,
+        ttft_overhead_s=0.006,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        gpu_memory_utilization=0.90,
+        reserve_full_kv=False,
+        startup_s=90.0,
+        build_s=0.0,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class EngineParams:
+    persona: Engine
+    model: str
+    gpu: GpuType
+    tp: int
+    precision: Precision
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    kv_blocks: int
+    block_size: int
+    max_model_len: int
+    # derived hardware / architecture numbers (per GPU)
+    weight_bytes_per_gpu: float
+    kv_bytes_per_token_per_gpu: float
+    flops_per_token: float  # dense 2 * params, whole model
+    attn_flops_per_ctx_token: float  # 4 * layers * hidden, whole model
+    gpu_flops: float  # per GPU, dense, this precision
+    hbm_bytes_s: float
+    comm_bytes_per_token: float  # all-reduce bytes per token per step (2 per layer)
+    link_bytes_s: float
+    layers: int
+    factors: PersonaFactors
+    noise_sigma: float = 0.03
+    chunked_prefill: bool = True
+
+    @property
+    def reserve_full_kv(self) -> bool:
+        return self.factors.reserve_full_kv
+
+
+def build_params(
+    persona: Engine,
+    model: str,
+    gpu: GpuType,
+    tp: int = 1,
+    precision: Precision = Precision.BF16,
+    *,
+    spec: LlmSpec | None = None,
+    block_size: int = 16,
+    max_model_len: int | None = None,
+    noise_sigma: float = 0.03,
+    **overrides: object,
+) -> EngineParams:
+    """EngineParams of `persona` serving `model` on `tp` GPUs of type `gpu`.
+
+    `overrides` replace PersonaFactors fields (e.g. max_num_seqs=64). Raises ValueError naming
+    the model when its architecture is unknown and the weights do not fit.
+    """
+    if tp < 1:
+        raise ValueError(f"tp must be >= 1, got {tp}")
+    arch = spec or llm_spec(model)
+    if arch is None:
+        raise ValueError(f"unknown model {model!r}: no architecture numbers in models.hardware.LLM_SPECS")
+    gspec = GPU_SPECS[gpu]
+    factors = PERSONAS[persona]
+    factor_fields = {k: v for k, v in overrides.items() if hasattr(factors, k)}
+    unknown = sorted(set(overrides) - set(factor_fields))
+    if unknown:
+        raise ValueError(f"unknown engine parameter(s): {', '.join(unknown)}")
+    if factor_fields:
+        factors = replace(factors, **factor_fields)  # type: ignore[arg-type]
+    weight_bytes = arch.weight_bytes(precision)
+    kv_per_token = arch.kv_bytes_per_token(precision)
+    free_bytes = gspec.memory_gb * 1e9 * factors.gpu_memory_utilization * tp - weight_bytes * 1.08
+    if free_bytes <= 0:
+        raise ValueError(
+            f"{model} ({precision.value}) does not fit on {tp} x {gpu.value}: "
+            f"weights {weight_bytes / 1e9:.0f} GB leave no KV cache room in {gspec.memory_gb * tp * factors.gpu_memory_utilization:.0f} GB usable"
+        )
+    kv_blocks = int(free_bytes // (kv_per_token * block_size))
+    mml = min(131072, kv_blocks * block_size) if max_model_len is None else max_model_len
+    return EngineParams(
+        persona=persona,
+        model=model,
+        gpu=gpu,
+        tp=tp,
+        precision=precision,
+        max_num_seqs=factors.max_num_seqs,
+        max_num_batched_tokens=factors.max_num_batched_tokens,
+        kv_blocks=kv_blocks,
+        block_size=block_size,
+        max_model_len=mml,
+        weight_bytes_per_gpu=weight_bytes / tp,
+        kv_bytes_per_token_per_gpu=kv_per_token / tp,
+        flops_per_token=2.0 * arch.params_b * 1e9,
+        attn_flops_per_ctx_token=4.0 * arch.layers * arch.hidden,
+        gpu_flops=gspec.tflops(precision) * 1e12,
+        hbm_bytes_s=gspec.hbm_bandwidth_gb_s * 1e9,
+        comm_bytes_per_token=2.0 * arch.layers * arch.hidden * min(2.0, bytes_per_param(precision) * 2.0)
+        * 2.0 * (tp - 1) / tp,
+        link_bytes_s=NVLINK_BW_BYTES_S if gspec.nvlink else PCIE_BW_BYTES_S,
+        layers=arch.layers,
+        factors=factors,
+        noise_sigma=noise_sigma,
+    )
+
+
+def step_time_s(
+    params: EngineParams,
+    *,
+    decode_seqs: int,
+    prefill_tokens: int,
+    context_tokens: float,
+    prefill_attn_pairs: float = 0.0,
+) -> float:
+    """Noise-free duration of one engine step.
+
+    decode_seqs: sequences decoding one token; prefill_tokens: prompt tokens computed in this step;
+    context_tokens: KV tokens read by the decoding sequences; prefill_attn_pairs: query x key pairs
+    of the prefill chunks (attention FLOPs of prefill; 0 to ignore).
+    """
+    tokens = decode_seqs + prefill_tokens
+    if tokens <= 0:
+        return 0.0
+    f = params.factors
+    tp = params.tp
+    mem_s = (params.weight_bytes_per_gpu + context_tokens * params.kv_bytes_per_token_per_gpu) / (
+        params.hbm_bytes_s * f.mem_eff
+    )
+    flops = tokens * params.flops_per_token + params.attn_flops_per_ctx_token * (
+        context_tokens + prefill_attn_pairs
+    )
+    compute_s = flops / (tp * params.gpu_flops * f.compute_eff)
+    hi, lo = (mem_s, compute_s) if mem_s >= compute_s else (compute_s, mem_s)
+    t = f.step_overhead_s + hi + f.overlap * lo
+    if tp > 1:
+        t += 2 * params.layers * f.tp_layer_latency_s + tokens * params.comm_bytes_per_token / params.link_bytes_s
+    return t
+
+
+class _Req:
+    __slots__ = ("blocks", "computed", "emitted", "max_tokens", "prompt", "req_id", "target")
+
+    def __init__(self, req_id: str, prompt: int, max_tokens: int) -> None:
+        self.req_id = req_id
+        self.prompt = prompt
+        self.max_tokens = max_tokens
+        self.computed = 0  # tokens whose KV is computed (prompt, then prompt + generated - 1)
+        self.emitted = 0  # output tokens emitted
+        self.target = prompt  # tokens that must be computed before the next token is emitted
+        self.blocks = 0
+
+
+@dataclass
+class StepResult:
+    duration_s: float
+    tokens: list[tuple[str, int]] = field(default_factory=list)
+    first_tokens: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    prefill_tokens: int = 0
+    decode_seqs: int = 0
+
+
+class BatchCore:
+    """Continuous batching, clock-free. Not thread-safe; O(batch) per step."""
+
+    def __init__(self, params: EngineParams, seed: int = 0) -> None:
+        self.params = params
+        self._rng = random.Random(seed)
+        self._waiting: deque[_Req] = deque()
+        self._running: list[_Req] = []
+        self._by_id: dict[str, _Req] = {}
+        self._free_blocks = params.kv_blocks
+        self.steps = 0
+        self.preemptions = 0
+
+    # -- queries -------------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self._free_blocks / self.params.kv_blocks
+
+    def idle(self) -> bool:
+        return not self._running and not self._waiting
+
+    def has(self, req_id: str) -> bool:
+        return req_id in self._by_id
+
+    # -- requests ------------------------------------------------------------------------------
+    def submit(self, req_id: str, prompt_tokens: int, max_tokens: int, now_s: float) -> None:
+        """Queue a request. Raises RequestTooLongError when it can never fit; ValueError on a duplicate id."""
+        p = self.params
+        if req_id in self._by_id:
+            raise ValueError(f"duplicate request id {req_id!r}")
+        prompt_tokens = max(1, int(prompt_tokens))
+        max_tokens = max(1, int(max_tokens))
+        total = prompt_tokens + max_tokens
+        if total > p.max_model_len or self._blocks_for(total) > p.kv_blocks:
+            raise RequestTooLongError(
+                f"prompt_tokens + max_tokens = {total} exceeds the engine's maximum context length {p.max_model_len}"
+            )
+        req = _Req(req_id, prompt_tokens, max_tokens)
+        self._by_id[req_id] = req
+        self._waiting.append(req)
+
+    def cancel(self, req_id: str) -> bool:
+        """Drop a request (client gone). True when it was known."""
+        req = self._by_id.pop(req_id, None)
+        if req is None:
+            return False
+        if req in self._running:
+            self._running.remove(req)
+        else:
+            try:
+                self._waiting.remove(req)
+            except ValueError:
+                pass
+        self._free_blocks += req.blocks
+        req.blocks = 0
+        return True
+
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.params.block_size)
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self, now_s: float) -> StepResult:
+        """Schedule and run one iteration; its tokens are emitted at now_s + duration_s."""
+        p = self.params
+        budget = p.max_num_batched_tokens
+        bs = p.block_size
+        reserve = p.factors.reserve_full_kv
+        sched: list[tuple[_Req, int]] = []
+        prefill_tokens = 0
+        decode_seqs = 0
+        context = 0
+        attn_pairs = 0.0
+        preempted: list[str] = []
+
+        # 1. running requests
+        running = self._running
+        i = 0
+        while i < len(running) and budget > 0:
+            r = running[i]
+            need = r.target - r.computed  # > 1 only while (re)prefilling
+            n = need if need <= budget else (budget if p.chunked_prefill else 0)
+            if n <= 0:
+                i += 1
+                continue
+            if not reserve:
+                new_total = r.computed + n
+                extra = -(-new_total // bs) - r.blocks
+                self_preempted = False
+                while extra > self._free_blocks:
+                    # preempt the most recently admitted request (recompute later)
+                    victim = running.pop()
+                    self._preempt(victim)
+                    preempted.append(victim.req_id)
+                    if victim is r:
+                        self_preempted = True
+                        break
+                if self_preempted:
+                    break
+                if extra > 0:
+                    self._free_blocks -= extra
+                    r.blocks += extra
+            sched.append((r, n))
+            budget -= n
+            if need == 1 and r.emitted > 0:
+                decode_seqs += 1
+                context += r.computed
+            else:
+                prefill_tokens += n
+                attn_pairs += n * (r.computed + n / 2.0)
+            i += 1
+
+        # 2. admit waiting requests
+        waiting = self._waiting
+        while waiting and budget > 0 and len(running) < p.max_num_seqs:
+            r = waiting[0]
+            need = r.target - r.computed
+            n = need if need <= budget else (budget if p.chunked_prefill else 0)
+            if n <= 0:
+                break
+            want = self._blocks_for(r.prompt + r.max_tokens) if reserve else self._blocks_for(r.computed + n)
+            want -= r.blocks
+            if want > self._free_blocks:
+                break
+            waiting.popleft()
+            self._free_blocks -= want
+            r.blocks += want
+            running.append(r)
+            sched.append((r, n))
+            budget -= n
+            prefill_tokens += n
+            attn_pairs += n * (r.computed + n / 2.0)
+
+        self.steps += 1
+        if not sched:
+            return StepResult(0.0, preempted=preempted)
+        dur = step_time_s(
+            p,
+            decode_seqs=decode_seqs,
+            prefill_tokens=prefill_tokens,
+            context_tokens=context,
+            prefill_attn_pairs=attn_pairs,
+        )
+        if p.noise_sigma > 0:
+            dur *= math.exp(self._rng.gauss(0.0, p.noise_sigma))
+        res = StepResult(dur, preempted=preempted, prefill_tokens=prefill_tokens, decode_seqs=decode_seqs)
+        tokens = res.tokens
+        finished = res.finished
+        done_any = False
+        for r, n in sched:
+            r.computed += n
+            if r.computed >= r.target:
+                if r.emitted == 0:
+                    res.first_tokens.append(r.req_id)
+                r.emitted += 1
+                r.target = r.prompt + r.emitted  # the new token's KV is computed next step
+                tokens.append((r.req_id, 1))
+                if r.emitted >= r.max_tokens:
+                    finished.append(r.req_id)
+                    done_any = True
+        if done_any:
+            keep = []
+            for r in running:
+                if r.emitted >= r.max_tokens:
+                    self._free_blocks += r.blocks
+                    r.blocks = 0
+                    del self._by_id[r.req_id]
+                else:
+                    keep.append(r)
+            self._running = keep
+        return res
+
+    def _preempt(self, r: _Req) -> None:
+        self.preemptions += 1
+        self._free_blocks += r.blocks
+        r.blocks = 0
+        r.computed = 0
+        # recompute prompt + generated tokens as one prefill; it emits the next token when done
+        r.target = r.prompt + r.emitted
+        self._waiting.appendleft(r)
+
+
+# -- simulated runs and ground-truth capacity ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunStats:
+    """Outcome of an open-loop simulated run (all times in simulated seconds)."""
+
+    completed: int
+    duration_s: float
+    ttft_s: tuple[float, ...]  # per request
+    tpot_s: tuple[float, ...]  # per request mean inter-token time
+    itl_p99_s: float  # p99 over all inter-token gaps
+    output_tokens: int
+
+    def mean_ttft_s(self) -> float:
+        return sum(self.ttft_s) / len(self.ttft_s) if self.ttft_s else math.nan
+
+    def mean_itl_s(self) -> float:
+        return sum(self.tpot_s) / len(self.tpot_s) if self.tpot_s else math.nan
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    if not xs:
+        return math.nan
+    s = sorted(xs)
+    k = min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))
+    return s[k]
+
+
+def simulate(
+    params: EngineParams,
+    arrivals: list[tuple[float, int, int]],
+    *,
+    seed: int = 0,
+    warmup: int = 0,
+    max_sim_s: float | None = None,
+) -> RunStats:
+    """Replay `arrivals` [(t_s, prompt_tokens, output_tokens)] on a BatchCore; TTFT includes the
+    persona's frontend overhead. The first `warmup` requests are excluded from the statistics."""
+    core = BatchCore(params, seed=seed)
+    arrivals = sorted(arrivals)
+    overhead = params.factors.ttft_overhead_s
+    n = len(arrivals)
+    arr_t = [a[0] + overhead for a in arrivals]
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    counted: set[str] = set()
+    gaps: list[float] = []
+    ttfts: list[float] = []
+    tpots: list[float] = []
+    out_tokens = 0
+    now = 0.0
+    i = 0
+    done = 0
+    while done < n:
+        while i < n and arr_t[i] <= now:
+            rid = str(i)
+            try:
+                core.submit(rid, arrivals[i][1], arrivals[i][2], arr_t[i])
+            except RequestTooLongError:
+                done += 1
+            else:
+                if i >= warmup:
+                    counted.add(rid)
+            i += 1
+        if core.idle():
+            if i >= n:
+                break
+            now = arr_t[i]
+            continue
+        res = core.step(now)
+        if res.duration_s <= 0.0:  # nothing schedulable (should not happen); jump to next arrival
+            now = arr_t[i] if i < n else now + 1e-3
+            continue
+        now += res.duration_s
+        for rid in res.first_tokens:
+            first[rid] = now
+            if rid in counted:
+                ttfts.append(now - arr_t[int(rid)] + overhead)
+        for rid, k in res.tokens:
+            out_tokens += k
+            prev = last.get(rid)
+            if prev is not None and rid in counted:
+                gaps.append(now - prev)
+            last[rid] = now
+        for rid in res.finished:
+            done += 1
+            if rid in counted:
+                emitted = arrivals[int(rid)][2]
+                if emitted > 1:
+                    tpots.append((now - first[rid]) / (emitted - 1))
+            first.pop(rid, None)
+            last.pop(rid, None)
+        if max_sim_s is not None and now > max_sim_s:
+            break
+    return RunStats(
+        completed=len(tpots) if tpots else len(ttfts),
+        duration_s=now,
+        ttft_s=tuple(ttfts),
+        tpot_s=tuple(tpots),
+        itl_p99_s=_quantile(gaps, 0.99),
+        output_tokens=out_tokens,
+    )
+
+
+def poisson_arrivals(rate_rps: float, n: int, isl: int, osl: int, seed: int = 0) -> list[tuple[float, int, int]]:
+    rng = random.Random(seed)
+    t = 0.0
+    out = []
+    for _ in range(n):
+        t += rng.expovariate(rate_rps)
+        out.append((t, isl, osl))
+    return out
+
+
+def _meets_slo(params: EngineParams, rate: float, isl: int, osl: int, ttft_p99_s: float, itl_p99_s: float,
+               n: int, seed: int) -> bool:
+    arr = poisson_arrivals(rate, n, isl, osl, seed=seed)
+    stats = simulate(params, arr, seed=seed, warmup=n // 10, max_sim_s=arr[-1][0] * 3 + 60.0)
+    if len(stats.ttft_s) < (n - n // 10) * 0.9:
+        return False  # fell behind: requests still queued when the run was cut
+    return _quantile(list(stats.ttft_s), 0.99) <= ttft_p99_s and stats.itl_p99_s <= itl_p99_s
+
+
+@functools.lru_cache(maxsize=4096)
+def _max_rate_cached(params: EngineParams, isl: int, osl: int, ttft_ms: float, itl_ms: float) -> float:
+    ttft_s, itl_s = ttft_ms / 1000.0, itl_ms / 1000.0
+    # upper bound: throughput of a saturated engine (all seats busy, no queueing limit)
+    batch = min(params.max_num_seqs, max(1, params.kv_blocks * params.block_size // (isl + osl)))
+    ctx = batch * (isl + osl / 2)
+    t_dec = step_time_s(params, decode_seqs=batch, prefill_tokens=0, context_tokens=ctx)
+    t_pre = step_time_s(params, decode_seqs=0, prefill_tokens=isl, context_tokens=0) / max(
+        1, params.max_num_batched_tokens // max(1, isl)
+    )
+    upper = 1.0 / (t_dec * osl / batch + t_pre) * 1.2
+    if not _meets_slo(params, upper / 64, isl, osl, ttft_s, itl_s, 200, 1):
+        return 0.0
+    lo, hi = upper / 64, upper
+    n = max(200, min(800, int(osl and 120000 // max(osl, 1))))
+    for _ in range(9):
+        mid = math.sqrt(lo * hi) if hi / lo > 1.5 else (lo + hi) / 2
+        if _meets_slo(params, mid, isl, osl, ttft_s, itl_s, n, 1):
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo <= 0.02 * lo:
+            break
+    return lo
+
+
+def max_rate_at_slo(params: EngineParams, isl: float, osl: float, ttft_p99_ms: float, itl_p99_ms: float) -> float:
+    """Ground-truth capacity: the highest Poisson rate (req/s) at which a short simulated run of
+    fixed-size requests meets p99 TTFT and p99 inter-token latency. 0.0 when even a trickle fails.
+    Cached; deterministic for given arguments."""
+    return _max_rate_cached(params, max(1, round(isl)), max(1, round(osl)), float(ttft_p99_ms), float(itl_p99_ms))
