@@ -1,0 +1,532 @@
+"""plan(): observation + fleet + policy + profiles + state -> the fleet to run, and how to get there.
+
+Pure. Steps:
+1. the policy at `now_s` (schedules), the usable inventory (online, not drained for maintenance);
+2. demand per model: max(observed, forecast quantile over the lead time); fail static when the
+   observation is stale or unknown (no scale-down for that model, said in the explanation);
+3. the capacity table (max rps per replica at the SLO) from the profiles;
+4. stage 1 (counts, CP-SAT) for the TARGET (every allowed config, builds included) and, when the
+   target needs a TensorRT-LLM engine that is not built yet, for NOW (only ready configs: vLLM
+   serves the gap until the build is done);
+5. scale-down delay: surplus configs are held until they have been surplus for the policy's delay;
+6. stage 2 (placement), re-solving stage 1 with tightened slots if a replica cannot be placed;
+7. the diff against the current fleet as ordered actions and the explanation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from models.names import GpuType
+from planner.capacity import CapacityInfo, MixedWorkload, Predictor, capacity_table
+from planner.counts import Candidate, CountProblem, CountSolution, ModelDemand, solve_counts
+from planner.forecast import forecast_rate
+from planner.placement import LIVE_STATES, Placement, place, slots_by_gpu
+from planner.policy import Effective, Policy, effective
+from planner.types import (
+    Action,
+    ActionKind,
+    ConfigCount,
+    ConfigExplanation,
+    ConfigKey,
+    Explanation,
+    Fleet,
+    HostInventory,
+    ModelExplanation,
+    ModelObservation,
+    Observation,
+    Plan,
+    PlannerState,
+    PlanResult,
+    Replica,
+    ReplicaState,
+    SolverReport,
+)
+
+__all__ = ["plan", "plan_to_dict", "plan_with_capacities"]
+
+
+@dataclass(frozen=True)
+class _Demand:
+    model: str
+    observed_rps: float | None
+    forecast_rps: float | None
+    demand_rps: float
+    required_rps: float
+    known: bool
+    notes: tuple[str, ...]
+
+
+def _inventory(fleet: Fleet, policy: Policy) -> tuple[HostInventory, ...]:
+    if fleet.hosts:
+        return tuple(sorted(fleet.hosts, key=lambda h: h.name))
+    return tuple(sorted((h.inventory() for h in policy.hosts), key=lambda h: h.name))
+
+
+def _canonical_observations(observation: Observation, policy: Policy) -> dict[str, ModelObservation]:
+    aliases = policy.aliases()
+    out: dict[str, ModelObservation] = {}
+    for name, obs in sorted(observation.models.items()):
+        out[aliases.canonical(name)] = obs
+    return out
+
+
+def workloads_from(observation: Observation, policy: Policy) -> dict[str, MixedWorkload]:
+    """Per model ISL/OSL mix: the observed one when known, else the policy's default."""
+    obs = _canonical_observations(observation, policy)
+    out: dict[str, MixedWorkload] = {}
+    for m in policy.models:
+        o = obs.get(m.name)
+        isl = o.isl if o is not None and o.isl is not None and o.isl > 0 else m.workload.isl
+        osl = o.osl if o is not None and o.osl is not None and o.osl > 0 else m.workload.osl
+        out[m.name] = MixedWorkload(isl, osl)
+    return out
+
+
+def plan(
+    observation: Observation,
+    fleet: Fleet,
+    policy: Policy,
+    profiles: Any,  # models.profile.ProfileSet
+    state: PlannerState,
+    now_s: float,
+) -> PlanResult:
+    """The plan for now, the target once builds are ready, the actions, the explanation. Pure."""
+    hosts = _inventory(fleet, policy)
+    gpus = {h.gpu for h in hosts if h.online}
+    table, predictor = capacity_table(policy, profiles, workloads_from(observation, policy), gpus)
+    return plan_with_capacities(observation, fleet, policy, table, state, now_s, predictor=predictor)
+
+
+def _demands(observation: Observation, policy: Policy, now_s: float) -> dict[str, _Demand]:
+    obs = _canonical_observations(observation, policy)
+    out: dict[str, _Demand] = {}
+    for m in policy.models:
+        o = obs.get(m.name)
+        notes: list[str] = []
+        known = o is not None and not o.stale and o.rate_rps is not None
+        lead = max((policy.startup_s(ConfigKey(m.name, e, g, t, m.precision))
+                    for e in m.allowed.engines for g in (m.allowed.gpus or tuple(policy.gpu_types))
+                    for t in m.allowed.tp), default=0.0)
+        horizon = lead + policy.scaling.cycle_s
+        if not known:
+            why = "no observation" if o is None else ("stale observation" if o.stale else "request rate unknown")
+            notes.append(f"fail static: {why}; no scale-down for this model")
+            last = o.rate_rps if o is not None and o.rate_rps is not None else 0.0
+            demand = max(0.0, last)
+            out[m.name] = _Demand(m.name, o.rate_rps if o is not None else None, None, demand,
+                                  demand * (1 + m.headroom), False, tuple(notes))
+            continue
+        assert o is not None and o.rate_rps is not None
+        fc = forecast_rate(o.history, o.rate_rps, now_s, horizon, policy.scaling.forecast_quantile)
+        demand = max(o.rate_rps, fc.rate_rps)
+        notes.append(f"forecast {fc.method}: q{policy.scaling.forecast_quantile:g} over {horizon:.0f} s "
+                     f"= {fc.rate_rps:.2f} rps")
+        out[m.name] = _Demand(m.name, o.rate_rps, fc.rate_rps, demand, demand * (1 + m.headroom), True,
+                              tuple(notes))
+    return out
+
+
+def _ready_configs(policy: Policy, fleet: Fleet) -> frozenset[ConfigKey]:
+    ready = set(policy.cached_configs())
+    for b in fleet.builds:
+        if b.ready:
+            ready.add(b.config())
+    return frozenset(ready)
+
+
+def _candidates(
+    policy: Policy,
+    capacities: Mapping[ConfigKey, CapacityInfo],
+    gpus: set[GpuType],
+    ready: frozenset[ConfigKey],
+    now_only: bool,
+) -> list[Candidate]:
+    out: list[Candidate] = []
+    for key in sorted(capacities):
+        info = capacities[key]
+        m = policy.model(key.model)
+        price = policy.price_usd_h(key.gpu)
+        if m is None or price is None or key.gpu not in gpus or info.max_rps <= 0:
+            continue
+        if key.engine not in m.allowed.engines or key.tp not in m.allowed.tp:
+            continue
+        if m.allowed.gpus is not None and key.gpu not in m.allowed.gpus:
+            continue
+        lead = policy.startup_s(key)
+        if policy.needs_build(key) and key not in ready:
+            if now_only:
+                continue
+            lead += policy.build_s(key) or 0.0
+        out.append(Candidate(key, info.max_rps, price * key.tp, lead, info.binding))
+    return out
+
+
+def _count_problem(
+    policy: Policy,
+    eff: Effective,
+    cands: list[Candidate],
+    demands: Mapping[str, _Demand],
+    slots: Mapping[GpuType, Mapping[int, int]],
+    current: Mapping[ConfigKey, int],
+    floors: Mapping[ConfigKey, int],
+) -> CountProblem:
+    md = tuple(
+        ModelDemand(m.name, demands[m.name].required_rps, m.priority, eff.min_replicas.get(m.name, 0),
+                    eff.max_replicas.get(m.name))
+        for m in policy.models
+    )
+    s = policy.scaling
+    return CountProblem(
+        candidates=tuple(cands), demands=md, slots=slots, current=current, floors=floors,
+        max_gpus=eff.budget.max_gpus, max_usd_h=eff.budget.max_usd_h,
+        churn_cost_usd_h=s.churn_cost_usd_h, lead_time_cost_usd_h_per_min=s.lead_time_cost_usd_h_per_min,
+        time_limit_s=policy.solver.time_limit_s, relative_gap=policy.solver.relative_gap,
+        workers=policy.solver.workers,
+    )
+
+
+def _solve_and_place(
+    problem: CountProblem,
+    hosts: tuple[HostInventory, ...],
+    current: tuple[Replica, ...],
+    drained: frozenset[str],
+    reports: list[SolverReport],
+) -> tuple[CountSolution, Placement]:
+    """Stage 1 then stage 2; when a replica does not fit, tighten that TP slot count and re-solve."""
+    sol = solve_counts(problem)
+    reports.append(sol.report)
+    placement = place(sol.counts, hosts, current, drained)
+    for _ in range(3):
+        if not placement.unplaced:
+            break
+        slots = {g: dict(d) for g, d in problem.slots.items()}
+        for c, k in placement.unplaced.items():
+            used = sum(n * (cc.tp // c.tp) for cc, n in sol.counts.items()
+                       if cc.gpu == c.gpu and cc.tp >= c.tp and cc.tp % c.tp == 0)
+            slots.setdefault(c.gpu, {})[c.tp] = max(0, used - k)
+        problem = CountProblem(**{**problem.__dict__, "slots": slots})
+        sol = solve_counts(problem)
+        reports.append(sol.report)
+        placement = place(sol.counts, hosts, current, drained)
+    reports.append(SolverReport("placement", "best-fit-decreasing", "OK" if not placement.unplaced
+                                else "UNPLACED", None, None, None, 0.0))
+    return sol, placement
+
+
+def plan_with_capacities(
+    observation: Observation,
+    fleet: Fleet,
+    policy: Policy,
+    capacities: Mapping[ConfigKey, CapacityInfo],
+    state: PlannerState,
+    now_s: float,
+    predictor: Predictor | None = None,
+) -> PlanResult:
+    """plan() with the capacity table given (tests, benchmarks, what-if)."""
+    eff = effective(policy, now_s)
+    hosts = _inventory(fleet, policy)
+    drained = eff.drain_hosts
+    usable = [h for h in hosts if h.online and h.name not in drained]
+    gpus = {h.gpu for h in usable}
+    demands = _demands(observation, policy, now_s)
+    ready = _ready_configs(policy, fleet)
+    usable_names = {h.name for h in usable}
+
+    current: dict[ConfigKey, int] = {}
+    for r in fleet.replicas:
+        if r.state in LIVE_STATES and r.host in usable_names:
+            current[r.config] = current.get(r.config, 0) + 1
+
+    tp_sizes = sorted({k.tp for k in capacities})
+    slots = slots_by_gpu(hosts, tp_sizes, drained)
+    floors: dict[ConfigKey, int] = {}
+    for c, k in current.items():
+        d = demands.get(c.model)
+        if d is not None and not d.known:
+            floors[c] = k  # fail static
+
+    reports: list[SolverReport] = []
+    notes: list[str] = []
+    if eff.active_schedules:
+        notes.append("active schedules: " + ", ".join(eff.active_schedules))
+    if drained:
+        notes.append("maintenance (drained hosts): " + ", ".join(sorted(drained)))
+    if not usable:
+        notes.append("no usable hosts: every host is offline or drained")
+
+    target_cands = _candidates(policy, capacities, gpus, ready, now_only=False)
+    target_problem = _count_problem(policy, eff, target_cands, demands, slots, current, floors)
+    target_sol, target_place = _solve_and_place(target_problem, hosts, fleet.replicas, drained, reports)
+
+    needs_build = sorted(c for c in target_sol.counts if policy.needs_build(c) and c not in ready)
+    if needs_build:
+        now_cands = _candidates(policy, capacities, gpus, ready, now_only=True)
+        now_problem = _count_problem(policy, eff, now_cands, demands, slots, current, floors)
+        now_sol, now_place = _solve_and_place(now_problem, hosts, fleet.replicas, drained, reports)
+        notes.append("engine builds pending for " + ", ".join(c.label() for c in needs_build)
+                     + ": the plan for now serves with ready engines, the target switches once built")
+    else:
+        now_problem, now_sol, now_place = target_problem, target_sol, target_place
+
+    # scale-down delay: hold surplus replicas until the surplus has persisted for the delay
+    surplus_prev = state.surplus_map()
+    surplus_next: dict[ConfigKey, float] = {}
+    held: dict[ConfigKey, int] = {}
+    delay = policy.scaling.scale_down_delay_s
+    for c, k in sorted(current.items()):
+        if now_sol.counts.get(c, 0) < k:
+            since = surplus_prev.get(c, now_s)
+            surplus_next[c] = since
+            if now_s - since < delay:
+                held[c] = k
+    if held:
+        floors2 = dict(floors)
+        for c, k in held.items():
+            floors2[c] = max(floors2.get(c, 0), k)
+        now_problem = CountProblem(**{**now_problem.__dict__, "floors": floors2})
+        now_sol, now_place = _solve_and_place(now_problem, hosts, fleet.replicas, drained, reports)
+        notes.append(f"scale-down delayed ({delay:.0f} s) for " + ", ".join(
+            f"{c.label()} (surplus for {now_s - surplus_next[c]:.0f} s)" for c in sorted(held)))
+
+    # the target continues from the now-plan's placement
+    if now_place is not target_place:
+        target_place = place(target_sol.counts, hosts, now_place.replicas, drained)
+
+    now_plan = _make_plan(now_place, capacities, policy)
+    target_plan = _make_plan(target_place, capacities, policy)
+    actions = _actions(fleet, now_place, target_sol, needs_build, policy, hosts, drained, ready)
+    limit = policy.scaling.max_actions_per_cycle
+    act, deferred = actions[:limit], actions[limit:]
+    if deferred:
+        notes.append(f"{len(deferred)} actions deferred to later cycles (max {limit} per cycle)")
+
+    explanation = _explain(policy, demands, now_sol, target_sol, now_place, target_place, capacities,
+                           predictor, reports, now_plan, target_plan, notes)
+    next_state = PlannerState(tuple(sorted(surplus_next.items())), state.cycle + 1)
+    return PlanResult(now_plan, target_plan, next_state, explanation, tuple(act), tuple(deferred))
+
+
+def _make_plan(placement: Placement, capacities: Mapping[ConfigKey, CapacityInfo], policy: Policy) -> Plan:
+    counts: dict[ConfigKey, int] = {}
+    for r in placement.replicas:
+        counts[r.config] = counts.get(r.config, 0) + 1
+    cc = []
+    total = 0.0
+    for c in sorted(counts):
+        price = (policy.price_usd_h(c.gpu) or 0.0) * c.tp * counts[c]
+        total += price
+        info = capacities.get(c)
+        cc.append(ConfigCount(c, counts[c], info.max_rps if info else 0.0, price))
+    gpus = sum(len(r.gpu_indices) for r in placement.replicas)
+    return Plan(placement.replicas, tuple(cc), gpus, total)
+
+
+def _free_gpus(hosts: tuple[HostInventory, ...], replicas: tuple[Replica, ...], gpu: GpuType,
+               tp: int, drained: frozenset[str]) -> tuple[str, tuple[int, ...]] | None:
+    used: dict[str, set[int]] = {}
+    for r in replicas:
+        used.setdefault(r.host, set()).update(r.gpu_indices)
+    for h in hosts:
+        if h.gpu != gpu or not h.online or h.name in drained:
+            continue
+        for g in h.groups():
+            free = [i for i in g if i not in used.get(h.name, set())]
+            if len(free) >= tp:
+                return h.name, tuple(free[:tp])
+    return None
+
+
+def _actions(
+    fleet: Fleet,
+    now_place: Placement,
+    target_sol: CountSolution,
+    needs_build: list[ConfigKey],
+    policy: Policy,
+    hosts: tuple[HostInventory, ...],
+    drained: frozenset[str],
+    ready: frozenset[ConfigKey],
+) -> list[Action]:
+    builds: list[Action] = []
+    in_progress = {b.config() for b in fleet.builds if not b.ready}
+    occupied = tuple(r for r in fleet.replicas if r.state != ReplicaState.STOPPED) + now_place.new
+    for c in needs_build:
+        if c in in_progress:
+            continue
+        spot = _free_gpus(hosts, occupied, c.gpu, c.tp, drained)
+        host, idx = spot if spot is not None else (None, ())
+        if host is None:
+            candidates = [h.name for h in hosts if h.gpu == c.gpu and h.online and h.name not in drained]
+            host = candidates[0] if candidates else ""
+        rep = Replica(f"build.{c.model}.{c.engine.value}.{c.gpu.value}.tp{c.tp}.{c.precision.value}", c,
+                      host, idx, ReplicaState.STARTING, None, None)
+        b_s = policy.build_s(c) or 0.0
+        why = f"target uses {c.label()}; engine not built (build ~{b_s:.0f} s)"
+        if spot is None:
+            why += "; no free GPUs of that type now, build waits for GPUs"
+        builds.append(Action(ActionKind.BUILD, rep, why))
+        occupied = (*occupied, rep)
+
+    online = {h.name for h in hosts if h.online}
+    removed_gpus: dict[str, set[int]] = {}
+    for r in fleet.replicas:
+        if r not in now_place.kept and r.state != ReplicaState.STOPPED:
+            removed_gpus.setdefault(r.host, set()).update(r.gpu_indices)
+    starts_free: list[Action] = []
+    starts_after: list[Action] = []
+    for r in now_place.new:
+        why = f"start {r.config.label()} on {r.host} GPUs {list(r.gpu_indices)}"
+        if set(r.gpu_indices) & removed_gpus.get(r.host, set()):
+            starts_after.append(Action(ActionKind.START, r, why + " (after the replica there stops)"))
+        else:
+            starts_free.append(Action(ActionKind.START, r, why))
+
+    drains: list[Action] = []
+    stops: list[Action] = []
+    for r in sorted(fleet.replicas, key=lambda r: r.replica_id):
+        if r in now_place.kept or r.state == ReplicaState.STOPPED:
+            continue
+        if r.state == ReplicaState.FAILED:
+            stops.append(Action(ActionKind.STOP, r, "replica failed"))
+            continue
+        why = ("host drained for maintenance" if r.host in drained
+               else "host offline" if r.host not in online
+               else "not in the plan (surplus, replaced or invalid placement)")
+        if r.state == ReplicaState.READY:
+            drains.append(Action(ActionKind.DRAIN, r, why))
+            stops.append(Action(ActionKind.STOP, r, why + "; after drain"))
+        elif r.state == ReplicaState.DRAINING:
+            stops.append(Action(ActionKind.STOP, r, "drain in progress; stop when drained"))
+        else:
+            stops.append(Action(ActionKind.STOP, r, why + " (not serving yet)"))
+    return [*builds, *starts_free, *drains, *stops, *starts_after]
+
+
+def _explain(
+    policy: Policy,
+    demands: Mapping[str, _Demand],
+    now_sol: CountSolution,
+    target_sol: CountSolution,
+    now_place: Placement,
+    target_place: Placement,
+    capacities: Mapping[ConfigKey, CapacityInfo],
+    predictor: Predictor | None,
+    reports: list[SolverReport],
+    now_plan: Plan,
+    target_plan: Plan,
+    notes: list[str],
+) -> Explanation:
+    models: list[ModelExplanation] = []
+    binding: list[str] = list(now_sol.binding)
+    for m in policy.models:
+        d = demands[m.name]
+        counts = {c: n for c, n in _counts_of(now_place).items() if c.model == m.name}
+        tcounts = {c: n for c, n in _counts_of(target_place).items() if c.model == m.name}
+        cap = sum(capacities[c].max_rps * n for c, n in counts.items() if c in capacities)
+        tcap = sum(capacities[c].max_rps * n for c, n in tcounts.items() if c in capacities)
+        configs = []
+        usd = 0.0
+        for c in sorted(counts):
+            n = counts[c]
+            info = capacities.get(c)
+            per = info.max_rps if info else 0.0
+            load = d.demand_rps * (per / cap) if cap > 0 else 0.0
+            ttft = itl = None
+            if predictor is not None and n > 0:
+                ttft, itl = predictor(c, load)
+            price = (policy.price_usd_h(c.gpu) or 0.0) * c.tp * n
+            usd += price
+            configs.append(ConfigExplanation(c, n, per, info.binding if info else "", load, ttft, itl, price))
+        mnotes = list(d.notes)
+        unmet = max(0.0, d.required_rps - cap)
+        if unmet > 1e-6:
+            mnotes.append(f"best effort: {unmet:.2f} rps of the required {d.required_rps:.2f} rps unmet "
+                          f"(priority {m.priority})")
+            binding.append(f"demand of {m.name} not met: inventory/budget/max_replicas")
+        if m.name in now_sol.min_missed:
+            mnotes.append(f"min_replicas missed by {now_sol.min_missed[m.name]}")
+        if not any(c.model == m.name for c in capacities):
+            mnotes.append("no capacity data (profile) for any allowed config")
+        models.append(ModelExplanation(
+            m.name, d.observed_rps, d.forecast_rps, d.demand_rps, m.headroom, d.required_rps, cap, tcap,
+            unmet if unmet > 1e-6 else 0.0, m.slo.ttft_p99_ms, m.slo.itl_p99_ms, usd, tuple(configs),
+            tuple(mnotes)))
+    solve_s = sum(r.wall_s for r in reports)
+    main = now_sol.report
+    return Explanation(tuple(models), tuple(dict.fromkeys(binding)), tuple(reports), main.objective, main.gap,
+                       solve_s, now_plan.usd_h, target_plan.usd_h, tuple(notes))
+
+
+def _counts_of(p: Placement) -> dict[ConfigKey, int]:
+    out: dict[ConfigKey, int] = {}
+    for r in p.replicas:
+        out[r.config] = out.get(r.config, 0) + 1
+    return out
+
+
+# ---- JSON ----------------------------------------------------------------------------------------
+def _config_dict(c: ConfigKey) -> dict[str, Any]:
+    return {"model": c.model, "engine": c.engine.value, "gpu": c.gpu.value, "tp": c.tp,
+            "precision": c.precision.value}
+
+
+def replica_to_dict(r: Replica) -> dict[str, Any]:
+    return {"replica_id": r.replica_id, **_config_dict(r.config), "host": r.host,
+            "gpu_indices": list(r.gpu_indices), "state": r.state.value, "port": r.port, "since_s": r.since_s}
+
+
+def _plan_dict(p: Plan) -> dict[str, Any]:
+    return {
+        "replicas": [replica_to_dict(r) for r in p.replicas],
+        "counts": [{**_config_dict(c.config), "replicas": c.replicas,
+                    "capacity_per_replica_rps": c.capacity_per_replica_rps, "usd_h": c.usd_h} for c in p.counts],
+        "gpus": p.gpus,
+        "usd_h": p.usd_h,
+    }
+
+
+def _report_dict(r: SolverReport) -> dict[str, Any]:
+    return {"stage": r.stage, "backend": r.backend, "status": r.status, "objective": r.objective,
+            "best_bound": r.best_bound, "gap": r.gap, "wall_s": r.wall_s}
+
+
+def plan_to_dict(result: PlanResult) -> dict[str, Any]:
+    """A JSON-able document of the whole result; reports render this and never recompute."""
+    e = result.explanation
+    return {
+        "plan": _plan_dict(result.plan),
+        "target": _plan_dict(result.target),
+        "actions": [{"kind": a.kind.value, "reason": a.reason, "replica": replica_to_dict(a.replica)}
+                    for a in result.actions],
+        "deferred_actions": [{"kind": a.kind.value, "reason": a.reason, "replica": replica_to_dict(a.replica)}
+                             for a in result.deferred_actions],
+        "explanation": {
+            "models": [{
+                "model": m.model, "observed_rps": m.observed_rps, "forecast_rps": m.forecast_rps,
+                "demand_rps": m.demand_rps, "headroom": m.headroom, "required_rps": m.required_rps,
+                "capacity_rps": m.capacity_rps, "target_capacity_rps": m.target_capacity_rps,
+                "unmet_rps": m.unmet_rps, "slo_ttft_p99_ms": m.slo_ttft_p99_ms,
+                "slo_itl_p99_ms": m.slo_itl_p99_ms, "usd_h": m.usd_h, "notes": list(m.notes),
+                "configs": [{**_config_dict(c.config), "replicas": c.replicas,
+                             "capacity_per_replica_rps": c.capacity_per_replica_rps, "binding": c.binding,
+                             "load_per_replica_rps": c.load_per_replica_rps,
+                             "predicted_ttft_p99_ms": c.predicted_ttft_p99_ms,
+                             "predicted_itl_p99_ms": c.predicted_itl_p99_ms, "usd_h": c.usd_h}
+                            for c in m.configs],
+            } for m in e.models],
+            "binding_constraints": list(e.binding_constraints),
+            "solver": [_report_dict(r) for r in e.solver],
+            "objective": e.objective,
+            "gap": e.gap,
+            "solve_s": e.solve_s,
+            "usd_h": e.usd_h,
+            "target_usd_h": e.target_usd_h,
+            "notes": list(e.notes),
+        },
+        "next_state": {
+            "cycle": result.next_state.cycle,
+            "surplus_since_s": [{**_config_dict(c), "since_s": t} for c, t in result.next_state.surplus_since_s],
+        },
+    }

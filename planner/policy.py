@@ -1,0 +1,428 @@
+"""The policy file: what the operator wants (SLOs, allowed configs, prices, budget, schedules).
+
+Parsed from YAML text with pydantic (extra keys forbidden). Pure: the caller reads the file and
+passes its text; `load_policy_text(text, source)` returns a frozen `Policy` or raises `PolicyError`
+whose message has one line per problem naming the file, the key path and the offending value.
+
+Schedules are cron-style overrides evaluated with APScheduler 3's CronTrigger on a datetime built
+from the `now_s` the caller passes in (the planner never reads the clock).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from datetime import timezone as dt_timezone
+from typing import Annotated, Any
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from models.names import (
+    Engine,
+    GpuType,
+    ModelAliases,
+    Precision,
+    UnknownNameError,
+    parse_engine,
+    parse_gpu,
+    parse_precision,
+)
+from planner.types import ConfigKey, HostInventory
+
+
+class PolicyError(ValueError):
+    """An invalid policy; str() has one line per problem: `<source>: <key.path> = <value>: <why>`."""
+
+    def __init__(self, source: str, problems: list[str]) -> None:
+        self.source = source
+        self.problems = tuple(problems)
+        super().__init__("\n".join(f"{source}: {p}" for p in problems))
+
+
+def _engine(v: Any) -> Engine:
+    if isinstance(v, Engine):
+        return v
+    try:
+        return parse_engine(str(v))
+    except UnknownNameError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _gpu(v: Any) -> GpuType:
+    if isinstance(v, GpuType):
+        return v
+    try:
+        return parse_gpu(str(v))
+    except UnknownNameError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _precision(v: Any) -> Precision:
+    if isinstance(v, Precision):
+        return v
+    try:
+        return parse_precision(str(v))
+    except UnknownNameError as exc:
+        raise ValueError(str(exc)) from None
+
+
+EngineName = Annotated[Engine, BeforeValidator(_engine)]
+GpuName = Annotated[GpuType, BeforeValidator(_gpu)]
+PrecisionName = Annotated[Precision, BeforeValidator(_precision)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Slo(_Strict):
+    ttft_p99_ms: float = Field(gt=0)
+    itl_p99_ms: float = Field(gt=0)
+
+
+class AllowedConfigs(_Strict):
+    engines: tuple[EngineName, ...] = (Engine.VLLM, Engine.TRTLLM)
+    tp: tuple[int, ...] = (1, 2, 4, 8)
+    gpus: tuple[GpuName, ...] | None = None  # None: every GPU type the inventory has
+
+    @field_validator("tp")
+    @classmethod
+    def _tp_positive(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        for t in v:
+            if t < 1 or t > 64:
+                raise ValueError(f"TP size {t} out of range 1..64")
+        return v
+
+
+class WorkloadMix(_Strict):
+    isl: float = Field(gt=0)  # mean prompt tokens
+    osl: float = Field(gt=0)  # mean output tokens
+
+
+class ModelPolicy(_Strict):
+    name: str = Field(min_length=1)
+    aliases: tuple[str, ...] = ()
+    slo: Slo
+    priority: int = Field(default=1, ge=0, le=100)  # higher = served first when capacity is short
+    min_replicas: int = Field(default=0, ge=0)
+    max_replicas: int | None = Field(default=None, ge=0)
+    allowed: AllowedConfigs = AllowedConfigs()
+    precision: PrecisionName = Precision.BF16
+    headroom: float = Field(default=0.2, ge=0, le=10)
+    workload: WorkloadMix  # default ISL/OSL mix when the observation does not report one
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> ModelPolicy:
+        if self.max_replicas is not None and self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas {self.min_replicas} > max_replicas {self.max_replicas}")
+        return self
+
+
+class LaunchTemplate(_Strict):
+    command: str = Field(min_length=1)
+    # placeholders: {model} {hf_model} {tp} {port} {gpu_indices} {precision} {engine_dir}
+    args: tuple[str, ...] = ()
+    env: Mapping[str, str] = Field(default_factory=dict)
+
+
+class TimeOverride(_Strict):
+    model: str | None = None  # None: any model
+    gpu: GpuName | None = None  # None: any GPU type
+    tp: int | None = None
+    seconds: float = Field(ge=0)
+
+
+class TimeTable(_Strict):
+    default_s: float = Field(ge=0)
+    overrides: tuple[TimeOverride, ...] = ()
+
+    def lookup(self, model: str, gpu: GpuType, tp: int) -> float:
+        best: tuple[int, float] | None = None
+        for o in self.overrides:
+            if o.model is not None and o.model != model:
+                continue
+            if o.gpu is not None and o.gpu != gpu:
+                continue
+            if o.tp is not None and o.tp != tp:
+                continue
+            specificity = (o.model is not None) * 4 + (o.gpu is not None) * 2 + (o.tp is not None)
+            if best is None or specificity > best[0]:
+                best = (specificity, o.seconds)
+        return self.default_s if best is None else best[1]
+
+
+class CachedBuild(_Strict):
+    model: str
+    gpu: GpuName
+    tp: int = Field(ge=1)
+    precision: PrecisionName = Precision.BF16
+
+
+class EnginePolicy(_Strict):
+    launch: LaunchTemplate
+    startup: TimeTable  # seconds from launch to ready (weights load, warm-up)
+    build: TimeTable | None = None  # TRT-LLM engine build seconds; None: no build step (vLLM)
+    cached_builds: tuple[CachedBuild, ...] = ()
+
+
+class GpuTypePolicy(_Strict):
+    price_usd_h: float = Field(ge=0)  # per GPU
+
+
+class HostPolicy(_Strict):
+    name: str = Field(min_length=1)
+    gpu: GpuName
+    gpu_count: int = Field(ge=1, le=64)
+    nvlink_groups: tuple[tuple[int, ...], ...] = ()  # empty: all GPUs of the host form one group
+
+    @model_validator(mode="after")
+    def _groups_valid(self) -> HostPolicy:
+        seen: set[int] = set()
+        for g in self.nvlink_groups:
+            for i in g:
+                if i < 0 or i >= self.gpu_count:
+                    raise ValueError(f"GPU index {i} outside 0..{self.gpu_count - 1}")
+                if i in seen:
+                    raise ValueError(f"GPU index {i} in two NVLink groups")
+                seen.add(i)
+        return self
+
+    def inventory(self) -> HostInventory:
+        return HostInventory(self.name, self.gpu, self.gpu_count, self.nvlink_groups, True)
+
+
+class Scaling(_Strict):
+    cycle_s: float = Field(default=60.0, gt=0)  # control-loop period
+    scale_down_delay_s: float = Field(default=600.0, ge=0)  # surplus must persist this long
+    max_actions_per_cycle: int = Field(default=8, ge=1)
+    churn_cost_usd_h: float = Field(default=0.5, ge=0)  # objective penalty per replica started/stopped
+    lead_time_cost_usd_h_per_min: float = Field(default=0.02, ge=0)  # per minute of startup of a new replica
+    forecast_quantile: float = Field(default=0.9, gt=0, lt=1)
+
+
+class Budget(_Strict):
+    max_gpus: int | None = Field(default=None, ge=0)
+    max_usd_h: float | None = Field(default=None, ge=0)
+
+
+class SolverSettings(_Strict):
+    time_limit_s: float = Field(default=2.0, gt=0)
+    relative_gap: float = Field(default=0.001, ge=0, le=1)
+    workers: int = Field(default=1, ge=1, le=64)  # >1 is faster but not bit-for-bit deterministic
+
+
+class ScheduleOverride(_Strict):
+    min_replicas: Mapping[str, int] = Field(default_factory=dict)
+    max_replicas: Mapping[str, int] = Field(default_factory=dict)
+    budget: Budget | None = None
+    drain_hosts: tuple[str, ...] = ()  # maintenance window: plan nothing on these hosts
+
+
+class Schedule(_Strict):
+    name: str = Field(min_length=1)
+    cron: str = Field(min_length=1)  # crontab "min hour day month day_of_week", e.g. "0 8 * * mon-fri"
+    duration_s: float = Field(gt=0)  # the override holds this long after each cron fire time
+    override: ScheduleOverride
+
+    @field_validator("cron")
+    @classmethod
+    def _cron_parses(cls, v: str) -> str:
+        from apscheduler.triggers.cron import CronTrigger
+
+        try:
+            CronTrigger.from_crontab(v, timezone=UTC)
+        except ValueError as exc:
+            raise ValueError(f"invalid cron expression: {exc}") from None
+        return v
+
+
+_TZ_RE = re.compile(r"^UTC(?:([+-])(\d{1,2}):(\d{2}))?$")
+
+
+class Policy(_Strict):
+    version: int = 1
+    timezone: str = "UTC"  # UTC or a fixed offset "UTC+02:00" (schedules are evaluated in it)
+    gpu_types: Mapping[GpuName, GpuTypePolicy]
+    hosts: tuple[HostPolicy, ...] = ()  # used when agents do not report inventory
+    models: tuple[ModelPolicy, ...] = Field(min_length=1)
+    engines: Mapping[EngineName, EnginePolicy]
+    scaling: Scaling = Scaling()
+    budget: Budget = Budget()
+    solver: SolverSettings = SolverSettings()
+    schedules: tuple[Schedule, ...] = ()
+
+    @field_validator("timezone")
+    @classmethod
+    def _tz(cls, v: str) -> str:
+        if not _TZ_RE.match(v):
+            raise ValueError("timezone must be 'UTC' or a fixed offset like 'UTC+02:00'")
+        return v
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Policy:
+        names = [m.name for m in self.models]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"duplicate model names: {dup}")
+        hosts = [h.name for h in self.hosts]
+        duph = sorted({n for n in hosts if hosts.count(n) > 1})
+        if duph:
+            raise ValueError(f"duplicate host names: {duph}")
+        ModelAliases.build({m.name: m.aliases for m in self.models})  # raises on conflicting aliases
+        for m in self.models:
+            for e in m.allowed.engines:
+                if e not in self.engines:
+                    raise ValueError(f"model {m.name!r} allows engine {e.value!r} missing from engines")
+            for g in m.allowed.gpus or ():
+                if g not in self.gpu_types:
+                    raise ValueError(f"model {m.name!r} allows GPU {g.value!r} missing from gpu_types")
+        for h in self.hosts:
+            if h.gpu not in self.gpu_types:
+                raise ValueError(f"host {h.name!r} has GPU {h.gpu.value!r} missing from gpu_types")
+        return self
+
+    # ---- helpers used by the planner -------------------------------------------------------
+    def aliases(self) -> ModelAliases:
+        return ModelAliases.build({m.name: m.aliases for m in self.models})
+
+    def model(self, name: str) -> ModelPolicy | None:
+        canonical = self.aliases().canonical(name)
+        for m in self.models:
+            if m.name == canonical:
+                return m
+        return None
+
+    def price_usd_h(self, gpu: GpuType) -> float | None:
+        g = self.gpu_types.get(gpu)
+        return None if g is None else g.price_usd_h
+
+    def startup_s(self, config: ConfigKey) -> float:
+        e = self.engines.get(config.engine)
+        return 0.0 if e is None else e.startup.lookup(config.model, config.gpu, config.tp)
+
+    def build_s(self, config: ConfigKey) -> float | None:
+        e = self.engines.get(config.engine)
+        if e is None or e.build is None:
+            return None
+        return e.build.lookup(config.model, config.gpu, config.tp)
+
+    def needs_build(self, config: ConfigKey) -> bool:
+        e = self.engines.get(config.engine)
+        return e is not None and e.build is not None
+
+    def cached_configs(self) -> frozenset[ConfigKey]:
+        out: set[ConfigKey] = set()
+        for engine, e in self.engines.items():
+            for b in e.cached_builds:
+                out.add(ConfigKey(b.model, engine, b.gpu, b.tp, b.precision))
+        return frozenset(out)
+
+    def tzinfo(self) -> dt_timezone:
+        m = _TZ_RE.match(self.timezone)
+        if m is None or m.group(1) is None:
+            return UTC
+        sign = 1 if m.group(1) == "+" else -1
+        return dt_timezone(sign * timedelta(hours=int(m.group(2)), minutes=int(m.group(3))))
+
+
+@dataclass(frozen=True)
+class Effective:
+    """The policy as it applies at one instant, after the active schedules' overrides."""
+
+    min_replicas: Mapping[str, int]
+    max_replicas: Mapping[str, int | None]
+    budget: Budget
+    drain_hosts: frozenset[str]
+    active_schedules: tuple[str, ...]
+
+
+def schedule_active(schedule: Schedule, now_s: float, tz: dt_timezone = UTC) -> bool:
+    """True when a cron fire time of `schedule` lies in (now - duration, now]. Pure."""
+    from apscheduler.triggers.cron import CronTrigger
+
+    trigger = CronTrigger.from_crontab(schedule.cron, timezone=tz)
+    now = datetime.fromtimestamp(now_s, tz)
+    start = now - timedelta(seconds=schedule.duration_s)
+    fire = trigger.get_next_fire_time(None, start + timedelta(microseconds=1))
+    return fire is not None and fire <= now
+
+
+def effective(policy: Policy, now_s: float) -> Effective:
+    """Apply the schedules active at `now_s` (later schedules win over earlier ones)."""
+    tz = policy.tzinfo()
+    mins: dict[str, int] = {m.name: m.min_replicas for m in policy.models}
+    maxs: dict[str, int | None] = {m.name: m.max_replicas for m in policy.models}
+    budget = policy.budget
+    drain: set[str] = set()
+    active: list[str] = []
+    aliases = policy.aliases()
+    for s in policy.schedules:
+        if not schedule_active(s, now_s, tz):
+            continue
+        active.append(s.name)
+        for name, n in s.override.min_replicas.items():
+            mins[aliases.canonical(name)] = n
+        for name, n in s.override.max_replicas.items():
+            maxs[aliases.canonical(name)] = n
+        if s.override.budget is not None:
+            budget = s.override.budget
+        drain.update(s.override.drain_hosts)
+    for name in list(mins):
+        mx = maxs.get(name)
+        if mx is not None and mins[name] > mx:
+            mins[name] = mx
+    return Effective(mins, maxs, budget, frozenset(drain), tuple(active))
+
+
+def _fmt_loc(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "(top level)"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def load_policy_dict(data: Any, source: str) -> Policy:
+    if not isinstance(data, dict):
+        raise PolicyError(source, [f"(top level) = {_short(data)}: expected a mapping of policy keys"])
+    try:
+        return Policy.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+            msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "missing":
+                problems.append(f"{_fmt_loc(loc)}: required key missing")
+            else:
+                problems.append(f"{_fmt_loc(loc)} = {_short(err.get('input'))}: {msg}")
+        raise PolicyError(source, problems) from None
+
+
+def load_policy_text(text: str, source: str) -> Policy:
+    """Parse and validate a policy YAML document. Raises PolicyError (one line per problem)."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}" if mark is not None else "?"
+        raise PolicyError(source, [f"YAML syntax error at {where}: {getattr(exc, 'problem', exc)}"]) from None
+    return load_policy_dict(data, source)

@@ -1,0 +1,222 @@
+"""Value types of the planner: the fleet it sees, the demand it serves, the plan it returns.
+
+All frozen dataclasses; pydantic lives only at the edges (planner/policy.py parses the policy file).
+`None` means unknown. Units are in the field names (`_s`, `_ms`, `_rps`, `_usd_h`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from types import MappingProxyType
+
+from models.names import Engine, GpuType, Precision
+
+
+class ReplicaState(StrEnum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+class ActionKind(StrEnum):
+    BUILD = "build"  # compile a TensorRT-LLM engine (replica carries config + host + GPUs used to build)
+    START = "start"  # launch a replica on host/gpu_indices
+    DRAIN = "drain"  # stop routing new requests to a replica; it finishes in-flight work
+    STOP = "stop"  # terminate a (drained) replica
+
+
+@dataclass(frozen=True, order=True)
+class ConfigKey:
+    """One serving configuration of one model: engine, GPU type, TP size and precision."""
+
+    model: str
+    engine: Engine
+    gpu: GpuType
+    tp: int
+    precision: Precision
+
+    def label(self) -> str:
+        return f"{self.model}/{self.engine.value}/{self.gpu.value}x{self.tp}/{self.precision.value}"
+
+
+@dataclass(frozen=True)
+class Replica:
+    replica_id: str
+    config: ConfigKey
+    host: str
+    gpu_indices: tuple[int, ...]
+    state: ReplicaState
+    port: int | None = None
+    since_s: float | None = None  # when the replica entered `state` (epoch seconds); None: unknown
+
+
+@dataclass(frozen=True)
+class HostInventory:
+    name: str
+    gpu: GpuType
+    gpu_count: int
+    # GPUs that share an NVLink domain; a TP group must sit inside one. Empty: the host is one group
+    # (PCIe-only hosts such as L40S, where TP runs over PCIe).
+    nvlink_groups: tuple[tuple[int, ...], ...] = ()
+    online: bool = True
+
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        if self.nvlink_groups:
+            return self.nvlink_groups
+        return (tuple(range(self.gpu_count)),)
+
+
+@dataclass(frozen=True)
+class EngineBuild:
+    """A TensorRT-LLM engine build (ready = cached and usable on every host of that GPU type)."""
+
+    model: str
+    engine: Engine
+    gpu: GpuType
+    tp: int
+    precision: Precision
+    host: str | None = None
+    ready: bool = False
+    eta_s: float | None = None  # epoch seconds when an in-progress build is expected to finish
+
+    def config(self) -> ConfigKey:
+        return ConfigKey(self.model, self.engine, self.gpu, self.tp, self.precision)
+
+
+@dataclass(frozen=True)
+class Fleet:
+    hosts: tuple[HostInventory, ...] = ()
+    replicas: tuple[Replica, ...] = ()
+    builds: tuple[EngineBuild, ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelObservation:
+    model: str
+    rate_rps: float | None = None
+    isl: float | None = None  # mean prompt tokens
+    osl: float | None = None  # mean output tokens
+    ttft_p99_ms: float | None = None
+    itl_p99_ms: float | None = None
+    history: tuple[tuple[float, float], ...] = ()  # (t_s, rps) samples, oldest first; may be empty
+    stale: bool = False
+
+
+def _empty_models() -> Mapping[str, ModelObservation]:
+    return MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class Observation:
+    models: Mapping[str, ModelObservation] = field(default_factory=_empty_models)
+    alerts: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PlannerState:
+    """What the planner carries from one cycle to the next (a value: plan() returns the next one).
+
+    surplus_since_s: per config, when its count first exceeded what the plan needed (epoch s);
+    a scale-down of that config happens only after policy.scaling.scale_down_delay_s.
+    """
+
+    surplus_since_s: tuple[tuple[ConfigKey, float], ...] = ()
+    cycle: int = 0
+
+    @staticmethod
+    def initial() -> PlannerState:
+        return PlannerState()
+
+    def surplus_map(self) -> dict[ConfigKey, float]:
+        return dict(self.surplus_since_s)
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: ActionKind
+    replica: Replica  # for BUILD: the build's config + host + GPUs it builds on
+    reason: str
+
+
+@dataclass(frozen=True)
+class ConfigCount:
+    config: ConfigKey
+    replicas: int
+    capacity_per_replica_rps: float
+    usd_h: float  # all replicas of this config
+
+
+@dataclass(frozen=True)
+class Plan:
+    replicas: tuple[Replica, ...]
+    counts: tuple[ConfigCount, ...]
+    gpus: int
+    usd_h: float
+
+
+@dataclass(frozen=True)
+class ConfigExplanation:
+    config: ConfigKey
+    replicas: int
+    capacity_per_replica_rps: float  # max rps at the model's SLO for the observed ISL/OSL mix
+    binding: str  # what limits one replica: ttft | itl | memory
+    load_per_replica_rps: float  # planned share of the demand
+    predicted_ttft_p99_ms: float | None  # at the planned load; None: no profile prediction
+    predicted_itl_p99_ms: float | None
+    usd_h: float
+
+
+@dataclass(frozen=True)
+class ModelExplanation:
+    model: str
+    observed_rps: float | None
+    forecast_rps: float | None
+    demand_rps: float  # what the plan serves (max of observed and forecast, or the fail-static floor)
+    headroom: float
+    required_rps: float  # demand x (1 + headroom)
+    capacity_rps: float  # planned (now)
+    target_capacity_rps: float  # after pending builds
+    unmet_rps: float  # required - capacity when the plan is short (best effort), else 0
+    slo_ttft_p99_ms: float
+    slo_itl_p99_ms: float
+    usd_h: float
+    configs: tuple[ConfigExplanation, ...]
+    notes: tuple[str, ...]  # fail static, forecast method, lead-time fallback, ...
+
+
+@dataclass(frozen=True)
+class SolverReport:
+    stage: str  # "counts" | "placement"
+    backend: str  # e.g. "cp-sat", "greedy"
+    status: str  # OPTIMAL | FEASIBLE | INFEASIBLE | ...
+    objective: float | None
+    best_bound: float | None
+    gap: float | None  # relative (objective - bound) / max(|objective|, 1e-9)
+    wall_s: float  # as reported by the solver itself (planner reads no clock)
+
+
+@dataclass(frozen=True)
+class Explanation:
+    models: tuple[ModelExplanation, ...]
+    binding_constraints: tuple[str, ...]  # e.g. "inventory h100: 64/64 GPUs", "budget usd_h: 120/120"
+    solver: tuple[SolverReport, ...]
+    objective: float | None
+    gap: float | None
+    solve_s: float  # sum of the solvers' own wall times
+    usd_h: float
+    target_usd_h: float
+    notes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    plan: Plan  # the replicas to run now
+    target: Plan  # what the plan converges to once pending engine builds are ready
+    next_state: PlannerState
+    explanation: Explanation
+    actions: tuple[Action, ...]
+    deferred_actions: tuple[Action, ...] = ()  # beyond max_actions_per_cycle or the scale-down delay
