@@ -70,6 +70,8 @@ def free_port(host: str = LOOPBACK, exclude: Iterable[int] = ()) -> int:
 
 def port_is_free(port: int, host: str = LOOPBACK) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # Like the servers themselves: a port held only by TIME_WAIT connections is free.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:
@@ -110,6 +112,17 @@ def group_pids(pgid: int) -> list[int]:
 def pid_alive(pid: int) -> bool:
     stat = _proc_stat(pid)
     return stat is not None and stat[0] != "Z"
+
+
+def _worker_accepting(pid: int) -> bool:
+    """An nginx worker that is alive and not yet gracefully shutting down (so it may accept)."""
+    if not pid_alive(pid):
+        return False
+    try:
+        title = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return b"shutting down" not in title
 
 
 def _tail(path: Path, lines: int = 30) -> str:
@@ -180,6 +193,14 @@ class ManagedProcess:
         return _tail(self.log_path, lines)
 
     def wait_ready(self, check: Callable[[], bool], timeout_s: float, what: str) -> None:
+        """Poll `check` until true; on exit or timeout stop the process and raise LabError with its log."""
+        try:
+            self._wait_ready(check, timeout_s, what)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, check: Callable[[], bool], timeout_s: float, what: str) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
             code = self.exited()
@@ -536,11 +557,17 @@ http {{
             )
         self.test_config()
         want = read_generation(self.upstreams_path.read_text())
-        os.kill(self.proc.pid, signal.SIGHUP)
+        master = self.proc.pid
+        old_workers = [pid for pid in group_pids(master) if pid != master]
+        os.kill(master, signal.SIGHUP)
         deadline = time.monotonic() + timeout_s
         while True:
+            # Done when the new workers serve the new table AND every old worker has stopped
+            # accepting (it is gone or "shutting down": finishing its in-flight requests only).
             try:
-                if self.serving_generation() == want:
+                if self.serving_generation() == want and not [
+                    pid for pid in old_workers if _worker_accepting(pid)
+                ]:
                     return
             except Exception:  # a connection reset while workers switch; try again
                 pass
