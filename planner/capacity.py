@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
+from models import profile as mp
 from models.names import Engine, GpuType
 from planner.policy import ModelPolicy, Policy
 from planner.types import ConfigKey
@@ -49,7 +49,8 @@ def candidate_configs(policy: Policy, gpus: Iterable[GpuType]) -> list[ConfigKey
     return out
 
 
-def _profile_for(profiles: Any, m: ModelPolicy, engine: Engine, gpu: GpuType, tp: int) -> Any:
+def _profile_for(profiles: mp.ProfileSet, m: ModelPolicy, engine: Engine, gpu: GpuType,
+                 tp: int) -> mp.PerfProfile | None:
     for name in (m.name, *m.aliases):
         p = profiles.get(name, engine, gpu, tp, m.precision)
         if p is None:
@@ -61,16 +62,14 @@ def _profile_for(profiles: Any, m: ModelPolicy, engine: Engine, gpu: GpuType, tp
 
 def capacity_table(
     policy: Policy,
-    profiles: Any,  # models.profile.ProfileSet
+    profiles: mp.ProfileSet,
     workloads: Mapping[str, MixedWorkload],
     gpus: Iterable[GpuType],
     use_prior: bool = True,
 ) -> tuple[dict[ConfigKey, CapacityInfo], Predictor]:
     """Capacity of every candidate config from the profiles, and a predictor for the explanation."""
-    from models import profile as mp
-
     table: dict[ConfigKey, CapacityInfo] = {}
-    chosen: dict[ConfigKey, Any] = {}
+    chosen: dict[ConfigKey, mp.PerfProfile] = {}
     for key in candidate_configs(policy, gpus):
         m = policy.model(key.model)
         assert m is not None
@@ -84,10 +83,9 @@ def capacity_table(
         w = workloads.get(key.model) or MixedWorkload(m.workload.isl, m.workload.osl)
         cap = mp.capacity(prof, mp.Workload(isl=w.isl, osl=w.osl),
                           ttft_p99_ms=m.slo.ttft_p99_ms, itl_p99_ms=m.slo.itl_p99_ms)
-        if cap.max_rps is None or cap.max_rps <= 0:
+        if cap.max_rps <= 0:
             continue
-        table[key] = CapacityInfo(float(cap.max_rps), str(getattr(cap.binding, "value", cap.binding)),
-                                  tuple(cap.warnings), prior)
+        table[key] = CapacityInfo(float(cap.max_rps), cap.binding.value, tuple(cap.warnings), prior)
         chosen[key] = prof
 
     def predictor(config: ConfigKey, rate_rps: float) -> tuple[float | None, float | None]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from models.names import GpuType
+from models.profile import ProfileSet
 from planner.capacity import CapacityInfo, MixedWorkload, Predictor, capacity_table
 from planner.counts import Candidate, CountProblem, CountSolution, ModelDemand, solve_counts
 from planner.forecast import forecast_rate
@@ -89,7 +90,7 @@ def plan(
     observation: Observation,
     fleet: Fleet,
     policy: Policy,
-    profiles: Any,  # models.profile.ProfileSet
+    profiles: ProfileSet,
     state: PlannerState,
     now_s: float,
 ) -> PlanResult:

@@ -385,35 +385,44 @@ def effective(policy: Policy, now_s: float) -> Effective:
     return Effective(mins, maxs, budget, frozenset(drain), tuple(active))
 
 
-def _fmt_loc(loc: tuple[int | str, ...]) -> str:
+def format_loc(loc: tuple[int | str, ...]) -> str:
     out = ""
     for part in loc:
-        if isinstance(part, int):
+        if part == "[key]":
+            out += " (key)"
+        elif isinstance(part, int):
             out += f"[{part}]"
         else:
             out += ("." if out else "") + str(part)
     return out or "(top level)"
 
 
-def _short(value: Any) -> str:
+def short_repr(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
 def load_policy_dict(data: Any, source: str) -> Policy:
     if not isinstance(data, dict):
-        raise PolicyError(source, [f"(top level) = {_short(data)}: expected a mapping of policy keys"])
+        raise PolicyError(source, [f"(top level) = {short_repr(data)}: expected a mapping of policy keys"])
     try:
         return Policy.model_validate(data)
     except ValidationError as exc:
         problems = []
-        for err in exc.errors():
+        errors = exc.errors()
+        locs = [tuple(e["loc"]) for e in errors]
+        for err in errors:
             loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+            if err["type"] == "too_short" and any(o[: len(err["loc"])] == tuple(err["loc"]) and o != tuple(
+                    err["loc"]) for o in locs):
+                continue  # "at least 1 item" only because the item itself was invalid
             msg = err["msg"].removeprefix("Value error, ")
             if err["type"] == "missing":
-                problems.append(f"{_fmt_loc(loc)}: required key missing")
+                problems.append(f"{format_loc(loc)}: required key missing")
+            elif isinstance(err.get("input"), dict) and err["type"] == "value_error":
+                problems.append(f"{format_loc(loc)}: {msg}")
             else:
-                problems.append(f"{_fmt_loc(loc)} = {_short(err.get('input'))}: {msg}")
+                problems.append(f"{format_loc(loc)} = {short_repr(err.get('input'))}: {msg}")
         raise PolicyError(source, problems) from None
 
 

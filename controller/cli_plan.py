@@ -1,0 +1,184 @@
+"""`fleetplan policy check FILE` and `fleetplan plan ...`: the planner from the command line.
+
+File reading happens here; the planner core (planner/) is pure and gets text/dicts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    policy = subparsers.add_parser("policy", help="policy file tools")
+    psub = policy.add_subparsers(dest="policy_command", metavar="SUBCOMMAND")
+    check = psub.add_parser("check", help="validate a policy file and print a summary (exit 2 on errors)")
+    check.add_argument("file", help="policy YAML file")
+    check.set_defaults(handler=cmd_policy_check)
+    policy.set_defaults(handler=lambda args: (policy.print_help(), 2)[1])
+
+    p = subparsers.add_parser("plan", help="plan the fleet for a demand: counts, engines, TP, placement, actions")
+    p.add_argument("--policy", required=True, help="policy YAML (see config/example-policy.yaml)")
+    p.add_argument("--profiles", required=True, help="PROFILES.json from `fleetplan models fit`")
+    p.add_argument("--demand", required=True, help="DEMAND.yaml: request rate and ISL/OSL per model")
+    p.add_argument("--fleet", help="CURRENT.json: hosts, running replicas, engine builds, planner state")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    p.add_argument("--now", type=float, help="plan for this epoch time (default: DEMAND's time_s, else now)")
+    p.set_defaults(handler=cmd_plan)
+
+
+def _read(path: str, what: str) -> str | None:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        print(f"{path}: cannot read {what}: {exc.strerror or exc}", file=sys.stderr)
+        return None
+
+
+def _load_yaml_or_json(text: str, path: str) -> Any:
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}" if mark is not None else "?"
+        raise ValueError(f"{path}: syntax error at {where}: {getattr(exc, 'problem', exc)}") from None
+
+
+def cmd_policy_check(args: argparse.Namespace) -> int:
+    from planner.policy import PolicyError, effective, load_policy_text
+
+    text = _read(args.file, "policy")
+    if text is None:
+        return 2
+    try:
+        policy = load_policy_text(text, args.file)
+    except PolicyError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    print(f"{args.file}: OK")
+    print(f"  models ({len(policy.models)}):")
+    for m in policy.models:
+        engines = ",".join(e.value for e in m.allowed.engines)
+        gpus = ",".join(g.value for g in m.allowed.gpus) if m.allowed.gpus else "any"
+        mx = "-" if m.max_replicas is None else str(m.max_replicas)
+        print(f"    {m.name:<24} SLO ttft_p99={m.slo.ttft_p99_ms:g} ms itl_p99={m.slo.itl_p99_ms:g} ms  "
+              f"priority={m.priority} replicas={m.min_replicas}..{mx} engines={engines} "
+              f"tp={','.join(str(t) for t in m.allowed.tp)} gpus={gpus} headroom={m.headroom:g}")
+    print("  gpu types: " + ", ".join(f"{g.value} ${p.price_usd_h:g}/h" for g, p in policy.gpu_types.items()))
+    total = sum(h.gpu_count for h in policy.hosts)
+    print(f"  hosts: {len(policy.hosts)} ({total} GPUs)")
+    print("  engines: " + ", ".join(
+        f"{e.value} (startup {p.startup.default_s:g} s"
+        + (f", build {p.build.default_s:g} s, {len(p.cached_builds)} cached builds" if p.build else "") + ")"
+        for e, p in policy.engines.items()))
+    b = policy.budget
+    print(f"  budget: max_gpus={b.max_gpus if b.max_gpus is not None else '-'} "
+          f"max_usd_h={b.max_usd_h if b.max_usd_h is not None else '-'}")
+    s = policy.scaling
+    print(f"  scaling: cycle {s.cycle_s:g} s, scale-down delay {s.scale_down_delay_s:g} s, "
+          f"{s.max_actions_per_cycle} actions/cycle, churn ${s.churn_cost_usd_h:g}/h")
+    print(f"  schedules ({len(policy.schedules)}): " + ", ".join(f"{x.name} [{x.cron}]" for x in policy.schedules))
+    active = effective(policy, time.time()).active_schedules
+    print("  active now: " + (", ".join(active) if active else "none"))
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from controller.benchfiles import load_profiles
+    from models.profile import ProfileSet
+    from planner.core import plan, plan_to_dict
+    from planner.policy import PolicyError, load_policy_text
+    from planner.serde import fleet_from_dict, observation_from_dict
+    from planner.types import Fleet, PlannerState
+
+    ptext = _read(args.policy, "policy")
+    dtext = _read(args.demand, "demand")
+    if ptext is None or dtext is None:
+        return 2
+    try:
+        policy = load_policy_text(ptext, args.policy)
+        observation, time_s = observation_from_dict(_load_yaml_or_json(dtext, args.demand), args.demand)
+        fleet, state = Fleet(), PlannerState.initial()
+        if args.fleet:
+            ftext = _read(args.fleet, "fleet")
+            if ftext is None:
+                return 2
+            fleet, state = fleet_from_dict(_load_yaml_or_json(ftext, args.fleet), args.fleet)
+        profiles: ProfileSet = load_profiles(args.profiles)
+    except (PolicyError, ValueError) as exc:  # ProfilesFileError is a ValueError
+        print(str(exc), file=sys.stderr)
+        return 2
+    now_s = args.now if args.now is not None else time_s if time_s is not None else time.time()
+    result = plan(observation, fleet, policy, profiles, state, now_s)
+    doc = plan_to_dict(result)
+    if args.json:
+        json.dump(doc, sys.stdout, indent=2, sort_keys=False)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(render_plan(doc))
+    return 0
+
+
+def _f(v: Any, fmt: str = ".1f") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def render_plan(doc: dict[str, Any]) -> str:
+    """Readable tables from a plan_to_dict() document (never recomputes anything)."""
+    e = doc["explanation"]
+    out: list[str] = []
+    out.append("DEMAND AND CAPACITY")
+    out.append(f"{'model':<22} {'obs rps':>8} {'fcst':>8} {'demand':>8} {'head':>5} {'required':>9} "
+               f"{'capacity':>9} {'target':>9} {'unmet':>7} {'$/h':>8}")
+    for m in e["models"]:
+        out.append(f"{m['model']:<22} {_f(m['observed_rps']):>8} {_f(m['forecast_rps']):>8} "
+                   f"{m['demand_rps']:>8.1f} {m['headroom']:>5.2f} {m['required_rps']:>9.1f} "
+                   f"{m['capacity_rps']:>9.1f} {m['target_capacity_rps']:>9.1f} {m['unmet_rps']:>7.1f} "
+                   f"{m['usd_h']:>8.2f}")
+    out.append("")
+    out.append("CONFIGS (plan for now)")
+    out.append(f"{'model':<22} {'engine':<7} {'gpu':<6} {'tp':>2} {'n':>3} {'cap/rep':>8} {'load/rep':>8} "
+               f"{'bind':<6} {'ttft p99':>9} {'itl p99':>8} {'SLO ttft/itl':>13} {'$/h':>8}")
+    for m in e["models"]:
+        for c in m["configs"]:
+            out.append(f"{c['model']:<22} {c['engine']:<7} {c['gpu']:<6} {c['tp']:>2} {c['replicas']:>3} "
+                       f"{c['capacity_per_replica_rps']:>8.2f} {c['load_per_replica_rps']:>8.2f} "
+                       f"{c['binding']:<6} {_f(c['predicted_ttft_p99_ms'], '.0f'):>9} "
+                       f"{_f(c['predicted_itl_p99_ms'], '.1f'):>8} "
+                       f"{m['slo_ttft_p99_ms']:>6.0f}/{m['slo_itl_p99_ms']:<6.0f} {c['usd_h']:>8.2f}")
+        for note in m["notes"]:
+            out.append(f"  {m['model']}: {note}")
+    for title, key in (("PLAN (now)", "plan"), ("TARGET (after builds)", "target")):
+        p = doc[key]
+        out.append("")
+        out.append(f"{title}: {len(p['replicas'])} replicas, {p['gpus']} GPUs, ${p['usd_h']:.2f}/h")
+        if key == "target" and p["replicas"] == doc["plan"]["replicas"]:
+            out.append("  (same as the plan for now)")
+            continue
+        for r in p["replicas"]:
+            out.append(f"  {r['host']:<14} gpus {','.join(str(i) for i in r['gpu_indices']):<16} "
+                       f"{r['model']:<22} {r['engine']:<7} tp{r['tp']} {r['state']:<9} {r['replica_id']}")
+    out.append("")
+    out.append(f"ACTIONS ({len(doc['actions'])} this cycle, {len(doc['deferred_actions'])} deferred)")
+    for i, a in enumerate(doc["actions"], 1):
+        r = a["replica"]
+        out.append(f"  {i:>2}. {a['kind'].upper():<5} {r['replica_id']}  ({a['reason']})")
+    for a in doc["deferred_actions"]:
+        out.append(f"   -  {a['kind'].upper():<5} {a['replica']['replica_id']}  (deferred: {a['reason']})")
+    out.append("")
+    out.append("SOLVER")
+    for s in e["solver"]:
+        out.append(f"  {s['stage']:<9} {s['backend']:<20} {s['status']:<9} objective={_f(s['objective'], '.3f')} "
+                   f"bound={_f(s['best_bound'], '.3f')} gap={_f(s['gap'], '.4f')} wall={s['wall_s']:.3f}s")
+    out.append(f"  total solve {e['solve_s']:.3f} s; $/h now {e['usd_h']:.2f}, target {e['target_usd_h']:.2f}")
+    if e["binding_constraints"]:
+        out.append("BINDING: " + "; ".join(e["binding_constraints"]))
+    for n in e["notes"]:
+        out.append("NOTE: " + n)
+    return "\n".join(out) + "\n"

@@ -1,0 +1,199 @@
+"""DEMAND and CURRENT documents <-> planner values (pure; the caller reads the files).
+
+DEMAND (YAML or JSON), see docs/planning.md:
+    time_s: 1731500000            # optional: the instant to plan for (epoch s); default: now
+    models:
+      llama-3-8b: {rate_rps: 40, isl: 820, osl: 200, history: [[t_s, rps], ...], stale: false}
+CURRENT (JSON): {"hosts": [...], "replicas": [...], "builds": [...], "planner_state": {...}}
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
+from models.names import Engine, GpuType, Precision, parse_engine, parse_gpu, parse_precision
+from planner.policy import PolicyError, format_loc, short_repr
+from planner.types import (
+    ConfigKey,
+    EngineBuild,
+    Fleet,
+    HostInventory,
+    ModelObservation,
+    Observation,
+    PlannerState,
+    Replica,
+    ReplicaState,
+)
+
+
+def _wrap(fn: Any) -> Any:
+    def inner(v: Any) -> Any:
+        if not isinstance(v, str):
+            return v
+        try:
+            return fn(v)
+        except ValueError as exc:
+            raise ValueError(str(exc)) from None
+
+    return inner
+
+
+EngineName = Annotated[Engine, BeforeValidator(_wrap(parse_engine))]
+GpuName = Annotated[GpuType, BeforeValidator(_wrap(parse_gpu))]
+PrecisionName = Annotated[Precision, BeforeValidator(_wrap(parse_precision))]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelDemandDoc(_Strict):
+    rate_rps: float | None = Field(default=None, ge=0)
+    isl: float | None = Field(default=None, gt=0)
+    osl: float | None = Field(default=None, gt=0)
+    ttft_p99_ms: float | None = Field(default=None, ge=0)
+    itl_p99_ms: float | None = Field(default=None, ge=0)
+    history: tuple[tuple[float, float], ...] = ()
+    stale: bool = False
+
+
+class DemandDoc(_Strict):
+    time_s: float | None = None
+    models: dict[str, ModelDemandDoc]
+    alerts: tuple[str, ...] = ()
+
+
+class HostDoc(_Strict):
+    name: str
+    gpu: GpuName
+    gpu_count: int = Field(ge=1)
+    nvlink_groups: tuple[tuple[int, ...], ...] = ()
+    online: bool = True
+
+
+class ReplicaDoc(_Strict):
+    replica_id: str
+    model: str
+    engine: EngineName
+    gpu: GpuName
+    tp: int = Field(ge=1)
+    precision: PrecisionName = Precision.BF16
+    host: str
+    gpu_indices: tuple[int, ...]
+    state: ReplicaState = ReplicaState.READY
+    port: int | None = None
+    since_s: float | None = None
+
+
+class BuildDoc(_Strict):
+    model: str
+    engine: EngineName = Engine.TRTLLM
+    gpu: GpuName
+    tp: int = Field(ge=1)
+    precision: PrecisionName = Precision.BF16
+    host: str | None = None
+    ready: bool = False
+    eta_s: float | None = None
+
+
+class SurplusDoc(_Strict):
+    model: str
+    engine: EngineName
+    gpu: GpuName
+    tp: int
+    precision: PrecisionName
+    since_s: float
+
+
+class StateDoc(_Strict):
+    cycle: int = 0
+    surplus_since_s: tuple[SurplusDoc, ...] = ()
+
+
+class FleetDoc(_Strict):
+    hosts: tuple[HostDoc, ...] = ()
+    replicas: tuple[ReplicaDoc, ...] = ()
+    builds: tuple[BuildDoc, ...] = ()
+    planner_state: StateDoc | None = None
+
+
+def _validate(cls: type[BaseModel], data: Any, source: str) -> Any:
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            loc = tuple(err["loc"])
+            msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "missing":
+                problems.append(f"{format_loc(loc)}: required key missing")
+            else:
+                problems.append(f"{format_loc(loc)} = {short_repr(err.get('input'))}: {msg}")
+        raise PolicyError(source, problems) from None
+
+
+def observation_from_dict(data: Any, source: str = "demand") -> tuple[Observation, float | None]:
+    """A DEMAND document -> (Observation, time_s or None). Raises PolicyError naming key + value."""
+    doc: DemandDoc = _validate(DemandDoc, data, source)
+    models = {
+        name: ModelObservation(name, m.rate_rps, m.isl, m.osl, m.ttft_p99_ms, m.itl_p99_ms, m.history, m.stale)
+        for name, m in sorted(doc.models.items())
+    }
+    return Observation(models, doc.alerts), doc.time_s
+
+
+def fleet_from_dict(data: Any, source: str = "fleet") -> tuple[Fleet, PlannerState]:
+    """A CURRENT document -> (Fleet, PlannerState). Raises PolicyError naming key + value."""
+    doc: FleetDoc = _validate(FleetDoc, data, source)
+    hosts = tuple(HostInventory(h.name, h.gpu, h.gpu_count, h.nvlink_groups, h.online) for h in doc.hosts)
+    replicas = tuple(
+        Replica(r.replica_id, ConfigKey(r.model, r.engine, r.gpu, r.tp, r.precision), r.host, r.gpu_indices,
+                r.state, r.port, r.since_s)
+        for r in doc.replicas
+    )
+    builds = tuple(EngineBuild(b.model, b.engine, b.gpu, b.tp, b.precision, b.host, b.ready, b.eta_s)
+                   for b in doc.builds)
+    state = PlannerState.initial()
+    if doc.planner_state is not None:
+        state = PlannerState(
+            tuple(sorted((ConfigKey(s.model, s.engine, s.gpu, s.tp, s.precision), s.since_s)
+                         for s in doc.planner_state.surplus_since_s)),
+            doc.planner_state.cycle,
+        )
+    return Fleet(hosts, replicas, builds), state
+
+
+def state_to_dict(state: PlannerState) -> dict[str, Any]:
+    return {
+        "cycle": state.cycle,
+        "surplus_since_s": [{"model": c.model, "engine": c.engine.value, "gpu": c.gpu.value, "tp": c.tp,
+                             "precision": c.precision.value, "since_s": t} for c, t in state.surplus_since_s],
+    }
+
+
+def state_from_dict(data: Any, source: str = "state") -> PlannerState:
+    doc: StateDoc = _validate(StateDoc, data, source)
+    return PlannerState(
+        tuple(sorted((ConfigKey(s.model, s.engine, s.gpu, s.tp, s.precision), s.since_s)
+                     for s in doc.surplus_since_s)),
+        doc.cycle,
+    )
+
+
+def fleet_to_dict(fleet: Fleet, state: PlannerState | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "hosts": [{"name": h.name, "gpu": h.gpu.value, "gpu_count": h.gpu_count,
+                   "nvlink_groups": [list(g) for g in h.nvlink_groups], "online": h.online} for h in fleet.hosts],
+        "replicas": [{"replica_id": r.replica_id, "model": r.config.model, "engine": r.config.engine.value,
+                      "gpu": r.config.gpu.value, "tp": r.config.tp, "precision": r.config.precision.value,
+                      "host": r.host, "gpu_indices": list(r.gpu_indices), "state": r.state.value,
+                      "port": r.port, "since_s": r.since_s} for r in fleet.replicas],
+        "builds": [{"model": b.model, "engine": b.engine.value, "gpu": b.gpu.value, "tp": b.tp,
+                    "precision": b.precision.value, "host": b.host, "ready": b.ready, "eta_s": b.eta_s}
+                   for b in fleet.builds],
+    }
+    if state is not None:
+        out["planner_state"] = state_to_dict(state)
+    return out
