@@ -200,7 +200,7 @@ def desired_conflicts(desired: DesiredState) -> list[str]:
 class Ack(_Strict):
     """The agent's answer to one desired version (ACL denials are silent; acks are not)."""
 
-    version: int
+    version: int | None  # None: the payload was so broken that it had no integer version
     accepted: bool
     errors: tuple[str, ...] = ()
     host: HostName

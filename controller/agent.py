@@ -1,0 +1,782 @@
+"""The per-host agent: desired state from MQTT -> engine instances on this host's GPUs.
+
+Level-triggered: the agent keeps the last accepted :class:`~controller.protocol.DesiredState`
+(persisted in its state directory) and every second makes the host match it — starts missing
+replicas from its OWN launch templates (pinned with CUDA_VISIBLE_DEVICES to the given GPU indices
+and a port), health-waits before reporting them ready, stops replicas that left the desired state
+(SIGTERM, wait, SIGKILL), restarts failed ones with a capped backoff and runs engine builds.
+
+Safety properties:
+
+- Nothing from the wire becomes argv: a message names a template of this agent's config and
+  validated parameters; each placeholder is substituted inside one argv item, no shell anywhere.
+- A message that fails validation is rejected as a whole (error ack); nothing running changes.
+- Versions never go backwards: an older version is acked as rejected and ignored.
+- The broker or controller going away changes nothing on the host: engines keep running on the
+  last accepted desired state; the agent reconnects with capped jittered backoff.
+- SIGTERM stops the agent, NOT the engines (own sessions / own systemd units). On restart the
+  agent re-adopts them from its state directory (pid + kernel start time + cmdline must match),
+  so it never starts a duplicate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from controller.actuators import (
+    Actuator,
+    Exited,
+    Handle,
+    LaunchSpec,
+    ProcessActuator,
+    StartError,
+    SystemdActuator,
+)
+from controller.atomic import atomic_write_text
+from controller.mqtt import Backoff, MqttSettings, client_kwargs
+from controller.protocol import (
+    HOST_PATTERN,
+    TEMPLATE_PATTERN,
+    Ack,
+    BuildPhase,
+    BuildStatus,
+    CachedEngine,
+    DesiredBuild,
+    DesiredReplica,
+    DesiredState,
+    HostLimits,
+    HostStatus,
+    ProtocolError,
+    ReplicaPhase,
+    ReplicaStatus,
+    ack_topic,
+    check_desired,
+    check_version,
+    desired_topic,
+    parse_desired,
+    payload_version,
+    status_topic,
+    to_payload,
+)
+from models.names import (
+    Engine,
+    GpuType,
+    Precision,
+    UnknownNameError,
+    parse_engine,
+    parse_gpu,
+)
+
+log = logging.getLogger(__name__)
+
+LAUNCH_PLACEHOLDERS = frozenset(
+    {"model", "port", "tp", "gpu", "precision", "replica_id", "gpu_indices", "engine_dir", "host", "state_dir"}
+)
+BUILD_PLACEHOLDERS = frozenset(
+    {"model", "tp", "gpu", "precision", "build_id", "gpu_indices", "engine_dir", "host", "state_dir",
+     "progress_file"}
+)
+_PLACEHOLDER_RE = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_PROGRESS_RE = re.compile(r"FLEETPLAN_PROGRESS[ =:]+([0-9]*\.?[0-9]+)")
+
+
+class AgentConfigError(ValueError):
+    """An invalid agent config; the message names the file, the field and the value."""
+
+
+def _check_placeholders(items: list[str], allowed: frozenset[str], where: str) -> None:
+    for item in items:
+        for name in _PLACEHOLDER_RE.findall(item):
+            if name not in allowed:
+                raise ValueError(
+                    f"{where}: unknown placeholder {{{name}}} in {item!r}; allowed: "
+                    + ", ".join(f"{{{p}}}" for p in sorted(allowed))
+                )
+
+
+class LaunchTemplate(BaseModel):
+    """How this host starts one kind of engine. argv items may contain placeholders."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    engine: Engine
+    argv: list[str] = Field(min_length=1)
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = None
+    health_path: str = "/health"
+    startup_timeout_s: float = Field(default=900.0, gt=0)
+    stop_timeout_s: float = Field(default=30.0, gt=0)
+
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _engine(cls, value: Any) -> Any:
+        return parse_engine(value) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _placeholders(self) -> LaunchTemplate:
+        _check_placeholders([*self.argv, *self.env.values()], LAUNCH_PLACEHOLDERS, "launch template")
+        if not self.health_path.startswith("/"):
+            raise ValueError(f"health_path must start with '/', got {self.health_path!r}")
+        return self
+
+    @property
+    def needs_engine_dir(self) -> bool:
+        return any("{engine_dir}" in item for item in [*self.argv, *self.env.values()])
+
+
+class BuildTemplate(BaseModel):
+    """An allowlisted engine build (e.g. trtllm-build). Progress: print `FLEETPLAN_PROGRESS 0.42`
+    lines or write the fraction to {progress_file}. Exit 0 = the engine in {engine_dir} is ready."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    argv: list[str] = Field(min_length=1)
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = None
+    timeout_s: float = Field(default=4 * 3600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _placeholders(self) -> BuildTemplate:
+        _check_placeholders([*self.argv, *self.env.values()], BUILD_PLACEHOLDERS, "build template")
+        return self
+
+
+class ActuatorConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["process", "systemd"] = "process"
+    systemctl: str = "/usr/bin/systemctl"
+    env_dir: Path = Path("/etc/fleetplan/engines")
+    unit_prefix: str = "fleetplan-engine"
+
+
+class AgentConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str = Field(pattern=HOST_PATTERN)
+    gpu: GpuType
+    gpu_count: int = Field(ge=1, le=1024)
+    nvlink_groups: tuple[tuple[int, ...], ...] = ()
+    mqtt: MqttSettings
+    port_range: tuple[int, int] = (18000, 18999)
+    state_dir: Path = Path("/var/lib/fleetplan-agent")
+    engine_cache_dir: Path | None = None  # default: <state_dir>/engines
+    actuator: ActuatorConfig = ActuatorConfig()
+    launch_templates: dict[str, LaunchTemplate] = Field(default_factory=dict)
+    build_templates: dict[str, BuildTemplate] = Field(default_factory=dict)
+    models: list[str] | None = None  # optional allowlist of model names
+    health_host: str = "127.0.0.1"
+    status_interval_s: float = Field(default=15.0, gt=0)
+    reconcile_interval_s: float = Field(default=1.0, gt=0)
+    restart_backoff_s: tuple[float, float] = (5.0, 300.0)  # first, cap
+
+    @field_validator("gpu", mode="before")
+    @classmethod
+    def _gpu(cls, value: Any) -> Any:
+        return parse_gpu(value) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AgentConfig:
+        lo, hi = self.port_range
+        if not 1 <= lo <= hi <= 65535:
+            raise ValueError(f"port_range {list(self.port_range)} must be [first, last] within 1-65535")
+        for group in self.nvlink_groups:
+            bad = [g for g in group if not 0 <= g < self.gpu_count]
+            if bad:
+                raise ValueError(f"nvlink_groups: GPU index {bad[0]} out of range 0-{self.gpu_count - 1}")
+        for name in [*self.launch_templates, *self.build_templates]:
+            if not re.match(TEMPLATE_PATTERN, name):
+                raise ValueError(f"template name {name!r} must match {TEMPLATE_PATTERN}")
+        return self
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.engine_cache_dir or self.state_dir / "engines"
+
+
+def load_agent_config(path: Path) -> AgentConfig:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise AgentConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise AgentConfigError(f"{path}: not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise AgentConfigError(f"{path}: expected a mapping at the top level")
+    try:
+        return AgentConfig.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        value = f" (got {err['input']!r:.80})" if err["type"] != "missing" and "input" in err else ""
+        more = f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+        raise AgentConfigError(
+            f"{path}: {loc}: {err['msg'].removeprefix('Value error, ')}{value}{more}"
+        ) from None
+    except UnknownNameError as exc:
+        raise AgentConfigError(f"{path}: {exc}") from None
+
+
+def make_actuator(config: AgentConfig) -> Actuator:
+    if config.actuator.kind == "systemd":
+        return SystemdActuator(config.actuator.env_dir, systemctl=config.actuator.systemctl,
+                               unit_prefix=config.actuator.unit_prefix)
+    return ProcessActuator(config.state_dir / "logs")
+
+
+def substitute(item: str, values: Mapping[str, str]) -> str:
+    """Replace {name} placeholders inside ONE argv item; the result stays one argv item."""
+    return _PLACEHOLDER_RE.sub(lambda m: values[m.group(1)], item)
+
+
+def engine_slug(model: str, gpu: GpuType, tp: int, precision: Precision) -> str:
+    safe = model.replace("/", "--").replace(":", "-")
+    return f"{safe}__{gpu.value}__tp{tp}__{precision.value}"
+
+
+def _agent_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fleetplan")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Instance:
+    replica: DesiredReplica
+    state: ReplicaPhase
+    since_s: float
+    handle: Handle | None = None
+    error: str | None = None
+    restarts: int = 0
+    retry_at: float = 0.0  # monotonic; when a FAILED replica may be started again
+    task: asyncio.Task[None] | None = None
+
+
+@dataclass
+class _Build:
+    build: DesiredBuild
+    state: BuildPhase
+    since_s: float
+    handle: Handle | None = None
+    progress: float = 0.0
+    error: str | None = None
+    started_mono: float = field(default_factory=time.monotonic)
+    task: asyncio.Task[None] | None = None
+
+
+class Agent:
+    """One host's agent. `run()` until cancelled; engines outlive it."""
+
+    def __init__(self, config: AgentConfig, actuator: Actuator | None = None) -> None:
+        self.config = config
+        self.actuator = actuator or make_actuator(config)
+        self.desired: DesiredState | None = None
+        self.instances: dict[str, _Instance] = {}
+        self.builds: dict[str, _Build] = {}
+        self.engines: dict[str, CachedEngine] = {}
+        self.connected = False
+        self._changed = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._client: Any = None
+        self._version = _agent_version()
+        self._http: Any = None
+
+    # ---- paths and persistence ----
+    @property
+    def _records_dir(self) -> Path:
+        return self.config.state_dir / "instances"
+
+    def _record_path(self, instance_id: str) -> Path:
+        return self._records_dir / f"{instance_id}.json"
+
+    def _save_record(self, kind: str, spec: BaseModel, handle: Handle) -> None:
+        self._records_dir.mkdir(parents=True, exist_ok=True)
+        record = {"kind": kind, "spec": spec.model_dump(mode="json"), "handle": handle.to_dict()}
+        atomic_write_text(self._record_path(handle.instance_id), json.dumps(record, indent=1))
+
+    def _drop_record(self, instance_id: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._record_path(instance_id).unlink()
+
+    def _save_desired(self, desired: DesiredState) -> None:
+        self.config.state_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.config.state_dir / "desired.json", desired.model_dump_json(indent=1))
+
+    def _save_engines(self) -> None:
+        self.config.state_dir.mkdir(parents=True, exist_ok=True)
+        data = [e.model_dump(mode="json") for e in self.engines.values()]
+        atomic_write_text(self.config.state_dir / "engines.json", json.dumps(data, indent=1))
+
+    def _mark(self) -> None:
+        self._changed.set()
+
+    # ---- restore after restart ----
+    async def restore(self) -> None:
+        """Load the last accepted desired state, the engine cache and re-adopt running instances."""
+        self.config.state_dir.mkdir(parents=True, exist_ok=True)
+        path = self.config.state_dir / "desired.json"
+        if path.exists():
+            try:
+                self.desired = parse_desired(path.read_bytes())
+            except ProtocolError as exc:
+                log.error("ignoring %s: %s", path, exc)
+        engines_path = self.config.state_dir / "engines.json"
+        if engines_path.exists():
+            try:
+                for item in json.loads(engines_path.read_text()):
+                    engine = CachedEngine.model_validate(item)
+                    self.engines[engine_slug(engine.model, engine.gpu, engine.tp, engine.precision)] = engine
+            except (ValueError, TypeError) as exc:
+                log.error("ignoring %s: %s", engines_path, exc)
+        if not self._records_dir.is_dir():
+            return
+        now = time.time()
+        for record_path in sorted(self._records_dir.glob("*.json")):
+            try:
+                record = json.loads(record_path.read_text())
+                handle = Handle.from_dict(record["handle"])
+                kind = record["kind"]
+                spec: DesiredReplica | DesiredBuild = (
+                    DesiredReplica.model_validate(record["spec"]) if kind == "replica"
+                    else DesiredBuild.model_validate(record["spec"])
+                )
+            except (ValueError, KeyError, TypeError) as exc:
+                log.error("unreadable instance record %s (%s): removed", record_path, exc)
+                record_path.unlink()
+                continue
+            adopted = await self.actuator.adopt(handle)
+            if adopted is None:
+                log.info("instance %s (pid %s) no longer runs: record dropped", handle.instance_id, handle.pid)
+                record_path.unlink()
+                continue
+            log.info("re-adopted %s %s (pid %s)", kind, handle.instance_id, adopted.pid)
+            if isinstance(spec, DesiredReplica):
+                self.instances[spec.replica_id] = _Instance(spec, ReplicaPhase.STARTING, now, handle=adopted)
+            else:
+                self.builds[spec.build_id] = _Build(spec, BuildPhase.RUNNING, now, handle=adopted)
+
+    # ---- desired state messages ----
+    def limits(self) -> HostLimits:
+        return HostLimits(
+            host=self.config.host,
+            gpu=self.config.gpu,
+            gpu_count=self.config.gpu_count,
+            port_range=self.config.port_range,
+            launch_templates={name: t.engine for name, t in self.config.launch_templates.items()},
+            build_templates=frozenset(self.config.build_templates),
+            models=frozenset(self.config.models) if self.config.models is not None else None,
+            engine_templates_need_cache=frozenset(
+                name for name, t in self.config.launch_templates.items() if t.needs_engine_dir
+            ),
+            engines_cached=frozenset((e.model, e.engine, e.gpu, e.tp, e.precision) for e in self.engines.values()),
+        )
+
+    def handle_desired(self, payload: bytes) -> Ack | None:
+        """Validate and (if valid) accept a desired-state payload. None: nothing to ack (empty)."""
+        host = self.config.host
+        if not payload.strip():
+            log.info("empty desired-state payload (retained message cleared): keeping the current state")
+            return None
+        try:
+            desired = parse_desired(payload)
+        except ProtocolError as exc:
+            log.warning("rejected desired state: %s", exc)
+            return Ack(version=payload_version(payload), accepted=False, errors=(str(exc),), host=host,
+                       received_s=time.time())
+        applied = self.desired.version if self.desired is not None else None
+        reason = check_version(applied, desired.version)
+        if reason is None and applied == desired.version and desired != self.desired:
+            reason = (f"desired version {desired.version} was already applied with different content; "
+                      "publish a new version")
+        errors = [reason] if reason else check_desired(desired, self.limits())
+        if errors:
+            log.warning("rejected desired version %s: %s", desired.version, "; ".join(errors))
+            return Ack(version=desired.version, accepted=False, errors=tuple(errors), host=host,
+                       received_s=time.time())
+        if desired != self.desired:
+            self._save_desired(desired)
+            self.desired = desired
+            log.info("accepted desired version %s: %d replicas, %d builds", desired.version,
+                     len(desired.replicas), len(desired.builds))
+            self._wake.set()
+            self._mark()
+        return Ack(version=desired.version, accepted=True, host=host, received_s=time.time())
+
+    # ---- status ----
+    def status(self, *, online: bool = True) -> HostStatus:
+        replicas = []
+        for inst in sorted(self.instances.values(), key=lambda i: i.replica.replica_id):
+            r = inst.replica
+            replicas.append(ReplicaStatus(
+                replica_id=r.replica_id, template=r.template, model=r.model, engine=r.engine, gpu=r.gpu,
+                tp=r.tp, precision=r.precision, gpu_indices=r.gpu_indices, port=r.port, state=inst.state,
+                since_s=inst.since_s, pid=inst.handle.pid if inst.handle else None,
+                unit=inst.handle.unit if inst.handle else None, error=inst.error, restarts=inst.restarts,
+            ))
+        builds = []
+        for b in sorted(self.builds.values(), key=lambda x: x.build.build_id):
+            d = b.build
+            builds.append(BuildStatus(
+                build_id=d.build_id, template=d.template, model=d.model, engine=d.engine, gpu=d.gpu, tp=d.tp,
+                precision=d.precision, gpu_indices=d.gpu_indices, state=b.state,
+                progress=min(1.0, max(0.0, b.progress)), since_s=b.since_s,
+                pid=b.handle.pid if b.handle else None, error=b.error,
+            ))
+        return HostStatus(
+            host=self.config.host, online=online, gpu=self.config.gpu, gpu_count=self.config.gpu_count,
+            nvlink_groups=self.config.nvlink_groups, replicas=tuple(replicas), builds=tuple(builds),
+            engines_cached=tuple(self.engines.values()), agent_version=self._version, updated_s=time.time(),
+            desired_version=self.desired.version if self.desired else None,
+            port_range=self.config.port_range, templates=tuple(sorted(self.config.launch_templates)),
+            build_templates=tuple(sorted(self.config.build_templates)),
+        )
+
+    # ---- reconcile ----
+    def _values(self, spec: DesiredReplica | DesiredBuild) -> dict[str, str]:
+        values = {
+            "model": spec.model, "tp": str(spec.tp), "gpu": spec.gpu.value, "precision": spec.precision.value,
+            "gpu_indices": ",".join(str(g) for g in spec.gpu_indices), "host": self.config.host,
+            "state_dir": str(self.config.state_dir),
+            "engine_dir": str(self.config.cache_dir / engine_slug(spec.model, spec.gpu, spec.tp, spec.precision)),
+        }
+        if isinstance(spec, DesiredReplica):
+            values.update(port=str(spec.port), replica_id=spec.replica_id)
+        else:
+            values.update(build_id=spec.build_id,
+                          progress_file=str(self.config.state_dir / "progress" / spec.build_id))
+        return values
+
+    def launch_spec(self, replica: DesiredReplica) -> LaunchSpec:
+        template = self.config.launch_templates[replica.template]
+        values = self._values(replica)
+        env = {k: substitute(v, values) for k, v in template.env.items()}
+        env.update(CUDA_VISIBLE_DEVICES=values["gpu_indices"], FLEETPLAN_REPLICA_ID=replica.replica_id)
+        return LaunchSpec(replica.replica_id, tuple(substitute(a, values) for a in template.argv), env,
+                          template.cwd)
+
+    def build_spec(self, build: DesiredBuild) -> LaunchSpec:
+        template = self.config.build_templates[build.template]
+        values = self._values(build)
+        env = {k: substitute(v, values) for k, v in template.env.items()}
+        env.update(CUDA_VISIBLE_DEVICES=values["gpu_indices"], FLEETPLAN_BUILD_ID=build.build_id)
+        return LaunchSpec(build.build_id, tuple(substitute(a, values) for a in template.argv), env, template.cwd)
+
+    def _busy(self, own_id: str, gpus: tuple[int, ...], port: int | None) -> str | None:
+        """Who still holds one of these GPUs or this port (a draining replica, a running build)."""
+        for inst in self.instances.values():
+            if inst.replica.replica_id == own_id or inst.handle is None:
+                continue
+            if set(gpus) & set(inst.replica.gpu_indices) or port == inst.replica.port:
+                return inst.replica.replica_id
+        for b in self.builds.values():
+            if b.build.build_id != own_id and b.handle is not None and set(gpus) & set(b.build.gpu_indices):
+                return b.build.build_id
+        return None
+
+    async def reconcile_once(self) -> None:
+        if self.desired is None:
+            # Nothing accepted yet (first start, no broker): leave re-adopted instances alone.
+            await self._poll_all()
+            return
+        await self._poll_all()
+        want = {r.replica_id: r for r in self.desired.replicas}
+        want_builds = {b.build_id: b for b in self.desired.builds}
+        for rid, inst in list(self.instances.items()):
+            if (rid not in want or want[rid] != inst.replica) and inst.state != ReplicaPhase.DRAINING:
+                self._begin_stop(inst)
+        for bid, b in list(self.builds.items()):
+            if bid not in want_builds or want_builds[bid] != b.build:
+                if b.handle is not None and (b.task is None or b.task.done()):
+                    b.task = asyncio.create_task(self._stop_build(b))
+                elif b.handle is None:
+                    del self.builds[bid]
+                    self._mark()
+        now = time.monotonic()
+        for bid, build in want_builds.items():
+            if bid not in self.builds and self._busy(bid, build.gpu_indices, None) is None:
+                await self._start_build(build)
+        for rid, replica in want.items():
+            current = self.instances.get(rid)
+            if current is not None and not (current.state == ReplicaPhase.FAILED and current.handle is None
+                                            and now >= current.retry_at and current.replica == replica):
+                continue
+            if self._busy(rid, replica.gpu_indices, replica.port) is not None:
+                continue  # waits for the previous holder to drain
+            await self._start_replica(replica, current)
+
+    async def _poll_all(self) -> None:
+        for inst in list(self.instances.values()):
+            if inst.handle is None or inst.state == ReplicaPhase.DRAINING:
+                continue
+            exited = await self.actuator.poll(inst.handle)
+            if exited is not None:
+                self._replica_failed(inst, exited)
+            elif inst.state == ReplicaPhase.STARTING and (inst.task is None or inst.task.done()):
+                inst.task = asyncio.create_task(self._health_wait(inst, inst.handle))  # e.g. re-adopted
+        for b in list(self.builds.values()):
+            if b.handle is None or b.state != BuildPhase.RUNNING:
+                continue
+            self._read_progress(b)
+            exited = await self.actuator.poll(b.handle)
+            if exited is not None:
+                self._build_finished(b, exited)
+            elif time.monotonic() - b.started_mono > self.config.build_templates[b.build.template].timeout_s:
+                b.error = "build timed out"
+                b.task = asyncio.create_task(self._stop_build(b, failed=True))
+
+    def _replica_failed(self, inst: _Instance, exited: Exited) -> None:
+        tail = self.actuator.log_tail(inst.replica.replica_id, 400).strip().splitlines()
+        last = f"; last log line: {tail[-1][:200]}" if tail else ""
+        first, cap = self.config.restart_backoff_s
+        delay = min(cap, first * 2 ** min(inst.restarts, 20))
+        log.warning("replica %s %s%s; restart in %.0fs", inst.replica.replica_id, exited.detail, last, delay)
+        if inst.task is not None and not inst.task.done() and inst.task is not asyncio.current_task():
+            inst.task.cancel()
+        inst.state = ReplicaPhase.FAILED
+        inst.since_s = time.time()
+        inst.error = f"{exited.detail}{last}"
+        inst.handle = None
+        inst.retry_at = time.monotonic() + delay
+        inst.restarts += 1
+        self._drop_record(inst.replica.replica_id)
+        self._mark()
+
+    async def _start_replica(self, replica: DesiredReplica, previous: _Instance | None) -> None:
+        spec = self.launch_spec(replica)
+        inst = previous or _Instance(replica, ReplicaPhase.STARTING, time.time())
+        self.instances[replica.replica_id] = inst
+        try:
+            handle = await self.actuator.start(spec)
+        except StartError as exc:
+            self._replica_failed(inst, Exited(None, str(exc)))
+            return
+        self._save_record("replica", replica, handle)
+        inst.handle, inst.state, inst.since_s, inst.error = handle, ReplicaPhase.STARTING, time.time(), None
+        log.info("started replica %s (%s, pid %s, port %s, GPUs %s)", replica.replica_id, replica.template,
+                 handle.pid, replica.port, spec.env.get("CUDA_VISIBLE_DEVICES"))
+        inst.task = asyncio.create_task(self._health_wait(inst, handle))
+        self._mark()
+
+    async def _health_wait(self, inst: _Instance, handle: Handle) -> None:
+        import httpx
+
+        template = self.config.launch_templates.get(inst.replica.template)
+        path = template.health_path if template else "/health"
+        timeout_s = template.startup_timeout_s if template else 900.0
+        url = f"http://{self.config.health_host}:{inst.replica.port}{path}"
+        deadline = time.monotonic() + timeout_s
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            while inst.handle is handle and inst.state == ReplicaPhase.STARTING:
+                try:
+                    response = await client.get(url)
+                    if response.status_code == 200:
+                        inst.state, inst.since_s = ReplicaPhase.READY, time.time()
+                        log.info("replica %s ready (%s)", inst.replica.replica_id, url)
+                        self._mark()
+                        return
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    log.warning("replica %s not healthy after %.0fs: stopping it", inst.replica.replica_id,
+                                timeout_s)
+                    await self.actuator.stop(handle, template.stop_timeout_s if template else 30.0)
+                    self._replica_failed(inst, Exited(None, f"not healthy at {url} after {timeout_s:.0f}s"))
+                    return
+                await asyncio.sleep(0.25)
+
+    def _begin_stop(self, inst: _Instance) -> None:
+        if inst.task is not None and not inst.task.done():
+            inst.task.cancel()
+        if inst.handle is None:
+            del self.instances[inst.replica.replica_id]
+            self._mark()
+            return
+        inst.state, inst.since_s = ReplicaPhase.DRAINING, time.time()
+        inst.task = asyncio.create_task(self._stop_replica(inst))
+        self._mark()
+
+    async def _stop_replica(self, inst: _Instance) -> None:
+        assert inst.handle is not None
+        template = self.config.launch_templates.get(inst.replica.template)
+        exited = await self.actuator.stop(inst.handle, template.stop_timeout_s if template else 30.0)
+        log.info("stopped replica %s: %s", inst.replica.replica_id, exited.detail)
+        self._drop_record(inst.replica.replica_id)
+        if self.instances.get(inst.replica.replica_id) is inst:
+            del self.instances[inst.replica.replica_id]
+        self._wake.set()
+        self._mark()
+
+    # ---- builds ----
+    async def _start_build(self, build: DesiredBuild) -> None:
+        b = _Build(build, BuildPhase.RUNNING, time.time())
+        self.builds[build.build_id] = b
+        (self.config.state_dir / "progress").mkdir(parents=True, exist_ok=True)
+        self.config.cache_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            b.handle = await self.actuator.start(self.build_spec(build))
+        except StartError as exc:
+            b.state, b.error = BuildPhase.FAILED, str(exc)
+            self._mark()
+            return
+        self._save_record("build", build, b.handle)
+        log.info("started build %s (%s, pid %s)", build.build_id, build.template, b.handle.pid)
+        self._mark()
+
+    def _read_progress(self, b: _Build) -> None:
+        value: float | None = None
+        progress_file = self.config.state_dir / "progress" / b.build.build_id
+        with contextlib.suppress(OSError, ValueError):
+            value = float(progress_file.read_text().strip())
+        if value is None:
+            found = _PROGRESS_RE.findall(self.actuator.log_tail(b.build.build_id, 4000))
+            if found:
+                with contextlib.suppress(ValueError):
+                    value = float(found[-1])
+        if value is not None and abs(value - b.progress) > 1e-9:
+            b.progress = min(1.0, max(0.0, value))
+            self._mark()
+
+    def _build_finished(self, b: _Build, exited: Exited) -> None:
+        d = b.build
+        engine_dir = self.config.cache_dir / engine_slug(d.model, d.gpu, d.tp, d.precision)
+        ok = exited.code == 0 or (exited.code is None and engine_dir.is_dir() and any(engine_dir.iterdir()))
+        b.handle = None
+        b.since_s = time.time()
+        self._drop_record(d.build_id)
+        if ok:
+            b.state, b.progress = BuildPhase.DONE, 1.0
+            self.engines[engine_slug(d.model, d.gpu, d.tp, d.precision)] = CachedEngine(
+                model=d.model, engine=d.engine, gpu=d.gpu, tp=d.tp, precision=d.precision,
+                path=str(engine_dir), built_s=time.time(),
+            )
+            self._save_engines()
+            log.info("build %s done: %s", d.build_id, engine_dir)
+        else:
+            b.state, b.error = BuildPhase.FAILED, exited.detail
+            log.warning("build %s failed: %s", d.build_id, exited.detail)
+        self._mark()
+
+    async def _stop_build(self, b: _Build, *, failed: bool = False) -> None:
+        if b.handle is not None:
+            await self.actuator.stop(b.handle, 30.0)
+            self._drop_record(b.build.build_id)
+            b.handle = None
+        if failed:
+            b.state, b.since_s = BuildPhase.FAILED, time.time()
+        elif self.builds.get(b.build.build_id) is b:
+            del self.builds[b.build.build_id]
+        self._wake.set()
+        self._mark()
+
+    async def reconcile_loop(self) -> None:
+        while True:
+            try:
+                await self.reconcile_once()
+            except (OSError, StartError) as exc:  # keep going; the next pass retries
+                log.error("reconcile failed: %s", exc)
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=self.config.reconcile_interval_s)
+
+    # ---- MQTT ----
+    async def mqtt_loop(self) -> None:
+        import aiomqtt
+
+        settings = self.config.mqtt
+        if settings.client_id is None:
+            settings = settings.model_copy(update={"client_id": f"fleetplan-agent-{self.config.host}"})
+        backoff = Backoff(settings.backoff_initial_s, settings.backoff_max_s)
+        offline = json.dumps({"host": self.config.host, "online": False}).encode()
+        while True:
+            connected_at: float | None = None
+            try:
+                kwargs = client_kwargs(settings)
+                will = aiomqtt.Will(status_topic(self.config.host), offline, qos=1, retain=True)
+                async with aiomqtt.Client(**kwargs, will=will) as client:
+                    connected_at = time.monotonic()
+                    await client.subscribe(desired_topic(self.config.host), qos=1)
+                    self._client, self.connected = client, True
+                    log.info("connected to MQTT %s:%s as %s", settings.host, settings.port, settings.username)
+                    async with asyncio.TaskGroup() as group:
+                        group.create_task(self._receive(client))
+                        group.create_task(self._publish_loop(client))
+            except* aiomqtt.MqttError as errors:
+                log.warning("MQTT %s:%s: %s; engines keep running, reconnecting", settings.host, settings.port,
+                            errors.exceptions[0])
+            except* OSError as errors:
+                log.warning("MQTT setup failed: %s", errors.exceptions[0])
+            finally:
+                self._client, self.connected = None, False
+            if connected_at is not None and time.monotonic() - connected_at > 10.0:
+                backoff.reset()
+            await asyncio.sleep(backoff.next_delay_s())
+
+    async def _receive(self, client: Any) -> None:
+        async for message in client.messages:
+            payload = message.payload if isinstance(message.payload, bytes | bytearray) else (
+                str(message.payload).encode() if message.payload is not None else b"")
+            ack = self.handle_desired(bytes(payload))
+            if ack is not None:
+                await client.publish(ack_topic(self.config.host), to_payload(ack), qos=1)
+
+    async def _publish_loop(self, client: Any) -> None:
+        while True:
+            self._changed.clear()
+            await client.publish(status_topic(self.config.host), to_payload(self.status()), qos=1, retain=True)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), timeout=self.config.status_interval_s)
+            await asyncio.sleep(0.05)  # coalesce bursts of changes
+
+    async def publish_final_status(self) -> None:
+        """On a clean stop: retained status with online=false but the replicas (they keep running)."""
+        client = self._client
+        if client is None:
+            return
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(
+                client.publish(status_topic(self.config.host), to_payload(self.status(online=False)),
+                               qos=1, retain=True),
+                timeout=2.0,
+            )
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Restore, then reconcile and talk MQTT until `stop` is set. Engines are NOT stopped."""
+        await self.restore()
+        tasks = [asyncio.create_task(self.reconcile_loop(), name="reconcile"),
+                 asyncio.create_task(self.mqtt_loop(), name="mqtt")]
+        stopper = asyncio.create_task(stop.wait())
+        try:
+            done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task is not stopper:
+                    task.result()  # a crashed loop: raise it
+            await self.publish_final_status()
+        finally:
+            for task in [*tasks, stopper]:
+                task.cancel()
+            for inst in self.instances.values():
+                if inst.task is not None:
+                    inst.task.cancel()
+            for b in self.builds.values():
+                if b.task is not None:
+                    b.task.cancel()
+            await asyncio.gather(*tasks, stopper, return_exceptions=True)
+        log.info("agent stopped; %d engine instances left running", len(self.instances))
