@@ -47,7 +47,6 @@ from models.names import (
 PROFILES_FORMAT_VERSION = 1
 _LN2 = math.log(2.0)
 _LN100 = math.log(100.0)
-_BISECT_STEPS = 80
 
 
 class ProfileError(ValueError):
@@ -165,66 +164,45 @@ class PerfProfile:
 
 
 # --------------------------------------------------------------------------------------------
-# The model equations
+# The model equations. Written with + - * / and ** only, so that fit.py evaluates the same
+# expressions on numpy arrays (one point per element); every solve below is in closed form.
 
 
-@dataclass(frozen=True)
-class _State:
-    x: float  # requests per ms
-    itl: float
-    ttft_mean: float
-    ttft_p50: float
-    ttft_p99: float
-    batch: float
-
-
-def _work(p: PerfParams, isl: float, osl: float) -> tuple[float, float]:
+def work_terms(p: PerfParams, isl: Any, osl: Any) -> tuple[Any, Any]:
+    """(P, W): prefill work of one request and all GPU work it adds beyond the fixed step cost (ms)."""
     prefill = p.p0_ms + p.p1_ms * isl + p.p2_ms * isl * isl
     per_seq = p.s1_ms + p.s2_ms * (isl + osl / 2.0)
-    return prefill, prefill + per_seq * max(osl - 1.0, 0.0)
+    return prefill, prefill + per_seq * (osl - 1.0)
 
 
-def _state(p: PerfParams, isl: float, osl: float, x: float) -> _State:
-    prefill, work = _work(p, isl, osl)
+def latency_terms(p: PerfParams, isl: Any, osl: Any, x: Any) -> tuple[Any, Any, Any, Any, Any]:
+    """(ITL, TTFT mean, TTFT p50, TTFT p99, decode batch) at throughput x (requests/ms), rho < 1."""
+    prefill, work = work_terms(p, isl, osl)
     rho = x * work
-    if rho >= 1.0:
-        inf = math.inf
-        return _State(x, inf, inf, inf, inf, inf)
     itl = p.s0_ms / (1.0 - rho)
     wq = p.q * prefill * rho / (1.0 - rho)
-    half_step = 0.5 * itl
-    return _State(
-        x=x,
-        itl=itl,
-        ttft_mean=prefill + half_step + wq,
-        ttft_p50=p.ttft_p50_factor * prefill + half_step + _LN2 * wq,
-        ttft_p99=p.ttft_p99_factor * prefill + half_step + _LN100 * wq,
-        batch=x * max(osl - 1.0, 0.0) * itl,
-    )
+    half = 0.5 * itl
+    return (itl, prefill + half + wq, p.ttft_p50_factor * prefill + half + _LN2 * wq,
+            p.ttft_p99_factor * prefill + half + _LN100 * wq, x * (osl - 1.0) * itl)
 
 
-def saturation_rps(profile: PerfProfile, workload: Workload) -> float:
-    """The request rate (per second) at which one replica saturates: compute or KV-cache bound."""
-    return _max_x(profile, workload.isl, workload.osl) * 1000.0
+def closed_loop_x(p: PerfParams, isl: Any, osl: Any, clients: Any) -> Any:
+    """Throughput (req/ms) with `clients` requests always in flight.
+
+    x * (TTFT + (osl-1)*ITL) = N with the equations above is a quadratic in x:
+    P*W*(q-1)*x^2 + (P + (osl-1/2)*s0 + N*W)*x - N = 0; its root with rho < 1 is returned.
+    """
+    prefill, work = work_terms(p, isl, osl)
+    a = prefill * work * (p.q - 1.0)
+    b = prefill + (osl - 0.5) * p.s0_ms + clients * work
+    disc = b * b + 4.0 * a * clients
+    return 2.0 * clients / (b + disc ** 0.5)
 
 
-def _max_x(profile: PerfProfile, isl: float, osl: float) -> float:
-    _, work = _work(profile.params, isl, osl)
-    x_sat = 1.0 / work
-    b_max = _max_batch(profile, isl, osl)
-    if b_max is None:
-        return x_sat
-    if b_max <= 0.0:
-        return 0.0
-    # B(x) rises from 0 to inf on [0, x_sat): the x at which the batch fills the KV cache
-    lo, hi = 0.0, x_sat
-    for _ in range(_BISECT_STEPS):
-        mid = 0.5 * (lo + hi)
-        if _state(profile.params, isl, osl, mid).batch <= b_max:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+def memory_x(p: PerfParams, isl: Any, osl: Any, max_batch: Any) -> Any:
+    """Throughput (req/ms) at which the decode batch fills `max_batch` sequences."""
+    _, work = work_terms(p, isl, osl)
+    return max_batch / ((osl - 1.0) * p.s0_ms + max_batch * work)
 
 
 def _max_batch(profile: PerfProfile, isl: float, osl: float) -> float | None:
@@ -233,17 +211,21 @@ def _max_batch(profile: PerfProfile, isl: float, osl: float) -> float | None:
     return profile.kv_tokens / max(isl + osl, 1.0)
 
 
-def _closed_loop_x(p: PerfParams, isl: float, osl: float, clients: float, x_hi: float) -> float:
-    """Throughput with `clients` requests always in flight: x * (TTFT + (osl-1)*ITL) = clients."""
-    lo, hi = 0.0, x_hi
-    for _ in range(_BISECT_STEPS):
-        mid = 0.5 * (lo + hi)
-        s = _state(p, isl, osl, mid)
-        if mid * (s.ttft_mean + max(osl - 1.0, 0.0) * s.itl) <= clients:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+def _max_x(profile: PerfProfile, isl: float, osl: float) -> float:
+    """The largest sustainable throughput (req/ms): compute saturation or a full KV cache."""
+    _, work = work_terms(profile.params, isl, osl)
+    x_sat = 1.0 / work
+    b_max = _max_batch(profile, isl, osl)
+    if b_max is None:
+        return float(x_sat)
+    if b_max <= 0.0:
+        return 0.0
+    return float(min(x_sat, memory_x(profile.params, isl, osl, b_max)))
+
+
+def saturation_rps(profile: PerfProfile, workload: Workload) -> float:
+    """The request rate (per second) at which one replica saturates: compute or KV-cache bound."""
+    return _max_x(profile, workload.isl, workload.osl) * 1000.0
 
 
 def _range_warnings(profile: PerfProfile, workload: Workload, rate_rps: float | None,
@@ -275,6 +257,11 @@ def _saturated_prediction(x_rps: float, concurrency: float, warnings: list[str])
     return Prediction(stats, stats, 0.0, x_rps, concurrency, tuple(warnings), batch=inf, saturated=True)
 
 
+def _check_workload(workload: Workload) -> None:
+    if not (workload.isl >= 0 and workload.osl >= 1 and math.isfinite(workload.isl + workload.osl)):
+        raise ValueError(f"workload isl={workload.isl} osl={workload.osl}: need isl >= 0 and osl >= 1")
+
+
 def predict(profile: PerfProfile, workload: Workload, *, rate_rps: float | None = None,
             concurrency: float | None = None) -> Prediction:
     """Latency and throughput at an open-loop request rate or a closed-loop client count.
@@ -283,95 +270,74 @@ def predict(profile: PerfProfile, workload: Workload, *, rate_rps: float | None 
     """
     if (rate_rps is None) == (concurrency is None):
         raise ValueError("predict() needs exactly one of rate_rps and concurrency")
-    if workload.isl < 0 or workload.osl < 1:
-        raise ValueError(f"workload isl={workload.isl} osl={workload.osl}: isl must be >= 0, osl >= 1")
+    _check_workload(workload)
     p = profile.params
     isl, osl = workload.isl, workload.osl
     warnings = _range_warnings(profile, workload, rate_rps, concurrency)
     x_max = _max_x(profile, isl, osl)
-    itl_p = (p.itl_p50_factor, p.itl_p99_factor)
+    if x_max <= 0.0:
+        warnings.append("the model does not fit in GPU memory")
+        return _saturated_prediction(0.0, concurrency if concurrency is not None else math.inf, warnings)
+    extra_wait = 0.0
     if rate_rps is not None:
-        if rate_rps < 0:
+        if not rate_rps >= 0:
             raise ValueError(f"rate_rps={rate_rps} must be >= 0")
         x = rate_rps / 1000.0
         if x >= x_max:
             warnings.append(f"rate {rate_rps:g} rps is at or beyond the saturation rate "
-                            f"{x_max * 1000.0:.3g} rps of one replica")
+                            f"{x_max * 1000.0:.4g} rps of one replica")
             return _saturated_prediction(rate_rps, math.inf, warnings)
-        s = _state(p, isl, osl, x)
-        in_system = x * (s.ttft_mean + max(osl - 1.0, 0.0) * s.itl)
-        return Prediction(
-            ttft=LatencyStats(s.ttft_mean, s.ttft_p50, s.ttft_p99),
-            itl=LatencyStats(s.itl, s.itl * itl_p[0], s.itl * itl_p[1]),
-            output_tok_s=rate_rps * osl,
-            request_rps=rate_rps,
-            concurrency=in_system,
-            warnings=tuple(warnings),
-            batch=s.batch,
-        )
-    assert concurrency is not None
-    if concurrency <= 0:
-        raise ValueError(f"concurrency={concurrency} must be > 0")
-    x = _closed_loop_x(p, isl, osl, concurrency, x_max)
-    s = _state(p, isl, osl, x)
-    extra_wait = 0.0
-    if x >= x_max * (1.0 - 1e-9) and x > 0:
-        # the KV cache is full: the clients beyond the batch wait in the queue
-        extra_wait = max(concurrency / x - (s.ttft_mean + max(osl - 1.0, 0.0) * s.itl), 0.0)
-        warnings.append("concurrency beyond the KV-cache batch limit: requests queue")
-    if x <= 0.0:
-        warnings.append("the model does not fit in GPU memory")
-        return _saturated_prediction(0.0, concurrency, warnings)
+    else:
+        assert concurrency is not None
+        if not concurrency > 0:
+            raise ValueError(f"concurrency={concurrency} must be > 0")
+        x = float(closed_loop_x(p, isl, osl, concurrency))
+        if x >= x_max:
+            # the KV cache is full: the clients beyond the batch wait in the queue
+            x = x_max * (1.0 - 1e-12)
+            itl, ttft, _, _, _ = latency_terms(p, isl, osl, x)
+            extra_wait = max(concurrency / x - (ttft + (osl - 1.0) * itl), 0.0)
+            warnings.append("concurrency beyond the KV-cache batch limit: requests queue")
+    itl, ttft_mean, ttft_p50, ttft_p99, batch = latency_terms(p, isl, osl, x)
+    in_system = concurrency if concurrency is not None else x * (ttft_mean + (osl - 1.0) * itl)
     return Prediction(
-        ttft=LatencyStats(s.ttft_mean + extra_wait, s.ttft_p50 + extra_wait, s.ttft_p99 + extra_wait),
-        itl=LatencyStats(s.itl, s.itl * itl_p[0], s.itl * itl_p[1]),
+        ttft=LatencyStats(ttft_mean + extra_wait, ttft_p50 + extra_wait, ttft_p99 + extra_wait),
+        itl=LatencyStats(itl, itl * p.itl_p50_factor, itl * p.itl_p99_factor),
         output_tok_s=x * 1000.0 * osl,
         request_rps=x * 1000.0,
-        concurrency=concurrency,
+        concurrency=in_system,
         warnings=tuple(warnings),
-        batch=s.batch,
+        batch=batch,
     )
 
 
 def capacity(profile: PerfProfile, workload: Workload, *, ttft_p99_ms: float, itl_p99_ms: float) -> Capacity:
-    """The largest request rate one replica sustains with TTFT p99 and ITL p99 under the targets."""
+    """The largest request rate one replica sustains with TTFT p99 and ITL p99 under the targets.
+
+    Both limits are closed forms in the utilisation rho = x*W:
+    ITL p99 <= T   <=>  rho <= 1 - k99*s0/T;
+    TTFT p99 <= T  <=>  rho <= (T - m99*P - s0/2) / (T - m99*P + ln(100)*q*P).
+    """
+    _check_workload(workload)
     p = profile.params
     isl, osl = workload.isl, workload.osl
     warnings = _range_warnings(profile, workload, None, None)
-    _, work = _work(p, isl, osl)
-    x_sat = 1.0 / work
+    prefill, work = work_terms(p, isl, osl)
     x_mem = _max_x(profile, isl, osl)
     if x_mem <= 0.0:
         warnings.append("the model does not fit in GPU memory")
         return Capacity(0.0, Binding.MEMORY, tuple(warnings))
-
-    def ok_ttft(x: float) -> bool:
-        return _state(p, isl, osl, x).ttft_p99 <= ttft_p99_ms
-
-    def ok_itl(x: float) -> bool:
-        return _state(p, isl, osl, x).itl * p.itl_p99_factor <= itl_p99_ms
-
-    def largest(ok: Any) -> float:
-        if not ok(0.0):
-            return 0.0
-        lo, hi = 0.0, x_sat
-        for _ in range(_BISECT_STEPS):
-            mid = 0.5 * (lo + hi)
-            if ok(mid):
-                lo = mid
-            else:
-                hi = mid
-        return lo
-
-    x_ttft = largest(ok_ttft)
-    x_itl = largest(ok_itl)
-    candidates = [(x_ttft, Binding.TTFT), (x_itl, Binding.ITL)]
+    rho_itl = max(1.0 - p.itl_p99_factor * p.s0_ms / itl_p99_ms, 0.0) if itl_p99_ms > 0 else 0.0
+    fixed = p.ttft_p99_factor * prefill
+    num = ttft_p99_ms - fixed - 0.5 * p.s0_ms
+    rho_ttft = max(num / (num + 0.5 * p.s0_ms + _LN100 * p.q * prefill), 0.0) if num > 0 else 0.0
+    candidates = [(rho_ttft / work, Binding.TTFT), (rho_itl / work, Binding.ITL)]
     if profile.kv_tokens is not None:
         candidates.append((x_mem, Binding.MEMORY))
     x, binding = min(candidates, key=lambda c: c[0])
     if x <= 0.0:
-        warnings.append(f"{binding.value} target cannot be met even at zero load")
-    return Capacity(x * 1000.0, binding, tuple(warnings))
+        warnings.append(f"{binding.value} p99 target cannot be met even at zero load")
+    return Capacity(float(x) * 1000.0, binding, tuple(warnings))
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,304 @@
+"""Fitting PerfProfiles to benchmark points: least squares on log errors, with a roofline prior.
+
+Every point contributes log(predicted / observed) for each statistic it reports (TTFT and ITL
+mean/p50/p99; output throughput for closed-loop and saturation points). The parameters are fitted
+in log space (all positive) with scipy's trust-region least squares; a weak pull towards the prior
+(the roofline parameters of models.hardware when the architecture is known, else a guess from the
+data) keeps parameters the data cannot see at physical values. Its weight is fixed, so it matters
+where data are thin and fades as points are added.
+
+Saturated points (offered rate not achieved, `qps=INF`, offline max-throughput runs) only inform the
+saturation throughput: their latencies measure the benchmark's backlog, not the server.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+from scipy.optimize import least_squares, nnls
+
+from models.bench import BenchmarkPoint, LoadKind
+from models.profile import (
+    DataRange,
+    FitError,
+    PerfParams,
+    PerfProfile,
+    ProfileKey,
+    closed_loop_x,
+    kv_capacity_tokens,
+    latency_terms,
+    memory_x,
+    roofline_params,
+    work_terms,
+)
+
+Array = NDArray[np.float64]
+
+SATURATED_FRACTION = 0.9  # achieved / offered below this: the point is past saturation
+_N_PARAMS = 11
+_OFFSET_PARAMS = (8, 10)  # ttft_p99_factor, itl_p99_factor: fitted as log(f - 1), f > 1
+_RHO_CLIP = 0.995
+_PRIOR_WEIGHT_ROOFLINE = 0.3
+_PRIOR_WEIGHT_GUESS = 0.05
+_METRICS = ("ttft_mean", "ttft_p50", "ttft_p99", "itl_mean", "itl_p50", "itl_p99", "output")
+
+
+class FitFailure(ValueError):
+    """No profile can be fitted from the given points (the message says why)."""
+
+
+def is_saturated(p: BenchmarkPoint) -> bool:
+    if p.load is LoadKind.MAX:
+        return True
+    if p.load is LoadKind.RATE and p.rate_rps is not None and p.request_rps is not None:
+        return p.request_rps < SATURATED_FRACTION * p.rate_rps
+    return False
+
+
+@dataclass(frozen=True)
+class _Data:
+    isl: Array
+    osl: Array
+    mode: Array  # 0 rate, 1 concurrency, 2 saturation
+    load: Array  # rate in req/ms, or clients
+    obs: Array  # (n, 7) observed, NaN where absent
+    kv_tokens: float | None
+
+    def subset(self, idx: Sequence[int] | Array) -> _Data:
+        i = np.asarray(idx, dtype=int)
+        return _Data(self.isl[i], self.osl[i], self.mode[i], self.load[i], self.obs[i], self.kv_tokens)
+
+
+def _data(points: Sequence[BenchmarkPoint], kv_tokens: float | None) -> _Data:
+    n = len(points)
+    isl, osl, mode, load = (np.zeros(n) for _ in range(4))
+    obs = np.full((n, len(_METRICS)), np.nan)
+    for i, p in enumerate(points):
+        isl[i], osl[i] = p.isl, max(p.osl, 1.0)
+        sat = is_saturated(p)
+        if sat:
+            mode[i], load[i] = 2, 0.0
+        elif p.load is LoadKind.RATE:
+            assert p.rate_rps is not None
+            mode[i], load[i] = 0, p.rate_rps / 1000.0
+        else:
+            assert p.concurrency is not None
+            mode[i], load[i] = 1, p.concurrency
+        values: list[float | None] = [None] * 6
+        if not sat:
+            values = [p.ttft_mean_ms, p.ttft_p50_ms, p.ttft_p99_ms,
+                      p.itl_like_mean_ms, p.itl_like_p50_ms, p.itl_like_p99_ms]
+        out = p.output_tok_s if (sat or p.load is LoadKind.CONCURRENCY) else None
+        for j, v in enumerate([*values, out]):
+            if v is not None and v > 0:
+                obs[i, j] = v
+    return _Data(isl, osl, mode, load, obs, kv_tokens)
+
+
+def _params_from_phi(phi: Array) -> PerfParams:
+    values = np.exp(np.clip(phi, -60.0, 40.0))
+    for j in _OFFSET_PARAMS:
+        values[j] = 1.0 + values[j]
+    return PerfParams.from_tuple([float(v) for v in values])
+
+
+def _phi_from_params(p: PerfParams) -> Array:
+    values = np.array(p.as_tuple(), dtype=float)
+    for j in _OFFSET_PARAMS:
+        values[j] = max(values[j] - 1.0, 1e-3)
+    return np.asarray(np.log(np.maximum(values, 1e-30)), dtype=float)
+
+
+def _predict_array(params: PerfParams, d: _Data) -> Array:
+    """Predicted statistics for every point, shape (n, 7); saturation beyond rho_clip is clipped."""
+    isl, osl = d.isl, d.osl
+    _, work = work_terms(params, isl, osl)
+    x_cap = _RHO_CLIP / work
+    if d.kv_tokens is not None:
+        b_max = d.kv_tokens / np.maximum(isl + osl, 1.0)
+        x_cap = np.minimum(x_cap, memory_x(params, isl, osl, b_max))
+    x_closed = closed_loop_x(params, isl, osl, np.maximum(d.load, 1e-9))
+    x = np.where(d.mode == 0, d.load, np.where(d.mode == 1, x_closed, x_cap))
+    x = np.minimum(x, x_cap)
+    itl, ttft_mean, ttft_p50, ttft_p99, _ = latency_terms(params, isl, osl, x)
+    # closed loop with the KV cache full: the extra clients queue before their first token
+    queued = np.where(d.mode == 1, np.maximum(d.load / x - (ttft_mean + (osl - 1.0) * itl), 0.0), 0.0)
+    out = np.empty((len(isl), len(_METRICS)))
+    out[:, 0] = ttft_mean + queued
+    out[:, 1] = ttft_p50 + queued
+    out[:, 2] = ttft_p99 + queued
+    out[:, 3] = itl
+    out[:, 4] = itl * params.itl_p50_factor
+    out[:, 5] = itl * params.itl_p99_factor
+    out[:, 6] = x * 1000.0 * osl
+    return out
+
+
+def _guess(points: Sequence[BenchmarkPoint], d: _Data) -> PerfParams:
+    """A data-driven starting point when the architecture is unknown (no roofline prior)."""
+    itl = d.obs[:, 3:6]
+    itl_min = float(np.nanmin(itl)) if np.isfinite(itl).any() else math.nan
+    ttft = d.obs[:, 0:3]
+    s0 = 0.7 * itl_min if math.isfinite(itl_min) else 20.0
+    p_isl = 0.5 * s0 / 100.0
+    if np.isfinite(ttft).any():
+        j = int(np.nanargmin(np.nanmin(np.where(np.isfinite(ttft), ttft, np.inf), axis=1)))
+        t = float(np.nanmin(ttft[j]))
+        p_isl = max(0.6 * t / max(d.isl[j], 1.0), 1e-6)
+    per_seq = s0 / 100.0
+    sat = np.isfinite(d.obs[:, 6]) & (d.mode == 2)
+    if sat.any():
+        w_obs = d.osl[sat] * 1000.0 / d.obs[sat, 6]
+        per_seq_est = (w_obs - p_isl * d.isl[sat]) / np.maximum(d.osl[sat] - 1.0, 1.0)
+        per_seq = max(float(np.median(per_seq_est)), 1e-6)
+    isl_max = float(max(d.isl.max(), 1.0))
+    ctx = float(np.median(d.isl + d.osl / 2.0))
+    return PerfParams(
+        s0_ms=s0, s1_ms=0.5 * per_seq, s2_ms=0.5 * per_seq / max(ctx, 1.0), p0_ms=s0,
+        p1_ms=p_isl, p2_ms=p_isl / (4.0 * isl_max), q=1.0,
+    )
+
+
+def _work_estimate(d: _Data, base: PerfParams) -> PerfParams:
+    """Start values for the work terms from saturation throughputs: W = osl/throughput is linear in
+    (p0, p1, p2, s1, s2), solved by non-negative least squares in relative terms."""
+    sat = np.isfinite(d.obs[:, 6]) & (d.mode == 2)
+    if int(sat.sum()) < 2:
+        return base
+    isl, osl = d.isl[sat], d.osl[sat]
+    w_obs = osl * 1000.0 / d.obs[sat, 6]
+    cols = np.stack([np.ones_like(isl), isl, isl * isl, osl - 1.0, (isl + osl / 2.0) * (osl - 1.0)], axis=1)
+    scale = cols.max(axis=0)
+    scale[scale == 0] = 1.0
+    coef, _ = nnls(cols / scale / w_obs[:, None], np.ones_like(w_obs))
+    coef = coef / scale
+    old = base.as_tuple()
+    floors = (old[3], old[4], old[5], old[1], old[2])
+    p0, p1, p2, s1, s2 = (max(float(c), 1e-3 * f) for c, f in zip(coef, floors, strict=True))
+    return PerfParams(base.s0_ms, s1, s2, p0, p1, p2, *old[6:])
+
+
+def _solve(d: _Data, phi0: Array, prior: Array, weight: float, max_nfev: int = 400) -> Array:
+    mask = np.isfinite(d.obs)
+    log_obs = np.log(np.where(mask, d.obs, 1.0))
+
+    def residuals(phi: Array) -> Array:
+        pred = _predict_array(_params_from_phi(phi), d)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            r = np.log(pred) - log_obs
+        r = np.where(np.isfinite(r), r, 10.0)
+        return np.concatenate([r[mask], weight * (phi - prior)])
+
+    result = least_squares(residuals, phi0, method="trf", loss="soft_l1", f_scale=0.5,
+                           max_nfev=max_nfev, x_scale=1.0)
+    return np.asarray(result.x, dtype=float)
+
+
+def _primary(values: Array, cols: Sequence[int]) -> Array:
+    """Per point, the first reported of the given columns (mean, else p50, else p99); NaN if none."""
+    out = np.full(values.shape[0], np.nan)
+    for c in reversed(cols):
+        out = np.where(np.isfinite(values[:, c]), values[:, c], out)
+    return out
+
+
+def _mape(errors: list[float]) -> float | None:
+    return float(np.mean(errors)) if errors else None
+
+
+@dataclass(frozen=True)
+class FitReport:
+    profile: PerfProfile
+    points_used: int
+    saturated_points: int
+
+
+def _range(points: Sequence[BenchmarkPoint]) -> DataRange:
+    rates = [p.rate_rps for p in points if p.load is LoadKind.RATE and p.rate_rps is not None]
+    concs = [p.concurrency for p in points if p.load is LoadKind.CONCURRENCY and p.concurrency is not None]
+    return DataRange(
+        isl=(min(p.isl for p in points), max(p.isl for p in points)),
+        osl=(min(p.osl for p in points), max(p.osl for p in points)),
+        rate_rps=(min(rates), max(rates)) if rates else None,
+        concurrency=(min(concs), max(concs)) if concs else None,
+    )
+
+
+def _prior_for(key: ProfileKey, points: Sequence[BenchmarkPoint], d: _Data) -> tuple[PerfParams, float, str]:
+    prior = roofline_params(key)
+    if prior is not None:
+        return prior, _PRIOR_WEIGHT_ROOFLINE, "prior: roofline (weight bytes / HBM bandwidth)"
+    guess = _work_estimate(d, _guess(points, d))
+    return guess, _PRIOR_WEIGHT_GUESS, "prior: data-driven guess (architecture unknown)"
+
+
+def fit_profile(key: ProfileKey, points: Sequence[BenchmarkPoint], *, loo: bool = True) -> FitReport:
+    """Fit one profile to the points of one configuration; LOO error unless loo=False."""
+    if not points:
+        raise FitFailure(f"{key.label()}: no points")
+    kv = kv_capacity_tokens(key)
+    d = _data(points, kv)
+    if not np.isfinite(d.obs).any():
+        raise FitFailure(f"{key.label()}: the points report no usable statistic")
+    prior_params, weight, prior_note = _prior_for(key, points, d)
+    prior = _phi_from_params(prior_params)
+    phi = _solve(d, _phi_from_params(_work_estimate(d, prior_params)), prior, weight)
+    fit_error = _loo(d, phi, prior, weight) if loo else None
+    profile = PerfProfile(
+        key=key, params=_params_from_phi(phi), kv_tokens=kv, source="fit",
+        fit_error=fit_error, data_range=_range(points),
+        notes=(prior_note,),
+    )
+    return FitReport(profile, len(points), int((d.mode == 2).sum()))
+
+
+def _loo(d: _Data, phi: Array, prior: Array, weight: float) -> FitError:
+    n = len(d.isl)
+    ttft_err: list[float] = []
+    itl_err: list[float] = []
+    out_err: list[float] = []
+    if n >= 2:
+        for i in range(n):
+            rest = [j for j in range(n) if j != i]
+            train = d.subset(rest)
+            if not np.isfinite(train.obs).any():
+                continue
+            phi_i = _solve(train, phi.copy(), prior, weight, max_nfev=200)
+            _collect(d.subset([i]), phi_i, ttft_err, itl_err, out_err)
+    return FitError(points=n, ttft_mape=_mape(ttft_err), itl_mape=_mape(itl_err),
+                    throughput_mape=_mape(out_err))
+
+
+def _collect(test: _Data, phi: Array, ttft_err: list[float], itl_err: list[float],
+             out_err: list[float]) -> None:
+    """Append absolute percentage errors of a fitted parameter vector on held-out points."""
+    pred = _predict_array(_params_from_phi(phi), test)
+    for errs, cols in ((ttft_err, (0, 1, 2)), (itl_err, (3, 4, 5)), (out_err, (6,))):
+        obs_p = _primary(test.obs, cols)
+        pred_p = _primary(np.where(np.isfinite(test.obs), pred, np.nan), cols)
+        ok = np.isfinite(obs_p) & np.isfinite(pred_p)
+        errs.extend((100.0 * np.abs(pred_p[ok] - obs_p[ok]) / obs_p[ok]).tolist())
+
+
+def holdout_errors(key: ProfileKey, train: Sequence[BenchmarkPoint], test: Sequence[BenchmarkPoint],
+                   ) -> tuple[list[float], list[float], list[float]]:
+    """Fit on `train`, predict `test`: absolute percentage errors for TTFT, ITL, throughput."""
+    kv = kv_capacity_tokens(key)
+    d_train, d_test = _data(train, kv), _data(test, kv)
+    prior_params, weight, _ = _prior_for(key, train, d_train)
+    prior = _phi_from_params(prior_params)
+    phi = _solve(d_train, _phi_from_params(_work_estimate(d_train, prior_params)), prior, weight)
+    errs: tuple[list[float], list[float], list[float]] = ([], [], [])
+    _collect(d_test, phi, *errs)
+    return errs
+
+
+def group_points(points: Iterable[BenchmarkPoint]) -> dict[ProfileKey, list[BenchmarkPoint]]:
+    groups: dict[ProfileKey, list[BenchmarkPoint]] = {}
+    for p in points:
+        groups.setdefault(p.key, []).append(p)
+    return groups
