@@ -948,11 +948,12 @@ def _attached_proc(name: str, info: Mapping[str, Any] | None) -> ManagedProcess 
     proc = ManagedProcess(name, info["argv"], Path(info["log"]))
     pid = int(info["pid"])
     try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-    except FileNotFoundError:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
         return None
-    if Path(cmdline).name != Path(info["argv"][0]).name:  # pid reused by something else
-        return None
+    # nginx rewrites its title ("nginx: master process /usr/sbin/nginx -p ..."): look for the name.
+    if not pid_alive(pid) or Path(info["argv"][0]).name.encode() not in cmdline:
+        return None  # gone, or the pid was reused by something else
     proc.pid = pid
     return proc
 
