@@ -30,6 +30,7 @@ import json
 import logging
 import re
 import subprocess
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -267,6 +268,7 @@ class NginxRouter:
     def __init__(self, upstreams_path: str | Path, reload: Callable[[], None]) -> None:
         self.upstreams_path = Path(upstreams_path)
         self._reload = reload
+        self._lock = threading.Lock()  # one rewrite + reload at a time (callers use worker threads)
 
     def current_text(self) -> str | None:
         try:
@@ -281,6 +283,10 @@ class NginxRouter:
         On a reload failure the previous file is restored and NginxReloadError is raised.
         """
         text = render_nginx_upstreams(endpoints)
+        with self._lock:
+            return self._apply_locked(text)
+
+    def _apply_locked(self, text: str) -> bool:
         old = self.current_text()
         if old == text:
             return False

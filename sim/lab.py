@@ -28,6 +28,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -467,6 +468,7 @@ class NginxServer:
         self.upstreams_path = workdir / "upstreams.conf"
         self.error_log = workdir / "error.log"
         self.proc: ManagedProcess | None = None
+        self._reload_lock = threading.Lock()
 
     @property
     def url(self) -> str:
@@ -549,6 +551,10 @@ http {{
 
     def reload(self, timeout_s: float = 15.0) -> None:
         """Graceful reload: nginx -t, SIGHUP the master, wait for the new routing generation."""
+        with self._reload_lock:
+            self._reload(timeout_s)
+
+    def _reload(self, timeout_s: float) -> None:
         from controller.routing import NginxReloadError, read_generation
 
         if self.proc is None or not self.proc.running() or self.proc.pid is None:
@@ -565,7 +571,7 @@ http {{
             # Done when the new workers serve the new table AND every old worker has stopped
             # accepting (it is gone or "shutting down": finishing its in-flight requests only).
             try:
-                if self.serving_generation() == want and not [
+                if (want is None or self.serving_generation() == want) and not [
                     pid for pid in old_workers if _worker_accepting(pid)
                 ]:
                     return

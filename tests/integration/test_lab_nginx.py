@@ -142,3 +142,20 @@ async def test_failed_reload_keeps_old_file_and_routing(
     async with httpx.AsyncClient(base_url=nginx.url, timeout=5) as client:
         r = await client.post("/m/m/v1/completions", json={})
     assert r.json()["backend"] == "a"
+
+
+async def test_model_names_with_slashes_dots_colons_route_exactly(
+    nginx: NginxServer, backends: Callable[[str], Awaitable[Backend]]
+) -> None:
+    names = ["a", "a/b", "meta-llama/Llama-3.1-8B-Instruct", "qwen2.5:7b", "x+y", "a.b"]
+    started = {name: await backends(name) for name in names}
+    router = NginxRouter(nginx.upstreams_path, nginx.reload)
+    await asyncio.to_thread(router.apply, {name: [addr] for name, (addr, _) in started.items()})
+    async with httpx.AsyncClient(base_url=nginx.url, timeout=5) as client:
+        for name in names:
+            r = await client.post(f"/m/{name}/v1/completions", json={})
+            assert r.json() == {"backend": name, "path": "/v1/completions"}, name
+            r = await client.post("/v1/completions", headers={"X-Model": name}, json={})
+            assert r.json()["backend"] == name
+        # "a.b" is a name, not a regex: "/m/aXb/" routes nowhere.
+        assert (await client.post("/m/aXb/v1/completions", json={})).status_code == 404
