@@ -1,0 +1,152 @@
+"""Replay evaluation on the real traces in ../shared/data/traces: every policy side by side.
+
+    .venv/bin/python bench/evaluate_traces.py [--traces azure,mooncake] [--day] [--workers 2] [--out DIR]
+
+Per trace it builds profiles the way a team would (a rate sweep per config on the simulator's ground
+truth with the trace's own length mix, fitted with models.fit), runs `sim.evaluate.evaluate` for
+all policies, prints the table, the issue's goals and the evaluation wall time (the simulations of
+all policies plus the ground-truth capacities; profile generation is reported separately).
+
+Scenarios (policies are written below, in the repo; only the traces are read from outside):
+- azure: Azure LLM conversation trace, 1 h, 19,366 requests, rate x4 (tiled: 4 copies of the hour
+  time-compressed into the hour, sim.traces.reshape), served as Llama-3-70B on 8 hosts x 8 H100,
+  SLO TTFT p99 1 s / ITL p99 80 ms; vLLM and TensorRT-LLM at TP 4 or 8, the TRT-LLM TP4 engine
+  cached, TP8 needs a 25 min build.
+- mooncake: Mooncake conversation trace, 59 min, 12,031 requests with 12k-token mean prompts, rate
+  x1, served as Llama-3-8B on 4 hosts x 8 H100, long-context SLO TTFT p99 20 s / ITL p99 150 ms,
+  TP 1 or 2, the TRT-LLM TP1 engine cached.
+With --day the hour is also shaped into a compressed day (sim.traces.shape_day, day_s = 3600 s:
+trough at the start, peak at 30 min, peak/trough 3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from planner.policy import load_policy_text  # noqa: E402
+from sim.baselines import POLICY_NAMES  # noqa: E402
+from sim.des import SimSettings  # noqa: E402
+from sim.evaluate import (  # noqa: E402
+    EvaluateOptions,
+    _candidates,
+    evaluate,
+    goals,
+    policy_for_models,
+    prepare_trace,
+    profiles_from_ground_truth,
+    render_table,
+    trace_lengths,
+    write_charts,
+)
+from sim.traces import read_trace, reshape, shape_day  # noqa: E402
+
+TRACES = ROOT.parent / "shared" / "data" / "traces"
+
+_COMMON = """
+version: 1
+gpu_types:
+  h100: {price_usd_h: 3.0}
+engines:
+  vllm:
+    launch: {command: vllm, args: [serve, "{hf_model}", --tensor-parallel-size, "{tp}", --port, "{port}"]}
+    startup: {default_s: 60, overrides: [{model: llama-3-70b, seconds: 90}]}
+  trtllm:
+    launch: {command: trtllm-serve, args: ["{engine_dir}", --tp_size, "{tp}", --port, "{port}"]}
+    startup: {default_s: 45, overrides: [{model: llama-3-70b, seconds: 75}]}
+    build: {default_s: 900, overrides: [{model: llama-3-70b, seconds: 1500}]}
+    cached_builds: [CACHED]
+scaling:
+  cycle_s: 60
+  scale_down_delay_s: 300
+  max_actions_per_cycle: 8
+  forecast_quantile: 0.9
+"""
+
+
+def _hosts(n: int) -> str:
+    return "hosts:\n" + "".join(
+        f"  - {{name: gpu-{i:02d}, gpu: h100, gpu_count: 8, nvlink_groups: [[0, 1, 2, 3, 4, 5, 6, 7]]}}\n"
+        for i in range(1, n + 1)
+    )
+
+
+AZURE_POLICY = _COMMON.replace("CACHED", "{model: llama-3-70b, gpu: h100, tp: 4}") + _hosts(8) + """
+models:
+  - name: llama-3-70b
+    slo: {ttft_p99_ms: 1000, itl_p99_ms: 80}
+    min_replicas: 1
+    allowed: {engines: [vllm, trtllm], tp: [4, 8], gpus: [h100]}
+    headroom: 0.1
+    workload: {isl: 1155, osl: 211}
+"""
+
+MOONCAKE_POLICY = _COMMON.replace("CACHED", "{model: llama-3-8b, gpu: h100, tp: 1}") + _hosts(4) + """
+models:
+  - name: llama-3-8b
+    slo: {ttft_p99_ms: 20000, itl_p99_ms: 150}
+    min_replicas: 1
+    allowed: {engines: [vllm, trtllm], tp: [1, 2], gpus: [h100]}
+    headroom: 0.1
+    workload: {isl: 12035, osl: 343}
+"""
+
+SCENARIOS = {
+    "azure": ("azure_llm_conv_2023.csv", AZURE_POLICY, "llama-3-70b", 4.0),
+    "mooncake": ("mooncake_conversation.jsonl", MOONCAKE_POLICY, "llama-3-8b", 1.0),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--traces", default="azure,mooncake")
+    ap.add_argument("--day", action="store_true", help="also evaluate the compressed-day shape")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--policies", default=",".join(POLICY_NAMES))
+    ap.add_argument("--out", type=Path, default=None, help="write charts per scenario here")
+    args = ap.parse_args(argv)
+    if not TRACES.is_dir():
+        print(f"traces not found at {TRACES}", file=sys.stderr)
+        return 2
+    for key in [k.strip() for k in args.traces.split(",") if k.strip()]:
+        fname, policy_text, model, scale = SCENARIOS[key]
+        policy = load_policy_text(policy_text, f"bench:{key}")
+        raw = read_trace(TRACES / fname, model=model)
+        shapes = [("hour", reshape(raw, duration_s=raw.duration_s, rate_scale=scale))]
+        if args.day:
+            shapes.append(("compressed-day", shape_day(raw, raw.duration_s, scale)))
+        for shape_name, tr in shapes:
+            tr = prepare_trace(tr, policy, model)
+            pol = policy_for_models(policy, [model])
+            m = pol.models[0]
+            t0 = time.perf_counter()
+            configs = _candidates(pol, model)
+            profiles = profiles_from_ground_truth(configs, trace_lengths(tr, model), m.slo.ttft_p99_ms,
+                                                  m.slo.itl_p99_ms)
+            t_prof = time.perf_counter() - t0
+            opts = EvaluateOptions(policies=tuple(args.policies.split(",")), settings=SimSettings(),
+                                   workers=args.workers)
+            ev = evaluate(tr, pol, profiles, opts, trace_info={"scenario": key, "shape": shape_name,
+                                                                "rate_scale": scale})
+            print(f"\n=== {key} ({fname}), {shape_name}, rate x{scale:g}, model {model} ===")
+            print(render_table(ev))
+            print("ground-truth capacity per replica (rps): " + ", ".join(
+                f"{k}={v:.2f}" for k, v in sorted(ev.capacities.items())))
+            for goal, ok, fig in goals(ev):
+                print(f"goal: {goal}: {'MET' if ok else 'NOT MET'} ({fig})")
+            print(f"profiles from ground truth: {t_prof:.1f} s; evaluation wall time: {ev.wall_s:.1f} s "
+                  f"for {len(ev.policies)} policies on {ev.trace['requests']} requests")
+            if args.out is not None:
+                png, html = write_charts(ev, args.out / f"{key}-{shape_name}")
+                print(f"charts: {png} {html}")
+            sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

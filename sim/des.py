@@ -1,0 +1,1191 @@
+"""Discrete-event simulation of a serving fleet on a simulated clock.
+
+Requests from a trace reach READY replicas through a least-loaded router (fewest requests in the
+replica: running + waiting; ties to the oldest replica). Each replica runs the simulator's ground
+truth (sim.groundtruth: the step-time model and the continuous-batching rules of BatchCore). A
+controller (sim.baselines) runs every `period_s` simulated seconds and sees only what production
+sees: Prometheus-like windowed rates and histogram quantiles, scraped every `scrape_s` and visible
+`scrape_delay_s` later, never the trace's future or the requests' true output lengths.
+
+Speed: `FastCore` follows BatchCore's scheduling rules step for step, except that a run of
+pure-decode steps (every running request decoding, nothing admissible from the queue, no KV
+pressure) is advanced as ONE macro-step up to the next event (a request finishing, or an arrival
+routed to that replica, which splits the macro-step at the step boundary after the arrival). Step
+times in a macro-step are the noise-free step time interpolated linearly in the context length
+times the mean of the lognormal noise. Per-request TTFT and ITL agree with BatchCore within a few
+percent (tests/unit/sim/test_evaluate_des.py measures it).
+
+Replica lifecycle: STARTING (launch; + TensorRT-LLM engine build when no built engine exists) ->
+READY -> DRAINING (no new requests; stops when idle) -> STOPPED. GPU-hours count from the start
+request to the stop, builds count the GPUs they occupy for their duration.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, cast
+
+import numpy as np
+
+from planner.types import (
+    Action,
+    ActionKind,
+    ConfigKey,
+    EngineBuild,
+    Fleet,
+    HostInventory,
+    ModelObservation,
+    Observation,
+    Replica,
+    ReplicaState,
+)
+from sim.groundtruth import EngineParams, RequestTooLongError, step_time_s
+from sim.traces import Trace
+
+# vLLM bucket edges (vllm/v1/metrics/loggers.py), seconds
+TTFT_BUCKETS_S: tuple[float, ...] = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)
+ITL_BUCKETS_S: tuple[float, ...] = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+)
+
+# request status codes
+PENDING, SERVED, REJECTED = 0, 1, 2
+
+
+def histogram_quantile(q: float, edges: Sequence[float], counts: Sequence[float]) -> float | None:
+    """Prometheus histogram_quantile over non-cumulative bucket counts (last = +Inf bucket)."""
+    total = float(sum(counts))
+    if total <= 0:
+        return None
+    rank = q * total
+    cum = 0.0
+    for i, c in enumerate(counts):
+        if cum + c >= rank and c > 0:
+            if i >= len(edges):
+                return float(edges[-1])
+            lo = 0.0 if i == 0 else float(edges[i - 1])
+            hi = float(edges[i])
+            return lo + (hi - lo) * (rank - cum) / c
+        cum += c
+    return float(edges[-1])
+
+
+# ----------------------------------------------------------------------------------------------
+# The replica core
+# ----------------------------------------------------------------------------------------------
+
+
+class _R:
+    __slots__ = ("blocks", "computed", "emitted", "idx", "max_tokens", "prompt", "target")
+
+    def __init__(self, idx: int, prompt: int, max_tokens: int) -> None:
+        self.idx = idx
+        self.prompt = prompt
+        self.max_tokens = max_tokens
+        self.computed = 0
+        self.emitted = 0
+        self.target = prompt
+        self.blocks = 0
+
+
+class FastCore:
+    """BatchCore's scheduling with macro-stepped pure-decode runs (see the module docstring).
+
+    Protocol: `begin(now)` plans the next (macro-)step and returns its end time (None: idle);
+    `split(t)` shortens a macro-step in progress to the first step boundary >= t; `end()` applies
+    the step in progress and returns (first-token request indices, finished indices, itl_gap_s,
+    itl_gap_count) for the ITL histogram.
+    """
+
+    def __init__(self, params: EngineParams, seed: int = 0, *, macro: bool = True) -> None:
+        self.params = params
+        self._rng = random.Random(seed)
+        self.waiting: list[_R] = []  # FIFO; head at index self._wh
+        self._wh = 0
+        self.running: list[_R] = []
+        self.free_blocks = params.kv_blocks
+        self.macro = macro
+        self._noise_mean = math.exp(params.noise_sigma**2 / 2.0) if params.noise_sigma > 0 else 1.0
+        # step in progress
+        self.busy = False
+        self.t0 = 0.0
+        self.t_end = 0.0
+        self._sched: list[tuple[_R, int]] = []
+        self._k = 0  # macro-step: number of decode steps (0: a single exact step)
+        self._a = 0.0
+        self._b = 0.0
+        self.steps = 0
+        self.preemptions = 0
+
+    # -- queries
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) - self._wh
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.free_blocks / self.params.kv_blocks
+
+    def idle(self) -> bool:
+        return not self.running and self.num_waiting == 0
+
+    def check(self, prompt_tokens: int, max_tokens: int) -> None:
+        p = self.params
+        total = prompt_tokens + max_tokens
+        if total > p.max_model_len or -(-total // p.block_size) > p.kv_blocks:
+            raise RequestTooLongError(
+                f"prompt_tokens + max_tokens = {total} exceeds the engine's maximum context length {p.max_model_len}"
+            )
+
+    def submit(self, idx: int, prompt_tokens: int, max_tokens: int) -> None:
+        prompt_tokens = max(1, int(prompt_tokens))
+        max_tokens = max(1, int(max_tokens))
+        self.check(prompt_tokens, max_tokens)
+        self.waiting.append(_R(idx, prompt_tokens, max_tokens))
+
+    def _pop_waiting(self) -> _R:
+        r = self.waiting[self._wh]
+        self._wh += 1
+        if self._wh > 64 and self._wh * 2 > len(self.waiting):
+            del self.waiting[: self._wh]
+            self._wh = 0
+        return r
+
+    def _push_front(self, r: _R) -> None:
+        if self._wh > 0:
+            self._wh -= 1
+            self.waiting[self._wh] = r
+        else:
+            self.waiting.insert(0, r)
+
+    # -- planning a step
+    def begin(self, now: float) -> float | None:
+        assert not self.busy
+        if self.idle():
+            return None
+        if self.macro and self._plan_macro(now):
+            return self.t_end
+        return self._plan_single(now)
+
+    def _admissible(self, budget: int) -> bool:
+        """Could the head of the queue be admitted in a step with `budget` tokens left?"""
+        if self.num_waiting == 0 or budget <= 0 or len(self.running) >= self.params.max_num_seqs:
+            return False
+        p = self.params
+        r = self.waiting[self._wh]
+        need = r.target - r.computed
+        n = need if need <= budget else (budget if p.chunked_prefill else 0)
+        if n <= 0:
+            return False
+        bs = p.block_size
+        want = (-(-(r.prompt + r.max_tokens) // bs) if p.factors.reserve_full_kv else -(-(r.computed + n) // bs))
+        return want - r.blocks <= self.free_blocks
+
+    def _plan_macro(self, now: float) -> bool:
+        running = self.running
+        nb = len(running)
+        if nb == 0:
+            return False
+        p = self.params
+        k = 1 << 62
+        ctx = 0
+        for r in running:
+            if r.target - r.computed != 1 or r.emitted == 0:
+                return False
+            rem = r.max_tokens - r.emitted
+            if rem < k:
+                k = rem
+            ctx += r.computed
+        if nb > p.max_num_batched_tokens or self._admissible(p.max_num_batched_tokens - nb):
+            return False
+        if not p.factors.reserve_full_kv:
+            bs = p.block_size
+
+            def extra(j: int) -> int:
+                return sum(-(-(r.computed + j) // bs) - r.blocks for r in running)
+
+            if extra(k) > self.free_blocks:
+                lo, hi = 0, k  # extra(lo) fits, extra(hi) does not
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    if extra(mid) <= self.free_blocks:
+                        lo = mid
+                    else:
+                        hi = mid
+                k = lo
+        if k < 2:
+            return False
+        a = step_time_s(p, decode_seqs=nb, prefill_tokens=0, context_tokens=ctx)
+        z = step_time_s(p, decode_seqs=nb, prefill_tokens=0, context_tokens=ctx + (k - 1) * nb)
+        m = self._noise_mean
+        self._a = a * m
+        self._b = (z - a) * m / (k - 1)
+        self._k = k
+        self.busy = True
+        self.t0 = now
+        self.t_end = now + self._cum(k)
+        return True
+
+    def _cum(self, j: int) -> float:
+        return j * self._a + self._b * j * (j - 1) / 2.0
+
+    def split(self, t: float) -> float:
+        """Shorten a macro-step in progress so that it ends at the first step boundary >= t."""
+        if not self.busy or self._k == 0 or t >= self.t_end:
+            return self.t_end
+        d = t - self.t0
+        a, b = self._a, self._b
+        if abs(b) < 1e-15:
+            j = math.ceil(d / a) if a > 0 else 1
+        else:
+            c2, c1 = b / 2.0, a - b / 2.0
+            disc = c1 * c1 + 4.0 * c2 * d
+            j = math.ceil((-c1 + math.sqrt(max(0.0, disc))) / (2.0 * c2))
+        while j > 1 and self._cum(j - 1) >= d:
+            j -= 1
+        while self._cum(j) < d and j < self._k:
+            j += 1
+        j = max(1, min(self._k, j))
+        if j < self._k:
+            self._k = j
+            self.t_end = self.t0 + self._cum(j)
+        return self.t_end
+
+    def _plan_single(self, now: float) -> float | None:
+        """One BatchCore step (same admission, chunking, KV allocation and preemption rules)."""
+        p = self.params
+        budget = p.max_num_batched_tokens
+        bs = p.block_size
+        reserve = p.factors.reserve_full_kv
+        sched: list[tuple[_R, int]] = []
+        prefill_tokens = 0
+        decode_seqs = 0
+        context = 0
+        attn_pairs = 0.0
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            r = running[i]
+            need = r.target - r.computed
+            n = need if need <= budget else (budget if p.chunked_prefill else 0)
+            if n <= 0:
+                i += 1
+                continue
+            if not reserve:
+                extra = -(-(r.computed + n) // bs) - r.blocks
+                self_preempted = False
+                while extra > self.free_blocks:
+                    victim = running.pop()
+                    self._preempt(victim)
+                    if victim is r:
+                        self_preempted = True
+                        break
+                if self_preempted:
+                    break
+                if extra > 0:
+                    self.free_blocks -= extra
+                    r.blocks += extra
+            sched.append((r, n))
+            budget -= n
+            if need == 1 and r.emitted > 0:
+                decode_seqs += 1
+                context += r.computed
+            else:
+                prefill_tokens += n
+                attn_pairs += n * (r.computed + n / 2.0)
+            i += 1
+        while self.num_waiting and budget > 0 and len(running) < p.max_num_seqs:
+            r = self.waiting[self._wh]
+            need = r.target - r.computed
+            n = need if need <= budget else (budget if p.chunked_prefill else 0)
+            if n <= 0:
+                break
+            want = (-(-(r.prompt + r.max_tokens) // bs) if reserve else -(-(r.computed + n) // bs)) - r.blocks
+            if want > self.free_blocks:
+                break
+            self._pop_waiting()
+            self.free_blocks -= want
+            r.blocks += want
+            running.append(r)
+            sched.append((r, n))
+            budget -= n
+            prefill_tokens += n
+            attn_pairs += n * (r.computed + n / 2.0)
+        self.steps += 1
+        if not sched:
+            return None
+        dur = step_time_s(p, decode_seqs=decode_seqs, prefill_tokens=prefill_tokens,
+                          context_tokens=context, prefill_attn_pairs=attn_pairs)
+        if p.noise_sigma > 0:
+            dur *= math.exp(self._rng.gauss(0.0, p.noise_sigma))
+        self._sched = sched
+        self._k = 0
+        self.busy = True
+        self.t0 = now
+        self.t_end = now + dur
+        return self.t_end
+
+    def _preempt(self, r: _R) -> None:
+        self.preemptions += 1
+        self.free_blocks += r.blocks
+        r.blocks = 0
+        r.computed = 0
+        r.target = r.prompt + r.emitted
+        self._push_front(r)
+
+    # -- applying a step
+    def end(self) -> tuple[list[int], list[int], float, int]:
+        assert self.busy
+        self.busy = False
+        first: list[int] = []
+        finished: list[int] = []
+        if self._k > 0:
+            j = self._k
+            self.steps += j
+            reserve = self.params.factors.reserve_full_kv
+            bs = self.params.block_size
+            done = False
+            for r in self.running:
+                r.computed += j
+                r.emitted += j
+                r.target = r.prompt + r.emitted
+                if not reserve:
+                    nbk = -(-r.computed // bs)
+                    if nbk > r.blocks:
+                        self.free_blocks -= nbk - r.blocks
+                        r.blocks = nbk
+                if r.emitted >= r.max_tokens:
+                    done = True
+            gap = (self.t_end - self.t0) / j
+            count = j * len(self.running)
+            if done:
+                self._retire(finished)
+            self._k = 0
+            return first, finished, gap, count
+        done = False
+        ndec = 0
+        for r, n in self._sched:
+            r.computed += n
+            if r.computed >= r.target:
+                if r.emitted == 0:
+                    first.append(r.idx)
+                else:
+                    ndec += 1
+                r.emitted += 1
+                r.target = r.prompt + r.emitted
+                if r.emitted >= r.max_tokens:
+                    done = True
+        self._sched = []
+        if done:
+            self._retire(finished)
+        return first, finished, self.t_end - self.t0, ndec
+
+    def _retire(self, finished: list[int]) -> None:
+        keep = []
+        for r in self.running:
+            if r.emitted >= r.max_tokens:
+                self.free_blocks += r.blocks
+                r.blocks = 0
+                finished.append(r.idx)
+            else:
+                keep.append(r)
+        self.running = keep
+
+
+# ----------------------------------------------------------------------------------------------
+# Controllers see this
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    running: float
+    waiting: float
+    kv_usage: float
+
+
+@dataclass(frozen=True)
+class ControllerView:
+    t_s: float  # simulated seconds since the start of the trace
+    epoch_s: float  # the same instant as epoch seconds (for the planner's schedules)
+    observation: Observation
+    fleet: Fleet
+    replica_load: Mapping[str, ReplicaLoad]  # as last scraped, READY replicas only
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Either planner actions (fleetplan) or target replica counts per config (baselines)."""
+
+    actions: tuple[Action, ...] = ()
+    targets: Mapping[ConfigKey, int] | None = None
+    note: str = ""
+
+
+class Controller(Protocol):
+    name: str
+    period_s: float
+
+    def decide(self, view: ControllerView) -> Decision: ...
+
+
+@dataclass(frozen=True)
+class Environment:
+    """What the simulated world is made of (from the policy file)."""
+
+    hosts: tuple[HostInventory, ...]
+    price_usd_h: Mapping[str, float]  # GPU type value -> $/GPU-hour
+    params_for: Callable[[ConfigKey], EngineParams]  # ground-truth engine of a config
+    startup_s: Callable[[ConfigKey], float]
+    build_s: Callable[[ConfigKey], float | None]  # None: no build step for this engine
+    cached: frozenset[ConfigKey]  # configs whose engine build exists at t = 0
+    ttft_slo_ms: Mapping[str, float]  # per model
+    itl_slo_ms: Mapping[str, float]
+    epoch0_s: float = 1_767_571_200.0  # 2026-01-05 00:00 UTC (a Monday) = simulated t 0
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    scrape_s: float = 15.0
+    scrape_delay_s: float = 5.0  # a scrape becomes visible this long after it is taken
+    window_s: float = 60.0  # rate()/histogram window
+    history_s: float = 3600.0
+    history_step_s: float = 30.0
+    timeline_s: float = 10.0  # resolution of the demand/capacity timeline
+    demand_window_s: float = 60.0  # true demand for timeline / lag / unmet: trailing window
+    warm_start: bool = True  # the fleet at t=0 is what the controller wants for the first window
+    seed: int = 0
+    macro_steps: bool = True
+    drain_timeout_s: float = 3600.0  # after the trace ends, in-flight requests get this long
+
+
+# ----------------------------------------------------------------------------------------------
+# Results
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TimelinePoint:
+    t_s: float
+    demand_rps: float  # true arrivals over the trailing demand window
+    ready: tuple[tuple[ConfigKey, int], ...]  # READY replicas per config
+    ready_gpus: int
+    gpus: int  # all GPUs held (starting, ready, draining, building)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    policy: str
+    duration_s: float
+    arrived: int
+    served: int
+    rejected: int  # no READY replica, or a request too long for the engine
+    unfinished: int  # still in flight when the drain timeout ended the run
+    slo_met: int
+    gpu_hours: float
+    build_gpu_hours: float
+    cost_usd: float
+    ttft_ms: np.ndarray  # per served request
+    itl_ms: np.ndarray  # per served request with >= 2 output tokens (mean inter-token time)
+    replica_starts: int
+    builds: int
+    timeline: tuple[TimelinePoint, ...]
+    decisions: int
+    notes: tuple[str, ...] = ()
+    placement_conflicts: int = 0
+
+    @property
+    def slo_attainment(self) -> float:
+        return self.slo_met / self.arrived if self.arrived else 1.0
+
+
+# ----------------------------------------------------------------------------------------------
+# The simulation
+# ----------------------------------------------------------------------------------------------
+
+
+class _SimReplica:
+    __slots__ = ("config", "core", "gpus", "host", "load", "mi", "rid", "seq", "since", "state", "t_ready",
+                 "t_start", "t_stop", "version")
+
+    def __init__(self, rid: str, config: ConfigKey, host: str, gpus: tuple[int, ...], core: FastCore,
+                 t_start: float, seq: int, mi: int) -> None:
+        self.mi = mi
+        self.rid = rid
+        self.config = config
+        self.host = host
+        self.gpus = gpus
+        self.core = core
+        self.state = ReplicaState.STARTING
+        self.t_start = t_start
+        self.t_ready: float | None = None
+        self.t_stop: float | None = None
+        self.since = t_start
+        self.load = 0
+        self.version = 0
+        self.seq = seq
+
+
+@dataclass
+class _ModelMetrics:
+    completed: float = 0.0
+    prompt_tokens: float = 0.0
+    gen_tokens: float = 0.0
+    ttft: list[float] = field(default_factory=lambda: [0.0] * (len(TTFT_BUCKETS_S) + 1))
+    itl: list[float] = field(default_factory=lambda: [0.0] * (len(ITL_BUCKETS_S) + 1))
+
+
+@dataclass(frozen=True)
+class _Scrape:
+    t: float
+    completed: float
+    prompt_tokens: float
+    gen_tokens: float
+    ttft: tuple[float, ...]
+    itl: tuple[float, ...]
+
+
+class FleetSim:
+    """One policy on one trace. `run()` returns a SimResult."""
+
+    _P_STEP, _P_LIFE, _P_SCRAPE, _P_TICK = 0, 1, 2, 3
+
+    def __init__(self, trace: Trace, controller: Controller, env: Environment,
+                 settings: SimSettings | None = None, *, default_model: str | None = None) -> None:
+        self.trace = trace
+        self.ctl = controller
+        self.env = env
+        self.s = settings or SimSettings()
+        reqs = trace.requests
+        self.n = len(reqs)
+        self.arr_t = np.array([r.t_s for r in reqs], dtype=float)
+        self.prompt = [r.prompt_tokens for r in reqs]
+        self.output = [r.output_tokens for r in reqs]
+        models = [r.model or default_model for r in reqs]
+        if any(m is None for m in models):
+            raise ValueError("the trace has requests without a model and no default model was given")
+        self.model_names: list[str] = sorted({m for m in models if m is not None})
+        mindex = {m: i for i, m in enumerate(self.model_names)}
+        self.req_model = [mindex[m] for m in models if m is not None]
+        self.first_t = np.full(self.n, np.nan)
+        self.finish_t = np.full(self.n, np.nan)
+        self.status = np.zeros(self.n, dtype=np.int8)
+        self.owner: list[_SimReplica | None] = [None] * self.n
+        self.duration_s = float(self.arr_t[-1]) if self.n else 0.0
+        self.replicas: list[_SimReplica] = []
+        self.by_model_ready: list[list[_SimReplica]] = [[] for _ in self.model_names]
+        self.heap: list[tuple[float, int, int, str, object]] = []
+        self._seq = 0
+        self.metrics = [_ModelMetrics() for _ in self.model_names]
+        self.scrapes: list[list[_Scrape]] = [[] for _ in self.model_names]
+        self.rate_hist: list[list[tuple[float, float]]] = [[] for _ in self.model_names]
+        self.replica_scrape: dict[str, ReplicaLoad] = {}
+        self.replica_scrape_hist: list[tuple[float, dict[str, ReplicaLoad]]] = []
+        self.builds: dict[ConfigKey, EngineBuild] = {}
+        self.build_gpu_s: dict[str, float] = {}
+        self.replica_starts = 0
+        self.n_builds = 0
+        self.decisions = 0
+        self.notes: list[str] = []
+        self.conflicts = 0
+        self.ttft_overhead = 0.0
+        self._rid_seq = 0
+        self.timeline: list[TimelinePoint] = []
+
+    # -- heap
+    def _push(self, t: float, prio: int, kind: str, payload: object) -> None:
+        self._seq += 1
+        heapq.heappush(self.heap, (t, prio, self._seq, kind, payload))
+
+    # -- replicas
+    def _start_replica(self, t: float, rid: str | None, config: ConfigKey, host: str, gpus: tuple[int, ...],
+                       *, instant: bool = False) -> _SimReplica | None:
+        if config.model not in self.model_names:
+            self.notes.append(f"start of {config.label()} ignored: model not in the trace")
+            return None
+        params = self.env.params_for(config)
+        self._rid_seq += 1
+        core = FastCore(params, seed=self.s.seed * 100003 + self._rid_seq, macro=self.s.macro_steps)
+        rid = rid or f"r{self._rid_seq}-{config.engine.value}-{config.gpu.value}x{config.tp}"
+        if any(r.rid == rid and r.state != ReplicaState.STOPPED for r in self.replicas):
+            rid = f"{rid}#{self._rid_seq}"
+        used = {(r.host, g) for r in self.replicas if r.state != ReplicaState.STOPPED for g in r.gpus}
+        if any((host, g) in used for g in gpus):
+            self.conflicts += 1
+        rep = _SimReplica(rid, config, host, gpus, core, t, self._rid_seq, self.model_names.index(config.model))
+        self.replicas.append(rep)
+        self.replica_starts += 1
+        if instant:
+            self._ready(rep, t)
+            return rep
+        delay = self.env.startup_s(config)
+        if self.env.build_s(config) is not None and not self._built(config):
+            b = self.builds.get(config)
+            if b is not None and b.eta_s is not None:
+                delay += max(0.0, b.eta_s - self.env.epoch0_s - t)
+            else:
+                delay += self.env.build_s(config) or 0.0
+        self._push(t + delay, self._P_LIFE, "ready", (rep, rep.version))
+        return rep
+
+    def _built(self, config: ConfigKey) -> bool:
+        if config in self.env.cached:
+            return True
+        b = self.builds.get(config)
+        return b is not None and b.ready
+
+    def _ready(self, rep: _SimReplica, t: float) -> None:
+        if rep.state != ReplicaState.STARTING:
+            return
+        rep.state = ReplicaState.READY
+        rep.t_ready = t
+        rep.since = t
+        self.by_model_ready[self.model_names.index(rep.config.model)].append(rep)
+
+    def _drain(self, rep: _SimReplica, t: float) -> None:
+        if rep.state == ReplicaState.STARTING:
+            rep.version += 1  # cancels its pending "ready"
+            self._stop(rep, t)
+            return
+        if rep.state != ReplicaState.READY:
+            return
+        rep.state = ReplicaState.DRAINING
+        rep.since = t
+        lst = self.by_model_ready[self.model_names.index(rep.config.model)]
+        lst.remove(rep)
+        if rep.load == 0:
+            self._stop(rep, t)
+
+    def _stop(self, rep: _SimReplica, t: float) -> None:
+        if rep.state == ReplicaState.READY:
+            self.by_model_ready[self.model_names.index(rep.config.model)].remove(rep)
+        rep.state = ReplicaState.STOPPED
+        rep.t_stop = t
+        rep.since = t
+
+    def _free_slot(self, config: ConfigKey) -> tuple[str, tuple[int, ...]] | None:
+        used: dict[str, set[int]] = {}
+        for r in self.replicas:
+            if r.state != ReplicaState.STOPPED:
+                used.setdefault(r.host, set()).update(r.gpus)
+        for h in self.env.hosts:
+            if h.gpu != config.gpu or not h.online:
+                continue
+            u = used.get(h.name, set())
+            for group in h.groups():
+                free = [g for g in group if g not in u]
+                if len(free) >= config.tp:
+                    return h.name, tuple(free[: config.tp])
+        return None
+
+    # -- controller interface
+    def _fleet(self, t: float) -> Fleet:
+        e0 = self.env.epoch0_s
+        reps = tuple(
+            Replica(r.rid, r.config, r.host, r.gpus, r.state, None, e0 + r.since)
+            for r in self.replicas if r.state != ReplicaState.STOPPED
+        )
+        builds = [EngineBuild(c.model, c.engine, c.gpu, c.tp, c.precision, None, True, None)
+                  for c in sorted(self.env.cached)]
+        builds += [b for c, b in sorted(self.builds.items()) if c not in self.env.cached]
+        return Fleet(hosts=self.env.hosts, replicas=reps, builds=tuple(builds))
+
+    def _visible(self, mi: int, t: float) -> list[_Scrape]:
+        sc = self.scrapes[mi]
+        cut = t - self.s.scrape_delay_s
+        # scrapes are appended in time order
+        hi = len(sc)
+        while hi > 0 and sc[hi - 1].t > cut:
+            hi -= 1
+        return sc[:hi]
+
+    def _window(self, sc: list[_Scrape], w: float) -> tuple[_Scrape, _Scrape] | None:
+        if len(sc) < 2:
+            return None
+        last = sc[-1]
+        first = None
+        for j in range(len(sc) - 2, -1, -1):
+            if sc[j].t < last.t - w - 1e-9:
+                break
+            first = sc[j]
+        if first is None:
+            return None
+        return first, last
+
+    def observation(self, t: float) -> Observation:
+        out: dict[str, ModelObservation] = {}
+        for mi, m in enumerate(self.model_names):
+            sc = self._visible(mi, t)
+            win = self._window(sc, self.s.window_s)
+            if win is None:
+                out[m] = ModelObservation(model=m, stale=True)
+                continue
+            a, b = win
+            dt = b.t - a.t
+            rate = (b.completed - a.completed) / dt
+            isl = osl = None
+            if b.completed > a.completed:
+                isl = (b.prompt_tokens - a.prompt_tokens) / (b.completed - a.completed)
+                osl = (b.gen_tokens - a.gen_tokens) / (b.completed - a.completed)
+            dtt = [y - x for x, y in zip(a.ttft, b.ttft, strict=True)]
+            dit = [y - x for x, y in zip(a.itl, b.itl, strict=True)]
+            tq = histogram_quantile(0.99, TTFT_BUCKETS_S, dtt)
+            iq = histogram_quantile(0.99, ITL_BUCKETS_S, dit)
+            cut = t - self.s.scrape_delay_s
+            lo = cut - self.s.history_s
+            hist = self.rate_hist[mi]
+            pts: list[tuple[float, float]] = []
+            last_t = -math.inf
+            for ts, v in hist:
+                if ts < lo or ts > cut:
+                    continue
+                if ts - last_t >= self.s.history_step_s - 1e-9:
+                    pts.append((self.env.epoch0_s + ts, v))
+                    last_t = ts
+            out[m] = ModelObservation(
+                model=m, rate_rps=rate, isl=isl, osl=osl,
+                ttft_p99_ms=tq * 1000.0 if tq is not None else None,
+                itl_p99_ms=iq * 1000.0 if iq is not None else None,
+                history=tuple(pts), stale=False,
+            )
+        return Observation(models=out)
+
+    def _replica_loads(self, t: float) -> Mapping[str, ReplicaLoad]:
+        cut = t - self.s.scrape_delay_s
+        best: Mapping[str, ReplicaLoad] = {}
+        for ts, loads in self.replica_scrape_hist:
+            if ts <= cut:
+                best = loads
+            else:
+                break
+        return best
+
+    def _scrape(self, t: float) -> None:
+        for mi, mm in enumerate(self.metrics):
+            self.scrapes[mi].append(_Scrape(t, mm.completed, mm.prompt_tokens, mm.gen_tokens,
+                                            tuple(mm.ttft), tuple(mm.itl)))
+            win = self._window(self.scrapes[mi], self.s.window_s)
+            if win is not None:
+                a, b = win
+                self.rate_hist[mi].append((t, (b.completed - a.completed) / (b.t - a.t)))
+            # keep memory bounded: drop scrapes older than the history span + window
+            sc = self.scrapes[mi]
+            if len(sc) > 64 and sc[0].t < t - self.s.window_s - 4 * self.s.scrape_s:
+                keep_from = next(j for j, x in enumerate(sc) if x.t >= t - self.s.window_s - 4 * self.s.scrape_s)
+                del sc[:keep_from]
+        loads = {r.rid: ReplicaLoad(float(r.core.num_running), float(r.core.num_waiting), r.core.kv_usage)
+                 for r in self.replicas if r.state == ReplicaState.READY}
+        self.replica_scrape_hist.append((t, loads))
+        if len(self.replica_scrape_hist) > 16:
+            del self.replica_scrape_hist[:-16]
+
+    def _apply(self, t: float, decision: Decision) -> None:
+        for act in decision.actions:
+            rep = act.replica
+            if act.kind is ActionKind.START:
+                self._start_replica(t, rep.replica_id, rep.config, rep.host, rep.gpu_indices)
+            elif act.kind is ActionKind.BUILD:
+                c = rep.config
+                if self._built(c) or (c in self.builds and not self.builds[c].ready):
+                    continue
+                bs = self.env.build_s(c) or 0.0
+                self.builds[c] = EngineBuild(c.model, c.engine, c.gpu, c.tp, c.precision, rep.host, False,
+                                             self.env.epoch0_s + t + bs)
+                self.n_builds += 1
+                self.build_gpu_s[c.gpu.value] = self.build_gpu_s.get(c.gpu.value, 0.0) + bs * max(
+                    1, len(rep.gpu_indices) or c.tp)
+                self._push(t + bs, self._P_LIFE, "built", c)
+            elif act.kind in (ActionKind.DRAIN, ActionKind.STOP):
+                for r in self.replicas:
+                    if r.rid == rep.replica_id and r.state != ReplicaState.STOPPED:
+                        self._drain(r, t)
+        if decision.targets is not None:
+            self._reconcile(t, decision.targets)
+
+    def _reconcile(self, t: float, targets: Mapping[ConfigKey, int]) -> None:
+        live: dict[ConfigKey, list[_SimReplica]] = {}
+        for r in self.replicas:
+            if r.state in (ReplicaState.STARTING, ReplicaState.READY):
+                live.setdefault(r.config, []).append(r)
+        for c in sorted(set(live) | set(targets)):
+            have = live.get(c, [])
+            want = max(0, targets.get(c, 0))
+            if len(have) < want:
+                for _ in range(want - len(have)):
+                    slot = self._free_slot(c)
+                    if slot is None:
+                        self.notes.append(f"t={t:.0f}s: no free GPUs for {c.label()}")
+                        break
+                    self._start_replica(t, None, c, slot[0], slot[1])
+            elif len(have) > want:
+                # cancel starting replicas first (newest first), then the least-loaded ready ones
+                order = sorted(have, key=lambda r: (r.state == ReplicaState.READY, r.load, -r.seq))
+                for r in order[: len(have) - want]:
+                    self._drain(r, t)
+
+    # -- timeline
+    def _record_timeline(self, t: float, demand: float) -> None:
+        per: dict[ConfigKey, int] = {}
+        ready = 0
+        gpus = 0
+        for r in self.replicas:
+            if r.state == ReplicaState.STOPPED:
+                continue
+            gpus += len(r.gpus)
+            if r.state == ReplicaState.READY:
+                per[r.config] = per.get(r.config, 0) + 1
+                ready += len(r.gpus)
+        for b in self.builds.values():
+            if not b.ready:
+                gpus += b.tp
+        self.timeline.append(TimelinePoint(t, demand, tuple(sorted(per.items())), ready, gpus))
+
+    # -- main loop
+    def run(self) -> SimResult:
+        s = self.s
+        n = self.n
+        arr_t = self.arr_t
+        heap = self.heap
+        end_s = self.duration_s
+        t = 0.0
+        if s.warm_start:
+            self._warm_start()
+        k = 0
+        while k * s.scrape_s <= end_s:
+            self._push(k * s.scrape_s, self._P_SCRAPE, "scrape", None)
+            k += 1
+        period = self.ctl.period_s
+        k = 1
+        while k * period <= end_s:
+            self._push(k * period, self._P_TICK, "tick", None)
+            k += 1
+        k = 0
+        while k * s.timeline_s <= end_s:
+            self._push(k * s.timeline_s, self._P_SCRAPE, "timeline", None)
+            k += 1
+        hard_end = end_s + s.drain_timeout_s
+        i = 0
+        ttft_edges = TTFT_BUCKETS_S
+        itl_edges = ITL_BUCKETS_S
+        metrics = self.metrics
+        req_model = self.req_model
+        first_t = self.first_t
+        finish_t = self.finish_t
+        status = self.status
+        owner = self.owner
+        prompt = self.prompt
+        output = self.output
+        ready_lists = self.by_model_ready
+        overheads: dict[int, float] = {}
+        heappush, heappop = heapq.heappush, heapq.heappop
+        outstanding = 0
+        rep: _SimReplica
+        version: int
+        while True:
+            ta = arr_t[i] if i < n else math.inf
+            th = heap[0][0] if heap else math.inf
+            if ta == math.inf and (th == math.inf or (outstanding == 0 and th > end_s)):
+                break
+            if th <= ta:
+                t, _prio, _seq, kind, payload = heappop(heap)
+                if t > hard_end:
+                    break
+                if kind == "step":
+                    rep, version = cast(tuple[_SimReplica, int], payload)
+                    if version != rep.version:
+                        continue
+                    firsts, fins, gap, cnt = rep.core.end()
+                    mm = metrics[rep.mi]
+                    if cnt:
+                        mm.itl[bisect.bisect_left(itl_edges, gap)] += cnt
+                    oh = overheads.get(id(rep.core))
+                    if oh is None:
+                        oh = rep.core.params.factors.ttft_overhead_s
+                        overheads[id(rep.core)] = oh
+                    for idx in firsts:
+                        first_t[idx] = t
+                        tt = t - arr_t[idx] + oh
+                        mm.ttft[bisect.bisect_left(ttft_edges, tt)] += 1
+                    for idx in fins:
+                        finish_t[idx] = t
+                        status[idx] = SERVED
+                        mm.completed += 1
+                        mm.prompt_tokens += prompt[idx]
+                        mm.gen_tokens += output[idx]
+                        outstanding -= 1
+                    rep.load -= len(fins)
+                    te = rep.core.begin(t)
+                    if te is not None:
+                        rep.version += 1
+                        self._seq += 1
+                        heappush(heap, (te, 0, self._seq, "step", (rep, rep.version)))
+                    elif rep.state == ReplicaState.DRAINING and rep.load == 0:
+                        self._stop(rep, t)
+                elif kind == "scrape":
+                    self._scrape(t)
+                elif kind == "timeline":
+                    lo = t - s.demand_window_s
+                    a = int(np.searchsorted(arr_t, max(0.0, lo), side="left"))
+                    b = int(np.searchsorted(arr_t, t, side="right"))
+                    span = min(s.demand_window_s, t) if t > 0 else s.demand_window_s
+                    self._record_timeline(t, (b - a) / span if span > 0 else 0.0)
+                elif kind == "tick":
+                    self._tick(t)
+                elif kind == "ready":
+                    rep, version = cast(tuple[_SimReplica, int], payload)
+                    if version == rep.version:
+                        self._ready(rep, t)
+                elif kind == "built":
+                    c = payload
+                    assert isinstance(c, ConfigKey)
+                    b0 = self.builds[c]
+                    self.builds[c] = EngineBuild(c.model, c.engine, c.gpu, c.tp, c.precision, b0.host, True, None)
+                continue
+            # an arrival
+            t = ta
+            idx = i
+            i += 1
+            reps = ready_lists[req_model[idx]]
+            if not reps:
+                status[idx] = REJECTED
+                continue
+            rep = reps[0]
+            best = rep.load
+            for r in reps:
+                if r.load < best:
+                    rep, best = r, r.load
+            core = rep.core
+            try:
+                core.submit(idx, prompt[idx], output[idx])
+            except RequestTooLongError:
+                status[idx] = REJECTED
+                continue
+            owner[idx] = rep
+            rep.load += 1
+            outstanding += 1
+            if core.busy:
+                if core._k > 0 and core.t_end > t:
+                    te_old = core.t_end
+                    te = core.split(t)
+                    if te < te_old:
+                        rep.version += 1
+                        self._seq += 1
+                        heappush(heap, (te, 0, self._seq, "step", (rep, rep.version)))
+            else:
+                te2 = core.begin(t)
+                if te2 is not None:
+                    rep.version += 1
+                    self._seq += 1
+                    heappush(heap, (te2, 0, self._seq, "step", (rep, rep.version)))
+        return self._result(end_s)
+
+    def _warm_start(self) -> None:
+        """Before t=0 the controller has watched the first window's traffic and its fleet is READY."""
+        obs = self._true_observation(0.0, self.s.window_s)
+        for _ in range(32):
+            view = ControllerView(0.0, self.env.epoch0_s, obs, self._fleet(0.0), {})
+            d = self.ctl.decide(view)
+            starts = [a for a in d.actions if a.kind is ActionKind.START]
+            if d.targets is not None:
+                for c, want in sorted(d.targets.items()):
+                    have = sum(1 for r in self.replicas if r.config == c and r.state == ReplicaState.READY)
+                    for _ in range(max(0, want - have)):
+                        slot = self._free_slot(c)
+                        if slot is None:
+                            break
+                        self._start_replica(0.0, None, c, slot[0], slot[1], instant=True)
+                break
+            if not starts:
+                break
+            for a in starts:
+                c = a.replica.config
+                if self.env.build_s(c) is not None and not self._built(c):
+                    continue  # a replica that needs an engine build cannot be warm
+                self._start_replica(0.0, a.replica.replica_id, c, a.replica.host, a.replica.gpu_indices,
+                                    instant=True)
+        self.replica_starts = 0  # warm replicas are not counted as starts
+        if hasattr(self.ctl, "reset"):
+            self.ctl.reset()
+
+    def _true_observation(self, t0: float, w: float) -> Observation:
+        out: dict[str, ModelObservation] = {}
+        a = int(np.searchsorted(self.arr_t, t0, side="left"))
+        b = int(np.searchsorted(self.arr_t, t0 + w, side="left"))
+        for mi, m in enumerate(self.model_names):
+            ids = [j for j in range(a, b) if self.req_model[j] == mi]
+            if not ids:
+                out[m] = ModelObservation(model=m, rate_rps=0.0)
+                continue
+            out[m] = ModelObservation(
+                model=m, rate_rps=len(ids) / w,
+                isl=sum(self.prompt[j] for j in ids) / len(ids),
+                osl=sum(self.output[j] for j in ids) / len(ids),
+            )
+        return Observation(models=out)
+
+    def _tick(self, t: float) -> None:
+        view = ControllerView(t, self.env.epoch0_s + t, self.observation(t), self._fleet(t), self._replica_loads(t))
+        d = self.ctl.decide(view)
+        self.decisions += 1
+        if d.note and len(self.notes) < 50:
+            self.notes.append(f"t={t:.0f}s: {d.note}")
+        self._apply(t, d)
+
+    def _result(self, end_s: float) -> SimResult:
+        gpu_s: dict[str, float] = {}
+        for r in self.replicas:
+            stop = end_s if r.t_stop is None else min(r.t_stop, end_s)
+            dur = max(0.0, stop - max(0.0, r.t_start))
+            gpu_s[r.config.gpu.value] = gpu_s.get(r.config.gpu.value, 0.0) + dur * len(r.gpus)
+        build_s = sum(self.build_gpu_s.values())
+        gpu_hours = (sum(gpu_s.values()) + build_s) / 3600.0
+        cost = 0.0
+        for g, sec in list(gpu_s.items()) + list(self.build_gpu_s.items()):
+            cost += sec / 3600.0 * self.env.price_usd_h.get(g, 0.0)
+        served = self.status == SERVED
+        ttft_s = np.zeros(self.n)
+        itl_s = np.zeros(self.n)
+        oh = np.zeros(self.n)
+        for j in np.nonzero(served)[0]:
+            rep = self.owner[j]
+            assert rep is not None
+            oh[j] = rep.core.params.factors.ttft_overhead_s
+        ttft_s[served] = self.first_t[served] - self.arr_t[served] + oh[served]
+        outs = np.array(self.output, dtype=float)
+        multi = served & (outs > 1)
+        itl_s[multi] = (self.finish_t[multi] - self.first_t[multi]) / (outs[multi] - 1)
+        ttft_slo = np.array([self.env.ttft_slo_ms[self.model_names[m]] for m in self.req_model]) / 1000.0
+        itl_slo = np.array([self.env.itl_slo_ms[self.model_names[m]] for m in self.req_model]) / 1000.0
+        ok = served & (ttft_s <= ttft_slo) & (itl_s <= itl_slo)
+        return SimResult(
+            policy=self.ctl.name,
+            duration_s=end_s,
+            arrived=self.n,
+            served=int(served.sum()),
+            rejected=int((self.status == REJECTED).sum()),
+            unfinished=int((self.status == PENDING).sum()),
+            slo_met=int(ok.sum()),
+            gpu_hours=gpu_hours,
+            build_gpu_hours=build_s / 3600.0,
+            cost_usd=cost,
+            ttft_ms=ttft_s[served] * 1000.0,
+            itl_ms=itl_s[multi] * 1000.0,
+            replica_starts=self.replica_starts,
+            builds=self.n_builds,
+            timeline=tuple(self.timeline),
+            decisions=self.decisions,
+            notes=tuple(self.notes),
+            placement_conflicts=self.conflicts,
+        )
+
+
+
+def replay_on_core(params: EngineParams, arrivals: Sequence[tuple[float, int, int]], *, macro: bool = True,
+                   seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """One replica, open loop: per-request TTFT (incl. frontend overhead) and mean ITL, seconds.
+
+    The reference loop of groundtruth.simulate() with FastCore; used to validate macro-steps."""
+    core = FastCore(params, seed=seed, macro=macro)
+    arr = sorted(arrivals)
+    n = len(arr)
+    first = np.full(n, np.nan)
+    fin = np.full(n, np.nan)
+    oh = params.factors.ttft_overhead_s
+    arr_t = [a[0] + oh for a in arr]
+    now = 0.0
+    i = 0
+    while True:
+        while i < n and arr_t[i] <= now:
+            core.submit(i, arr[i][1], arr[i][2])
+            i += 1
+        if core.idle():
+            if i >= n:
+                break
+            now = arr_t[i]
+            continue
+        te = core.begin(now)
+        if te is None:
+            now = arr_t[i] if i < n else now + 1e-3
+            continue
+        if i < n and core._k > 0 and arr_t[i] < te:
+            te = core.split(arr_t[i])
+        now = te
+        firsts, fins, _gap, _cnt = core.end()
+        for j in firsts:
+            first[j] = now
+        for j in fins:
+            fin[j] = now
+    ttft = first - np.array(arr_t) + oh
+    outs = np.array([a[2] for a in arr], dtype=float)
+    tpot = np.where(outs > 1, (fin - first) / np.maximum(outs - 1, 1), np.nan)
+    return ttft, tpot
+
+
+def capacity_at_slo(params: EngineParams, lengths: Sequence[tuple[int, int]], ttft_p99_ms: float,
+                    itl_p99_ms: float, *, n: int = 1500, seed: int = 0, rel_tol: float = 0.02) -> float:
+    """Ground-truth capacity of one replica: the highest Poisson rate (req/s) at which p99 TTFT and
+    p99 per-request ITL (mean inter-token time) of `n` requests, lengths drawn from `lengths`
+    (the trace's own mix), stay within the targets. Same definitions as the SLO attainment, so
+    that the oracle built on it is a lower bound for any policy that attains the SLO."""
+    if not lengths:
+        return 0.0
+    rng = random.Random(seed)
+    pool = [(max(1, int(p)), max(1, int(o))) for p, o in lengths]
+    limit = params.max_model_len
+    pool = [x for x in pool if x[0] + x[1] <= limit] or pool[:1]
+    sample = [pool[rng.randrange(len(pool))] for _ in range(n)]
+    gaps = [rng.expovariate(1.0) for _ in range(n)]
+    warm = n // 10
+
+    def ok(rate: float) -> bool:
+        t = 0.0
+        arr = []
+        for g, (p, o) in zip(gaps, sample, strict=True):
+            t += g / rate
+            arr.append((t, p, o))
+        try:
+            ttft, tpot = replay_on_core(params, arr, seed=seed)
+        except RequestTooLongError:
+            return False
+        tt = ttft[warm:]
+        it = tpot[warm:]
+        it = it[~np.isnan(it)]
+        if np.isnan(tt).any():
+            return False
+        return bool(np.quantile(tt, 0.99) * 1000.0 <= ttft_p99_ms
+                    and (it.size == 0 or np.quantile(it, 0.99) * 1000.0 <= itl_p99_ms))
+
+    lo = 0.25
+    if ok(lo):
+        hi = lo * 2.0
+        while ok(hi):
+            lo, hi = hi, hi * 2.0
+            if hi > 1e5:
+                return lo
+    else:
+        hi = lo
+        lo = hi / 2.0
+        while not ok(lo):
+            hi, lo = lo, lo / 2.0
+            if lo < 1e-3:
+                return 0.0
+    while hi - lo > rel_tol * lo:
+        mid = math.sqrt(lo * hi) if hi / lo > 2.0 else 0.5 * (lo + hi)
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo

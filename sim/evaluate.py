@@ -1,0 +1,632 @@
+"""Replay evaluation: every policy on the same trace, side by side, plus the oracle bound.
+
+`evaluate()` runs one FleetSim (sim.des) per policy (sim.baselines) in worker processes, computes
+the ground-truth capacity of every candidate config (sim.groundtruth.max_rate_at_slo at the trace's
+mean ISL/OSL) for the oracle and the charts, and returns an `Evaluation`; `to_json()`,
+`render_table()` and `write_charts()` present it. See docs/evaluate.md for every definition.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+import multiprocessing
+import random
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from models.names import Engine
+from models.profile import ProfileSet
+from planner.capacity import candidate_configs
+from planner.policy import Policy
+from planner.types import ConfigKey
+from sim.baselines import (
+    POLICY_NAMES,
+    FleetplanController,
+    HpaController,
+    StaticController,
+    baseline_config,
+    inventory,
+    mean_rate,
+    oracle,
+    peak_rate,
+    restrict_policy,
+    static_targets,
+    trace_mix,
+)
+from sim.des import Controller, Environment, FleetSim, SimResult, SimSettings, capacity_at_slo, replay_on_core
+from sim.groundtruth import EngineParams, build_params
+from sim.traces import Trace, TraceRequest
+
+SIMULATED = tuple(p for p in POLICY_NAMES if p != "oracle")
+
+
+class EvaluateError(ValueError):
+    """A trace/policy combination that cannot be evaluated; one clear line."""
+
+
+@dataclass(frozen=True)
+class PolicyFigures:
+    name: str
+    gpu_hours: float
+    cost_usd: float
+    slo_attainment: float | None  # None: not simulated (oracle)
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    itl_p50_ms: float | None
+    itl_p99_ms: float | None
+    replica_starts: int
+    builds: int
+    scale_up_lag_mean_s: float | None
+    scale_up_lag_max_s: float | None
+    underprovisioned_episodes: int
+    unmet_requests: int  # rejected (no READY replica / too long) + unfinished
+    unmet_demand_share: float  # integral of max(0, demand - ready capacity) / integral of demand
+    arrived: int
+    served: int
+    mean_gpus: float
+    peak_gpus: int
+    wall_s: float
+    timeline: tuple[tuple[float, float, float, int], ...]  # (t_s, demand_rps, capacity_rps, gpus)
+    notes: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        def r(x: float | None, nd: int = 4) -> float | None:
+            return None if x is None or not math.isfinite(x) else round(x, nd)
+
+        d: dict[str, Any] = {
+            "gpu_hours": r(self.gpu_hours), "cost_usd": r(self.cost_usd, 2),
+        }
+        if self.slo_attainment is not None:
+            d.update({
+                "slo_attainment": r(self.slo_attainment, 5),
+                "ttft_p50_ms": r(self.ttft_p50_ms, 1), "ttft_p99_ms": r(self.ttft_p99_ms, 1),
+                "itl_p50_ms": r(self.itl_p50_ms, 2), "itl_p99_ms": r(self.itl_p99_ms, 2),
+                "scale_up_lag_mean_s": r(self.scale_up_lag_mean_s, 1),
+                "scale_up_lag_max_s": r(self.scale_up_lag_max_s, 1),
+                "underprovisioned_episodes": self.underprovisioned_episodes,
+                "unmet_requests": self.unmet_requests,
+                "arrived": self.arrived, "served": self.served,
+                "builds": self.builds,
+                "sim_wall_s": r(self.wall_s, 2),
+            })
+        d.update({
+            "replica_starts": self.replica_starts,
+            "unmet_demand_share": r(self.unmet_demand_share, 5),
+            "mean_gpus": r(self.mean_gpus, 2), "peak_gpus": self.peak_gpus,
+        })
+        if self.notes:
+            d["notes"] = list(self.notes[:10])
+        return d
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    trace: Mapping[str, Any]
+    policies: Mapping[str, PolicyFigures]
+    oracle_config: str
+    capacities: Mapping[str, float]  # ground-truth max rps per config label
+    wall_s: float
+    notes: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "policies": {name: f.to_json() for name, f in self.policies.items()},
+            "trace": dict(self.trace),
+            "oracle": {"config": self.oracle_config},
+            "ground_truth_capacity_rps": {k: round(v, 3) for k, v in sorted(self.capacities.items())},
+            "wall_s": round(self.wall_s, 2),
+            "notes": list(self.notes),
+        }
+
+
+@dataclass(frozen=True)
+class EvaluateOptions:
+    policies: tuple[str, ...] = POLICY_NAMES
+    model: str | None = None  # the model a trace without a model column is served as
+    settings: SimSettings = field(default_factory=SimSettings)
+    workers: int = 2
+    hpa_target_fraction: float = 0.8
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def prepare_trace(trace: Trace, policy: Policy, model: str | None) -> Trace:
+    """Label every request with a policy model (canonical name); clear error when impossible."""
+    aliases = policy.aliases()
+    known = {m.name for m in policy.models}
+    if model is not None:
+        name = aliases.canonical(model)
+        if name not in known:
+            raise EvaluateError(f"--model {model!r} is not a model of the policy (models: {', '.join(sorted(known))})")
+        return trace.as_single_model(name)
+    if any(r.model is None for r in trace.requests):
+        default = policy.models[0].name
+        reqs = tuple(r if r.model is not None else TraceRequest(r.t_s, r.prompt_tokens, r.output_tokens, default)
+                     for r in trace.requests)
+        trace = Trace(trace.source, trace.format, reqs, trace.skipped, trace.skip_reasons)
+    out: list[TraceRequest] = []
+    for r in trace.requests:
+        assert r.model is not None
+        name = aliases.canonical(r.model)
+        if name not in known:
+            raise EvaluateError(
+                f"{trace.source}: model {r.model!r} of the trace is not in the policy "
+                f"(models: {', '.join(sorted(known))}); pass --model to serve the trace as one model"
+            )
+        out.append(r if name == r.model else TraceRequest(r.t_s, r.prompt_tokens, r.output_tokens, name))
+    return Trace(trace.source, trace.format, tuple(out), trace.skipped, trace.skip_reasons)
+
+
+def policy_for_models(policy: Policy, models: Sequence[str]) -> Policy:
+    """The policy without the models the trace does not carry (they would get no traffic)."""
+    keep = tuple(m for m in policy.models if m.name in set(models))
+    return policy.model_copy(update={"models": keep})
+
+
+def trace_lengths(trace: Trace, model: str) -> list[tuple[int, int]]:
+    return [(r.prompt_tokens, r.output_tokens) for r in trace.requests if r.model == model]
+
+
+def _params(c: ConfigKey) -> EngineParams:
+    return build_params(c.engine, c.model, c.gpu, c.tp, c.precision)
+
+
+def make_environment(policy: Policy) -> Environment:
+    cache: dict[ConfigKey, EngineParams] = {}
+
+    def params_for(c: ConfigKey) -> EngineParams:
+        p = cache.get(c)
+        if p is None:
+            p = cache[c] = _params(c)
+        return p
+
+    def build_s(c: ConfigKey) -> float | None:
+        return policy.build_s(c) if policy.needs_build(c) else None
+
+    return Environment(
+        hosts=inventory(policy),
+        price_usd_h={g.value: gp.price_usd_h for g, gp in policy.gpu_types.items()},
+        params_for=params_for,
+        startup_s=policy.startup_s,
+        build_s=build_s,
+        cached=policy.cached_configs(),
+        ttft_slo_ms={m.name: m.slo.ttft_p99_ms for m in policy.models},
+        itl_slo_ms={m.name: m.slo.itl_p99_ms for m in policy.models},
+    )
+
+
+def make_controller(name: str, trace: Trace, policy: Policy, profiles: ProfileSet,
+                    hpa_target_fraction: float = 0.8) -> Controller:
+    models = sorted({r.model for r in trace.requests if r.model is not None})
+    if name == "fleetplan":
+        return FleetplanController(name, policy, profiles)
+    if name == "fleetplan-vllm-only":
+        return FleetplanController(name, restrict_policy(policy, [Engine.VLLM]), profiles)
+    if name == "fleetplan-trtllm-only":
+        return FleetplanController(name, restrict_policy(policy, [Engine.TRTLLM]), profiles)
+    targets: dict[ConfigKey, int] = {}
+    hpa_configs: dict[str, ConfigKey] = {}
+    hpa_target: dict[str, float] = {}
+    for m in models:
+        sub = Trace(trace.source, trace.format, tuple(r for r in trace.requests if r.model == m))
+        isl, osl = trace_mix(sub)
+        sizing = baseline_config(policy, profiles, m, isl, osl)
+        mp = policy.model(m)
+        assert mp is not None
+        if name == "static-peak":
+            targets.update(static_targets(sizing, peak_rate(sub), mp.headroom))
+        elif name == "static-mean":
+            targets.update(static_targets(sizing, mean_rate(sub), 0.3))
+        elif name == "hpa":
+            hpa_configs[m] = sizing.config
+            hpa_target[m] = max(1.0, hpa_target_fraction * sizing.concurrency_at_capacity)
+        else:
+            raise EvaluateError(f"unknown policy {name!r}; known: {', '.join(POLICY_NAMES)}")
+    if name == "hpa":
+        return HpaController(
+            name, hpa_configs, hpa_target,
+            min_replicas={m.name: max(1, m.min_replicas) for m in policy.models},
+            max_replicas={m.name: m.max_replicas for m in policy.models},
+        )
+    return StaticController(name, targets)
+
+
+def simulate_policy(name: str, trace: Trace, policy: Policy, profiles: ProfileSet,
+                    settings: SimSettings, hpa_target_fraction: float = 0.8) -> tuple[SimResult, float]:
+    """Run one policy (in a worker process); returns the result and its wall time."""
+    t0 = time.perf_counter()
+    ctl = make_controller(name, trace, policy, profiles, hpa_target_fraction)
+    sim = FleetSim(trace, ctl, make_environment(policy), settings)
+    res = sim.run()
+    return res, time.perf_counter() - t0
+
+
+def ground_truth_capacity(c: ConfigKey, lengths: Sequence[tuple[int, int]], ttft_ms: float, itl_ms: float,
+                          seed: int = 0) -> float:
+    """sim.des.capacity_at_slo on the config's ground-truth engine with the trace's own length mix."""
+    try:
+        params = _params(c)
+    except ValueError:  # does not fit
+        return 0.0
+    return capacity_at_slo(params, lengths, ttft_ms, itl_ms, seed=seed)
+
+
+def profiles_from_ground_truth(configs: Sequence[ConfigKey], lengths: Sequence[tuple[int, int]],
+                               ttft_ms: float, itl_ms: float, *, n: int = 1200, seed: int = 1,
+                               fractions: Sequence[float] = (0.15, 0.3, 0.5, 0.7, 0.85, 1.0, 1.15),
+                               capacities: Mapping[ConfigKey, float] | None = None) -> ProfileSet:
+    """What a team would measure: a rate sweep per config on the simulator's ground truth (requests
+    drawn from the trace's length mix, like `vllm bench serve` on a custom dataset), fitted with
+    models.fit. The sweep spans 15%..115% of the config's ground-truth capacity."""
+    from models.bench import BenchmarkPoint, LoadKind
+    from models.fit import FitFailure, fit_profile
+    from models.profile import ProfileKey
+
+    profiles = []
+    rng = random.Random(seed)
+    pool = list(lengths)
+    for c in configs:
+        try:
+            params = _params(c)
+        except ValueError:
+            continue
+        cap = (capacities or {}).get(c) or capacity_at_slo(params, pool, ttft_ms, itl_ms, seed=seed)
+        if cap <= 0:
+            continue
+        fitting = [x for x in pool if x[0] + x[1] <= params.max_model_len] or pool[:1]
+        sample = [fitting[rng.randrange(len(fitting))] for _ in range(n)]
+        isl = sum(p for p, _ in sample) / n
+        osl = sum(o for _, o in sample) / n
+        points = []
+        for f in fractions:
+            rate = cap * f
+            t = 0.0
+            arr = []
+            for p, o in sample:
+                t += rng.expovariate(rate)
+                arr.append((t, p, o))
+            ttft, tpot = replay_on_core(params, arr, seed=seed)
+            warm = n // 10
+            tt = ttft[warm:] * 1000.0
+            tp = tpot[warm:]
+            tp = tp[~np.isnan(tp)] * 1000.0
+            outs = np.array([o for _, _, o in arr], dtype=float)
+            fin = np.array([a[0] for a in arr]) + ttft + np.where(outs > 1, np.nan_to_num(tpot) * (outs - 1), 0.0)
+            makespan = float(np.nanmax(fin)) - arr[0][0]
+            points.append(BenchmarkPoint(
+                source=f"ground-truth sweep {c.label()} @ {rate:.3f} rps", model=c.model, engine=c.engine,
+                gpu=c.gpu, tp=c.tp, precision=c.precision, isl=isl, osl=osl, load=LoadKind.RATE,
+                rate_rps=rate, request_rps=n / makespan, output_tok_s=float(outs.sum()) / makespan,
+                ttft_mean_ms=float(tt.mean()), ttft_p50_ms=float(np.quantile(tt, 0.5)),
+                ttft_p99_ms=float(np.quantile(tt, 0.99)),
+                tpot_mean_ms=float(tp.mean()), tpot_p50_ms=float(np.quantile(tp, 0.5)),
+                tpot_p99_ms=float(np.quantile(tp, 0.99)), series="gt-sweep",
+            ))
+        key = ProfileKey(c.model, c.engine, c.gpu, c.tp, c.precision)
+        try:
+            profiles.append(fit_profile(key, points, loo=False).profile)
+        except FitFailure:
+            continue
+    return ProfileSet(tuple(profiles))
+
+
+def _candidates(policy: Policy, model: str) -> list[ConfigKey]:
+    gpus = {h.gpu for h in policy.hosts} or set(policy.gpu_types)
+    out = []
+    for c in candidate_configs(policy, gpus):
+        if c.model != model:
+            continue
+        try:
+            _params(c)
+        except ValueError:
+            continue
+        out.append(c)
+    return out
+
+
+def evaluate(trace: Trace, policy: Policy, profiles: ProfileSet, options: EvaluateOptions | None = None,
+             *, trace_info: Mapping[str, Any] | None = None,
+             capacities: Mapping[ConfigKey, float] | None = None) -> Evaluation:
+    """Every policy of `options.policies` on `trace`; `capacities`: ground-truth capacities already
+    computed (sim.des.capacity_at_slo with the trace's mix), the rest are computed here."""
+    opts = options or EvaluateOptions()
+    t_start = time.perf_counter()
+    unknown = [p for p in opts.policies if p not in POLICY_NAMES]
+    if unknown:
+        raise EvaluateError(f"unknown policy {unknown[0]!r}; known: {', '.join(POLICY_NAMES)}")
+    if not trace.requests:
+        raise EvaluateError(f"{trace.source}: the trace has no requests")
+    trace = prepare_trace(trace, policy, opts.model)
+    models = sorted({r.model for r in trace.requests if r.model is not None})
+    policy = policy_for_models(policy, models)
+    mixes: dict[str, tuple[float, float]] = {}
+    cands: dict[str, list[ConfigKey]] = {}
+    for m in models:
+        sub = Trace(trace.source, trace.format, tuple(r for r in trace.requests if r.model == m))
+        mixes[m] = trace_mix(sub)
+        cands[m] = _candidates(policy, m)
+    sims = [p for p in opts.policies if p in SIMULATED]
+    results: dict[str, tuple[SimResult, float]] = {}
+    known_caps = dict(capacities or {})
+    caps: dict[ConfigKey, float] = dict(known_caps)
+    workers = max(1, opts.workers)
+    ctx = multiprocessing.get_context("fork") if workers > 1 else None
+    if workers > 1 and ctx is not None:
+        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+            cap_f: dict[ConfigKey, Future[float]] = {}
+            sim_f: dict[str, Future[tuple[SimResult, float]]] = {}
+            # longest jobs first: fleetplan variants, then the rest, capacities interleaved
+            for name in sims:
+                sim_f[name] = pool.submit(simulate_policy, name, trace, policy, profiles, opts.settings,
+                                          opts.hpa_target_fraction)
+            for m in models:
+                mp = policy.model(m)
+                assert mp is not None
+                for c in cands[m]:
+                    if c in known_caps:
+                        continue
+                    cap_f[c] = pool.submit(ground_truth_capacity, c, trace_lengths(trace, m),
+                                           mp.slo.ttft_p99_ms, mp.slo.itl_p99_ms)
+            for c, f in cap_f.items():
+                caps[c] = f.result()
+            for name, sf in sim_f.items():
+                results[name] = sf.result()
+    else:
+        for m in models:
+            mp = policy.model(m)
+            assert mp is not None
+            for c in cands[m]:
+                if c not in known_caps:
+                    caps[c] = ground_truth_capacity(c, trace_lengths(trace, m), mp.slo.ttft_p99_ms,
+                                                    mp.slo.itl_p99_ms)
+        for name in sims:
+            results[name] = simulate_policy(name, trace, policy, profiles, opts.settings, opts.hpa_target_fraction)
+
+    figures: dict[str, PolicyFigures] = {}
+    for name in opts.policies:
+        if name == "oracle":
+            continue
+        res, wall = results[name]
+        figures[name] = _figures(res, wall, caps)
+    oracle_label = ""
+    notes: list[str] = []
+    if "oracle" in opts.policies:
+        price = {g.value: gp.price_usd_h for g, gp in policy.gpu_types.items()}
+        total_h = 0.0
+        total_cost = 0.0
+        starts = 0
+        labels = []
+        timeline_acc: dict[float, list[float]] = {}
+        gpus_acc: dict[float, int] = {}
+        for m in models:
+            mp = policy.model(m)
+            assert mp is not None
+            sub = Trace(trace.source, trace.format, tuple(r for r in trace.requests if r.model == m))
+            o = oracle(sub, cands[m], caps, price, policy.scaling.cycle_s, min_replicas=0)
+            total_h += o.gpu_hours
+            total_cost += o.cost_usd
+            starts += o.replica_starts
+            labels.append(f"{o.config.label()} @ {o.capacity_rps:.2f} rps/replica")
+            rates = _window_rates(sub, o.window_s, trace.duration_s)
+            for k, n in enumerate(o.replicas_per_window):
+                t = k * o.window_s
+                acc = timeline_acc.setdefault(t, [0.0, 0.0])
+                acc[0] += float(rates[k]) if k < len(rates) else 0.0
+                acc[1] += n * o.capacity_rps
+                gpus_acc[t] = gpus_acc.get(t, 0) + n * o.config.tp
+        tl = tuple((t, v[0], v[1], gpus_acc[t]) for t, v in sorted(timeline_acc.items()))
+        dur_h = trace.duration_s / 3600.0
+        figures["oracle"] = PolicyFigures(
+            name="oracle", gpu_hours=total_h, cost_usd=total_cost, slo_attainment=None,
+            ttft_p50_ms=None, ttft_p99_ms=None, itl_p50_ms=None, itl_p99_ms=None,
+            replica_starts=starts, builds=0, scale_up_lag_mean_s=None, scale_up_lag_max_s=None,
+            underprovisioned_episodes=0, unmet_requests=0, unmet_demand_share=0.0,
+            arrived=len(trace.requests), served=len(trace.requests),
+            mean_gpus=total_h / dur_h if dur_h > 0 else 0.0,
+            peak_gpus=max((g for *_x, g in tl), default=0), wall_s=0.0, timeline=tl,
+        )
+        oracle_label = "; ".join(labels)
+    info = dict(trace_info or {})
+    info.update({
+        "source": trace.source, "format": trace.format.value, "requests": len(trace.requests),
+        "duration_s": round(trace.duration_s, 1),
+        "mean_rps": round(len(trace.requests) / trace.duration_s, 3) if trace.duration_s > 0 else None,
+        "peak_rps_60s": round(peak_rate(trace), 3),
+        "models": models,
+        "mean_prompt_tokens": {m: round(mixes[m][0], 1) for m in models},
+        "mean_output_tokens": {m: round(mixes[m][1], 1) for m in models},
+    })
+    return Evaluation(
+        trace=info,
+        policies=figures,
+        oracle_config=oracle_label,
+        capacities={c.label(): v for c, v in caps.items()},
+        wall_s=time.perf_counter() - t_start,
+        notes=tuple(notes),
+    )
+
+
+def _window_rates(trace: Trace, window_s: float, duration_s: float) -> np.ndarray:
+    from sim.traces import iter_rates
+
+    return iter_rates(trace.requests, window_s, duration_s)
+
+
+def _q(a: np.ndarray, q: float) -> float | None:
+    return float(np.quantile(a, q)) if a.size else None
+
+
+def _figures(res: SimResult, wall: float, caps: Mapping[ConfigKey, float]) -> PolicyFigures:
+    tl: list[tuple[float, float, float, int]] = []
+    lags: list[float] = []
+    start: float | None = None
+    unmet = 0.0
+    total = 0.0
+    for p in res.timeline:
+        cap = sum(n * caps.get(c, 0.0) for c, n in p.ready)
+        tl.append((p.t_s, p.demand_rps, cap, p.gpus))
+        total += p.demand_rps
+        unmet += max(0.0, p.demand_rps - cap)
+        short = p.demand_rps > cap + 1e-9
+        if short and start is None:
+            start = p.t_s
+        elif not short and start is not None:
+            lags.append(p.t_s - start)
+            start = None
+    if start is not None and tl:
+        lags.append(tl[-1][0] - start)
+    dur_h = res.duration_s / 3600.0
+    return PolicyFigures(
+        name=res.policy,
+        gpu_hours=res.gpu_hours,
+        cost_usd=res.cost_usd,
+        slo_attainment=res.slo_attainment,
+        ttft_p50_ms=_q(res.ttft_ms, 0.5),
+        ttft_p99_ms=_q(res.ttft_ms, 0.99),
+        itl_p50_ms=_q(res.itl_ms, 0.5),
+        itl_p99_ms=_q(res.itl_ms, 0.99),
+        replica_starts=res.replica_starts,
+        builds=res.builds,
+        scale_up_lag_mean_s=float(np.mean(lags)) if lags else 0.0,
+        scale_up_lag_max_s=float(np.max(lags)) if lags else 0.0,
+        underprovisioned_episodes=len(lags),
+        unmet_requests=res.rejected + res.unfinished,
+        unmet_demand_share=unmet / total if total > 0 else 0.0,
+        arrived=res.arrived,
+        served=res.served,
+        mean_gpus=res.gpu_hours / dur_h if dur_h > 0 else 0.0,
+        peak_gpus=max((g for *_x, g in tl), default=0),
+        wall_s=wall,
+        timeline=tuple(tl),
+        notes=res.notes,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Presentation
+# ----------------------------------------------------------------------------------------------
+
+
+def render_table(ev: Evaluation) -> str:
+    head = (f"{'policy':<22} {'GPU-h':>8} {'cost $':>8} {'SLO att.':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
+            f"{'ITL p50':>8} {'ITL p99':>8} {'starts':>6} {'lag s':>6} {'unmet':>7} {'unmet d':>7}")
+    lines = [head, "-" * len(head)]
+
+    def f(x: float | None, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
+    for name, p in ev.policies.items():
+        lines.append(
+            f"{name:<22} {p.gpu_hours:>8.2f} {p.cost_usd:>8.2f} "
+            f"{f(None if p.slo_attainment is None else 100 * p.slo_attainment, '7.2f') + ('%' if p.slo_attainment is not None else ''):>8} "
+            f"{f(p.ttft_p50_ms, '9.0f'):>9} {f(p.ttft_p99_ms, '9.0f'):>9} {f(p.itl_p50_ms, '8.1f'):>8} "
+            f"{f(p.itl_p99_ms, '8.1f'):>8} {p.replica_starts:>6} {f(p.scale_up_lag_mean_s, '6.0f'):>6} "
+            f"{(p.unmet_requests if p.slo_attainment is not None else '-')!s:>7} {100 * p.unmet_demand_share:>6.2f}%"
+        )
+    tr = ev.trace
+    lines.append("")
+    lines.append(f"trace: {tr.get('source')} ({tr.get('format')}), {tr.get('requests')} requests over "
+                 f"{tr.get('duration_s')} s, mean {tr.get('mean_rps')} rps, peak(60 s) {tr.get('peak_rps_60s')} rps")
+    if ev.oracle_config:
+        lines.append(f"oracle config: {ev.oracle_config}")
+    lines.append(f"evaluation wall time: {ev.wall_s:.1f} s")
+    return "\n".join(lines)
+
+
+def write_charts(ev: Evaluation, out_dir: Path) -> tuple[Path, Path]:
+    """demand vs capacity over time per policy: evaluation.png and a self-contained evaluation.html."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from controller.atomic import atomic_write_text
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = list(ev.policies)
+    fig, axes = plt.subplots(len(names), 1, figsize=(11, 2.1 * len(names) + 0.6), sharex=True, squeeze=False)
+    for ax, name in zip(axes[:, 0], names, strict=True):
+        p = ev.policies[name]
+        if not p.timeline:
+            continue
+        t = np.array([x[0] for x in p.timeline]) / 60.0
+        ax.plot(t, [x[1] for x in p.timeline], color="#444444", lw=0.9, label="demand (rps, 60 s)")
+        ax.step(t, [x[2] for x in p.timeline], where="post", color="#1f77b4", lw=1.3,
+                label="ready capacity at SLO (rps)")
+        ax2 = ax.twinx()
+        ax2.step(t, [x[3] for x in p.timeline], where="post", color="#d62728", lw=0.8, alpha=0.6)
+        ax2.set_ylabel("GPUs", color="#d62728", fontsize=8)
+        att = "" if p.slo_attainment is None else f", SLO {100 * p.slo_attainment:.2f}%"
+        ax.set_title(f"{name}: {p.gpu_hours:.2f} GPU-h{att}", fontsize=9, loc="left")
+        ax.set_ylabel("rps", fontsize=8)
+        ax.legend(loc="upper left", fontsize=7)
+    axes[-1, 0].set_xlabel("simulated minutes")
+    fig.tight_layout()
+    png = out_dir / "evaluation.png"
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    plt.close(fig)
+    data = buf.getvalue()
+    tmp = png.with_suffix(".png.tmp")
+    tmp.write_bytes(data)
+    tmp.replace(png)
+    b64 = base64.b64encode(data).decode("ascii")
+    table = html.escape(render_table(ev))
+    doc = (
+        "<!doctype html><html><head><meta charset='utf-8'><title>fleetplan evaluate</title>"
+        "<style>body{font-family:sans-serif;margin:1.5em}pre{font-size:12px}</style></head><body>"
+        f"<h1>fleetplan evaluate</h1><pre>{table}</pre>"
+        f"<img alt='demand vs capacity per policy' src='data:image/png;base64,{b64}'/>"
+        "</body></html>\n"
+    )
+    html_path = out_dir / "evaluation.html"
+    atomic_write_text(html_path, doc)
+    return png, html_path
+
+
+def goals(ev: Evaluation) -> list[tuple[str, bool | None, str]]:
+    """The issue's goals: (goal, met (None: not computable), figures)."""
+    pol = ev.policies
+    out: list[tuple[str, bool | None, str]] = []
+    fp = pol.get("fleetplan")
+    orc = pol.get("oracle")
+    sp = pol.get("static-peak")
+    hpa = pol.get("hpa")
+    if fp is None:
+        return out
+    att = fp.slo_attainment or 0.0
+    if orc is not None and orc.gpu_hours > 0:
+        ratio = fp.gpu_hours / orc.gpu_hours
+        out.append(("fleetplan GPU-h <= 1.10 x oracle with SLO attainment >= 99.5%",
+                    ratio <= 1.10 and att >= 0.995, f"ratio {ratio:.3f}, attainment {100 * att:.2f}%"))
+    if sp is not None and sp.gpu_hours > 0:
+        saving = 1.0 - fp.gpu_hours / sp.gpu_hours
+        out.append((">= 30% fewer GPU-h than static-peak", saving >= 0.30, f"saving {100 * saving:.1f}%"))
+    if hpa is not None and hpa.gpu_hours > 0:
+        saving = 1.0 - fp.gpu_hours / hpa.gpu_hours
+        ok = saving >= 0.15 and att >= (hpa.slo_attainment or 0.0)
+        out.append((">= 15% fewer GPU-h than hpa at equal or better SLO attainment", ok,
+                    f"saving {100 * saving:.1f}%, attainment {100 * att:.2f}% vs hpa "
+                    f"{100 * (hpa.slo_attainment or 0.0):.2f}%"))
+    return out
+
+
+def parse_policy_list(text: str | None) -> tuple[str, ...]:
+    if not text:
+        return POLICY_NAMES
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    for n in names:
+        if n not in POLICY_NAMES:
+            raise EvaluateError(f"--policies: unknown policy {n!r}; known: {', '.join(POLICY_NAMES)}")
+    return names
+
