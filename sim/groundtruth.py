@@ -240,6 +240,7 @@ class StepResult:
     first_tokens: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    admitted: list[str] = field(default_factory=list)  # moved from waiting to running in this step
     prefill_tokens: int = 0
     decode_seqs: int = 0
 
@@ -285,7 +286,7 @@ class BatchCore:
         prompt_tokens = max(1, int(prompt_tokens))
         max_tokens = max(1, int(max_tokens))
         total = prompt_tokens + max_tokens
-        if total > p.max_model_len or self._blocks_for(total) > p.kv_blocks:
+        if total > p.max_model_len or self.blocks_for(total) > p.kv_blocks:
             raise RequestTooLongError(
                 f"prompt_tokens + max_tokens = {total} exceeds the engine's maximum context length {p.max_model_len}"
             )
@@ -309,7 +310,7 @@ class BatchCore:
         req.blocks = 0
         return True
 
-    def _blocks_for(self, tokens: int) -> int:
+    def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.params.block_size)
 
     # -- the step ------------------------------------------------------------------------------
@@ -364,6 +365,7 @@ class BatchCore:
             i += 1
 
         # 2. admit waiting requests
+        admitted: list[str] = []
         waiting = self._waiting
         while waiting and budget > 0 and len(running) < p.max_num_seqs:
             r = waiting[0]
@@ -371,7 +373,7 @@ class BatchCore:
             n = need if need <= budget else (budget if p.chunked_prefill else 0)
             if n <= 0:
                 break
-            want = self._blocks_for(r.prompt + r.max_tokens) if reserve else self._blocks_for(r.computed + n)
+            want = self.blocks_for(r.prompt + r.max_tokens) if reserve else self.blocks_for(r.computed + n)
             want -= r.blocks
             if want > self._free_blocks:
                 break
@@ -379,6 +381,7 @@ class BatchCore:
             self._free_blocks -= want
             r.blocks += want
             running.append(r)
+            admitted.append(r.req_id)
             sched.append((r, n))
             budget -= n
             prefill_tokens += n
@@ -386,7 +389,7 @@ class BatchCore:
 
         self.steps += 1
         if not sched:
-            return StepResult(0.0, preempted=preempted)
+            return StepResult(0.0, preempted=preempted, admitted=admitted)
         dur = step_time_s(
             p,
             decode_seqs=decode_seqs,
@@ -396,7 +399,8 @@ class BatchCore:
         )
         if p.noise_sigma > 0:
             dur *= math.exp(self._rng.gauss(0.0, p.noise_sigma))
-        res = StepResult(dur, preempted=preempted, prefill_tokens=prefill_tokens, decode_seqs=decode_seqs)
+        res = StepResult(dur, preempted=preempted, admitted=admitted, prefill_tokens=prefill_tokens,
+                         decode_seqs=decode_seqs)
         tokens = res.tokens
         finished = res.finished
         done_any = False

@@ -1,0 +1,380 @@
+"""Timed, streaming load against an OpenAI-compatible endpoint (trace replay).
+
+Library use (the demo and e2e tests drive load with it):
+
+    results = await run_load([(0.0, 467, 64), (0.5, 1000, 128)], "http://127.0.0.1:8080",
+                             speed=20.0, model="llama-3.1-8b")
+    print(summarize(results))
+
+Every request is a streaming `/v1/completions` call with `max_tokens` = `min_tokens` = the recorded
+output length and `ignore_eos`, plus the `prompt_tokens` hint the simulated engines read (a real
+engine needs `full_prompts=True`: a prompt of that many words). Times are measured on the wall
+clock and multiplied by `speed` (= the engines' --time-scale), so they are simulated seconds.
+Coalesced SSE chunks are counted by their `n_tokens` field (1 per chunk when absent).
+
+CLI: `fleetplan replay-load --trace FILE --target URL [--speed K] [--duration-s S] ...`: bounded
+by --max-requests and --duration-s (trace seconds), loopback targets only unless --allow-remote.
+
+Clock: against fleetplan's simulated engines the latencies are read from the engine's own
+simulated clock (each SSE chunk's `sim_time_s`, the `X-Sim-Arrival-S` header) by default, so
+they do not depend on this host's CPU load; `engine_clock=False` (CLI `--wall-clock`) measures
+wall time x speed as with any other server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ipaddress
+import json
+import logging
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+
+log = logging.getLogger(__name__)
+
+
+class TargetError(ValueError):
+    """A target URL that is refused (not loopback without allow_remote, or malformed)."""
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    t_s: float  # arrival, simulated seconds from the start
+    prompt_tokens: int
+    output_tokens: int
+    model: str | None = None
+
+
+@dataclass
+class RequestResult:
+    index: int
+    t_s: float  # scheduled arrival (simulated s)
+    model: str | None
+    prompt_tokens: int
+    output_tokens_requested: int
+    outcome: str = "pending"  # ok | http_<status> | timeout | refused | error | incomplete
+    status: int | None = None
+    output_tokens: int = 0
+    ttft_s: float | None = None  # simulated seconds
+    itl_mean_s: float | None = None  # (last - first) / (tokens - 1)
+    itl_max_s: float | None = None  # largest gap between tokens (a coalesced chunk's gap / its tokens)
+    e2e_s: float | None = None
+    late_s: float = 0.0  # sent later than scheduled (client saturated), simulated s
+    sim_start_s: float | None = None  # engine clock at arrival / last token (simulated engines only)
+    sim_end_s: float | None = None
+    error: str | None = None
+    itls_s: list[float] | None = field(default=None, repr=False)  # per-token gaps when keep_itls
+
+
+def check_target(url: str, allow_remote: bool = False) -> str:
+    """The base URL without a trailing slash; raises TargetError for non-loopback hosts."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise TargetError(f"target {url!r}: expected http://HOST:PORT")
+    host = parts.hostname
+    if not allow_remote:
+        loopback = host == "localhost"
+        with contextlib.suppress(ValueError):
+            loopback = loopback or ipaddress.ip_address(host).is_loopback
+        if not loopback:
+            raise TargetError(f"target {url!r} is not a loopback address; pass --allow-remote to load it")
+    return url.rstrip("/")
+
+
+def _as_load_request(item: Any) -> LoadRequest:
+    if isinstance(item, LoadRequest):
+        return item
+    if isinstance(item, tuple | list):
+        t, isl, osl = item[0], item[1], item[2]
+        model = item[3] if len(item) > 3 else None
+        return LoadRequest(float(t), int(isl), int(osl), model)
+    # sim.traces.TraceRequest or anything with those attributes
+    return LoadRequest(float(item.t_s), int(item.prompt_tokens), int(item.output_tokens), getattr(item, "model", None))
+
+
+def request_body(req: LoadRequest, model: str | None, full_prompts: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "prompt": ("hi " * req.prompt_tokens).rstrip() if full_prompts else "fleetplan replay",
+        "prompt_tokens": req.prompt_tokens,
+        "max_tokens": req.output_tokens,
+        "min_tokens": req.output_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0.0,
+    }
+    m = req.model or model
+    if m is not None:
+        body["model"] = m
+    return body
+
+
+async def _one(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    res: RequestResult,
+    speed: float,
+    timeout_s: float,
+    keep_itls: bool,
+    engine_clock: bool,
+) -> None:
+    """One streaming request. Times in simulated seconds: the engine's own clock when it reports
+    it (`X-Sim-Arrival-S` header, `sim_time_s` per chunk) and engine_clock is on, else wall x speed."""
+    t0 = time.monotonic()
+    origin: float | None = None  # the request's start on the measuring clock
+    first: float | None = None
+    last: float | None = None
+    tokens = 0
+    max_gap = 0.0
+    gaps: list[float] | None = [] if keep_itls else None
+    finished = False
+    use_sim = False
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with session.post(url, json=body) as resp:
+                res.status = resp.status
+                if resp.status != 200:
+                    res.outcome = f"http_{resp.status}"
+                    res.error = (await resp.text())[:300]
+                    return
+                hdr = resp.headers.get("X-Sim-Arrival-S")
+                use_sim = engine_clock and hdr is not None
+                origin = float(hdr) if use_sim and hdr is not None else 0.0
+                async for raw in resp.content:
+                    line = raw.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        finished = True
+                        break
+                    chunk = json.loads(data)
+                    choices = chunk.get("choices") or []
+                    if not choices:
+                        usage = chunk.get("usage")
+                        if usage and usage.get("completion_tokens") is not None and tokens == 0:
+                            tokens = int(usage["completion_tokens"])
+                        continue
+                    ch = choices[0]
+                    text = ch.get("text")
+                    if text is None:
+                        text = (ch.get("delta") or {}).get("content")
+                    n = chunk.get("n_tokens")
+                    n = int(n) if n is not None else (1 if text else 0)
+                    if n <= 0:
+                        continue
+                    sim_t = chunk.get("sim_time_s")
+                    now = float(sim_t) if use_sim and sim_t is not None else (time.monotonic() - t0) * speed
+                    if first is None:
+                        first = now
+                        if gaps is not None and n > 1:
+                            gaps.extend([0.0] * (n - 1))
+                    else:
+                        assert last is not None
+                        g = (now - last) / n
+                        max_gap = max(max_gap, g)
+                        if gaps is not None:
+                            gaps.extend([g] * n)
+                    last = now
+                    tokens += n
+    except TimeoutError:
+        res.outcome = "timeout"
+    except aiohttp.ClientConnectorError as exc:
+        res.outcome = "refused"
+        res.error = str(exc)[:300]
+    except (aiohttp.ClientError, json.JSONDecodeError, ValueError) as exc:
+        res.outcome = "error"
+        res.error = f"{type(exc).__name__}: {exc}"[:300]
+    res.output_tokens = tokens
+    if first is not None and origin is not None:
+        assert last is not None
+        res.ttft_s = first - origin
+        res.e2e_s = last - origin
+        if use_sim:
+            res.sim_start_s, res.sim_end_s = origin, last
+        if tokens > 1:
+            res.itl_mean_s = (last - first) / (tokens - 1)
+            res.itl_max_s = max_gap
+    res.itls_s = gaps
+    if res.outcome == "pending":
+        res.outcome = "ok" if finished and tokens >= res.output_tokens_requested else "incomplete"
+
+
+async def run_load(
+    requests: Sequence[Any],
+    target: str,
+    *,
+    speed: float = 1.0,
+    model: str | None = None,
+    max_in_flight: int = 2000,
+    timeout_s: float = 600.0,
+    allow_remote: bool = False,
+    full_prompts: bool = False,
+    keep_itls: bool = False,
+    engine_clock: bool = True,
+    path: str = "/v1/completions",
+    on_result: Callable[[RequestResult], None] | None = None,
+    session: aiohttp.ClientSession | None = None,
+) -> list[RequestResult]:
+    """Send each request at its time (t_s simulated seconds / speed of wall time), streaming.
+
+    `requests`: (t_s, prompt_tokens, output_tokens[, model]) tuples, LoadRequest or TraceRequest.
+    Returns one RequestResult per request, in input order. Timeouts are per request (wall s).
+    engine_clock: measure latencies on a simulated engine's own clock when it reports it (exact
+    simulated seconds, immune to this host's CPU load); False: wall time x speed.
+    """
+    if speed <= 0:
+        raise ValueError(f"speed must be > 0, got {speed}")
+    base = check_target(target, allow_remote)
+    url = base + path
+    reqs = [_as_load_request(r) for r in requests]
+    results = [
+        RequestResult(i, r.t_s, r.model or model, r.prompt_tokens, r.output_tokens) for i, r in enumerate(reqs)
+    ]
+    sem = asyncio.Semaphore(max(1, max_in_flight))
+    own = session is None
+    if session is None:
+        session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=max(1, max_in_flight), force_close=False),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+        )
+    start = time.monotonic()
+
+    async def fire(i: int) -> None:
+        req, res = reqs[i], results[i]
+        async with sem:
+            res.late_s = max(0.0, (time.monotonic() - start) * speed - req.t_s)
+            await _one(session, url, request_body(req, model, full_prompts), res, speed, timeout_s, keep_itls,
+                       engine_clock)
+        if on_result is not None:
+            on_result(res)
+
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        for i in sorted(range(len(reqs)), key=lambda j: reqs[j].t_s):
+            delay = start + reqs[i].t_s / speed - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(fire(i)))
+        if tasks:
+            await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        if own:
+            await session.close()
+    return results
+
+
+def _q(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def summarize(results: Sequence[RequestResult], *, duration_s: float | None = None) -> dict[str, Any]:
+    """Counts by outcome and latency figures (simulated seconds) of the successful requests."""
+    outcomes: dict[str, int] = {}
+    for r in results:
+        outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
+    ok = [r for r in results if r.outcome == "ok"]
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    itl = [r.itl_mean_s for r in ok if r.itl_mean_s is not None]
+    out_tokens = sum(r.output_tokens for r in ok)
+    if duration_s is None and results:
+        ends = [r.t_s + r.late_s + (r.e2e_s or 0.0) for r in results]
+        duration_s = max(ends) - min(r.t_s for r in results) if ends else None
+
+    def ms(v: float | None) -> float | None:
+        return None if v is None else round(v * 1000.0, 3)
+
+    return {
+        "requests": len(results),
+        "outcomes": outcomes,
+        "ok": len(ok),
+        "duration_s": duration_s,
+        "request_rps": (len(ok) / duration_s) if duration_s else None,
+        "output_tok_s": (out_tokens / duration_s) if duration_s else None,
+        "ttft_mean_ms": ms(sum(ttft) / len(ttft)) if ttft else None,
+        "ttft_p50_ms": ms(_q(ttft, 0.5)),
+        "ttft_p99_ms": ms(_q(ttft, 0.99)),
+        "itl_mean_ms": ms(sum(itl) / len(itl)) if itl else None,
+        "itl_p50_ms": ms(_q(itl, 0.5)),
+        "itl_p99_ms": ms(_q(itl, 0.99)),
+        "late_max_s": max((r.late_s for r in results), default=0.0),
+    }
+
+
+def results_jsonl(results: Sequence[RequestResult]) -> str:
+    lines = []
+    for r in results:
+        d = asdict(r)
+        d.pop("itls_s", None)
+        lines.append(json.dumps(d))
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
+async def _first_model(base: str) -> str | None:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s, s.get(base + "/v1/models") as resp:
+        if resp.status != 200:
+            return None
+        data = await resp.json()
+        items = data.get("data") or []
+        return str(items[0]["id"]) if items else None
+
+
+def replay_main(args: argparse.Namespace) -> int:
+    from controller.atomic import atomic_write_text
+    from sim.traces import TraceError, read_trace
+
+    try:
+        base = check_target(args.target, args.allow_remote)
+    except TargetError as exc:
+        print(f"replay-load: {exc}", file=sys.stderr)
+        return 2
+    try:
+        trace = read_trace(args.trace)
+    except TraceError as exc:
+        print(f"replay-load: {exc}", file=sys.stderr)
+        return 2
+    reqs: list[LoadRequest] = []
+    for tr in trace.requests:
+        t = tr.t_s / args.rate_scale
+        if t > args.duration_s or len(reqs) >= args.max_requests:
+            break
+        reqs.append(LoadRequest(t, tr.prompt_tokens, tr.output_tokens, None))
+    if not reqs:
+        print(f"replay-load: {args.trace}: no request within --duration-s {args.duration_s}", file=sys.stderr)
+        return 2
+
+    async def go() -> list[RequestResult]:
+        model = args.model
+        if model is None:
+            try:
+                model = await _first_model(base)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                log.warning("cannot read %s/v1/models: %s", base, exc)
+        return await run_load(
+            reqs, base, speed=args.speed, model=model, max_in_flight=args.concurrency_limit,
+            timeout_s=args.timeout_s, allow_remote=args.allow_remote, engine_clock=not args.wall_clock,
+        )
+
+    print(f"replay-load: {len(reqs)} requests over {reqs[-1].t_s:.0f} trace s "
+          f"({reqs[-1].t_s / args.speed:.0f} wall s at speed {args.speed:g}) -> {base}", flush=True)
+    results = asyncio.run(go())
+    summary = summarize(results)
+    if args.out:
+        atomic_write_text(args.out, results_jsonl(results))
+    print(json.dumps(summary, indent=2))
+    return 0 if summary["ok"] == len(results) else 1

@@ -1,0 +1,58 @@
+"""The user's workflow on the simulator: bench-engine sweep -> `fleetplan models fit` -> predict.
+
+A fit of a simulated engine's concurrency sweep (1, 4, 16, 64) predicts its throughput at an
+unseen concurrency (32) within 15%. The simulator's step time comes from the architecture and
+datasheet numbers (sim.groundtruth), not from models/, so this tests the fitting honestly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from controller.cli import main as cli_main
+from models.names import Engine, GpuType
+from sim.benchclient import file_name, sweep
+from sim.engine import EngineConfig, SimEngine
+
+ISL, OSL = 467, 128
+TRAIN = (1, 4, 16, 64)
+UNSEEN = 32
+
+
+@pytest.mark.parametrize("persona", [Engine.VLLM])
+async def test_fit_on_simulator_predicts_unseen_concurrency(persona: Engine, tmp_path: Path) -> None:
+    benchfiles = pytest.importorskip("controller.benchfiles")
+    profile_mod = pytest.importorskip("models.profile")
+    engine = SimEngine(EngineConfig(persona, "llama-3.1-8b", GpuType.H100, 1, time_scale=20.0, startup_s=0.0,
+                                    min_chunk_interval_ms=10.0, seed=3))
+    await engine.start("127.0.0.1", 0)
+    try:
+        target = f"http://127.0.0.1:{engine.port}"
+        meta = {"engine": persona.value, "gpu": "h100", "tp": 1, "precision": "bf16"}
+        docs = await sweep(target, isl=ISL, osl=OSL, concurrencies=TRAIN, num_prompts=None, time_scale=20.0,
+                           meta=meta)
+        (unseen,) = await sweep(target, isl=ISL, osl=OSL, concurrencies=[UNSEEN], time_scale=20.0, meta=meta)
+    finally:
+        await engine.stop()
+    out = tmp_path / "bench"
+    out.mkdir()
+    for c, doc in zip(TRAIN, docs, strict=True):
+        assert doc["failed"] == 0, doc["errors"]
+        (out / file_name(doc["model_id"], meta, ISL, OSL, c)).write_text(json.dumps(doc))
+    profiles_path = tmp_path / "PROFILES.json"
+    assert cli_main(["models", "fit", str(out), "--out", str(profiles_path)]) == 0
+
+    profiles = benchfiles.load_profiles(profiles_path)
+    prof = profiles.get("llama-3.1-8b", persona, GpuType.H100, 1)
+    assert prof is not None, profiles.keys()
+    pred = profile_mod.predict(prof, profile_mod.Workload(isl=ISL, osl=OSL), concurrency=UNSEEN)
+    measured = unseen["request_throughput"]
+    err = pred.request_rps / measured - 1.0
+    print(f"fit-on-simulator: conc {UNSEEN} predicted {pred.request_rps:.2f} req/s, measured {measured:.2f} "
+          f"req/s, error {err:+.1%}; TTFT mean predicted {pred.ttft.mean_ms:.0f} ms measured "
+          f"{unseen['mean_ttft_ms']:.0f} ms; ITL mean predicted {pred.itl.mean_ms:.1f} ms measured "
+          f"{unseen['mean_itl_ms']:.1f} ms")
+    assert abs(err) <= 0.15
