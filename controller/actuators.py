@@ -228,6 +228,11 @@ class ProcessActuator:
         if handle.pid is None or not self._same_process(handle):
             return None
         cmdline = _proc_cmdline(handle.pid)
+        for _ in range(25):  # empty while the process is still inside execve(): ask again
+            if cmdline:
+                break
+            await asyncio.sleep(0.02)
+            cmdline = _proc_cmdline(handle.pid)
         if cmdline != handle.argv:
             log.warning("not adopting %s: pid %s runs %s, recorded %s", handle.instance_id, handle.pid,
                         cmdline, list(handle.argv))

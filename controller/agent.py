@@ -229,6 +229,59 @@ def load_agent_config(path: Path) -> AgentConfig:
         raise AgentConfigError(f"{path}: {exc}") from None
 
 
+# A build stand-in for the lab: reports progress, then writes a marker "engine" into {engine_dir}.
+_SIM_BUILD_SCRIPT = (
+    "import os, sys, time\n"
+    "out, progress_file, total_s = sys.argv[1], sys.argv[2], float(sys.argv[3])\n"
+    "os.makedirs(os.path.dirname(progress_file), exist_ok=True)\n"
+    "for i in range(1, 11):\n"
+    "    time.sleep(total_s / 10)\n"
+    "    print(f'FLEETPLAN_PROGRESS {i / 10}', flush=True)\n"
+    "os.makedirs(out, exist_ok=True)\n"
+    "open(os.path.join(out, 'rank0.engine'), 'w').write('simulated engine')\n"
+)
+
+
+def sim_agent_config(
+    *, host: str, gpu: str, gpu_count: int, mqtt_host: str, mqtt_port: int, mqtt_user: str,
+    mqtt_password: str, port_range: tuple[int, int], state_dir: Path, time_scale: float = 1.0,
+    startup_s: float | None = None, build_wall_s: float = 5.0,
+    nvlink_groups: tuple[tuple[int, ...], ...] | None = None, python: str | None = None,
+    status_interval_s: float = 5.0,
+) -> dict[str, Any]:
+    """An agent config (as a dict, dump it to YAML) for a lab host running simulated engines.
+
+    Launch templates ``sim-vllm`` and ``sim-trtllm`` start `fleetplan sim-engine` with the replica's
+    model/GPU/TP/precision/port; ``sim-trtllm-build`` is a build template that takes `build_wall_s`.
+    `startup_s` is the engine's SIMULATED startup delay (None: the persona's default).
+    """
+    import sys
+
+    py = python or sys.executable
+
+    def engine(persona: str) -> dict[str, Any]:
+        argv = [py, "-m", "controller.cli", "sim-engine", "--persona", persona, "--model", "{model}",
+                "--gpu", "{gpu}", "--tp", "{tp}", "--precision", "{precision}", "--port", "{port}",
+                "--replica-id", "{replica_id}", "--gpu-indices", "{gpu_indices}", "--time-scale", str(time_scale)]
+        if startup_s is not None:
+            argv += ["--startup-s", str(startup_s)]
+        return {"engine": persona, "argv": argv, "health_path": "/health", "startup_timeout_s": 300.0,
+                "stop_timeout_s": 60.0}
+
+    return {
+        "host": host, "gpu": gpu, "gpu_count": gpu_count,
+        "nvlink_groups": [list(g) for g in (nvlink_groups or (tuple(range(gpu_count)),))],
+        "mqtt": {"host": mqtt_host, "port": mqtt_port, "username": mqtt_user, "password": mqtt_password,
+                 "keepalive_s": 10, "backoff_initial_s": 0.2, "backoff_max_s": 5.0},
+        "port_range": list(port_range), "state_dir": str(state_dir), "status_interval_s": status_interval_s,
+        "actuator": {"kind": "process"},
+        "launch_templates": {"sim-vllm": engine("vllm"), "sim-trtllm": engine("trtllm")},
+        "build_templates": {"sim-trtllm-build": {
+            "argv": [py, "-c", _SIM_BUILD_SCRIPT, "{engine_dir}", "{progress_file}", str(build_wall_s)],
+            "timeout_s": max(60.0, build_wall_s * 10)}},
+    }
+
+
 def make_actuator(config: AgentConfig) -> Actuator:
     if config.actuator.kind == "systemd":
         return SystemdActuator(config.actuator.env_dir, systemctl=config.actuator.systemctl,
@@ -460,9 +513,11 @@ class Agent:
         if isinstance(spec, DesiredReplica):
             values.update(port=str(spec.port), replica_id=spec.replica_id)
         else:
-            values.update(build_id=spec.build_id,
-                          progress_file=str(self.config.state_dir / "progress" / spec.build_id))
+            values.update(build_id=spec.build_id, progress_file=str(self._progress_path(spec.build_id)))
         return values
+
+    def _progress_path(self, build_id: str) -> Path:
+        return self.config.cache_dir / ".progress" / build_id
 
     def launch_spec(self, replica: DesiredReplica) -> LaunchSpec:
         template = self.config.launch_templates[replica.template]
@@ -628,8 +683,9 @@ class Agent:
     async def _start_build(self, build: DesiredBuild) -> None:
         b = _Build(build, BuildPhase.RUNNING, time.time())
         self.builds[build.build_id] = b
-        (self.config.state_dir / "progress").mkdir(parents=True, exist_ok=True)
-        self.config.cache_dir.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):  # under systemd the build's own user owns the cache
+            self._progress_path(build.build_id).parent.mkdir(parents=True, exist_ok=True)
+            self._progress_path(build.build_id).unlink(missing_ok=True)  # not a previous run's
         try:
             b.handle = await self.actuator.start(self.build_spec(build))
         except StartError as exc:
@@ -642,7 +698,7 @@ class Agent:
 
     def _read_progress(self, b: _Build) -> None:
         value: float | None = None
-        progress_file = self.config.state_dir / "progress" / b.build.build_id
+        progress_file = self._progress_path(b.build.build_id)
         with contextlib.suppress(OSError, ValueError):
             value = float(progress_file.read_text().strip())
         if value is None:
