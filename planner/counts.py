@@ -61,6 +61,7 @@ class CountProblem:
     time_limit_s: float = 2.0
     relative_gap: float = 0.001
     workers: int = 1
+    backend: str = "cp-sat"  # "cp-sat" | "SCIP" | "HIGHS" (pywraplp)
 
 
 @dataclass(frozen=True)
@@ -81,145 +82,368 @@ def _slot_sizes(problem: CountProblem, gpu: GpuType) -> list[int]:
     return sorted(sizes)
 
 
-def solve_counts(problem: CountProblem) -> CountSolution:
-    from ortools.sat.python import cp_model
+@dataclass
+class _Model:
+    """A backend-neutral MILP: integer replica counts and continuous slacks."""
 
-    m = cp_model.CpModel()
-    cands = sorted(problem.candidates, key=lambda c: c.config)
+    names: list[str] = field(default_factory=list)
+    ubs: list[float] = field(default_factory=list)
+    integer: list[bool] = field(default_factory=list)
+    scale: list[int] = field(default_factory=list)  # CP-SAT: integer units per real unit
+    rows: list[tuple[list[tuple[int, float]], float | None, float | None, str]] = field(default_factory=list)
+    obj: dict[int, float] = field(default_factory=dict)
+
+    def var(self, name: str, ub: float, integer: bool = True, scale: int = 1) -> int:
+        self.names.append(name)
+        self.ubs.append(max(0.0, ub))
+        self.integer.append(integer)
+        self.scale.append(scale)
+        return len(self.names) - 1
+
+    def row(self, terms: list[tuple[int, float]], lo: float | None, hi: float | None, label: str = "") -> None:
+        self.rows.append((terms, lo, hi, label))
+
+    def cost(self, v: int, c: float) -> None:
+        if c:
+            self.obj[v] = self.obj.get(v, 0.0) + c
+
+
+@dataclass(frozen=True)
+class _Raw:
+    status: str
+    values: list[float] | None
+    objective: float | None
+    bound: float | None
+    wall_s: float
+
+
+def prune_dominated(problem: CountProblem) -> list[Candidate]:
+    """Drop a candidate when another of the same model, GPU type and TP (same slots) is at least as
+    good in every objective term and constraint: no more $/h, no less capacity, no longer lead time.
+    Exact (the optimum is unchanged); candidates running now or with a floor are always kept."""
+    keep: list[Candidate] = []
+    groups: dict[tuple[str, GpuType, int], list[Candidate]] = {}
+    for c in sorted(problem.candidates, key=lambda c: c.config):
+        groups.setdefault((c.config.model, c.config.gpu, c.config.tp), []).append(c)
+    for group in groups.values():
+        for c in group:
+            if problem.current.get(c.config, 0) or problem.floors.get(c.config, 0):
+                keep.append(c)
+                continue
+            dominated = False
+            for o in group:
+                if o is c:
+                    continue
+                if o.usd_h <= c.usd_h and o.capacity_rps >= c.capacity_rps and o.lead_s <= c.lead_s:
+                    strictly = (o.usd_h < c.usd_h or o.capacity_rps > c.capacity_rps or o.lead_s < c.lead_s)
+                    if strictly or o.config < c.config:
+                        dominated = True
+                        break
+            if not dominated:
+                keep.append(c)
+    return sorted(keep, key=lambda c: c.config)
+
+
+def _build(problem: CountProblem) -> tuple[_Model, list[Candidate], dict[str, int], dict[str, int]]:
+    mdl = _Model()
+    cands = prune_dominated(problem)
+    demands = {d.model: d for d in problem.demands}
     by_model: dict[str, list[int]] = {}
     for i, c in enumerate(cands):
-        by_model.setdefault(c.config.model, []).append(i)
-    demands = {d.model: d for d in problem.demands}
-
-    # upper bounds per variable: from inventory slots and max replicas
-    n = []
-    ubs: list[int] = []
-    for c in cands:
         ub = problem.slots.get(c.config.gpu, {}).get(c.config.tp, 0)
         d = demands.get(c.config.model)
         if d is not None and d.max_replicas is not None:
             ub = min(ub, d.max_replicas)
         if problem.max_gpus is not None:
             ub = min(ub, problem.max_gpus // max(1, c.gpus))
-        ubs.append(max(0, ub))
-        n.append(m.new_int_var(0, max(0, ub), f"n[{c.config.label()}]"))
+        if problem.max_usd_h is not None and c.usd_h > 0:
+            ub = min(ub, int(problem.max_usd_h // c.usd_h))
+        v = mdl.var(f"n[{c.config.label()}]", ub)
+        assert v == i
+        by_model.setdefault(c.config.model, []).append(i)
 
-    max_cost_per_rps = 0.0
-    for c in cands:
-        if c.capacity_rps > 0:
-            max_cost_per_rps = max(max_cost_per_rps, c.usd_h / c.capacity_rps)
+    max_cost_per_rps = max((c.usd_h / c.capacity_rps for c in cands if c.capacity_rps > 0), default=1.0)
     max_replica_cost = max((c.usd_h for c in cands), default=1.0)
-    prio_levels = sorted({d.priority for d in problem.demands})
-    prio_rank = {p: r for r, p in enumerate(prio_levels)}
+    prio_rank = {p: r for r, p in enumerate(sorted({d.priority for d in problem.demands}))}
 
-    objective: list[cp_model.LinearExprT] = []
-    unmet_vars: dict[str, cp_model.IntVar] = {}
-    min_vars: dict[str, cp_model.IntVar] = {}
+    unmet: dict[str, int] = {}
+    minmiss: dict[str, int] = {}
     for name in sorted(demands):
         d = demands[name]
         idx = by_model.get(name, [])
-        req = math.ceil(d.required_rps * _RPS_SCALE)
-        u = m.new_int_var(0, max(0, req), f"unmet[{name}]")
-        unmet_vars[name] = u
-        caps = [round(cands[i].capacity_rps * _RPS_SCALE) for i in idx]
-        m.add(sum(caps[k] * n[i] for k, i in enumerate(idx)) + u >= req)
-        # unmet demand costs far more than serving it; higher priority levels weigh 4x per level
-        per_rps = max(10.0 * max_cost_per_rps, 1.0) * (4 ** prio_rank[d.priority])
-        # u is in milli-rps; per_rps $/h per rps == per_rps milli-$/h per milli-rps
-        objective.append(u * math.ceil(per_rps))
+        if d.required_rps > 0:
+            u = mdl.var(f"unmet[{name}]", d.required_rps, integer=False, scale=_RPS_SCALE)
+            unmet[name] = u
+            mdl.row([(i, cands[i].capacity_rps) for i in idx] + [(u, 1.0)], d.required_rps, None)
+            # unmet demand costs far more than serving it; each priority level weighs 4x more
+            mdl.cost(u, max(10.0 * max_cost_per_rps, 1.0) * (4 ** prio_rank[d.priority]))
         if d.min_replicas > 0:
-            s = m.new_int_var(0, d.min_replicas, f"minmiss[{name}]")
-            min_vars[name] = s
-            m.add(sum(n[i] for i in idx) + s >= d.min_replicas)
-            objective.append(s * round(100 * max_replica_cost * _USD_SCALE * (1 + prio_rank[d.priority])))
-        if d.max_replicas is not None:
-            m.add(sum(n[i] for i in idx) <= d.max_replicas)
+            s = mdl.var(f"minmiss[{name}]", d.min_replicas)
+            minmiss[name] = s
+            mdl.row([(i, 1.0) for i in idx] + [(s, 1.0)], d.min_replicas, None)
+            mdl.cost(s, 100.0 * max_replica_cost * (1 + prio_rank[d.priority]))
+        if d.max_replicas is not None and idx:
+            mdl.row([(i, 1.0) for i in idx], None, d.max_replicas)
 
-    # inventory: TP slots per GPU type (nested sizes)
-    binding: list[str] = []
-    inv_exprs: list[tuple[str, cp_model.LinearExprT, int]] = []
     for gpu in sorted({c.config.gpu for c in cands}):
-        sizes = _slot_sizes(problem, gpu)
-        for t in sizes:
-            terms = [n[i] * (c.gpus // t) for i, c in enumerate(cands)
-                     if c.config.gpu == gpu and c.gpus >= t and c.gpus % t == 0]
-            terms += [n[i] * math.ceil(c.gpus / t) for i, c in enumerate(cands)
-                      if c.config.gpu == gpu and c.gpus >= t and c.gpus % t != 0]
-            cap = problem.slots.get(gpu, {}).get(t, 0)
+        for t in _slot_sizes(problem, gpu):
+            terms = [(i, float(math.ceil(c.gpus / t))) for i, c in enumerate(cands)
+                     if c.config.gpu == gpu and c.gpus >= t]
             if terms:
-                expr = sum(terms)
-                m.add(expr <= cap)
-                inv_exprs.append((f"inventory {gpu.value}: TP{t} slots", expr, cap))
-
-    gpu_total = sum(n[i] * c.gpus for i, c in enumerate(cands))
-    cost_total = sum(n[i] * round(c.usd_h * _USD_SCALE) for i, c in enumerate(cands))
+                cap = problem.slots.get(gpu, {}).get(t, 0)
+                mdl.row(terms, None, cap, f"inventory {gpu.value}: TP{t} groups")
     if problem.max_gpus is not None:
-        m.add(gpu_total <= problem.max_gpus)
-        inv_exprs.append(("budget max_gpus", gpu_total, problem.max_gpus))
+        mdl.row([(i, float(c.gpus)) for i, c in enumerate(cands)], None, problem.max_gpus, "budget max_gpus")
     if problem.max_usd_h is not None:
-        cap_usd = math.floor(problem.max_usd_h * _USD_SCALE)
-        m.add(cost_total <= cap_usd)
-        inv_exprs.append(("budget max_usd_h", cost_total, cap_usd))
-    objective.append(cost_total)
+        mdl.row([(i, c.usd_h) for i, c in enumerate(cands)], None, problem.max_usd_h, "budget max_usd_h")
+    for i, c in enumerate(cands):
+        mdl.cost(i, c.usd_h)
 
-    # churn, lead time, floors
-    churn = round(problem.churn_cost_usd_h * _USD_SCALE)
     for i, c in enumerate(cands):
         cur = int(problem.current.get(c.config, 0))
-        ub = ubs[i]
-        lead = round(problem.lead_time_cost_usd_h_per_min * c.lead_s / 60.0 * _USD_SCALE)
-        if churn or lead:
-            up = m.new_int_var(0, max(0, ub - cur) if ub > cur else 0, f"start[{c.config.label()}]")
-            m.add(up >= n[i] - cur)
-            objective.append(up * (churn + lead))
-            if cur > 0 and churn:
-                down = m.new_int_var(0, cur, f"stop[{c.config.label()}]")
-                m.add(down >= cur - n[i])
-                objective.append(down * churn)
+        ub = int(mdl.ubs[i])
+        lead = problem.lead_time_cost_usd_h_per_min * c.lead_s / 60.0
+        per_start = problem.churn_cost_usd_h + lead
+        if per_start > 0 and ub > cur:
+            up = mdl.var(f"start[{c.config.label()}]", ub - cur)
+            mdl.row([(up, 1.0), (i, -1.0)], -cur, None)
+            mdl.cost(up, per_start)
+        if cur > 0 and problem.churn_cost_usd_h > 0:
+            down = mdl.var(f"stop[{c.config.label()}]", cur)
+            mdl.row([(down, 1.0), (i, 1.0)], cur, None)
+            mdl.cost(down, problem.churn_cost_usd_h)
         floor = int(problem.floors.get(c.config, 0))
         if floor > 0:
-            miss = m.new_int_var(0, floor, f"floormiss[{c.config.label()}]")
-            m.add(n[i] + miss >= floor)
-            objective.append(miss * round(50 * max_replica_cost * _USD_SCALE))
-    m.minimize(sum(objective))
+            miss = mdl.var(f"floormiss[{c.config.label()}]", floor)
+            mdl.row([(i, 1.0), (miss, 1.0)], floor, None)
+            mdl.cost(miss, 50.0 * max_replica_cost)
+    return mdl, cands, unmet, minmiss
 
+
+def _solve_cpsat(mdl: _Model, problem: CountProblem, hint: list[float] | None) -> _Raw:
+    from ortools.sat.python import cp_model
+
+    m = cp_model.CpModel()
+    xs = [m.new_int_var(0, math.floor(ub * sc + 1e-9) if integer else math.ceil(ub * sc), name)
+          for name, ub, integer, sc in zip(mdl.names, mdl.ubs, mdl.integer, mdl.scale, strict=True)]
+    for terms, lo, hi, _ in mdl.rows:
+        row_scale = max((mdl.scale[v] for v, _ in terms), default=1)
+        if any(abs(c - round(c)) > 1e-9 for _, c in terms):
+            row_scale = max(row_scale, _USD_SCALE)
+        expr = sum(round(c * row_scale / mdl.scale[v]) * xs[v] for v, c in terms)
+        if lo is not None:
+            m.add(expr >= math.ceil(lo * row_scale - 1e-9))
+        if hi is not None:
+            m.add(expr <= math.floor(hi * row_scale + 1e-9))
+    m.minimize(sum(round(c * _USD_SCALE / mdl.scale[v]) * xs[v] for v, c in sorted(mdl.obj.items())))
+    if hint is not None:
+        for x, v, sc in zip(xs, hint, mdl.scale, strict=True):
+            m.add_hint(x, math.ceil(v * sc - 1e-9))
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = problem.workers
     solver.parameters.max_time_in_seconds = problem.time_limit_s
     solver.parameters.relative_gap_limit = problem.relative_gap
     solver.parameters.random_seed = 0
     status = solver.solve(m)
-    status_name = solver.status_name(status)
+    name = solver.status_name(status)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return _Raw(name, None, None, None, solver.wall_time)
+    values = [solver.value(x) / sc for x, sc in zip(xs, mdl.scale, strict=True)]
+    return _Raw(name, values, solver.objective_value / _USD_SCALE, solver.best_objective_bound / _USD_SCALE,
+                solver.wall_time)
+
+
+def _solve_mip(mdl: _Model, problem: CountProblem, backend: str, hint: list[float] | None) -> _Raw:
+    from ortools.linear_solver import pywraplp
+
+    solver = pywraplp.Solver.CreateSolver(backend)
+    if solver is None:
+        return _Raw(f"NO_SOLVER_{backend}", None, None, None, 0.0)
+    inf = solver.infinity()
+    xs = [solver.IntVar(0.0, ub, name) if integer else solver.NumVar(0.0, ub, name)
+          for name, ub, integer in zip(mdl.names, mdl.ubs, mdl.integer, strict=True)]
+    for terms, lo, hi, _ in mdl.rows:
+        ct = solver.Constraint(-inf if lo is None else lo, inf if hi is None else hi)
+        for v, c in terms:
+            ct.SetCoefficient(xs[v], c)
+    obj = solver.Objective()
+    for v, c in sorted(mdl.obj.items()):
+        obj.SetCoefficient(xs[v], c)
+    obj.SetMinimization()
+    if hint is not None:
+        solver.SetHint(xs, hint)
+    solver.SetTimeLimit(max(1, int(problem.time_limit_s * 1000)))
+    if backend == "SCIP":
+        solver.SetNumThreads(1)
+    params = pywraplp.MPSolverParameters()
+    params.SetDoubleParam(params.RELATIVE_MIP_GAP, problem.relative_gap)
+    status = solver.Solve(params)
+    names = {pywraplp.Solver.OPTIMAL: "OPTIMAL", pywraplp.Solver.FEASIBLE: "FEASIBLE",
+             pywraplp.Solver.INFEASIBLE: "INFEASIBLE", pywraplp.Solver.UNBOUNDED: "UNBOUNDED",
+             pywraplp.Solver.ABNORMAL: "ABNORMAL", pywraplp.Solver.NOT_SOLVED: "NOT_SOLVED"}
+    name = names.get(status, str(status))
+    wall = solver.wall_time() / 1000.0
+    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        return _Raw(name, None, None, None, wall)
+    values = [x.solution_value() for x in xs]
+    values = [round(v) if integer else v for v, integer in zip(values, mdl.integer, strict=True)]
+    return _Raw(name, values, obj.Value(), obj.BestBound(), wall)
+
+
+def _lp_relaxation(mdl: _Model) -> tuple[list[float], float, float] | None:
+    """The LP relaxation (GLOP): values, objective (a lower bound), wall seconds."""
+    from ortools.linear_solver import pywraplp
+
+    solver = pywraplp.Solver.CreateSolver("GLOP")
+    if solver is None:
+        return None
+    inf = solver.infinity()
+    xs = [solver.NumVar(0.0, ub, name) for name, ub in zip(mdl.names, mdl.ubs, strict=True)]
+    for terms, lo, hi, _ in mdl.rows:
+        ct = solver.Constraint(-inf if lo is None else lo, inf if hi is None else hi)
+        for v, c in terms:
+            ct.SetCoefficient(xs[v], c)
+    obj = solver.Objective()
+    for v, c in sorted(mdl.obj.items()):
+        obj.SetCoefficient(xs[v], c)
+    obj.SetMinimization()
+    if solver.Solve() != pywraplp.Solver.OPTIMAL:
+        return None
+    return [x.solution_value() for x in xs], obj.Value(), solver.wall_time() / 1000.0
+
+
+def _complete(mdl: _Model, n_values: list[int]) -> list[float] | None:
+    """Extend replica counts with the smallest feasible slacks; None when a constraint is violated."""
+    ncand = len(n_values)
+    values: list[float] = [float(v) for v in n_values] + [0.0] * (len(mdl.names) - ncand)
+    for terms, lo, _hi, _ in mdl.rows:
+        aux = [(v, c) for v, c in terms if v >= ncand]
+        if lo is not None and len(aux) == 1 and aux[0][1] > 0:
+            v, c = aux[0]
+            rest = sum(cc * values[vv] for vv, cc in terms if vv != v)
+            need = (lo - rest) / c
+            if need > values[v]:
+                values[v] = float(math.ceil(need - 1e-9)) if mdl.integer[v] else need
+    for v, ub in enumerate(mdl.ubs):
+        if values[v] > ub + 1e-6:
+            return None
+    for terms, lo, hi, _ in mdl.rows:
+        act = sum(c * values[v] for v, c in terms)
+        if (lo is not None and act < lo - 1e-6) or (hi is not None and act > hi + 1e-6):
+            return None
+    return values
+
+
+def _round(problem: CountProblem, mdl: _Model, cands: list[Candidate], lp: list[float]) -> list[float] | None:
+    """A feasible integer solution near the LP optimum: floor, then cover each model's residual
+    demand with the cheapest config that still fits (priority order), then min replicas."""
+    n = [math.floor(x + 1e-6) for x in lp[: len(cands)]]
+    sizes = {g: _slot_sizes(problem, g) for g in {c.config.gpu for c in cands}}
+    used: dict[tuple[GpuType, int], int] = {}
+    gpus = 0
+    usd = 0.0
+    count: dict[str, int] = {}
+
+    def add(i: int, k: int) -> None:
+        nonlocal gpus, usd
+        c = cands[i]
+        for t in sizes[c.config.gpu]:
+            if t <= c.gpus:
+                used[(c.config.gpu, t)] = used.get((c.config.gpu, t), 0) + k * math.ceil(c.gpus / t)
+        gpus += k * c.gpus
+        usd += k * c.usd_h
+        count[c.config.model] = count.get(c.config.model, 0) + k
+
+    def fits(i: int, k: int) -> bool:
+        c = cands[i]
+        if n[i] + k > mdl.ubs[i] + 1e-9:
+            return False
+        d = demands.get(c.config.model)
+        if d is not None and d.max_replicas is not None and count.get(c.config.model, 0) + k > d.max_replicas:
+            return False
+        for t in sizes[c.config.gpu]:
+            if t <= c.gpus:
+                cap = problem.slots.get(c.config.gpu, {}).get(t, 0)
+                if used.get((c.config.gpu, t), 0) + k * math.ceil(c.gpus / t) > cap:
+                    return False
+        if problem.max_gpus is not None and gpus + k * c.gpus > problem.max_gpus:
+            return False
+        return problem.max_usd_h is None or usd + k * c.usd_h <= problem.max_usd_h + 1e-9
+
+    demands = {d.model: d for d in problem.demands}
+    for i, k in enumerate(n):
+        if k:
+            add(i, k)
+    by_model: dict[str, list[int]] = {}
+    for i, c in enumerate(cands):
+        by_model.setdefault(c.config.model, []).append(i)
+    for d in sorted(problem.demands, key=lambda d: (-d.priority, d.model)):
+        idx = by_model.get(d.model, [])
+        for _ in range(64):
+            r = d.required_rps - sum(cands[i].capacity_rps * n[i] for i in idx)
+            if r <= 1e-9:
+                break
+            best: tuple[float, int, int] | None = None
+            for i in idx:
+                c = cands[i]
+                k = math.ceil(r / c.capacity_rps - 1e-9)
+                if fits(i, k):
+                    cost = k * (c.usd_h + problem.churn_cost_usd_h
+                                + problem.lead_time_cost_usd_h_per_min * c.lead_s / 60.0)
+                    if best is None or cost < best[0]:
+                        best = (cost, i, k)
+            if best is None:  # cannot cover: add the best capacity-per-$ replica that fits, repeat
+                fitting = [i for i in idx if fits(i, 1)]
+                if not fitting:
+                    break
+                best = (0.0, max(fitting, key=lambda i: cands[i].capacity_rps / max(cands[i].usd_h, 1e-9)), 1)
+            n[best[1]] += best[2]
+            add(best[1], best[2])
+        while count.get(d.model, 0) < d.min_replicas:
+            fitting = [i for i in idx if fits(i, 1)]
+            if not fitting:
+                break
+            i = min(fitting, key=lambda i: cands[i].usd_h)
+            n[i] += 1
+            add(i, 1)
+    return _complete(mdl, n)
+
+
+def solve_counts(problem: CountProblem) -> CountSolution:
+    mdl, cands, unmet_vars, min_vars = _build(problem)
+    backend = problem.backend
+    hint: list[float] | None = None
+    lp = _lp_relaxation(mdl)
+    if lp is not None:
+        hint = _round(problem, mdl, cands, lp[0])
+    raw = (_solve_cpsat(mdl, problem, hint) if backend == "cp-sat"
+           else _solve_mip(mdl, problem, backend, hint))
     counts: dict[ConfigKey, int] = {}
     unmet: dict[str, float] = {}
     missed: dict[str, int] = {}
-    objective_value: float | None = None
-    bound: float | None = None
+    binding: list[str] = []
     gap: float | None = None
-    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+    if raw.values is not None:
+        vals = raw.values
         for i, c in enumerate(cands):
-            v = int(solver.value(n[i]))
-            if v:
-                counts[c.config] = v
+            k = round(vals[i])
+            if k > 0:
+                counts[c.config] = k
         for name, u in unmet_vars.items():
-            val = solver.value(u) / _RPS_SCALE
-            if val > 0:
-                unmet[name] = val
+            if vals[u] > 1e-6:
+                unmet[name] = vals[u]
         for name, s in min_vars.items():
-            if solver.value(s):
-                missed[name] = int(solver.value(s))
-        objective_value = solver.objective_value / _USD_SCALE
-        bound = solver.best_objective_bound / _USD_SCALE
-        gap = 0.0 if status == cp_model.OPTIMAL else abs(objective_value - bound) / max(abs(objective_value), 1e-9)
-        for label, used_expr, cap in inv_exprs:
-            used = solver.value(used_expr)
-            if cap > 0 and used >= cap:
-                binding.append(f"{label}: {_fmt(used, label)}/{_fmt(cap, label)} used")
-    report = SolverReport("counts", "cp-sat", status_name, objective_value, bound, gap, solver.wall_time)
+            if round(vals[s]) > 0:
+                missed[name] = round(vals[s])
+        if raw.objective is not None and raw.bound is not None:
+            gap = max(0.0, raw.objective - raw.bound) / max(abs(raw.objective), 1e-9)
+        for terms, _lo, hi, label in mdl.rows:
+            if label and hi is not None and hi > 0:
+                used = sum(c * vals[v] for v, c in terms)
+                if used >= hi - 1e-6:
+                    unit = f"{used:.2f}/{hi:.2f} $/h" if "usd" in label else f"{used:.0f}/{hi:.0f}"
+                    binding.append(f"{label}: {unit} used")
+    report = SolverReport("counts", backend.lower(), raw.status, raw.objective, raw.bound, gap, raw.wall_s)
     return CountSolution(counts, unmet, missed, report, tuple(binding))
 
 
-def _fmt(v: int, label: str) -> str:
-    if "usd" in label:
-        return f"{v / _USD_SCALE:.2f}"
-    return str(v)

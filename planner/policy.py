@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from datetime import timezone as dt_timezone
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -217,9 +217,10 @@ class Budget(_Strict):
 
 
 class SolverSettings(_Strict):
-    time_limit_s: float = Field(default=2.0, gt=0)
-    relative_gap: float = Field(default=0.001, ge=0, le=1)
-    workers: int = Field(default=1, ge=1, le=64)  # >1 is faster but not bit-for-bit deterministic
+    time_limit_s: float = Field(default=10.0, gt=0)
+    relative_gap: float = Field(default=0.005, ge=0, le=1)
+    workers: int = Field(default=1, ge=1, le=64)  # CP-SAT: >1 is faster but not bit-for-bit deterministic
+    backend: Literal["cp-sat", "SCIP", "HIGHS"] = "SCIP"  # stage-1 solver (placement is always exact packing)
 
 
 class ScheduleOverride(_Strict):
