@@ -163,12 +163,14 @@ class ManagedProcess:
         self.env = dict(env) if env is not None else None
         self.popen: subprocess.Popen[bytes] | None = None
         self.pid: int | None = None
+        self._log_offset = 0
 
     def start(self) -> None:
         if shutil.which(self.argv[0]) is None:
             raise LabError(f"{self.name}: binary {self.argv[0]} not found (install the Debian package)")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log_file:
+            self._log_offset = log_file.tell()  # this run's output starts here (the log is appended)
             self.popen = subprocess.Popen(
                 self.argv,
                 stdin=subprocess.DEVNULL,
@@ -189,6 +191,12 @@ class ManagedProcess:
 
     def running(self) -> bool:
         return self.pid is not None and self.exited() is None
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_bytes()[self._log_offset :].decode(errors="replace")
+        except FileNotFoundError:
+            return ""
 
     def log_tail(self, lines: int = 30) -> str:
         return _tail(self.log_path, lines)
@@ -330,8 +338,12 @@ class MosquittoServer:
             "mosquitto", [MOSQUITTO_BIN, "-c", str(self.conf_path)], self.workdir / "mosquitto.log"
         )
         self.proc.start()
+        proc = self.proc
+        # The log line, not only an open port: the port may belong to someone else.
         self.proc.wait_ready(
-            lambda: _tcp_open(self.host, self.port), 15.0, f"listening on {self.host}:{self.port}"
+            lambda: " running" in proc.log_text() and _tcp_open(self.host, self.port),
+            15.0,
+            f"listening on {self.host}:{self.port}",
         )
 
     def stop(self) -> None:
@@ -763,13 +775,30 @@ class Lab:
             # Start the slow one first without waiting would be faster; sequential keeps errors clear.
             for server in (self.mosquitto, self.nginx, self.prometheus):
                 if server is not None:
-                    server.start()
+                    self._start_with_port_retry(server, used)
             self._started = True
             self.write_json()
         except BaseException:
             self.stop()
             raise
         return self
+
+    @staticmethod
+    def _start_with_port_retry(
+        server: MosquittoServer | PrometheusServer | NginxServer, used: set[int]
+    ) -> None:
+        """Start; if another process took the free port meanwhile, take another one (3 tries)."""
+        for attempt in range(3):
+            try:
+                server.start()
+                return
+            except LabError as exc:
+                if attempt == 2 or "address already in use" not in str(exc).lower():
+                    raise
+            used.add(server.port)
+            server.port = free_port(exclude=used)
+            used.add(server.port)
+            server.write_config()
 
     def stop(self) -> None:
         """Stop every server (process groups emptied) and remove the dir if the lab created it."""
