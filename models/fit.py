@@ -39,7 +39,7 @@ from models.profile import (
 Array = NDArray[np.float64]
 
 SATURATED_FRACTION = 0.9  # achieved / offered below this: the point is past saturation
-_N_PARAMS = 11
+_N_PARAMS = 13
 _OFFSET_PARAMS = (8, 10)  # ttft_p99_factor, itl_p99_factor: fitted as log(f - 1), f > 1
 _RHO_CLIP = 0.995
 _PRIOR_WEIGHT_ROOFLINE = 0.3
@@ -51,12 +51,44 @@ class FitFailure(ValueError):
     """No profile can be fitted from the given points (the message says why)."""
 
 
-def is_saturated(p: BenchmarkPoint) -> bool:
-    if p.load is LoadKind.MAX:
-        return True
-    if p.load is LoadKind.RATE and p.rate_rps is not None and p.request_rps is not None:
-        return p.request_rps < SATURATED_FRACTION * p.rate_rps
-    return False
+SATURATED_TTFT_FACTOR = 5.0  # ... and TTFT this many times the series' lowest: a growing backlog
+
+
+def _ttft_any(p: BenchmarkPoint) -> float | None:
+    for v in (p.ttft_mean_ms, p.ttft_p50_ms, p.ttft_p99_ms):
+        if v is not None:
+            return v
+    return None
+
+
+def saturation_flags(points: Sequence[BenchmarkPoint]) -> list[bool]:
+    """Which points are past saturation: offline/unbounded runs; open-loop runs offered at least 90%
+    of the best rate their series achieved; open-loop runs that did not achieve the offered rate AND
+    whose TTFT shows a backlog (a short benchmark also falls short of the offered rate while it
+    drains its last requests; that alone is no saturation)."""
+    lowest: dict[str, float] = {}
+    best_rps: dict[str, float] = {}
+    for p in points:
+        t = _ttft_any(p)
+        if t is not None and p.load is not LoadKind.MAX:
+            lowest[p.series] = min(lowest.get(p.series, math.inf), t)
+        if p.request_rps is not None:
+            best_rps[p.series] = max(best_rps.get(p.series, 0.0), p.request_rps)
+    flags = []
+    for p in points:
+        if p.load is LoadKind.MAX:
+            flags.append(True)
+            continue
+        if (p.load is LoadKind.RATE and p.rate_rps is not None
+                and p.rate_rps >= SATURATED_FRACTION * best_rps.get(p.series, math.inf)):
+            flags.append(True)  # offered at or above the best rate the series ever achieved
+            continue
+        short = (p.load is LoadKind.RATE and p.rate_rps is not None and p.request_rps is not None
+                 and p.request_rps < SATURATED_FRACTION * p.rate_rps)
+        t = _ttft_any(p)
+        backlog = t is None or t > SATURATED_TTFT_FACTOR * lowest.get(p.series, math.inf)
+        flags.append(short and backlog)
+    return flags
 
 
 @dataclass(frozen=True)
@@ -66,20 +98,18 @@ class _Data:
     mode: Array  # 0 rate, 1 concurrency, 2 saturation
     load: Array  # rate in req/ms, or clients
     obs: Array  # (n, 7) observed, NaN where absent
-    kv_tokens: float | None
 
     def subset(self, idx: Sequence[int] | Array) -> _Data:
         i = np.asarray(idx, dtype=int)
-        return _Data(self.isl[i], self.osl[i], self.mode[i], self.load[i], self.obs[i], self.kv_tokens)
+        return _Data(self.isl[i], self.osl[i], self.mode[i], self.load[i], self.obs[i])
 
 
-def _data(points: Sequence[BenchmarkPoint], kv_tokens: float | None) -> _Data:
+def _data(points: Sequence[BenchmarkPoint]) -> _Data:
     n = len(points)
     isl, osl, mode, load = (np.zeros(n) for _ in range(4))
     obs = np.full((n, len(_METRICS)), np.nan)
-    for i, p in enumerate(points):
+    for i, (p, sat) in enumerate(zip(points, saturation_flags(points), strict=True)):
         isl[i], osl[i] = p.isl, max(p.osl, 1.0)
-        sat = is_saturated(p)
         if sat:
             mode[i], load[i] = 2, 0.0
         elif p.load is LoadKind.RATE:
@@ -96,31 +126,31 @@ def _data(points: Sequence[BenchmarkPoint], kv_tokens: float | None) -> _Data:
         for j, v in enumerate([*values, out]):
             if v is not None and v > 0:
                 obs[i, j] = v
-    return _Data(isl, osl, mode, load, obs, kv_tokens)
+    return _Data(isl, osl, mode, load, obs)
 
 
-def _params_from_phi(phi: Array) -> PerfParams:
+def _params_from_phi(phi: Array) -> tuple[PerfParams, float]:
+    """phi: log of the 11 PerfParams (p99 factors as log(f - 1)) and log of the KV-cache tokens."""
     values = np.exp(np.clip(phi, -60.0, 40.0))
     for j in _OFFSET_PARAMS:
         values[j] = 1.0 + values[j]
-    return PerfParams.from_tuple([float(v) for v in values])
+    return PerfParams.from_tuple([float(v) for v in values[:_N_PARAMS]]), float(values[_N_PARAMS])
 
 
-def _phi_from_params(p: PerfParams) -> Array:
-    values = np.array(p.as_tuple(), dtype=float)
+def _phi_from_params(p: PerfParams, kv_tokens: float) -> Array:
+    values = np.array([*p.as_tuple(), kv_tokens], dtype=float)
     for j in _OFFSET_PARAMS:
         values[j] = max(values[j] - 1.0, 1e-3)
     return np.asarray(np.log(np.maximum(values, 1e-30)), dtype=float)
 
 
-def _predict_array(params: PerfParams, d: _Data) -> Array:
+def _predict_array(params: PerfParams, kv_tokens: float, d: _Data) -> Array:
     """Predicted statistics for every point, shape (n, 7); saturation beyond rho_clip is clipped."""
     isl, osl = d.isl, d.osl
     _, work = work_terms(params, isl, osl)
     x_cap = _RHO_CLIP / work
-    if d.kv_tokens is not None:
-        b_max = d.kv_tokens / np.maximum(isl + osl, 1.0)
-        x_cap = np.minimum(x_cap, memory_x(params, isl, osl, b_max))
+    b_max = kv_tokens / np.maximum(isl + osl, 1.0)
+    x_cap = np.minimum(x_cap, memory_x(params, isl, osl, b_max))
     x_closed = closed_loop_x(params, isl, osl, np.maximum(d.load, 1e-9))
     x = np.where(d.mode == 0, d.load, np.where(d.mode == 1, x_closed, x_cap))
     x = np.minimum(x, x_cap)
@@ -182,12 +212,12 @@ def _work_estimate(d: _Data, base: PerfParams) -> PerfParams:
     return PerfParams(base.s0_ms, s1, s2, p0, p1, p2, *old[6:])
 
 
-def _solve(d: _Data, phi0: Array, prior: Array, weight: float, max_nfev: int = 400) -> Array:
+def _solve(d: _Data, phi0: Array, prior: Array, weight: Array, max_nfev: int = 400) -> Array:
     mask = np.isfinite(d.obs)
     log_obs = np.log(np.where(mask, d.obs, 1.0))
 
     def residuals(phi: Array) -> Array:
-        pred = _predict_array(_params_from_phi(phi), d)
+        pred = _predict_array(*_params_from_phi(phi), d)
         with np.errstate(divide="ignore", invalid="ignore"):
             r = np.log(pred) - log_obs
         r = np.where(np.isfinite(r), r, 10.0)
@@ -196,6 +226,32 @@ def _solve(d: _Data, phi0: Array, prior: Array, weight: float, max_nfev: int = 4
     result = least_squares(residuals, phi0, method="trf", loss="soft_l1", f_scale=0.5,
                            max_nfev=max_nfev, x_scale=1.0)
     return np.asarray(result.x, dtype=float)
+
+
+def _cost(d: _Data, phi: Array, prior: _Prior) -> float:
+    mask = np.isfinite(d.obs)
+    pred = _predict_array(*_params_from_phi(phi), d)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r = np.log(pred) - np.log(np.where(mask, d.obs, 1.0))
+    r = np.where(np.isfinite(r), r, 10.0)[mask]
+    soft = 2.0 * 0.25 * (np.sqrt(1.0 + (r / 0.5) ** 2) - 1.0)  # soft_l1 with f_scale 0.5
+    return float(soft.sum() + np.sum((prior.weight * (phi - prior.phi)) ** 2))
+
+
+def _solve_multistart(d: _Data, prior: _Prior) -> Array:
+    """The KV-cache size only matters once the batch reaches it, where the gradient starts: try
+    several starting sizes (the prior's and smaller ones) and keep the best fit."""
+    best: Array | None = None
+    best_cost = math.inf
+    for shrink in (1.0, 0.25, 1.0 / 16.0, 1.0 / 64.0):
+        start = prior.start.copy()
+        start[_N_PARAMS] += math.log(shrink)
+        phi = _solve(d, start, prior.phi, prior.weight)
+        cost = _cost(d, phi, prior)
+        if cost < best_cost:
+            best, best_cost = phi, cost
+    assert best is not None
+    return best
 
 
 def _primary(values: Array, cols: Sequence[int]) -> Array:
@@ -228,46 +284,66 @@ def _range(points: Sequence[BenchmarkPoint]) -> DataRange:
     )
 
 
-def _prior_for(key: ProfileKey, points: Sequence[BenchmarkPoint], d: _Data) -> tuple[PerfParams, float, str]:
-    prior = roofline_params(key)
-    if prior is not None:
-        return prior, _PRIOR_WEIGHT_ROOFLINE, "prior: roofline (weight bytes / HBM bandwidth)"
-    guess = _work_estimate(d, _guess(points, d))
-    return guess, _PRIOR_WEIGHT_GUESS, "prior: data-driven guess (architecture unknown)"
+def _kv_guess(d: _Data) -> float:
+    """Without an architecture: a KV cache comfortably above the largest load in the data."""
+    tokens = np.where(d.mode == 1, d.load * (d.isl + d.osl), 0.0)
+    rate_tokens = np.where(d.mode == 0, d.load * 1000.0 * (d.isl + d.osl) * 0.1, 0.0)  # ~0.1 s in flight
+    return float(max(4.0 * max(tokens.max(initial=0.0), rate_tokens.max(initial=0.0)), 1e5))
+
+
+@dataclass(frozen=True)
+class _Prior:
+    phi: Array
+    weight: Array  # per parameter
+    start: Array
+    note: str
+
+
+def _prior_for(key: ProfileKey, points: Sequence[BenchmarkPoint], d: _Data) -> _Prior:
+    params = roofline_params(key)
+    kv = kv_capacity_tokens(key)
+    if params is not None and kv is not None and kv > 0:
+        weight = np.full(_N_PARAMS + 1, _PRIOR_WEIGHT_ROOFLINE)
+        note = "prior: roofline (weight bytes / HBM bandwidth; KV cache from HBM size)"
+    else:
+        params = _work_estimate(d, _guess(points, d))
+        kv = _kv_guess(d)
+        weight = np.full(_N_PARAMS + 1, _PRIOR_WEIGHT_GUESS)
+        note = "prior: data-driven guess (architecture unknown)"
+    phi = _phi_from_params(params, kv)
+    start = _phi_from_params(_work_estimate(d, params), kv)
+    return _Prior(phi, weight, start, note)
 
 
 def fit_profile(key: ProfileKey, points: Sequence[BenchmarkPoint], *, loo: bool = True) -> FitReport:
     """Fit one profile to the points of one configuration; LOO error unless loo=False."""
     if not points:
         raise FitFailure(f"{key.label()}: no points")
-    kv = kv_capacity_tokens(key)
-    d = _data(points, kv)
+    d = _data(points)
     if not np.isfinite(d.obs).any():
         raise FitFailure(f"{key.label()}: the points report no usable statistic")
-    prior_params, weight, prior_note = _prior_for(key, points, d)
-    prior = _phi_from_params(prior_params)
-    phi = _solve(d, _phi_from_params(_work_estimate(d, prior_params)), prior, weight)
-    fit_error = _loo(d, phi, prior, weight) if loo else None
+    prior = _prior_for(key, points, d)
+    phi = _solve_multistart(d, prior)
+    fit_error = _loo(d, phi, prior) if loo else None
+    params, kv = _params_from_phi(phi)
     profile = PerfProfile(
-        key=key, params=_params_from_phi(phi), kv_tokens=kv, source="fit",
-        fit_error=fit_error, data_range=_range(points),
-        notes=(prior_note,),
+        key=key, params=params, kv_tokens=kv, source="fit",
+        fit_error=fit_error, data_range=_range(points), notes=(prior.note,),
     )
     return FitReport(profile, len(points), int((d.mode == 2).sum()))
 
 
-def _loo(d: _Data, phi: Array, prior: Array, weight: float) -> FitError:
+def _loo(d: _Data, phi: Array, prior: _Prior) -> FitError:
     n = len(d.isl)
     ttft_err: list[float] = []
     itl_err: list[float] = []
     out_err: list[float] = []
     if n >= 2:
         for i in range(n):
-            rest = [j for j in range(n) if j != i]
-            train = d.subset(rest)
+            train = d.subset([j for j in range(n) if j != i])
             if not np.isfinite(train.obs).any():
                 continue
-            phi_i = _solve(train, phi.copy(), prior, weight, max_nfev=200)
+            phi_i = _solve(train, phi.copy(), prior.phi, prior.weight, max_nfev=200)
             _collect(d.subset([i]), phi_i, ttft_err, itl_err, out_err)
     return FitError(points=n, ttft_mape=_mape(ttft_err), itl_mape=_mape(itl_err),
                     throughput_mape=_mape(out_err))
@@ -276,7 +352,7 @@ def _loo(d: _Data, phi: Array, prior: Array, weight: float) -> FitError:
 def _collect(test: _Data, phi: Array, ttft_err: list[float], itl_err: list[float],
              out_err: list[float]) -> None:
     """Append absolute percentage errors of a fitted parameter vector on held-out points."""
-    pred = _predict_array(_params_from_phi(phi), test)
+    pred = _predict_array(*_params_from_phi(phi), test)
     for errs, cols in ((ttft_err, (0, 1, 2)), (itl_err, (3, 4, 5)), (out_err, (6,))):
         obs_p = _primary(test.obs, cols)
         pred_p = _primary(np.where(np.isfinite(test.obs), pred, np.nan), cols)
@@ -287,11 +363,9 @@ def _collect(test: _Data, phi: Array, ttft_err: list[float], itl_err: list[float
 def holdout_errors(key: ProfileKey, train: Sequence[BenchmarkPoint], test: Sequence[BenchmarkPoint],
                    ) -> tuple[list[float], list[float], list[float]]:
     """Fit on `train`, predict `test`: absolute percentage errors for TTFT, ITL, throughput."""
-    kv = kv_capacity_tokens(key)
-    d_train, d_test = _data(train, kv), _data(test, kv)
-    prior_params, weight, _ = _prior_for(key, train, d_train)
-    prior = _phi_from_params(prior_params)
-    phi = _solve(d_train, _phi_from_params(_work_estimate(d_train, prior_params)), prior, weight)
+    d_train, d_test = _data(train), _data(test)
+    prior = _prior_for(key, train, d_train)
+    phi = _solve_multistart(d_train, prior)
     errs: tuple[list[float], list[float], list[float]] = ([], [], [])
     _collect(d_test, phi, *errs)
     return errs

@@ -118,10 +118,13 @@ class PerfParams:
     ttft_p99_factor: float = 1.6  # p99 prefill / mean prefill
     itl_p50_factor: float = 0.95
     itl_p99_factor: float = 1.8
+    chunk_per_token: float = 1.0 / 8192.0  # 1 / prefill chunk size: steps a prompt token waits for
+    ttft_fixed_ms: float = 2.0  # latency outside the GPU: HTTP, tokenisation, scheduling
 
     def as_tuple(self) -> tuple[float, ...]:
         return (self.s0_ms, self.s1_ms, self.s2_ms, self.p0_ms, self.p1_ms, self.p2_ms, self.q,
-                self.ttft_p50_factor, self.ttft_p99_factor, self.itl_p50_factor, self.itl_p99_factor)
+                self.ttft_p50_factor, self.ttft_p99_factor, self.itl_p50_factor, self.itl_p99_factor,
+                self.chunk_per_token, self.ttft_fixed_ms)
 
     @staticmethod
     def from_tuple(values: tuple[float, ...] | list[float]) -> PerfParams:
@@ -130,8 +133,10 @@ class PerfParams:
 
 PARAM_NAMES: tuple[str, ...] = (
     "s0_ms", "s1_ms", "s2_ms", "p0_ms", "p1_ms", "p2_ms", "q",
-    "ttft_p50_factor", "ttft_p99_factor", "itl_p50_factor", "itl_p99_factor",
+    "ttft_p50_factor", "ttft_p99_factor", "itl_p50_factor", "itl_p99_factor", "chunk_per_token",
+    "ttft_fixed_ms",
 )
+_OPTIONAL_PARAMS = {"chunk_per_token": 1.0 / 8192.0, "ttft_fixed_ms": 2.0}
 
 
 @dataclass(frozen=True)
@@ -181,20 +186,22 @@ def latency_terms(p: PerfParams, isl: Any, osl: Any, x: Any) -> tuple[Any, Any, 
     rho = x * work
     itl = p.s0_ms / (1.0 - rho)
     wq = p.q * prefill * rho / (1.0 - rho)
-    half = 0.5 * itl
-    return (itl, prefill + half + wq, p.ttft_p50_factor * prefill + half + _LN2 * wq,
-            p.ttft_p99_factor * prefill + half + _LN100 * wq, x * (osl - 1.0) * itl)
+    steps = (0.5 + p.chunk_per_token * isl) * itl  # wait for the running step, then one per chunk
+    fixed = p.ttft_fixed_ms + steps
+    return (itl, fixed + prefill + wq, fixed + p.ttft_p50_factor * prefill + _LN2 * wq,
+            fixed + p.ttft_p99_factor * prefill + _LN100 * wq, x * (osl - 1.0) * itl)
 
 
 def closed_loop_x(p: PerfParams, isl: Any, osl: Any, clients: Any) -> Any:
     """Throughput (req/ms) with `clients` requests always in flight.
 
     x * (TTFT + (osl-1)*ITL) = N with the equations above is a quadratic in x:
-    P*W*(q-1)*x^2 + (P + (osl-1/2)*s0 + N*W)*x - N = 0; its root with rho < 1 is returned.
+    W*(P*(q-1) - L0)*x^2 + (L0 + P + (osl - 1/2 + c*isl)*s0 + N*W)*x - N = 0, whose root with
+    rho < 1 is returned (L0: ttft_fixed_ms; the discriminant is never negative).
     """
     prefill, work = work_terms(p, isl, osl)
-    a = prefill * work * (p.q - 1.0)
-    b = prefill + (osl - 0.5) * p.s0_ms + clients * work
+    a = work * (prefill * (p.q - 1.0) - p.ttft_fixed_ms)
+    b = p.ttft_fixed_ms + prefill + (osl - 0.5 + p.chunk_per_token * isl) * p.s0_ms + clients * work
     disc = b * b + 4.0 * a * clients
     return 2.0 * clients / (b + disc ** 0.5)
 
@@ -316,7 +323,8 @@ def capacity(profile: PerfProfile, workload: Workload, *, ttft_p99_ms: float, it
 
     Both limits are closed forms in the utilisation rho = x*W:
     ITL p99 <= T   <=>  rho <= 1 - k99*s0/T;
-    TTFT p99 <= T  <=>  rho <= (T - m99*P - s0/2) / (T - m99*P + ln(100)*q*P).
+    TTFT p99 <= T  <=>  rho <= (T - L0 - m99*P - h) / (T - L0 - m99*P + ln(100)*q*P),
+    with h = (1/2 + c*isl)*s0 the steps a new request waits for.
     """
     _check_workload(workload)
     p = profile.params
@@ -328,9 +336,10 @@ def capacity(profile: PerfProfile, workload: Workload, *, ttft_p99_ms: float, it
         warnings.append("the model does not fit in GPU memory")
         return Capacity(0.0, Binding.MEMORY, tuple(warnings))
     rho_itl = max(1.0 - p.itl_p99_factor * p.s0_ms / itl_p99_ms, 0.0) if itl_p99_ms > 0 else 0.0
-    fixed = p.ttft_p99_factor * prefill
-    num = ttft_p99_ms - fixed - 0.5 * p.s0_ms
-    rho_ttft = max(num / (num + 0.5 * p.s0_ms + _LN100 * p.q * prefill), 0.0) if num > 0 else 0.0
+    fixed = p.ttft_fixed_ms + p.ttft_p99_factor * prefill
+    steps = (0.5 + p.chunk_per_token * isl) * p.s0_ms
+    num = ttft_p99_ms - fixed - steps
+    rho_ttft = max(num / (num + steps + _LN100 * p.q * prefill), 0.0) if num > 0 else 0.0
     candidates = [(rho_ttft / work, Binding.TTFT), (rho_itl / work, Binding.ITL)]
     if profile.kv_tokens is not None:
         candidates.append((x_mem, Binding.MEMORY))
@@ -474,6 +483,9 @@ def profile_from_dict(d: Mapping[str, Any], where: str = "profile") -> PerfProfi
     pd = _field(d, "params", where)
     values: list[float] = []
     for name in PARAM_NAMES:
+        if name in _OPTIONAL_PARAMS and isinstance(pd, Mapping) and name not in pd:
+            values.append(_OPTIONAL_PARAMS[name])
+            continue
         value = _req_num(_field(pd, name, f"{where}.params"), f"{where}.params.{name}")
         if value < 0:
             raise ProfileError(f"{where}.params.{name}: must be >= 0, got {value!r}")
