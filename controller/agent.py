@@ -350,7 +350,7 @@ class Agent:
         self._wake = asyncio.Event()
         self._client: Any = None
         self._version = _agent_version()
-        self._http: Any = None
+        self.host_errors: dict[str, str] = {}  # reported in status.errors
 
     # ---- paths and persistence ----
     @property
@@ -391,6 +391,7 @@ class Agent:
                 self.desired = parse_desired(path.read_bytes())
             except ProtocolError as exc:
                 log.error("ignoring %s: %s", path, exc)
+                self.host_errors["desired"] = f"{path}: {exc}"
         engines_path = self.config.state_dir / "engines.json"
         if engines_path.exists():
             try:
@@ -399,6 +400,13 @@ class Agent:
                     self.engines[engine_slug(engine.model, engine.gpu, engine.tp, engine.precision)] = engine
             except (ValueError, TypeError) as exc:
                 log.error("ignoring %s: %s", engines_path, exc)
+        if self.desired is not None:
+            errors = check_desired(self.desired, self.limits())
+            if errors:  # e.g. the agent config lost a template since: wait for a new desired state
+                msg = f"saved desired version {self.desired.version} no longer fits this config: {errors[0]}"
+                log.error("%s; leaving running instances alone until a new version arrives", msg)
+                self.host_errors["desired"] = msg
+                self.desired = None
         if not self._records_dir.is_dir():
             return
         now = time.time()
@@ -465,7 +473,14 @@ class Agent:
             return Ack(version=desired.version, accepted=False, errors=tuple(errors), host=host,
                        received_s=time.time())
         if desired != self.desired:
-            self._save_desired(desired)
+            try:
+                self._save_desired(desired)
+            except OSError as exc:
+                error = f"cannot save the desired state in {self.config.state_dir}: {exc.strerror or exc}"
+                log.error("rejected desired version %s: %s", desired.version, error)
+                return Ack(version=desired.version, accepted=False, errors=(error,), host=host,
+                           received_s=time.time())
+            self.host_errors.pop("desired", None)
             self.desired = desired
             log.info("accepted desired version %s: %d replicas, %d builds", desired.version,
                      len(desired.replicas), len(desired.builds))
@@ -500,6 +515,7 @@ class Agent:
             desired_version=self.desired.version if self.desired else None,
             port_range=self.config.port_range, templates=tuple(sorted(self.config.launch_templates)),
             build_templates=tuple(sorted(self.config.build_templates)),
+            errors=tuple(self.host_errors.values()),
         )
 
     # ---- reconcile ----
@@ -593,9 +609,13 @@ class Agent:
             exited = await self.actuator.poll(b.handle)
             if exited is not None:
                 self._build_finished(b, exited)
-            elif time.monotonic() - b.started_mono > self.config.build_templates[b.build.template].timeout_s:
+            elif time.monotonic() - b.started_mono > self._build_timeout_s(b.build.template):
                 b.error = "build timed out"
                 b.task = asyncio.create_task(self._stop_build(b, failed=True))
+
+    def _build_timeout_s(self, template: str) -> float:
+        known = self.config.build_templates.get(template)
+        return known.timeout_s if known is not None else 4 * 3600.0
 
     def _replica_failed(self, inst: _Instance, exited: Exited) -> None:
         tail = self.actuator.log_tail(inst.replica.replica_id, 400).strip().splitlines()
@@ -746,8 +766,13 @@ class Agent:
         while True:
             try:
                 await self.reconcile_once()
-            except (OSError, StartError) as exc:  # keep going; the next pass retries
+                if self.host_errors.pop("reconcile", None) is not None:
+                    self._mark()
+            except (OSError, StartError, KeyError, ValueError) as exc:  # keep going; the next pass retries
                 log.error("reconcile failed: %s", exc)
+                if self.host_errors.get("reconcile") != f"reconcile failed: {exc}":
+                    self.host_errors["reconcile"] = f"reconcile failed: {exc}"
+                    self._mark()
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=self.config.reconcile_interval_s)

@@ -232,3 +232,39 @@ def test_agent_cli_check(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "controller.cli", "agent", "--config", str(bad), "--check"],
                          cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 2 and f"{bad}: not valid YAML" in out.stderr
+
+
+# ---------------------------------------------------------------- the agent without MQTT
+
+
+def _desired(version: int, template: str = "sim-vllm") -> bytes:
+    return json.dumps({"version": version, "replicas": [{
+        "replica_id": "r1", "template": template, "model": "m", "engine": "vllm", "gpu": "h100", "tp": 1,
+        "precision": "bf16", "gpu_indices": [0], "port": 18001}]}).encode()
+
+
+async def test_handle_desired_persists_and_is_idempotent(tmp_path: Path) -> None:
+    agent = Agent(_config(tmp_path), actuator=ProcessActuator(tmp_path))
+    ack = agent.handle_desired(_desired(3))
+    assert ack is not None and ack.accepted and ack.version == 3
+    assert json.loads((tmp_path / "state" / "desired.json").read_text())["version"] == 3
+    again = agent.handle_desired(_desired(3))
+    assert again is not None and again.accepted
+    assert agent.handle_desired(b"") is None  # retained message cleared: nothing to ack, nothing changes
+    assert agent.desired is not None and agent.desired.version == 3
+    old = agent.handle_desired(_desired(2))
+    assert old is not None and not old.accepted and agent.desired.version == 3
+
+
+async def test_restart_with_a_config_that_lost_the_template_keeps_instances_and_reports(tmp_path: Path) -> None:
+    first = Agent(_config(tmp_path), actuator=ProcessActuator(tmp_path))
+    assert first.handle_desired(_desired(1)) is not None
+    config = _config(tmp_path)
+    smaller = config.model_copy(update={"launch_templates": {"sim-trtllm": config.launch_templates["sim-trtllm"]}})
+    second = Agent(smaller, actuator=ProcessActuator(tmp_path))
+    await second.restore()
+    assert second.desired is None
+    assert any("no longer fits this config" in e and "unknown template 'sim-vllm'" in e
+               for e in second.status().errors)
+    await second.reconcile_once()  # nothing to start, nothing crashes
+    assert second.instances == {}
