@@ -31,13 +31,16 @@ log = logging.getLogger(__name__)
 # Labels that may carry the model name: `model` is written by the controller into the file_sd
 # target labels (canonical name); `model_name` is what vLLM / TRT-LLM put on their own series.
 MODEL_LABELS: tuple[str, ...] = ("model", "model_name")
-REPLICA_LABEL = "replica_id"
+REPLICA_LABEL = "replica"  # file_sd label written by controller/routing.py ScrapeTarget
 
 _REQ_SUCCESS = r"vllm[:_]request_success_total|trtllm_request_success_total"
 _PROMPT_TOK = r"vllm[:_]prompt_tokens_total|trtllm_prompt_tokens_total"
 _GEN_TOK = r"vllm[:_]generation_tokens_total|trtllm_generation_tokens_total"
 _TTFT_BUCKET = r"(vllm[:_]|trtllm_)time_to_first_token_seconds_bucket"
-_ITL_BUCKET = r"(vllm[:_](inter_token_latency|time_per_output_token)|trtllm_time_per_output_token)_seconds_bucket"
+# vLLM exports ITL under two names with identical labels (inter_token_latency is the newer one);
+# rate() drops the name, so the two must not meet in one vector: prefer the newer, `or` the older.
+_ITL_BUCKET = r"vllm[:_]inter_token_latency_seconds_bucket"
+_ITL_BUCKET_OLD = r"(vllm[:_]|trtllm_)time_per_output_token_seconds_bucket"
 _WAITING = r"vllm[:_]num_requests_waiting|trtllm_num_requests_waiting"
 _RUNNING = r"vllm[:_]num_requests_running|trtllm_num_requests_running"
 _KV_USAGE = r"vllm[:_](gpu_cache_usage_perc|kv_cache_usage_perc)|trtllm_kv_cache_utilization"
@@ -268,8 +271,8 @@ class Observer:
             "running": f"sum by ({by}) ({self._sel(_RUNNING)})",
             "kv": f"avg by ({by}) ({self._sel(_KV_USAGE)})",
         }
-        for name, bucket in (("ttft", _TTFT_BUCKET), ("itl", _ITL_BUCKET)):
-            agg = f"sum by ({self._by('le')}) (rate({self._sel(bucket)}[{w}]))"
+        for name, buckets in (("ttft", (_TTFT_BUCKET,)), ("itl", (_ITL_BUCKET, _ITL_BUCKET_OLD))):
+            agg = " or ".join(f"sum by ({self._by('le')}) (rate({self._sel(b)}[{w}]))" for b in buckets)
             q[f"{name}_p50"] = f"histogram_quantile(0.5, {agg})"
             q[f"{name}_p99"] = f"histogram_quantile(0.99, {agg})"
         extra = f",{self.config.extra_selector}" if self.config.extra_selector else ""
@@ -282,9 +285,19 @@ class Observer:
         return f"sum by ({self._by()}) (rate({self._sel(_REQ_SUCCESS)}[{self._window()}]))"
 
     async def snapshot(
-        self, models: Iterable[str], *, now_s: float | None = None, with_history: bool = True
+        self,
+        models: Iterable[str],
+        *,
+        now_s: float | None = None,
+        with_history: bool = True,
+        expected_replicas: Iterable[str] | None = None,
     ) -> Snapshot:
-        """Observe `models` (plus any model seen in Prometheus). `now_s`: controller clock."""
+        """Observe `models` (plus any model seen in Prometheus). `now_s`: controller clock.
+
+        `expected_replicas`: the replicas the controller runs; a down target outside this set
+        (a replica being removed, not yet gone from file_sd) does not make its model stale.
+        """
+        expected = set(expected_replicas) if expected_replicas is not None else None
         wall = self.clock()
         now = wall if now_s is None else now_s
         wanted = [self.canonical(m) for m in models]
@@ -350,12 +363,17 @@ class Observer:
         out: dict[str, ModelMetrics] = {}
         for m in all_models:
             reasons: list[str] = []
-            reps = [r for r in replicas.values() if r.model == m]
+            reps = [
+                r for r in replicas.values()
+                if r.model == m and (expected is None or r.replica_id in expected)
+            ]
             up_n = sum(1 for r in reps if r.up)
             down_n = len(reps) - up_n
             r_wall = rate.get(m)
+            if r_wall is None and up_n > 0 and down_n == 0:
+                r_wall = 0.0  # targets up, no request ever finished: idle, not unknown
             if r_wall is None:
-                reasons.append("no request-rate series in Prometheus")
+                reasons.append("no request-rate series in Prometheus (no replica scraped)")
             elif not math.isfinite(r_wall):
                 reasons.append("request rate is NaN")
             if down_n and self.config.require_all_targets_up:

@@ -107,7 +107,7 @@ def prom_lab(tmp_path: Path) -> Iterator[tuple[str, dict[str, Exporter], subproc
     import json
 
     sd.write_text(json.dumps([
-        {"targets": [f"127.0.0.1:{e.port}"], "labels": {"replica_id": rid, "model": models[rid]}}
+        {"targets": [f"127.0.0.1:{e.port}"], "labels": {"replica": rid, "model": models[rid]}}
         for rid, e in exps.items()
     ]))
     port = free_port()

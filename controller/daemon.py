@@ -1,0 +1,1154 @@
+"""The controller daemon: every cycle observe -> plan -> act, safely, and say why.
+
+One asyncio loop; an APScheduler 3 AsyncIOScheduler interval job runs `cycle()` (coalesce=True,
+max_instances=1; a cycle also holds a lock so SIGTERM and SIGHUP never interleave with one).
+Each cycle:
+
+1. reconcile with what the agents report (adopt orphans, note ready replicas, retry unacked
+   desired states, time out replicas that never became ready);
+2. observe Prometheus (controller/observe.py; stale -> fail static);
+3. plan (planner.plan in a worker thread; the plan dict is stored and is what reports render);
+4. act: START (replica id + port allocated and committed BEFORE the desired state naming them is
+   published; never on GPUs still in use), then DRAIN (only when no replica of the same model is
+   still starting: start before stop; removed from the nginx upstream, reload, wait for the
+   replica's in-flight requests to reach 0 or a timeout, then removed from the desired state),
+   STOP (a replica that never served is removed at once; a serving one is drained first);
+5. routing: nginx upstreams (ready, non-draining replicas), endpoints JSON, Prometheus file_sd
+   targets, all written atomically.
+
+The planner already caps actions per cycle and applies the scale-down delay.
+Signals (one place, `_install_signals`): SIGHUP reloads the policy (validated first; an invalid
+file keeps the old policy and the error shows in reports); SIGTERM/SIGINT finish the current
+step and stop cleanly (drains in progress are resumed by the next start). sd_notify READY=1,
+WATCHDOG=1, STOPPING=1 via $NOTIFY_SOCKET.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from controller.metrics import ControllerMetrics
+from controller.mqtt import Backoff, MqttSettings, client_kwargs
+from controller.observe import (
+    _RUNNING,
+    _WAITING,
+    Observer,
+    ObserverConfig,
+    PromClient,
+    PrometheusError,
+    Snapshot,
+    to_observation,
+)
+from controller.protocol import (
+    ACK_WILDCARD,
+    STATUS_WILDCARD,
+    HostStatus,
+    ProtocolError,
+    desired_topic,
+    host_from_topic,
+    parse_ack,
+    parse_status,
+)
+from controller.state import ActionStatus, Phase, ReplicaRow, StateStore
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# settings
+
+
+class RoutingSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    nginx_upstreams_path: Path | None = None
+    nginx_reload_command: tuple[str, ...] | None = None  # argv, e.g. ["nginx", "-s", "reload"]
+    endpoints_path: Path | None = None
+    file_sd_path: Path | None = None
+
+
+class ControllerSettings(BaseModel):
+    """The controller's own config (YAML, `--config`); the policy is a separate file."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prometheus_url: str = "http://127.0.0.1:9090"
+    mqtt: MqttSettings = MqttSettings()
+    routing: RoutingSettings = RoutingSettings()
+    lab_dir: Path | None = None  # take Prometheus, MQTT, nginx and paths from a lab's lab.json
+    host_addresses: dict[str, str] = Field(default_factory=dict)  # host -> address engines listen on
+    default_host_address: str | None = None  # None: the host name itself
+    templates: dict[str, str] = Field(default_factory=dict)  # engine -> launch template name
+    default_port_range: tuple[int, int] = (8100, 8199)
+    ack_timeout_s: float = Field(default=10.0, gt=0)  # wall seconds
+    ready_timeout_s: float = Field(default=600.0, gt=0)  # wall seconds
+    drain_timeout_s: float = Field(default=120.0, gt=0)  # wall seconds
+    drain_settle_s: float = Field(default=1.0, ge=0)  # after the reload, before trusting "0 running"
+    drain_poll_s: float = Field(default=0.5, gt=0)
+    host_offline_grace_s: float = Field(default=60.0, ge=0)  # wall; an agent gone longer = host offline
+    observe_window_s: float = Field(default=60.0, gt=0)  # wall seconds of rate() windows
+    history_s: float = Field(default=3600.0, gt=0)  # wall seconds of history for the forecast
+    history_step_s: float = Field(default=30.0, gt=0)
+    cycle_s: float | None = None  # override the policy's scaling.cycle_s (simulated seconds)
+    report_token_file: Path | None = None
+
+
+def load_settings(path: str | Path | None) -> ControllerSettings:
+    if path is None:
+        return ControllerSettings()
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise SystemExit(f"{p}: cannot read controller config: {exc}") from None
+    try:
+        return ControllerSettings.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        raise SystemExit(f"{p}: {loc} = {err.get('input')!r}: {err['msg']}") from None
+
+
+def settings_from_lab(settings: ControllerSettings) -> tuple[ControllerSettings, Callable[[], None] | None]:
+    """Fill Prometheus/MQTT/routing from lab.json when `lab_dir` is set; returns the nginx reloader."""
+    if settings.lab_dir is None:
+        return settings, None
+    from sim.lab import Lab
+
+    lab = Lab.attach(settings.lab_dir)
+    routing = RoutingSettings(
+        nginx_upstreams_path=lab.nginx_upstreams_path,
+        endpoints_path=lab.endpoints_path,
+        file_sd_path=lab.prometheus_file_sd_dir / "engines.json",
+    )
+    mqtt = MqttSettings(
+        host=lab.mqtt_host, port=lab.mqtt_port, username=lab.controller_user,
+        password=lab.controller_password, keepalive_s=5, backoff_initial_s=0.2, backoff_max_s=2.0,
+    )
+    new = settings.model_copy(update={
+        "prometheus_url": lab.prometheus_url, "mqtt": mqtt, "routing": routing,
+        "default_host_address": settings.default_host_address or "127.0.0.1",
+    })
+    return new, lab.reload_nginx
+
+
+# ---------------------------------------------------------------------------------------------
+# small helpers
+
+
+def sd_notify(message: str) -> bool:
+    """systemd notify protocol over $NOTIFY_SOCKET (no dependency); False when not under systemd."""
+    addr = os.environ.get("NOTIFY_SOCKET")
+    if not addr:
+        return False
+    if addr[0] == "@":
+        addr = "\0" + addr[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            s.sendall(message.encode())
+        return True
+    except OSError as exc:
+        log.warning("sd_notify(%s) failed: %s", message.split("\n")[0], exc)
+        return False
+
+
+@dataclass
+class Clock:
+    """The controller's clock. time_scale K: simulated seconds run K x faster than wall seconds
+    (lab); the origin is persisted so a restarted controller continues the same simulated time."""
+
+    time_scale: float = 1.0
+    origin_wall: float = 0.0
+    origin_sim: float = 0.0
+    wall: Callable[[], float] = time.time
+
+    def now(self) -> float:
+        return self.to_sim(self.wall())
+
+    def to_sim(self, wall_s: float) -> float:
+        if self.time_scale == 1.0:
+            return wall_s
+        return self.origin_sim + (wall_s - self.origin_wall) * self.time_scale
+
+
+_RID_IN_ERROR = re.compile(r"replica ([A-Za-z0-9_-]+)")
+
+
+def _engine_metrics_path(engine: str) -> str:
+    return "/prometheus/metrics" if engine == "trtllm" else "/metrics"
+
+
+_INFLIGHT_RE = re.compile(rf"^({_RUNNING}|{_WAITING})(\{{[^}}]*\}})?\s+([0-9.eE+-]+|NaN)\s*$")
+
+
+def inflight_from_metrics(text: str) -> float | None:
+    """running + waiting requests from an engine's /metrics exposition; None if not exported."""
+    total = 0.0
+    seen = False
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        m = _INFLIGHT_RE.match(line)
+        if m:
+            seen = True
+            with contextlib.suppress(ValueError):
+                total += float(m.group(m.lastindex or 1))
+    return total if seen else None
+
+
+# ---------------------------------------------------------------------------------------------
+# MQTT
+
+
+class MqttLink:
+    """The controller's MQTT session: status/ack subscriptions, desired publishing, reconnects."""
+
+    def __init__(
+        self,
+        settings: MqttSettings,
+        on_status: Callable[[str, HostStatus], None],
+        on_ack: Callable[[str, Any], None],
+        on_connect: Callable[[], None],
+    ) -> None:
+        self.settings = settings
+        self._on_status = on_status
+        self._on_ack = on_ack
+        self._on_connect = on_connect
+        self._client: Any = None
+        self.connected = asyncio.Event()
+        self.last_error: str | None = None
+
+    async def run(self) -> None:
+        import aiomqtt
+
+        backoff = Backoff(self.settings.backoff_initial_s, self.settings.backoff_max_s)
+        kwargs = client_kwargs(self.settings)
+        if not kwargs.get("identifier"):
+            kwargs["identifier"] = f"fleetplan-controller-{os.getpid()}"
+        while True:
+            try:
+                async with aiomqtt.Client(**kwargs) as client:
+                    await client.subscribe(STATUS_WILDCARD, qos=1)
+                    await client.subscribe(ACK_WILDCARD, qos=1)
+                    self._client = client
+                    self.connected.set()
+                    self.last_error = None
+                    backoff.reset()
+                    log.info("mqtt connected to %s:%s", self.settings.host, self.settings.port)
+                    self._on_connect()
+                    async for msg in client.messages:
+                        self._dispatch(str(msg.topic), bytes(msg.payload or b""))
+            except aiomqtt.MqttError as exc:
+                self.last_error = f"MQTT broker {self.settings.host}:{self.settings.port}: {exc}"
+                log.warning("%s; reconnecting", self.last_error)
+            finally:
+                self._client = None
+                self.connected.clear()
+            await asyncio.sleep(backoff.next_delay_s())
+
+    def _dispatch(self, topic: str, payload: bytes) -> None:
+        host = host_from_topic(topic)
+        if host is None or not payload:
+            return
+        try:
+            if topic.endswith("/status"):
+                self._on_status(host, parse_status(payload))
+            elif topic.endswith("/ack"):
+                self._on_ack(host, parse_ack(payload))
+        except ProtocolError as exc:
+            log.warning("ignoring malformed message on %s: %s", topic, exc)
+
+    async def publish(self, topic: str, payload: bytes) -> bool:
+        client = self._client
+        if client is None:
+            return False
+        try:
+            await client.publish(topic, payload, qos=1, retain=True)
+            return True
+        except Exception as exc:  # aiomqtt.MqttError and friends; the reconcile step retries
+            log.warning("publish to %s failed: %s", topic, exc)
+            return False
+
+
+# ---------------------------------------------------------------------------------------------
+# the controller
+
+
+@dataclass
+class PolicyHolder:
+    path: Path
+    policy: Any = None
+    loaded_s: float | None = None
+    error: str | None = None
+    text_hash: str | None = None
+
+
+@dataclass
+class Controller:
+    settings: ControllerSettings
+    policy_path: Path
+    profiles_path: Path | None
+    store: StateStore
+    time_scale: float = 1.0
+    nginx_reload: Callable[[], None] | None = None
+    report_listen: str = "127.0.0.1:9470"
+    report_token: str | None = None
+    metrics: ControllerMetrics = field(default_factory=ControllerMetrics)
+
+    def __post_init__(self) -> None:
+        self.policy = PolicyHolder(self.policy_path)
+        self.profiles: Any = None
+        self.clock = Clock(self.time_scale)
+        self.statuses: dict[str, HostStatus] = {}
+        self.status_wall: dict[str, float] = {}
+        self.offline_since: dict[str, float] = {}
+        self._ack_waiters: dict[tuple[str, int], asyncio.Future[Any]] = {}
+        self._drains: dict[str, asyncio.Task[None]] = {}
+        self._lock = asyncio.Lock()
+        self._stopping = asyncio.Event()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._republish_all = False
+        self.planner_state: Any = None
+        self.last_snapshot: Snapshot | None = None
+        self.cycle_count = 0
+        self.runtime_alerts: dict[str, str] = {}
+        self.router: Any = None
+        self.prom = PromClient(self.settings.prometheus_url)
+        self.link = MqttLink(self.settings.mqtt, self._on_status, self._on_ack, self._on_connect)
+        self.report_runner: Any = None
+        self.report_url: str | None = None
+
+    # ---- policy & profiles --------------------------------------------------------------
+    def load_policy(self, *, initial: bool) -> bool:
+        """Read + validate the policy file; on error keep the old policy (or fail at start)."""
+        from planner.policy import PolicyError, load_policy_text
+
+        try:
+            text = self.policy_path.read_text(encoding="utf-8")
+            policy = load_policy_text(text, str(self.policy_path))
+        except (OSError, PolicyError) as exc:
+            msg = str(exc) if isinstance(exc, PolicyError) else f"{self.policy_path}: cannot read: {exc}"
+            self.policy.error = msg
+            self.store.set_kv("policy_error", {"error": msg, "at_s": time.time()})
+            self.metrics.policy_reloads.labels("rejected").inc()
+            if initial:
+                raise SystemExit(msg) from None
+            log.error("policy reload rejected, keeping the previous policy: %s", msg)
+            self.runtime_alerts["policy"] = f"policy reload rejected (previous policy kept): {msg}"
+            return False
+        self.policy.policy = policy
+        self.policy.loaded_s = time.time()
+        self.policy.error = None
+        self.store.set_kv("policy_error", None)
+        self.runtime_alerts.pop("policy", None)
+        self.metrics.policy_reloads.labels("initial" if initial else "ok").inc()
+        log.info("policy loaded from %s (%d models)", self.policy_path, len(policy.models))
+        return True
+
+    def load_profiles(self) -> None:
+        from models.profile import ProfileSet
+
+        if self.profiles_path is None:
+            self.profiles = ProfileSet()
+            return
+        from controller.benchfiles import load_profiles
+
+        try:
+            self.profiles = load_profiles(self.profiles_path)
+        except Exception as exc:
+            if self.profiles is None:
+                raise SystemExit(str(exc)) from None
+            self.runtime_alerts["profiles"] = f"profiles reload failed (previous kept): {exc}"
+
+    def model_names(self) -> list[str]:
+        return [m.name for m in self.policy.policy.models]
+
+    def canonical(self, name: str) -> str:
+        return str(self.policy.policy.aliases().canonical(name))
+
+    # ---- MQTT callbacks (event loop thread) -------------------------------------------
+    def _on_status(self, host: str, status: HostStatus) -> None:
+        now = time.time()
+        self.statuses[host] = status if status.online or host not in self.statuses else (
+            self.statuses[host].model_copy(update={"online": False})
+        )
+        self.status_wall[host] = now
+        if status.online:
+            self.offline_since.pop(host, None)
+        else:
+            self.offline_since.setdefault(host, now)
+        try:
+            self.store.save_host_status(host, status.model_dump(mode="json"))
+        except Exception as exc:  # never let a DB hiccup kill the MQTT loop
+            log.warning("saving status of %s failed: %s", host, exc)
+
+    def _on_ack(self, host: str, ack: Any) -> None:
+        self.store.record_ack(host, ack.version, ack.accepted, ack.errors)
+        fut = self._ack_waiters.pop((host, ack.version), None) if ack.version is not None else None
+        if fut is not None and not fut.done():
+            fut.set_result(ack)
+
+    def _on_connect(self) -> None:
+        # the broker may have lost retained messages (restart without persistence): republish all
+        self._republish_all = True
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.load_policy(initial=True)
+        self.load_profiles()
+        origin = self.store.get_kv("clock_origin")
+        if origin is None or float(origin.get("time_scale", 1.0)) != self.time_scale:
+            now = time.time()
+            origin = {"wall": now, "sim": now, "time_scale": self.time_scale}
+            self.store.set_kv("clock_origin", origin)
+        # a restarted controller continues the simulated clock where the last one was
+        last = self.store.get_kv("clock_last")
+        if last is not None and self.time_scale != 1.0:
+            self.clock.origin_wall = time.time()
+            self.clock.origin_sim = float(last["sim"]) + (time.time() - float(last["wall"]))
+        else:
+            self.clock.origin_wall = float(origin["wall"])
+            self.clock.origin_sim = float(origin["sim"])
+        self.planner_state = self._load_planner_state()
+        if self.settings.routing.nginx_upstreams_path is not None and self.nginx_reload is not None:
+            from controller.routing import NginxRouter
+
+            self.router = NginxRouter(self.settings.routing.nginx_upstreams_path, self.nginx_reload)
+        self._tasks.append(asyncio.create_task(self.link.run(), name="mqtt"))
+        from controller.report import start_report_server
+
+        self.report_runner, self.report_url = await start_report_server(
+            self, self.report_listen, self.report_token
+        )
+        # resume: republish every host's desired state (version bumped), resume drains
+        self._republish_all = True
+        for row in self.store.replicas((Phase.DRAINING,)):
+            self._start_drain(row.replica_id)
+        sd_notify("READY=1\nSTATUS=controller running")
+        wd = os.environ.get("WATCHDOG_USEC")
+        if wd:
+            self._tasks.append(asyncio.create_task(self._watchdog(int(wd) / 1e6), name="watchdog"))
+
+    async def _watchdog(self, period_s: float) -> None:
+        while True:
+            sd_notify("WATCHDOG=1")
+            await asyncio.sleep(period_s / 2)
+
+    async def stop(self) -> None:
+        sd_notify("STOPPING=1")
+        self._stopping.set()
+        async with self._lock:  # the current step finishes first
+            pass
+        for t in list(self._drains.values()) + self._tasks:
+            t.cancel()
+        for t in list(self._drains.values()) + self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        if self.report_runner is not None:
+            await self.report_runner.cleanup()
+        await self.prom.aclose()
+        self.store.close()
+
+    # ---- planner state persistence ---------------------------------------------------------
+    def _load_planner_state(self) -> Any:
+        from models.names import parse_engine, parse_gpu, parse_precision
+        from planner.types import ConfigKey, PlannerState
+
+        d = self.store.get_kv("planner_state")
+        if not d:
+            return PlannerState.initial()
+        try:
+            surplus = tuple(
+                (ConfigKey(s["model"], parse_engine(s["engine"]), parse_gpu(s["gpu"]), int(s["tp"]),
+                           parse_precision(s["precision"])), float(s["since_s"]))
+                for s in d.get("surplus_since_s", [])
+            )
+            return PlannerState(surplus, int(d.get("cycle", 0)))
+        except (KeyError, ValueError, TypeError) as exc:
+            log.warning("stored planner state unreadable (%s); starting fresh", exc)
+            return PlannerState.initial()
+
+    # ---- fleet -----------------------------------------------------------------------------
+    def host_online(self, host: str) -> bool:
+        st = self.statuses.get(host)
+        if st is None:
+            return False
+        if st.online:
+            return True
+        since = self.offline_since.get(host, time.time())
+        return time.time() - since < self.settings.host_offline_grace_s
+
+    def reported(self) -> dict[str, tuple[str, Any]]:
+        """replica id -> (host, ReplicaStatus) from the agents' last status."""
+        out: dict[str, tuple[str, Any]] = {}
+        for host, st in self.statuses.items():
+            for rs in st.replicas:
+                out[rs.replica_id] = (host, rs)
+        return out
+
+    def build_fleet(self) -> Any:
+        from models.names import parse_engine, parse_gpu, parse_precision
+        from planner.types import ConfigKey, EngineBuild, Fleet, HostInventory, Replica, ReplicaState
+
+        hosts = []
+        for host, st in sorted(self.statuses.items()):
+            if st.gpu is None or st.gpu_count is None:
+                continue
+            hosts.append(HostInventory(host, st.gpu, st.gpu_count, st.nvlink_groups, self.host_online(host)))
+        rep = self.reported()
+        replicas = []
+        for row in self.store.active_replicas():
+            state = ReplicaState.STARTING
+            since = row.created_s
+            if row.phase == Phase.DRAINING:
+                state = ReplicaState.DRAINING
+                since = row.drain_started_s or row.updated_s
+            elif row.replica_id in rep:
+                rs = rep[row.replica_id][1]
+                state = ReplicaState(rs.state.value)
+                if state == ReplicaState.DRAINING:  # agent stopping it: not serving
+                    state = ReplicaState.STOPPED
+                since = rs.since_s or since
+            config = ConfigKey(row.model, parse_engine(row.engine), parse_gpu(row.gpu), row.tp,
+                               parse_precision(row.precision))
+            replicas.append(Replica(row.replica_id, config, row.host, row.gpu_indices, state, row.port,
+                                    self.clock.to_sim(since)))
+        builds = []
+        for host, st in self.statuses.items():
+            for ce in st.engines_cached:
+                builds.append(EngineBuild(ce.model, ce.engine, ce.gpu, ce.tp, ce.precision, host, True, None))
+        return Fleet(tuple(hosts), tuple(replicas), tuple(builds))
+
+    def address(self, host: str) -> str:
+        return self.settings.host_addresses.get(host) or self.settings.default_host_address or host
+
+    def endpoint(self, row: ReplicaRow) -> str:
+        return f"{self.address(row.host)}:{row.port}"
+
+    # ---- routing -----------------------------------------------------------------------------
+    async def update_routing(self) -> None:
+        from controller.routing import ScrapeTarget, write_endpoints_json, write_file_sd
+
+        rep = self.reported()
+        endpoints: dict[str, list[str]] = {m: [] for m in self.model_names()}
+        targets = []
+        for row in self.store.active_replicas():
+            rs = rep.get(row.replica_id)
+            ready = rs is not None and rs[1].state.value == "ready"
+            if row.phase == Phase.DESIRED and ready:
+                endpoints.setdefault(row.model, []).append(self.endpoint(row))
+            if ready or row.phase == Phase.DRAINING:
+                targets.append(ScrapeTarget(self.endpoint(row), row.model, row.engine, row.host, row.replica_id))
+        r = self.settings.routing
+        try:
+            if r.file_sd_path is not None:
+                await asyncio.to_thread(write_file_sd, r.file_sd_path, targets)
+            if r.endpoints_path is not None:
+                await asyncio.to_thread(write_endpoints_json, r.endpoints_path, endpoints)
+            if self.router is not None:
+                await asyncio.to_thread(self.router.apply, endpoints)
+            self.runtime_alerts.pop("routing", None)
+        except Exception as exc:
+            self.runtime_alerts["routing"] = f"routing update failed: {exc}"
+            log.error("routing update failed: %s", exc)
+
+    # ---- desired state publishing ------------------------------------------------------------
+    async def publish_hosts(self, hosts: set[str], *, bump: bool = True) -> None:
+        """Stage (version+1, committed) and publish each host's desired state, then wait for acks."""
+        if not hosts:
+            return
+        payloads = {}
+        with self.store.tx() as c:
+            for h in sorted(hosts):
+                payloads[h] = self.store.stage_desired(c, h)
+        await asyncio.gather(*(self._publish_one(h, p) for h, p in payloads.items()))
+
+    async def _publish_one(self, host: str, payload: dict[str, Any]) -> None:
+        version = int(payload["version"])
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._ack_waiters[(host, version)] = fut
+        ok = await self.link.publish(desired_topic(host), json.dumps(payload).encode())
+        if not ok:
+            self._ack_waiters.pop((host, version), None)
+            self.runtime_alerts[f"publish/{host}"] = f"desired v{version} for {host} not published (MQTT down)"
+            return
+        self.store.mark_published(host, version)
+        self.runtime_alerts.pop(f"publish/{host}", None)
+        try:
+            ack = await asyncio.wait_for(fut, self.settings.ack_timeout_s)
+        except TimeoutError:
+            self._ack_waiters.pop((host, version), None)
+            self.runtime_alerts[f"ack/{host}"] = (
+                f"host {host} did not ack desired v{version} within {self.settings.ack_timeout_s:.0f} s "
+                "(retried next cycle)"
+            )
+            return
+        self.runtime_alerts.pop(f"ack/{host}", None)
+        if not ack.accepted:
+            await self._rejected(host, version, payload, list(ack.errors))
+
+    async def _rejected(self, host: str, version: int, payload: dict[str, Any], errors: list[str]) -> None:
+        """The agent rejected the whole desired state: drop the replicas it names (or every replica
+        this controller has not yet seen acked on that host), alert, and republish."""
+        text = "; ".join(errors) or "no reason given"
+        self.runtime_alerts[f"rejected/{host}"] = f"host {host} rejected desired v{version}: {text}"
+        log.error("host %s rejected desired v%s: %s", host, version, text)
+        named = {m.group(1) for e in errors for m in _RID_IN_ERROR.finditer(e)}
+        rows = [r for r in self.store.active_replicas() if r.host == host]
+        bad = [r for r in rows if r.replica_id in named] or [r for r in rows if r.ready_s is None]
+        if not bad:
+            return
+        with self.store.tx() as c:
+            for r in bad:
+                self.store.set_phase(c, r.replica_id, Phase.REMOVED)
+                self.store.add_action(c, cycle_id=None, kind="start", replica_id=r.replica_id, host=host,
+                                      model=r.model, status=ActionStatus.FAILED, reason="rejected by agent",
+                                      detail=text)
+        await self.publish_hosts({host})
+
+    # ---- reconcile -----------------------------------------------------------------------------
+    async def reconcile(self) -> None:
+        """Bring the database in line with what the agents report (before planning)."""
+        now = time.time()
+        known = self.store.known_ids()
+        active = {r.replica_id: r for r in self.store.active_replicas()}
+        changed: set[str] = set()
+        for host, st in self.statuses.items():
+            if not st.online:
+                continue
+            self.store.note_version_floor(host, st.desired_version)
+            for rs in st.replicas:
+                if rs.replica_id not in known:
+                    if self._adopt(host, rs, active):
+                        changed.add(host)
+                    continue
+                row = active.get(rs.replica_id)
+                if row is None:
+                    continue
+                if rs.state.value == "ready" and row.ready_s is None:
+                    self.store.mark_ready(row.replica_id)
+                    self.store.update_actions_for(
+                        row.replica_id, "start", (ActionStatus.PUBLISHED, ActionStatus.ACKED), ActionStatus.DONE,
+                        "ready",
+                    )
+        # replicas that never became ready
+        rep = self.reported()
+        for row in self.store.replicas((Phase.DESIRED,)):
+            if row.ready_s is not None or now - row.created_s < self.settings.ready_timeout_s:
+                continue
+            seen = rep.get(row.replica_id)
+            if seen is not None and seen[1].state.value == "ready":
+                continue
+            with self.store.tx() as c:
+                self.store.set_phase(c, row.replica_id, Phase.REMOVED)
+                self.store.add_action(c, cycle_id=None, kind="stop", replica_id=row.replica_id, host=row.host,
+                                      model=row.model, status=ActionStatus.DONE,
+                                      reason=f"not ready after {self.settings.ready_timeout_s:.0f} s")
+            self.runtime_alerts[f"ready/{row.replica_id}"] = (
+                f"replica {row.replica_id} ({row.model} on {row.host}) not ready after "
+                f"{self.settings.ready_timeout_s:.0f} s; removed"
+            )
+            changed.add(row.host)
+        # desired states not published or not acked in time: republish
+        for host, d in self.store.desired_rows().items():
+            if self._republish_all:
+                changed.add(host)
+            elif d.published_s is None or (
+                d.acked_version != d.version and now - d.published_s > self.settings.ack_timeout_s
+            ):
+                changed.add(host)
+        if self._republish_all:
+            self._republish_all = False
+        if changed and self.link.connected.is_set():
+            await self.publish_hosts(changed)
+
+    def _adopt(self, host: str, rs: Any, active: Mapping[str, ReplicaRow]) -> bool:
+        """An engine this database never allocated: adopt it when it conflicts with nothing."""
+        if rs.state.value not in ("starting", "ready"):
+            return False
+        mine = [r for r in active.values() if r.host == host]
+        used_gpus = {g for r in mine for g in r.gpu_indices}
+        used_ports = {r.port for r in mine}
+        if used_gpus & set(rs.gpu_indices) or rs.port in used_ports:
+            self.runtime_alerts[f"orphan/{rs.replica_id}"] = (
+                f"unknown replica {rs.replica_id} on {host} conflicts with planned replicas; not adopted "
+                "(the agent stops it)"
+            )
+            return False
+        gpu = rs.gpu.value if rs.gpu is not None else (self.statuses[host].gpu or "")
+        now = time.time()
+        row = ReplicaRow(
+            rs.replica_id, host, self.canonical(rs.model), rs.engine.value, str(gpu), rs.tp, rs.precision.value,
+            tuple(rs.gpu_indices), rs.port, rs.template or self.template_for(host, rs.engine.value), Phase.DESIRED,
+            "adopted", now, now, None, now if rs.state.value == "ready" else None,
+        )
+        with self.store.tx() as c:
+            self.store.insert_replica(c, row)
+            self.store.add_action(c, cycle_id=None, kind="adopt", replica_id=rs.replica_id, host=host,
+                                  model=row.model, status=ActionStatus.DONE,
+                                  reason="running engine unknown to the controller: adopted")
+        log.warning("adopted unknown replica %s on %s", rs.replica_id, host)
+        return True
+
+    def template_for(self, host: str, engine: str) -> str:
+        if engine in self.settings.templates:
+            return self.settings.templates[engine]
+        st = self.statuses.get(host)
+        names = list(st.templates) if st is not None else []
+        for pick in (lambda n: n == engine, lambda n: n.startswith(engine), lambda n: engine in n):
+            for n in names:
+                if pick(n):
+                    return n
+        return engine
+
+    # ---- acting --------------------------------------------------------------------------------
+    async def execute(self, cycle_id: int, result: Any) -> dict[str, int]:
+        from planner.types import ActionKind
+
+        counts = {"start": 0, "drain": 0, "stop": 0, "deferred": 0}
+        if not self.link.connected.is_set():
+            self.runtime_alerts["mqtt"] = f"not connected to MQTT ({self.link.last_error}); not acting"
+            for a in result.actions:
+                self._record(cycle_id, a, ActionStatus.DEFERRED, "MQTT down")
+            counts["deferred"] += len(result.actions)
+            return counts
+        self.runtime_alerts.pop("mqtt", None)
+        active = {r.replica_id: r for r in self.store.active_replicas()}
+        rep = self.reported()
+        changed: set[str] = set()
+        started_models: set[str] = set()
+        for a in result.actions:
+            if a.kind == ActionKind.START:
+                ok = self._stage_start(cycle_id, a, active, rep)
+                if ok:
+                    counts["start"] += 1
+                    changed.add(a.replica.host)
+                    started_models.add(a.replica.config.model)
+                else:
+                    counts["deferred"] += 1
+            elif a.kind == ActionKind.BUILD:
+                self._record(cycle_id, a, ActionStatus.DEFERRED,
+                             "engine builds are run by the agents' build templates; not wired in this controller")
+                counts["deferred"] += 1
+        if changed:
+            await self.publish_hosts(changed)
+        # start before stop: a model with replicas still starting keeps its serving replicas
+        active = {r.replica_id: r for r in self.store.active_replicas()}
+        starting_models = {r.model for r in active.values() if r.phase == Phase.DESIRED and r.ready_s is None}
+        removed_hosts: set[str] = set()
+        draining: list[str] = []
+        for a in result.actions:
+            if a.kind not in (ActionKind.DRAIN, ActionKind.STOP):
+                continue
+            rid = a.replica.replica_id
+            row = active.get(rid)
+            if row is None or row.phase == Phase.DRAINING or rid in draining:
+                continue  # unknown / already removed / drain in progress
+            serving = row.ready_s is not None and a.replica.state.value == "ready"
+            if not serving:
+                # never served (starting, failed, stopped): nothing to drain
+                with self.store.tx() as c:
+                    self.store.set_phase(c, rid, Phase.REMOVED)
+                    self._record(cycle_id, a, ActionStatus.DONE, "removed (not serving)", conn=c, kind="stop")
+                counts["stop"] += 1
+                removed_hosts.add(row.host)
+                continue
+            others_starting = row.model in starting_models and any(
+                r.model == row.model and r.ready_s is None and r.replica_id != rid for r in active.values()
+            )
+            if others_starting:
+                self._record(cycle_id, a, ActionStatus.DEFERRED, "start before stop: a replica of this model is "
+                             "still starting")
+                counts["deferred"] += 1
+                continue
+            with self.store.tx() as c:
+                self.store.set_phase(c, rid, Phase.DRAINING)
+                self._record(cycle_id, a, ActionStatus.PUBLISHED, "draining: removed from routing", conn=c,
+                             kind="drain")
+            draining.append(rid)
+            counts["drain"] += 1
+        if removed_hosts:
+            await self.publish_hosts(removed_hosts)
+        if draining:
+            await self.update_routing()  # out of the upstream (nginx reloaded) before waiting
+            for rid in draining:
+                self._start_drain(rid)
+        return counts
+
+    def _record(self, cycle_id: int | None, a: Any, status: str, detail: str, *, conn: Any = None,
+                kind: str | None = None) -> int:
+        aid = self.store.add_action(
+            conn, cycle_id=cycle_id, kind=kind or a.kind.value, replica_id=a.replica.replica_id,
+            host=a.replica.host, model=a.replica.config.model, status=status, reason=a.reason, detail=detail,
+        )
+        self.metrics.actions.labels(kind or a.kind.value, status).inc()
+        return aid
+
+    def _stage_start(self, cycle_id: int, a: Any, active: dict[str, ReplicaRow], rep: Mapping[str, Any]) -> bool:
+        r = a.replica
+        host = r.host
+        st = self.statuses.get(host)
+        if st is None or not st.online:
+            self._record(cycle_id, a, ActionStatus.DEFERRED, f"host {host} has no online agent")
+            return False
+        busy_gpus: set[int] = set()
+        busy_ports: set[int] = set()
+        for row in active.values():
+            if row.host == host:
+                busy_gpus.update(row.gpu_indices)
+                busy_ports.add(row.port)
+        for h, rs in rep.values():
+            if h == host and rs.state.value != "stopped":
+                busy_gpus.update(rs.gpu_indices)
+                busy_ports.add(rs.port)
+        clash = sorted(busy_gpus & set(r.gpu_indices))
+        if clash:
+            self._record(cycle_id, a, ActionStatus.DEFERRED, f"GPUs {clash} on {host} still in use")
+            return False
+        lo, hi = st.port_range or self.settings.default_port_range
+        port = next((p for p in range(lo, hi + 1) if p not in busy_ports), None)
+        if port is None:
+            self._record(cycle_id, a, ActionStatus.DEFERRED, f"no free port in {lo}-{hi} on {host}")
+            return False
+        c_ = r.config
+        now = time.time()
+        with self.store.tx() as c:
+            rid = self.store.allocate_id(c)
+            row = ReplicaRow(rid, host, c_.model, c_.engine.value, c_.gpu.value, c_.tp, c_.precision.value,
+                             tuple(r.gpu_indices), port, self.template_for(host, c_.engine.value), Phase.DESIRED,
+                             "planned", now, now, None, None)
+            self.store.insert_replica(c, row)
+            self.store.add_action(c, cycle_id=cycle_id, kind="start", replica_id=rid, host=host, model=c_.model,
+                                  status=ActionStatus.PUBLISHED, reason=a.reason,
+                                  detail=f"port {port}, GPUs {list(r.gpu_indices)}")
+        self.metrics.actions.labels("start", ActionStatus.PUBLISHED).inc()
+        active[rid] = row
+        return True
+
+    # ---- draining ------------------------------------------------------------------------------
+    def _start_drain(self, rid: str) -> None:
+        if rid in self._drains and not self._drains[rid].done():
+            return
+        self._drains[rid] = asyncio.create_task(self._drain(rid), name=f"drain-{rid}")
+
+    async def _inflight(self, row: ReplicaRow) -> float | None:
+        import httpx
+
+        url = f"http://{self.endpoint(row)}{_engine_metrics_path(row.engine)}"
+        try:
+            async with httpx.AsyncClient(timeout=2.0) as client:
+                resp = await client.get(url)
+            if resp.status_code == 200:
+                return inflight_from_metrics(resp.text)
+        except httpx.HTTPError:
+            pass
+        try:
+            sel = f'{{__name__=~"{_RUNNING}|{_WAITING}",replica="{row.replica_id}"}}'
+            res = await self.prom.query(f"sum({sel})")
+            return res[0].value if res else None
+        except PrometheusError:
+            return None
+
+    async def _drain(self, rid: str) -> None:
+        row = self.store.get_replica(rid)
+        if row is None or row.phase != Phase.DRAINING:
+            return
+        started = row.drain_started_s or time.time()
+        await asyncio.sleep(self.settings.drain_settle_s)
+        zeros = 0
+        reason = "timeout"
+        while time.time() - started < self.settings.drain_timeout_s:
+            n = await self._inflight(row)
+            if n is not None and n <= 0:
+                zeros += 1
+                if zeros >= 2:
+                    reason = "in-flight requests reached 0"
+                    break
+            else:
+                zeros = 0
+            await asyncio.sleep(self.settings.drain_poll_s)
+        if reason == "timeout":
+            self.runtime_alerts[f"drain/{rid}"] = (
+                f"replica {rid} still had requests after {self.settings.drain_timeout_s:.0f} s of draining; stopped"
+            )
+        async with self._lock:
+            with self.store.tx() as c:
+                self.store.set_phase(c, rid, Phase.REMOVED)
+                c.execute(
+                    "UPDATE actions SET status=?, updated_s=?, detail=? WHERE replica_id=? AND kind='drain' "
+                    "AND status=?",
+                    (ActionStatus.DONE, time.time(), f"drained ({reason})", rid, ActionStatus.PUBLISHED),
+                )
+                self.store.add_action(c, cycle_id=None, kind="stop", replica_id=rid, host=row.host,
+                                      model=row.model, status=ActionStatus.DONE, reason=f"drained: {reason}")
+            self.metrics.actions.labels("stop", ActionStatus.DONE).inc()
+            await self.update_routing()
+            await self.publish_hosts({row.host})
+        log.info("replica %s drained (%s) and removed", rid, reason)
+
+    # ---- the cycle -----------------------------------------------------------------------------
+    async def cycle(self) -> dict[str, Any]:
+        if self._stopping.is_set():
+            return {}
+        async with self._lock:
+            return await self._cycle()
+
+    async def _cycle(self) -> dict[str, Any]:
+        from planner.core import plan, plan_to_dict
+
+        now_s = self.clock.now()
+        self.store.set_kv("clock_last", {"wall": time.time(), "sim": now_s})
+        cid = self.store.begin_cycle(now_s)
+        status = "ok"
+        summary: dict[str, Any] = {"now_s": now_s}
+        try:
+            await self.reconcile()
+            policy = self.policy.policy
+            models = self.model_names()
+            expected = {r.replica_id for r in self.store.active_replicas()}
+            observer = Observer(
+                self.prom,
+                ObserverConfig(
+                    window_s=self.settings.observe_window_s, history_s=self.settings.history_s,
+                    history_step_s=self.settings.history_step_s, time_scale=self.time_scale,
+                ),
+                canonical=self.canonical,
+            )
+            snap = await observer.snapshot(models, now_s=now_s, expected_replicas=expected)
+            self.last_snapshot = snap
+            self.store.save_observation(cid, snap.to_json())
+            obs = to_observation(snap, models)
+            fleet = self.build_fleet()
+            t0 = time.perf_counter()
+            result = await asyncio.to_thread(plan, obs, fleet, policy, self.profiles, self.planner_state, now_s)
+            solve_s = time.perf_counter() - t0
+            self.metrics.solve_seconds.observe(solve_s)
+            doc = plan_to_dict(result)
+            doc["observation"] = {m: mm.to_json() for m, mm in snap.models.items()}
+            doc["cycle_id"] = cid
+            doc["now_s"] = now_s
+            self.store.save_plan(cid, doc, solve_s, doc["next_state"])
+            self.planner_state = result.next_state
+            counts = await self.execute(cid, result)
+            await self.update_routing()
+            summary.update(counts)
+            summary["solve_s"] = round(solve_s, 4)
+            summary["planned_replicas"] = len(result.plan.replicas)
+            summary["plan_usd_h"] = result.plan.usd_h
+            summary["stale_models"] = sorted(m for m, mm in snap.models.items() if mm.stale and m in models)
+            self._update_metrics(doc, snap)
+            alerts = {f"observe/{i}": a for i, a in enumerate(snap.alerts)}
+            alerts.update({f"plan/{i}": n for i, n in enumerate(self._plan_alerts(doc))})
+            alerts.update({f"rt/{k}": v for k, v in self.runtime_alerts.items()})
+            self.store.set_alerts("", alerts)
+            summary["alerts"] = len(alerts)
+            self.metrics.alerts_active.set(len(alerts))
+        except asyncio.CancelledError:
+            status = "cancelled"
+            raise
+        except Exception as exc:
+            status = "error"
+            summary["error"] = f"{type(exc).__name__}: {exc}"
+            log.exception("cycle %s failed", cid)
+            self.runtime_alerts["cycle"] = f"cycle {cid} failed: {type(exc).__name__}: {exc}"
+        finally:
+            self.store.finish_cycle(cid, status, summary)
+            self.metrics.cycles.labels(status).inc()
+            self.metrics.last_cycle_timestamp.set(time.time())
+            self.cycle_count += 1
+            sd_notify("WATCHDOG=1")
+        if status == "ok":
+            self.runtime_alerts.pop("cycle", None)
+        return summary
+
+    def _plan_alerts(self, doc: Mapping[str, Any]) -> list[str]:
+        out = []
+        for m in doc.get("explanation", {}).get("models", []):
+            if m.get("unmet_rps"):
+                out.append(f"{m['model']}: {m['unmet_rps']:.2f} rps of demand cannot be served (capacity short)")
+        return out
+
+    def _update_metrics(self, doc: Mapping[str, Any], snap: Snapshot) -> None:
+        m = self.metrics
+        planned: dict[str, int] = {}
+        for r in doc["plan"]["replicas"]:
+            planned[r["model"]] = planned.get(r["model"], 0) + 1
+        rep = self.reported()
+        running: dict[str, int] = {}
+        desired: dict[str, int] = {}
+        for row in self.store.active_replicas():
+            desired[row.model] = desired.get(row.model, 0) + 1
+            rs = rep.get(row.replica_id)
+            if rs is not None and rs[1].state.value == "ready":
+                running[row.model] = running.get(row.model, 0) + 1
+        for name in self.model_names():
+            m.planned_replicas.labels(name).set(planned.get(name, 0))
+            m.running_replicas.labels(name).set(running.get(name, 0))
+            m.desired_replicas.labels(name).set(desired.get(name, 0))
+        for me in doc["explanation"]["models"]:
+            name = me["model"]
+            m.demand_rps.labels(name).set(me["demand_rps"])
+            m.unmet_demand_rps.labels(name).set(me["unmet_rps"])
+            ttfts = [c["predicted_ttft_p99_ms"] for c in me["configs"] if c["predicted_ttft_p99_ms"] is not None]
+            itls = [c["predicted_itl_p99_ms"] for c in me["configs"] if c["predicted_itl_p99_ms"] is not None]
+            if ttfts:
+                m.predicted_ttft_p99_ms.labels(name).set(max(ttfts))
+            if itls:
+                m.predicted_itl_p99_ms.labels(name).set(max(itls))
+            o = snap.models.get(name)
+            if o is not None and o.ttft_p99_ms is not None:
+                m.observed_ttft_p99_ms.labels(name).set(o.ttft_p99_ms)
+            if o is not None and o.itl_p99_ms is not None:
+                m.observed_itl_p99_ms.labels(name).set(o.itl_p99_ms)
+        m.plan_usd_h.set(doc["plan"]["usd_h"])
+        m.stale_models.set(sum(1 for name, o in snap.models.items() if o.stale and name in desired))
+
+    # ---- report ---------------------------------------------------------------------------------
+    def report(self) -> dict[str, Any]:
+        """Everything the report API serves; the plan is the STORED plan dict, never recomputed."""
+        last = self.store.last_plan()
+        rep = self.reported()
+        fleet = []
+        for row in self.store.active_replicas():
+            rs = rep.get(row.replica_id)
+            fleet.append({
+                **row.to_json(),
+                "endpoint": self.endpoint(row),
+                "reported_state": rs[1].state.value if rs else None,
+                "reported_error": rs[1].error if rs else None,
+            })
+        hosts = {}
+        for host, st in sorted(self.statuses.items()):
+            hosts[host] = {
+                "online": st.online, "usable": self.host_online(host), "gpu": st.gpu.value if st.gpu else None,
+                "gpu_count": st.gpu_count, "desired_version": st.desired_version,
+                "replicas": len(st.replicas), "last_status_age_s": round(time.time() - self.status_wall.get(host, 0), 1),
+            }
+        desired = {
+            h: {"version": d.version, "acked_version": d.acked_version, "ack_accepted": d.ack_accepted,
+                "ack_errors": list(d.ack_errors), "published_s": d.published_s}
+            for h, d in self.store.desired_rows().items()
+        }
+        alerts = [a["text"] for a in self.store.active_alerts()]
+        for k, v in self.runtime_alerts.items():
+            if f"rt/{k}" not in {a["key"] for a in self.store.active_alerts()}:
+                alerts.append(v)
+        return {
+            "generated_s": time.time(),
+            "now_s": self.clock.now(),
+            "time_scale": self.time_scale,
+            "policy": {"path": str(self.policy_path), "loaded_s": self.policy.loaded_s, "error": self.policy.error},
+            "mqtt_connected": self.link.connected.is_set(),
+            "cycle_id": last[0] if last else None,
+            "solve_s": last[2] if last else None,
+            "plan": last[1] if last else None,
+            "fleet": fleet,
+            "hosts": hosts,
+            "desired": desired,
+            "actions": self.store.actions(limit=40),
+            "action_counts": self.store.action_counts(),
+            "history": self.store.cycles(limit=30),
+            "alerts": list(dict.fromkeys(alerts)),
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# running it
+
+
+def _install_signals(ctrl: Controller, stop: asyncio.Event) -> None:
+    """All signal handling in one place."""
+    loop = asyncio.get_running_loop()
+
+    def on_hup() -> None:
+        log.info("SIGHUP: reloading the policy from %s", ctrl.policy_path)
+        ok = ctrl.load_policy(initial=False)
+        if ok:
+            ctrl.load_profiles()
+
+    loop.add_signal_handler(signal.SIGHUP, on_hup)
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+
+
+async def run_controller(ctrl: Controller, *, once: bool = False, cycle_wall_s: float | None = None) -> int:
+    from apscheduler.schedulers.asyncio import AsyncIOScheduler
+
+    await ctrl.start()
+    stop = asyncio.Event()
+    _install_signals(ctrl, stop)
+    if once:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(ctrl.link.connected.wait(), 10.0)
+        await ctrl.cycle()
+        await ctrl.stop()
+        return 0
+    policy_cycle = ctrl.settings.cycle_s or ctrl.policy.policy.scaling.cycle_s
+    interval = cycle_wall_s or max(0.5, policy_cycle / ctrl.time_scale)
+    scheduler = AsyncIOScheduler()
+    scheduler.add_job(
+        ctrl.cycle, "interval", seconds=interval, coalesce=True, max_instances=1,
+        next_run_time=__import__("datetime").datetime.now(), id="cycle", misfire_grace_time=None,
+    )
+    scheduler.start()
+    log.info("controller running: cycle every %.2f s wall (time scale %g), report at %s", interval,
+             ctrl.time_scale, ctrl.report_url)
+    try:
+        await stop.wait()
+    finally:
+        log.info("stopping: finishing the current step")
+        scheduler.shutdown(wait=False)
+        await ctrl.stop()
+    return 0
+
+
+def _parse_listen(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    settings = load_settings(args.config)
+    settings, reload = settings_from_lab(settings)
+    if reload is None and settings.routing.nginx_reload_command:
+        argv = list(settings.routing.nginx_reload_command)
+
+        def reload() -> None:
+            subprocess.run(argv, check=True, capture_output=True, timeout=30)
+
+    token = None
+    token_file = args.report_token_file or settings.report_token_file
+    if token_file:
+        token = Path(token_file).read_text().strip()
+    host, _ = _parse_listen(args.report_listen)
+    if host not in ("127.0.0.1", "::1", "localhost") and not token:
+        raise SystemExit(
+            f"--report-listen {args.report_listen}: a bearer token is required when not bound to loopback "
+            "(--report-token-file)"
+        )
+    store = StateStore(args.state_db)
+    ctrl = Controller(
+        settings=settings, policy_path=Path(args.policy), profiles_path=Path(args.profiles) if args.profiles else None,
+        store=store, time_scale=args.time_scale, nginx_reload=reload, report_listen=args.report_listen,
+        report_token=token,
+    )
+    return asyncio.run(run_controller(ctrl, once=args.once))

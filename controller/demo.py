@@ -1,0 +1,506 @@
+"""`fleetplan demo`: the whole loop on a simulated lab, needing nothing outside the repository.
+
+1. starts the lab (Mosquitto, Prometheus, nginx; sim/lab.py) and one agent per simulated host
+   (4 hosts x 8 GPUs), whose launch templates start simulated engines (sim/engine.py);
+2. benchmarks the simulated engines with `fleetplan bench-engine` and fits profiles with
+   `fleetplan models fit` (the user's workflow);
+3. starts the controller (in this process) with a demo policy;
+4. replays a day-shaped traffic pattern it generates (or --trace FILE) at 20x for ~3 minutes
+   through nginx, printing a short report every cycle;
+5. prints a summary (GPU-hours, SLO attainment, actions) and stops everything.
+
+`Rig` (lab + agents + files) is also what tests/e2e use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+DEMO_MODEL = "llama-3.1-8b"
+DEMO_MODEL_2 = "qwen-2.5-7b"
+
+
+@dataclass
+class EngineOptions:
+    """How the agents' launch templates start simulated engines."""
+
+    time_scale: float = 20.0
+    startup_s: float = 40.0  # simulated seconds from launch to ready
+    max_num_seqs: int = 8  # small batches: a replica saturates at a few rps (keeps CPU low)
+    min_chunk_interval_ms: float = 150.0  # coalesce SSE chunks (wall ms)
+
+    def argv(self, persona: str) -> list[str]:
+        return [
+            sys.executable, "-m", "controller.cli", "sim-engine", "--persona", persona,
+            "--model", "{model}", "--gpu", "{gpu}", "--tp", "{tp}", "--precision", "{precision}",
+            "--port", "{port}", "--replica-id", "{replica_id}", "--gpu-indices", "{gpu_indices}",
+            "--time-scale", f"{self.time_scale:g}", "--startup-s", f"{self.startup_s:g}",
+            "--max-num-seqs", str(self.max_num_seqs),
+            "--min-chunk-interval-ms", f"{self.min_chunk_interval_ms:g}",
+        ]
+
+
+def demo_policy(
+    *,
+    models: Sequence[str] = (DEMO_MODEL,),
+    engines: Sequence[str] = ("vllm", "trtllm"),
+    hosts: Sequence[tuple[str, int]] = (),
+    cycle_s: float = 60.0,
+    scale_down_delay_s: float = 300.0,
+    max_actions: int = 6,
+    min_replicas: int = 1,
+    max_replicas: int = 8,
+    ttft_p99_ms: float = 2000.0,
+    itl_p99_ms: float = 100.0,
+    isl: float = 512,
+    osl: float = 128,
+    startup_s: float = 40.0,
+    headroom: float = 0.2,
+) -> dict[str, Any]:
+    """A policy document (dict) for the lab: H100 hosts, vLLM and TRT-LLM (cached engines)."""
+    engine_doc: dict[str, Any] = {}
+    for e in engines:
+        doc: dict[str, Any] = {
+            "launch": {"command": "sim-engine", "args": ["--persona", e]},
+            "startup": {"default_s": startup_s},
+        }
+        if e == "trtllm":
+            doc["build"] = {"default_s": 600}
+            doc["cached_builds"] = [{"model": m, "gpu": "h100", "tp": tp, "precision": "bf16"}
+                                    for m in models for tp in (1, 2)]
+        engine_doc[e] = doc
+    return {
+        "version": 1,
+        "gpu_types": {"h100": {"price_usd_h": 3.0}},
+        "hosts": [{"name": n, "gpu": "h100", "gpu_count": c} for n, c in hosts],
+        "models": [
+            {
+                "name": m,
+                "slo": {"ttft_p99_ms": ttft_p99_ms, "itl_p99_ms": itl_p99_ms},
+                "min_replicas": min_replicas,
+                "max_replicas": max_replicas,
+                "allowed": {"engines": list(engines), "tp": [1], "gpus": ["h100"]},
+                "precision": "bf16",
+                "headroom": headroom,
+                "workload": {"isl": isl, "osl": osl},
+            }
+            for m in models
+        ],
+        "engines": engine_doc,
+        "scaling": {
+            "cycle_s": cycle_s,
+            "scale_down_delay_s": scale_down_delay_s,
+            "max_actions_per_cycle": max_actions,
+            "forecast_quantile": 0.9,
+        },
+        "solver": {"time_limit_s": 2.0, "workers": 1},
+    }
+
+
+@dataclass
+class Rig:
+    """A lab with one agent process per simulated host, and helpers to run the controller on it."""
+
+    dir: Path
+    hosts: int = 4
+    gpus_per_host: int = 8
+    engine: EngineOptions = field(default_factory=EngineOptions)
+    lab: Any = None
+    agents: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def start(self) -> Rig:
+        from sim.lab import Lab
+
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.lab = Lab(self.dir / "lab", hosts=self.hosts, gpus_per_host=self.gpus_per_host)
+        self.lab.start()
+        for h in self.lab.hosts:
+            self.write_agent_config(h)
+            self.start_agent(h.name)
+        return self
+
+    def agent_config_path(self, host: str) -> Path:
+        return self.dir / "agents" / f"{host}.yaml"
+
+    def agent_state_dir(self, host: str) -> Path:
+        return self.dir / "agents" / host
+
+    def write_agent_config(self, h: Any) -> None:
+        cfg = {
+            "host": h.name,
+            "gpu": h.gpu.value,
+            "gpu_count": h.gpu_count,
+            "nvlink_groups": [list(g) for g in h.nvlink_groups],
+            "mqtt": {
+                "host": self.lab.mqtt_host, "port": self.lab.mqtt_port, "username": h.mqtt_user,
+                "password": h.mqtt_password, "keepalive_s": 5, "backoff_initial_s": 0.2, "backoff_max_s": 2.0,
+            },
+            "port_range": list(h.port_range),
+            "state_dir": str(self.agent_state_dir(h.name)),
+            "launch_templates": {
+                "vllm": {"engine": "vllm", "argv": self.engine.argv("vllm"), "cwd": str(REPO),
+                         "startup_timeout_s": 120, "stop_timeout_s": 10},
+                "trtllm": {"engine": "trtllm", "argv": self.engine.argv("trtllm"), "cwd": str(REPO),
+                           "startup_timeout_s": 120, "stop_timeout_s": 10},
+            },
+            "status_interval_s": 1.0,
+            "reconcile_interval_s": 0.5,
+            "restart_backoff_s": [1.0, 10.0],
+        }
+        path = self.agent_config_path(h.name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+    def start_agent(self, host: str) -> None:
+        log = open(self.dir / "agents" / f"{host}.log", "ab")
+        env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+        self.agents[host] = subprocess.Popen(
+            [sys.executable, "-m", "controller.cli", "-v", "agent", "--config", str(self.agent_config_path(host))],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=str(REPO), env=env,
+        )
+        log.close()
+
+    def stop_agent(self, host: str, sig: int = signal.SIGTERM) -> None:
+        p = self.agents.get(host)
+        if p is None or p.poll() is not None:
+            return
+        p.send_signal(sig)
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
+
+    def engine_pids(self) -> dict[str, int]:
+        """replica id -> pid of every engine process the agents recorded that is still alive."""
+        out: dict[str, int] = {}
+        for h in self.lab.hosts if self.lab else ():
+            d = self.agent_state_dir(h.name) / "instances"
+            for f in sorted(d.glob("*.json")) if d.is_dir() else ():
+                with contextlib.suppress(OSError, ValueError, KeyError):
+                    rec = json.loads(f.read_text())
+                    pid = int(rec["handle"]["pid"])
+                    if _is_engine(pid):
+                        out[str(rec["handle"]["instance_id"])] = pid
+        return out
+
+    def engine_processes(self) -> list[tuple[int, str]]:
+        """(pid, replica id) of every running sim-engine started under this rig's agents (from /proc)."""
+        out = []
+        for pid_dir in Path("/proc").iterdir():
+            if not pid_dir.name.isdigit():
+                continue
+            try:
+                argv = (pid_dir / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            args = [a.decode(errors="replace") for a in argv]
+            if "sim-engine" not in args or "--replica-id" not in args:
+                continue
+            try:
+                port = int(args[args.index("--port") + 1])
+            except (ValueError, IndexError):
+                continue
+            if any(lo <= port <= hi for lo, hi in (h.port_range for h in self.lab.hosts)):
+                out.append((int(pid_dir.name), args[args.index("--replica-id") + 1]))
+        return out
+
+    def controller_settings(self, **over: Any) -> Any:
+        from controller.daemon import ControllerSettings
+
+        base: dict[str, Any] = {
+            "lab_dir": str(self.lab.dir), "ack_timeout_s": 5.0, "ready_timeout_s": 60.0,
+            "drain_timeout_s": 30.0, "drain_settle_s": 1.5, "drain_poll_s": 0.5, "host_offline_grace_s": 30.0,
+            "observe_window_s": 8.0, "history_s": 120.0, "history_step_s": 2.0,
+        }
+        base.update(over)
+        return ControllerSettings.model_validate(base)
+
+    def write_controller_config(self, path: Path, **over: Any) -> Path:
+        s = self.controller_settings(**over)
+        path.write_text(yaml.safe_dump(json.loads(s.model_dump_json(exclude_none=True)), sort_keys=False))
+        return path
+
+    def stop(self) -> None:
+        """Stop agents, then every engine they started (engines outlive agents by design)."""
+        for host in list(self.agents):
+            self.stop_agent(host)
+        pids = [pid for pid, _ in self.engine_processes()] if self.lab else []
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while pids and time.monotonic() < deadline:
+            pids = [p for p in pids if _alive(p)]
+            time.sleep(0.1)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        if self.lab is not None:
+            self.lab.stop()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _is_engine(pid: int) -> bool:
+    try:
+        return b"sim-engine" in Path(f"/proc/{pid}/cmdline").read_bytes() and _alive(pid)
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# traffic
+
+
+def day_requests(
+    duration_s: float, *, base_rps: float, peak_rps: float, isl: int, osl: int, model: str, seed: int = 0
+) -> list[tuple[float, int, int, str]]:
+    """A compressed 'day' over `duration_s` simulated seconds: night trough, morning ramp, afternoon
+    peak, evening decline (Poisson arrivals; prompt/output lengths jittered around isl/osl)."""
+    rng = random.Random(seed)
+
+    def rate(t: float) -> float:
+        x = t / duration_s  # 0..1 = one day
+        shape = 0.5 - 0.5 * math.cos(2 * math.pi * x)  # 0 at midnight, 1 at noon
+        return base_rps + (peak_rps - base_rps) * shape ** 1.5
+
+    out: list[tuple[float, int, int, str]] = []
+    t = 0.0
+    lam_max = max(base_rps, peak_rps)
+    while True:
+        t += rng.expovariate(lam_max)
+        if t >= duration_s:
+            break
+        if rng.random() <= rate(t) / lam_max:  # thinning
+            p = max(16, int(rng.gauss(isl, isl * 0.25)))
+            o = max(8, int(rng.gauss(osl, osl * 0.25)))
+            out.append((t, p, o, model))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# benchmark + fit (the user's workflow)
+
+
+def bench_and_fit(rig: Rig, out_dir: Path, models: Sequence[str], engines: Sequence[str], *,
+                  isl: int, osl: int, log: Any = print) -> Path:
+    """Start one simulated engine per (model, engine), sweep it with `fleetplan bench-engine`, and fit
+    PROFILES.json with `fleetplan models fit`."""
+    from sim.lab import free_port
+
+    bench_dir = out_dir / "bench"
+    bench_dir.mkdir(parents=True, exist_ok=True)
+    k = rig.engine.time_scale
+    procs = []
+    try:
+        jobs = []
+        for m in models:
+            for e in engines:
+                port = free_port()
+                argv = [a.format(model=m, gpu="h100", tp="1", precision="bf16", port=port,
+                                 replica_id=f"bench-{e}", gpu_indices="0")
+                        for a in rig.engine.argv(e)]
+                argv[argv.index("--startup-s") + 1] = "0"
+                lf = open(bench_dir / f"engine-{m}-{e}.log", "wb")
+                procs.append(subprocess.Popen(argv, stdout=lf, stderr=subprocess.STDOUT, cwd=str(REPO),
+                                              start_new_session=True))
+                lf.close()
+                jobs.append((m, e, port))
+        import httpx
+
+        for _m, _e, port in jobs:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                        break
+                time.sleep(0.3)
+        for m, e, port in jobs:
+            t0 = time.monotonic()
+            conc = ",".join(str(c) for c in (1, 2, 4, 8, 12))
+            cmd = [sys.executable, "-m", "controller.cli", "bench-engine", "--target", f"http://127.0.0.1:{port}",
+                   "--isl", str(isl), "--osl", str(osl), "--concurrency", conc, "--num-prompts", "24",
+                   "--time-scale", f"{k:g}", "--model", m, "--out", str(bench_dir / f"{m}-{e}"),
+                   "--label", f"{e}-h100-tp1"]
+            subprocess.run(cmd, check=True, cwd=str(REPO), capture_output=True, timeout=600)
+            log(f"  benchmarked {m} on simulated {e} h100 tp1 (concurrency {conc}) in {time.monotonic() - t0:.0f} s")
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(10)
+    profiles = out_dir / "PROFILES.json"
+    fit_cmd = [sys.executable, "-m", "controller.cli", "models", "fit"]
+    for m in models:
+        for e in engines:
+            fit_cmd += [str(bench_dir / f"{m}-{e}")]
+    fit_cmd += ["--out", str(profiles)]
+    res = subprocess.run(fit_cmd, cwd=str(REPO), capture_output=True, text=True, timeout=300)
+    if res.returncode != 0:
+        raise RuntimeError(f"models fit failed: {res.stderr.strip()[-500:]}")
+    log(f"  fitted {profiles}")
+    return profiles
+
+
+# ---------------------------------------------------------------------------------------------
+# the demo
+
+
+def _short_cycle_line(ctrl: Any, summary: dict[str, Any], t_wall: float, sent: int, failed: int) -> str:
+    snap = ctrl.last_snapshot
+    parts = []
+    rep = ctrl.reported()
+    for m in ctrl.model_names():
+        mm = snap.models.get(m) if snap else None
+        ready = sum(1 for r in ctrl.store.active_replicas()
+                    if r.model == m and r.phase == "desired" and r.replica_id in rep
+                    and rep[r.replica_id][1].state.value == "ready")
+        active = sum(1 for r in ctrl.store.active_replicas() if r.model == m)
+        rps = "-" if mm is None or mm.rate_rps is None else f"{mm.rate_rps:.2f}"
+        p99 = "-" if mm is None or mm.ttft_p99_ms is None else f"{mm.ttft_p99_ms:.0f}"
+        stale = " STALE" if mm is not None and mm.stale else ""
+        parts.append(f"{m}: {rps} rps, TTFT p99 {p99} ms, replicas {ready} ready/{active} desired{stale}")
+    acts = ", ".join(f"{k} {summary.get(k)}" for k in ("start", "drain", "stop", "deferred") if summary.get(k))
+    return (f"[t={t_wall:5.0f}s sim={summary.get('now_s', 0) - ctrl.clock.origin_sim:6.0f}s] "
+            + "; ".join(parts) + (f" | actions: {acts}" if acts else "") + f" | requests {sent} ({failed} failed)")
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    own_dir = args.dir is None
+    work = Path(tempfile.mkdtemp(prefix="fleetplan-demo-")) if own_dir else Path(args.dir).resolve()
+    try:
+        return asyncio.run(_demo(args, work))
+    finally:
+        if own_dir and not args.keep:
+            import shutil
+
+            shutil.rmtree(work, ignore_errors=True)
+
+
+async def _demo(args: argparse.Namespace, work: Path) -> int:
+    from controller.daemon import Controller, settings_from_lab
+    from controller.state import StateStore
+    from sim.replay import run_load
+
+    k = float(args.speed)
+    engines = ("vllm", "trtllm")
+    models = (DEMO_MODEL,)
+    isl, osl = 512, 128
+    rig = Rig(work, hosts=args.hosts, gpus_per_host=args.gpus_per_host, engine=EngineOptions(time_scale=k))
+    print(f"== fleetplan demo in {work} (time x{k:g})")
+    t_start = time.monotonic()
+    ctrl = None
+    try:
+        print("== starting the lab: Mosquitto, Prometheus, nginx, "
+              f"{args.hosts} simulated hosts x {args.gpus_per_host} H100, one agent per host")
+        await asyncio.to_thread(rig.start)
+        print("== benchmarking the simulated engines and fitting profiles (the user's workflow)")
+        profiles = await asyncio.to_thread(bench_and_fit, rig, work, models, engines, isl=isl, osl=osl)
+        policy_path = work / "policy.yaml"
+        policy = demo_policy(models=models, engines=engines, isl=isl, osl=osl, max_replicas=10)
+        policy_path.write_text(yaml.safe_dump(policy, sort_keys=False))
+        settings, reload = settings_from_lab(rig.controller_settings())
+        store = StateStore(work / "state.db")
+        ctrl = Controller(settings=settings, policy_path=policy_path, profiles_path=profiles, store=store,
+                          time_scale=k, nginx_reload=reload, report_listen="127.0.0.1:0")
+        await ctrl.start()
+        print(f"== controller up (report API {ctrl.report_url}); waiting for agents")
+        await asyncio.wait_for(ctrl.link.connected.wait(), 20)
+        for _ in range(70):
+            if len(ctrl.statuses) >= args.hosts:
+                break
+            await asyncio.sleep(0.3)
+        # traffic
+        sim_duration = args.minutes * 60.0 * k
+        if args.trace:
+            from sim.traces import read_trace, shape_day
+
+            tr = shape_day(read_trace(args.trace).as_single_model(DEMO_MODEL), sim_duration, rate_scale=0.05)
+            reqs: list[Any] = [(r.t_s, r.prompt_tokens, r.output_tokens, DEMO_MODEL) for r in tr.requests]
+        else:
+            reqs = day_requests(sim_duration, base_rps=0.3, peak_rps=3.0, isl=isl, osl=osl, model=DEMO_MODEL)
+        print(f"== replaying {len(reqs)} requests over {sim_duration / 3600:.1f} simulated hours "
+              f"({args.minutes:g} wall minutes) through nginx {rig.lab.nginx_url}")
+        results: list[Any] = []
+        failed = 0
+
+        def on_result(r: Any) -> None:
+            nonlocal failed
+            results.append(r)
+            if r.outcome != "ok":
+                failed += 1
+
+        # one cycle to place the minimum before traffic starts
+        await ctrl.cycle()
+        load = asyncio.create_task(run_load(reqs, rig.lab.nginx_url + f"/m/{DEMO_MODEL}", speed=k,
+                                            max_in_flight=400, timeout_s=120, on_result=on_result))
+        cycle_wall = policy["scaling"]["cycle_s"] / k
+        t0 = time.monotonic()
+        gpu_s = 0.0
+        last = time.monotonic()
+        while not load.done():
+            await asyncio.sleep(cycle_wall)
+            summary = await ctrl.cycle()
+            now = time.monotonic()
+            gpus = sum(r.tp for r in ctrl.store.active_replicas())
+            gpu_s += gpus * (now - last) * k
+            last = now
+            print(_short_cycle_line(ctrl, summary, now - t0, len(results), failed), flush=True)
+        res = load.result()
+        ok = [r for r in res if r.outcome == "ok"]
+        slo_ttft = policy["models"][0]["slo"]["ttft_p99_ms"] / 1000
+        slo_itl = policy["models"][0]["slo"]["itl_p99_ms"] / 1000
+        met = [r for r in ok if r.ttft_s is not None and r.ttft_s <= slo_ttft
+               and (r.itl_mean_s is None or r.itl_mean_s <= slo_itl)]
+        counts = ctrl.store.action_counts()
+        ttfts = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
+        p99 = ttfts[int(0.99 * (len(ttfts) - 1))] * 1000 if ttfts else float("nan")
+        peak_gpus = 8 * 0 + max((c.get("summary") or {}).get("planned_replicas", 0) for c in ctrl.store.cycles(1000))
+        print("")
+        print("== summary")
+        print(f"  requests: {len(res)} sent, {len(ok)} ok, {len(res) - len(ok)} failed")
+        print(f"  SLO attainment (TTFT <= {slo_ttft * 1000:.0f} ms and mean ITL <= {slo_itl * 1000:.0f} ms): "
+              f"{100.0 * len(met) / max(1, len(res)):.1f}% of requests; TTFT p99 {p99:.0f} ms")
+        print(f"  GPU-hours (simulated): {gpu_s / 3600:.1f} over {sim_duration / 3600:.1f} h "
+              f"(static peak provisioning of {peak_gpus} GPUs: {peak_gpus * sim_duration / 3600:.1f})")
+        print("  actions: " + ", ".join(f"{k_}={v}" for k_, v in sorted(counts.items())))
+        print(f"  cycles: {ctrl.cycle_count}; wall time {time.monotonic() - t_start:.0f} s")
+        from controller.report import render_report
+
+        print("")
+        print(render_report(ctrl.report(), actions=8))
+        return 0
+    finally:
+        print("== stopping everything")
+        if ctrl is not None:
+            with contextlib.suppress(Exception):
+                await ctrl.stop()
+        await asyncio.to_thread(rig.stop)

@@ -1,0 +1,55 @@
+"""The controller's own Prometheus metrics, in a fresh registry (no global default registry)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+__all__ = ["CONTENT_TYPE_LATEST", "ControllerMetrics"]
+
+
+class ControllerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.planned_replicas = Gauge(
+            "fleetplan_planned_replicas", "replicas in the current plan", ["model"], registry=r
+        )
+        self.running_replicas = Gauge(
+            "fleetplan_running_replicas", "replicas reported ready by the agents", ["model"], registry=r
+        )
+        self.desired_replicas = Gauge(
+            "fleetplan_desired_replicas", "replicas in the hosts' desired states (incl. draining)",
+            ["model"], registry=r,
+        )
+        self.solve_seconds = Histogram(
+            "fleetplan_solve_seconds", "wall seconds of plan() per cycle", registry=r,
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
+        )
+        self.predicted_ttft_p99_ms = Gauge(
+            "fleetplan_predicted_ttft_p99_ms", "plan's predicted p99 TTFT (worst config)", ["model"], registry=r
+        )
+        self.observed_ttft_p99_ms = Gauge(
+            "fleetplan_observed_ttft_p99_ms", "observed p99 TTFT", ["model"], registry=r
+        )
+        self.predicted_itl_p99_ms = Gauge(
+            "fleetplan_predicted_itl_p99_ms", "plan's predicted p99 ITL (worst config)", ["model"], registry=r
+        )
+        self.observed_itl_p99_ms = Gauge("fleetplan_observed_itl_p99_ms", "observed p99 ITL", ["model"], registry=r)
+        self.demand_rps = Gauge("fleetplan_demand_rps", "demand the plan serves", ["model"], registry=r)
+        self.unmet_demand_rps = Gauge(
+            "fleetplan_unmet_demand_rps", "required rps the plan cannot serve", ["model"], registry=r
+        )
+        self.plan_usd_h = Gauge("fleetplan_plan_usd_per_hour", "cost of the current plan", registry=r)
+        self.actions = Counter(
+            "fleetplan_actions", "actions executed", ["kind", "status"], registry=r
+        )
+        self.cycles = Counter("fleetplan_cycles", "control cycles", ["status"], registry=r)
+        self.alerts_active = Gauge("fleetplan_alerts_active", "active alerts", registry=r)
+        self.stale_models = Gauge("fleetplan_stale_models", "models observed stale (fail static)", registry=r)
+        self.policy_reloads = Counter("fleetplan_policy_reloads", "SIGHUP reloads", ["result"], registry=r)
+        self.last_cycle_timestamp = Gauge(
+            "fleetplan_last_cycle_timestamp_seconds", "unix time of the last finished cycle", registry=r
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,520 @@
+"""The controller's durable state: SQLite in WAL mode, one transaction per step.
+
+What is stored (all JSON columns are plain dicts, never pickles):
+
+- ``replicas``: every replica the controller ever allocated, with its placement and a ``phase``:
+  ``desired`` (in a host's desired state), ``draining`` (still desired, removed from routing,
+  waiting for in-flight requests), ``removed`` (no longer desired). A replica id and its port are
+  allocated and COMMITTED before any desired state naming them is published, so a crash after the
+  publish replays the same id: never a duplicate engine.
+- ``desired``: per host, the last desired version and payload (committed BEFORE publishing), and
+  the last acked version.
+- ``plans``/``observations``/``actions``/``acks``/``alerts``/``events``: the history the report
+  API serves; ``actions`` carry a status (planned, published, acked, done, failed, deferred).
+- ``kv``: small values such as the planner state and the policy error.
+
+Crash recovery (kill -9 at any moment): on start the daemon re-derives each host's desired state
+from ``replicas`` (phase desired/draining), bumps the version and republishes; draining replicas
+resume their drain. Orphans (a replica an agent reports that this database never allocated, e.g.
+started by hand or by a controller whose database was lost) are ADOPTED: recorded as phase
+``desired`` with origin ``adopted``, so they keep serving and the planner scales them like any
+other replica (via drain). Replicas the database marks ``removed`` that an agent still reports are
+not adopted: the agent is stopping them because they are absent from its desired state.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS replicas (
+    replica_id TEXT PRIMARY KEY,
+    host TEXT NOT NULL,
+    model TEXT NOT NULL,
+    engine TEXT NOT NULL,
+    gpu TEXT NOT NULL,
+    tp INTEGER NOT NULL,
+    precision TEXT NOT NULL,
+    gpu_indices TEXT NOT NULL,
+    port INTEGER NOT NULL,
+    template TEXT NOT NULL,
+    phase TEXT NOT NULL,
+    origin TEXT NOT NULL DEFAULT 'planned',
+    created_s REAL NOT NULL,
+    updated_s REAL NOT NULL,
+    drain_started_s REAL,
+    ready_s REAL
+);
+CREATE INDEX IF NOT EXISTS replicas_phase ON replicas(phase, host);
+CREATE TABLE IF NOT EXISTS desired (
+    host TEXT PRIMARY KEY,
+    version INTEGER NOT NULL,
+    payload TEXT NOT NULL,
+    published_s REAL,
+    acked_version INTEGER,
+    ack_accepted INTEGER,
+    ack_errors TEXT
+);
+CREATE TABLE IF NOT EXISTS cycles (
+    cycle_id INTEGER PRIMARY KEY AUTOINCREMENT,
+    started_s REAL NOT NULL,
+    now_s REAL NOT NULL,
+    finished_s REAL,
+    status TEXT NOT NULL,
+    summary TEXT
+);
+CREATE TABLE IF NOT EXISTS observations (
+    cycle_id INTEGER PRIMARY KEY,
+    created_s REAL NOT NULL,
+    payload TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS plans (
+    cycle_id INTEGER PRIMARY KEY,
+    created_s REAL NOT NULL,
+    solve_s REAL,
+    payload TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS actions (
+    action_id INTEGER PRIMARY KEY AUTOINCREMENT,
+    cycle_id INTEGER,
+    created_s REAL NOT NULL,
+    updated_s REAL NOT NULL,
+    kind TEXT NOT NULL,
+    replica_id TEXT,
+    host TEXT,
+    model TEXT,
+    status TEXT NOT NULL,
+    reason TEXT NOT NULL DEFAULT '',
+    detail TEXT NOT NULL DEFAULT ''
+);
+CREATE INDEX IF NOT EXISTS actions_status ON actions(status);
+CREATE TABLE IF NOT EXISTS acks (
+    ack_id INTEGER PRIMARY KEY AUTOINCREMENT,
+    host TEXT NOT NULL,
+    version INTEGER,
+    accepted INTEGER NOT NULL,
+    errors TEXT NOT NULL,
+    received_s REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS host_status (
+    host TEXT PRIMARY KEY,
+    payload TEXT NOT NULL,
+    received_s REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS alerts (
+    alert_id INTEGER PRIMARY KEY AUTOINCREMENT,
+    created_s REAL NOT NULL,
+    key TEXT NOT NULL,
+    text TEXT NOT NULL,
+    active INTEGER NOT NULL DEFAULT 1,
+    cleared_s REAL
+);
+CREATE INDEX IF NOT EXISTS alerts_active ON alerts(active, key);
+"""
+
+
+class Phase:
+    DESIRED = "desired"
+    DRAINING = "draining"
+    REMOVED = "removed"
+
+
+class ActionStatus:
+    PLANNED = "planned"
+    PUBLISHED = "published"
+    ACKED = "acked"
+    DONE = "done"
+    FAILED = "failed"
+    DEFERRED = "deferred"
+
+
+@dataclass(frozen=True)
+class ReplicaRow:
+    replica_id: str
+    host: str
+    model: str
+    engine: str
+    gpu: str
+    tp: int
+    precision: str
+    gpu_indices: tuple[int, ...]
+    port: int
+    template: str
+    phase: str
+    origin: str
+    created_s: float
+    updated_s: float
+    drain_started_s: float | None
+    ready_s: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["gpu_indices"] = list(self.gpu_indices)
+        return d
+
+    def desired_entry(self) -> dict[str, Any]:
+        """The entry of this replica in its host's desired state (controller/protocol.py)."""
+        return {
+            "replica_id": self.replica_id,
+            "template": self.template,
+            "model": self.model,
+            "engine": self.engine,
+            "gpu": self.gpu,
+            "tp": self.tp,
+            "precision": self.precision,
+            "gpu_indices": list(self.gpu_indices),
+            "port": self.port,
+        }
+
+
+@dataclass(frozen=True)
+class DesiredRow:
+    host: str
+    version: int
+    payload: dict[str, Any]
+    published_s: float | None
+    acked_version: int | None
+    ack_accepted: bool | None
+    ack_errors: tuple[str, ...]
+
+
+class StateStore:
+    """Synchronous SQLite store; each public method is one transaction (call from one thread)."""
+
+    def __init__(self, path: str | Path, *, clock: Any = time.time) -> None:
+        self.path = Path(path)
+        if str(self.path) != ":memory:":
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._clock = clock
+        self._db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")  # a committed step survives power loss too
+        self._db.execute("PRAGMA busy_timeout=5000")
+        self._db.executescript(_SCHEMA)
+        with self.tx() as c:
+            c.execute("INSERT OR IGNORE INTO kv(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+
+    def close(self) -> None:
+        self._db.close()
+
+    @contextmanager
+    def tx(self) -> Iterator[sqlite3.Connection]:
+        """One atomic step: BEGIN IMMEDIATE ... COMMIT (ROLLBACK on any exception)."""
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._db
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    # -- kv ---------------------------------------------------------------------------------
+    def get_kv(self, key: str) -> Any:
+        row = self._db.execute("SELECT value FROM kv WHERE key=?", (key,)).fetchone()
+        return None if row is None else json.loads(row["value"])
+
+    def set_kv(self, key: str, value: Any, conn: sqlite3.Connection | None = None) -> None:
+        sql = "INSERT INTO kv(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value"
+        if conn is not None:
+            conn.execute(sql, (key, json.dumps(value)))
+            return
+        with self.tx() as c:
+            c.execute(sql, (key, json.dumps(value)))
+
+    # -- cycles -----------------------------------------------------------------------------
+    def begin_cycle(self, now_s: float) -> int:
+        with self.tx() as c:
+            cur = c.execute(
+                "INSERT INTO cycles(started_s, now_s, status) VALUES (?, ?, 'running')", (self._clock(), now_s)
+            )
+            return int(cur.lastrowid or 0)
+
+    def finish_cycle(self, cycle_id: int, status: str, summary: Mapping[str, Any]) -> None:
+        with self.tx() as c:
+            c.execute(
+                "UPDATE cycles SET finished_s=?, status=?, summary=? WHERE cycle_id=?",
+                (self._clock(), status, json.dumps(summary), cycle_id),
+            )
+
+    def cycles(self, limit: int = 50) -> list[dict[str, Any]]:
+        rows = self._db.execute("SELECT * FROM cycles ORDER BY cycle_id DESC LIMIT ?", (limit,)).fetchall()
+        out = []
+        for r in rows:
+            d = dict(r)
+            d["summary"] = json.loads(d["summary"]) if d["summary"] else None
+            out.append(d)
+        return out
+
+    def save_observation(self, cycle_id: int, payload: Mapping[str, Any]) -> None:
+        with self.tx() as c:
+            c.execute(
+                "INSERT OR REPLACE INTO observations(cycle_id, created_s, payload) VALUES (?, ?, ?)",
+                (cycle_id, self._clock(), json.dumps(payload)),
+            )
+
+    def save_plan(
+        self, cycle_id: int, payload: Mapping[str, Any], solve_s: float | None, planner_state: Any = None
+    ) -> None:
+        """The plan dict (rendered by reports, never recomputed) and the planner state, atomically."""
+        with self.tx() as c:
+            c.execute(
+                "INSERT OR REPLACE INTO plans(cycle_id, created_s, solve_s, payload) VALUES (?, ?, ?, ?)",
+                (cycle_id, self._clock(), solve_s, json.dumps(payload, default=str)),
+            )
+            if planner_state is not None:
+                self.set_kv("planner_state", planner_state, c)
+
+    def last_plan(self) -> tuple[int, dict[str, Any], float | None] | None:
+        row = self._db.execute("SELECT * FROM plans ORDER BY cycle_id DESC LIMIT 1").fetchone()
+        if row is None:
+            return None
+        return int(row["cycle_id"]), json.loads(row["payload"]), row["solve_s"]
+
+    def last_observation(self) -> dict[str, Any] | None:
+        row = self._db.execute("SELECT payload FROM observations ORDER BY cycle_id DESC LIMIT 1").fetchone()
+        return None if row is None else dict(json.loads(row["payload"]))
+
+    # -- replicas ---------------------------------------------------------------------------
+    def _row(self, r: sqlite3.Row) -> ReplicaRow:
+        return ReplicaRow(
+            replica_id=r["replica_id"], host=r["host"], model=r["model"], engine=r["engine"], gpu=r["gpu"],
+            tp=int(r["tp"]), precision=r["precision"], gpu_indices=tuple(json.loads(r["gpu_indices"])),
+            port=int(r["port"]), template=r["template"], phase=r["phase"], origin=r["origin"],
+            created_s=r["created_s"], updated_s=r["updated_s"], drain_started_s=r["drain_started_s"],
+            ready_s=r["ready_s"],
+        )
+
+    def replicas(self, phases: Iterable[str] | None = None) -> list[ReplicaRow]:
+        if phases is None:
+            rows = self._db.execute("SELECT * FROM replicas ORDER BY created_s, replica_id").fetchall()
+        else:
+            ph = list(phases)
+            q = ",".join("?" * len(ph))
+            rows = self._db.execute(
+                f"SELECT * FROM replicas WHERE phase IN ({q}) ORDER BY created_s, replica_id", ph
+            ).fetchall()
+        return [self._row(r) for r in rows]
+
+    def active_replicas(self) -> list[ReplicaRow]:
+        return self.replicas((Phase.DESIRED, Phase.DRAINING))
+
+    def get_replica(self, replica_id: str) -> ReplicaRow | None:
+        r = self._db.execute("SELECT * FROM replicas WHERE replica_id=?", (replica_id,)).fetchone()
+        return None if r is None else self._row(r)
+
+    def known_ids(self) -> set[str]:
+        return {r[0] for r in self._db.execute("SELECT replica_id FROM replicas").fetchall()}
+
+    def allocate_id(self, conn: sqlite3.Connection, prefix: str = "r") -> str:
+        row = conn.execute("SELECT value FROM kv WHERE key='next_replica_seq'").fetchone()
+        seq = int(json.loads(row["value"])) if row else 1
+        self.set_kv("next_replica_seq", seq + 1, conn)
+        return f"{prefix}{seq:05d}"
+
+    def insert_replica(self, conn: sqlite3.Connection, row: ReplicaRow) -> None:
+        conn.execute(
+            "INSERT INTO replicas(replica_id, host, model, engine, gpu, tp, precision, gpu_indices, port, "
+            "template, phase, origin, created_s, updated_s, drain_started_s, ready_s) "
+            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (row.replica_id, row.host, row.model, row.engine, row.gpu, row.tp, row.precision,
+             json.dumps(list(row.gpu_indices)), row.port, row.template, row.phase, row.origin,
+             row.created_s, row.updated_s, row.drain_started_s, row.ready_s),
+        )
+
+    def set_phase(self, conn: sqlite3.Connection, replica_id: str, phase: str) -> None:
+        now = self._clock()
+        if phase == Phase.DRAINING:
+            conn.execute(
+                "UPDATE replicas SET phase=?, updated_s=?, drain_started_s=COALESCE(drain_started_s, ?) "
+                "WHERE replica_id=?",
+                (phase, now, now, replica_id),
+            )
+        else:
+            conn.execute("UPDATE replicas SET phase=?, updated_s=? WHERE replica_id=?", (phase, now, replica_id))
+
+    def mark_ready(self, replica_id: str) -> None:
+        with self.tx() as c:
+            c.execute(
+                "UPDATE replicas SET ready_s=COALESCE(ready_s, ?) WHERE replica_id=?", (self._clock(), replica_id)
+            )
+
+    # -- desired state per host ---------------------------------------------------------------
+    def desired_rows(self) -> dict[str, DesiredRow]:
+        out = {}
+        for r in self._db.execute("SELECT * FROM desired").fetchall():
+            out[r["host"]] = DesiredRow(
+                host=r["host"], version=int(r["version"]), payload=json.loads(r["payload"]),
+                published_s=r["published_s"], acked_version=r["acked_version"],
+                ack_accepted=None if r["ack_accepted"] is None else bool(r["ack_accepted"]),
+                ack_errors=tuple(json.loads(r["ack_errors"] or "[]")),
+            )
+        return out
+
+    def desired_payload(self, host: str, conn: sqlite3.Connection | None = None) -> dict[str, Any]:
+        """The full desired state of `host` derived from the replicas table (phase desired/draining)."""
+        db = conn or self._db
+        rows = db.execute(
+            "SELECT * FROM replicas WHERE host=? AND phase IN (?, ?) ORDER BY replica_id",
+            (host, Phase.DESIRED, Phase.DRAINING),
+        ).fetchall()
+        return {"replicas": [self._row(r).desired_entry() for r in rows], "builds": []}
+
+    def stage_desired(self, conn: sqlite3.Connection, host: str) -> dict[str, Any]:
+        """Bump the host's desired version and store the payload to publish (inside `conn`'s tx)."""
+        row = conn.execute("SELECT version FROM desired WHERE host=?", (host,)).fetchone()
+        version = (int(row["version"]) + 1) if row else 1
+        # never go below what an agent may already have applied from an earlier database
+        floor = conn.execute("SELECT value FROM kv WHERE key=?", (f"version_floor/{host}",)).fetchone()
+        if floor is not None:
+            version = max(version, int(json.loads(floor["value"])) + 1)
+        payload = {"version": version, **self.desired_payload(host, conn)}
+        conn.execute(
+            "INSERT INTO desired(host, version, payload, published_s) VALUES (?, ?, ?, NULL) "
+            "ON CONFLICT(host) DO UPDATE SET version=excluded.version, payload=excluded.payload, "
+            "published_s=NULL",
+            (host, version, json.dumps(payload)),
+        )
+        return payload
+
+    def note_version_floor(self, host: str, applied_version: int | None) -> None:
+        """Agents report the version they applied; our next version must be above it."""
+        if applied_version is None:
+            return
+        with self.tx() as c:
+            cur = self.get_kv(f"version_floor/{host}")
+            if cur is None or int(cur) < applied_version:
+                self.set_kv(f"version_floor/{host}", applied_version, c)
+
+    def mark_published(self, host: str, version: int) -> None:
+        with self.tx() as c:
+            c.execute("UPDATE desired SET published_s=? WHERE host=? AND version=?", (self._clock(), host, version))
+
+    def record_ack(self, host: str, version: int | None, accepted: bool, errors: Iterable[str]) -> None:
+        errs = list(errors)
+        with self.tx() as c:
+            c.execute(
+                "INSERT INTO acks(host, version, accepted, errors, received_s) VALUES (?, ?, ?, ?, ?)",
+                (host, version, int(accepted), json.dumps(errs), self._clock()),
+            )
+            c.execute(
+                "UPDATE desired SET acked_version=?, ack_accepted=?, ack_errors=? WHERE host=? AND version=?",
+                (version, int(accepted), json.dumps(errs), host, version),
+            )
+
+    def acks(self, limit: int = 50) -> list[dict[str, Any]]:
+        rows = self._db.execute("SELECT * FROM acks ORDER BY ack_id DESC LIMIT ?", (limit,)).fetchall()
+        return [{**dict(r), "errors": json.loads(r["errors"])} for r in rows]
+
+    # -- host status ----------------------------------------------------------------------------
+    def save_host_status(self, host: str, payload: Mapping[str, Any]) -> None:
+        with self.tx() as c:
+            c.execute(
+                "INSERT INTO host_status(host, payload, received_s) VALUES (?, ?, ?) ON CONFLICT(host) DO "
+                "UPDATE SET payload=excluded.payload, received_s=excluded.received_s",
+                (host, json.dumps(payload, default=str), self._clock()),
+            )
+
+    def host_statuses(self) -> dict[str, tuple[dict[str, Any], float]]:
+        return {
+            r["host"]: (json.loads(r["payload"]), float(r["received_s"]))
+            for r in self._db.execute("SELECT * FROM host_status").fetchall()
+        }
+
+    # -- actions ---------------------------------------------------------------------------------
+    def add_action(
+        self,
+        conn: sqlite3.Connection | None,
+        *,
+        cycle_id: int | None,
+        kind: str,
+        replica_id: str | None,
+        host: str | None,
+        model: str | None,
+        status: str,
+        reason: str = "",
+        detail: str = "",
+    ) -> int:
+        now = self._clock()
+        sql = (
+            "INSERT INTO actions(cycle_id, created_s, updated_s, kind, replica_id, host, model, status, reason, "
+            "detail) VALUES (?,?,?,?,?,?,?,?,?,?)"
+        )
+        args = (cycle_id, now, now, kind, replica_id, host, model, status, reason, detail)
+        if conn is not None:
+            return int(conn.execute(sql, args).lastrowid or 0)
+        with self.tx() as c:
+            return int(c.execute(sql, args).lastrowid or 0)
+
+    def update_action(
+        self, action_id: int, status: str, detail: str | None = None, conn: sqlite3.Connection | None = None
+    ) -> None:
+        sql = "UPDATE actions SET status=?, updated_s=?, detail=COALESCE(?, detail) WHERE action_id=?"
+        args = (status, self._clock(), detail, action_id)
+        if conn is not None:
+            conn.execute(sql, args)
+            return
+        with self.tx() as c:
+            c.execute(sql, args)
+
+    def update_actions_for(self, replica_id: str, kind: str, from_status: Iterable[str], status: str,
+                           detail: str | None = None) -> None:
+        st = list(from_status)
+        q = ",".join("?" * len(st))
+        with self.tx() as c:
+            c.execute(
+                f"UPDATE actions SET status=?, updated_s=?, detail=COALESCE(?, detail) "
+                f"WHERE replica_id=? AND kind=? AND status IN ({q})",
+                (status, self._clock(), detail, replica_id, kind, *st),
+            )
+
+    def actions(self, limit: int = 50, statuses: Iterable[str] | None = None) -> list[dict[str, Any]]:
+        if statuses is None:
+            rows = self._db.execute("SELECT * FROM actions ORDER BY action_id DESC LIMIT ?", (limit,)).fetchall()
+        else:
+            st = list(statuses)
+            q = ",".join("?" * len(st))
+            rows = self._db.execute(
+                f"SELECT * FROM actions WHERE status IN ({q}) ORDER BY action_id DESC LIMIT ?", (*st, limit)
+            ).fetchall()
+        return [dict(r) for r in rows]
+
+    def action_counts(self) -> dict[str, int]:
+        rows = self._db.execute("SELECT kind, status, COUNT(*) AS n FROM actions GROUP BY kind, status").fetchall()
+        return {f"{r['kind']}/{r['status']}": int(r["n"]) for r in rows}
+
+    # -- alerts ----------------------------------------------------------------------------------
+    def set_alerts(self, key_prefix: str, alerts: Mapping[str, str]) -> None:
+        """Make exactly `alerts` (key -> text) active among keys starting with `key_prefix`."""
+        now = self._clock()
+        with self.tx() as c:
+            active = {
+                r["key"]: (r["alert_id"], r["text"])
+                for r in c.execute(
+                    "SELECT alert_id, key, text FROM alerts WHERE active=1 AND key LIKE ?", (key_prefix + "%",)
+                ).fetchall()
+            }
+            for key, (aid, text) in active.items():
+                if alerts.get(key) != text:
+                    c.execute("UPDATE alerts SET active=0, cleared_s=? WHERE alert_id=?", (now, aid))
+            for key, text in alerts.items():
+                if key not in active or active[key][1] != text:
+                    c.execute("INSERT INTO alerts(created_s, key, text) VALUES (?, ?, ?)", (now, key, text))
+
+    def active_alerts(self) -> list[dict[str, Any]]:
+        rows = self._db.execute("SELECT * FROM alerts WHERE active=1 ORDER BY alert_id").fetchall()
+        return [dict(r) for r in rows]
+
+    def recent_alerts(self, limit: int = 50) -> list[dict[str, Any]]:
+        rows = self._db.execute("SELECT * FROM alerts ORDER BY alert_id DESC LIMIT ?", (limit,)).fetchall()
+        return [dict(r) for r in rows]
