@@ -162,9 +162,8 @@ def _build(problem: CountProblem) -> tuple[_Model, list[Candidate], dict[str, in
         assert v == i
         by_model.setdefault(c.config.model, []).append(i)
 
-    max_cost_per_rps = max((c.usd_h / c.capacity_rps for c in cands if c.capacity_rps > 0), default=1.0)
     max_replica_cost = max((c.usd_h for c in cands), default=1.0)
-    prio_rank = {p: r for r, p in enumerate(sorted({d.priority for d in problem.demands}))}
+    prio_rank = {p: min(r, 6) for r, p in enumerate(sorted({d.priority for d in problem.demands}))}
 
     unmet: dict[str, int] = {}
     minmiss: dict[str, int] = {}
@@ -175,8 +174,12 @@ def _build(problem: CountProblem) -> tuple[_Model, list[Candidate], dict[str, in
             u = mdl.var(f"unmet[{name}]", d.required_rps, integer=False, scale=_RPS_SCALE)
             unmet[name] = u
             mdl.row([(i, cands[i].capacity_rps) for i in idx] + [(u, 1.0)], d.required_rps, None)
-            # unmet demand costs far more than serving it; each priority level weighs 4x more
-            mdl.cost(u, max(10.0 * max_cost_per_rps, 1.0) * (4 ** prio_rank[d.priority]))
+            # Unmet demand is priced at 100x the model's cheapest $/rps, so serving always wins;
+            # per GPU, serving any model of one priority level saves about the same, and each
+            # higher level 8x more: short capacity goes to higher priorities first (best effort).
+            cpr = min((cands[i].usd_h / cands[i].capacity_rps for i in idx if cands[i].capacity_rps > 0),
+                      default=1.0)
+            mdl.cost(u, max(100.0 * cpr, 1e-3) * (8 ** prio_rank[d.priority]))
         if d.min_replicas > 0:
             s = mdl.var(f"minmiss[{name}]", d.min_replicas)
             minmiss[name] = s

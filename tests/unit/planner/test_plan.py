@@ -1,0 +1,188 @@
+"""plan_with_capacities(): cost-optimal counts, lead times, fail static, scale-down delay, actions."""
+
+from __future__ import annotations
+
+import json
+
+from planner_helpers import A100, TRT, VLLM, caps, hosts, key, observe, policy
+
+from planner.core import plan_to_dict, plan_with_capacities
+from planner.types import ActionKind, Fleet, PlannerState, Replica, ReplicaState
+
+NOW = 1_700_000_000.0
+CAPS = caps({key("m8", VLLM, tp=1): 10.0, key("m8", TRT, tp=1): 14.0, key("m8", VLLM, tp=2): 18.0,
+             key("m70", VLLM, tp=4): 4.0, key("m70", TRT, tp=4): 6.0, key("m70", VLLM, tp=8): 7.0})
+
+
+def _counts(plan: object) -> dict[tuple[str, str, int], int]:
+    return {(c.config.model, c.config.engine.value, c.config.tp): c.replicas for c in plan.counts}  # type: ignore[attr-defined]
+
+
+def test_cheapest_fleet_meeting_demand_with_cached_engines() -> None:
+    p = policy(tps={"m8": [1, 2], "m70": [4, 8]}, cached=[("m8", "h100", 1), ("m70", "h100", 4)])
+    r = plan_with_capacities(observe({"m8": 40.0, "m70": 11.0}), Fleet(hosts(2)), p, CAPS,
+                             PlannerState.initial(), NOW)
+    assert _counts(r.plan) == {("m8", "trtllm", 1): 3, ("m70", "trtllm", 4): 2}
+    assert r.plan == r.target
+    assert [a.kind for a in r.actions] == [ActionKind.START] * 5
+    e = r.explanation
+    assert e.solver[0].status == "OPTIMAL" and e.solver[0].gap is not None and e.solver[0].gap <= 1e-6
+    m8 = e.models[0]
+    assert m8.capacity_rps == 42.0 and m8.unmet_rps == 0.0 and m8.usd_h == 9.0
+    json.dumps(plan_to_dict(r))  # JSON-able
+
+
+def test_uncached_trtllm_serves_on_vllm_now_and_builds() -> None:
+    p = policy(tps={"m8": [1, 2], "m70": [4, 8]})
+    r = plan_with_capacities(observe({"m8": 40.0, "m70": 11.0}), Fleet(hosts(4)), p, CAPS,
+                             PlannerState.initial(), NOW)
+    assert all(c.config.engine == VLLM for c in r.plan.counts)
+    assert _counts(r.target) == {("m8", "trtllm", 1): 3, ("m70", "trtllm", 4): 2}
+    builds = [a for a in r.actions if a.kind == ActionKind.BUILD]
+    assert {(a.replica.config.model, a.replica.config.tp) for a in builds} == {("m8", 1), ("m70", 4)}
+    assert all(len(a.replica.gpu_indices) == a.replica.config.tp for a in builds)
+    assert r.actions[0].kind == ActionKind.BUILD
+    assert r.explanation.models[0].capacity_rps >= 40.0
+
+
+def test_build_in_progress_is_not_restarted_and_ready_build_is_used() -> None:
+    from planner.types import EngineBuild
+
+    p = policy(tps={"m8": [1], "m70": [4]})
+    running = EngineBuild("m8", TRT, key("m8").gpu, 1, key("m8").precision, "h00", False, NOW + 100)
+    r = plan_with_capacities(observe({"m8": 20.0, "m70": 0.0}), Fleet(hosts(1), (), (running,)), p, CAPS,
+                             PlannerState.initial(), NOW)
+    assert not [a for a in r.actions if a.kind == ActionKind.BUILD and a.replica.config.model == "m8"]
+    done = EngineBuild("m8", TRT, key("m8").gpu, 1, key("m8").precision, "h00", True, None)
+    r = plan_with_capacities(observe({"m8": 20.0, "m70": 0.0}), Fleet(hosts(1), (), (done,)), p, CAPS,
+                             PlannerState.initial(), NOW)
+    assert _counts(r.plan) == {("m8", "trtllm", 1): 2}
+
+
+def test_infeasible_is_best_effort_by_priority() -> None:
+    p = policy(tps={"m8": [1], "m70": [4]}, cached=[("m8", "h100", 1), ("m70", "h100", 4)],
+               model_extra={"m70": {"priority": 50}, "m8": {"priority": 1}})
+    r = plan_with_capacities(observe({"m8": 100.0, "m70": 10.0}), Fleet(hosts(1)), p, CAPS,
+                             PlannerState.initial(), NOW)
+    c = _counts(r.plan)
+    assert c[("m70", "trtllm", 4)] == 2  # high priority fully served first
+    assert r.plan.gpus == 8
+    m8, m70 = r.explanation.models
+    assert m70.unmet_rps == 0.0 and m8.unmet_rps > 50.0
+    assert any("best effort" in n for n in m8.notes)
+    assert any("inventory h100" in b for b in r.explanation.binding_constraints)
+
+
+def test_budget_min_and_max_replicas() -> None:
+    p = policy(tps={"m8": [1], "m70": [4]}, cached=[("m8", "h100", 1)], budget={"max_usd_h": 12.0},
+               model_extra={"m70": {"min_replicas": 1, "allowed": {"tp": [4], "engines": ["vllm"]}},
+                            "m8": {"max_replicas": 2}})
+    r = plan_with_capacities(observe({"m8": 100.0, "m70": 0.0}), Fleet(hosts(2)), p, CAPS,
+                             PlannerState.initial(), NOW)
+    c = _counts(r.plan)
+    assert c == {("m70", "vllm", 4): 1} or r.plan.usd_h <= 12.0
+    assert r.plan.usd_h <= 12.0
+    assert c.get(("m70", "vllm", 4)) == 1
+    assert sum(v for k, v in c.items() if k[0] == "m8") <= 2
+
+
+def _running(model: str, engine: object, tp: int, host: str, first: int, state: ReplicaState = ReplicaState.READY,
+             rid: str | None = None) -> Replica:
+    k = key(model, engine, tp=tp)  # type: ignore[arg-type]
+    idx = tuple(range(first, first + tp))
+    return Replica(rid or f"{model}-{host}-{first}", k, host, idx, state, 8000 + first, NOW - 3600)
+
+
+def test_running_replicas_stay_in_place_and_fail_static_keeps_them() -> None:
+    p = policy(tps={"m8": [1], "m70": [4]}, cached=[("m8", "h100", 1), ("m70", "h100", 4)])
+    current = (_running("m8", TRT, 1, "h01", 5), _running("m8", TRT, 1, "h01", 6), _running("m8", TRT, 1, "h01", 7))
+    fleet = Fleet(hosts(2), current)
+    # demand for m8 unknown (stale): no scale-down even though the rate says 1 replica would do
+    r = plan_with_capacities(observe({"m8": 5.0, "m70": 0.0}, stale=["m8"]), fleet, p, CAPS,
+                             PlannerState.initial(), NOW)
+    assert set(current) <= set(r.plan.replicas)
+    assert not [a for a in r.actions if a.kind in (ActionKind.DRAIN, ActionKind.STOP)]
+    assert any("fail static" in n for n in r.explanation.models[0].notes)
+    # no observation at all: same
+    r = plan_with_capacities(observe({"m70": 0.0}), fleet, p, CAPS, PlannerState.initial(), NOW)
+    assert set(current) <= set(r.plan.replicas)
+
+
+def test_scale_down_waits_for_the_delay_and_drains_before_stopping() -> None:
+    p = policy(tps={"m8": [1], "m70": [4]}, cached=[("m8", "h100", 1)], scaling={"scale_down_delay_s": 300})
+    current = tuple(_running("m8", TRT, 1, "h00", i) for i in range(4))
+    fleet = Fleet(hosts(1), current)
+    obs = observe({"m8": 12.0, "m70": 0.0})
+    r1 = plan_with_capacities(obs, fleet, p, CAPS, PlannerState.initial(), NOW)
+    assert len(r1.plan.replicas) == 4 and not r1.actions
+    assert any("scale-down delayed" in n for n in r1.explanation.notes)
+    r2 = plan_with_capacities(obs, fleet, p, CAPS, r1.next_state, NOW + 200)
+    assert len(r2.plan.replicas) == 4
+    r3 = plan_with_capacities(obs, fleet, p, CAPS, r2.next_state, NOW + 301)
+    assert len(r3.plan.replicas) == 1
+    kinds = [a.kind for a in r3.actions]
+    assert kinds == [ActionKind.DRAIN] * 3 + [ActionKind.STOP] * 3
+    kept = r3.plan.replicas[0]
+    assert kept in current  # kept in place, same id
+    # demand rises again: the surplus clock resets
+    r4 = plan_with_capacities(observe({"m8": 50.0, "m70": 0.0}), fleet, p, CAPS, r2.next_state, NOW + 301)
+    assert r4.next_state.surplus_since_s == ()
+
+
+def test_switch_engine_starts_before_stops_and_caps_actions_per_cycle() -> None:
+    p = policy(tps={"m8": [1], "m70": [4]}, cached=[("m8", "h100", 1)], scaling={"max_actions_per_cycle": 3})
+    current = tuple(_running("m8", VLLM, 1, "h00", i) for i in range(4))
+    r = plan_with_capacities(observe({"m8": 40.0, "m70": 0.0}), Fleet(hosts(1), current), p, CAPS,
+                             PlannerState.initial(), NOW)
+    assert _counts(r.plan) == {("m8", "trtllm", 1): 3}
+    order = [a.kind for a in (*r.actions, *r.deferred_actions)]
+    assert order == [ActionKind.START] * 3 + [ActionKind.DRAIN] * 4 + [ActionKind.STOP] * 4
+    assert len(r.actions) == 3 and len(r.deferred_actions) == 8
+    # new replicas never land on GPUs still held by the replicas being replaced
+    held = {i for x in current for i in x.gpu_indices}
+    assert all(not (set(a.replica.gpu_indices) & held) for a in r.actions)
+
+
+def test_maintenance_window_drains_host_and_offline_host_is_replaced() -> None:
+    sched = [{"name": "m", "cron": "0 * * * *", "duration_s": 3600, "override": {"drain_hosts": ["h00"]}}]
+    p = policy(tps={"m8": [1], "m70": [4]}, cached=[("m8", "h100", 1)], schedules=sched)
+    current = (_running("m8", TRT, 1, "h00", 0),)
+    r = plan_with_capacities(observe({"m8": 10.0, "m70": 0.0}), Fleet(hosts(2), current), p, CAPS,
+                             PlannerState.initial(), NOW)
+    assert all(x.host == "h01" for x in r.plan.replicas)
+    assert [a.kind for a in r.actions] == [ActionKind.START, ActionKind.DRAIN, ActionKind.STOP]
+    assert "maintenance" in r.actions[1].reason
+
+
+def test_failed_replicas_are_stopped_and_replaced() -> None:
+    p = policy(tps={"m8": [1], "m70": [4]}, cached=[("m8", "h100", 1)])
+    bad = _running("m8", TRT, 1, "h00", 0, ReplicaState.FAILED)
+    r = plan_with_capacities(observe({"m8": 10.0, "m70": 0.0}), Fleet(hosts(1), (bad,)), p, CAPS,
+                             PlannerState.initial(), NOW)
+    # the failed replica's GPUs are free once it is stopped: stop first, then start there
+    assert [a.kind for a in r.actions] == [ActionKind.STOP, ActionKind.START]
+    assert r.actions[0].replica == bad and "failed" in r.actions[0].reason
+
+
+def test_mixed_gpus_pick_the_cheaper_type_when_it_meets_the_slo() -> None:
+    p = policy(tps={"m8": [1], "m70": [4]}, prices={"h100": 3.0, "a100": 1.8},
+               cached=[("m8", "h100", 1), ("m8", "a100", 1)])
+    table = {**CAPS, **caps({key("m8", VLLM, A100, 1): 7.0})}
+    inv = (*hosts(1), *hosts(1, A100, prefix="a"))
+    r = plan_with_capacities(observe({"m8": 20.0, "m70": 0.0}), Fleet(inv), p, table, PlannerState.initial(), NOW)
+    # h100 trt 14 rps for $3, a100 vllm 7 rps for $1.8: 20 rps = 1 + 1 ($4.8) beats 2x h100 ($6), 3x a100 ($5.4)
+    assert _counts(r.plan) == {("m8", "trtllm", 1): 1, ("m8", "vllm", 1): 1}
+    assert {x.config.gpu for x in r.plan.replicas} == {A100, key("m8").gpu}
+    assert r.plan.usd_h == 4.8
+
+
+def test_deterministic() -> None:
+    p = policy(tps={"m8": [1, 2], "m70": [4, 8]}, cached=[("m8", "h100", 1)])
+    args = (observe({"m8": 63.0, "m70": 13.0}), Fleet(hosts(3)), p, CAPS, PlannerState.initial(), NOW)
+    a, b = plan_with_capacities(*args), plan_with_capacities(*args)
+    da, db = plan_to_dict(a), plan_to_dict(b)
+    for d in (da, db):
+        for s in d["explanation"]["solver"]:
+            s["wall_s"] = 0
+        d["explanation"]["solve_s"] = 0
+    assert da == db
