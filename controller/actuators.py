@@ -144,6 +144,8 @@ def pid_alive(pid: int) -> bool:
 class ProcessActuator:
     """Detached subprocesses (own session), logs in `log_dir`. For the lab and tests."""
 
+    logs_are_cheap = True  # log_tail() reads a local file: fine to call every reconcile pass
+
     def __init__(self, log_dir: Path, *, base_env: Mapping[str, str] | None = None) -> None:
         self.log_dir = log_dir
         self.base_env = dict(os.environ if base_env is None else base_env)
@@ -282,15 +284,20 @@ def render_env_file(env: Mapping[str, str]) -> str:
 class SystemdActuator:
     """`systemctl start/stop <unit_prefix>@<id>.service` + `<env_dir>/<id>.env` per instance.
 
-    `systemctl` is the path of the binary (injectable: tests use a recording fake).
+    `systemctl` is the path of the binary (injectable: tests use a recording fake); `journalctl`
+    (None: no log tails) gives the last lines of a failed instance's output.
     """
 
+    logs_are_cheap = False
+
     def __init__(self, env_dir: Path, *, systemctl: str = "/usr/bin/systemctl",
-                 unit_prefix: str = "fleetplan-engine", log_dir: Path | None = None) -> None:
+                 unit_prefix: str = "fleetplan-engine", journalctl: str | None = "/usr/bin/journalctl",
+                 timeout_s: float = 90.0) -> None:
         self.env_dir = env_dir
         self.systemctl = systemctl
         self.unit_prefix = unit_prefix
-        self.log_dir = log_dir
+        self.journalctl = journalctl
+        self.timeout_s = timeout_s
 
     def unit(self, instance_id: str) -> str:
         return f"{self.unit_prefix}@{instance_id}.service"
@@ -306,7 +313,13 @@ class SystemdActuator:
             )
         except OSError as exc:
             raise StartError(f"cannot run {self.systemctl}: {exc.strerror or exc}") from None
-        out, _ = await proc.communicate()
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), timeout=self.timeout_s)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+            raise StartError(f"systemctl {' '.join(args)} timed out after {self.timeout_s:.0f}s") from None
         text = out.decode(errors="replace").strip()
         code = proc.returncode if proc.returncode is not None else -1
         if check and code != 0:
@@ -321,7 +334,8 @@ class SystemdActuator:
         atomic_write_text(self.env_path(spec.instance_id), render_env_file(env), mode=0o640)
         unit = self.unit(spec.instance_id)
         await self._run("reset-failed", unit, check=False)
-        await self._run("start", "--no-block", unit)
+        # Type=exec: returns once the engine is exec'd (not when healthy: the agent health-waits).
+        await self._run("start", unit)
         pid = await self._main_pid(unit)
         return Handle(spec.instance_id, tuple(spec.argv), pid=pid, unit=unit)
 
@@ -362,9 +376,16 @@ class SystemdActuator:
         return Handle(handle.instance_id, handle.argv, pid=await self._main_pid(unit), unit=unit)
 
     def log_tail(self, instance_id: str, max_bytes: int = 2000) -> str:
-        if self.log_dir is None:
+        if self.journalctl is None:
             return ""
-        return _tail(self.log_dir / f"{instance_id}.log", max_bytes)
+        try:
+            out = subprocess.run(
+                [self.journalctl, "-u", self.unit(instance_id), "-n", "20", "--no-pager", "-o", "cat"],
+                capture_output=True, timeout=3, check=False,
+            ).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+        return out[-max_bytes:].decode(errors="replace")
 
 
 def exec_from_env(environ: Mapping[str, str] | None = None) -> None:

@@ -122,7 +122,7 @@ def _calls(systemctl: Path) -> list[list[str]]:
 
 
 async def test_systemd_actuator_writes_env_file_and_calls_systemctl(tmp_path: Path, systemctl: Path) -> None:
-    act = SystemdActuator(tmp_path / "engines", systemctl=str(systemctl))
+    act = SystemdActuator(tmp_path / "engines", systemctl=str(systemctl), journalctl=None)
     argv = ("/opt/vllm/bin/vllm", "serve", "org/model name", "--port", "18000")
     handle = await act.start(LaunchSpec("r1", argv, {"CUDA_VISIBLE_DEVICES": "0,1", "Q": 'a "quoted" \\ value'}))
     unit = "fleetplan-engine@r1.service"
@@ -130,7 +130,7 @@ async def test_systemd_actuator_writes_env_file_and_calls_systemctl(tmp_path: Pa
     env_text = (tmp_path / "engines" / "r1.env").read_text()
     assert 'CUDA_VISIBLE_DEVICES="0,1"\n' in env_text
     assert 'Q="a \\"quoted\\" \\\\ value"\n' in env_text
-    assert _calls(systemctl) == [["reset-failed", unit], ["start", "--no-block", unit],
+    assert _calls(systemctl) == [["reset-failed", unit], ["start", unit],
                                  ["show", "-p", "MainPID", "--value", unit]]
     assert await act.poll(handle) is None
     assert await act.adopt(Handle("r1", argv, unit=unit)) == handle
