@@ -292,8 +292,10 @@ class SystemdActuator:
 
     def __init__(self, env_dir: Path, *, systemctl: str = "/usr/bin/systemctl",
                  unit_prefix: str = "fleetplan-engine", journalctl: str | None = "/usr/bin/journalctl",
-                 timeout_s: float = 90.0) -> None:
+                 timeout_s: float = 90.0, poll_interval_s: float = 2.0) -> None:
         self.env_dir = env_dir
+        self.poll_interval_s = poll_interval_s  # `systemctl is-active` at most this often per unit
+        self._running_seen: dict[str, float] = {}  # unit -> monotonic time it was last seen active
         self.systemctl = systemctl
         self.unit_prefix = unit_prefix
         self.journalctl = journalctl
@@ -349,9 +351,14 @@ class SystemdActuator:
 
     async def poll(self, handle: Handle) -> Exited | None:
         unit = handle.unit or self.unit(handle.instance_id)
+        seen = self._running_seen.get(unit)
+        if seen is not None and time.monotonic() - seen < self.poll_interval_s:
+            return None
         _, state = await self._run("is-active", unit, check=False)
         if state.splitlines()[:1] in (["active"], ["activating"], ["reloading"]):
+            self._running_seen[unit] = time.monotonic()
             return None
+        self._running_seen.pop(unit, None)
         _, status = await self._run("show", "-p", "ExecMainStatus", "--value", unit, check=False)
         try:
             code: int | None = int(status.splitlines()[0])
@@ -363,6 +370,7 @@ class SystemdActuator:
         # systemd sends SIGTERM, waits TimeoutStopSec, then SIGKILL (KillMode=control-group).
         unit = handle.unit or self.unit(handle.instance_id)
         code, text = await self._run("stop", unit, check=False)
+        self._running_seen.pop(unit, None)
         with contextlib.suppress(FileNotFoundError):
             self.env_path(handle.instance_id).unlink()
         if code != 0:

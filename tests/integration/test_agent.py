@@ -37,7 +37,7 @@ from controller.protocol import (
 from sim.lab import MosquittoServer, allocate_port_ranges
 
 REPO = Path(__file__).resolve().parents[2]
-HOSTS = ("h-basic", "h-bad", "h-broker", "h-restart", "h-crash", "h-build", "h-kill9")
+HOSTS = ("h-basic", "h-bad", "h-broker", "h-restart", "h-crash", "h-build", "h-kill9", "h-systemd")
 
 FAKE_ENGINE = r'''
 import json, os, signal, sys, time
@@ -72,6 +72,54 @@ open(os.path.join(out, "rank0.engine"), "w").write("engine")
 '''
 
 
+# A stand-in for systemctl that behaves like systemd for fleetplan-engine@<id>.service: `start`
+# reads the instance's EnvironmentFile (systemd quoting) and runs the unit's ExecStart
+# (`python -m controller.actuators exec`) detached; is-active/show/stop act on that process.
+FAKE_SYSTEMCTL = r'''#!{python}
+import json, os, re, signal, subprocess, sys, time, pathlib
+env_dir, state = pathlib.Path({env_dir!r}), pathlib.Path({state!r})
+state.mkdir(exist_ok=True)
+args = sys.argv[1:]
+with (state / "calls.jsonl").open("a") as f:
+    f.write(json.dumps(args) + "\n")
+unit = args[-1]
+instance = re.fullmatch(r"fleetplan-engine@(.+)\.service", unit).group(1)
+pidfile = state / (instance + ".pid")
+def pid():
+    try:
+        p = int(pidfile.read_text())
+        stat = pathlib.Path(f"/proc/{{p}}/stat").read_text()
+        return p if stat[stat.rfind(")") + 2] not in "ZX" else None
+    except (OSError, ValueError):
+        return None
+def parse_env(text):
+    env = {{}}
+    for line in text.splitlines():
+        key, _, value = line.partition("=")
+        assert value.startswith('"') and value.endswith('"'), line
+        env[key] = re.sub(r'\\(.)', lambda m: m.group(1), value[1:-1])
+    return env
+if args[0] == "start":
+    env = {{**os.environ, **parse_env((env_dir / (instance + ".env")).read_text())}}
+    proc = subprocess.Popen([sys.executable, "-m", "controller.actuators", "exec"], env=env, cwd={repo!r},
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pidfile.write_text(str(proc.pid))
+elif args[0] == "stop":
+    p = pid()
+    if p:
+        os.killpg(p, signal.SIGTERM)
+        for _ in range(100):
+            if pid() is None:
+                break
+            time.sleep(0.05)
+elif args[0] == "is-active":
+    print("active" if pid() else "inactive")
+    sys.exit(0 if pid() else 3)
+elif args[0] == "show":
+    print((pid() or 0) if args[2] == "MainPID" else 0)
+'''
+
+
 @pytest.fixture(scope="module")
 def workdir() -> Iterator[Path]:
     with tempfile.TemporaryDirectory(prefix="fleetplan-agent-it-") as d:
@@ -94,7 +142,7 @@ def broker(workdir: Path) -> Iterator[MosquittoServer]:
 class AgentProcess:
     """`fleetplan agent --config ...` as a real process; kills its engines at teardown."""
 
-    def __init__(self, workdir: Path, broker: MosquittoServer, host: str) -> None:
+    def __init__(self, workdir: Path, broker: MosquittoServer, host: str, systemd: bool = False) -> None:
         self.host = host
         self.dir = workdir / host
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -124,6 +172,13 @@ class AgentProcess:
                                         "{progress_file}"], "timeout_s": 60},
             },
         }
+        if systemd:
+            systemctl = self.dir / "systemctl"
+            systemctl.write_text(FAKE_SYSTEMCTL.format(python=sys.executable, env_dir=str(self.dir / "engines"),
+                                                       state=str(self.dir / "systemd"), repo=str(REPO)))
+            systemctl.chmod(0o755)
+            config["actuator"] = {"kind": "systemd", "systemctl": str(systemctl), "journalctl": None,
+                                  "env_dir": str(self.dir / "engines")}
         self.config_path = self.dir / "agent.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
         self.log_path = self.dir / "agent.log"
@@ -164,12 +219,12 @@ class AgentProcess:
 
 
 @pytest.fixture
-def agent_factory(workdir: Path, broker: MosquittoServer) -> Iterator[Callable[[str], AgentProcess]]:
+def agent_factory(workdir: Path, broker: MosquittoServer) -> Iterator[Callable[..., AgentProcess]]:
     agents: list[AgentProcess] = []
     seen_pids: list[int] = []
 
-    def make(host: str) -> AgentProcess:
-        agent = AgentProcess(workdir, broker, host)
+    def make(host: str, systemd: bool = False) -> AgentProcess:
+        agent = AgentProcess(workdir, broker, host, systemd)
         agents.append(agent)
         agent.start()
         return agent
@@ -483,3 +538,35 @@ async def test_build_reports_progress_then_engine_is_cached_and_servable(
         assert ready.builds == ()
         env = await get_json(p[0], "/env")
         assert env["argv"][-1] == cached[0].path
+
+
+async def test_systemd_actuator_runs_engines_through_the_unit_exec_path(
+    broker: MosquittoServer, agent_factory: Callable[..., AgentProcess]
+) -> None:
+    agent = agent_factory("h-systemd", systemd=True)
+    p = agent.ports
+    try:
+        async with FakeController(broker, "h-systemd") as ctl:
+            await ctl.publish({"version": 1, "replicas": [replica("r1", p[0], [1, 2]),
+                                                          replica("r2", p[1], [0], model="org/model:v2")]})
+            assert (await ctl.wait_ack(1)).accepted
+            ready = await ctl.wait_status(all_ready("r1", "r2"), "both ready")
+            assert {r.replica_id: r.unit for r in ready.replicas} == {
+                "r1": "fleetplan-engine@r1.service", "r2": "fleetplan-engine@r2.service"}
+            # The env file round trip, then `python -m controller.actuators exec` (no shell):
+            env = await get_json(p[0], "/env")
+            assert env["cuda"] == "1,2" and env["tp"] == "2"
+            assert (await get_json(p[1], "/env"))["argv"][4] == "org/model:v2"
+            assert (agent.dir / "engines" / "r1.env").is_file()
+            await ctl.publish({"version": 2, "replicas": [replica("r2", p[1], [0], model="org/model:v2")]})
+            await ctl.wait_status(lambda s: states(s) == {"r2": "ready"}, "r1 stopped")
+            assert not (agent.dir / "engines" / "r1.env").exists()
+            calls = [json.loads(line) for line in (agent.dir / "systemd" / "calls.jsonl").read_text().splitlines()]
+            assert ["start", "fleetplan-engine@r1.service"] in calls
+            assert ["stop", "fleetplan-engine@r1.service"] in calls
+            r1_pid = pids(ready)["r1"]
+            assert r1_pid is not None and not alive(r1_pid)
+    finally:
+        for pidfile in (agent.dir / "systemd").glob("*.pid"):
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.killpg(int(pidfile.read_text()), signal.SIGKILL)
