@@ -361,9 +361,10 @@ class Agent:
     def _record_path(self, instance_id: str) -> Path:
         return self._records_dir / f"{instance_id}.json"
 
-    def _save_record(self, kind: str, spec: BaseModel, handle: Handle) -> None:
+    def _save_record(self, kind: str, spec: BaseModel, handle: Handle, ready_s: float | None = None) -> None:
         self._records_dir.mkdir(parents=True, exist_ok=True)
-        record = {"kind": kind, "spec": spec.model_dump(mode="json"), "handle": handle.to_dict()}
+        record = {"kind": kind, "spec": spec.model_dump(mode="json"), "handle": handle.to_dict(),
+                  "ready_s": ready_s}
         atomic_write_text(self._record_path(handle.instance_id), json.dumps(record, indent=1))
 
     def _drop_record(self, instance_id: str) -> None:
@@ -429,10 +430,18 @@ class Agent:
                 log.info("instance %s (pid %s) no longer runs: record dropped", handle.instance_id, handle.pid)
                 record_path.unlink()
                 continue
-            log.info("re-adopted %s %s (pid %s)", kind, handle.instance_id, adopted.pid)
             if isinstance(spec, DesiredReplica):
-                self.instances[spec.replica_id] = _Instance(spec, ReplicaPhase.STARTING, now, handle=adopted)
+                # Check health at once so that the first status after a restart says "ready" for
+                # engines that were serving (no routing flap in the controller).
+                ready = await self._healthy_now(spec)
+                since = record.get("ready_s") if ready else None
+                self.instances[spec.replica_id] = _Instance(
+                    spec, ReplicaPhase.READY if ready else ReplicaPhase.STARTING,
+                    since if isinstance(since, float) else now, handle=adopted)
+                log.info("re-adopted replica %s (pid %s, %s)", spec.replica_id, adopted.pid,
+                         "ready" if ready else "starting")
             else:
+                log.info("re-adopted build %s (pid %s)", spec.build_id, adopted.pid)
                 self.builds[spec.build_id] = _Build(spec, BuildPhase.RUNNING, now, handle=adopted)
 
     # ---- desired state messages ----
@@ -651,13 +660,26 @@ class Agent:
         inst.task = asyncio.create_task(self._health_wait(inst, handle))
         self._mark()
 
+    def _health_url(self, replica: DesiredReplica) -> str:
+        template = self.config.launch_templates.get(replica.template)
+        path = template.health_path if template else "/health"
+        return f"http://{self.config.health_host}:{replica.port}{path}"
+
+    async def _healthy_now(self, replica: DesiredReplica) -> bool:
+        import httpx
+
+        try:
+            async with httpx.AsyncClient(timeout=2.0) as client:
+                return (await client.get(self._health_url(replica))).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     async def _health_wait(self, inst: _Instance, handle: Handle) -> None:
         import httpx
 
         template = self.config.launch_templates.get(inst.replica.template)
-        path = template.health_path if template else "/health"
         timeout_s = template.startup_timeout_s if template else 900.0
-        url = f"http://{self.config.health_host}:{inst.replica.port}{path}"
+        url = self._health_url(inst.replica)
         deadline = time.monotonic() + timeout_s
         async with httpx.AsyncClient(timeout=2.0) as client:
             while inst.handle is handle and inst.state == ReplicaPhase.STARTING:
@@ -666,6 +688,8 @@ class Agent:
                     if response.status_code == 200:
                         inst.state, inst.since_s = ReplicaPhase.READY, time.time()
                         log.info("replica %s ready (%s)", inst.replica.replica_id, url)
+                        with contextlib.suppress(OSError):
+                            self._save_record("replica", inst.replica, handle, ready_s=inst.since_s)
                         self._mark()
                         return
                 except httpx.HTTPError:

@@ -461,10 +461,14 @@ async def test_agent_restart_readopts_engines_without_duplicates(
         assert pids(offline) == before  # still lists its (running) replicas
         assert all(pid is not None and alive(pid) for pid in before.values())
 
+        seen = len(ctl.statuses)
         agent.start()
         back = await ctl.wait_status(lambda s: s.online and states(s) == {"r1": "ready", "r2": "ready"},
                                      "online again with both ready")
         assert pids(back) == before
+        # No flap through "starting": the very first status after the restart already says ready.
+        first_online = next(s for s in ctl.statuses[seen:] if s.online)
+        assert states(first_online) == {"r1": "ready", "r2": "ready"}
         assert sorted(agent.engine_pids()) == sorted(p for p in before.values() if p is not None)
         assert "re-adopted replica r1" in agent.log() and "re-adopted replica r2" in agent.log()
         await asyncio.sleep(1.0)  # a few reconcile passes: still no second start
