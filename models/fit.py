@@ -104,11 +104,12 @@ class _Data:
         return _Data(self.isl[i], self.osl[i], self.mode[i], self.load[i], self.obs[i])
 
 
-def _data(points: Sequence[BenchmarkPoint]) -> _Data:
+def _data(points: Sequence[BenchmarkPoint], saturated: Sequence[bool] | None = None) -> _Data:
     n = len(points)
     isl, osl, mode, load = (np.zeros(n) for _ in range(4))
     obs = np.full((n, len(_METRICS)), np.nan)
-    for i, (p, sat) in enumerate(zip(points, saturation_flags(points), strict=True)):
+    flags = saturation_flags(points) if saturated is None else saturated
+    for i, (p, sat) in enumerate(zip(points, flags, strict=True)):
         isl[i], osl[i] = p.isl, max(p.osl, 1.0)
         if sat:
             mode[i], load[i] = 2, 0.0
@@ -360,15 +361,38 @@ def _collect(test: _Data, phi: Array, ttft_err: list[float], itl_err: list[float
         errs.extend((100.0 * np.abs(pred_p[ok] - obs_p[ok]) / obs_p[ok]).tolist())
 
 
+HOLDOUT_METRICS = ("ttft", "ttft_p99", "itl", "itl_p99", "throughput", "saturation_throughput")
+
+
 def holdout_errors(key: ProfileKey, train: Sequence[BenchmarkPoint], test: Sequence[BenchmarkPoint],
-                   ) -> tuple[list[float], list[float], list[float]]:
-    """Fit on `train`, predict `test`: absolute percentage errors for TTFT, ITL, throughput."""
-    d_train, d_test = _data(train), _data(test)
+                   test_saturated: Sequence[bool] | None = None) -> dict[str, list[float]]:
+    """Fit on `train`, predict `test`: absolute percentage errors per metric (HOLDOUT_METRICS).
+
+    ttft / itl: the mean where reported, else the median (ITL: else TPOT), points below saturation;
+    throughput: closed-loop points below saturation; saturation_throughput: saturated points.
+    `test_saturated` (default: judged from `test` alone) says which test points are saturated.
+    """
+    d_train = _data(train)
+    d_test = _data(test, test_saturated)
     prior = _prior_for(key, train, d_train)
     phi = _solve_multistart(d_train, prior)
-    errs: tuple[list[float], list[float], list[float]] = ([], [], [])
-    _collect(d_test, phi, *errs)
-    return errs
+    pred = _predict_array(*_params_from_phi(phi), d_test)
+    out: dict[str, list[float]] = {m: [] for m in HOLDOUT_METRICS}
+
+    def ape(cols: Sequence[int], mask: NDArray[np.bool_]) -> list[float]:
+        obs_p = _primary(d_test.obs, cols)
+        pred_p = _primary(np.where(np.isfinite(d_test.obs), pred, np.nan), cols)
+        ok = np.isfinite(obs_p) & np.isfinite(pred_p) & mask
+        return [float(v) for v in 100.0 * np.abs(pred_p[ok] - obs_p[ok]) / obs_p[ok]]
+
+    everywhere = np.ones(len(d_test.isl), dtype=bool)
+    out["ttft"] = ape((0, 1, 2), everywhere)
+    out["ttft_p99"] = ape((2,), everywhere)
+    out["itl"] = ape((3, 4, 5), everywhere)
+    out["itl_p99"] = ape((5,), everywhere)
+    out["throughput"] = ape((6,), d_test.mode == 1)
+    out["saturation_throughput"] = ape((6,), d_test.mode == 2)
+    return out
 
 
 def group_points(points: Iterable[BenchmarkPoint]) -> dict[ProfileKey, list[BenchmarkPoint]]:
