@@ -400,7 +400,8 @@ def _one_line(what: str, exc: ValidationError) -> str:
         else:
             parts.append(f"{loc}: {msg} (got {err['input']!r:.80})")
     more = f" (+{exc.error_count() - 5} more)" if exc.error_count() > 5 else ""
-    return f"{what}: " + "; ".join(parts) + more
+    text = f"{what}: " + "; ".join(parts) + more
+    return text.replace("\r", "\\r").replace("\n", "\\n")  # one line, whatever the keys were
 
 
 def _parse(model: type[BaseModel], payload: bytes | str, what: str) -> Any:
