@@ -155,7 +155,7 @@ class EngineConfig:
 
 class _Req:
     __slots__ = (
-        "arrival", "chat", "done", "event", "finish_reason", "first", "last", "max_tokens_param",
+        "arrival", "chat", "done", "done_event", "event", "finish_reason", "first", "last", "max_tokens_param",
         "out_tokens", "pending", "prompt_tokens", "ready_at", "rid", "scheduled",
     )
 
@@ -175,6 +175,7 @@ class _Req:
         self.done = False
         self.finish_reason = "length"
         self.event = asyncio.Event()
+        self.done_event = asyncio.Event()  # wakes a coalescing stream early: the last chunk goes out at once
 
 
 class _Stats:
@@ -526,6 +527,7 @@ class SimEngine:
             if r is None:
                 continue
             r.done = True
+            r.done_event.set()
             self._finish_stats(r, end)
             r.event.set()
 
@@ -698,7 +700,8 @@ class SimEngine:
             if min_gap > 0 and not r.done:
                 wait = last_write + min_gap - time.monotonic()
                 if wait > 0:
-                    await asyncio.sleep(wait)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(r.done_event.wait(), wait)
             n = r.pending
             r.pending = 0
             final = r.done and sent + n >= r.out_tokens

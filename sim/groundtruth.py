@@ -31,6 +31,8 @@ from dataclasses import dataclass, field, replace
 from models.hardware import GPU_SPECS, LlmSpec, bytes_per_param, llm_spec
 from models.names import Engine, GpuType, Precision
 
+WEIGHT_OVERHEAD = 1.03  # weights + runtime buffers
+ACTIVATION_BYTES_PER_GPU = 1.5e9  # activations, CUDA graphs, workspace
 NVLINK_BW_BYTES_S = 200e9  # effective all-reduce bandwidth per GPU over NVLink at serving message sizes
 PCIE_BW_BYTES_S = 12e9
 
@@ -52,6 +54,8 @@ class PersonaFactors:
     max_num_seqs: int
     max_num_batched_tokens: int
     gpu_memory_utilization: float
+    kv_fraction_of_free: bool  # True (TRT-LLM): KV = fraction x memory left after weights; False (vLLM):
+    # KV = fraction x total memory - weights
     reserve_full_kv: bool  # True: blocks for prompt + max_tokens reserved at admission
     startup_s: float  # load time of a replica (model weights), simulated seconds
     build_s: float  # engine build when no cached engine (trtllm only), simulated seconds
@@ -65,9 +69,10 @@ PERSONAS: dict[Engine, PersonaFactors] = {
         step_overhead_s=0.0012,
         tp_layer_latency_s=25e-6,
         ttft_overhead_s=0.004,
-        max_num_seqs=512,
+        max_num_seqs=2048,  # trtllm-serve's default max_batch_size
         max_num_batched_tokens=8192,
-        gpu_memory_utilization=0.90,
+        gpu_memory_utilization=0.90,  # kv_cache_free_gpu_memory_fraction
+        kv_fraction_of_free=True,
         reserve_full_kv=True,
         startup_s=60.0,
         build_s=1200.0,
@@ -79,9 +84,10 @@ PERSONAS: dict[Engine, PersonaFactors] = {
         step_overhead_s=0.0020,
         tp_layer_latency_s=16e-6,
         ttft_overhead_s=0.006,
-        max_num_seqs=256,
+        max_num_seqs=1024,  # vLLM's API-server defaults on >= 70 GB GPUs (not A100); else 256 / 2048
         max_num_batched_tokens=8192,
         gpu_memory_utilization=0.90,
+        kv_fraction_of_free=False,
         reserve_full_kv=False,
         startup_s=90.0,
         build_s=0.0,
@@ -149,15 +155,25 @@ def build_params(
     unknown = sorted(set(overrides) - set(factor_fields))
     if unknown:
         raise ValueError(f"unknown engine parameter(s): {', '.join(unknown)}")
+    if persona is Engine.VLLM and (gspec.memory_gb < 70 or gpu is GpuType.A100):
+        # vLLM's smaller API-server defaults on GPUs under 70 GB and on A100
+        factor_fields.setdefault("max_num_seqs", 256)
+        factor_fields.setdefault("max_num_batched_tokens", 2048)
     if factor_fields:
         factors = replace(factors, **factor_fields)  # type: ignore[arg-type]
     weight_bytes = arch.weight_bytes(precision)
     kv_per_token = arch.kv_bytes_per_token(precision)
-    free_bytes = gspec.memory_gb * 1e9 * factors.gpu_memory_utilization * tp - weight_bytes * 1.08
-    if free_bytes <= 0:
+    total = gspec.memory_gb * 1e9 * tp
+    resident = weight_bytes * WEIGHT_OVERHEAD + ACTIVATION_BYTES_PER_GPU * tp
+    if factors.kv_fraction_of_free:
+        free_bytes = (total - resident) * factors.gpu_memory_utilization
+    else:
+        free_bytes = total * factors.gpu_memory_utilization - resident
+    if free_bytes < kv_per_token * block_size * 64:
         raise ValueError(
-            f"{model} ({precision.value}) does not fit on {tp} x {gpu.value}: "
-            f"weights {weight_bytes / 1e9:.0f} GB leave no KV cache room in {gspec.memory_gb * tp * factors.gpu_memory_utilization:.0f} GB usable"
+            f"{model} ({precision.value}) does not fit on {tp} x {gpu.value}: weights and activations "
+            f"{resident / 1e9:.0f} GB leave no KV cache room in {total / 1e9:.0f} GB "
+            f"(memory fraction {factors.gpu_memory_utilization:g})"
         )
     kv_blocks = int(free_bytes // (kv_per_token * block_size))
     mml = min(131072, kv_blocks * block_size) if max_model_len is None else max_model_len

@@ -69,7 +69,7 @@ def test_small_kv_pool_preempts_but_still_conserves_tokens() -> None:
 
 
 def test_trtllm_reserves_kv_and_never_preempts() -> None:
-    params = _params(Engine.TRTLLM, gpu_memory_utilization=0.235)
+    params = _params(Engine.TRTLLM, gpu_memory_utilization=0.02)  # of the memory left after the weights
     core = BatchCore(params, seed=0)
     for i in range(60):
         core.submit(f"r{i}", 500, 400, 0.0)
@@ -137,12 +137,12 @@ def test_latency_grows_with_load() -> None:
 
 
 def test_trtllm_persona_is_faster_than_vllm() -> None:
-    burst = [(0.0, 467, 256)] * 600
+    overload = poisson_arrivals(200.0, 800, 467, 256, seed=1)  # saturated: throughput = capacity
     rps = {}
     for e in Engine:
-        st = simulate(_params(e), burst, seed=1)
+        st = simulate(_params(e), overload, seed=1)
         rps[e] = len(st.ttft_s) / st.duration_s
-    assert 1.1 <= rps[Engine.TRTLLM] / rps[Engine.VLLM] <= 1.45
+    assert 1.1 <= rps[Engine.TRTLLM] / rps[Engine.VLLM] <= 1.35  # TRT-LLM 10-30 % higher throughput
 
 
 def test_noise_is_seeded() -> None:
