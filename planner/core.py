@@ -22,7 +22,7 @@ from typing import Any
 from models.names import GpuType
 from models.profile import ProfileSet
 from planner.capacity import CapacityInfo, MixedWorkload, Predictor, capacity_table
-from planner.counts import Candidate, CountProblem, CountSolution, ModelDemand, solve_counts
+from planner.counts import UNMET_TOL_RPS, Candidate, CountProblem, CountSolution, ModelDemand, solve_counts
 from planner.forecast import forecast_rate
 from planner.placement import LIVE_STATES, Placement, place, slots_by_gpu
 from planner.policy import Effective, Policy, effective
@@ -442,7 +442,7 @@ def _explain(
             configs.append(ConfigExplanation(c, n, per, info.binding if info else "", load, ttft, itl, price))
         mnotes = list(d.notes)
         unmet = max(0.0, d.required_rps - cap)
-        if unmet > 1e-6:
+        if unmet > UNMET_TOL_RPS:
             mnotes.append(f"best effort: {unmet:.2f} rps of the required {d.required_rps:.2f} rps unmet "
                           f"(priority {m.priority})")
             binding.append(f"demand of {m.name} not met: inventory/budget/max_replicas")
@@ -452,7 +452,7 @@ def _explain(
             mnotes.append("no capacity data (profile) for any allowed config")
         models.append(ModelExplanation(
             m.name, d.observed_rps, d.forecast_rps, d.demand_rps, m.headroom, d.required_rps, cap, tcap,
-            unmet if unmet > 1e-6 else 0.0, m.slo.ttft_p99_ms, m.slo.itl_p99_ms, usd, tuple(configs),
+            unmet if unmet > UNMET_TOL_RPS else 0.0, m.slo.ttft_p99_ms, m.slo.itl_p99_ms, usd, tuple(configs),
             tuple(mnotes)))
     solve_s = sum(r.wall_s for r in reports)
     main = now_sol.report

@@ -22,6 +22,7 @@ from planner.types import ConfigKey, SolverReport
 
 _RPS_SCALE = 1000  # milli-rps
 _USD_SCALE = 1000  # milli-$/h
+UNMET_TOL_RPS = 1e-3  # demand is met to within this
 
 
 @dataclass(frozen=True)
@@ -163,28 +164,41 @@ def _build(problem: CountProblem) -> tuple[_Model, list[Candidate], dict[str, in
         by_model.setdefault(c.config.model, []).append(i)
 
     max_replica_cost = max((c.usd_h for c in cands), default=1.0)
-    prio_rank = {p: min(r, 6) for r, p in enumerate(sorted({d.priority for d in problem.demands}))}
+    prio_rank = {p: min(r, 4) for r, p in enumerate(sorted({d.priority for d in problem.demands}))}
+    # Unmet demand: penalty per rps = base x 8^rank x (GPUs per rps of the model's best config).
+    # Per GPU, serving any model of one priority level then saves the same, and each higher level
+    # (up to 4) 8x more, so short capacity goes to higher priorities first. `base` makes leaving
+    # even UNMET_TOL_RPS unmet cost more than the model's dearest replica: demand is met whenever
+    # it can be (to within UNMET_TOL_RPS).
+    gpr: dict[str, float] = {}
+    base = 1.0
+    for name, idx in by_model.items():
+        g = min((cands[i].gpus / cands[i].capacity_rps for i in idx if cands[i].capacity_rps > 0), default=0.0)
+        if g > 0:
+            gpr[name] = g
+            dearest = max(cands[i].usd_h for i in idx)
+            base = max(base, dearest / (UNMET_TOL_RPS * g))
 
+    # a missed min_replicas / floor replica costs more than the unmet demand any replica could serve:
+    # floors (policy minimums, fail-static holds) outrank demand
+    floor_weight = 2.0 * max_replica_cost + 2.0 * max(
+        (base * gpr.get(c.config.model, 1.0) * (8 ** max(prio_rank.values(), default=0)) * c.capacity_rps
+         for c in cands), default=1.0)
     unmet: dict[str, int] = {}
     minmiss: dict[str, int] = {}
     for name in sorted(demands):
         d = demands[name]
         idx = by_model.get(name, [])
-        if d.required_rps > 0:
+        if d.required_rps > UNMET_TOL_RPS:
             u = mdl.var(f"unmet[{name}]", d.required_rps, integer=False, scale=_RPS_SCALE)
             unmet[name] = u
             mdl.row([(i, cands[i].capacity_rps) for i in idx] + [(u, 1.0)], d.required_rps, None)
-            # Unmet demand is priced at 100x the model's cheapest $/rps, so serving always wins;
-            # per GPU, serving any model of one priority level saves about the same, and each
-            # higher level 8x more: short capacity goes to higher priorities first (best effort).
-            cpr = min((cands[i].usd_h / cands[i].capacity_rps for i in idx if cands[i].capacity_rps > 0),
-                      default=1.0)
-            mdl.cost(u, max(100.0 * cpr, 1e-3) * (8 ** prio_rank[d.priority]))
+            mdl.cost(u, base * gpr.get(name, 1.0) * (8 ** prio_rank[d.priority]))
         if d.min_replicas > 0:
             s = mdl.var(f"minmiss[{name}]", d.min_replicas)
             minmiss[name] = s
             mdl.row([(i, 1.0) for i in idx] + [(s, 1.0)], d.min_replicas, None)
-            mdl.cost(s, 100.0 * max_replica_cost * (1 + prio_rank[d.priority]))
+            mdl.cost(s, floor_weight * (1 + prio_rank[d.priority]))
         if d.max_replicas is not None and idx:
             mdl.row([(i, 1.0) for i in idx], None, d.max_replicas)
 
@@ -219,7 +233,7 @@ def _build(problem: CountProblem) -> tuple[_Model, list[Candidate], dict[str, in
         if floor > 0:
             miss = mdl.var(f"floormiss[{c.config.label()}]", floor)
             mdl.row([(i, 1.0), (miss, 1.0)], floor, None)
-            mdl.cost(miss, 50.0 * max_replica_cost)
+            mdl.cost(miss, floor_weight)
     return mdl, cands, unmet, minmiss
 
 
@@ -433,7 +447,7 @@ def solve_counts(problem: CountProblem) -> CountSolution:
             if k > 0:
                 counts[c.config] = k
         for name, u in unmet_vars.items():
-            if vals[u] > 1e-6:
+            if vals[u] > UNMET_TOL_RPS:
                 unmet[name] = vals[u]
         for name, s in min_vars.items():
             if round(vals[s]) > 0:

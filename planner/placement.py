@@ -130,15 +130,37 @@ def place(
     for gpu in gpus_of:
         ghosts = [h for h in usable if h.gpu == gpu]
         items = [(c, k) for c, k in todo if c.gpu == gpu]
-        left = _pack(items, _Segments(_segments_for(ghosts, held)), new)
+        placed: list[Replica] = []
+        left = _pack(items, _Segments(_segments_for(ghosts, held)), placed)
         if left:
             # second pass: GPUs of replicas being removed become usable (start after their stop)
             taken_now: dict[str, set[int]] = {h: set(s) for h, s in used.items()}
-            for r in new:
+            for r in placed:
                 taken_now.setdefault(r.host, set()).update(r.gpu_indices)
-            left = _pack(left, _Segments(_segments_for(ghosts, taken_now)), new)
+            left = _pack(left, _Segments(_segments_for(ghosts, taken_now)), placed)
+        if left:
+            # third pass: kept replicas fragment the groups; repack this GPU type from scratch
+            # (exact for TP sizes dividing each other) and keep whatever lands where it already is
+            all_items = sorted(((c, k) for c, k in counts.items() if k > 0 and c.gpu == gpu),
+                               key=lambda ck: (-ck[0].tp, ck[0]))
+            fresh: list[Replica] = []
+            if not _pack(all_items, _Segments(_segments_for(ghosts, {})), fresh):
+                where = {(r.config, r.host, r.gpu_indices): r for r in live if r.config.gpu == gpu}
+                old_kept = [r for r in kept if r.config.gpu == gpu]
+                kept = [r for r in kept if r.config.gpu != gpu]
+                placed = []
+                for r in fresh:
+                    same = where.pop((r.config, r.host, r.gpu_indices), None)
+                    if same is not None:
+                        kept.append(same)
+                    else:
+                        placed.append(r)
+                removed += [r for r in old_kept if r not in kept]
+                left = []
+        new += placed
         for c, k in left:
             unplaced[c] = k
+    kept.sort(key=_keep_order)
     allr = sorted([*kept, *new], key=lambda r: (r.host, r.gpu_indices, r.replica_id))
     return Placement(tuple(allr), tuple(kept), tuple(sorted(new, key=lambda r: r.replica_id)),
                      tuple(removed), unplaced)

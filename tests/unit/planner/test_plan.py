@@ -186,3 +186,26 @@ def test_deterministic() -> None:
             s["wall_s"] = 0
         d["explanation"]["solve_s"] = 0
     assert da == db
+
+
+def test_fragmented_hosts_are_repacked_when_new_tp_groups_do_not_fit() -> None:
+    p = policy(tps={"m8": [1], "m70": [4]}, cached=[("m8", "h100", 1), ("m70", "h100", 4)])
+    islands = ((0, 1, 2, 3), (4, 5, 6, 7))
+    inv = hosts(2, groups=islands)
+    current = (_running("m8", TRT, 1, "h00", 1), _running("m8", TRT, 1, "h00", 5),
+               _running("m8", TRT, 1, "h01", 2), _running("m8", TRT, 1, "h01", 6))
+    r = plan_with_capacities(observe({"m8": 20.0, "m70": 17.0}), Fleet(inv, current), p, CAPS,
+                             PlannerState.initial(), NOW)
+    assert _counts(r.plan) == {("m8", "trtllm", 1): 2, ("m70", "trtllm", 4): 3}
+    assert all(m.unmet_rps == 0 for m in r.explanation.models)
+    for x in r.plan.replicas:
+        assert any(set(x.gpu_indices) <= set(g) for g in islands)
+    starts = [a for a in r.actions if a.kind == ActionKind.START]
+    stops = [a for a in r.actions if a.kind == ActionKind.STOP]
+    assert len(stops) == 4 and len(starts) == 5
+    # starts that need GPUs of a replica being stopped come after that stop
+    pos = {id(a): i for i, a in enumerate(r.actions)}
+    for s in starts:
+        for t in stops:
+            if t.replica.host == s.replica.host and set(t.replica.gpu_indices) & set(s.replica.gpu_indices):
+                assert pos[id(t)] < pos[id(s)]
