@@ -34,7 +34,7 @@ from sim.baselines import POLICY_NAMES  # noqa: E402
 from sim.des import SimSettings  # noqa: E402
 from sim.evaluate import (  # noqa: E402
     EvaluateOptions,
-    _candidates,
+    candidates_for,
     evaluate,
     goals,
     policy_for_models,
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             pol = policy_for_models(policy, [model])
             m = pol.models[0]
             t0 = time.perf_counter()
-            configs = _candidates(pol, model)
+            configs = candidates_for(pol, model)
             profiles = profiles_from_ground_truth(configs, trace_lengths(tr, model), m.slo.ttft_p99_ms,
                                                   m.slo.itl_p99_ms)
             t_prof = time.perf_counter() - t0

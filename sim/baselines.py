@@ -10,9 +10,9 @@
   period) desired = ceil(current x metric / target), no change within 10% tolerance, scale-up
   stabilisation 0 s, scale-down stabilisation 300 s (the highest recommendation of the last 5
   minutes wins), scale-up at most max(4 pods, 100%) per 15 s. Metric: requests in the engine per
-  READY replica (vllm:num_requests_running + vllm:num_requests_waiting, as scraped); target: 80%
-  of the concurrency one replica holds at its SLO capacity (Little's law on the profile's
-  prediction at that rate). Pods still starting count in `current` but not in the metric.
+  READY replica (vllm:num_requests_running + vllm:num_requests_waiting, as scraped); target: the
+  concurrency one replica holds at 80% of its SLO capacity (the profile's prediction at that
+  rate, Little's law). Pods still starting count in `current` but not in the metric.
 - oracle: per window (the policy's cycle period) ceil(true arrival rate / ground-truth max rate of
   one replica at the SLO) replicas of the config with the lowest $ per unit of ground-truth
   capacity; perfect foresight, zero lead time; only GPU-hours and cost (a bound, not a run).
@@ -161,11 +161,12 @@ class HpaController:
 class BaselineSizing:
     config: ConfigKey
     capacity_rps: float  # profile capacity per replica at the SLO
-    concurrency_at_capacity: float  # requests in one replica at that rate (profile prediction)
+    concurrency_at_target: float  # requests in one replica at target_fraction x capacity (profile)
     usd_h: float
 
 
-def baseline_config(policy: Policy, profiles: ProfileSet, model: str, isl: float, osl: float) -> BaselineSizing:
+def baseline_config(policy: Policy, profiles: ProfileSet, model: str, isl: float, osl: float,
+                    target_fraction: float = 0.8) -> BaselineSizing:
     """The lowest $/h per unit of profile capacity among configs that can start at t = 0."""
     m = policy.model(model)
     if m is None:
@@ -181,7 +182,7 @@ def baseline_config(policy: Policy, profiles: ProfileSet, model: str, isl: float
             continue
         price = (policy.price_usd_h(c.gpu) or 0.0) * c.tp
         if best is None or price / info.max_rps < best.usd_h / best.capacity_rps - 1e-12:
-            conc = _concurrency(profiles, policy, c, isl, osl, info.max_rps)
+            conc = _concurrency(profiles, policy, c, isl, osl, target_fraction * info.max_rps)
             best = BaselineSizing(c, info.max_rps, conc, price)
     if best is None:
         raise ValueError(f"no config of model {model!r} has a capacity at its SLO from the profiles")

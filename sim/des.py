@@ -469,6 +469,11 @@ class SimSettings:
     warm_start: bool = True  # the fleet at t=0 is what the controller wants for the first window
     seed: int = 0
     macro_steps: bool = True
+    # "arrivals": rate = (increase of request_success_total + increase of the running+waiting gauges)
+    #   / window, i.e. arrivals by conservation, all from engine metrics (keeps seeing demand when
+    #   the fleet is saturated); "completions": rate(request_success_total) alone, as
+    #   controller/observe.py reads it today (saturates at the fleet's capacity under overload).
+    rate_source: str = "arrivals"
     drain_timeout_s: float = 3600.0  # after the trace ends, in-flight requests get this long
 
 
@@ -551,6 +556,7 @@ class _ModelMetrics:
 @dataclass(frozen=True)
 class _Scrape:
     t: float
+    in_system: float  # sum over the model's replicas of running + waiting (gauges)
     completed: float
     prompt_tokens: float
     gen_tokens: float
@@ -725,6 +731,12 @@ class FleetSim:
             return None
         return first, last
 
+    def _rate(self, a: _Scrape, b: _Scrape) -> float:
+        done = b.completed - a.completed
+        if self.s.rate_source == "arrivals":
+            done += b.in_system - a.in_system
+        return max(0.0, done / (b.t - a.t))
+
     def observation(self, t: float) -> Observation:
         out: dict[str, ModelObservation] = {}
         for mi, m in enumerate(self.model_names):
@@ -734,8 +746,7 @@ class FleetSim:
                 out[m] = ModelObservation(model=m, stale=True)
                 continue
             a, b = win
-            dt = b.t - a.t
-            rate = (b.completed - a.completed) / dt
+            rate = self._rate(a, b)
             isl = osl = None
             if b.completed > a.completed:
                 isl = (b.prompt_tokens - a.prompt_tokens) / (b.completed - a.completed)
@@ -774,13 +785,16 @@ class FleetSim:
         return best
 
     def _scrape(self, t: float) -> None:
+        in_sys = [0.0] * len(self.model_names)
+        for r in self.replicas:
+            if r.state in (ReplicaState.READY, ReplicaState.DRAINING):
+                in_sys[r.mi] += r.core.num_running + r.core.num_waiting
         for mi, mm in enumerate(self.metrics):
-            self.scrapes[mi].append(_Scrape(t, mm.completed, mm.prompt_tokens, mm.gen_tokens,
+            self.scrapes[mi].append(_Scrape(t, in_sys[mi], mm.completed, mm.prompt_tokens, mm.gen_tokens,
                                             tuple(mm.ttft), tuple(mm.itl)))
             win = self._window(self.scrapes[mi], self.s.window_s)
             if win is not None:
-                a, b = win
-                self.rate_hist[mi].append((t, (b.completed - a.completed) / (b.t - a.t)))
+                self.rate_hist[mi].append((t, self._rate(*win)))
             # keep memory bounded: drop scrapes older than the history span + window
             sc = self.scrapes[mi]
             if len(sc) > 64 and sc[0].t < t - self.s.window_s - 4 * self.s.scrape_s:

@@ -220,7 +220,7 @@ def make_controller(name: str, trace: Trace, policy: Policy, profiles: ProfileSe
     for m in models:
         sub = Trace(trace.source, trace.format, tuple(r for r in trace.requests if r.model == m))
         isl, osl = trace_mix(sub)
-        sizing = baseline_config(policy, profiles, m, isl, osl)
+        sizing = baseline_config(policy, profiles, m, isl, osl, hpa_target_fraction)
         mp = policy.model(m)
         assert mp is not None
         if name == "static-peak":
@@ -229,7 +229,7 @@ def make_controller(name: str, trace: Trace, policy: Policy, profiles: ProfileSe
             targets.update(static_targets(sizing, mean_rate(sub), 0.3))
         elif name == "hpa":
             hpa_configs[m] = sizing.config
-            hpa_target[m] = max(1.0, hpa_target_fraction * sizing.concurrency_at_capacity)
+            hpa_target[m] = max(1.0, sizing.concurrency_at_target)
         else:
             raise EvaluateError(f"unknown policy {name!r}; known: {', '.join(POLICY_NAMES)}")
     if name == "hpa":
@@ -252,13 +252,13 @@ def simulate_policy(name: str, trace: Trace, policy: Policy, profiles: ProfileSe
 
 
 def ground_truth_capacity(c: ConfigKey, lengths: Sequence[tuple[int, int]], ttft_ms: float, itl_ms: float,
-                          seed: int = 0) -> float:
+                          seed: int = 0, n: int = 1500) -> float:
     """sim.des.capacity_at_slo on the config's ground-truth engine with the trace's own length mix."""
     try:
         params = _params(c)
     except ValueError:  # does not fit
         return 0.0
-    return capacity_at_slo(params, lengths, ttft_ms, itl_ms, seed=seed)
+    return capacity_at_slo(params, lengths, ttft_ms, itl_ms, seed=seed, n=n)
 
 
 def profiles_from_ground_truth(configs: Sequence[ConfigKey], lengths: Sequence[tuple[int, int]],
@@ -320,7 +320,7 @@ def profiles_from_ground_truth(configs: Sequence[ConfigKey], lengths: Sequence[t
     return ProfileSet(tuple(profiles))
 
 
-def _candidates(policy: Policy, model: str) -> list[ConfigKey]:
+def candidates_for(policy: Policy, model: str) -> list[ConfigKey]:
     gpus = {h.gpu for h in policy.hosts} or set(policy.gpu_types)
     out = []
     for c in candidate_configs(policy, gpus):
@@ -354,7 +354,7 @@ def evaluate(trace: Trace, policy: Policy, profiles: ProfileSet, options: Evalua
     for m in models:
         sub = Trace(trace.source, trace.format, tuple(r for r in trace.requests if r.model == m))
         mixes[m] = trace_mix(sub)
-        cands[m] = _candidates(policy, m)
+        cands[m] = candidates_for(policy, m)
     sims = [p for p in opts.policies if p in SIMULATED]
     results: dict[str, tuple[SimResult, float]] = {}
     known_caps = dict(capacities or {})

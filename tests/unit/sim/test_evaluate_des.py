@@ -1,0 +1,78 @@
+"""The DES replica core: FastCore follows BatchCore exactly, macro-steps stay close; histogram quantiles."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from models.names import Engine, GpuType
+from sim.des import ITL_BUCKETS_S, FastCore, histogram_quantile, replay_on_core
+from sim.groundtruth import build_params, simulate
+
+
+def _arrivals(rate: float, n: int, seed: int = 3) -> list[tuple[float, int, int]]:
+    rng = random.Random(seed)
+    t = 0.0
+    out = []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append((t, max(1, int(rng.lognormvariate(6.6, 0.9))), max(2, int(rng.lognormvariate(5.0, 0.8)))))
+    return out
+
+
+@pytest.mark.parametrize("engine", [Engine.VLLM, Engine.TRTLLM])
+def test_fastcore_without_macro_steps_is_batchcore(engine: Engine) -> None:
+    params = build_params(engine, "llama-3-8b", GpuType.H100, 1)
+    arr = _arrivals(12.0, 600)
+    ref = simulate(params, arr, seed=5)
+    ttft, tpot = replay_on_core(params, arr, macro=False, seed=5)
+    assert np.allclose(np.sort(ttft), np.sort(np.array(ref.ttft_s)), rtol=1e-9, atol=1e-12)
+    assert np.allclose(np.sort(tpot[~np.isnan(tpot)]), np.sort(np.array(ref.tpot_s)), rtol=1e-9, atol=1e-12)
+
+
+def test_fastcore_preempts_like_batchcore_under_kv_pressure() -> None:
+    # a tiny KV pool forces vLLM-style preemption (recompute)
+    params = build_params(Engine.VLLM, "llama-3-8b", GpuType.H100, 1)
+    from dataclasses import replace
+
+    params = replace(params, kv_blocks=1200)
+    arr = [a for a in _arrivals(20.0, 300, seed=9) if a[1] + a[2] <= 4000]
+    ref = simulate(params, arr, seed=2)
+    ttft, _tpot = replay_on_core(params, arr, macro=False, seed=2)
+    assert np.allclose(np.sort(ttft), np.sort(np.array(ref.ttft_s)))
+    core = FastCore(params, seed=2, macro=True)
+    for i, (_, p, o) in enumerate(arr[:80]):
+        core.submit(i, p, o)
+    now = 0.0
+    while not core.idle():
+        te = core.begin(now)
+        assert te is not None
+        now = te
+        core.end()
+    assert core.preemptions > 0 and core.free_blocks == params.kv_blocks
+
+
+@pytest.mark.parametrize(("engine", "rate"), [(Engine.TRTLLM, 14.0), (Engine.VLLM, 11.0)])
+def test_macro_steps_stay_close_to_exact(engine: Engine, rate: float) -> None:
+    params = build_params(engine, "llama-3-8b", GpuType.H100, 1)
+    arr = _arrivals(rate, 1500)
+    t_ex, p_ex = replay_on_core(params, arr, macro=False)
+    t_ma, p_ma = replay_on_core(params, arr, macro=True)
+    p_ex, p_ma = p_ex[~np.isnan(p_ex)], p_ma[~np.isnan(p_ma)]
+    assert t_ma.mean() == pytest.approx(t_ex.mean(), rel=0.05)
+    assert p_ma.mean() == pytest.approx(p_ex.mean(), rel=0.03)
+    assert np.quantile(t_ma, 0.99) == pytest.approx(np.quantile(t_ex, 0.99), rel=0.12)
+    assert np.quantile(p_ma, 0.99) == pytest.approx(np.quantile(p_ex, 0.99), rel=0.08)
+
+
+def test_histogram_quantile_like_prometheus() -> None:
+    edges = (0.1, 0.2, 0.4)
+    assert histogram_quantile(0.5, edges, [0, 10, 0, 0]) == pytest.approx(0.15)
+    assert histogram_quantile(0.99, edges, [0, 0, 0, 5]) == pytest.approx(0.4)  # +Inf bucket
+    assert histogram_quantile(0.5, edges, [0, 0, 0, 0]) is None
+    counts = [0.0] * (len(ITL_BUCKETS_S) + 1)
+    counts[3] = 100.0
+    q = histogram_quantile(0.99, ITL_BUCKETS_S, counts)
+    assert q is not None and ITL_BUCKETS_S[2] < q <= ITL_BUCKETS_S[3]
