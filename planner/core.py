@@ -157,11 +157,12 @@ def _candidates(
         if m.allowed.gpus is not None and key.gpu not in m.allowed.gpus:
             continue
         lead = policy.startup_s(key)
+        build = 0.0
         if policy.needs_build(key) and key not in ready:
             if now_only:
                 continue
-            lead += policy.build_s(key) or 0.0
-        out.append(Candidate(key, info.max_rps, price * key.tp, lead, info.binding))
+            build = policy.build_s(key) or 0.0
+        out.append(Candidate(key, info.max_rps, price * key.tp, lead, info.binding, build))
     return out
 
 

@@ -23,6 +23,7 @@ from planner.types import ConfigKey, SolverReport
 _RPS_SCALE = 1000  # milli-rps
 _USD_SCALE = 1000  # milli-$/h
 UNMET_TOL_RPS = 1e-3  # demand is met to within this
+CAPACITY_TIEBREAK_USD_H_PER_RPS = 1e-3
 
 
 @dataclass(frozen=True)
@@ -30,8 +31,9 @@ class Candidate:
     config: ConfigKey
     capacity_rps: float  # one replica, at the model's SLO
     usd_h: float  # one replica
-    lead_s: float  # time until a new replica serves (startup [+ build])
+    lead_s: float  # time until a new replica serves (startup)
     binding: str = ""
+    build_s: float = 0.0  # > 0: the engine must be built first (a one-off cost for the config)
 
     @property
     def gpus(self) -> int:
@@ -135,8 +137,10 @@ def prune_dominated(problem: CountProblem) -> list[Candidate]:
             for o in group:
                 if o is c:
                     continue
-                if o.usd_h <= c.usd_h and o.capacity_rps >= c.capacity_rps and o.lead_s <= c.lead_s:
-                    strictly = (o.usd_h < c.usd_h or o.capacity_rps > c.capacity_rps or o.lead_s < c.lead_s)
+                if (o.usd_h <= c.usd_h and o.capacity_rps >= c.capacity_rps and o.lead_s <= c.lead_s
+                        and o.build_s <= c.build_s):
+                    strictly = (o.usd_h < c.usd_h or o.capacity_rps > c.capacity_rps or o.lead_s < c.lead_s
+                                or o.build_s < c.build_s)
                     if strictly or o.config < c.config:
                         dominated = True
                         break
@@ -214,7 +218,12 @@ def _build(problem: CountProblem) -> tuple[_Model, list[Candidate], dict[str, in
     if problem.max_usd_h is not None:
         mdl.row([(i, c.usd_h) for i, c in enumerate(cands)], None, problem.max_usd_h, "budget max_usd_h")
     for i, c in enumerate(cands):
-        mdl.cost(i, c.usd_h)
+        # $/h, minus a tie-break that prefers more spare capacity for the same money
+        mdl.cost(i, c.usd_h - min(CAPACITY_TIEBREAK_USD_H_PER_RPS * c.capacity_rps, 0.01 * c.usd_h))
+        if c.build_s > 0 and problem.lead_time_cost_usd_h_per_min > 0:
+            y = mdl.var(f"build[{c.config.label()}]", 1)
+            mdl.row([(y, max(1.0, mdl.ubs[i])), (i, -1.0)], 0.0, None)
+            mdl.cost(y, problem.lead_time_cost_usd_h_per_min * c.build_s / 60.0)
 
     for i, c in enumerate(cands):
         cur = int(problem.current.get(c.config, 0))
