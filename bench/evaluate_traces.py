@@ -76,7 +76,7 @@ def _hosts(n: int) -> str:
     )
 
 
-AZURE_POLICY = _COMMON.replace("CACHED", "{model: llama-3-70b, gpu: h100, tp: 4}") + _hosts(8) + """
+AZURE_POLICY = _COMMON.replace("CACHED", "{model: llama-3-70b, gpu: h100, tp: 4}, {model: llama-3-70b, gpu: h100, tp: 8}") + _hosts(8) + """
 models:
   - name: llama-3-70b
     slo: {ttft_p99_ms: 1000, itl_p99_ms: 80}
@@ -86,7 +86,7 @@ models:
     workload: {isl: 1155, osl: 211}
 """
 
-MOONCAKE_POLICY = _COMMON.replace("CACHED", "{model: llama-3-8b, gpu: h100, tp: 1}") + _hosts(4) + """
+MOONCAKE_POLICY = _COMMON.replace("CACHED", "{model: llama-3-8b, gpu: h100, tp: 1}, {model: llama-3-8b, gpu: h100, tp: 2}") + _hosts(4) + """
 models:
   - name: llama-3-8b
     slo: {ttft_p99_ms: 20000, itl_p99_ms: 150}

@@ -510,7 +510,7 @@ class SimResult:
     timeline: tuple[TimelinePoint, ...]
     decisions: int
     notes: tuple[str, ...] = ()
-    placement_conflicts: int = 0
+    placement_conflicts: int = 0  # starts that waited for their GPUs to be released
 
     @property
     def slo_attainment(self) -> float:
@@ -523,8 +523,8 @@ class SimResult:
 
 
 class _SimReplica:
-    __slots__ = ("config", "core", "gpus", "host", "load", "mi", "rid", "seq", "since", "state", "t_ready",
-                 "t_start", "t_stop", "version")
+    __slots__ = ("blocked", "config", "core", "gpus", "host", "load", "mi", "rid", "seq", "since", "state",
+                 "t_gpu", "t_ready", "t_start", "t_stop", "version")
 
     def __init__(self, rid: str, config: ConfigKey, host: str, gpus: tuple[int, ...], core: FastCore,
                  t_start: float, seq: int, mi: int) -> None:
@@ -536,6 +536,8 @@ class _SimReplica:
         self.core = core
         self.state = ReplicaState.STARTING
         self.t_start = t_start
+        self.t_gpu: float | None = t_start  # when it took its GPUs (None: still waiting for them)
+        self.blocked = False  # waiting for its GPUs to be released by a replica being stopped
         self.t_ready: float | None = None
         self.t_stop: float | None = None
         self.since = t_start
@@ -629,14 +631,26 @@ class FleetSim:
         if any(r.rid == rid and r.state != ReplicaState.STOPPED for r in self.replicas):
             rid = f"{rid}#{self._rid_seq}"
         used = {(r.host, g) for r in self.replicas if r.state != ReplicaState.STOPPED for g in r.gpus}
-        if any((host, g) in used for g in gpus):
-            self.conflicts += 1
+        busy = any((host, g) in used for g in gpus)
         rep = _SimReplica(rid, config, host, gpus, core, t, self._rid_seq, self.model_names.index(config.model))
         self.replicas.append(rep)
         self.replica_starts += 1
         if instant:
             self._ready(rep, t)
             return rep
+        if busy:
+            # the agent launches it once the replica holding those GPUs has stopped
+            rep.blocked = True
+            rep.t_gpu = None
+            self.conflicts += 1
+            return rep
+        self._launch(rep, t)
+        return rep
+
+    def _launch(self, rep: _SimReplica, t: float) -> None:
+        config = rep.config
+        rep.blocked = False
+        rep.t_gpu = t
         delay = self.env.startup_s(config)
         if self.env.build_s(config) is not None and not self._built(config):
             b = self.builds.get(config)
@@ -645,7 +659,6 @@ class FleetSim:
             else:
                 delay += self.env.build_s(config) or 0.0
         self._push(t + delay, self._P_LIFE, "ready", (rep, rep.version))
-        return rep
 
     def _built(self, config: ConfigKey) -> bool:
         if config in self.env.cached:
@@ -681,6 +694,12 @@ class FleetSim:
         rep.state = ReplicaState.STOPPED
         rep.t_stop = t
         rep.since = t
+        for w in self.replicas:
+            if w.blocked and w.state == ReplicaState.STARTING:
+                held = {(r.host, g) for r in self.replicas
+                        if r.state != ReplicaState.STOPPED and not r.blocked for g in r.gpus}
+                if not any((w.host, g) in held for g in w.gpus):
+                    self._launch(w, t)
 
     def _free_slot(self, config: ConfigKey) -> tuple[str, tuple[int, ...]] | None:
         used: dict[str, set[int]] = {}
@@ -856,7 +875,7 @@ class FleetSim:
         ready = 0
         gpus = 0
         for r in self.replicas:
-            if r.state == ReplicaState.STOPPED:
+            if r.state == ReplicaState.STOPPED or r.blocked:
                 continue
             gpus += len(r.gpus)
             if r.state == ReplicaState.READY:
@@ -1061,8 +1080,10 @@ class FleetSim:
     def _result(self, end_s: float) -> SimResult:
         gpu_s: dict[str, float] = {}
         for r in self.replicas:
+            if r.t_gpu is None:
+                continue
             stop = end_s if r.t_stop is None else min(r.t_stop, end_s)
-            dur = max(0.0, stop - max(0.0, r.t_start))
+            dur = max(0.0, stop - max(0.0, r.t_gpu))
             gpu_s[r.config.gpu.value] = gpu_s.get(r.config.gpu.value, 0.0) + dur * len(r.gpus)
         build_s = sum(self.build_gpu_s.values())
         gpu_hours = (sum(gpu_s.values()) + build_s) / 3600.0
