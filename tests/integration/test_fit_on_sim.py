@@ -20,21 +20,24 @@ from sim.engine import EngineConfig, SimEngine
 ISL, OSL = 467, 128
 TRAIN = (1, 4, 16, 64)
 UNSEEN = 32
+PROMPTS = {1: 12, 4: 24, 16: 96, 32: 192, 64: 384}  # ~6 waves each (1: 12 sequential requests)
+K = 5.0  # low enough that client turnaround (wall ms x K) is negligible in simulated time
 
 
 @pytest.mark.parametrize("persona", [Engine.VLLM])
 async def test_fit_on_simulator_predicts_unseen_concurrency(persona: Engine, tmp_path: Path) -> None:
     benchfiles = pytest.importorskip("controller.benchfiles")
     profile_mod = pytest.importorskip("models.profile")
-    engine = SimEngine(EngineConfig(persona, "llama-3.1-8b", GpuType.H100, 1, time_scale=20.0, startup_s=0.0,
+    engine = SimEngine(EngineConfig(persona, "llama-3.1-8b", GpuType.H100, 1, time_scale=K, startup_s=0.0,
                                     min_chunk_interval_ms=10.0, seed=3))
     await engine.start("127.0.0.1", 0)
     try:
         target = f"http://127.0.0.1:{engine.port}"
         meta = {"engine": persona.value, "gpu": "h100", "tp": 1, "precision": "bf16"}
-        docs = await sweep(target, isl=ISL, osl=OSL, concurrencies=TRAIN, num_prompts=None, time_scale=20.0,
-                           meta=meta)
-        (unseen,) = await sweep(target, isl=ISL, osl=OSL, concurrencies=[UNSEEN], time_scale=20.0, meta=meta)
+        docs = [(await sweep(target, isl=ISL, osl=OSL, concurrencies=[c], num_prompts=PROMPTS[c], time_scale=K,
+                             meta=meta))[0] for c in TRAIN]
+        (unseen,) = await sweep(target, isl=ISL, osl=OSL, concurrencies=[UNSEEN], num_prompts=PROMPTS[UNSEEN],
+                                time_scale=K, meta=meta)
     finally:
         await engine.stop()
     out = tmp_path / "bench"
