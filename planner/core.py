@@ -24,7 +24,7 @@ from models.profile import ProfileSet
 from planner.capacity import CapacityInfo, MixedWorkload, Predictor, capacity_table
 from planner.counts import UNMET_TOL_RPS, Candidate, CountProblem, CountSolution, ModelDemand, solve_counts
 from planner.forecast import forecast_rate
-from planner.placement import LIVE_STATES, Placement, place, slots_by_gpu
+from planner.placement import LIVE_STATES, Placement, place, safe_id, slots_by_gpu
 from planner.policy import Effective, Policy, effective
 from planner.types import (
     Action,
@@ -362,7 +362,7 @@ def _actions(
         if host is None:
             candidates = [h.name for h in hosts if h.gpu == c.gpu and h.online and h.name not in drained]
             host = candidates[0] if candidates else ""
-        rep = Replica(f"build.{c.model}.{c.engine.value}.{c.gpu.value}.tp{c.tp}.{c.precision.value}", c,
+        rep = Replica(safe_id(f"build_{c.model}_{c.engine.value}_{c.gpu.value}_tp{c.tp}_{c.precision.value}"), c,
                       host, idx, ReplicaState.STARTING, None, None)
         b_s = policy.build_s(c) or 0.0
         why = f"target uses {c.label()}; engine not built (build ~{b_s:.0f} s)"

@@ -12,7 +12,9 @@ tightens stage 1 and re-solves).
 
 from __future__ import annotations
 
+import hashlib
 import heapq
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -31,9 +33,17 @@ class Placement:
     unplaced: Mapping[ConfigKey, int]
 
 
+def safe_id(raw: str) -> str:
+    """An id the agent protocol accepts ([A-Za-z0-9][A-Za-z0-9_-]{0,63}); long ones get a hash suffix."""
+    text = re.sub(r"[^A-Za-z0-9_-]", "-", raw).lstrip("-_") or "x"
+    if len(text) <= 64:
+        return text
+    return text[:51].rstrip("-_") + "_" + hashlib.sha1(raw.encode()).hexdigest()[:12]
+
+
 def new_replica_id(config: ConfigKey, host: str, gpu_indices: Sequence[int]) -> str:
     gpus = "-".join(str(i) for i in gpu_indices)
-    return f"{config.model}.{config.engine.value}.tp{config.tp}.{host}.g{gpus}"
+    return safe_id(f"{config.model}_{config.engine.value}_tp{config.tp}_{host}_g{gpus}")
 
 
 class _Segments:

@@ -174,6 +174,21 @@ class EnginePolicy(_Strict):
     startup: TimeTable  # seconds from launch to ready (weights load, warm-up)
     build: TimeTable | None = None  # TRT-LLM engine build seconds; None: no build step (vLLM)
     cached_builds: tuple[CachedBuild, ...] = ()
+    engine_dir: str = "/var/lib/fleetplan/engines/{model}-{gpu}-tp{tp}-{precision}"  # built engines
+    # names of the agent's allowlisted templates (config/agent*.yaml) the controller asks for;
+    # None: the engine's name ("vllm", "trtllm") for launch, "<engine>-build" for builds
+    agent_template: str | None = None
+    agent_build_template: str | None = None
+
+    @model_validator(mode="after")
+    def _placeholders_known(self) -> EnginePolicy:
+        known = {"model", "hf_model", "tp", "port", "gpu_indices", "precision", "gpu", "engine", "engine_dir",
+                 "replica_id", "host"}
+        for text in (self.launch.command, *self.launch.args, *self.launch.env.values(), self.engine_dir):
+            for name in re.findall(r"{([^{}]*)}", text):
+                if name not in known:
+                    raise ValueError(f"unknown placeholder {{{name}}} in {text!r}; known: {sorted(known)}")
+        return self
 
 
 class GpuTypePolicy(_Strict):
@@ -317,6 +332,13 @@ class Policy(_Strict):
         if e is None or e.build is None:
             return None
         return e.build.lookup(config.model, config.gpu, config.tp)
+
+    def agent_template(self, config: ConfigKey, build: bool = False) -> str:
+        """The agent template name the controller puts in a desired replica/build."""
+        e = self.engines.get(config.engine)
+        if build:
+            return (e.agent_build_template if e is not None else None) or f"{config.engine.value}-build"
+        return (e.agent_template if e is not None else None) or config.engine.value
 
     def needs_build(self, config: ConfigKey) -> bool:
         e = self.engines.get(config.engine)

@@ -209,3 +209,12 @@ def test_fragmented_hosts_are_repacked_when_new_tp_groups_do_not_fit() -> None:
         for t in stops:
             if t.replica.host == s.replica.host and set(t.replica.gpu_indices) & set(s.replica.gpu_indices):
                 assert pos[id(t)] < pos[id(s)]
+
+
+def test_long_names_give_valid_protocol_ids() -> None:
+    from planner.placement import new_replica_id
+
+    long = key("x" * 80)
+    a = new_replica_id(long, "host.example.com", (0, 1))
+    b = new_replica_id(long, "host.example.com", (2, 3))
+    assert a != b and len(a) <= 64 and "." not in a

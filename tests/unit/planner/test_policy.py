@@ -92,3 +92,21 @@ def test_cli_policy_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     err = capsys.readouterr().err
     assert f"{bad}: models[0].headroom = -1: Input should be greater than or equal to 0" in err
     assert main(["policy", "check", str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_launch_templates_render_per_replica() -> None:
+    from models.names import Engine, GpuType, Precision
+    from planner.launch import render_launch
+    from planner.types import ConfigKey
+
+    p = load_policy_text((ROOT / EXAMPLES[0]).read_text(), "x")
+    trt = render_launch(p, ConfigKey("llama-3-70b", Engine.TRTLLM, GpuType.H100, 8, Precision.BF16), 8001,
+                        tuple(range(8)))
+    assert trt.command == "trtllm-serve"
+    assert trt.args[0] == "/var/lib/fleetplan/engines/llama-3-70b-h100-tp8-bf16" and "8001" in trt.args
+    v = render_launch(p, ConfigKey("llama-3-8b", Engine.VLLM, GpuType.H100, 1, Precision.BF16), 8002, (3,))
+    assert v.args[:2] == ("serve", "meta-llama/Meta-Llama-3-8B-Instruct")
+    d = policy_dict()
+    d["engines"]["vllm"]["launch"]["args"] = ["--model", "{modle}"]
+    with pytest.raises(PolicyError, match=r"engines.vllm: unknown placeholder \{modle\}"):
+        load_policy_dict(d, "p")

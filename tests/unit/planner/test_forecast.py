@@ -1,0 +1,49 @@
+"""Forecast: current rate without history, trend over the lead time, daily seasonality."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from planner.forecast import DAY_S, forecast_rate
+
+NOW = 1_731_500_000.0
+
+
+def test_no_history_is_the_current_rate() -> None:
+    f = forecast_rate((), 12.0, NOW, 600, 0.9)
+    assert (f.rate_rps, f.method) == (12.0, "current")
+    assert forecast_rate((), None, NOW, 600).method == "none"
+    short = tuple((NOW - 60 + 10 * i, 5.0) for i in range(6))
+    assert forecast_rate(short, 5.0, NOW, 600).method == "current"
+
+
+def test_rising_trend_is_extrapolated_over_the_horizon() -> None:
+    hist = tuple((NOW - 3600 + 60 * i, 10.0 + 0.1 * i) for i in range(61))  # +6 rps/hour
+    f = forecast_rate(hist, 16.0, NOW, 1800, 0.9)
+    assert f.method == "trend"
+    assert 18.5 < f.rate_rps < 19.5  # 16 + 3 rps over 30 min
+    flat = tuple((NOW - 3600 + 60 * i, 10.0) for i in range(61))
+    assert forecast_rate(flat, 10.0, NOW, 1800).rate_rps == pytest.approx(10.0)
+
+
+def test_quantile_of_noisy_history_is_above_the_mean() -> None:
+    hist = tuple((NOW - 3600 + 60 * i, 10.0 + (3.0 if i % 2 else -3.0)) for i in range(61))
+    f = forecast_rate(hist, 10.0, NOW, 600, 0.9)
+    assert 12.0 < f.rate_rps < 14.0
+
+
+def test_daily_seasonality_sees_the_coming_peak() -> None:
+    # rate peaks at 12:00 each day; now is 10:00: over a 3 h horizon the forecast sees the peak
+    def rate(t: float) -> float:
+        return 50.0 + 40.0 * math.cos(2 * math.pi * (t % DAY_S - 0.5 * DAY_S) / DAY_S)
+
+    day0 = math.floor(NOW / DAY_S) * DAY_S
+    now = day0 + 10 * 3600
+    hist = tuple((t, rate(t)) for t in (now - 3 * DAY_S + 600 * i for i in range(int(3 * DAY_S / 600) + 1)))
+    f = forecast_rate(hist, rate(now), now, 3 * 3600, 0.9)
+    assert f.method == "seasonal"
+    assert rate(now) < 86 and f.rate_rps >= 89.0
+    short = forecast_rate(hist, rate(now), now, 600, 0.9)
+    assert short.rate_rps < f.rate_rps
