@@ -619,9 +619,13 @@ class Agent:
             exited = await self.actuator.poll(b.handle)
             if exited is not None:
                 self._build_finished(b, exited)
-            elif time.monotonic() - b.started_mono > self._build_timeout_s(b.build.template):
-                b.error = "build timed out"
+            elif (time.monotonic() - b.started_mono > self._build_timeout_s(b.build.template)
+                  and (b.task is None or b.task.done())):
+                log.warning("build %s timed out: stopping it", b.build.build_id)
+                b.state, b.since_s = BuildPhase.FAILED, time.time()
+                b.error = f"build timed out after {self._build_timeout_s(b.build.template):.0f}s"
                 b.task = asyncio.create_task(self._stop_build(b, failed=True))
+                self._mark()
 
     def _build_timeout_s(self, template: str) -> float:
         known = self.config.build_templates.get(template)
@@ -780,9 +784,7 @@ class Agent:
             await self.actuator.stop(b.handle, 30.0)
             self._drop_record(b.build.build_id)
             b.handle = None
-        if failed:
-            b.state, b.since_s = BuildPhase.FAILED, time.time()
-        elif self.builds.get(b.build.build_id) is b:
+        if not failed and self.builds.get(b.build.build_id) is b:
             del self.builds[b.build.build_id]
         self._wake.set()
         self._mark()

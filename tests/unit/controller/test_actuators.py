@@ -21,6 +21,7 @@ from controller.actuators import (
     ProcessActuator,
     StartError,
     SystemdActuator,
+    pid_alive,
     render_env_file,
 )
 from controller.agent import Agent, AgentConfig, AgentConfigError, load_agent_config, sim_agent_config
@@ -268,3 +269,25 @@ async def test_restart_with_a_config_that_lost_the_template_keeps_instances_and_
                for e in second.status().errors)
     await second.reconcile_once()  # nothing to start, nothing crashes
     assert second.instances == {}
+
+
+async def test_build_over_its_timeout_is_stopped_and_failed(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    slow = {"argv": [sys.executable, "-c", "import time; time.sleep(60)"], "timeout_s": 0.3}
+    config = AgentConfig.model_validate({**config.model_dump(mode="json"), "build_templates": {"slow": slow}})
+    agent = Agent(config, actuator=ProcessActuator(tmp_path / "logs"))
+    ack = agent.handle_desired(json.dumps({"version": 1, "builds": [{
+        "build_id": "b1", "template": "slow", "model": "m", "gpu": "h100", "tp": 1, "precision": "fp8",
+        "gpu_indices": [3]}]}).encode())
+    assert ack is not None and ack.accepted
+    await agent.reconcile_once()
+    pid = agent.builds["b1"].handle.pid if agent.builds["b1"].handle else None
+    assert pid is not None
+    for _ in range(100):
+        await asyncio.sleep(0.05)
+        await agent.reconcile_once()
+        if agent.builds["b1"].state.value == "failed" and agent.builds["b1"].handle is None:
+            break  # failed, and the stop (SIGTERM) has completed
+    build = agent.status().builds[0]
+    assert build.state.value == "failed" and "timed out after 0s" in (build.error or "")
+    assert not pid_alive(pid)
