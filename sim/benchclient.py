@@ -70,7 +70,7 @@ def result_json(
         "date": datetime.now(UTC).strftime("%Y%m%d-%H%M%S"),
         "endpoint_type": "openai",
         "backend": meta.get("engine") or "openai",
-        "label": "fleetplan-sim" if meta.get("simulated") else None,
+        "label": meta.get("label") or ("fleetplan-sim" if meta.get("simulated") else None),
         "model_id": model,
         "tokenizer_id": model,
         "num_prompts": len(results),
@@ -188,7 +188,7 @@ def bench_main(args: argparse.Namespace) -> int:
     except TargetError as exc:
         print(f"bench-engine: {exc}", file=sys.stderr)
         return 2
-    meta: dict[str, Any] = {}
+    meta: dict[str, Any] = {"label": args.label} if args.label else {}
     for key in ("engine", "gpu", "tp", "precision"):
         if getattr(args, key, None) is not None:
             meta[key] = getattr(args, key)

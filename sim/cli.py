@@ -47,6 +47,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                    help="coalesce tokens into one SSE chunk when steps are shorter than this (wall ms)")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--drain-timeout-s", type=float, default=600.0,
+                   help="on SIGTERM, wait at most this long (wall) for in-flight requests (default 600)")
     p.add_argument("--gpu-indices", default=None, help="accepted for launch templates; informational")
     p.set_defaults(handler=_sim_engine)
 
@@ -86,7 +88,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                    help="the engine's --time-scale; wall measurements are multiplied by it")
     b.add_argument("--model", default=None)
     b.add_argument("--out", required=True, help="output directory")
-    b.add_argument("--label", default=None, help="extra text in the file names")
+    b.add_argument("--label", default=None, help="the result files' \"label\" field")
     b.add_argument("--engine", default=None, help="for the file names (default: the simulator's own)")
     b.add_argument("--gpu", default=None)
     b.add_argument("--tp", type=int, default=None)
@@ -116,6 +118,7 @@ def _sim_engine(args: argparse.Namespace) -> int:
             min_chunk_interval_ms=args.min_chunk_interval_ms,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            drain_timeout_s=args.drain_timeout_s,
         )
         cfg.params()  # validate the model / GPU / TP combination up front
     except (UnknownNameError, ValueError) as exc:
