@@ -28,7 +28,7 @@ from models.profile import (
     PerfParams,
     PerfProfile,
     ProfileKey,
-    closed_loop_x,
+    closed_loop_capped,
     kv_capacity_tokens,
     latency_terms,
     memory_x,
@@ -39,7 +39,7 @@ from models.profile import (
 Array = NDArray[np.float64]
 
 SATURATED_FRACTION = 0.9  # achieved / offered below this: the point is past saturation
-_N_PARAMS = 13
+_N_PARAMS = 14
 _OFFSET_PARAMS = (8, 10)  # ttft_p99_factor, itl_p99_factor: fitted as log(f - 1), f > 1
 _RHO_CLIP = 0.995
 _PRIOR_WEIGHT_ROOFLINE = 0.3
@@ -152,12 +152,12 @@ def _predict_array(params: PerfParams, kv_tokens: float, d: _Data) -> Array:
     x_cap = _RHO_CLIP / work
     b_max = kv_tokens / np.maximum(isl + osl, 1.0)
     x_cap = np.minimum(x_cap, memory_x(params, isl, osl, b_max))
-    x_closed = closed_loop_x(params, isl, osl, np.maximum(d.load, 1e-9))
+    x_closed, wait = closed_loop_capped(params, isl, osl, np.maximum(d.load, 1e-9), x_cap)
     x = np.where(d.mode == 0, d.load, np.where(d.mode == 1, x_closed, x_cap))
     x = np.minimum(x, x_cap)
     itl, ttft_mean, ttft_p50, ttft_p99, _ = latency_terms(params, isl, osl, x)
-    # closed loop with the KV cache full: the extra clients queue before their first token
-    queued = np.where(d.mode == 1, np.maximum(d.load / x - (ttft_mean + (osl - 1.0) * itl), 0.0), 0.0)
+    # closed loop near a full KV cache: the clients the batch cannot hold queue for a slot
+    queued = np.where(d.mode == 1, np.maximum(wait, 0.0), 0.0)
     out = np.empty((len(isl), len(_METRICS)))
     out[:, 0] = ttft_mean + queued
     out[:, 1] = ttft_p50 + queued

@@ -120,11 +120,12 @@ class PerfParams:
     itl_p99_factor: float = 1.8
     chunk_per_token: float = 1.0 / 8192.0  # 1 / prefill chunk size: steps a prompt token waits for
     ttft_fixed_ms: float = 2.0  # latency outside the GPU: HTTP, tokenisation, scheduling
+    prefill_latency_factor: float = 1.0  # a prompt's prefill latency / the GPU work it adds
 
     def as_tuple(self) -> tuple[float, ...]:
         return (self.s0_ms, self.s1_ms, self.s2_ms, self.p0_ms, self.p1_ms, self.p2_ms, self.q,
                 self.ttft_p50_factor, self.ttft_p99_factor, self.itl_p50_factor, self.itl_p99_factor,
-                self.chunk_per_token, self.ttft_fixed_ms)
+                self.chunk_per_token, self.ttft_fixed_ms, self.prefill_latency_factor)
 
     @staticmethod
     def from_tuple(values: tuple[float, ...] | list[float]) -> PerfParams:
@@ -134,9 +135,9 @@ class PerfParams:
 PARAM_NAMES: tuple[str, ...] = (
     "s0_ms", "s1_ms", "s2_ms", "p0_ms", "p1_ms", "p2_ms", "q",
     "ttft_p50_factor", "ttft_p99_factor", "itl_p50_factor", "itl_p99_factor", "chunk_per_token",
-    "ttft_fixed_ms",
+    "ttft_fixed_ms", "prefill_latency_factor",
 )
-_OPTIONAL_PARAMS = {"chunk_per_token": 1.0 / 8192.0, "ttft_fixed_ms": 2.0}
+_OPTIONAL_PARAMS = {"chunk_per_token": 1.0 / 8192.0, "ttft_fixed_ms": 2.0, "prefill_latency_factor": 1.0}
 
 
 @dataclass(frozen=True)
@@ -188,22 +189,35 @@ def latency_terms(p: PerfParams, isl: Any, osl: Any, x: Any) -> tuple[Any, Any, 
     wq = p.q * prefill * rho / (1.0 - rho)
     steps = (0.5 + p.chunk_per_token * isl) * itl  # wait for the running step, then one per chunk
     fixed = p.ttft_fixed_ms + steps
-    return (itl, fixed + prefill + wq, fixed + p.ttft_p50_factor * prefill + _LN2 * wq,
-            fixed + p.ttft_p99_factor * prefill + _LN100 * wq, x * (osl - 1.0) * itl)
+    own = p.prefill_latency_factor * prefill
+    return (itl, fixed + own + wq, fixed + p.ttft_p50_factor * own + _LN2 * wq,
+            fixed + p.ttft_p99_factor * own + _LN100 * wq, x * (osl - 1.0) * itl)
 
 
 def closed_loop_x(p: PerfParams, isl: Any, osl: Any, clients: Any) -> Any:
     """Throughput (req/ms) with `clients` requests always in flight.
 
     x * (TTFT + (osl-1)*ITL) = N with the equations above is a quadratic in x:
-    W*(P*(q-1) - L0)*x^2 + (L0 + P + (osl - 1/2 + c*isl)*s0 + N*W)*x - N = 0, whose root with
-    rho < 1 is returned (L0: ttft_fixed_ms; the discriminant is never negative).
+    W*(P*(q-f) - L0)*x^2 + (L0 + f*P + (osl - 1/2 + c*isl)*s0 + N*W)*x - N = 0, whose root with
+    rho < 1 is returned (L0: ttft_fixed_ms, f: prefill_latency_factor; the discriminant is never
+    negative).
     """
     prefill, work = work_terms(p, isl, osl)
-    a = work * (prefill * (p.q - 1.0) - p.ttft_fixed_ms)
-    b = p.ttft_fixed_ms + prefill + (osl - 0.5 + p.chunk_per_token * isl) * p.s0_ms + clients * work
+    own = p.prefill_latency_factor * prefill
+    a = work * (prefill * p.q - own - p.ttft_fixed_ms)
+    b = p.ttft_fixed_ms + own + (osl - 0.5 + p.chunk_per_token * isl) * p.s0_ms + clients * work
     disc = b * b + 4.0 * a * clients
     return 2.0 * clients / (b + disc ** 0.5)
+
+
+def closed_loop_capped(p: PerfParams, isl: Any, osl: Any, clients: Any, x_cap: Any) -> tuple[Any, Any]:
+    """(throughput, extra queueing before the first token) with `clients` in flight when the KV
+    cache allows at most x_cap: the clients the batch cannot hold wait for a slot (clients/x minus
+    the in-service latency). (A smooth knee was tried and fitted the InferenceX data worse.)"""
+    x_free = closed_loop_x(p, isl, osl, clients)
+    x = 0.5 * (x_free + x_cap - abs(x_free - x_cap))  # min() for floats and arrays alike
+    itl, ttft, _, _, _ = latency_terms(p, isl, osl, x)
+    return x, clients / x - (ttft + (osl - 1.0) * itl)
 
 
 def memory_x(p: PerfParams, isl: Any, osl: Any, max_batch: Any) -> Any:
@@ -298,13 +312,10 @@ def predict(profile: PerfProfile, workload: Workload, *, rate_rps: float | None 
         assert concurrency is not None
         if not concurrency > 0:
             raise ValueError(f"concurrency={concurrency} must be > 0")
-        x = float(closed_loop_x(p, isl, osl, concurrency))
-        if x >= x_max:
-            # the KV cache is full: the clients beyond the batch wait in the queue
-            x = x_max * (1.0 - 1e-12)
-            itl, ttft, _, _, _ = latency_terms(p, isl, osl, x)
-            extra_wait = max(concurrency / x - (ttft + (osl - 1.0) * itl), 0.0)
-            warnings.append("concurrency beyond the KV-cache batch limit: requests queue")
+        x_raw, wait_raw = closed_loop_capped(p, isl, osl, concurrency, x_max)
+        x, extra_wait = float(x_raw), max(float(wait_raw), 0.0)
+        if x >= 0.9 * x_max:
+            warnings.append("concurrency near or beyond the KV-cache batch limit: requests queue")
     itl, ttft_mean, ttft_p50, ttft_p99, batch = latency_terms(p, isl, osl, x)
     in_system = concurrency if concurrency is not None else x * (ttft_mean + (osl - 1.0) * itl)
     return Prediction(
@@ -336,7 +347,7 @@ def capacity(profile: PerfProfile, workload: Workload, *, ttft_p99_ms: float, it
         warnings.append("the model does not fit in GPU memory")
         return Capacity(0.0, Binding.MEMORY, tuple(warnings))
     rho_itl = max(1.0 - p.itl_p99_factor * p.s0_ms / itl_p99_ms, 0.0) if itl_p99_ms > 0 else 0.0
-    fixed = p.ttft_fixed_ms + p.ttft_p99_factor * prefill
+    fixed = p.ttft_fixed_ms + p.ttft_p99_factor * p.prefill_latency_factor * prefill
     steps = (0.5 + p.chunk_per_token * isl) * p.s0_ms
     num = ttft_p99_ms - fixed - steps
     rho_ttft = max(num / (num + steps + _LN100 * p.q * prefill), 0.0) if num > 0 else 0.0
