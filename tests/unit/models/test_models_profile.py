@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -160,3 +162,74 @@ def test_capacity_never_rises_as_the_slo_tightens(shape: tuple[float, float], tt
     loose = capacity(p, w, ttft_p99_ms=max(ttft), itl_p99_ms=max(itl))
     tight = capacity(p, w, ttft_p99_ms=min(ttft), itl_p99_ms=min(itl))
     assert tight.max_rps <= loose.max_rps
+
+
+# --- the same properties on profiles fitted to real data (unknown architecture: fitted KV limit) ----
+
+@functools.cache
+def _fitted() -> tuple[PerfProfile, ...]:
+    from models.bench import Metadata
+    from models.fit import fit_profile, group_points
+    from models.readers import read_benchmark
+
+    root = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "benchmarks"
+    if not root.is_dir():
+        pytest.skip(f"shared data not found at {root}")
+    files = [*sorted((root / "vllm-inferencex").glob("glm5_*.json")), root / "trtllm_v0.14_online_serving_triton_bf16.csv"]
+    points = [pt for f in files for pt in read_benchmark(f.read_text(), str(f), Metadata(gpu=GpuType.H200)).points]
+    groups = group_points(points)
+    keep = [k for k in groups if k.model in ("GLM-5-FP8", "LLaMA 3.1 8B") and k.gpu is GpuType.H200]
+    return tuple(fit_profile(k, groups[k], loo=False).profile for k in keep)
+
+
+def test_fitted_profiles_exist() -> None:
+    profiles = _fitted()
+    assert len(profiles) == 2
+    glm = next(p for p in profiles if p.key.model == "GLM-5-FP8")
+    assert glm.kv_tokens is not None and glm.kv_tokens > 0
+    # the GLM-5 data bend at a full KV cache: long prompts at high concurrency queue for a slot
+    pred = predict(glm, Workload(16384, 128), concurrency=64)
+    assert pred.ttft.p50_ms > 30_000 and any("KV-cache" in w for w in pred.warnings)
+
+
+@settings(max_examples=40, deadline=None)
+@given(which=st.integers(0, 1), shape=shape, a=st.floats(min_value=1, max_value=256),
+       b=st.floats(min_value=1, max_value=256))
+def test_fitted_latency_never_falls_as_concurrency_rises(which: int, shape: tuple[float, float], a: float,
+                                                         b: float) -> None:
+    p = _fitted()[which]
+    w = Workload(*shape)
+    lo, hi = sorted((a, b))
+    x, y = predict(p, w, concurrency=lo), predict(p, w, concurrency=hi)
+    for f in ("mean_ms", "p50_ms", "p99_ms"):
+        assert getattr(y.ttft, f) >= getattr(x.ttft, f) * (1 - 1e-9)
+        assert getattr(y.itl, f) >= getattr(x.itl, f) * (1 - 1e-9)
+
+
+@settings(max_examples=40, deadline=None)
+@given(which=st.integers(0, 1), shape=shape, a=load, b=load)
+def test_fitted_latency_never_falls_as_rate_rises(which: int, shape: tuple[float, float], a: float,
+                                                  b: float) -> None:
+    p = _fitted()[which]
+    w = Workload(*shape)
+    sat = saturation_rps(p, w)
+    lo, hi = sorted((a, b))
+    x, y = predict(p, w, rate_rps=lo * sat), predict(p, w, rate_rps=hi * sat)
+    assert y.ttft.p99_ms >= x.ttft.p99_ms and y.itl.p99_ms >= x.itl.p99_ms
+    assert y.ttft.mean_ms >= x.ttft.mean_ms and y.itl.p50_ms >= x.itl.p50_ms
+
+
+@settings(max_examples=40, deadline=None)
+@given(which=st.integers(0, 1), shape=shape, ttft=st.tuples(st.floats(10, 1e5), st.floats(10, 1e5)),
+       itl=st.tuples(st.floats(2, 500), st.floats(2, 500)))
+def test_fitted_capacity_never_rises_as_the_slo_tightens(which: int, shape: tuple[float, float],
+                                                         ttft: tuple[float, float],
+                                                         itl: tuple[float, float]) -> None:
+    p = _fitted()[which]
+    w = Workload(*shape)
+    loose = capacity(p, w, ttft_p99_ms=max(ttft), itl_p99_ms=max(itl))
+    tight = capacity(p, w, ttft_p99_ms=min(ttft), itl_p99_ms=min(itl))
+    assert tight.max_rps <= loose.max_rps
+    if tight.max_rps > 0:  # and the rate it names meets both targets
+        at = predict(p, w, rate_rps=tight.max_rps * 0.999)
+        assert at.ttft.p99_ms <= min(ttft) * 1.001 and at.itl.p99_ms <= min(itl) * 1.001
