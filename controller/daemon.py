@@ -335,6 +335,9 @@ class Controller:
         self.link = MqttLink(self.settings.mqtt, self._on_status, self._on_ack, self._on_connect)
         self.report_runner: Any = None
         self.report_url: str | None = None
+        self.routed: set[str] = set()  # replica ids in the nginx upstreams right now
+        self._routing_lock = asyncio.Lock()
+        self._routing_task: asyncio.Task[None] | None = None
 
     # ---- policy & profiles --------------------------------------------------------------
     def load_policy(self, *, initial: bool) -> bool:
@@ -399,6 +402,13 @@ class Controller:
             self.store.save_host_status(host, status.model_dump(mode="json"))
         except Exception as exc:  # never let a DB hiccup kill the MQTT loop
             log.warning("saving status of %s failed: %s", host, exc)
+        # a replica became ready: route it now, not at the next cycle
+        newly_ready = [r.replica_id for r in status.replicas
+                       if r.state.value == "ready" and r.replica_id not in self.routed]
+        if newly_ready and not self._stopping.is_set():
+            active = {r.replica_id for r in self.store.replicas((Phase.DESIRED,))}
+            if active & set(newly_ready) and (self._routing_task is None or self._routing_task.done()):
+                self._routing_task = asyncio.get_running_loop().create_task(self.update_routing())
 
     def _on_ack(self, host: str, ack: Any) -> None:
         self.store.record_ack(host, ack.version, ack.accepted, ack.errors)
@@ -545,16 +555,23 @@ class Controller:
 
     # ---- routing -----------------------------------------------------------------------------
     async def update_routing(self) -> None:
+        """nginx upstreams + endpoints JSON: ready, non-draining replicas; file_sd: ready or draining."""
+        async with self._routing_lock:
+            await self._update_routing()
+
+    async def _update_routing(self) -> None:
         from controller.routing import ScrapeTarget, write_endpoints_json, write_file_sd
 
         rep = self.reported()
         endpoints: dict[str, list[str]] = {m: [] for m in self.model_names()}
+        routed: set[str] = set()
         targets = []
         for row in self.store.active_replicas():
             rs = rep.get(row.replica_id)
             ready = rs is not None and rs[1].state.value == "ready"
             if row.phase == Phase.DESIRED and ready:
                 endpoints.setdefault(row.model, []).append(self.endpoint(row))
+                routed.add(row.replica_id)
             if ready or row.phase == Phase.DRAINING:
                 targets.append(ScrapeTarget(self.endpoint(row), row.model, row.engine, row.host, row.replica_id))
         r = self.settings.routing
@@ -565,6 +582,7 @@ class Controller:
                 await asyncio.to_thread(write_endpoints_json, r.endpoints_path, endpoints)
             if self.router is not None:
                 await asyncio.to_thread(self.router.apply, endpoints)
+            self.routed = routed
             self.runtime_alerts.pop("routing", None)
         except Exception as exc:
             self.runtime_alerts["routing"] = f"routing update failed: {exc}"
@@ -1033,6 +1051,7 @@ class Controller:
             fleet.append({
                 **row.to_json(),
                 "endpoint": self.endpoint(row),
+                "routed": row.replica_id in self.routed,
                 "reported_state": rs[1].state.value if rs else None,
                 "reported_error": rs[1].error if rs else None,
             })
@@ -1127,6 +1146,8 @@ def _parse_listen(text: str) -> tuple[str, int]:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    for noisy in ("httpx", "apscheduler", "aiohttp.access"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     settings = load_settings(args.config)
     settings, reload = settings_from_lab(settings)
     if reload is None and settings.routing.nginx_reload_command:

@@ -86,7 +86,7 @@ def demo_policy(
         if e == "trtllm":
             doc["build"] = {"default_s": 600}
             doc["cached_builds"] = [{"model": m, "gpu": "h100", "tp": tp, "precision": "bf16"}
-                                    for m in models for tp in (1, 2)]
+                                    for m in models for tp in (1, 2, 4, 8)]
         engine_doc[e] = doc
     return {
         "version": 1,
@@ -288,7 +288,7 @@ def day_requests(
     def rate(t: float) -> float:
         x = t / duration_s  # 0..1 = one day
         shape = 0.5 - 0.5 * math.cos(2 * math.pi * x)  # 0 at midnight, 1 at noon
-        return base_rps + (peak_rps - base_rps) * shape ** 1.5
+        return float(base_rps + (peak_rps - base_rps) * shape ** 1.5)
 
     out: list[tuple[float, int, int, str]] = []
     t = 0.0
@@ -308,24 +308,25 @@ def day_requests(
 # benchmark + fit (the user's workflow)
 
 
-def bench_and_fit(rig: Rig, out_dir: Path, models: Sequence[str], engines: Sequence[str], *,
-                  isl: int, osl: int, log: Any = print) -> Path:
+def bench_and_fit(engine_opts: EngineOptions, out_dir: Path, models: Sequence[str], engines: Sequence[str], *,
+                  isl: int, osl: int, tp: int = 1, concurrency: Sequence[int] = (1, 4, 16, 32, 64),
+                  num_prompts: int = 32, log: Any = print) -> Path:
     """Start one simulated engine per (model, engine), sweep it with `fleetplan bench-engine`, and fit
     PROFILES.json with `fleetplan models fit`."""
     from sim.lab import free_port
 
     bench_dir = out_dir / "bench"
     bench_dir.mkdir(parents=True, exist_ok=True)
-    k = rig.engine.time_scale
+    k = engine_opts.time_scale
     procs = []
     try:
         jobs = []
         for m in models:
             for e in engines:
                 port = free_port()
-                argv = [a.format(model=m, gpu="h100", tp="1", precision="bf16", port=port,
-                                 replica_id=f"bench-{e}", gpu_indices="0")
-                        for a in rig.engine.argv(e)]
+                argv = [a.format(model=m, gpu="h100", tp=str(tp), precision="bf16", port=port,
+                                 replica_id=f"bench-{e}", gpu_indices=",".join(str(i) for i in range(tp)))
+                        for a in engine_opts.argv(e)]
                 argv[argv.index("--startup-s") + 1] = "0"
                 lf = open(bench_dir / f"engine-{m}-{e}.log", "wb")
                 procs.append(subprocess.Popen(argv, stdout=lf, stderr=subprocess.STDOUT, cwd=str(REPO),
@@ -341,15 +342,16 @@ def bench_and_fit(rig: Rig, out_dir: Path, models: Sequence[str], engines: Seque
                     if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                         break
                 time.sleep(0.3)
+        conc = ",".join(str(c) for c in concurrency)
         for m, e, port in jobs:
             t0 = time.monotonic()
-            conc = ",".join(str(c) for c in (1, 2, 4, 8, 12))
             cmd = [sys.executable, "-m", "controller.cli", "bench-engine", "--target", f"http://127.0.0.1:{port}",
-                   "--isl", str(isl), "--osl", str(osl), "--concurrency", conc, "--num-prompts", "24",
+                   "--isl", str(isl), "--osl", str(osl), "--concurrency", conc, "--num-prompts", str(num_prompts),
                    "--time-scale", f"{k:g}", "--model", m, "--out", str(bench_dir / f"{m}-{e}"),
-                   "--label", f"{e}-h100-tp1"]
+                   "--label", f"{e}-h100-tp{tp}"]
             subprocess.run(cmd, check=True, cwd=str(REPO), capture_output=True, timeout=600)
-            log(f"  benchmarked {m} on simulated {e} h100 tp1 (concurrency {conc}) in {time.monotonic() - t0:.0f} s")
+            log(f"  benchmarked {m} on a simulated {e} engine, H100 TP{tp}, ISL {isl} / OSL {osl}, "
+                f"concurrency {conc}: {time.monotonic() - t0:.0f} s")
     finally:
         for p in procs:
             with contextlib.suppress(ProcessLookupError):
@@ -423,7 +425,7 @@ async def _demo(args: argparse.Namespace, work: Path) -> int:
               f"{args.hosts} simulated hosts x {args.gpus_per_host} H100, one agent per host")
         await asyncio.to_thread(rig.start)
         print("== benchmarking the simulated engines and fitting profiles (the user's workflow)")
-        profiles = await asyncio.to_thread(bench_and_fit, rig, work, models, engines, isl=isl, osl=osl)
+        profiles = await asyncio.to_thread(bench_and_fit, rig.engine, work, models, engines, isl=isl, osl=osl, tp=4)
         policy_path = work / "policy.yaml"
         policy = demo_policy(models=models, engines=engines, isl=isl, osl=osl, max_replicas=10)
         policy_path.write_text(yaml.safe_dump(policy, sort_keys=False))

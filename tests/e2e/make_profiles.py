@@ -1,0 +1,26 @@
+"""Regenerate tests/e2e/data/profiles-sim.json: bench the simulated engines and fit (the user's workflow).
+
+    .venv/bin/python -m tests.e2e.make_profiles
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from controller.demo import EngineOptions, bench_and_fit
+from tests.e2e.conftest import ISL, MODEL, OSL, PROFILES, K
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory(prefix="fleetplan-e2e-profiles-") as d:
+        out = bench_and_fit(EngineOptions(time_scale=K), Path(d), (MODEL,), ("vllm", "trtllm"), isl=ISL, osl=OSL,
+                            tp=4)
+        PROFILES.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(out, PROFILES)
+    print(f"wrote {PROFILES}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Faults on the lab: controller kill -9 mid-rollout, broker restart, Prometheus down, bad policy."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections import Counter
+
+import yaml
+
+from tests.e2e.conftest import policy_doc, ready_replicas, wait_until
+
+
+def engines_by_replica(rig) -> Counter[str]:  # type: ignore[no-untyped-def]
+    return Counter(rid for _, rid in rig.engine_processes())
+
+
+async def test_controller_kill9_mid_rollout_no_duplicate_no_orphan(rig, controller_factory) -> None:  # type: ignore[no-untyped-def]
+    # 3 replicas wanted, one START per cycle: the rollout spans several cycles
+    ctrl = controller_factory(policy_doc(min_replicas=3, max_actions=1)).start()
+
+    def starts() -> int:
+        return sum(1 for a in ctrl.report()["actions"] if a["kind"] == "start")
+
+    await wait_until(lambda: starts() >= 1, 30, "the first start published")
+    ctrl.kill9()
+    ctrl.start()
+    await wait_until(lambda: starts() >= 2, 30, "the rollout resumed after restart")
+    ctrl.kill9()  # a second kill, now mid-rollout for sure (2 of 3 started)
+    ctrl.start()
+    await wait_until(lambda: len(ready_replicas(ctrl.report())) == 3, 60, "3 replicas ready after two kill -9")
+    await asyncio.sleep(4)  # a few more cycles: nothing else may start
+    rep = ctrl.report()
+    desired = {r["replica_id"] for r in rep["fleet"]}
+    running = engines_by_replica(rig)
+    assert len(desired) == 3, rep["fleet"]
+    assert all(n == 1 for n in running.values()), f"duplicate engine: {running}"
+    assert set(running) == desired, f"orphans: {set(running) - desired}, missing: {desired - set(running)}"
+    gpus = [(r["host"], g) for r in rep["fleet"] for g in r["gpu_indices"]]
+    assert len(gpus) == len(set(gpus)), "two replicas on one GPU"
+
+
+async def test_broker_restart_agents_reconnect_engines_untouched(rig, controller_factory) -> None:  # type: ignore[no-untyped-def]
+    ctrl = controller_factory(policy_doc(min_replicas=2)).start()
+    await wait_until(lambda: len(ready_replicas(ctrl.report())) == 2, 40, "2 replicas ready")
+    before = dict((rid, pid) for pid, rid in rig.engine_processes())
+    assert len(before) == 2
+    rig.lab.mosquitto.restart()
+
+    def reconnected() -> bool:
+        rep = ctrl.report()
+        hosts = rep["hosts"]
+        fresh = all(h["online"] and h["last_status_age_s"] < 3 for h in hosts.values())
+        acked = all(d["acked_version"] == d["version"] for d in rep["desired"].values())
+        return bool(rep["mqtt_connected"] and len(hosts) == 2 and fresh and acked)
+
+    await wait_until(reconnected, 40, "controller and agents reconnected, desired states acked")
+    after = dict((rid, pid) for pid, rid in rig.engine_processes())
+    assert after == before, "engines were restarted or replaced by a broker restart"
+    assert len(ready_replicas(ctrl.report())) == 2
+
+
+async def test_prometheus_stopped_fail_static_with_alert(rig, controller_factory) -> None:  # type: ignore[no-untyped-def]
+    ctrl = controller_factory(policy_doc(min_replicas=2, scale_down_delay_s=0)).start()
+    await wait_until(lambda: len(ready_replicas(ctrl.report())) == 2, 40, "2 replicas ready")
+    rig.lab.prometheus.stop()
+    await wait_until(lambda: any("fail static" in a for a in ctrl.report()["alerts"]), 20,
+                     "a fail-static alert in the report")
+    # the operator now allows 1 replica, no delay: with no observation the controller must not scale down
+    ctrl.write_policy(policy_doc(min_replicas=1, scale_down_delay_s=0))
+    ctrl.signal(signal.SIGHUP)
+    cycle0 = ctrl.report()["cycle_id"]
+    await wait_until(lambda: (ctrl.report()["cycle_id"] or 0) >= cycle0 + 4, 30, "4 more cycles")
+    rep = ctrl.report()
+    assert rep["policy"]["error"] is None
+    assert len(ready_replicas(rep)) == 2
+    assert not [a for a in rep["actions"] if a["kind"] in ("drain", "stop")]
+    notes = [n for m in rep["plan"]["explanation"]["models"] for n in m["notes"]]
+    assert any("fail static" in n for n in notes), notes
+    assert any("unreachable" in a for a in rep["alerts"]), rep["alerts"]
+    # Prometheus back: the observation is fresh again and the surplus replica goes
+    rig.lab.prometheus.start()
+    await wait_until(lambda: len(ctrl.report()["fleet"]) == 1, 60, "scale-down once observed again")
+
+
+async def test_invalid_policy_on_sighup_is_rejected_old_kept(rig, controller_factory) -> None:  # type: ignore[no-untyped-def]
+    ctrl = controller_factory(policy_doc(min_replicas=2)).start()
+    await wait_until(lambda: len(ready_replicas(ctrl.report())) == 2, 40, "2 replicas ready")
+    bad = policy_doc(min_replicas=1)
+    bad["models"][0]["slo"]["ttft_p99_ms"] = -5
+    bad["scaling"]["bogus_key"] = 1
+    ctrl.write_policy(yaml.safe_dump(bad))
+    ctrl.signal(signal.SIGHUP)
+    rep = await wait_until(lambda: (r := ctrl.report())["policy"]["error"] and r, 10, "the reload rejected")
+    err = rep["policy"]["error"]
+    assert "ttft_p99_ms" in err and "-5" in err and str(ctrl.policy_path) in err, err
+    assert any("policy reload rejected" in a for a in rep["alerts"]), rep["alerts"]
+    cycle0 = rep["cycle_id"] or 0
+    await wait_until(lambda: (ctrl.report()["cycle_id"] or 0) >= cycle0 + 3, 30, "the loop keeps running")
+    rep = ctrl.report()
+    assert len(ready_replicas(rep)) == 2  # old policy (min 2) still in force
+    assert not [a for a in rep["actions"] if a["kind"] in ("drain", "stop")]
+    # a good file clears the error
+    ctrl.write_policy(policy_doc(min_replicas=2))
+    ctrl.signal(signal.SIGHUP)
+    await wait_until(lambda: ctrl.report()["policy"]["error"] is None, 10, "the error cleared")
+    assert ctrl.stop() == 0  # SIGTERM: clean exit
