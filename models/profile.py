@@ -14,15 +14,18 @@ The model has physical structure (all times in milliseconds, X = throughput in r
     ITL  = s0 / (1 - rho)                      s0: fixed step cost (weights read from HBM once a step)
     B    = X*(osl - 1)*ITL                     sequences in the decode batch (Little's law)
     Wq   = q*P*rho/(1 - rho)                   queueing for prefill as load nears saturation
-    TTFT = P + ITL/2 + Wq                      own prefill + wait for the running step + queue
+    TTFT = L0 + f*P + (1/2 + c*isl)*ITL + Wq   front end + own prefill + the running step and one
+                                               step per prefill chunk (c = 1/chunk) + queue
 
-The step time rises with the batch size (s1) and the context tokens in the batch (s2); the
-fixed step cost s0 is the roofline time weight bytes / HBM bandwidth. Percentiles: TTFT p50/p99 scale
-the prefill with fitted factors and the queueing wait like an exponential (ln 2, ln 100); ITL p50/p99
-are fitted multiples of the mean. The KV cache caps the batch (B <= kv_tokens / (isl + osl)); a rate
-needing a larger batch is beyond one replica (binding "memory").
+The step time rises with the batch size (s1) and the context tokens in the batch (s2); the fixed
+step cost s0 has the roofline prior weight bytes / HBM bandwidth. The KV cache holds kv_tokens, so
+the batch is capped at kv_tokens / (isl + osl): an open-loop rate needing more is beyond one replica
+(capacity binding "memory"); in a closed loop the clients the batch cannot hold queue for a slot.
+Percentiles: TTFT p50/p99 scale the own-prefill term with fitted factors and the queueing wait like
+an exponential (ln 2, ln 100); ITL p50/p99 are fitted multiples of the mean. Every quantity rises
+with load, and every solve (closed loop, KV limit, capacity) is in closed form.
 
-Every function here is pure and works on Python floats.
+Every function here is pure; the equation helpers work on floats and on numpy arrays alike.
 """
 
 from __future__ import annotations
