@@ -63,7 +63,7 @@ def result_json(
     out_tok = sum(r.output_tokens for r in ok)
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     tpots = [r.itl_mean_s for r in ok if r.itl_mean_s is not None]
-    itls = [g for r in ok for g in (r.itls_s or [])[1:]]  # gaps after the first token
+    itls = [g for r in ok for g in (r.itls_s or [])]  # every gap between consecutive tokens
     e2e = [r.e2e_s for r in ok if r.e2e_s is not None]
     dur = max(duration_s, 1e-9)
     doc: dict[str, Any] = {

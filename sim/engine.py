@@ -15,8 +15,8 @@ engine's clock, never in its future); it catches up when the engine goes idle. W
 `lag_tolerance_s` it instead jumps forward when it lags by more than that much wall time (counted
 in `/sim/state` as lag events). A request is never admitted before its arrival.
 
-Each SSE chunk carries `sim_time_s`, the engine's simulated time of its last token, and the
-response header `X-Sim-Arrival-S` the request's simulated arrival: clients can measure in exact
+Each SSE chunk carries `sim_time_s`, the engine's simulated time of its last token (the first
+chunk also `sim_first_token_s`), and the response header `X-Sim-Arrival-S` the request's simulated arrival: clients can measure in exact
 simulated time (sim.replay does when they are present) instead of wall time x time scale.
 
 Prompt length: the request's `prompt_tokens` field when present (an extension; also accepted
@@ -716,9 +716,12 @@ class SimEngine:
                 choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
             else:
                 choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            is_first = sent == 0
             sent += n
             chunk = {"id": r.rid, "object": obj, "created": created, "model": self.cfg.model,
                      "choices": [choice], "n_tokens": n, "sim_time_s": r.last}
+            if is_first:
+                chunk["sim_first_token_s"] = r.first
             await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
             last_write = time.monotonic()
             if final:

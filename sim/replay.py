@@ -72,7 +72,7 @@ class RequestResult:
     sim_start_s: float | None = None  # engine clock at arrival / last token (simulated engines only)
     sim_end_s: float | None = None
     error: str | None = None
-    itls_s: list[float] | None = field(default=None, repr=False)  # per-token gaps when keep_itls
+    itls_s: list[float] | None = field(default=None, repr=False)  # the gaps between tokens (tokens - 1), keep_itls
 
 
 def check_target(url: str, allow_remote: bool = False) -> str:
@@ -176,9 +176,13 @@ async def _one(
                     sim_t = chunk.get("sim_time_s")
                     now = float(sim_t) if use_sim and sim_t is not None else (time.monotonic() - t0) * speed
                     if first is None:
-                        first = now
-                        if gaps is not None and n > 1:
-                            gaps.extend([0.0] * (n - 1))
+                        ft = chunk.get("sim_first_token_s")
+                        first = float(ft) if use_sim and ft is not None else now
+                        if n > 1:  # a coalesced first chunk: its other tokens came after the first
+                            g = (now - first) / (n - 1)
+                            max_gap = g
+                            if gaps is not None:
+                                gaps.extend([g] * (n - 1))
                     else:
                         assert last is not None
                         g = (now - last) / n

@@ -184,6 +184,12 @@ async def test_metrics_names_labels_buckets_and_counts(vllm_engine: SimEngine) -
     itl_mean = value("vllm:inter_token_latency_seconds_sum") / value("vllm:inter_token_latency_seconds_count")
     assert 0.005 < itl_mean < 0.015
     assert value("vllm:num_requests_running") == 0
+    # the client reads the engine's clock: its TTFT and e2e are the engine's own observations
+    ttft_engine = value("vllm:time_to_first_token_seconds_sum") / 30
+    ttft_client = sum(r.ttft_s or 0.0 for r in results) / 30
+    assert ttft_client == pytest.approx(ttft_engine, rel=1e-6)
+    e2e_engine = value("vllm:e2e_request_latency_seconds_sum") / 30
+    assert sum(r.e2e_s or 0.0 for r in results) / 30 == pytest.approx(e2e_engine, rel=1e-6)
 
 
 async def test_trtllm_persona_exports_trtllm_names(trt_engine: SimEngine) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from models.names import Engine, GpuType, Precision
 from sim.groundtruth import (
@@ -164,3 +166,44 @@ def test_max_rate_at_slo_is_monotonic_in_the_slo_and_meets_it() -> None:
     st = simulate(p, poisson_arrivals(loose * 1.5, 400, 467, 128, seed=9), seed=9, warmup=40)
     ttfts = sorted(st.ttft_s)
     assert ttfts[int(0.99 * len(ttfts))] > 1.0 or st.itl_p99_s > 0.060
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    persona=st.sampled_from(list(Engine)),
+    max_num_seqs=st.integers(1, 64),
+    budget=st.integers(16, 4096),
+    mem=st.floats(0.235, 0.5),
+    reqs=st.lists(st.tuples(st.integers(1, 3000), st.integers(1, 200), st.floats(0, 2)), min_size=1, max_size=40),
+)
+def test_conservation_and_limits_hold_for_any_configuration(
+    persona: Engine, max_num_seqs: int, budget: int, mem: float, reqs: list[tuple[int, int, float]]
+) -> None:
+    frac = mem if persona is Engine.VLLM else mem / 10  # trtllm: a fraction of the memory after weights
+    p = _params(persona, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, gpu_memory_utilization=frac)
+    core = BatchCore(p, seed=1)
+    want: dict[str, int] = {}
+    pending = sorted((t, i, isl, osl) for i, (isl, osl, t) in enumerate(reqs))
+    tokens: dict[str, int] = {}
+    now = 0.0
+    for _ in range(1_000_000):
+        while pending and pending[0][0] <= now:
+            _, i, isl, osl = pending.pop(0)
+            try:
+                core.submit(f"r{i}", isl, osl, now)
+                want[f"r{i}"] = osl
+            except RequestTooLongError:
+                pass
+        if core.idle():
+            if not pending:
+                break
+            now = pending[0][0]
+            continue
+        res = core.step(now)
+        assert res.duration_s > 0  # never stuck while work is queued
+        assert res.prefill_tokens + res.decode_seqs <= budget
+        assert core.num_running <= max_num_seqs and 0.0 <= core.kv_usage <= 1.0
+        now += res.duration_s
+        for rid, n in res.tokens:
+            tokens[rid] = tokens.get(rid, 0) + n
+    assert tokens == want

@@ -86,7 +86,7 @@ def test_histogram_buckets() -> None:
 def test_bench_result_has_the_vllm_bench_serve_fields(shared_data: Path) -> None:
     example = json.loads(next((shared_data / "benchmarks" / "vllm-bench-serve-example").glob("*.json")).read_text())
     rs = [RequestResult(i, 0.0, "m", 100, 10, outcome="ok", output_tokens=10, ttft_s=0.05, itl_mean_s=0.01,
-                        e2e_s=0.14, itls_s=[0.0] + [0.01] * 9) for i in range(8)]
+                        e2e_s=0.14, itls_s=[0.01] * 9) for i in range(8)]
     doc = result_json(rs, duration_s=0.5, model="m", concurrency=4, meta={"engine": "vllm"})
     assert set(example) <= set(doc)
     assert doc["completed"] == 8 and doc["max_concurrency"] == 4 and doc["request_throughput"] == pytest.approx(16)
