@@ -14,12 +14,21 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 
 from models.names import Engine, GpuType, Precision
 from planner.capacity import CapacityInfo
 from planner.core import plan_with_capacities
 from planner.policy import load_policy_dict
-from planner.types import ConfigKey, Fleet, HostInventory, ModelObservation, Observation, PlannerState
+from planner.types import (
+    ConfigKey,
+    Fleet,
+    HostInventory,
+    ModelObservation,
+    Observation,
+    PlannerState,
+    ReplicaState,
+)
 
 GPUS = (GpuType.H100, GpuType.A100, GpuType.L40S)
 PRICE = {GpuType.H100: 3.0, GpuType.A100: 1.8, GpuType.L40S: 1.1}
@@ -82,6 +91,7 @@ def main() -> None:
     ap.add_argument("--gap", type=float, default=0.005, help="relative gap limit")
     ap.add_argument("--time-limit", type=float, default=10.0)
     ap.add_argument("--backend", default="SCIP", choices=["SCIP", "HIGHS", "cp-sat"])
+    ap.add_argument("--replan", action="store_true", help="also time the next cycle with the plan running")
     args = ap.parse_args()
     fleet, obs, policy, caps = synthetic(args.hosts, args.models, args.load, args.workers, args.time_limit, args.gap,
                                          args.backend)
@@ -100,6 +110,21 @@ def main() -> None:
               f"gap={r.gap} solver_wall_s={r.wall_s:.3f}")
     for r in placement:
         print(f"stage2 {r.backend} status={r.status}")
+    if args.replan:
+        # the next cycle: the plan is running, demand moved by -10%..+10% per model
+        running = tuple(replace(r, state=ReplicaState.READY, since_s=1.7e9) for r in result.plan.replicas)
+        moved = {name: replace(o, rate_rps=(o.rate_rps or 0.0) * (0.9 + 0.2 * ((i * 37) % 11) / 10))
+                 for i, (name, o) in enumerate(sorted(obs.models.items()))}
+        t1 = time.perf_counter()
+        again = plan_with_capacities(Observation(moved), replace(fleet, replicas=running), policy, caps,  # type: ignore[arg-type]
+                                     result.next_state, 1.7e9 + 60)
+        replan_s = time.perf_counter() - t1
+        rc = [r for r in again.explanation.solver if r.stage == "counts"]
+        kinds: dict[str, int] = {}
+        for a in (*again.actions, *again.deferred_actions):
+            kinds[a.kind.value] = kinds.get(a.kind.value, 0) + 1
+        print(f"replan (fleet running, demand -10..+10%): wall_s={replan_s:.3f} solves={len(rc)} "
+              f"status={rc[-1].status} gap={rc[-1].gap:.5f} actions={kinds}")
     main_r = counts[-1]
     gap = main_r.gap if main_r.gap is not None else float("nan")
     print(f"solve_s={solve_s:.3f} gap={gap:.5f} status={main_r.status}")

@@ -16,7 +16,7 @@ Pure. Steps:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from models.names import GpuType
@@ -61,9 +61,20 @@ class _Demand:
 
 
 def _inventory(fleet: Fleet, policy: Policy) -> tuple[HostInventory, ...]:
-    if fleet.hosts:
-        return tuple(sorted(fleet.hosts, key=lambda h: h.name))
-    return tuple(sorted((h.inventory() for h in policy.hosts), key=lambda h: h.name))
+    """The hosts (the fleet's report, else the policy's), minus GPUs busy with engine builds."""
+    hosts = fleet.hosts if fleet.hosts else tuple(h.inventory() for h in policy.hosts)
+    reserved: dict[str, set[int]] = {}
+    for b in fleet.builds:
+        if not b.ready and b.host is not None and b.gpu_indices:
+            reserved.setdefault(b.host, set()).update(b.gpu_indices)
+    out = []
+    for h in sorted(hosts, key=lambda h: h.name):
+        busy = reserved.get(h.name)
+        if busy:
+            groups = tuple(tuple(i for i in g if i not in busy) for g in h.groups())
+            h = replace(h, nvlink_groups=tuple(g for g in groups if g) or ((),))
+        out.append(h)
+    return tuple(out)
 
 
 def _canonical_observations(observation: Observation, policy: Policy) -> dict[str, ModelObservation]:
@@ -285,9 +296,13 @@ def plan_with_capacities(
             if now_s - since < delay:
                 held[c] = k
     if held:
+        # hold every running config whose surplus clock has not run out (not only the ones the ideal
+        # plan cut: with those held, the solver might otherwise cut a config that was never surplus)
         floors2 = dict(floors)
-        for c, k in held.items():
-            floors2[c] = max(floors2.get(c, 0), k)
+        for c, k in current.items():
+            since = surplus_prev.get(c)
+            if since is None or now_s - since < delay:
+                floors2[c] = max(floors2.get(c, 0), k)
         now_problem = CountProblem(**{**now_problem.__dict__, "floors": floors2})
         now_sol, now_place = _solve_and_place(now_problem, hosts, fleet.replicas, drained, reports)
         notes.append(f"scale-down delayed ({delay:.0f} s) for " + ", ".join(
@@ -372,9 +387,10 @@ def _actions(
         occupied = (*occupied, rep)
 
     online = {h.name for h in hosts if h.online}
+    kept_ids = {id(r) for r in now_place.kept}
     removed_gpus: dict[str, set[int]] = {}
     for r in fleet.replicas:
-        if r not in now_place.kept and r.state != ReplicaState.STOPPED:
+        if id(r) not in kept_ids and r.state != ReplicaState.STOPPED:
             removed_gpus.setdefault(r.host, set()).update(r.gpu_indices)
     starts_free: list[Action] = []
     starts_after: list[Action] = []
@@ -388,7 +404,7 @@ def _actions(
     drains: list[Action] = []
     stops: list[Action] = []
     for r in sorted(fleet.replicas, key=lambda r: r.replica_id):
-        if r in now_place.kept or r.state == ReplicaState.STOPPED:
+        if id(r) in kept_ids or r.state == ReplicaState.STOPPED:
             continue
         if r.state == ReplicaState.FAILED:
             stops.append(Action(ActionKind.STOP, r, "replica failed"))
@@ -422,10 +438,12 @@ def _explain(
 ) -> Explanation:
     models: list[ModelExplanation] = []
     binding: list[str] = list(now_sol.binding)
+    all_counts = _counts_of(now_place)
+    all_tcounts = _counts_of(target_place)
     for m in policy.models:
         d = demands[m.name]
-        counts = {c: n for c, n in _counts_of(now_place).items() if c.model == m.name}
-        tcounts = {c: n for c, n in _counts_of(target_place).items() if c.model == m.name}
+        counts = {c: n for c, n in all_counts.items() if c.model == m.name}
+        tcounts = {c: n for c, n in all_tcounts.items() if c.model == m.name}
         cap = sum(capacities[c].max_rps * n for c, n in counts.items() if c in capacities)
         tcap = sum(capacities[c].max_rps * n for c, n in tcounts.items() if c in capacities)
         configs = []

@@ -204,7 +204,7 @@ def _build(problem: CountProblem) -> tuple[_Model, list[Candidate], dict[str, in
             mdl.row([(i, 1.0) for i in idx] + [(s, 1.0)], d.min_replicas, None)
             mdl.cost(s, floor_weight * (1 + prio_rank[d.priority]))
         if d.max_replicas is not None and idx:
-            mdl.row([(i, 1.0) for i in idx], None, d.max_replicas)
+            mdl.row([(i, 1.0) for i in idx], None, d.max_replicas, f"max_replicas {name}")
 
     for gpu in sorted({c.config.gpu for c in cands}):
         for t in _slot_sizes(problem, gpu):

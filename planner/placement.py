@@ -129,8 +129,9 @@ def place(
     # GPUs still held by replicas that are being removed (draining/stopping) are used only as a
     # second resort, so that new replicas can start before the old ones stop.
     held: dict[str, set[int]] = {h: set(s) for h, s in used.items()}
+    kept_ids = {id(r) for r in kept}
     for r in current:
-        if r.state in (ReplicaState.DRAINING, *LIVE_STATES) and r not in kept:
+        if r.state in (ReplicaState.DRAINING, *LIVE_STATES) and id(r) not in kept_ids:
             held.setdefault(r.host, set()).update(r.gpu_indices)
 
     todo = sorted(((c, k) for c, k in remaining.items() if k > 0), key=lambda ck: (-ck[0].tp, ck[0]))
@@ -165,7 +166,8 @@ def place(
                         kept.append(same)
                     else:
                         placed.append(r)
-                removed += [r for r in old_kept if r not in kept]
+                now_kept = {id(r) for r in kept}
+                removed += [r for r in old_kept if id(r) not in now_kept]
                 left = []
         new += placed
         for c, k in left:

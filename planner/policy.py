@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from datetime import timezone as dt_timezone
+from functools import cached_property
 from typing import Annotated, Any, Literal
 
 import yaml
@@ -309,15 +310,19 @@ class Policy(_Strict):
         return self
 
     # ---- helpers used by the planner -------------------------------------------------------
-    def aliases(self) -> ModelAliases:
+    @cached_property
+    def _aliases(self) -> ModelAliases:
         return ModelAliases.build({m.name: m.aliases for m in self.models})
 
+    @cached_property
+    def _by_name(self) -> dict[str, ModelPolicy]:
+        return {m.name: m for m in self.models}
+
+    def aliases(self) -> ModelAliases:
+        return self._aliases
+
     def model(self, name: str) -> ModelPolicy | None:
-        canonical = self.aliases().canonical(name)
-        for m in self.models:
-            if m.name == canonical:
-                return m
-        return None
+        return self._by_name.get(self._aliases.canonical(name))
 
     def price_usd_h(self, gpu: GpuType) -> float | None:
         g = self.gpu_types.get(gpu)

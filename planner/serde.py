@@ -96,6 +96,7 @@ class BuildDoc(_Strict):
     host: str | None = None
     ready: bool = False
     eta_s: float | None = None
+    gpu_indices: tuple[int, ...] = ()
 
 
 class SurplusDoc(_Strict):
@@ -153,8 +154,8 @@ def fleet_from_dict(data: Any, source: str = "fleet") -> tuple[Fleet, PlannerSta
                 r.state, r.port, r.since_s)
         for r in doc.replicas
     )
-    builds = tuple(EngineBuild(b.model, b.engine, b.gpu, b.tp, b.precision, b.host, b.ready, b.eta_s)
-                   for b in doc.builds)
+    builds = tuple(EngineBuild(b.model, b.engine, b.gpu, b.tp, b.precision, b.host, b.ready, b.eta_s,
+                               b.gpu_indices) for b in doc.builds)
     state = PlannerState.initial()
     if doc.planner_state is not None:
         state = PlannerState(
@@ -191,7 +192,8 @@ def fleet_to_dict(fleet: Fleet, state: PlannerState | None = None) -> dict[str, 
                       "host": r.host, "gpu_indices": list(r.gpu_indices), "state": r.state.value,
                       "port": r.port, "since_s": r.since_s} for r in fleet.replicas],
         "builds": [{"model": b.model, "engine": b.engine.value, "gpu": b.gpu.value, "tp": b.tp,
-                    "precision": b.precision.value, "host": b.host, "ready": b.ready, "eta_s": b.eta_s}
+                    "precision": b.precision.value, "host": b.host, "ready": b.ready, "eta_s": b.eta_s,
+                    "gpu_indices": list(b.gpu_indices)}
                    for b in fleet.builds],
     }
     if state is not None:

@@ -82,6 +82,7 @@ class EngineBuild:
     host: str | None = None
     ready: bool = False
     eta_s: float | None = None  # epoch seconds when an in-progress build is expected to finish
+    gpu_indices: tuple[int, ...] = ()  # GPUs of `host` an in-progress build occupies (kept free)
 
     def config(self) -> ConfigKey:
         return ConfigKey(self.model, self.engine, self.gpu, self.tp, self.precision)

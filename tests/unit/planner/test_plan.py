@@ -218,3 +218,30 @@ def test_long_names_give_valid_protocol_ids() -> None:
     a = new_replica_id(long, "host.example.com", (0, 1))
     b = new_replica_id(long, "host.example.com", (2, 3))
     assert a != b and len(a) <= 64 and "." not in a
+
+
+def test_gpus_of_a_running_build_stay_free_and_max_replicas_is_reported_binding() -> None:
+    from planner.types import EngineBuild
+
+    p = policy(tps={"m8": [1], "m70": [4]}, cached=[("m8", "h100", 1)],
+               model_extra={"m8": {"max_replicas": 4}})
+    build = EngineBuild("m70", TRT, key("m70").gpu, 4, key("m70").precision, "h00", False, NOW + 600,
+                        (0, 1, 2, 3))
+    r = plan_with_capacities(observe({"m8": 200.0, "m70": 0.0}), Fleet(hosts(1), (), (build,)), p, CAPS,
+                             PlannerState.initial(), NOW)
+    assert len(r.plan.replicas) == 4
+    assert all(set(x.gpu_indices) <= {4, 5, 6, 7} for x in r.plan.replicas)
+    assert any(b.startswith("max_replicas m8") for b in r.explanation.binding_constraints)
+
+
+def test_scale_down_delay_holds_configs_that_were_never_surplus_too() -> None:
+    p = policy(tps={"m8": [1, 2], "m70": [4]}, cached=[("m8", "h100", 1)], scaling={"scale_down_delay_s": 300})
+    current = (_running("m8", VLLM, 2, "h00", 0), _running("m8", VLLM, 2, "h00", 2),
+               _running("m8", TRT, 1, "h00", 4), _running("m8", TRT, 1, "h00", 5))
+    r = plan_with_capacities(observe({"m8": 45.0, "m70": 0.0}), Fleet(hosts(1), current), p, CAPS,
+                             PlannerState.initial(), NOW)
+    assert not [a for a in r.actions if a.kind in (ActionKind.DRAIN, ActionKind.STOP)]
+    assert set(current) <= set(r.plan.replicas)
+    later = plan_with_capacities(observe({"m8": 45.0, "m70": 0.0}), Fleet(hosts(1), current), p, CAPS,
+                                 r.next_state, NOW + 400)
+    assert [a.kind for a in later.actions] == [ActionKind.DRAIN, ActionKind.STOP]
