@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         fname, policy_text, model, scale = SCENARIOS[key]
         policy = load_policy_text(policy_text, f"bench:{key}")
         raw = read_trace(TRACES / fname, model=model)
-        shapes = [("hour", reshape(raw, duration_s=raw.duration_s, rate_scale=scale))]
+        hour = raw if scale == 1.0 else reshape(raw, duration_s=raw.duration_s, rate_scale=scale)
+        shapes = [("hour", hour)]
         if args.day:
             shapes.append(("compressed-day", shape_day(raw, raw.duration_s, scale)))
         for shape_name, tr in shapes:

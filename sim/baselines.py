@@ -103,6 +103,7 @@ class HpaController:
     target_per_replica: Mapping[str, float]  # model -> target requests in engine per replica
     min_replicas: Mapping[str, int]
     max_replicas: Mapping[str, int | None]
+    initial: Mapping[str, int] = field(default_factory=dict)  # replicas at t = 0 (warm start)
     period_s: float = 15.0
     tolerance: float = 0.10
     down_window_s: float = 300.0
@@ -121,7 +122,7 @@ class HpaController:
             loads = [view.replica_load[r.replica_id] for r in live if r.replica_id in view.replica_load]
             if not loads:
                 if current == 0:
-                    desired = max(1, self.min_replicas.get(model, 1))
+                    desired = max(1, self.min_replicas.get(model, 1), self.initial.get(model, 0))
                 else:
                     desired = current
             else:
@@ -242,6 +243,10 @@ def oracle(
     cap = gt_capacity[best]
     duration = trace.duration_s
     rates = iter_rates(trace.requests, window_s, duration)
+    if len(rates) and duration > 0:
+        last_span = duration - (len(rates) - 1) * window_s
+        if 0 < last_span < window_s:
+            rates[-1] *= window_s / last_span  # the last, partial window's rate
     reps: list[int] = []
     gpu_s = 0.0
     starts = 0

@@ -125,6 +125,9 @@ class FastCore:
         self._b = 0.0
         self.steps = 0
         self.preemptions = 0
+        # (steps until the first finish, context tokens) of the running batch when every running
+        # request is decoding, as left by the last macro-step; None: unknown, recompute
+        self._stats: tuple[int, int] | None = None
 
     # -- queries
     @property
@@ -200,15 +203,19 @@ class FastCore:
         if nb == 0:
             return False
         p = self.params
-        k = 1 << 62
-        ctx = 0
-        for r in running:
-            if r.target - r.computed != 1 or r.emitted == 0:
-                return False
-            rem = r.max_tokens - r.emitted
-            if rem < k:
-                k = rem
-            ctx += r.computed
+        st = self._stats
+        if st is not None:
+            k, ctx = st  # all running are decoding (computed by the previous macro-step's end())
+        else:
+            k = 1 << 62
+            ctx = 0
+            for r in running:
+                if r.target - r.computed != 1 or r.emitted == 0:
+                    return False
+                rem = r.max_tokens - r.emitted
+                if rem < k:
+                    k = rem
+                ctx += r.computed
         if nb > p.max_num_batched_tokens or self._admissible(p.max_num_batched_tokens - nb):
             return False
         if not p.factors.reserve_full_kv:
@@ -266,6 +273,7 @@ class FastCore:
 
     def _plan_single(self, now: float) -> float | None:
         """One BatchCore step (same admission, chunking, KV allocation and preemption rules)."""
+        self._stats = None
         p = self.params
         budget = p.max_num_batched_tokens
         bs = p.block_size
@@ -358,23 +366,34 @@ class FastCore:
             reserve = self.params.factors.reserve_full_kv
             bs = self.params.block_size
             done = False
+            kmin = 1 << 62
+            ctx = 0
             for r in self.running:
-                r.computed += j
-                r.emitted += j
-                r.target = r.prompt + r.emitted
+                c = r.computed + j
+                r.computed = c
+                e = r.emitted + j
+                r.emitted = e
+                r.target = r.prompt + e
                 if not reserve:
-                    nbk = -(-r.computed // bs)
+                    nbk = -(-c // bs)
                     if nbk > r.blocks:
                         self.free_blocks -= nbk - r.blocks
                         r.blocks = nbk
-                if r.emitted >= r.max_tokens:
+                rem = r.max_tokens - e
+                if rem <= 0:
                     done = True
+                else:
+                    if rem < kmin:
+                        kmin = rem
+                    ctx += c
             gap = (self.t_end - self.t0) / j
             count = j * len(self.running)
             if done:
                 self._retire(finished)
             self._k = 0
+            self._stats = (kmin, ctx) if self.running else None
             return first, finished, gap, count
+        self._stats = None
         done = False
         ndec = 0
         for r, n in self._sched:
@@ -905,7 +924,7 @@ class FleetSim:
         while k * period <= end_s:
             self._push(k * period, self._P_TICK, "tick", None)
             k += 1
-        k = 0
+        k = 1
         while k * s.timeline_s <= end_s:
             self._push(k * s.timeline_s, self._P_SCRAPE, "timeline", None)
             k += 1

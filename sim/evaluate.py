@@ -217,6 +217,7 @@ def make_controller(name: str, trace: Trace, policy: Policy, profiles: ProfileSe
     targets: dict[ConfigKey, int] = {}
     hpa_configs: dict[str, ConfigKey] = {}
     hpa_target: dict[str, float] = {}
+    hpa_initial: dict[str, int] = {}
     for m in models:
         sub = Trace(trace.source, trace.format, tuple(r for r in trace.requests if r.model == m))
         isl, osl = trace_mix(sub)
@@ -230,6 +231,8 @@ def make_controller(name: str, trace: Trace, policy: Policy, profiles: ProfileSe
         elif name == "hpa":
             hpa_configs[m] = sizing.config
             hpa_target[m] = max(1.0, sizing.concurrency_at_target)
+            first = sum(1 for r in sub.requests if r.t_s < 60.0) / 60.0
+            hpa_initial[m] = max(1, math.ceil(first / (hpa_target_fraction * sizing.capacity_rps)))
         else:
             raise EvaluateError(f"unknown policy {name!r}; known: {', '.join(POLICY_NAMES)}")
     if name == "hpa":
@@ -237,6 +240,7 @@ def make_controller(name: str, trace: Trace, policy: Policy, profiles: ProfileSe
             name, hpa_configs, hpa_target,
             min_replicas={m.name: max(1, m.min_replicas) for m in policy.models},
             max_replicas={m.name: m.max_replicas for m in policy.models},
+            initial=hpa_initial,
         )
     return StaticController(name, targets)
 
@@ -459,7 +463,11 @@ def evaluate(trace: Trace, policy: Policy, profiles: ProfileSet, options: Evalua
 def _window_rates(trace: Trace, window_s: float, duration_s: float) -> np.ndarray:
     from sim.traces import iter_rates
 
-    return iter_rates(trace.requests, window_s, duration_s)
+    rates = iter_rates(trace.requests, window_s, duration_s)
+    last_span = duration_s - (len(rates) - 1) * window_s
+    if len(rates) and 0 < last_span < window_s:
+        rates[-1] *= window_s / last_span
+    return rates
 
 
 def _q(a: np.ndarray, q: float) -> float | None:
