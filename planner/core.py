@@ -300,8 +300,8 @@ def plan_with_capacities(
         # plan cut: with those held, the solver might otherwise cut a config that was never surplus)
         floors2 = dict(floors)
         for c, k in current.items():
-            since = surplus_prev.get(c)
-            if since is None or now_s - since < delay:
+            started = surplus_prev.get(c)
+            if started is None or now_s - started < delay:
                 floors2[c] = max(floors2.get(c, 0), k)
         now_problem = CountProblem(**{**now_problem.__dict__, "floors": floors2})
         now_sol, now_place = _solve_and_place(now_problem, hosts, fleet.replicas, drained, reports)
