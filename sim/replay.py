@@ -273,8 +273,11 @@ async def run_load(
         if tasks:
             await asyncio.gather(*tasks)
     finally:
-        for t in tasks:
+        pending = [t for t in tasks if not t.done()]
+        for t in pending:
             t.cancel()
+        if pending:  # cancelled from outside: let the requests unwind before the session closes
+            await asyncio.gather(*pending, return_exceptions=True)
         if own:
             await session.close()
     return results

@@ -275,3 +275,22 @@ def test_sigterm_drains_in_flight_requests_then_exits(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_cancelled_load_unwinds_and_the_engine_frees_its_requests(vllm_engine: SimEngine) -> None:
+    load = asyncio.create_task(run_load([(0.0, 100, 5000)] * 5, f"http://127.0.0.1:{vllm_engine.port}",
+                                        speed=20.0))
+    for _ in range(100):
+        if vllm_engine.core.num_running == 5:
+            break
+        await asyncio.sleep(0.02)
+    assert vllm_engine.core.num_running == 5
+    load.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await load
+    for _ in range(100):
+        if not vllm_engine.reqs:
+            break
+        await asyncio.sleep(0.02)
+    assert not vllm_engine.reqs and vllm_engine.core.idle()
+    assert vllm_engine.stats.success["abort"] == 5
