@@ -524,6 +524,9 @@ class Agent:
             engines_cached=tuple(self.engines.values()), agent_version=self._version, updated_s=time.time(),
             desired_version=self.desired.version if self.desired else None,
             port_range=self.config.port_range, templates=tuple(sorted(self.config.launch_templates)),
+            template_engines={name: t.engine for name, t in sorted(self.config.launch_templates.items())},
+            cached_templates=tuple(sorted(n for n, t in self.config.launch_templates.items() if t.needs_engine_dir)),
+            models_allowed=tuple(self.config.models) if self.config.models is not None else None,
             build_templates=tuple(sorted(self.config.build_templates)),
             errors=tuple(self.host_errors.values()),
         )

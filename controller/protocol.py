@@ -270,6 +270,9 @@ class HostStatus(_Strict):
     desired_version: int | None = None  # last accepted desired version (None: none yet)
     port_range: tuple[int, int] | None = None
     templates: tuple[str, ...] = ()  # launch template names this agent offers
+    template_engines: dict[str, Engine] = Field(default_factory=dict)  # launch template -> engine
+    cached_templates: tuple[str, ...] = ()  # launch templates that need a built engine ({engine_dir})
+    models_allowed: tuple[str, ...] | None = None  # the agent's model allowlist (None: any)
     build_templates: tuple[str, ...] = ()
     errors: tuple[str, ...] = ()  # host-level problems (e.g. state dir unreadable)
 
@@ -342,6 +345,20 @@ def _check_common(
     if limits.models is not None and model not in limits.models:
         errors.append(f"{where}: model {model!r} is not in this host's model allowlist")
     return errors
+
+
+def limits_from_status(status: HostStatus) -> HostLimits | None:
+    """The host's limits as its agent reports them (None while offline or incomplete), so that a
+    controller can run :func:`check_desired` before publishing."""
+    if not status.online or status.gpu is None or status.gpu_count is None or status.port_range is None:
+        return None
+    return HostLimits(
+        host=status.host, gpu=status.gpu, gpu_count=status.gpu_count, port_range=status.port_range,
+        launch_templates=dict(status.template_engines), build_templates=frozenset(status.build_templates),
+        engine_templates_need_cache=frozenset(status.cached_templates),
+        models=frozenset(status.models_allowed) if status.models_allowed is not None else None,
+        engines_cached=frozenset((e.model, e.engine, e.gpu, e.tp, e.precision) for e in status.engines_cached),
+    )
 
 
 def check_version(applied: int | None, incoming: int) -> str | None:

@@ -25,7 +25,14 @@ from controller.actuators import (
     render_env_file,
 )
 from controller.agent import Agent, AgentConfig, AgentConfigError, load_agent_config, sim_agent_config
-from controller.protocol import DesiredReplica
+from controller.protocol import (
+    DesiredReplica,
+    check_desired,
+    limits_from_status,
+    parse_desired,
+    parse_status,
+    to_payload,
+)
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -291,3 +298,13 @@ async def test_build_over_its_timeout_is_stopped_and_failed(tmp_path: Path) -> N
     build = agent.status().builds[0]
     assert build.state.value == "failed" and "timed out after 0s" in (build.error or "")
     assert not pid_alive(pid)
+
+
+def test_limits_from_status_match_the_agent_own_limits(tmp_path: Path) -> None:
+    agent = Agent(_config(tmp_path, models=["m", "org/other"]), actuator=ProcessActuator(tmp_path))
+    status = parse_status(to_payload(agent.status()))
+    limits = limits_from_status(status)
+    assert limits is not None and limits == agent.limits()
+    assert limits_from_status(parse_status(b'{"host": "h1", "online": false}')) is None
+    desired = parse_desired(_desired(1, template="nope"))
+    assert check_desired(desired, limits) == check_desired(desired, agent.limits()) != []
