@@ -90,7 +90,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=1, help="CP-SAT workers (1: deterministic)")
     ap.add_argument("--gap", type=float, default=0.005, help="relative gap limit")
     ap.add_argument("--time-limit", type=float, default=10.0)
-    ap.add_argument("--backend", default="SCIP", choices=["SCIP", "HIGHS", "cp-sat"])
+    ap.add_argument("--backend", default="SCIP", choices=["SCIP", "cp-sat"])
     ap.add_argument("--replan", action="store_true", help="also time the next cycle with the plan running")
     args = ap.parse_args()
     fleet, obs, policy, caps = synthetic(args.hosts, args.models, args.load, args.workers, args.time_limit, args.gap,

@@ -6,6 +6,7 @@ tests/benchmarks can pass a synthetic one to `plan_with_capacities()`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -81,9 +82,12 @@ def capacity_table(
         if prof is None:
             continue
         w = workloads.get(key.model) or MixedWorkload(m.workload.isl, m.workload.osl)
-        cap = mp.capacity(prof, mp.Workload(isl=w.isl, osl=w.osl),
-                          ttft_p99_ms=m.slo.ttft_p99_ms, itl_p99_ms=m.slo.itl_p99_ms)
-        if cap.max_rps <= 0:
+        try:
+            cap = mp.capacity(prof, mp.Workload(isl=w.isl, osl=w.osl),
+                              ttft_p99_ms=m.slo.ttft_p99_ms, itl_p99_ms=m.slo.itl_p99_ms)
+        except (ValueError, ArithmeticError):
+            continue  # a profile that cannot answer for this mix: not a candidate
+        if not (math.isfinite(cap.max_rps) and cap.max_rps > 0):
             continue
         table[key] = CapacityInfo(float(cap.max_rps), cap.binding.value, tuple(cap.warnings), prior)
         chosen[key] = prof

@@ -15,6 +15,7 @@ Pure. Steps:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -91,8 +92,10 @@ def workloads_from(observation: Observation, policy: Policy) -> dict[str, MixedW
     out: dict[str, MixedWorkload] = {}
     for m in policy.models:
         o = obs.get(m.name)
-        isl = o.isl if o is not None and o.isl is not None and o.isl > 0 else m.workload.isl
-        osl = o.osl if o is not None and o.osl is not None and o.osl > 0 else m.workload.osl
+        isl = o.isl if o is not None and o.isl is not None and math.isfinite(o.isl) and o.isl > 0 \
+            else m.workload.isl
+        osl = o.osl if o is not None and o.osl is not None and math.isfinite(o.osl) and o.osl > 0 \
+            else m.workload.osl
         out[m.name] = MixedWorkload(isl, osl)
     return out
 
@@ -118,6 +121,9 @@ def _demands(observation: Observation, policy: Policy, now_s: float) -> dict[str
     for m in policy.models:
         o = obs.get(m.name)
         notes: list[str] = []
+        if o is not None and o.rate_rps is not None and not (math.isfinite(o.rate_rps) and o.rate_rps >= 0):
+            notes.append(f"observed rate {o.rate_rps!r} is not a valid rate; treated as unknown")
+            o = replace(o, rate_rps=None)
         known = o is not None and not o.stale and o.rate_rps is not None
         lead = max((policy.startup_s(ConfigKey(m.name, e, g, t, m.precision))
                     for e in m.allowed.engines for g in (m.allowed.gpus or tuple(policy.gpu_types))
@@ -161,7 +167,8 @@ def _candidates(
         info = capacities[key]
         m = policy.model(key.model)
         price = policy.price_usd_h(key.gpu)
-        if m is None or price is None or key.gpu not in gpus or info.max_rps <= 0:
+        if m is None or price is None or key.gpu not in gpus or not (math.isfinite(info.max_rps)
+                                                                         and info.max_rps > 0):
             continue
         if key.engine not in m.allowed.engines or key.tp not in m.allowed.tp:
             continue

@@ -1,4 +1,4 @@
-"""Stage 1: how many replicas of each (model, engine, GPU type, TP, precision), one CP-SAT model.
+"""Stage 1: how many replicas of each (model, engine, GPU type, TP, precision), one MILP.
 
 minimise   $/h + churn (starts + stops) + lead-time penalty (per start) + penalties for unmet demand,
            missed min replicas and missed floors (fail-static / scale-down delay)
@@ -7,8 +7,11 @@ subject to capacity >= demand x (1 + headroom)   (soft: slack priced by priority
            budget: GPUs, $/h                      (hard)
            min (soft) / max (hard) replicas per model, allowed configs (the candidate list)
 
-Integers only (CP-SAT): capacities in milli-rps, money in milli-$/h. Deterministic with one
-worker; time-limited; status, objective, bound and gap reported from the solver itself.
+The model is built backend-neutral and solved by SCIP through pywraplp (default: single thread,
+deterministic) or CP-SAT (integers only: capacities in milli-rps, money in milli-$/h; deterministic
+with one worker). Dominated configs are pruned first (exact); the LP relaxation (GLOP) rounded per
+model is a warm start and the fallback when the solver returns nothing. Time-limited; status,
+objective, bound and gap are reported from the solver itself (the planner reads no clock).
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ class CountProblem:
     time_limit_s: float = 2.0
     relative_gap: float = 0.001
     workers: int = 1
-    backend: str = "cp-sat"  # "cp-sat" | "SCIP" | "HIGHS" (pywraplp)
+    backend: str = "SCIP"  # "SCIP" (pywraplp) | "cp-sat"
 
 
 @dataclass(frozen=True)
@@ -444,6 +447,16 @@ def solve_counts(problem: CountProblem) -> CountSolution:
         hint = _round(problem, mdl, cands, lp[0])
     raw = (_solve_cpsat(mdl, problem, hint) if backend == "cp-sat"
            else _solve_mip(mdl, problem, backend, hint))
+    if raw.values is None and hint is not None:
+        # no solution within the time limit: the rounded LP solution is feasible; use it
+        obj = sum(c * hint[v] for v, c in mdl.obj.items())
+        raw = _Raw(f"{raw.status}+LP_ROUNDING", hint, obj, lp[1] if lp is not None else None, raw.wall_s)
+    if raw.values is None:
+        # nothing feasible found at all (should not happen: every constraint has slack): keep the
+        # current fleet where the candidates allow it, never raise
+        keep = [float(min(problem.current.get(c.config, 0), int(mdl.ubs[i]))) for i, c in enumerate(cands)]
+        raw = _Raw(f"{raw.status}+KEPT_CURRENT", _complete(mdl, [int(k) for k in keep]) or
+                   keep + [0.0] * (len(mdl.names) - len(cands)), None, None, raw.wall_s)
     counts: dict[ConfigKey, int] = {}
     unmet: dict[str, float] = {}
     missed: dict[str, int] = {}

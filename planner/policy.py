@@ -236,7 +236,7 @@ class SolverSettings(_Strict):
     time_limit_s: float = Field(default=10.0, gt=0)
     relative_gap: float = Field(default=0.005, ge=0, le=1)
     workers: int = Field(default=1, ge=1, le=64)  # CP-SAT: >1 is faster but not bit-for-bit deterministic
-    backend: Literal["cp-sat", "SCIP", "HIGHS"] = "SCIP"  # stage-1 solver (placement is always exact packing)
+    backend: Literal["SCIP", "cp-sat"] = "SCIP"  # stage-1 solver (placement is always exact packing)
 
 
 class ScheduleOverride(_Strict):
