@@ -389,6 +389,8 @@ class SimEngine:
         self.draining = False
         self.lag_events = 0
         self.lag_sim_s = 0.0
+        self.behind_max_wall_s = 0.0  # the most the simulated clock fell behind time_scale x wall
+        self._warned_behind = False
         self.steps = 0
         self._driver: asyncio.Task[None] | None = None
         self._runner: web.AppRunner | None = None
@@ -472,7 +474,16 @@ class SimEngine:
             now = self.wall_sim_now()
             if core.idle():
                 self._sim_t = max(self._sim_t, incoming[0].ready_at)
-            elif now - self._sim_t > tol:  # never when tol is inf
+            else:
+                behind = (now - self._sim_t) / k  # wall seconds the simulated clock is behind
+                if behind > self.behind_max_wall_s:
+                    self.behind_max_wall_s = behind
+                    if behind > 1.0 and not self._warned_behind:
+                        self._warned_behind = True
+                        log.warning("the host CPU cannot keep up at time scale %g: the simulated clock is %.1f "
+                                    "wall s behind (lower --time-scale or the request rate, or raise "
+                                    "--min-chunk-interval-ms)", k, behind)
+            if not core.idle() and now - self._sim_t > tol:  # never when tol is inf
                 self.lag_events += 1
                 self.lag_sim_s += now - tol - self._sim_t
                 self._sim_t = now - tol
@@ -583,6 +594,7 @@ class SimEngine:
             "waiting": self.core.num_waiting + len(self.incoming), "kv_usage": self.core.kv_usage,
             "kv_blocks": self.params.kv_blocks, "max_num_seqs": self.params.max_num_seqs,
             "steps": self.steps, "lag_events": self.lag_events, "lag_sim_s": self.lag_sim_s,
+            "behind_max_wall_s": self.behind_max_wall_s,
         })
 
     async def h_completions(self, request: web.Request) -> web.StreamResponse:
