@@ -118,14 +118,17 @@ class Evaluation:
     notes: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "policies": {name: f.to_json() for name, f in self.policies.items()},
-            "trace": dict(self.trace),
-            "oracle": {"config": self.oracle_config},
-            "ground_truth_capacity_rps": {k: round(v, 3) for k, v in sorted(self.capacities.items())},
-            "wall_s": round(self.wall_s, 2),
-            "notes": list(self.notes),
-        }
+        """{"policies": {name: figures}, "trace": {...}}: exactly the two top-level keys of the issue."""
+        policies = {name: f.to_json() for name, f in self.policies.items()}
+        if "oracle" in policies:
+            policies["oracle"]["config"] = self.oracle_config
+            policies["oracle"]["ground_truth_capacity_rps"] = {
+                k: round(v, 3) for k, v in sorted(self.capacities.items())}
+        trace = dict(self.trace)
+        trace["evaluation_wall_s"] = round(self.wall_s, 2)
+        if self.notes:
+            trace["notes"] = list(self.notes)
+        return {"policies": policies, "trace": trace}
 
 
 @dataclass(frozen=True)

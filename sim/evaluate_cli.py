@@ -82,7 +82,7 @@ def _handle(args: argparse.Namespace) -> int:
     if args.out is not None:
         png, html = write_charts(ev, args.out)
         atomic_write_text(args.out / "evaluation.json", json.dumps(doc, indent=2) + "\n")
-        doc["charts"] = {"png": str(png), "html": str(html)}
+        doc["trace"]["charts"] = {"png": str(png), "html": str(html)}
     if args.json:
         print(json.dumps(doc, indent=2))
     else:

@@ -141,7 +141,7 @@ def test_cli_json_shape_and_charts(world: tuple[Policy, object, dict[ConfigKey, 
                    "--policies", "fleetplan,static-peak,hpa,oracle"])
     assert rc == 0
     doc = json.loads(capsys.readouterr().out)
-    assert set(doc) >= {"policies", "trace"}
+    assert set(doc) == {"policies", "trace"}
     for name in ("fleetplan", "static-peak", "hpa"):
         assert {"gpu_hours", "slo_attainment", "ttft_p99_ms", "itl_p99_ms"} <= set(doc["policies"][name])
         assert 0.0 <= doc["policies"][name]["slo_attainment"] <= 1.0
