@@ -39,7 +39,7 @@ from models.profile import (
 Array = NDArray[np.float64]
 
 SATURATED_FRACTION = 0.9  # achieved / offered below this: the point is past saturation
-_N_PARAMS = 14
+_N_PARAMS = 15
 _OFFSET_PARAMS = (8, 10)  # ttft_p99_factor, itl_p99_factor: fitted as log(f - 1), f > 1
 _RHO_CLIP = 0.995
 _PRIOR_WEIGHT_ROOFLINE = 0.3

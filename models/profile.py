@@ -124,11 +124,13 @@ class PerfParams:
     chunk_per_token: float = 1.0 / 8192.0  # 1 / prefill chunk size: steps a prompt token waits for
     ttft_fixed_ms: float = 2.0  # latency outside the GPU: HTTP, tokenisation, scheduling
     prefill_latency_factor: float = 1.0  # a prompt's prefill latency / the GPU work it adds
+    queue_decode_share: float = 1.0  # how much decode work, next to prefill, new prompts queue behind
 
     def as_tuple(self) -> tuple[float, ...]:
         return (self.s0_ms, self.s1_ms, self.s2_ms, self.p0_ms, self.p1_ms, self.p2_ms, self.q,
                 self.ttft_p50_factor, self.ttft_p99_factor, self.itl_p50_factor, self.itl_p99_factor,
-                self.chunk_per_token, self.ttft_fixed_ms, self.prefill_latency_factor)
+                self.chunk_per_token, self.ttft_fixed_ms, self.prefill_latency_factor,
+                self.queue_decode_share)
 
     @staticmethod
     def from_tuple(values: tuple[float, ...] | list[float]) -> PerfParams:
@@ -138,9 +140,10 @@ class PerfParams:
 PARAM_NAMES: tuple[str, ...] = (
     "s0_ms", "s1_ms", "s2_ms", "p0_ms", "p1_ms", "p2_ms", "q",
     "ttft_p50_factor", "ttft_p99_factor", "itl_p50_factor", "itl_p99_factor", "chunk_per_token",
-    "ttft_fixed_ms", "prefill_latency_factor",
+    "ttft_fixed_ms", "prefill_latency_factor", "queue_decode_share",
 )
-_OPTIONAL_PARAMS = {"chunk_per_token": 1.0 / 8192.0, "ttft_fixed_ms": 2.0, "prefill_latency_factor": 1.0}
+_OPTIONAL_PARAMS = {"chunk_per_token": 1.0 / 8192.0, "ttft_fixed_ms": 2.0, "prefill_latency_factor": 1.0,
+                    "queue_decode_share": 1.0}
 
 
 @dataclass(frozen=True)
@@ -184,12 +187,17 @@ def work_terms(p: PerfParams, isl: Any, osl: Any) -> tuple[Any, Any]:
     return prefill, prefill + per_seq * (osl - 1.0)
 
 
+def queued_work(p: PerfParams, prefill: Any, work: Any) -> Any:
+    """GPU work per request a new prompt queues behind: its prefill and a share r of the decode."""
+    return prefill + p.queue_decode_share * (work - prefill)
+
+
 def latency_terms(p: PerfParams, isl: Any, osl: Any, x: Any) -> tuple[Any, Any, Any, Any, Any]:
     """(ITL, TTFT mean, TTFT p50, TTFT p99, decode batch) at throughput x (requests/ms), rho < 1."""
     prefill, work = work_terms(p, isl, osl)
     rho = x * work
     itl = p.s0_ms / (1.0 - rho)
-    wq = p.q * prefill * rho / (1.0 - rho)
+    wq = p.q * prefill * x * queued_work(p, prefill, work) / (1.0 - rho)
     steps = (0.5 + p.chunk_per_token * isl) * itl  # wait for the running step, then one per chunk
     fixed = p.ttft_fixed_ms + steps
     own = p.prefill_latency_factor * prefill
@@ -207,7 +215,7 @@ def closed_loop_x(p: PerfParams, isl: Any, osl: Any, clients: Any) -> Any:
     """
     prefill, work = work_terms(p, isl, osl)
     own = p.prefill_latency_factor * prefill
-    a = work * (prefill * p.q - own - p.ttft_fixed_ms)
+    a = p.q * prefill * queued_work(p, prefill, work) - work * (own + p.ttft_fixed_ms)
     b = p.ttft_fixed_ms + own + (osl - 0.5 + p.chunk_per_token * isl) * p.s0_ms + clients * work
     disc = b * b + 4.0 * a * clients
     return 2.0 * clients / (b + disc ** 0.5)
@@ -353,7 +361,8 @@ def capacity(profile: PerfProfile, workload: Workload, *, ttft_p99_ms: float, it
     fixed = p.ttft_fixed_ms + p.ttft_p99_factor * p.prefill_latency_factor * prefill
     steps = (0.5 + p.chunk_per_token * isl) * p.s0_ms
     num = ttft_p99_ms - fixed - steps
-    rho_ttft = max(num / (num + steps + _LN100 * p.q * prefill), 0.0) if num > 0 else 0.0
+    queue = _LN100 * p.q * prefill * queued_work(p, prefill, work) / work
+    rho_ttft = max(num / (num + steps + queue), 0.0) if num > 0 else 0.0
     candidates = [(rho_ttft / work, Binding.TTFT), (rho_itl / work, Binding.ITL)]
     if profile.kv_tokens is not None:
         candidates.append((x_mem, Binding.MEMORY))
