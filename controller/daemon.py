@@ -1000,9 +1000,21 @@ class Controller:
 
     def _plan_alerts(self, doc: Mapping[str, Any]) -> list[str]:
         out = []
+        obs = doc.get("observation") or {}
         for m in doc.get("explanation", {}).get("models", []):
             if m.get("unmet_rps"):
                 out.append(f"{m['model']}: {m['unmet_rps']:.2f} rps of demand cannot be served (capacity short)")
+            o = obs.get(m["model"]) or {}
+            seen = o.get("ttft_p99_ms")
+            pred = [c["predicted_ttft_p99_ms"] for c in m["configs"] if c["predicted_ttft_p99_ms"] is not None]
+            # the model says the SLO holds but production says otherwise: the profile is optimistic
+            if (seen is not None and not o.get("stale") and seen > m["slo_ttft_p99_ms"] and pred
+                    and max(pred) <= m["slo_ttft_p99_ms"] and (o.get("rate_rps") or 0) > 0):
+                out.append(
+                    f"{m['model']}: observed p99 TTFT {seen:.0f} ms > SLO {m['slo_ttft_p99_ms']:.0f} ms while the "
+                    f"profiles predict {max(pred):.0f} ms at this load: profiles optimistic (re-benchmark) or "
+                    "engines overloaded"
+                )
         return out
 
     def _update_metrics(self, doc: Mapping[str, Any], snap: Snapshot) -> None:

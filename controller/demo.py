@@ -36,7 +36,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 
 DEMO_MODEL = "llama-3.1-8b"
-DEMO_MODEL_2 = "qwen-2.5-7b"
+DEMO_MODEL_70B = "llama-3.1-70b"
 
 
 @dataclass
@@ -126,6 +126,7 @@ class Rig:
     engine: EngineOptions = field(default_factory=EngineOptions)
     lab: Any = None
     agents: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    launch_templates: dict[str, Any] | None = None  # default: simulated vllm/trtllm engines
 
     def start(self) -> Rig:
         from sim.lab import Lab
@@ -156,7 +157,7 @@ class Rig:
             },
             "port_range": list(h.port_range),
             "state_dir": str(self.agent_state_dir(h.name)),
-            "launch_templates": {
+            "launch_templates": self.launch_templates or {
                 "vllm": {"engine": "vllm", "argv": self.engine.argv("vllm"), "cwd": str(REPO),
                          "startup_timeout_s": 120, "stop_timeout_s": 10},
                 "trtllm": {"engine": "trtllm", "argv": self.engine.argv("trtllm"), "cwd": str(REPO),
@@ -409,48 +410,66 @@ def run_demo(args: argparse.Namespace) -> int:
 
 async def _demo(args: argparse.Namespace, work: Path) -> int:
     from controller.daemon import Controller, settings_from_lab
+    from controller.report import render_explain, render_report
     from controller.state import StateStore
     from sim.replay import run_load
 
     k = float(args.speed)
     engines = ("vllm", "trtllm")
-    models = (DEMO_MODEL,)
-    isl, osl = 512, 128
-    rig = Rig(work, hosts=args.hosts, gpus_per_host=args.gpus_per_host, engine=EngineOptions(time_scale=k))
-    print(f"== fleetplan demo in {work} (time x{k:g})")
+    model = DEMO_MODEL_70B
+    isl, osl = 1024, 256
+    slo_ttft_ms, slo_itl_ms = 500.0, 100.0
+    rig = Rig(work, hosts=args.hosts, gpus_per_host=args.gpus_per_host,
+              engine=EngineOptions(time_scale=k, startup_s=40.0))
+    print(f"== fleetplan demo in {work} (simulated time runs {k:g}x wall time)", flush=True)
     t_start = time.monotonic()
     ctrl = None
     try:
         print("== starting the lab: Mosquitto, Prometheus, nginx, "
-              f"{args.hosts} simulated hosts x {args.gpus_per_host} H100, one agent per host")
+              f"{args.hosts} simulated hosts x {args.gpus_per_host} H100, one agent per host", flush=True)
         await asyncio.to_thread(rig.start)
-        print("== benchmarking the simulated engines and fitting profiles (the user's workflow)")
-        profiles = await asyncio.to_thread(bench_and_fit, rig.engine, work, models, engines, isl=isl, osl=osl, tp=4)
+        print("== benchmarking the simulated engines and fitting profiles (the user's workflow:\n"
+              "   fleetplan bench-engine ... && fleetplan models fit ...)", flush=True)
+        profiles = await asyncio.to_thread(
+            bench_and_fit, rig.engine, work, (model,), engines, isl=isl, osl=osl, tp=4,
+            concurrency=(1, 4, 16, 32), num_prompts=24,
+            log=lambda m: print(m, flush=True),
+        )
         policy_path = work / "policy.yaml"
-        policy = demo_policy(models=models, engines=engines, isl=isl, osl=osl, max_replicas=10)
+        policy = demo_policy(models=(model,), engines=engines, isl=isl, osl=osl, max_replicas=8,
+                             ttft_p99_ms=slo_ttft_ms, itl_p99_ms=slo_itl_ms, cycle_s=60.0,
+                             scale_down_delay_s=300.0, max_actions=4, startup_s=40.0)
+        policy["models"][0]["allowed"]["tp"] = [4]
         policy_path.write_text(yaml.safe_dump(policy, sort_keys=False))
-        settings, reload = settings_from_lab(rig.controller_settings())
+        settings, reload = settings_from_lab(rig.controller_settings(observe_window_s=15.0, history_s=180.0))
         store = StateStore(work / "state.db")
         ctrl = Controller(settings=settings, policy_path=policy_path, profiles_path=profiles, store=store,
                           time_scale=k, nginx_reload=reload, report_listen="127.0.0.1:0")
         await ctrl.start()
-        print(f"== controller up (report API {ctrl.report_url}); waiting for agents")
+        print(f"== controller up: policy {policy_path}, report API {ctrl.report_url}", flush=True)
         await asyncio.wait_for(ctrl.link.connected.wait(), 20)
         for _ in range(70):
             if len(ctrl.statuses) >= args.hosts:
                 break
             await asyncio.sleep(0.3)
-        # traffic
         sim_duration = args.minutes * 60.0 * k
         if args.trace:
             from sim.traces import read_trace, shape_day
 
-            tr = shape_day(read_trace(args.trace).as_single_model(DEMO_MODEL), sim_duration, rate_scale=0.05)
-            reqs: list[Any] = [(r.t_s, r.prompt_tokens, r.output_tokens, DEMO_MODEL) for r in tr.requests]
+            tr = shape_day(read_trace(args.trace).as_single_model(model), sim_duration, rate_scale=0.05)
+            reqs: list[Any] = [(r.t_s, r.prompt_tokens, r.output_tokens, model) for r in tr.requests]
+            what = f"{args.trace} shaped into a day"
         else:
-            reqs = day_requests(sim_duration, base_rps=0.3, peak_rps=3.0, isl=isl, osl=osl, model=DEMO_MODEL)
-        print(f"== replaying {len(reqs)} requests over {sim_duration / 3600:.1f} simulated hours "
-              f"({args.minutes:g} wall minutes) through nginx {rig.lab.nginx_url}")
+            reqs = day_requests(sim_duration, base_rps=0.12, peak_rps=1.6, isl=isl, osl=osl, model=model)
+            what = "a generated day (night trough 0.12 rps, afternoon peak 1.6 rps)"
+        # place the minimum before traffic starts
+        await ctrl.cycle()
+        for _ in range(100):
+            if ctrl.routed:
+                break
+            await asyncio.sleep(0.2)
+        print(f"== replaying {what}: {len(reqs)} requests over {sim_duration / 3600:.1f} simulated hours "
+              f"({args.minutes:g} wall minutes at {k:g}x) through nginx {rig.lab.nginx_url}", flush=True)
         results: list[Any] = []
         failed = 0
 
@@ -460,48 +479,47 @@ async def _demo(args: argparse.Namespace, work: Path) -> int:
             if r.outcome != "ok":
                 failed += 1
 
-        # one cycle to place the minimum before traffic starts
-        await ctrl.cycle()
-        load = asyncio.create_task(run_load(reqs, rig.lab.nginx_url + f"/m/{DEMO_MODEL}", speed=k,
+        load = asyncio.create_task(run_load(reqs, rig.lab.nginx_url + f"/m/{model}", speed=k,
                                             max_in_flight=400, timeout_s=120, on_result=on_result))
         cycle_wall = policy["scaling"]["cycle_s"] / k
         t0 = time.monotonic()
         gpu_s = 0.0
+        peak_gpus = 0
         last = time.monotonic()
         while not load.done():
             await asyncio.sleep(cycle_wall)
             summary = await ctrl.cycle()
             now = time.monotonic()
             gpus = sum(r.tp for r in ctrl.store.active_replicas())
+            peak_gpus = max(peak_gpus, gpus)
             gpu_s += gpus * (now - last) * k
             last = now
             print(_short_cycle_line(ctrl, summary, now - t0, len(results), failed), flush=True)
         res = load.result()
         ok = [r for r in res if r.outcome == "ok"]
-        slo_ttft = policy["models"][0]["slo"]["ttft_p99_ms"] / 1000
-        slo_itl = policy["models"][0]["slo"]["itl_p99_ms"] / 1000
-        met = [r for r in ok if r.ttft_s is not None and r.ttft_s <= slo_ttft
-               and (r.itl_mean_s is None or r.itl_mean_s <= slo_itl)]
+        met = [r for r in ok if r.ttft_s is not None and r.ttft_s * 1000 <= slo_ttft_ms
+               and (r.itl_mean_s is None or r.itl_mean_s * 1000 <= slo_itl_ms)]
         counts = ctrl.store.action_counts()
         ttfts = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
         p99 = ttfts[int(0.99 * (len(ttfts) - 1))] * 1000 if ttfts else float("nan")
-        peak_gpus = 8 * 0 + max((c.get("summary") or {}).get("planned_replicas", 0) for c in ctrl.store.cycles(1000))
+        p50 = ttfts[len(ttfts) // 2] * 1000 if ttfts else float("nan")
+        hours = sim_duration / 3600
+        print("")
+        print(render_report(ctrl.report(), actions=10))
+        print("")
+        print(render_explain(ctrl.report(), model) or "")
         print("")
         print("== summary")
         print(f"  requests: {len(res)} sent, {len(ok)} ok, {len(res) - len(ok)} failed")
-        print(f"  SLO attainment (TTFT <= {slo_ttft * 1000:.0f} ms and mean ITL <= {slo_itl * 1000:.0f} ms): "
-              f"{100.0 * len(met) / max(1, len(res)):.1f}% of requests; TTFT p99 {p99:.0f} ms")
-        print(f"  GPU-hours (simulated): {gpu_s / 3600:.1f} over {sim_duration / 3600:.1f} h "
-              f"(static peak provisioning of {peak_gpus} GPUs: {peak_gpus * sim_duration / 3600:.1f})")
-        print("  actions: " + ", ".join(f"{k_}={v}" for k_, v in sorted(counts.items())))
+        print(f"  SLO attainment (TTFT <= {slo_ttft_ms:.0f} ms and mean ITL <= {slo_itl_ms:.0f} ms): "
+              f"{100.0 * len(met) / max(1, len(res)):.1f}% of requests; TTFT p50 {p50:.0f} ms, p99 {p99:.0f} ms")
+        print(f"  GPU-hours (simulated): {gpu_s / 3600:.1f} over {hours:.1f} h; static provisioning for the "
+              f"peak ({peak_gpus} GPUs) would use {peak_gpus * hours:.1f}")
+        print("  actions: " + (", ".join(f"{k_}={v}" for k_, v in sorted(counts.items())) or "none"))
         print(f"  cycles: {ctrl.cycle_count}; wall time {time.monotonic() - t_start:.0f} s")
-        from controller.report import render_report
-
-        print("")
-        print(render_report(ctrl.report(), actions=8))
-        return 0
+        return 0 if len(ok) == len(res) else 1
     finally:
-        print("== stopping everything")
+        print("== stopping everything", flush=True)
         if ctrl is not None:
             with contextlib.suppress(Exception):
                 await ctrl.stop()

@@ -70,8 +70,11 @@ def policy_doc(**over: Any) -> dict[str, Any]:
 class ControllerProc:
     """`fleetplan controller` as a subprocess on a Rig, plus its report API."""
 
-    def __init__(self, rig: Rig, work: Path, policy: dict[str, Any], **settings: Any) -> None:
+    def __init__(self, rig: Rig, work: Path, policy: dict[str, Any], *, time_scale: float = K,
+                 profiles: Path | None = PROFILES, **settings: Any) -> None:
         self.rig = rig
+        self.time_scale = time_scale
+        self.profiles = profiles
         self.work = work
         self.policy_path = work / "policy.yaml"
         self.write_policy(policy)
@@ -92,8 +95,9 @@ class ControllerProc:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "controller.cli", "-v", "controller", "--policy", str(self.policy_path),
-             "--profiles", str(PROFILES), "--state-db", str(self.state_db), "--report-listen",
-             f"127.0.0.1:{self.port}", "--time-scale", f"{K:g}", "--config", str(self.config)],
+             *(["--profiles", str(self.profiles)] if self.profiles else []),
+             "--state-db", str(self.state_db), "--report-listen",
+             f"127.0.0.1:{self.port}", "--time-scale", f"{self.time_scale:g}", "--config", str(self.config)],
             stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO), start_new_session=True,
             env=dict(os.environ, PYTHONUNBUFFERED="1"),
         )

