@@ -178,7 +178,8 @@ def render_plan(doc: dict[str, Any]) -> str:
                    f"bound={_f(s['best_bound'], '.3f')} gap={_f(s['gap'], '.4f')} wall={s['wall_s']:.3f}s")
     out.append(f"  total solve {e['solve_s']:.3f} s; $/h now {e['usd_h']:.2f}, target {e['target_usd_h']:.2f}")
     if e["binding_constraints"]:
-        out.append("BINDING: " + "; ".join(e["binding_constraints"]))
+        out.append("BINDING")
+        out.extend(f"  {b}" for b in e["binding_constraints"])
     for n in e["notes"]:
         out.append("NOTE: " + n)
     return "\n".join(out) + "\n"

@@ -270,6 +270,11 @@ def plan_with_capacities(
 
     reports: list[SolverReport] = []
     notes: list[str] = []
+    known_models = {m.name for m in policy.models}
+    aliases = policy.aliases()
+    ignored = sorted(n for n in observation.models if aliases.canonical(n) not in known_models)
+    if ignored:
+        notes.append("observations for models not in the policy ignored: " + ", ".join(ignored))
     if eff.active_schedules:
         notes.append("active schedules: " + ", ".join(eff.active_schedules))
     if drained:
@@ -476,6 +481,11 @@ def _explain(
             mnotes.append(f"min_replicas missed by {now_sol.min_missed[m.name]}")
         if not any(c.model == m.name for c in capacities):
             mnotes.append("no capacity data (profile) for any allowed config")
+        if configs:
+            main_cfg = max(configs, key=lambda x: (x.replicas * x.capacity_per_replica_rps, x.config))
+            slo = {"ttft": f"TTFT p99 {m.slo.ttft_p99_ms:g} ms", "itl": f"ITL p99 {m.slo.itl_p99_ms:g} ms",
+                   "memory": "KV-cache memory"}.get(main_cfg.binding, main_cfg.binding or "unknown")
+            binding.append(f"{m.name}: replica capacity limited by {slo} ({main_cfg.config.label()})")
         models.append(ModelExplanation(
             m.name, d.observed_rps, d.forecast_rps, d.demand_rps, m.headroom, d.required_rps, cap, tcap,
             unmet if unmet > UNMET_TOL_RPS else 0.0, m.slo.ttft_p99_ms, m.slo.itl_p99_ms, usd, tuple(configs),

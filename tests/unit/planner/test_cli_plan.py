@@ -60,6 +60,7 @@ def test_plan_json_document(files: dict[str, str], capsys: pytest.CaptureFixture
     hosts = {"gpu-01", "gpu-02", "gpu-03"}
     assert all(r["host"] in hosts for r in doc["plan"]["replicas"])
     assert doc["explanation"]["solver"][0]["status"] in ("OPTIMAL", "FEASIBLE")
+    assert any(b.startswith("llama-3-8b: replica capacity limited by") for b in doc["explanation"]["binding_constraints"])
     # ids are valid agent-protocol ids (MQTT desired state)
     ids = [r["replica_id"] for r in doc["plan"]["replicas"]] + [a["replica"]["replica_id"] for a in doc["actions"]]
     assert ids and all(re.match(ID_PATTERN, i) for i in ids)
