@@ -16,7 +16,8 @@ engine's clock, never in its future); it catches up when the engine goes idle. W
 in `/sim/state` as lag events). A request is never admitted before its arrival.
 
 Each SSE chunk carries `sim_time_s`, the engine's simulated time of its last token (the first
-chunk also `sim_first_token_s`), and the response header `X-Sim-Arrival-S` the request's simulated arrival: clients can measure in exact
+chunk also `sim_first_token_s`; a chunk of several tokens `sim_token_times_s`, one per token), and
+the response header `X-Sim-Arrival-S` the request's simulated arrival: clients can measure in exact
 simulated time (sim.replay does when they are present) instead of wall time x time scale.
 
 Prompt length: the request's `prompt_tokens` field when present (an extension; also accepted
@@ -156,7 +157,7 @@ class EngineConfig:
 class _Req:
     __slots__ = (
         "arrival", "chat", "done", "done_event", "event", "finish_reason", "first", "last", "max_tokens_param",
-        "out_tokens", "pending", "prompt_tokens", "ready_at", "rid", "scheduled",
+        "out_tokens", "pending", "pending_times", "prompt_tokens", "ready_at", "rid", "scheduled",
     )
 
     def __init__(self, rid: str, prompt_tokens: int, out_tokens: int, max_tokens_param: int, arrival: float,
@@ -172,6 +173,7 @@ class _Req:
         self.first: float | None = None
         self.last = 0.0
         self.pending = 0
+        self.pending_times: list[float] = []  # engine time of each pending token (sent with coalesced chunks)
         self.done = False
         self.finish_reason = "length"
         self.event = asyncio.Event()
@@ -529,6 +531,7 @@ class SimEngine:
                     s.itl.observe(gap, n)
             r.last = end
             r.pending += n
+            r.pending_times.append(end)
             s.generation_tokens += n
             r.event.set()
         if itl_obs:
@@ -716,6 +719,8 @@ class SimEngine:
                         await asyncio.wait_for(r.done_event.wait(), wait)
             n = r.pending
             r.pending = 0
+            times = r.pending_times
+            r.pending_times = []
             final = r.done and sent + n >= r.out_tokens
             if n == 0 and not final:
                 continue
@@ -734,6 +739,8 @@ class SimEngine:
                      "choices": [choice], "n_tokens": n, "sim_time_s": r.last}
             if is_first:
                 chunk["sim_first_token_s"] = r.first
+            if n > 1:
+                chunk["sim_token_times_s"] = times
             await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
             last_write = time.monotonic()
             if final:

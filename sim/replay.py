@@ -175,20 +175,31 @@ async def _one(
                         continue
                     sim_t = chunk.get("sim_time_s")
                     now = float(sim_t) if use_sim and sim_t is not None else (time.monotonic() - t0) * speed
+                    times = chunk.get("sim_token_times_s") if use_sim else None
+                    if not (isinstance(times, list) and len(times) == n):
+                        times = None
                     if first is None:
                         ft = chunk.get("sim_first_token_s")
                         first = float(ft) if use_sim and ft is not None else now
-                        if n > 1:  # a coalesced first chunk: its other tokens came after the first
-                            g = (now - first) / (n - 1)
-                            max_gap = g
-                            if gaps is not None:
-                                gaps.extend([g] * (n - 1))
+                        prev = first
+                        rest = times[1:] if times is not None else None
+                        k_rest = n - 1
                     else:
                         assert last is not None
-                        g = (now - last) / n
-                        max_gap = max(max_gap, g)
+                        prev = last
+                        rest = times
+                        k_rest = n
+                    if k_rest > 0:
+                        if rest is not None:  # exact per-token times from the engine
+                            chunk_gaps = []
+                            for tt in rest:
+                                chunk_gaps.append(float(tt) - prev)
+                                prev = float(tt)
+                        else:  # spread the chunk's gap evenly over its tokens
+                            chunk_gaps = [(now - prev) / k_rest] * k_rest
+                        max_gap = max(max_gap, *chunk_gaps)
                         if gaps is not None:
-                            gaps.extend([g] * n)
+                            gaps.extend(chunk_gaps)
                     last = now
                     tokens += n
     except TimeoutError:

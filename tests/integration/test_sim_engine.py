@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -219,6 +220,15 @@ async def test_coalesced_chunks_carry_their_token_count() -> None:
         token_chunks = [c for c in chunks if "n_tokens" in c]
         assert sum(c["n_tokens"] for c in token_chunks) == 200
         assert len(token_chunks) < 100  # coalesced: 200 steps of ~7 ms / 50 in far fewer 20 ms chunks
+        times = [t for c in token_chunks for t in c.get("sim_token_times_s", [c["sim_time_s"]])]
+        assert len(times) == 200 and times == sorted(times)
+        assert all(c["sim_time_s"] == c.get("sim_token_times_s", [c["sim_time_s"]])[-1] for c in token_chunks)
+        # the client rebuilds every inter-token gap from the engine's times: the engine's own ITL histogram
+        (res,) = await run_load([(0.0, 50, 100)], f"http://127.0.0.1:{e.port}", speed=50.0, keep_itls=True)
+        assert res.outcome == "ok" and res.itls_s is not None and len(res.itls_s) == 99
+        engine_itl = e.stats.itl.sum / e.stats.itl.count  # over both requests: 199 + 99 gaps
+        client_gaps = [b - a for a, b in itertools.pairwise(times)] + res.itls_s
+        assert sum(client_gaps) / len(client_gaps) == pytest.approx(engine_itl, rel=1e-9)
     finally:
         await e.stop()
 
