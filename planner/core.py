@@ -431,7 +431,8 @@ def _actions(
             stops.append(Action(ActionKind.STOP, r, "drain in progress; stop when drained"))
         else:
             stops.append(Action(ActionKind.STOP, r, why + " (not serving yet)"))
-    return [*builds, *starts_free, *drains, *stops, *starts_after]
+    # serving capacity first: starts on free GPUs, then engine builds, drains, stops, starts on freed GPUs
+    return [*starts_free, *builds, *drains, *stops, *starts_after]
 
 
 def _explain(

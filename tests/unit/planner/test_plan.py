@@ -41,7 +41,8 @@ def test_uncached_trtllm_serves_on_vllm_now_and_builds() -> None:
     builds = [a for a in r.actions if a.kind == ActionKind.BUILD]
     assert {(a.replica.config.model, a.replica.config.tp) for a in builds} == {("m8", 1), ("m70", 4)}
     assert all(len(a.replica.gpu_indices) == a.replica.config.tp for a in builds)
-    assert r.actions[0].kind == ActionKind.BUILD
+    kinds = [a.kind for a in r.actions]
+    assert kinds == sorted(kinds, key=[ActionKind.START, ActionKind.BUILD].index)  # starts first, then builds
     assert r.explanation.models[0].capacity_rps >= 40.0
 
 
