@@ -457,10 +457,14 @@ class SimEngine:
             await self._runner.cleanup()
             self._runner = None
         if self._driver is not None:
-            self._driver.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._driver
-            self._driver = None
+            driver, self._driver = self._driver, None
+            driver.cancel()
+            try:
+                await driver
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # stop() itself was cancelled: propagate
 
     # -- the driver ----------------------------------------------------------------------------
     async def _drive(self) -> None:
