@@ -87,3 +87,13 @@ def test_plan_errors_exit_2(files: dict[str, str], tmp_path: Path, capsys: pytes
     assert main(["plan", "--policy", files["policy"], "--profiles", str(tmp_path / "nope.json"),
                  "--demand", files["demand"]]) == 2
     assert "nope.json" in capsys.readouterr().err
+
+
+def test_fleet_document_round_trip(files: dict[str, str]) -> None:
+    from planner.serde import fleet_from_dict, fleet_to_dict, state_from_dict, state_to_dict
+
+    fleet, state = fleet_from_dict(json.loads(Path(files["fleet"]).read_text()), "current.json")
+    assert fleet.hosts[0].gpu.value == "h100" and fleet.replicas[0].state.value == "ready"
+    again, state2 = fleet_from_dict(fleet_to_dict(fleet, state), "x")
+    assert (again, state2) == (fleet, state)
+    assert state_from_dict(state_to_dict(state)) == state
