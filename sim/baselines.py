@@ -15,7 +15,8 @@
   rate, Little's law). Pods still starting count in `current` but not in the metric.
 - oracle: per window (the policy's cycle period) ceil(true arrival rate / ground-truth max rate of
   one replica at the SLO) replicas of the config with the lowest $ per unit of ground-truth
-  capacity; perfect foresight, zero lead time; only GPU-hours and cost (a bound, not a run).
+  capacity (the last partial replica's worth on whichever config covers it cheapest); perfect
+  foresight, zero lead time; only GPU-hours and cost (a bound, not a run).
 
 The baseline config of the static and HPA policies is the one a team would pick from its
 benchmarks: the lowest $/h per rps of profile capacity among the configs that can start at t=0
@@ -220,11 +221,45 @@ def mean_rate(trace: Trace) -> float:
 class OracleResult:
     gpu_hours: float
     cost_usd: float
-    config: ConfigKey
-    capacity_rps: float  # ground truth, one replica at the SLO
+    config: ConfigKey  # the cheapest config per unit of ground-truth capacity (the bulk)
+    capacity_rps: float  # its ground-truth capacity, one replica at the SLO
     replicas_per_window: tuple[int, ...]
+    gpus_per_window: tuple[int, ...]
+    capacity_per_window: tuple[float, ...]
     window_s: float
     replica_starts: int
+
+
+def _window_fleet(r: float, usable: Sequence[ConfigKey], best: ConfigKey, cap: Mapping[ConfigKey, float],
+                  price: Mapping[ConfigKey, float], min_replicas: int) -> dict[ConfigKey, int]:
+    """The cheapest of: one config for the whole window, or the bulk on `best` + the remainder on
+    whichever config covers it cheapest (so that a small demand is not rounded up to a big replica)."""
+    def single(x: float) -> tuple[float, dict[ConfigKey, int]]:
+        opts = []
+        for c in usable:
+            n = max(1, math.ceil(x / cap[c] - 1e-9))
+            opts.append((n * price[c], c.tp * n, c, n))
+        cost, _g, c, n = min(opts, key=lambda o: (o[0], o[1], o[2]))
+        return cost, {c: n}
+
+    if r <= 0:
+        return {best: min_replicas} if min_replicas > 0 else {}
+    cands = [single(r)]
+    bulk = math.floor(r / cap[best] + 1e-9)
+    if bulk > 0:
+        rem = r - bulk * cap[best]
+        fleet = {best: bulk}
+        cost = bulk * price[best]
+        if rem > 1e-9:
+            c2, f2 = single(rem)
+            cost += c2
+            for c, n in f2.items():
+                fleet[c] = fleet.get(c, 0) + n
+        cands.append((cost, fleet))
+    cost, fleet = min(cands, key=lambda x: (x[0], sum(c.tp * n for c, n in x[1].items())))
+    if sum(fleet.values()) < min_replicas:
+        fleet[best] = fleet.get(best, 0) + min_replicas - sum(fleet.values())
+    return fleet
 
 
 def oracle(
@@ -235,12 +270,14 @@ def oracle(
     window_s: float,
     min_replicas: int = 0,
 ) -> OracleResult:
-    """Per window ceil(true demand / ground-truth capacity) replicas of the cheapest config per rps."""
+    """Per window ceil(true demand / ground-truth capacity per replica) on the cheapest config per
+    unit of capacity, the last partial replica's worth of demand on whichever config serves it
+    cheapest; perfect foresight, zero lead time."""
     usable = [c for c in configs if gt_capacity.get(c, 0.0) > 0]
     if not usable:
         raise ValueError("oracle: no config has a ground-truth capacity at the SLO")
-    best = min(usable, key=lambda c: (price_usd_h.get(c.gpu.value, 0.0) * c.tp / gt_capacity[c], c))
-    cap = gt_capacity[best]
+    price = {c: price_usd_h.get(c.gpu.value, 0.0) * c.tp for c in usable}
+    best = min(usable, key=lambda c: (price[c] / gt_capacity[c], c))
     duration = trace.duration_s
     rates = iter_rates(trace.requests, window_s, duration)
     if len(rates) and duration > 0:
@@ -248,18 +285,25 @@ def oracle(
         if 0 < last_span < window_s:
             rates[-1] *= window_s / last_span  # the last, partial window's rate
     reps: list[int] = []
+    gpus: list[int] = []
+    caps: list[float] = []
     gpu_s = 0.0
+    cost = 0.0
     starts = 0
-    prev = 0
+    prev: dict[ConfigKey, int] = {}
     for k, r in enumerate(rates):
-        n = max(min_replicas, math.ceil(r / cap - 1e-9))
+        fleet = _window_fleet(float(r), usable, best, gt_capacity, price, min_replicas)
         span = min(window_s, max(0.0, duration - k * window_s))
-        gpu_s += n * best.tp * span
-        reps.append(n)
-        starts += max(0, n - prev) if k > 0 else 0
-        prev = n
-    gpu_hours = gpu_s / 3600.0
-    return OracleResult(gpu_hours, gpu_hours * price_usd_h.get(best.gpu.value, 0.0), best, cap, tuple(reps),
+        g = sum(c.tp * n for c, n in fleet.items())
+        gpu_s += g * span
+        cost += sum(price[c] * n for c, n in fleet.items()) * span / 3600.0
+        reps.append(sum(fleet.values()))
+        gpus.append(g)
+        caps.append(sum(gt_capacity[c] * n for c, n in fleet.items()))
+        if k > 0:
+            starts += sum(max(0, n - prev.get(c, 0)) for c, n in fleet.items())
+        prev = fleet
+    return OracleResult(gpu_s / 3600.0, cost, best, gt_capacity[best], tuple(reps), tuple(gpus), tuple(caps),
                         window_s, starts)
 
 

@@ -425,12 +425,12 @@ def evaluate(trace: Trace, policy: Policy, profiles: ProfileSet, options: Evalua
             starts += o.replica_starts
             labels.append(f"{o.config.label()} @ {o.capacity_rps:.2f} rps/replica")
             rates = _window_rates(sub, o.window_s, trace.duration_s)
-            for k, n in enumerate(o.replicas_per_window):
+            for k, n in enumerate(o.gpus_per_window):
                 t = k * o.window_s
                 acc = timeline_acc.setdefault(t, [0.0, 0.0])
                 acc[0] += float(rates[k]) if k < len(rates) else 0.0
-                acc[1] += n * o.capacity_rps
-                gpus_acc[t] = gpus_acc.get(t, 0) + n * o.config.tp
+                acc[1] += o.capacity_per_window[k]
+                gpus_acc[t] = gpus_acc.get(t, 0) + n
         tl = tuple((t, v[0], v[1], gpus_acc[t]) for t, v in sorted(timeline_acc.items()))
         dur_h = trace.duration_s / 3600.0
         figures["oracle"] = PolicyFigures(

@@ -166,3 +166,22 @@ def test_trace_with_model_column_needs_a_policy_model(world: tuple[Policy, objec
     with pytest.raises(EvaluateError, match="model 'ChatGPT' of the trace is not in the policy"):
         prepare_trace(trace, policy, None)
     assert prepare_trace(trace, policy, "Llama-3-8B").models() == (MODEL,)
+
+
+def test_oracle_bulk_on_cheapest_per_unit_remainder_on_cheapest_cover() -> None:
+    from models.names import Engine, GpuType, Precision
+    from sim.baselines import oracle
+
+    tp1 = ConfigKey(MODEL, Engine.TRTLLM, GpuType.H100, 1, Precision.BF16)
+    tp2 = ConfigKey(MODEL, Engine.TRTLLM, GpuType.H100, 2, Precision.BF16)
+    caps = {tp1: 10.0, tp2: 25.0}  # TP2 is cheaper per rps (12.5 vs 10 rps per GPU)
+    low = synthetic([(120.0, 5.0)], seed=4)
+    o = oracle(low, [tp1, tp2], caps, {"h100": 2.0}, 60.0)
+    assert o.config == tp2
+    assert set(o.gpus_per_window) == {1}  # 5 rps: one TP1 replica, not a TP2 one
+    # 60 rps for two windows of 60 s
+    high = Trace("h", TraceFormat.AZURE, tuple(TraceRequest(i / 60.0, 100, 10) for i in range(7201)))
+    o = oracle(high, [tp1, tp2], caps, {"h100": 2.0}, 60.0)
+    assert o.gpus_per_window == (5, 5)  # 2 x TP2 (50 rps) + 1 x TP1 (10 rps), not 3 x TP2
+    assert o.gpu_hours == pytest.approx(5 * 120.0 / 3600.0, rel=1e-6)
+    assert o.cost_usd == pytest.approx(2.0 * o.gpu_hours)
