@@ -5,7 +5,10 @@ simulated clock with the trtllm persona (Llama 3.1 8B / H100 / TP1 and 70B / TP4
 TTFT and mean ITL, simulator vs table, per point. Points at or past saturation (QPS INF, achieved
 req/s < 85% of the offered QPS, or a table TTFT > 5x the sweep's lowest: queueing) are marked and excluded from the error summary.
 
-    .venv/bin/python bench/calibrate_sim.py [--gpu h100] [--persona trtllm] [--seeds 3]
+    .venv/bin/python bench/calibrate_sim.py [--gpu h100] [--persona trtllm] [--seeds 3] [--offline]
+
+--offline adds an out-of-sample check against the TensorRT-LLM v0.17 offline max-throughput table
+(FP8, Llama 3.1 8B and 70B, TP 1-8; not used for tuning): simulated saturated output tok/s.
 """
 
 from __future__ import annotations
@@ -16,12 +19,12 @@ import math
 import sys
 from pathlib import Path
 
-from models.names import parse_engine, parse_gpu, parse_precision
+from models.names import Engine, GpuType, parse_engine, parse_gpu, parse_precision
 from sim.groundtruth import build_params, poisson_arrivals, simulate
 
-TABLE = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "benchmarks" / (
-    "trtllm_v0.14_online_serving_triton_bf16.csv"
-)
+BENCH_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "benchmarks"
+TABLE = BENCH_DIR / "trtllm_v0.14_online_serving_triton_bf16.csv"
+OFFLINE_TABLE = BENCH_DIR / "trtllm_v0.17_perf_overview_throughput.csv"
 MODELS = {"LLaMA 3.1 8B": ("llama-3.1-8b", 1), "LLaMA 3.1 70B": ("llama-3.1-70b", 4)}
 
 
@@ -32,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--persona", default="trtllm")
     ap.add_argument("--seeds", type=int, default=3, help="runs per point (mean of the means)")
     ap.add_argument("--requests", type=int, default=500)
+    ap.add_argument("--offline", action="store_true", help="also compare with the v0.17 offline throughput table")
     args = ap.parse_args(argv)
     gpu = parse_gpu(args.gpu)
     persona = parse_engine(args.persona)
@@ -78,7 +82,45 @@ def main(argv: list[str] | None = None) -> int:
         if v:
             print(f"{k.upper()} below saturation: n={len(v)} mean |err| {sum(map(abs, v)) / len(v):.1%}, "
                   f"max |err| {max(map(abs, v)):.1%}")
+    if args.offline:
+        offline(gpu, persona)
     return 0
+
+
+def offline(gpu: GpuType, persona: Engine) -> None:
+    """Saturated output tok/s vs the v0.17 offline table (trtllm-bench throughput)."""
+    if not OFFLINE_TABLE.is_file():
+        print(f"table not found: {OFFLINE_TABLE}", file=sys.stderr)
+        return
+    names = {"LLaMA v3.1 8B": "llama-3.1-8b", "LLaMA v3.1 70B": "llama-3.1-70b"}
+    seen = set()
+    errs = []
+    print(f"\noffline max throughput, output tok/s ({OFFLINE_TABLE.name}; sim: saturated Poisson overload)")
+    for row in csv.DictReader(OFFLINE_TABLE.open()):
+        if row["model"] not in names or parse_gpu(row["gpu"]) != gpu:
+            continue
+        tp, isl, osl = int(row["tp"]), int(row["isl"]), int(row["osl"])
+        key = (row["model"], row["precision"], tp, isl, osl)
+        if key in seen:
+            continue
+        seen.add(key)
+        table = float(row["token_throughput_tok_s_as_reported"])
+        try:
+            params = build_params(persona, names[row["model"]], gpu, tp, parse_precision(row["precision"]),
+                                  noise_sigma=0.0)
+        except ValueError as exc:
+            print(f"{row['model']:15} {row['precision']:4} tp{tp} {isl:>5}/{osl:<5}: {exc}")
+            continue
+        n = min(3000, max(600, 400_000 // (isl + osl)))
+        st = simulate(params, [(0.0, isl, osl)] * n, seed=0)
+        sim = st.output_tokens / st.duration_s
+        err = sim / table - 1
+        errs.append(err)
+        print(f"{row['model']:15} {row['precision']:4} tp{tp} {isl:>5}/{osl:<5}: table {table:8.0f}  sim {sim:8.0f}  "
+              f"{err:+6.0%}")
+    if errs:
+        print(f"offline: n={len(errs)} mean |err| {sum(map(abs, errs)) / len(errs):.1%}, "
+              f"max |err| {max(map(abs, errs)):.1%}")
 
 
 if __name__ == "__main__":
