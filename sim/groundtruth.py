@@ -591,7 +591,7 @@ def _max_rate_cached(params: EngineParams, isl: int, osl: int, ttft_ms: float, i
     if not _meets_slo(params, upper / 64, isl, osl, ttft_s, itl_s, 200, 1):
         return 0.0
     lo, hi = upper / 64, upper
-    n = max(200, min(800, int(osl and 120000 // max(osl, 1))))
+    n = max(200, min(800, 120_000 // max(osl, 1)))  # ~100k output tokens per run
     for _ in range(9):
         mid = math.sqrt(lo * hi) if hi / lo > 1.5 else (lo + hi) / 2
         if _meets_slo(params, mid, isl, osl, ttft_s, itl_s, n, 1):
