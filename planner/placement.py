@@ -2,12 +2,12 @@
 
 Running replicas that the counts keep stay where they are (same host, same GPU indices, same id).
 New replicas are packed best-fit-decreasing over NVLink groups (segments), bucketed by free GPU
-count, so 1000 hosts place in milliseconds. For TP sizes that divide each other (1, 2, 4, 8) and
-groups whose size is a multiple of the largest TP, best-fit-decreasing from an empty fleet is
-optimal: the slot constraints of stage 1 are then exactly the feasible counts (tests compare it
-with a per-host CP-SAT model). Kept replicas can fragment groups; a replica that still does not
-fit is retried on GPUs freed by replicas being removed, then returned as unplaced (the caller
-tightens stage 1 and re-solves).
+count, so 1000 hosts place in milliseconds. For TP sizes that divide each other (1, 2, 4, 8),
+best-fit-decreasing from an empty fleet is optimal: the slot constraints of stage 1 are then
+exactly the feasible counts (tests compare it with a per-host CP-SAT model). Kept replicas can
+fragment groups; a replica that does not fit is retried on GPUs freed by replicas being removed,
+then by a local repair (move a few smaller kept replicas), then by repacking the GPU type from
+scratch, and only then returned as unplaced (the caller tightens stage 1 and re-solves).
 """
 
 from __future__ import annotations
@@ -150,7 +150,20 @@ def place(
                 taken_now.setdefault(r.host, set()).update(r.gpu_indices)
             left = _pack(left, _Segments(_segments_for(ghosts, taken_now)), placed)
         if left:
-            # third pass: kept replicas fragment the groups; repack this GPU type from scratch
+            # third pass: local repair: move a few small kept replicas out of the way
+            taken_now = {h: set(s) for h, s in used.items()}
+            for r in placed:
+                taken_now.setdefault(r.host, set()).update(r.gpu_indices)
+            fixed = _repair(left, ghosts, taken_now, [r for r in kept if r.config.gpu == gpu])
+            if fixed is not None:
+                moved_new, evicted = fixed
+                placed += moved_new
+                gone = {id(r) for r in evicted}
+                kept = [r for r in kept if id(r) not in gone]
+                removed += evicted
+                left = []
+        if left:
+            # fourth pass: kept replicas fragment the groups; repack this GPU type from scratch
             # (exact for TP sizes dividing each other) and keep whatever lands where it already is
             all_items = sorted(((c, k) for c, k in counts.items() if k > 0 and c.gpu == gpu),
                                key=lambda ck: (-ck[0].tp, ck[0]))
@@ -176,6 +189,76 @@ def place(
     allr = sorted([*kept, *new], key=lambda r: (r.host, r.gpu_indices, r.replica_id))
     return Placement(tuple(allr), tuple(kept), tuple(sorted(new, key=lambda r: r.replica_id)),
                      tuple(removed), unplaced)
+
+
+def _repair(
+    items: Sequence[tuple[ConfigKey, int]],
+    hosts: Sequence[HostInventory],
+    taken: Mapping[str, set[int]],
+    movable: Sequence[Replica],
+) -> tuple[list[Replica], list[Replica]] | None:
+    """Place `items` by evicting the fewest GPUs' worth of strictly smaller kept replicas from one
+    NVLink group each time, then re-placing the evicted ones the same way (sizes strictly decrease,
+    so this ends). Returns (new replicas, evicted replicas), or None when it cannot place them all.
+    Simulated on copies: nothing changes unless everything fits."""
+    busy = {h: set(s) for h, s in taken.items()}
+    segs = [(h.name, tuple(g)) for h in sorted(hosts, key=lambda h: h.name) for g in h.groups() if g]
+    mov = {id(r): r for r in movable}
+    queue: list[ConfigKey] = sorted((c for c, k in items for _ in range(k)), key=lambda c: (-c.tp, c))
+    placed: list[Replica] = []
+    evicted: list[Replica] = []
+    steps = 0
+    while queue:
+        steps += 1
+        if steps > 10_000:
+            return None
+        c = queue.pop(0)
+        best_fit: tuple[int, int] | None = None  # (free count, segment index)
+        for si, (host, group) in enumerate(segs):
+            free = sum(1 for i in group if i not in busy.get(host, ()))
+            if free >= c.tp and (best_fit is None or free < best_fit[0]):
+                best_fit = (free, si)
+        if best_fit is None:
+            best: tuple[int, int, list[Replica]] | None = None  # (GPUs moved, segment, replicas)
+            for si, (host, group) in enumerate(segs):
+                if len(group) < c.tp:
+                    continue
+                gset = set(group)
+                free = sum(1 for i in group if i not in busy.get(host, ()))
+                occ = sorted((r for r in mov.values() if r.host == host and set(r.gpu_indices) <= gset
+                              and r.config.tp < c.tp), key=lambda r: (r.config.tp, r.replica_id))
+                chosen: list[Replica] = []
+                for r in occ:
+                    if free >= c.tp:
+                        break
+                    chosen.append(r)
+                    free += r.config.tp
+                if free >= c.tp:
+                    cost = sum(r.config.tp for r in chosen)
+                    if best is None or cost < best[0]:
+                        best = (cost, si, chosen)
+            if best is None:
+                return None
+            _, si, chosen = best
+            host = segs[si][0]
+            for r in chosen:
+                del mov[id(r)]
+                busy[host] -= set(r.gpu_indices)
+                evicted.append(r)
+                queue.append(r.config)
+            queue.sort(key=lambda c: (-c.tp, c))
+            best_fit = (0, si)
+        host, group = segs[best_fit[1]]
+        idx = tuple(i for i in group if i not in busy.get(host, ()))[: c.tp]
+        busy.setdefault(host, set()).update(idx)
+        placed.append(Replica(new_replica_id(c, host, idx), c, host, idx, ReplicaState.STARTING, None, None))
+    # an evicted replica re-placed exactly where it was is not moved at all
+    back = {(r.config, r.host, r.gpu_indices): r for r in evicted}
+    out: list[Replica] = []
+    for r in placed:
+        if back.pop((r.config, r.host, r.gpu_indices), None) is None:
+            out.append(r)
+    return out, list(back.values())
 
 
 def _pack(items: Sequence[tuple[ConfigKey, int]], segs: _Segments, out: list[Replica]) -> list[tuple[ConfigKey, int]]:

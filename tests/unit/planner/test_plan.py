@@ -189,7 +189,7 @@ def test_deterministic() -> None:
     assert da == db
 
 
-def test_fragmented_hosts_are_repacked_when_new_tp_groups_do_not_fit() -> None:
+def test_fragmented_hosts_are_repaired_with_few_moves_when_new_tp_groups_do_not_fit() -> None:
     p = policy(tps={"m8": [1], "m70": [4]}, cached=[("m8", "h100", 1), ("m70", "h100", 4)])
     islands = ((0, 1, 2, 3), (4, 5, 6, 7))
     inv = hosts(2, groups=islands)
@@ -203,7 +203,9 @@ def test_fragmented_hosts_are_repacked_when_new_tp_groups_do_not_fit() -> None:
         assert any(set(x.gpu_indices) <= set(g) for g in islands)
     starts = [a for a in r.actions if a.kind == ActionKind.START]
     stops = [a for a in r.actions if a.kind == ActionKind.STOP]
-    assert len(stops) == 4 and len(starts) == 5
+    # 2 surplus TP1 replicas go; one kept TP1 moves out of the way of a TP4 group; one stays put
+    assert len(stops) == 3 and len(starts) == 4
+    assert len(set(current) & set(r.plan.replicas)) == 1
     # starts that need GPUs of a replica being stopped come after that stop
     pos = {id(a): i for i, a in enumerate(r.actions)}
     for s in starts:
