@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from planner_helpers import A100, H100, TRT, VLLM, caps, key, observe, policy
 
 from planner.core import plan_with_capacities
-from planner.types import Fleet, HostInventory, PlannerState, Replica, ReplicaState
+from planner.types import ActionKind, Fleet, HostInventory, PlannerState, Replica, ReplicaState
 
 NOW = 1_700_000_000.0
 MODELS = ("m8", "m70")
@@ -187,3 +187,43 @@ def test_deterministic_across_runs() -> None:
     runs = {plan_with_capacities(observe({"m8": 57.0, "m70": 9.0}), Fleet(inv), pol, TABLE,  # type: ignore[arg-type]
                                  PlannerState.initial(), NOW).plan for _ in range(3)}
     assert len(runs) == 1
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    groupings=st.lists(st.sampled_from(["nvswitch8", "two-islands"]), min_size=2, max_size=4),
+    positions=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 7)), min_size=4, max_size=20),
+    keep=st.floats(0.5, 1.0), fill=st.floats(0.3, 1.0),
+)
+def test_fragmented_fleets_keep_invariants_and_meet_demand(groupings: list[str], positions: list[tuple[int, int]],
+                                                           keep: float, fill: float) -> None:
+    """Many scattered TP1 replicas, demand for TP4 groups: placement repairs (moves a few) or repacks."""
+    inv = _inventory([(H100, g, True) for g in groupings])
+    tp1 = key("m8", TRT, H100, 1)
+    seen: set[tuple[str, int]] = set()
+    current = []
+    for n, (hi, gi) in enumerate(positions):
+        h = inv[hi % len(inv)]
+        if (h.name, gi) in seen:
+            continue
+        seen.add((h.name, gi))
+        current.append(Replica(f"r{n}", tp1, h.name, (gi,), ReplicaState.READY, None, NOW - 60))
+    # m8 needs most of its running replicas; m70 wants TP4 groups in what is left
+    r8 = 13.0 * keep * len(current)
+    r70 = 5.5 * fill * ((8 * len(inv) - len(current)) // 4)
+    pol = _pol(None, None, 0)
+    r = plan_with_capacities(observe({"m8": r8, "m70": r70}), Fleet(inv, tuple(current)), pol, TABLE,
+                             PlannerState.initial(), NOW)
+    by_host = {h.name: h for h in inv}
+    used: dict[str, set[int]] = {}
+    for rep in r.plan.replicas:
+        assert any(set(rep.gpu_indices) <= set(g) for g in by_host[rep.host].groups())
+        taken = used.setdefault(rep.host, set())
+        assert not taken & set(rep.gpu_indices)
+        taken.update(rep.gpu_indices)
+    if _per_host_min_cost(inv, {"m8": r8, "m70": r70}, None, None, 0) is not None:
+        assert all(m.unmet_rps == 0 for m in r.explanation.models)
+    # every replica that stays is untouched; every move is a START + a STOP
+    kept = set(current) & set(r.plan.replicas)
+    stops = [a for a in (*r.actions, *r.deferred_actions) if a.kind == ActionKind.STOP]
+    assert len(stops) == len(current) - len(kept)
