@@ -102,6 +102,16 @@ SCENARIOS = {
 }
 
 
+def _profile_cap(profiles: object, c: object, isl: float, osl: float, m: object) -> float:
+    from models import profile as mp
+
+    prof = profiles.get(c.model, c.engine, c.gpu, c.tp, c.precision)  # type: ignore[attr-defined]
+    if prof is None:
+        return 0.0
+    return mp.capacity(prof, mp.Workload(isl, osl), ttft_p99_ms=m.slo.ttft_p99_ms,  # type: ignore[attr-defined]
+                       itl_p99_ms=m.slo.itl_p99_ms).max_rps  # type: ignore[attr-defined]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--traces", default="azure,mooncake")
@@ -136,8 +146,10 @@ def main(argv: list[str] | None = None) -> int:
                                                                 "rate_scale": scale})
             print(f"\n=== {key} ({fname}), {shape_name}, rate x{scale:g}, model {model} ===")
             print(render_table(ev))
-            print("ground-truth capacity per replica (rps): " + ", ".join(
-                f"{k}={v:.2f}" for k, v in sorted(ev.capacities.items())))
+            isl, osl = ev.trace["mean_prompt_tokens"][model], ev.trace["mean_output_tokens"][model]
+            print("capacity per replica at the SLO, ground truth vs fitted profile (rps): " + ", ".join(
+                f"{c.label()}={ev.capacities.get(c.label(), 0.0):.2f} vs {_profile_cap(profiles, c, isl, osl, m):.2f}"
+                for c in configs))
             for goal, ok, fig in goals(ev):
                 print(f"goal: {goal}: {'MET' if ok else 'NOT MET'} ({fig})")
             print(f"profiles from ground truth: {t_prof:.1f} s; evaluation wall time: {ev.wall_s:.1f} s "

@@ -112,9 +112,6 @@ class HpaController:
     _recs: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
     _current: dict[str, int] = field(default_factory=dict)
 
-    def reset(self) -> None:
-        self._recs.clear()
-
     def decide(self, view: ControllerView) -> Decision:
         targets: dict[ConfigKey, int] = {}
         for model, config in self.configs.items():
@@ -149,7 +146,8 @@ class HpaController:
             elif desired > current:
                 ups = [d for t, d in recs if t >= view.t_s - self.up_window_s] or [desired]
                 desired = max(current, min(ups))
-                desired = min(desired, current + max(4, current))  # scale-up policy: max(4 pods, 100%) / 15 s
+                if current > 0:  # scale-up policy: max(4 pods, 100%) per period (not the initial rollout)
+                    desired = min(desired, current + max(4, current))
             targets[config] = desired
         return Decision(targets=targets)
 

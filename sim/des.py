@@ -1069,6 +1069,8 @@ class FleetSim:
                 self._start_replica(0.0, a.replica.replica_id, c, a.replica.host, a.replica.gpu_indices,
                                     instant=True)
         self.replica_starts = 0  # warm replicas are not counted as starts
+        # a controller with a reset() forgets the warm-start decision (fleetplan's PlannerState);
+        # hpa keeps it as its scale-down stabilisation history, as a long-running HPA would have
         if hasattr(self.ctl, "reset"):
             self.ctl.reset()
 
