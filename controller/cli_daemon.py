@@ -25,7 +25,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="simulated clock runs K x wall time (lab/demo); cycle and delays shrink by K")
     p.add_argument("--config", default=None,
-                   help="controller YAML (prometheus_url, mqtt, routing paths); see docs/controller.md")
+                   help="controller YAML (prometheus_url, mqtt, routing paths; default "
+                   "/etc/fleetplan/controller.yaml when it exists); see docs/controller.md")
     p.add_argument("--once", action="store_true", help="run one cycle and exit")
     p.set_defaults(handler=_controller)
 

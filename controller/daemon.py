@@ -104,8 +104,10 @@ class ControllerSettings(BaseModel):
     drain_poll_s: float = Field(default=0.5, gt=0)
     host_offline_grace_s: float = Field(default=60.0, ge=0)  # wall; an agent gone longer = host offline
     observe_window_s: float = Field(default=60.0, gt=0)  # wall seconds of rate() windows
-    history_s: float = Field(default=3600.0, gt=0)  # wall seconds of history for the forecast
-    history_step_s: float = Field(default=30.0, gt=0)
+    # request-rate history for the forecast (wall seconds): 8 days lets the planner fit daily
+    # seasonality (it needs >= 2 days); 5-minute steps keep the range query at ~2300 points
+    history_s: float = Field(default=8 * 86400.0, gt=0)
+    history_step_s: float = Field(default=300.0, gt=0)
     cycle_s: float | None = None  # override the policy's scaling.cycle_s (simulated seconds)
     report_token_file: Path | None = None
 
@@ -336,6 +338,7 @@ class Controller:
         self.report_runner: Any = None
         self.report_url: str | None = None
         self.routed: set[str] = set()  # replica ids in the nginx upstreams right now
+        self._builds_noted: set[str] = set()
         self._routing_lock = asyncio.Lock()
         self._routing_task: asyncio.Task[None] | None = None
 
@@ -764,8 +767,13 @@ class Controller:
                 else:
                     counts["deferred"] += 1
             elif a.kind == ActionKind.BUILD:
-                self._record(cycle_id, a, ActionStatus.DEFERRED,
-                             "engine builds are run by the agents' build templates; not wired in this controller")
+                # recorded once per config (the planner repeats it every cycle), see docs/controller.md
+                label = a.replica.config.label()
+                if label not in self._builds_noted:
+                    self._builds_noted.add(label)
+                    self._record(cycle_id, a, ActionStatus.DEFERRED,
+                                 "engine builds are not run by this controller yet; list the engine under "
+                                 "engines.trtllm.cached_builds once built")
                 counts["deferred"] += 1
         if changed:
             await self.publish_hosts(changed)
@@ -1157,10 +1165,14 @@ def _parse_listen(text: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+DEFAULT_CONFIG = Path("/etc/fleetplan/controller.yaml")
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     for noisy in ("httpx", "apscheduler", "aiohttp.access"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    settings = load_settings(args.config)
+    config = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
+    settings = load_settings(config)
     settings, reload = settings_from_lab(settings)
     if reload is None and settings.routing.nginx_reload_command:
         argv = list(settings.routing.nginx_reload_command)

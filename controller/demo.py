@@ -441,7 +441,7 @@ async def _demo(args: argparse.Namespace, work: Path) -> int:
                              scale_down_delay_s=300.0, max_actions=4, startup_s=40.0)
         policy["models"][0]["allowed"]["tp"] = [4]
         policy_path.write_text(yaml.safe_dump(policy, sort_keys=False))
-        settings, reload = settings_from_lab(rig.controller_settings(observe_window_s=15.0, history_s=180.0))
+        settings, reload = settings_from_lab(rig.controller_settings(observe_window_s=12.0, history_s=40.0))
         store = StateStore(work / "state.db")
         ctrl = Controller(settings=settings, policy_path=policy_path, profiles_path=profiles, store=store,
                           time_scale=k, nginx_reload=reload, report_listen="127.0.0.1:0")
@@ -460,8 +460,8 @@ async def _demo(args: argparse.Namespace, work: Path) -> int:
             reqs: list[Any] = [(r.t_s, r.prompt_tokens, r.output_tokens, model) for r in tr.requests]
             what = f"{args.trace} shaped into a day"
         else:
-            reqs = day_requests(sim_duration, base_rps=0.12, peak_rps=1.6, isl=isl, osl=osl, model=model)
-            what = "a generated day (night trough 0.12 rps, afternoon peak 1.6 rps)"
+            reqs = day_requests(sim_duration, base_rps=0.15, peak_rps=2.4, isl=isl, osl=osl, model=model)
+            what = "a generated day (night trough 0.15 rps, afternoon peak 2.4 rps)"
         # place the minimum before traffic starts
         await ctrl.cycle()
         for _ in range(100):
