@@ -37,7 +37,7 @@ TPS = (1, 2, 4)
 
 
 def synthetic(hosts: int, models: int, load: float = 0.7, workers: int = 1,
-              time_limit_s: float = 10.0, gap: float = 0.001, backend: str = "SCIP") -> tuple[Fleet, Observation, object, dict[ConfigKey, CapacityInfo]]:
+              time_limit_s: float = 10.0, gap: float = 0.005, backend: str = "SCIP") -> tuple[Fleet, Observation, object, dict[ConfigKey, CapacityInfo]]:
     inv = []
     for i in range(hosts):
         g = GPUS[i % 3]

@@ -203,7 +203,9 @@ def _repair(
     Simulated on copies: nothing changes unless everything fits."""
     busy = {h: set(s) for h, s in taken.items()}
     segs = [(h.name, tuple(g)) for h in sorted(hosts, key=lambda h: h.name) for g in h.groups() if g]
-    mov = {id(r): r for r in movable}
+    mov: dict[str, dict[int, Replica]] = {}
+    for r in movable:
+        mov.setdefault(r.host, {})[id(r)] = r
     queue: list[ConfigKey] = sorted((c for c, k in items for _ in range(k)), key=lambda c: (-c.tp, c))
     placed: list[Replica] = []
     evicted: list[Replica] = []
@@ -225,7 +227,7 @@ def _repair(
                     continue
                 gset = set(group)
                 free = sum(1 for i in group if i not in busy.get(host, ()))
-                occ = sorted((r for r in mov.values() if r.host == host and set(r.gpu_indices) <= gset
+                occ = sorted((r for r in mov.get(host, {}).values() if set(r.gpu_indices) <= gset
                               and r.config.tp < c.tp), key=lambda r: (r.config.tp, r.replica_id))
                 chosen: list[Replica] = []
                 for r in occ:
@@ -242,7 +244,7 @@ def _repair(
             _, si, chosen = best
             host = segs[si][0]
             for r in chosen:
-                del mov[id(r)]
+                del mov[host][id(r)]
                 busy[host] -= set(r.gpu_indices)
                 evicted.append(r)
                 queue.append(r.config)
