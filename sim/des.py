@@ -530,6 +530,7 @@ class SimResult:
     decisions: int
     notes: tuple[str, ...] = ()
     placement_conflicts: int = 0  # starts that waited for their GPUs to be released
+    swap_cycles: int = 0  # decisions that drained READY replicas of a model while starting others
 
     @property
     def slo_attainment(self) -> float:
@@ -628,6 +629,7 @@ class FleetSim:
         self.decisions = 0
         self.notes: list[str] = []
         self.conflicts = 0
+        self.swap_cycles = 0
         self.ttft_overhead = 0.0
         self._rid_seq = 0
         self.timeline: list[TimelinePoint] = []
@@ -845,6 +847,12 @@ class FleetSim:
             del self.replica_scrape_hist[:-16]
 
     def _apply(self, t: float, decision: Decision) -> None:
+        started = {a.replica.config.model for a in decision.actions if a.kind is ActionKind.START}
+        drained = {a.replica.config.model for a in decision.actions
+                   if a.kind is ActionKind.DRAIN and any(r.rid == a.replica.replica_id and r.state == ReplicaState.READY
+                                                          for r in self.replicas)}
+        if started & drained:
+            self.swap_cycles += 1  # READY replicas drained while their replacements only start
         for act in decision.actions:
             rep = act.replica
             if act.kind is ActionKind.START:
@@ -1145,6 +1153,7 @@ class FleetSim:
             decisions=self.decisions,
             notes=tuple(self.notes),
             placement_conflicts=self.conflicts,
+            swap_cycles=self.swap_cycles,
         )
 
 

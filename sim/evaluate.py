@@ -77,6 +77,7 @@ class PolicyFigures:
     wall_s: float
     timeline: tuple[tuple[float, float, float, int], ...]  # (t_s, demand_rps, capacity_rps, gpus)
     notes: tuple[str, ...] = ()
+    swap_cycles: int = 0
 
     def to_json(self) -> dict[str, Any]:
         def r(x: float | None, nd: int = 4) -> float | None:
@@ -96,6 +97,7 @@ class PolicyFigures:
                 "unmet_requests": self.unmet_requests,
                 "arrived": self.arrived, "served": self.served,
                 "builds": self.builds,
+                "swap_cycles": self.swap_cycles,
                 "sim_wall_s": r(self.wall_s, 2),
             })
         d.update({
@@ -520,6 +522,7 @@ def _figures(res: SimResult, wall: float, caps: Mapping[ConfigKey, float]) -> Po
         wall_s=wall,
         timeline=tuple(tl),
         notes=res.notes,
+        swap_cycles=res.swap_cycles,
     )
 
 
