@@ -469,6 +469,8 @@ def _explain(
             ttft = itl = None
             if predictor is not None and n > 0:
                 ttft, itl = predictor(c, load)
+                ttft = ttft if ttft is not None and math.isfinite(ttft) else None  # JSON: no NaN/inf
+                itl = itl if itl is not None and math.isfinite(itl) else None
             price = (policy.price_usd_h(c.gpu) or 0.0) * c.tp * n
             usd += price
             configs.append(ConfigExplanation(c, n, per, info.binding if info else "", load, ttft, itl, price))
