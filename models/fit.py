@@ -63,7 +63,7 @@ def _ttft_any(p: BenchmarkPoint) -> float | None:
 
 def saturation_flags(points: Sequence[BenchmarkPoint]) -> list[bool]:
     """Which points are past saturation: offline/unbounded runs; open-loop runs offered at least 90%
-    of the best rate their series achieved; open-loop runs that did not achieve the offered rate AND
+    of the saturation rate measured in their series (a `qps=INF` row); open-loop runs that did not achieve the offered rate AND
     whose TTFT shows a backlog (a short benchmark also falls short of the offered rate while it
     drains its last requests; that alone is no saturation)."""
     lowest: dict[str, float] = {}
@@ -72,7 +72,7 @@ def saturation_flags(points: Sequence[BenchmarkPoint]) -> list[bool]:
         t = _ttft_any(p)
         if t is not None and p.load is not LoadKind.MAX:
             lowest[p.series] = min(lowest.get(p.series, math.inf), t)
-        if p.request_rps is not None:
+        if p.request_rps is not None and p.load is LoadKind.MAX:  # a measured saturation rate
             best_rps[p.series] = max(best_rps.get(p.series, 0.0), p.request_rps)
     flags = []
     for p in points:
@@ -81,7 +81,7 @@ def saturation_flags(points: Sequence[BenchmarkPoint]) -> list[bool]:
             continue
         if (p.load is LoadKind.RATE and p.rate_rps is not None
                 and p.rate_rps >= SATURATED_FRACTION * best_rps.get(p.series, math.inf)):
-            flags.append(True)  # offered at or above the best rate the series ever achieved
+            flags.append(True)  # offered at >= 90% of the series' measured saturation rate
             continue
         short = (p.load is LoadKind.RATE and p.rate_rps is not None and p.request_rps is not None
                  and p.request_rps < SATURATED_FRACTION * p.rate_rps)

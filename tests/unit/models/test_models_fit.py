@@ -1,0 +1,86 @@
+"""Fitting: recovers a known model from its own predictions; saturation classification."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from models.bench import BenchmarkPoint, LoadKind
+from models.fit import FitFailure, fit_profile, holdout_errors, saturation_flags
+from models.names import Engine, GpuType, Precision
+from models.profile import PerfProfile, ProfileKey, Workload, predict, roofline_profile
+
+KEY = ProfileKey("some-new-model", Engine.VLLM, GpuType.H100, 2, Precision.FP8)
+
+
+def _truth() -> PerfProfile:
+    prior = roofline_profile(ProfileKey("llama-3.1-70b", Engine.VLLM, GpuType.H100, 2, Precision.FP8))
+    assert prior is not None
+    params = replace(prior.params, s0_ms=prior.params.s0_ms * 1.3, p1_ms=prior.params.p1_ms * 0.8,
+                     ttft_fixed_ms=15.0, q=2.0)
+    return replace(prior, key=KEY, params=params, kv_tokens=400_000.0, source="fit")
+
+
+def _points(truth: PerfProfile) -> list[BenchmarkPoint]:
+    points = []
+    for isl in (500, 2000, 6000):
+        for conc in (2, 8, 32, 64):
+            pred = predict(truth, Workload(isl, 200), concurrency=conc)
+            points.append(BenchmarkPoint(
+                source=f"synthetic isl{isl} c{conc}", model=KEY.model, engine=KEY.engine, gpu=KEY.gpu, tp=KEY.tp,
+                precision=KEY.precision, isl=isl, osl=200, load=LoadKind.CONCURRENCY, concurrency=conc,
+                request_rps=pred.request_rps, output_tok_s=pred.output_tok_s,
+                ttft_p50_ms=pred.ttft.p50_ms, ttft_p99_ms=pred.ttft.p99_ms,
+                itl_mean_ms=pred.itl.mean_ms, itl_p99_ms=pred.itl.p99_ms, series=f"isl{isl}"))
+    return points
+
+
+def test_fit_recovers_a_known_model() -> None:
+    truth = _truth()
+    points = _points(truth)
+    report = fit_profile(KEY, points)
+    e = report.profile.fit_error
+    assert e is not None and e.points == len(points)
+    assert e.ttft_mape is not None and e.ttft_mape < 5.0
+    assert e.itl_mape is not None and e.itl_mape < 5.0
+    assert e.throughput_mape is not None and e.throughput_mape < 5.0
+    # and it predicts an unseen operating point
+    w = Workload(4000, 200)
+    want, got = predict(truth, w, concurrency=16), predict(report.profile, w, concurrency=16)
+    assert got.ttft.p50_ms == pytest.approx(want.ttft.p50_ms, rel=0.1)
+    assert got.itl.mean_ms == pytest.approx(want.itl.mean_ms, rel=0.1)
+    assert got.output_tok_s == pytest.approx(want.output_tok_s, rel=0.1)
+    assert report.profile.data_range is not None and report.profile.data_range.concurrency == (2, 64)
+
+
+def test_holding_out_a_series_predicts_it() -> None:
+    points = _points(_truth())
+    train = [p for p in points if p.isl != 2000]
+    test = [p for p in points if p.isl == 2000]
+    errs = holdout_errors(KEY, train, test)
+    assert max(errs["ttft"]) < 15 and max(errs["itl"]) < 15 and max(errs["throughput"]) < 15
+
+
+def _rate(rate: float, achieved: float, ttft: float | None, load: LoadKind = LoadKind.RATE) -> BenchmarkPoint:
+    return BenchmarkPoint(source="t", model="m", engine=Engine.VLLM, gpu=GpuType.H100, tp=1,
+                          precision=Precision.BF16, isl=500, osl=200, load=load,
+                          rate_rps=rate if load is LoadKind.RATE else None, request_rps=achieved,
+                          output_tok_s=achieved * 200, ttft_mean_ms=ttft, series="s")
+
+
+def test_saturation_flags() -> None:
+    pts = [_rate(2, 2, 20), _rate(8, 6.5, 30), _rate(16, 10, 900), _rate(4, 12.5, 5000, LoadKind.MAX)]
+    # 8 rps achieved 6.5 while draining but TTFT shows no backlog: not saturated;
+    # 16 rps is beyond the measured saturation rate (12.5): saturated; the INF row always is
+    assert saturation_flags(pts) == [False, False, True, True]
+    # without a measured saturation rate the top rate alone is no saturation
+    assert saturation_flags([_rate(2, 2, 20), _rate(8, 8, 25)]) == [False, False]
+
+
+def test_fit_failure_is_named() -> None:
+    with pytest.raises(FitFailure, match="no points"):
+        fit_profile(KEY, [])
+    bare = replace(_rate(2, 2, None), output_tok_s=None)
+    with pytest.raises(FitFailure, match="no usable statistic"):
+        fit_profile(bare.key, [bare])
