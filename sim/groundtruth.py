@@ -83,7 +83,7 @@ PERSONAS: dict[Engine, PersonaFactors] = {
         overlap=0.45,
         step_overhead_s=0.0020,
         tp_layer_latency_s=16e-6,
-        ttft_overhead_s=0.006,
+        ttft_overhead_s=0.004,
         max_num_seqs=1024,  # vLLM's API-server defaults on >= 70 GB GPUs (not A100); else 256 / 2048
         max_num_batched_tokens=8192,
         gpu_memory_utilization=0.90,
