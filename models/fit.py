@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from numpy.typing import NDArray
@@ -41,6 +41,7 @@ Array = NDArray[np.float64]
 SATURATED_FRACTION = 0.9  # achieved / offered below this: the point is past saturation
 _N_PARAMS = 15
 _OFFSET_PARAMS = (8, 10)  # ttft_p99_factor, itl_p99_factor: fitted as log(f - 1), f > 1
+_FRACTION_PARAMS = (7, 9)  # ttft_p50_factor, itl_p50_factor: fitted as logit(f), 0 < f < 1 (median <= mean)
 _RHO_CLIP = 0.995
 _PRIOR_WEIGHT_ROOFLINE = 0.3
 _PRIOR_WEIGHT_GUESS = 0.05
@@ -135,6 +136,8 @@ def _params_from_phi(phi: Array) -> tuple[PerfParams, float]:
     values = np.exp(np.clip(phi, -60.0, 40.0))
     for j in _OFFSET_PARAMS:
         values[j] = 1.0 + values[j]
+    for j in _FRACTION_PARAMS:
+        values[j] = 1.0 / (1.0 + 1.0 / values[j])
     return PerfParams.from_tuple([float(v) for v in values[:_N_PARAMS]]), float(values[_N_PARAMS])
 
 
@@ -142,6 +145,9 @@ def _phi_from_params(p: PerfParams, kv_tokens: float) -> Array:
     values = np.array([*p.as_tuple(), kv_tokens], dtype=float)
     for j in _OFFSET_PARAMS:
         values[j] = max(values[j] - 1.0, 1e-3)
+    for j in _FRACTION_PARAMS:
+        f = min(max(values[j], 1e-3), 0.999)
+        values[j] = f / (1.0 - f)
     return np.asarray(np.log(np.maximum(values, 1e-30)), dtype=float)
 
 
@@ -312,7 +318,13 @@ def _prior_for(key: ProfileKey, points: Sequence[BenchmarkPoint], d: _Data) -> _
         weight = np.full(_N_PARAMS + 1, _PRIOR_WEIGHT_GUESS)
         note = "prior: data-driven guess (architecture unknown)"
     phi = _phi_from_params(params, kv)
-    start = _phi_from_params(_work_estimate(d, params), kv)
+    start_params = _work_estimate(d, params)
+    ttft = d.obs[:, 0:3]
+    if np.isfinite(ttft).any():  # log-space steps are tiny from a tiny start: begin the front-end
+        # latency at a third of the lowest TTFT seen (the prior's centre stays where it is)
+        floor = float(np.nanmin(ttft))
+        start_params = replace(start_params, ttft_fixed_ms=max(start_params.ttft_fixed_ms, floor / 3.0))
+    start = _phi_from_params(start_params, kv)
     return _Prior(phi, weight, start, note)
 
 
