@@ -834,7 +834,11 @@ class FleetSim:
                                             tuple(mm.ttft), tuple(mm.itl)))
             win = self._window(self.scrapes[mi], self.s.window_s)
             if win is not None:
-                self.rate_hist[mi].append((t, self._rate(*win)))
+                hist = self.rate_hist[mi]
+                hist.append((t, self._rate(*win)))
+                if len(hist) > 64 and hist[0][0] < t - self.s.history_s - 2 * self.s.window_s:
+                    cut = t - self.s.history_s - self.s.window_s
+                    del hist[: next(j for j, x in enumerate(hist) if x[0] >= cut)]
             # keep memory bounded: drop scrapes older than the history span + window
             sc = self.scrapes[mi]
             if len(sc) > 64 and sc[0].t < t - self.s.window_s - 4 * self.s.scrape_s:
