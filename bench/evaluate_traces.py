@@ -150,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
             print("capacity per replica at the SLO, ground truth vs fitted profile (rps): " + ", ".join(
                 f"{c.label()}={ev.capacities.get(c.label(), 0.0):.2f} vs {_profile_cap(profiles, c, isl, osl, m):.2f}"
                 for c in configs))
+            print("diagnostics: " + "; ".join(
+                f"{n}: swap_cycles={f.swap_cycles} builds={f.builds} mean_gpus={f.mean_gpus:.1f}"
+                for n, f in ev.policies.items() if n.startswith("fleetplan") or n == "hpa"))
             for goal, ok, fig in goals(ev):
                 print(f"goal: {goal}: {'MET' if ok else 'NOT MET'} ({fig})")
             print(f"profiles from ground truth: {t_prof:.1f} s; evaluation wall time: {ev.wall_s:.1f} s "
