@@ -112,7 +112,10 @@ def _fit(args: argparse.Namespace) -> int:
     print("leave-one-out MAPE (sat: saturated points, used for throughput only):")
     print(header)
     print("\n".join(rows))
-    save_profiles(args.out, ProfileSet(tuple(profiles)))
+    try:
+        save_profiles(args.out, ProfileSet(tuple(profiles)))
+    except OSError as exc:
+        return _err(f"{args.out}: cannot write profiles: {exc.strerror or exc}")
     print(f"wrote {len(profiles)} profiles to {args.out}")
     return 0
 

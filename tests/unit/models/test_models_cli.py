@@ -124,3 +124,19 @@ def test_prior_fallback_is_said(profiles_file: Path, capsys: pytest.CaptureFixtu
                  "--ttft-p99-ms", "1000", "--itl-p99-ms", "50", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["max_rps"] > 0 and any("roofline" in w for w in doc["warnings"])
+
+
+def test_aliases_file_and_unwritable_out(tmp_path: Path, shared_data: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    aliases = tmp_path / "aliases.yaml"
+    aliases.write_text("glm-5:\n  - zai-org/GLM-5-FP8\n")
+    files = _inferencex(shared_data, "1024")
+    out = tmp_path / "P.json"
+    assert main(["models", "fit", *files, "--gpu", "h200", "--aliases", str(aliases), "--no-loo",
+                 "--out", str(out)]) == 0
+    assert [k.model for k in load_profiles(out).keys()] == ["glm-5"]
+    aliases.write_text("glm-5: [a, {b: c}]\n")
+    assert main(["models", "fit", *files, "--aliases", str(aliases), "--out", str(out)]) == 2
+    assert "aliases.yaml: field 'glm-5': expected a list of names" in capsys.readouterr().err
+    assert main(["models", "fit", *files, "--gpu", "h200", "--no-loo", "--out",
+                 str(tmp_path / "no" / "such" / "dir" / "P.json")]) == 2
+    assert "cannot write profiles" in capsys.readouterr().err
