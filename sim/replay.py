@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import aiohttp
 
@@ -99,6 +99,16 @@ def _as_load_request(item: Any) -> LoadRequest:
         return LoadRequest(float(t), int(isl), int(osl), model)
     # sim.traces.TraceRequest or anything with those attributes
     return LoadRequest(float(item.t_s), int(item.prompt_tokens), int(item.output_tokens), getattr(item, "model", None))
+
+
+def request_url(base: str, path: str, model: str | None) -> str:
+    """`base` + `path`; a `{model}` in base is replaced by the request's model (URL-quoted), so that
+    one replay of a multi-model trace routes each request, e.g. `http://127.0.0.1:8080/m/{model}`."""
+    if "{model}" in base:
+        if model is None:
+            raise ValueError(f"target {base!r} has {{model}} but the request has no model")
+        base = base.replace("{model}", quote(model, safe=""))
+    return base + path
 
 
 def request_body(req: LoadRequest, model: str | None, full_prompts: bool) -> dict[str, Any]:
@@ -251,8 +261,9 @@ async def run_load(
     if speed <= 0:
         raise ValueError(f"speed must be > 0, got {speed}")
     base = check_target(target, allow_remote)
-    url = base + path
     reqs = [_as_load_request(r) for r in requests]
+    if "{model}" in base and model is None and any(r.model is None for r in reqs):
+        raise ValueError(f"target {base!r} has a {{model}} placeholder but some requests have no model")
     results = [
         RequestResult(i, r.t_s, r.model or model, r.prompt_tokens, r.output_tokens) for i, r in enumerate(reqs)
     ]
@@ -269,6 +280,7 @@ async def run_load(
         req, res = reqs[i], results[i]
         async with sem:
             res.late_s = max(0.0, (time.monotonic() - start) * speed - req.t_s)
+            url = request_url(base, path, req.model or model)
             await _one(session, url, request_body(req, model, full_prompts), res, speed, timeout_s, keep_itls,
                        engine_clock)
         if on_result is not None:
@@ -371,14 +383,15 @@ def replay_main(args: argparse.Namespace) -> int:
         t = tr.t_s / args.rate_scale
         if t > args.duration_s or len(reqs) >= args.max_requests:
             break
-        reqs.append(LoadRequest(t, tr.prompt_tokens, tr.output_tokens, None))
+        per_model = "{model}" in base and args.model is None  # route each request by the trace's model
+        reqs.append(LoadRequest(t, tr.prompt_tokens, tr.output_tokens, tr.model if per_model else None))
     if not reqs:
         print(f"replay-load: {args.trace}: no request within --duration-s {args.duration_s}", file=sys.stderr)
         return 2
 
     async def go() -> list[RequestResult]:
         model = args.model
-        if model is None:
+        if model is None and "{model}" not in base:
             try:
                 model = await _first_model(base)
             except (aiohttp.ClientError, TimeoutError) as exc:

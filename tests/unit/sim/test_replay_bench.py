@@ -101,3 +101,13 @@ def test_bench_file_name_carries_the_metadata() -> None:
     hints = file_hints("/x/" + name)
     assert (hints.engine, hints.gpu, hints.tp, hints.precision) == (Engine.TRTLLM, GpuType.H100, 2, Precision.FP8)
     assert (hints.isl, hints.osl, hints.concurrency) == (467, 128, 16)
+
+
+def test_model_placeholder_in_the_target_routes_each_request() -> None:
+    from sim.replay import request_url
+
+    assert request_url("http://127.0.0.1:8080/m/{model}", "/v1/completions", "llama 3/8b") == (
+        "http://127.0.0.1:8080/m/llama%203%2F8b/v1/completions")
+    assert request_url("http://127.0.0.1:8080", "/v1/completions", None) == "http://127.0.0.1:8080/v1/completions"
+    with pytest.raises(ValueError, match="no model"):
+        request_url("http://127.0.0.1:8080/m/{model}", "/v1/completions", None)
