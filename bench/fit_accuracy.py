@@ -80,6 +80,35 @@ def run_holdouts(points: Sequence[BenchmarkPoint], errors: dict[tuple[str, str],
                 folds[(fam, scheme)] += 1
 
 
+def monotone_floor(points: Sequence[BenchmarkPoint]) -> dict[str, dict[str, list[float]]]:
+    """Per data family, the in-sample error of the best load-monotone curve through each ISL/OSL
+    series (isotonic regression on the load level): scatter no model whose latency rises with load
+    can remove."""
+    import numpy as np
+    from scipy.optimize import isotonic_regression
+
+    from models.fit import saturation_flags as flags_of
+
+    out: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for _, group in group_points(points).items():
+        flags = flags_of(group)
+        series: dict[tuple[int, int], list[BenchmarkPoint]] = defaultdict(list)
+        for p, sat in zip(group, flags, strict=True):
+            if not sat and level(p) is not None:
+                series[(round(p.isl), round(p.osl))].append(p)
+        for pts in series.values():
+            pts.sort(key=lambda p: level(p) or 0.0)
+            for metric, get in (("ttft", lambda p: p.ttft_mean_ms or p.ttft_p50_ms),
+                                ("itl", lambda p: p.itl_like_mean_ms or p.itl_like_p50_ms)):
+                ys = [get(p) for p in pts]
+                if len(ys) < 2 or any(y is None for y in ys):
+                    continue
+                y = np.array(ys, dtype=float)
+                fit = isotonic_regression(y).x
+                out[family(pts[0])][metric].extend((100.0 * np.abs(fit - y) / y).tolist())
+    return out
+
+
 def fmt(values: list[float]) -> str:
     if not values:
         return "-"
@@ -115,6 +144,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for scheme in ("series", "level"):
         print(f"{'ALL':42} {scheme:8} {'':>5}  "
               + "  ".join(f"{fmt(totals[f'{scheme}:{m}']):>13}" for m in HOLDOUT_METRICS))
+    print("\nscatter no load-monotone model can remove (isotonic fit per ISL/OSL series, in sample):")
+    for fam, bucket in sorted(monotone_floor(outcome.points).items()):
+        print(f"  {fam[:42]:42} TTFT {fmt(bucket['ttft']):>13}   ITL {fmt(bucket['itl']):>13}")
     print("\ngoal (issue 2): <= 10% MAPE on TTFT, ITL and throughput below saturation")
     for scheme in ("series", "level"):
         parts = []
