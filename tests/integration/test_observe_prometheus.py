@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import http.server
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import threading
@@ -211,3 +213,75 @@ async def test_observe_both_spellings_and_trtllm_then_fail_static(prom_lab) -> N
         assert not snap.prometheus_ok
         assert all(m.stale and m.rate_rps is None for m in snap.models.values())
         assert snap.alerts and "unreachable" in snap.alerts[0]
+
+
+@pytest.fixture
+def sim_engines() -> Iterator[dict[str, tuple[str, int]]]:
+    """A vLLM-persona and a TRT-LLM-persona simulated engine (time scale 20): persona -> (model, port)."""
+    import sys
+
+    engines: dict[str, tuple[str, int]] = {}
+    procs = []
+    try:
+        for persona, model, tp in (("vllm", "llama-3.1-8b", "1"), ("trtllm", "llama-3.3-70b", "4")):
+            port = free_port()
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "controller.cli", "sim-engine", "--persona", persona, "--model", model,
+                 "--gpu", "h100", "--tp", tp, "--port", str(port), "--time-scale", "20", "--startup-s", "0",
+                 "--replica-id", f"r-{persona}", "--min-chunk-interval-ms", "100"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            ))
+            engines[persona] = (model, port)
+        for _, port in engines.values():
+            deadline = time.time() + 30
+            while time.time() < deadline:
+                try:
+                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.2)
+        yield engines
+    finally:
+        for p in procs:
+            os.killpg(p.pid, signal.SIGTERM)
+            p.wait(10)
+
+
+async def test_observe_sim_engines_vllm_and_trtllm_personas(prometheus, sim_engines) -> None:  # type: ignore[no-untyped-def]
+    """D's Prometheus fixture scraping two simulated engines (vLLM persona on /metrics, TRT-LLM persona on
+    /prometheus/metrics via the file_sd `__metrics_path__` written by controller/routing.py)."""
+    from controller.routing import ScrapeTarget, write_file_sd
+    from sim.replay import run_load
+
+    k = 20.0
+    sd = prometheus.file_sd_dir / "observe-test.json"
+    targets = [ScrapeTarget(f"127.0.0.1:{port}", model, persona, "host-a", f"r-{persona}")
+               for persona, (model, port) in sim_engines.items()]
+    write_file_sd(sd, targets)
+    try:
+        async with PromClient(prometheus.url) as client:
+            async def scraped() -> bool:  # file_sd discovery takes up to ~5 s
+                ups = await client.query('up{replica=~"r-vllm|r-trtllm"}')
+                return len(ups) == 2 and all(u.value == 1 for u in ups)
+
+            await wait_for(scraped, 30)
+            # 1 simulated rps for 160 simulated s (8 s wall) on each engine, ISL 300 / OSL 40
+            loads = [run_load([(i * 1.0, 300, 40) for i in range(160)], f"http://127.0.0.1:{port}", speed=k,
+                              model=model) for model, port in sim_engines.values()]
+            results = await asyncio.gather(*loads)
+            bad = [r for rs in results for r in rs if r.outcome != "ok"]
+            assert not bad, bad[:2]
+            obs = Observer(client, ObserverConfig(window_s=6, history_s=20, history_step_s=1, time_scale=k))
+            snap = await obs.snapshot(["llama-3.1-8b", "llama-3.3-70b"])
+        print(render_snapshot(snap))
+        for model in ("llama-3.1-8b", "llama-3.3-70b"):
+            m = snap.models[model]
+            assert m.replicas_up == 1 and m.replicas_down == 0
+            assert m.isl == pytest.approx(300, rel=0.1) and m.osl == pytest.approx(40, rel=0.1)
+            assert m.rate_rps == pytest.approx(1.0, rel=0.35)  # simulated rps over the last 6 s wall
+            assert m.ttft_p50_ms is not None and m.ttft_p99_ms is not None and m.ttft_p50_ms <= m.ttft_p99_ms
+            assert m.itl_p99_ms is not None and 1 < m.itl_p99_ms < 200
+            assert m.kv_usage is not None and m.queue_depth is not None
+    finally:
+        sd.unlink(missing_ok=True)
