@@ -173,7 +173,9 @@ class _Ctx:
             f"{self.source}: field {name!r} is missing{why}; give it with --{flag}")
 
     def model(self, raw: object) -> str:
-        name = str(raw).strip() if raw not in (None, "") else (self.meta.model or self.hints.model)
+        if raw is not None and not isinstance(raw, str):
+            raise BenchmarkFormatError(f"{self.source}: field 'model' must be a name, got {raw!r}")
+        name = raw.strip() if raw else (self.meta.model or self.hints.model)
         if not name:
             raise self._missing("model", "model")
         canonical = self.aliases.canonical(name)
@@ -335,8 +337,10 @@ def _read_trtllm_bench(d: Mapping[str, Any], ctx: _Ctx) -> ReadResult:
     ttft: dict[str, float | None] = {}
     tpot: dict[str, float | None] = {}
     if stream is not None:
-        ttft_p = stream.get("ttft_percentiles") or {}
-        tpot_p = stream.get("tpot_percentiles") or {}
+        ttft_p = stream.get("ttft_percentiles")
+        tpot_p = stream.get("tpot_percentiles")
+        ttft_p = ttft_p if isinstance(ttft_p, Mapping) else {}
+        tpot_p = tpot_p if isinstance(tpot_p, Mapping) else {}
         ttft = {"mean": _first(stream, ("avg_ttft_ms",), src) or _num(ttft_p, "average", src),
                 "p50": _num(ttft_p, "p50", src), "p99": _num(ttft_p, "p99", src)}
         tpot = {"mean": _first(stream, ("avg_tpot_ms",), src) or _num(tpot_p, "average", src),
@@ -390,12 +394,12 @@ def _read_aiperf(d: Mapping[str, Any], ctx: _Ctx) -> ReadResult:
     model_raw = names[0] if isinstance(names, list) and names else None
     gpu_raw = None
     telemetry = d.get("telemetry_data")
-    if isinstance(telemetry, Mapping):
-        for ep in (telemetry.get("endpoints") or {}).values():
-            for g in (ep.get("gpus") or {}).values() if isinstance(ep, Mapping) else ():
-                if isinstance(g, Mapping) and g.get("gpu_name"):
-                    gpu_raw = g["gpu_name"]
-                    break
+    endpoints = telemetry.get("endpoints") if isinstance(telemetry, Mapping) else None
+    for ep in endpoints.values() if isinstance(endpoints, Mapping) else ():
+        gpus = ep.get("gpus") if isinstance(ep, Mapping) else None
+        for g in gpus.values() if isinstance(gpus, Mapping) else ():
+            if isinstance(g, Mapping) and isinstance(g.get("gpu_name"), str) and gpu_raw is None:
+                gpu_raw = g["gpu_name"]
     ttft = _aiperf_metric(metrics, "time_to_first_token", src)
     itl = _aiperf_metric(metrics, "inter_token_latency", src)
     thr = _aiperf_metric(metrics, "request_throughput", src).get("mean")
@@ -632,11 +636,18 @@ def read_benchmark(text: str, filename: str, meta: Metadata | None = None,
     stripped = text.strip()
     if not stripped:
         raise BenchmarkFormatError(f"{filename}: empty file")
-    if stripped[0] in "{[":
-        try:
-            data = json.loads(stripped)
-        except json.JSONDecodeError as exc:
-            raise BenchmarkFormatError(
-                f"{filename}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
-        return _detect_json(data, filename)(data, ctx)
-    return _read_csv(text, ctx)
+    try:
+        if stripped[0] in "{[":
+            try:
+                data = json.loads(stripped)
+            except (json.JSONDecodeError, RecursionError) as exc:
+                where = f" at line {exc.lineno} column {exc.colno}: {exc.msg}" if isinstance(
+                    exc, json.JSONDecodeError) else ": nested too deeply"
+                raise BenchmarkFormatError(f"{filename}: invalid JSON{where}") from None
+            return _detect_json(data, filename)(data, ctx)
+        return _read_csv(text, ctx)
+    except (TypeError, AttributeError, KeyError, IndexError, ValueError, csv.Error) as exc:
+        if isinstance(exc, BenchmarkFormatError):
+            raise
+        # a shape no reader expects (a list where an object belongs, ...): still one line, no crash
+        raise BenchmarkFormatError(f"{filename}: unexpected content ({type(exc).__name__}: {exc})") from None
