@@ -90,3 +90,21 @@ def test_truncated_documents_never_crash(cut: int) -> None:
             read_benchmark(text[: min(cut, len(text) - 1)], name, META)
         except BenchmarkFormatError:
             pass
+
+
+ONLINE_HEADER = ("engine,version,precision,frontend,model,gpu,tp,isl,osl,qps,req_throughput_rps,mean_ttft_ms,"
+                 "mean_itl_ms,total_token_tput_tok_s,output_tput_tok_s")
+ONLINE_ROW = "tensorrt-llm,0.14.0,bf16,triton,LLaMA 3.1 8B,H100 80GB HBM3,1,467,256,2,2,23,8,1423,504"
+cell = st.one_of(st.sampled_from(["", "INF", "-1", "nan", "0", "1e309", "abc", "H999", "fp7", "1.5", '"1,5"']),
+                 st.text(alphabet="0123456789.-eE", max_size=6))
+
+
+@settings(max_examples=200, deadline=None)
+@given(col=st.integers(0, 14), value=cell)
+def test_mutated_table_cell_is_a_row_problem_or_a_point(col: int, value: str) -> None:
+    cells = ONLINE_ROW.split(",")
+    cells[col] = value
+    text = f"{ONLINE_HEADER}\n{ONLINE_ROW}\n{','.join(cells)}\n"
+    result = read_benchmark(text, "table.csv")  # the good row always reads, so the file does
+    assert len(result.points) + len(result.problems) == 2
+    assert all(p.startswith("table.csv:3: ") for p in result.problems)
