@@ -280,10 +280,11 @@ class FitReport:
     saturated_points: int
 
 
-def _range(points: Sequence[BenchmarkPoint]) -> DataRange:
+def _range(points: Sequence[BenchmarkPoint], d: _Data) -> DataRange:
     rates = [p.rate_rps for p in points if p.load is LoadKind.RATE and p.rate_rps is not None]
     concs = [p.concurrency for p in points if p.load is LoadKind.CONCURRENCY and p.concurrency is not None]
     return DataRange(
+        latency_points=int(np.isfinite(d.obs[:, 0:6]).any(axis=1).sum()),
         isl=(min(p.isl for p in points), max(p.isl for p in points)),
         osl=(min(p.osl for p in points), max(p.osl for p in points)),
         rate_rps=(min(rates), max(rates)) if rates else None,
@@ -341,7 +342,7 @@ def fit_profile(key: ProfileKey, points: Sequence[BenchmarkPoint], *, loo: bool 
     params, kv = _params_from_phi(phi)
     profile = PerfProfile(
         key=key, params=params, kv_tokens=kv, source="fit",
-        fit_error=fit_error, data_range=_range(points), notes=(prior.note,),
+        fit_error=fit_error, data_range=_range(points, d), notes=(prior.note,),
     )
     return FitReport(profile, len(points), int((d.mode == 2).sum()))
 

@@ -162,6 +162,7 @@ class DataRange:
     osl: tuple[float, float]
     rate_rps: tuple[float, float] | None  # open-loop points
     concurrency: tuple[float, float] | None  # closed-loop points
+    latency_points: int | None = None  # points below saturation with TTFT or ITL (None: not recorded)
 
 
 @dataclass(frozen=True)
@@ -274,6 +275,9 @@ def _range_warnings(profile: PerfProfile, workload: Workload, rate_rps: float | 
         if value < lo * 0.9 or value > hi * 1.1:
             warnings.append(f"{name} {value:g} outside the data range {lo:g}..{hi:g}")
 
+    if r.latency_points == 0:
+        warnings.append("no TTFT/ITL measurements below saturation in the data: latencies follow the "
+                        "prior's shape, scaled by the throughput fit")
     check("isl", workload.isl, r.isl)
     check("osl", workload.osl, r.osl)
     if rate_rps is not None and r.rate_rps is not None:
@@ -453,7 +457,7 @@ def profile_to_dict(p: PerfProfile) -> dict[str, Any]:
     if p.data_range is not None:
         r = p.data_range
         d["data_range"] = {"isl": list(r.isl), "osl": list(r.osl), "rate_rps": _opt_pair(r.rate_rps),
-                           "concurrency": _opt_pair(r.concurrency)}
+                           "concurrency": _opt_pair(r.concurrency), "latency_points": r.latency_points}
     return d
 
 
@@ -533,8 +537,10 @@ def profile_from_dict(d: Mapping[str, Any], where: str = "profile") -> PerfProfi
         isl = _pair(_field(rd, "isl", w), f"{w}.isl")
         osl = _pair(_field(rd, "osl", w), f"{w}.osl")
         assert isl is not None and osl is not None
+        lat = _num(rd.get("latency_points"), f"{w}.latency_points", optional=True)
         data_range = DataRange(isl=isl, osl=osl, rate_rps=_pair(rd.get("rate_rps"), f"{w}.rate_rps"),
-                               concurrency=_pair(rd.get("concurrency"), f"{w}.concurrency"))
+                               concurrency=_pair(rd.get("concurrency"), f"{w}.concurrency"),
+                               latency_points=None if lat is None else int(lat))
     kv = _num(d.get("kv_tokens"), f"{where}.kv_tokens", optional=True)
     notes = d.get("notes") or []
     return PerfProfile(key=key, params=params, kv_tokens=kv, source=str(d.get("source", "fit")),

@@ -84,3 +84,13 @@ def test_fit_failure_is_named() -> None:
     bare = replace(_rate(2, 2, None), output_tok_s=None)
     with pytest.raises(FitFailure, match="no usable statistic"):
         fit_profile(bare.key, [bare])
+
+
+def test_throughput_only_profiles_say_their_latencies_are_prior_shaped() -> None:
+    pts = [replace(_rate(1, 10 + i, None, LoadKind.MAX), isl=128 * (i + 1), series=f"s{i}") for i in range(4)]
+    profile = fit_profile(pts[0].key, pts, loo=False).profile
+    assert profile.data_range is not None and profile.data_range.latency_points == 0
+    pred = predict(profile, Workload(256, 200), rate_rps=1.0)
+    assert any("no TTFT/ITL measurements" in w for w in pred.warnings)
+    with_latency = fit_profile(KEY, _points(_truth()), loo=False).profile
+    assert with_latency.data_range is not None and with_latency.data_range.latency_points == 12
