@@ -10,11 +10,11 @@ all policies plus the ground-truth capacities; profile generation is reported se
 Scenarios (policies are written below, in the repo; only the traces are read from outside):
 - azure: Azure LLM conversation trace, 1 h, 19,366 requests, rate x4 (tiled: 4 copies of the hour
   time-compressed into the hour, sim.traces.reshape), served as Llama-3-70B on 8 hosts x 8 H100,
-  SLO TTFT p99 1 s / ITL p99 80 ms; vLLM and TensorRT-LLM at TP 4 or 8, the TRT-LLM TP4 engine
-  cached, TP8 needs a 25 min build.
+  SLO TTFT p99 1 s / ITL p99 80 ms; vLLM and TensorRT-LLM at TP 4 or 8 (TRT-LLM engines cached).
 - mooncake: Mooncake conversation trace, 59 min, 12,031 requests with 12k-token mean prompts, rate
   x1, served as Llama-3-8B on 4 hosts x 8 H100, long-context SLO TTFT p99 20 s / ITL p99 150 ms,
-  TP 1 or 2, the TRT-LLM TP1 engine cached.
+  TP 1 or 2 (TRT-LLM engines cached). Both: headroom 0.2 (the example policy's), 60 s cycle, 300 s
+  scale-down delay.
 With --day the hour is also shaped into a compressed day (sim.traces.shape_day, day_s = 3600 s:
 trough at the start, peak at 30 min, peak/trough 3).
 """
@@ -82,7 +82,7 @@ models:
     slo: {ttft_p99_ms: 1000, itl_p99_ms: 80}
     min_replicas: 1
     allowed: {engines: [vllm, trtllm], tp: [4, 8], gpus: [h100]}
-    headroom: 0.1
+    headroom: 0.2
     workload: {isl: 1155, osl: 211}
 """
 
@@ -92,7 +92,7 @@ models:
     slo: {ttft_p99_ms: 20000, itl_p99_ms: 150}
     min_replicas: 1
     allowed: {engines: [vllm, trtllm], tp: [1, 2], gpus: [h100]}
-    headroom: 0.1
+    headroom: 0.2
     workload: {isl: 12035, osl: 343}
 """
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from models import profile as mp
 from models.names import Engine
@@ -35,13 +35,16 @@ from models.profile import ProfileSet
 from planner.capacity import MixedWorkload, capacity_table
 from planner.core import plan
 from planner.policy import Policy
-from planner.types import ConfigKey, HostInventory, PlannerState
+from planner.types import ConfigKey, HostInventory, Observation, PlannerState
 from sim.des import ControllerView, Decision
 from sim.traces import Trace, iter_rates
 
 POLICY_NAMES: tuple[str, ...] = (
     "fleetplan", "fleetplan-vllm-only", "fleetplan-trtllm-only", "static-peak", "static-mean", "hpa", "oracle",
 )
+# selectable with --policies, not run by default: fleetplan without the rate history (its forecast
+# then only sees the current rate), to separate the forecast's effect from the optimizer's
+EXTRA_POLICY_NAMES: tuple[str, ...] = ("fleetplan-no-history",)
 
 
 def restrict_policy(policy: Policy, engines: Sequence[Engine]) -> Policy:
@@ -69,6 +72,7 @@ class FleetplanController:
     period_s: float = 0.0
     state: PlannerState = field(default_factory=PlannerState.initial)
     solve_s: float = 0.0
+    use_history: bool = True
 
     def __post_init__(self) -> None:
         if self.period_s <= 0:
@@ -78,7 +82,10 @@ class FleetplanController:
         self.state = PlannerState.initial()
 
     def decide(self, view: ControllerView) -> Decision:
-        res = plan(view.observation, view.fleet, self.policy, self.profiles, self.state, view.epoch_s)
+        obs = view.observation
+        if not self.use_history:
+            obs = Observation(models={m: replace(o, history=()) for m, o in obs.models.items()}, alerts=obs.alerts)
+        res = plan(obs, view.fleet, self.policy, self.profiles, self.state, view.epoch_s)
         self.state = res.next_state
         self.solve_s += res.explanation.solve_s
         note = "; ".join(n for m in res.explanation.models for n in m.notes if n.startswith("fail static"))

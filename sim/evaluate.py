@@ -29,6 +29,7 @@ from planner.capacity import candidate_configs
 from planner.policy import Policy
 from planner.types import ConfigKey
 from sim.baselines import (
+    EXTRA_POLICY_NAMES,
     POLICY_NAMES,
     FleetplanController,
     HpaController,
@@ -46,7 +47,8 @@ from sim.des import Controller, Environment, FleetSim, SimResult, SimSettings, c
 from sim.groundtruth import EngineParams, build_params
 from sim.traces import Trace, TraceRequest
 
-SIMULATED = tuple(p for p in POLICY_NAMES if p != "oracle")
+SIMULATED = tuple(p for p in (*POLICY_NAMES, *EXTRA_POLICY_NAMES) if p != "oracle")
+KNOWN = (*POLICY_NAMES, *EXTRA_POLICY_NAMES)
 
 
 class EvaluateError(ValueError):
@@ -219,6 +221,8 @@ def make_controller(name: str, trace: Trace, policy: Policy, profiles: ProfileSe
         return FleetplanController(name, restrict_policy(policy, [Engine.VLLM]), profiles)
     if name == "fleetplan-trtllm-only":
         return FleetplanController(name, restrict_policy(policy, [Engine.TRTLLM]), profiles)
+    if name == "fleetplan-no-history":
+        return FleetplanController(name, policy, profiles, use_history=False)
     targets: dict[ConfigKey, int] = {}
     hpa_configs: dict[str, ConfigKey] = {}
     hpa_target: dict[str, float] = {}
@@ -350,9 +354,9 @@ def evaluate(trace: Trace, policy: Policy, profiles: ProfileSet, options: Evalua
     computed (sim.des.capacity_at_slo with the trace's mix), the rest are computed here."""
     opts = options or EvaluateOptions()
     t_start = time.perf_counter()
-    unknown = [p for p in opts.policies if p not in POLICY_NAMES]
+    unknown = [p for p in opts.policies if p not in KNOWN]
     if unknown:
-        raise EvaluateError(f"unknown policy {unknown[0]!r}; known: {', '.join(POLICY_NAMES)}")
+        raise EvaluateError(f"unknown policy {unknown[0]!r}; known: {', '.join(KNOWN)}")
     if not trace.requests:
         raise EvaluateError(f"{trace.source}: the trace has no requests")
     trace = prepare_trace(trace, policy, opts.model)
@@ -640,7 +644,7 @@ def parse_policy_list(text: str | None) -> tuple[str, ...]:
         return POLICY_NAMES
     names = tuple(x.strip() for x in text.split(",") if x.strip())
     for n in names:
-        if n not in POLICY_NAMES:
-            raise EvaluateError(f"--policies: unknown policy {n!r}; known: {', '.join(POLICY_NAMES)}")
+        if n not in KNOWN:
+            raise EvaluateError(f"--policies: unknown policy {n!r}; known: {', '.join(KNOWN)}")
     return names
 
