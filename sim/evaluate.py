@@ -359,6 +359,8 @@ def evaluate(trace: Trace, policy: Policy, profiles: ProfileSet, options: Evalua
         raise EvaluateError(f"unknown policy {unknown[0]!r}; known: {', '.join(KNOWN)}")
     if not trace.requests:
         raise EvaluateError(f"{trace.source}: the trace has no requests")
+    if not policy.hosts:
+        raise EvaluateError("the policy lists no hosts: the simulated fleet is the policy's `hosts` inventory")
     trace = prepare_trace(trace, policy, opts.model)
     models = sorted({r.model for r in trace.requests if r.model is not None})
     policy = policy_for_models(policy, models)
