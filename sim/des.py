@@ -1072,9 +1072,11 @@ class FleetSim:
                             break
                         self._start_replica(0.0, None, c, slot[0], slot[1], instant=True)
                 break
-            if not starts:
+            live_ids = {r.rid for r in self.replicas if r.state != ReplicaState.STOPPED}
+            new = [a for a in starts if a.replica.replica_id not in live_ids]
+            if not new:
                 break
-            for a in starts:
+            for a in new:
                 c = a.replica.config
                 if self.env.build_s(c) is not None and not self._built(c):
                     continue  # a replica that needs an engine build cannot be warm
