@@ -215,16 +215,18 @@ async def test_promql_rate_and_histogram_quantile_match_the_engine(
     own = _engine_histogram(own_text, p.ttft)
     assert own[-1][1] == n, "the engine counted every request"
 
-    # Wait for a scrape that has seen all n, then query at exactly that scrape's timestamp.
+    # Wait for a scrape that has seen all n finished (a scrape can see every first token while
+    # the last requests still decode), then query at exactly that scrape's timestamp.
     sel = f'{{replica="{eng.replica}"}}'
     deadline = time.monotonic() + 15
     while True:
-        res = await asyncio.to_thread(prom.query, f"{p.ttft}_count{sel}")
-        if res and float(res[0]["value"][1]) == n:
+        res = await asyncio.to_thread(prom.query, f"sum({p.success}{sel})")
+        ttft_res = await asyncio.to_thread(prom.query, f"{p.ttft}_count{sel}")
+        if res and ttft_res and float(res[0]["value"][1]) == n and float(ttft_res[0]["value"][1]) == n:
             break
-        assert time.monotonic() < deadline, f"Prometheus never saw {n} requests: {res}"
+        assert time.monotonic() < deadline, f"Prometheus never saw {n} finished requests: {res}"
         await asyncio.sleep(0.2)
-    t_last = float((await asyncio.to_thread(prom.query, f"timestamp({p.ttft}_count{sel})"))[0]["value"][1])
+    t_last = float((await asyncio.to_thread(prom.query, f"max(timestamp({p.success}{sel}))"))[0]["value"][1])
     window = f"{int(t_last - eng.registered_at) + 10}s"
 
     def at(expr: str) -> float:
