@@ -5,7 +5,8 @@ Formats (detected from the content, not the file name):
 - the InferenceX variant of it: the same keys without `_ms`, times in SECONDS (`median_ttft`, ...);
 - `trtllm-bench throughput --report_json`: `engine`, `world_info`, `request_info`, `performance`,
   `streaming_metrics` sections;
-- NVIDIA AIPerf `profile_export_aiperf.json`: one object per metric with `unit`, `avg`, `p50`, `p99`;
+- NVIDIA AIPerf `profile_export_aiperf.json` (and genai-perf's `profile_export_genai_perf.json`, the
+  same layout): one object per metric with `unit`, `avg`, `p50`, `p99`;
 - genai-perf / AIPerf CSV export: a `Metric,avg,min,max,p99,...` section and a `Metric,Value` section;
 - the CSV tables of ../shared/data/benchmarks: TensorRT-LLM online serving (qps sweep), TensorRT-LLM
   perf-overview max throughput, and the seed articles table.
@@ -382,6 +383,22 @@ def _aiperf_metric(metrics: Mapping[str, Any], name: str, src: str) -> dict[str,
     }
 
 
+def _aiperf_model(cfg: Mapping[str, Any], endpoint: Mapping[str, Any]) -> str | None:
+    """The model name: AIPerf endpoint.model_names[0], newer AIPerf models.items[0].name, genai-perf
+    input_config.model (a name or a list of names)."""
+    names = endpoint.get("model_names")
+    if isinstance(names, list) and names and isinstance(names[0], str):
+        return names[0]
+    models = cfg.get("models")
+    items = models.get("items") if isinstance(models, Mapping) else None
+    if isinstance(items, list) and items and isinstance(items[0], Mapping) and isinstance(items[0].get("name"), str):
+        return str(items[0]["name"])
+    model = cfg.get("model")
+    if isinstance(model, list) and model and isinstance(model[0], str):
+        return model[0]
+    return model if isinstance(model, str) else None
+
+
 def _read_aiperf(d: Mapping[str, Any], ctx: _Ctx) -> ReadResult:
     src = ctx.source
     metrics: Mapping[str, Any] = d["records"] if isinstance(d.get("records"), Mapping) else d
@@ -390,8 +407,7 @@ def _read_aiperf(d: Mapping[str, Any], ctx: _Ctx) -> ReadResult:
     endpoint = cfg.get("endpoint") if isinstance(cfg.get("endpoint"), Mapping) else {}
     loadgen = cfg.get("loadgen") if isinstance(cfg.get("loadgen"), Mapping) else {}
     assert isinstance(endpoint, Mapping) and isinstance(loadgen, Mapping)
-    names = endpoint.get("model_names") or []
-    model_raw = names[0] if isinstance(names, list) and names else None
+    model_raw = _aiperf_model(cfg, endpoint)
     gpu_raw = None
     telemetry = d.get("telemetry_data")
     endpoints = telemetry.get("endpoints") if isinstance(telemetry, Mapping) else None
@@ -416,8 +432,11 @@ def _read_aiperf(d: Mapping[str, Any], ctx: _Ctx) -> ReadResult:
         raise BenchmarkFormatError(f"{src}: field 'input_sequence_length' is missing")
     if osl is None or osl <= 0:
         raise BenchmarkFormatError(f"{src}: field 'output_sequence_length' is missing or zero: {osl!r}")
-    conc = check_value(src, "input_config.loadgen.concurrency", loadgen.get("concurrency"), positive=True)
-    rate = check_value(src, "input_config.loadgen.request_rate", loadgen.get("request_rate"), positive=True)
+    # AIPerf: input_config.loadgen.{concurrency,request_rate}; genai-perf: input_config.{concurrency,...}
+    where = "input_config.loadgen" if "loadgen" in cfg else "input_config"
+    knobs = loadgen if "loadgen" in cfg else cfg
+    conc = check_value(src, f"{where}.concurrency", knobs.get("concurrency"), positive=True)
+    rate = check_value(src, f"{where}.request_rate", knobs.get("request_rate"), positive=True)
     conc = conc if conc is not None else ctx.hints.concurrency
     if rate is not None:
         load = LoadKind.RATE

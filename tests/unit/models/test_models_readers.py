@@ -222,3 +222,14 @@ def test_ambiguous_engine_in_name_is_an_error() -> None:
     (p,) = read_benchmark(json.dumps(doc), "vllm_vs_trtllm.json",
                           Metadata(engine=Engine.TRTLLM, gpu=GpuType.H100, tp=1, precision=Precision.BF16)).points
     assert p.engine is Engine.TRTLLM
+
+
+def test_genai_perf_json_and_newer_aiperf_config_layouts() -> None:
+    d = json.loads((FIXTURES / "profile_export_aiperf.json").read_text())
+    meta = Metadata(engine=Engine.VLLM, tp=1, precision=Precision.BF16)
+    genai = dict(d, input_config={"model": ["llama-3.1-8b-instruct"], "concurrency": 16})
+    (p,) = read_benchmark(json.dumps(genai), "profile_export_genai_perf.json", meta).points
+    assert p.model == "llama-3.1-8b-instruct" and p.concurrency == 16
+    newer = dict(d, input_config={"models": {"items": [{"name": "org/Model-X"}]}, "loadgen": {"request_rate": 4}})
+    (q,) = read_benchmark(json.dumps(newer), "profile_export_aiperf.json", meta).points
+    assert q.model == "Model-X" and q.load is LoadKind.RATE and q.rate_rps == 4
