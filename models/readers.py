@@ -25,7 +25,7 @@ import json
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from models.bench import (
@@ -305,8 +305,6 @@ def _read_vllm_serve(d: Mapping[str, Any], ctx: _Ctx, *, seconds: bool) -> ReadR
 
 
 def _with_series(p: BenchmarkPoint) -> BenchmarkPoint:
-    from dataclasses import replace
-
     series = _series(p.model + (f"+{p.variant}" if p.variant else ""), p.engine, p.gpu, p.tp,
                      p.precision, round(p.isl), round(p.osl))
     return replace(p, series=series)
