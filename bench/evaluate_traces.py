@@ -16,7 +16,8 @@ Scenarios (policies are written below, in the repo; only the traces are read fro
   TP 1 or 2 (TRT-LLM engines cached). Both: headroom 0.2 (the example policy's), 60 s cycle, 300 s
   scale-down delay.
 With --day the hour is also shaped into a compressed day (sim.traces.shape_day, day_s = 3600 s:
-trough at the start, peak at 30 min, peak/trough 3).
+trough at the start, peak at 30 min, peak/trough 3); with --day-s S [--day-scale R] into a day of S
+seconds (e.g. --traces azure --day-s 21600 --day-scale 2: a 6 h day, 238k requests).
 """
 
 from __future__ import annotations
@@ -116,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--traces", default="azure,mooncake")
     ap.add_argument("--day", action="store_true", help="also evaluate the compressed-day shape")
+    ap.add_argument("--day-s", type=float, default=None,
+                    help="also evaluate a day of this many seconds (shape_day), e.g. 21600")
+    ap.add_argument("--day-scale", type=float, default=None,
+                    help="rate scale of that day (default: the scenario's)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--policies", default=",".join(POLICY_NAMES))
     ap.add_argument("--out", type=Path, default=None, help="write charts per scenario here")
@@ -131,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         shapes = [("hour", hour)]
         if args.day:
             shapes.append(("compressed-day", shape_day(raw, raw.duration_s, scale)))
+        if args.day_s is not None:
+            ds = args.day_scale or scale
+            shapes.append((f"day-{args.day_s:g}s-x{ds:g}", shape_day(raw, args.day_s, ds)))
         for shape_name, tr in shapes:
             tr = prepare_trace(tr, policy, model)
             pol = policy_for_models(policy, [model])

@@ -628,13 +628,13 @@ def goals(ev: Evaluation) -> list[tuple[str, bool | None, str]]:
     if orc is not None and orc.gpu_hours > 0:
         ratio = fp.gpu_hours / orc.gpu_hours
         out.append(("fleetplan GPU-h <= 1.10 x oracle with SLO attainment >= 99.5%",
-                    ratio <= 1.10 and att >= 0.995, f"ratio {ratio:.3f}, attainment {100 * att:.2f}%"))
+                    bool(ratio <= 1.10 and att >= 0.995), f"ratio {ratio:.3f}, attainment {100 * att:.2f}%"))
     if sp is not None and sp.gpu_hours > 0:
         saving = 1.0 - fp.gpu_hours / sp.gpu_hours
-        out.append((">= 30% fewer GPU-h than static-peak", saving >= 0.30, f"saving {100 * saving:.1f}%"))
+        out.append((">= 30% fewer GPU-h than static-peak", bool(saving >= 0.30), f"saving {100 * saving:.1f}%"))
     if hpa is not None and hpa.gpu_hours > 0:
         saving = 1.0 - fp.gpu_hours / hpa.gpu_hours
-        ok = saving >= 0.15 and att >= (hpa.slo_attainment or 0.0)
+        ok = bool(saving >= 0.15 and att >= (hpa.slo_attainment or 0.0))
         out.append((">= 15% fewer GPU-h than hpa at equal or better SLO attainment", ok,
                     f"saving {100 * saving:.1f}%, attainment {100 * att:.2f}% vs hpa "
                     f"{100 * (hpa.slo_attainment or 0.0):.2f}%"))
