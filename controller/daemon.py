@@ -339,6 +339,8 @@ class Controller:
         self.report_url: str | None = None
         self.routed: set[str] = set()  # replica ids in the nginx upstreams right now
         self._builds_noted: set[str] = set()
+        self._pending_publish: set[str] = set()
+        self._connected_wall = time.time()
         self._routing_lock = asyncio.Lock()
         self._routing_task: asyncio.Task[None] | None = None
 
@@ -422,6 +424,7 @@ class Controller:
     def _on_connect(self) -> None:
         # the broker may have lost retained messages (restart without persistence): republish all
         self._republish_all = True
+        self._connected_wall = time.time()
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -650,17 +653,18 @@ class Controller:
     async def reconcile(self) -> None:
         """Bring the database in line with what the agents report (before planning)."""
         now = time.time()
+        changed: set[str] = set()
+        changed.update(self.adopt_orphans())
+        changed.update(self._pending_publish)
+        self._pending_publish.clear()
         known = self.store.known_ids()
         active = {r.replica_id: r for r in self.store.active_replicas()}
-        changed: set[str] = set()
         for host, st in self.statuses.items():
             if not st.online:
                 continue
             self.store.note_version_floor(host, st.desired_version)
             for rs in st.replicas:
                 if rs.replica_id not in known:
-                    if self._adopt(host, rs, active):
-                        changed.add(host)
                     continue
                 row = active.get(rs.replica_id)
                 if row is None:
@@ -701,6 +705,23 @@ class Controller:
             self._republish_all = False
         if changed and self.link.connected.is_set():
             await self.publish_hosts(changed)
+
+    def adopt_orphans(self) -> set[str]:
+        """Adopt engines the agents run that this database never allocated; returns the hosts whose
+        desired state changed (published by the next reconcile)."""
+        known = self.store.known_ids()
+        active = {r.replica_id: r for r in self.store.active_replicas()}
+        changed: set[str] = set()
+        for host, st in self.statuses.items():
+            if not st.online:
+                continue
+            for rs in st.replicas:
+                if rs.replica_id not in known and self._adopt(host, rs, active):
+                    known.add(rs.replica_id)
+                    active = {r.replica_id: r for r in self.store.active_replicas()}
+                    changed.add(host)
+        self._pending_publish.update(changed)
+        return changed
 
     def _adopt(self, host: str, rs: Any, active: Mapping[str, ReplicaRow]) -> bool:
         """An engine this database never allocated: adopt it when it conflicts with nothing."""
@@ -753,6 +774,14 @@ class Controller:
             counts["deferred"] += len(result.actions)
             return counts
         self.runtime_alerts.pop("mqtt", None)
+        # after a (re)start, act only on a complete view: every host we have desired state for must
+        # have reported (retained status arrives right after subscribing; the grace covers dead agents)
+        missing = sorted(set(self.store.desired_rows()) - set(self.statuses))
+        if missing and time.time() - self._connected_wall < self.settings.host_offline_grace_s:
+            for a in result.actions:
+                self._record(cycle_id, a, ActionStatus.DEFERRED, f"waiting for status from {', '.join(missing)}")
+            counts["deferred"] += len(result.actions)
+            return counts
         active = {r.replica_id: r for r in self.store.active_replicas()}
         rep = self.reported()
         changed: set[str] = set()
@@ -963,6 +992,7 @@ class Controller:
             self.last_snapshot = snap
             self.store.save_observation(cid, snap.to_json())
             obs = to_observation(snap, models)
+            self.adopt_orphans()  # statuses may have arrived while observing: never plan around an unknown engine
             fleet = self.build_fleet()
             t0 = time.perf_counter()
             result = await asyncio.to_thread(plan, obs, fleet, policy, self.profiles, self.planner_state, now_s)

@@ -170,7 +170,7 @@ def render_report(data: Mapping[str, Any], *, actions: int = 12) -> str:
     hosts = data.get("hosts") or {}
     if hosts:
         lines.append("hosts: " + ", ".join(
-            f"{h}({'up' if v['online'] else 'OFFLINE'} v{v.get('desired_version')})" for h, v in hosts.items()
+            f"{h}({'up' if v['online'] else 'OFFLINE'} v{v.get('desired_version') or '-'})" for h, v in hosts.items()
         ))
     acts = (data.get("actions") or [])[:actions]
     lines.append("")

@@ -105,3 +105,25 @@ async def test_invalid_policy_on_sighup_is_rejected_old_kept(rig, controller_fac
     ctrl.signal(signal.SIGHUP)
     await wait_until(lambda: ctrl.report()["policy"]["error"] is None, 10, "the error cleared")
     assert ctrl.stop() == 0  # SIGTERM: clean exit
+
+
+async def test_lost_database_adopts_running_engines(rig, controller_factory) -> None:  # type: ignore[no-untyped-def]
+    """A controller started on an empty database adopts the engines the agents run (none stopped, none
+    duplicated) and scales them like its own."""
+    ctrl = controller_factory(policy_doc(min_replicas=2)).start()
+    await wait_until(lambda: len(ready_replicas(ctrl.report())) == 2, 40, "2 replicas ready")
+    before = {rid: pid for pid, rid in rig.engine_processes()}
+    ctrl.kill9()
+    for f in ctrl.work.glob("state.db*"):
+        f.unlink()
+    ctrl.start()
+    await wait_until(lambda: len(ready_replicas(ctrl.report())) == 2, 30, "the 2 running engines adopted")
+    await asyncio.sleep(3)  # more cycles: nothing may start or stop
+    rep = ctrl.report()
+    assert {r["replica_id"] for r in rep["fleet"]} == set(before)
+    assert all(r["origin"] == "adopted" for r in rep["fleet"])
+    acted = [a for a in rep["actions"] if a["kind"] in ("start", "drain", "stop") and a["status"] != "deferred"]
+    assert not acted, acted
+    assert {rid: pid for pid, rid in rig.engine_processes()} == before
+    await wait_until(lambda: all(d["acked_version"] == d["version"] and d["ack_accepted"]
+                                 for d in ctrl.report()["desired"].values()), 10, "desired states acked")
