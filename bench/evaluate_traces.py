@@ -133,13 +133,13 @@ def main(argv: list[str] | None = None) -> int:
         policy = load_policy_text(policy_text, f"bench:{key}")
         raw = read_trace(TRACES / fname, model=model)
         hour = raw if scale == 1.0 else reshape(raw, duration_s=raw.duration_s, rate_scale=scale)
-        shapes = [("hour", hour)]
+        shapes = [("hour", hour, scale)]
         if args.day:
-            shapes.append(("compressed-day", shape_day(raw, raw.duration_s, scale)))
+            shapes.append(("compressed-day", shape_day(raw, raw.duration_s, scale), scale))
         if args.day_s is not None:
             ds = args.day_scale or scale
-            shapes.append((f"day-{args.day_s:g}s-x{ds:g}", shape_day(raw, args.day_s, ds)))
-        for shape_name, tr in shapes:
+            shapes.append((f"day-{args.day_s:g}s", shape_day(raw, args.day_s, ds), ds))
+        for shape_name, tr, tr_scale in shapes:
             tr = prepare_trace(tr, policy, model)
             pol = policy_for_models(policy, [model])
             m = pol.models[0]
@@ -151,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
             opts = EvaluateOptions(policies=tuple(args.policies.split(",")), settings=SimSettings(),
                                    workers=args.workers)
             ev = evaluate(tr, pol, profiles, opts, trace_info={"scenario": key, "shape": shape_name,
-                                                                "rate_scale": scale})
-            print(f"\n=== {key} ({fname}), {shape_name}, rate x{scale:g}, model {model} ===")
+                                                                "rate_scale": tr_scale})
+            print(f"\n=== {key} ({fname}), {shape_name}, rate x{tr_scale:g}, model {model} ===")
             print(render_table(ev))
             isl, osl = ev.trace["mean_prompt_tokens"][model], ev.trace["mean_output_tokens"][model]
             print("capacity per replica at the SLO, ground truth vs fitted profile (rps): " + ", ".join(

@@ -265,13 +265,13 @@ def simulate_policy(name: str, trace: Trace, policy: Policy, profiles: ProfileSe
 
 
 def ground_truth_capacity(c: ConfigKey, lengths: Sequence[tuple[int, int]], ttft_ms: float, itl_ms: float,
-                          seed: int = 0, n: int = 1500) -> float:
+                          seed: int = 0, n: int = 2000, repeats: int = 3) -> float:
     """sim.des.capacity_at_slo on the config's ground-truth engine with the trace's own length mix."""
     try:
         params = _params(c)
     except ValueError:  # does not fit
         return 0.0
-    return capacity_at_slo(params, lengths, ttft_ms, itl_ms, seed=seed, n=n)
+    return capacity_at_slo(params, lengths, ttft_ms, itl_ms, seed=seed, n=n, repeats=repeats)
 
 
 def profiles_from_ground_truth(configs: Sequence[ConfigKey], lengths: Sequence[tuple[int, int]],

@@ -76,7 +76,7 @@ def world() -> tuple[Policy, object, dict[ConfigKey, float]]:
     pool = synthetic([(600.0, 20.0)], seed=42)
     lengths = [(r.prompt_tokens, r.output_tokens) for r in pool.requests]
     configs = candidates_for(policy, MODEL)
-    caps = {c: ground_truth_capacity(c, lengths, TTFT_MS, ITL_MS, n=800) for c in configs}
+    caps = {c: ground_truth_capacity(c, lengths, TTFT_MS, ITL_MS, n=800, repeats=1) for c in configs}
     profiles = profiles_from_ground_truth(configs, lengths, TTFT_MS, ITL_MS, n=600, capacities=caps)
     return policy, profiles, caps
 
