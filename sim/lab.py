@@ -42,10 +42,25 @@ LOOPBACK = "127.0.0.1"
 LAB_JSON = "lab.json"
 CONTROLLER_USER = "controller"
 
-MOSQUITTO_BIN = os.environ.get("FLEETPLAN_MOSQUITTO", "/usr/sbin/mosquitto")
-MOSQUITTO_PASSWD_BIN = os.environ.get("FLEETPLAN_MOSQUITTO_PASSWD", "/usr/bin/mosquitto_passwd")
-PROMETHEUS_BIN = os.environ.get("FLEETPLAN_PROMETHEUS", "/usr/bin/prometheus")
-NGINX_BIN = os.environ.get("FLEETPLAN_NGINX", "/usr/sbin/nginx")
+# Where Debian's packages put the servers; FLEETPLAN_<NAME> overrides one (read when a server
+# starts, not at import).
+DEFAULT_BINARIES = {
+    "mosquitto": "/usr/sbin/mosquitto",
+    "mosquitto_passwd": "/usr/bin/mosquitto_passwd",
+    "prometheus": "/usr/bin/prometheus",
+    "nginx": "/usr/sbin/nginx",
+}
+
+
+def lab_binary(name: str) -> str:
+    """The path of a lab server binary: $FLEETPLAN_<NAME>, else the Debian path, else $PATH."""
+    override = os.environ.get(f"FLEETPLAN_{name.upper()}")
+    if override:
+        return override
+    default = DEFAULT_BINARIES[name]
+    if Path(default).exists():
+        return default
+    return shutil.which(name) or default
 
 _HOST_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789-")
 
@@ -305,7 +320,7 @@ class MosquittoServer:
         self.passwd_path.write_text("".join(f"{u.user}:{u.password}\n" for u in users))
         self.passwd_path.chmod(0o600)
         proc = subprocess.run(
-            [MOSQUITTO_PASSWD_BIN, "-U", str(self.passwd_path)], capture_output=True, text=True, check=False
+            [lab_binary("mosquitto_passwd"), "-U", str(self.passwd_path)], capture_output=True, text=True, check=False
         )
         if proc.returncode != 0:
             raise LabError(f"mosquitto_passwd -U {self.passwd_path} failed: {proc.stderr.strip()}")
@@ -335,7 +350,7 @@ class MosquittoServer:
         if not self.conf_path.exists():
             self.write_config()
         self.proc = ManagedProcess(
-            "mosquitto", [MOSQUITTO_BIN, "-c", str(self.conf_path)], self.workdir / "mosquitto.log"
+            "mosquitto", [lab_binary("mosquitto"), "-c", str(self.conf_path)], self.workdir / "mosquitto.log"
         )
         self.proc.start()
         proc = self.proc
@@ -410,7 +425,7 @@ class PrometheusServer:
         if not self.conf_path.exists():
             self.write_config()
         argv = [
-            PROMETHEUS_BIN,
+            lab_binary("prometheus"),
             f"--config.file={self.conf_path}",
             f"--storage.tsdb.path={self.tsdb_dir}",
             f"--web.listen-address={self.host}:{self.port}",
@@ -521,7 +536,7 @@ http {{
 
     def _argv(self, *extra: str) -> list[str]:
         return [
-            NGINX_BIN,
+            lab_binary("nginx"),
             "-p",
             f"{self.workdir}/",
             "-c",
