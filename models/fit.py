@@ -29,6 +29,7 @@ from models.profile import (
     PerfProfile,
     ProfileKey,
     closed_loop_capped,
+    itl_p99_gap,
     kv_capacity_tokens,
     latency_terms,
     memory_x,
@@ -39,7 +40,9 @@ from models.profile import (
 Array = NDArray[np.float64]
 
 SATURATED_FRACTION = 0.9  # achieved / offered below this: the point is past saturation
-_N_PARAMS = 15
+_N_PARAMS = 16
+_STALL = 15  # itl_stall_weight
+_STALL_PRIOR = 1.0
 _OFFSET_PARAMS = (8, 10)  # ttft_p99_factor, itl_p99_factor: fitted as log(f - 1), f > 1
 _FRACTION_PARAMS = (7, 9)  # ttft_p50_factor, itl_p50_factor: fitted as logit(f), 0 < f < 1 (median <= mean)
 _RHO_CLIP = 0.995
@@ -99,19 +102,25 @@ class _Data:
     mode: Array  # 0 rate, 1 concurrency, 2 saturation
     load: Array  # rate in req/ms, or clients
     obs: Array  # (n, 7) observed, NaN where absent
+    gap: Array  # 1.0 where the ITL p99 is over all token gaps (ITL), 0.0 where per request (TPOT)
 
     def subset(self, idx: Sequence[int] | Array) -> _Data:
         i = np.asarray(idx, dtype=int)
-        return _Data(self.isl[i], self.osl[i], self.mode[i], self.load[i], self.obs[i])
+        return _Data(self.isl[i], self.osl[i], self.mode[i], self.load[i], self.obs[i], self.gap[i])
+
+    def has_gap_p99(self) -> bool:
+        return bool(np.any((self.gap > 0) & np.isfinite(self.obs[:, 5])))
 
 
 def _data(points: Sequence[BenchmarkPoint], saturated: Sequence[bool] | None = None) -> _Data:
     n = len(points)
     isl, osl, mode, load = (np.zeros(n) for _ in range(4))
     obs = np.full((n, len(_METRICS)), np.nan)
+    gap = np.zeros(n)
     flags = saturation_flags(points) if saturated is None else saturated
     for i, (p, sat) in enumerate(zip(points, flags, strict=True)):
         isl[i], osl[i] = p.isl, max(p.osl, 1.0)
+        gap[i] = 1.0 if p.itl_p99_ms is not None else 0.0
         if sat:
             mode[i], load[i] = 2, 0.0
         elif p.load is LoadKind.RATE:
@@ -128,7 +137,7 @@ def _data(points: Sequence[BenchmarkPoint], saturated: Sequence[bool] | None = N
         for j, v in enumerate([*values, out]):
             if v is not None and v > 0:
                 obs[i, j] = v
-    return _Data(isl, osl, mode, load, obs)
+    return _Data(isl, osl, mode, load, obs, gap)
 
 
 def _params_from_phi(phi: Array) -> tuple[PerfParams, float]:
@@ -139,6 +148,15 @@ def _params_from_phi(phi: Array) -> tuple[PerfParams, float]:
     for j in _FRACTION_PARAMS:
         values[j] = 1.0 / (1.0 + 1.0 / values[j])
     return PerfParams.from_tuple([float(v) for v in values[:_N_PARAMS]]), float(values[_N_PARAMS])
+
+
+def _params_for(phi: Array, d: _Data) -> tuple[PerfParams, float]:
+    """The fitted parameters; without per-gap ITL p99 in the data the stall term stays off (its
+    prior value is only a starting point)."""
+    params, kv = _params_from_phi(phi)
+    if not d.has_gap_p99():
+        params = replace(params, itl_stall_weight=0.0)
+    return params, kv
 
 
 def _phi_from_params(p: PerfParams, kv_tokens: float) -> Array:
@@ -170,7 +188,7 @@ def _predict_array(params: PerfParams, kv_tokens: float, d: _Data) -> Array:
     out[:, 2] = ttft_p99 + queued
     out[:, 3] = itl
     out[:, 4] = itl * params.itl_p50_factor
-    out[:, 5] = itl * params.itl_p99_factor
+    out[:, 5] = np.where(d.gap > 0, itl_p99_gap(params, isl, osl, x, itl), itl * params.itl_p99_factor)
     out[:, 6] = x * 1000.0 * osl
     return out
 
@@ -318,6 +336,7 @@ def _prior_for(key: ProfileKey, points: Sequence[BenchmarkPoint], d: _Data) -> _
         kv = _kv_guess(d)
         weight = np.full(_N_PARAMS + 1, _PRIOR_WEIGHT_GUESS)
         note = "prior: data-driven guess (architecture unknown)"
+    params = replace(params, itl_stall_weight=_STALL_PRIOR)
     phi = _phi_from_params(params, kv)
     start_params = _work_estimate(d, params)
     ttft = d.obs[:, 0:3]
@@ -339,7 +358,7 @@ def fit_profile(key: ProfileKey, points: Sequence[BenchmarkPoint], *, loo: bool 
     prior = _prior_for(key, points, d)
     phi = _solve_multistart(d, prior)
     fit_error = _loo(d, phi, prior) if loo else None
-    params, kv = _params_from_phi(phi)
+    params, kv = _params_for(phi, d)
     profile = PerfProfile(
         key=key, params=params, kv_tokens=kv, source="fit",
         fit_error=fit_error, data_range=_range(points, d), notes=(prior.note,),
@@ -358,15 +377,15 @@ def _loo(d: _Data, phi: Array, prior: _Prior) -> FitError:
             if not np.isfinite(train.obs).any():
                 continue
             phi_i = _solve(train, phi.copy(), prior.phi, prior.weight, max_nfev=200)
-            _collect(d.subset([i]), phi_i, ttft_err, itl_err, out_err)
+            _collect(d.subset([i]), _params_for(phi_i, train), ttft_err, itl_err, out_err)
     return FitError(points=n, ttft_mape=_mape(ttft_err), itl_mape=_mape(itl_err),
                     throughput_mape=_mape(out_err))
 
 
-def _collect(test: _Data, phi: Array, ttft_err: list[float], itl_err: list[float],
+def _collect(test: _Data, fitted: tuple[PerfParams, float], ttft_err: list[float], itl_err: list[float],
              out_err: list[float]) -> None:
-    """Append absolute percentage errors of a fitted parameter vector on held-out points."""
-    pred = _predict_array(*_params_from_phi(phi), test)
+    """Append absolute percentage errors of fitted parameters on held-out points."""
+    pred = _predict_array(*fitted, test)
     for errs, cols in ((ttft_err, (0, 1, 2)), (itl_err, (3, 4, 5)), (out_err, (6,))):
         obs_p = _primary(test.obs, cols)
         pred_p = _primary(np.where(np.isfinite(test.obs), pred, np.nan), cols)
@@ -389,7 +408,7 @@ def holdout_errors(key: ProfileKey, train: Sequence[BenchmarkPoint], test: Seque
     d_test = _data(test, test_saturated)
     prior = _prior_for(key, train, d_train)
     phi = _solve_multistart(d_train, prior)
-    pred = _predict_array(*_params_from_phi(phi), d_test)
+    pred = _predict_array(*_params_for(phi, d_train), d_test)
     out: dict[str, list[float]] = {m: [] for m in HOLDOUT_METRICS}
 
     def ape(cols: Sequence[int], mask: NDArray[np.bool_]) -> list[float]:

@@ -125,12 +125,13 @@ class PerfParams:
     ttft_fixed_ms: float = 2.0  # latency outside the GPU: HTTP, tokenisation, scheduling
     prefill_latency_factor: float = 1.0  # a prompt's prefill latency / the GPU work it adds
     queue_decode_share: float = 1.0  # how much decode work, next to prefill, new prompts queue behind
+    itl_stall_weight: float = 0.0  # share of a prefill chunk's time a stalled token gap carries (p99 gap)
 
     def as_tuple(self) -> tuple[float, ...]:
         return (self.s0_ms, self.s1_ms, self.s2_ms, self.p0_ms, self.p1_ms, self.p2_ms, self.q,
                 self.ttft_p50_factor, self.ttft_p99_factor, self.itl_p50_factor, self.itl_p99_factor,
                 self.chunk_per_token, self.ttft_fixed_ms, self.prefill_latency_factor,
-                self.queue_decode_share)
+                self.queue_decode_share, self.itl_stall_weight)
 
     @staticmethod
     def from_tuple(values: tuple[float, ...] | list[float]) -> PerfParams:
@@ -140,10 +141,10 @@ class PerfParams:
 PARAM_NAMES: tuple[str, ...] = (
     "s0_ms", "s1_ms", "s2_ms", "p0_ms", "p1_ms", "p2_ms", "q",
     "ttft_p50_factor", "ttft_p99_factor", "itl_p50_factor", "itl_p99_factor", "chunk_per_token",
-    "ttft_fixed_ms", "prefill_latency_factor", "queue_decode_share",
+    "ttft_fixed_ms", "prefill_latency_factor", "queue_decode_share", "itl_stall_weight",
 )
 _OPTIONAL_PARAMS = {"chunk_per_token": 1.0 / 8192.0, "ttft_fixed_ms": 2.0, "prefill_latency_factor": 1.0,
-                    "queue_decode_share": 1.0}
+                    "queue_decode_share": 1.0, "itl_stall_weight": 0.0}
 
 
 @dataclass(frozen=True)
@@ -204,6 +205,33 @@ def latency_terms(p: PerfParams, isl: Any, osl: Any, x: Any) -> tuple[Any, Any, 
     own = p.prefill_latency_factor * prefill
     return (itl, fixed + own + wq, fixed + p.ttft_p50_factor * own + _LN2 * wq,
             fixed + p.ttft_p99_factor * own + _LN100 * wq, x * (osl - 1.0) * itl)
+
+
+# P(at least k prefill chunks in one step) reaches 1% for a Poisson count with these means (k = 1..4)
+_STALL_THRESHOLDS = (0.01005, 0.1486, 0.4360, 0.8232)
+_STALL_SHARPNESS = 12.0
+
+
+def itl_p99_gap(p: PerfParams, isl: Any, osl: Any, x: Any, itl: Any) -> Any:
+    """p99 of all token gaps (vllm bench serve's p99_itl, vLLM's inter_token_latency histogram).
+
+    k99*ITL plus prefill stalls: a step that also computes a prompt chunk takes the chunk's prefill
+    time longer, so once more than 1% of the steps carry one the p99 gap includes it (and two
+    chunks once 1% of the steps carry two, ...). Chunks per step are Poisson with mean
+    phi = x * chunks_per_prompt * ITL; each threshold crossing is a smooth step in phi. The stall
+    weight is fitted only on per-gap ITL p99 data (0 for per-request TPOT p99, whose mean over a
+    request's tokens averages the stalls away)."""
+    base = p.itl_p99_factor * itl
+    if p.itl_stall_weight <= 0.0:
+        return base
+    prefill, _ = work_terms(p, isl, osl)
+    chunks = 1.0 + p.chunk_per_token * isl
+    phi = x * chunks * itl
+    count = 0.0
+    for t in _STALL_THRESHOLDS:
+        z = (phi / t) ** _STALL_SHARPNESS
+        count = count + z / (1.0 + z)
+    return base + p.itl_stall_weight * p.prefill_latency_factor * prefill / chunks * count
 
 
 def closed_loop_x(p: PerfParams, isl: Any, osl: Any, clients: Any) -> Any:
@@ -335,13 +363,35 @@ def predict(profile: PerfProfile, workload: Workload, *, rate_rps: float | None 
     in_system = concurrency if concurrency is not None else x * (ttft_mean + (osl - 1.0) * itl)
     return Prediction(
         ttft=LatencyStats(ttft_mean + extra_wait, ttft_p50 + extra_wait, ttft_p99 + extra_wait),
-        itl=LatencyStats(itl, itl * p.itl_p50_factor, itl * p.itl_p99_factor),
+        itl=LatencyStats(itl, itl * p.itl_p50_factor, float(itl_p99_gap(p, isl, osl, x, itl))),
         output_tok_s=x * 1000.0 * osl,
         request_rps=x * 1000.0,
         concurrency=in_system,
         warnings=tuple(warnings),
         batch=batch,
     )
+
+
+def _itl_stall_limit(p: PerfParams, isl: float, osl: float, work: float, x_hi: float, target_ms: float) -> float:
+    """The largest x <= x_hi whose p99 gap (with prefill stalls) meets the target: bisection on a
+    function that rises with x, a fixed number of halvings (so the answer never rises as the target
+    tightens)."""
+    def ok(x: float) -> bool:
+        itl = p.s0_ms / (1.0 - x * work)
+        return float(itl_p99_gap(p, isl, osl, x, itl)) <= target_ms
+
+    if ok(x_hi):
+        return x_hi
+    if not ok(0.0):
+        return 0.0
+    lo, hi = 0.0, 1.0 / work  # the same grid whatever the target
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return min(lo, x_hi)
 
 
 def capacity(profile: PerfProfile, workload: Workload, *, ttft_p99_ms: float, itl_p99_ms: float) -> Capacity:
@@ -367,7 +417,10 @@ def capacity(profile: PerfProfile, workload: Workload, *, ttft_p99_ms: float, it
     num = ttft_p99_ms - fixed - steps
     queue = _LN100 * p.q * prefill * queued_work(p, prefill, work) / work
     rho_ttft = max(num / (num + steps + queue), 0.0) if num > 0 else 0.0
-    candidates = [(rho_ttft / work, Binding.TTFT), (rho_itl / work, Binding.ITL)]
+    x_itl = rho_itl / work
+    if p.itl_stall_weight > 0.0 and x_itl > 0.0:
+        x_itl = _itl_stall_limit(p, isl, osl, work, x_itl, itl_p99_ms)
+    candidates = [(rho_ttft / work, Binding.TTFT), (x_itl, Binding.ITL)]
     if profile.kv_tokens is not None:
         candidates.append((x_mem, Binding.MEMORY))
     x, binding = min(candidates, key=lambda c: c[0])

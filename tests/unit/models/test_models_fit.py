@@ -94,3 +94,33 @@ def test_throughput_only_profiles_say_their_latencies_are_prior_shaped() -> None
     assert any("no TTFT/ITL measurements" in w for w in pred.warnings)
     with_latency = fit_profile(KEY, _points(_truth()), loo=False).profile
     assert with_latency.data_range is not None and with_latency.data_range.latency_points == 12
+
+
+def _gap_points(truth: PerfProfile, *, per_gap: bool) -> list[BenchmarkPoint]:
+    points = []
+    sat = 1000.0 / (truth.params.p0_ms + truth.params.p1_ms * 2048 + 255 * (truth.params.s1_ms + truth.params.s2_ms * 2176))
+    for f in (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.4, 0.6):
+        pred = predict(truth, Workload(2048, 256), rate_rps=f * sat)
+        p99 = {"itl_p99_ms": pred.itl.p99_ms} if per_gap else {"tpot_p99_ms": pred.itl.p99_ms}
+        points.append(BenchmarkPoint(
+            source=f"synthetic r{f}", model=KEY.model, engine=KEY.engine, gpu=KEY.gpu, tp=KEY.tp,
+            precision=KEY.precision, isl=2048, osl=256, load=LoadKind.RATE, rate_rps=f * sat,
+            request_rps=pred.request_rps, ttft_mean_ms=pred.ttft.mean_ms, ttft_p99_ms=pred.ttft.p99_ms,
+            itl_mean_ms=pred.itl.mean_ms, series="s", **p99))
+    return points
+
+
+def test_the_prefill_stall_is_fitted_from_per_gap_p99_only() -> None:
+    truth = _truth()
+    truth = replace(truth, params=replace(truth.params, itl_stall_weight=1.0, itl_p99_factor=1.1))
+    fitted = fit_profile(KEY, _gap_points(truth, per_gap=True), loo=False).profile
+    assert fitted.params.itl_stall_weight > 0.5
+    w = Workload(2048, 256)
+    for f in (0.01, 0.3):
+        rate = f * 1000.0 / (truth.params.p0_ms + truth.params.p1_ms * 2048
+                             + 255 * (truth.params.s1_ms + truth.params.s2_ms * 2176))
+        assert predict(fitted, w, rate_rps=rate).itl.p99_ms == pytest.approx(
+            predict(truth, w, rate_rps=rate).itl.p99_ms, rel=0.15)
+    # per-request TPOT p99 averages the stalls away: no stall term from such data
+    tpot_only = fit_profile(KEY, _gap_points(truth, per_gap=False), loo=False).profile
+    assert tpot_only.params.itl_stall_weight == 0.0

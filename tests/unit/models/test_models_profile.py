@@ -233,3 +233,51 @@ def test_fitted_capacity_never_rises_as_the_slo_tightens(which: int, shape: tupl
     if tight.max_rps > 0:  # and the rate it names meets both targets
         at = predict(p, w, rate_rps=tight.max_rps * 0.999)
         assert at.ttft.p99_ms <= min(ttft) * 1.001 and at.itl.p99_ms <= min(itl) * 1.001
+
+
+# --- prefill stalls in the p99 token gap ------------------------------------------------------------
+
+def _stalled() -> PerfProfile:
+    from dataclasses import replace
+
+    p = _prior()
+    return replace(p, params=replace(p.params, itl_stall_weight=1.0, itl_p99_factor=1.1))
+
+
+def test_p99_gap_jumps_once_one_percent_of_steps_carry_a_prefill() -> None:
+    p = _stalled()
+    w = Workload(2048, 256)
+    sat = saturation_rps(p, w)
+    low, high = predict(p, w, rate_rps=0.002 * sat), predict(p, w, rate_rps=0.3 * sat)
+    assert low.itl.p99_ms == pytest.approx(1.1 * low.itl.mean_ms, rel=0.05)  # nearly no step has a prompt
+    assert high.itl.p99_ms > 2.0 * high.itl.mean_ms  # the p99 gap carries a prompt's prefill
+    assert high.itl.p50_ms < 1.5 * high.itl.mean_ms  # the median does not
+    # old profiles (no stall weight) keep the plain multiple of the mean
+    plain = predict(_prior(), w, rate_rps=0.3 * sat)
+    assert plain.itl.p99_ms == pytest.approx(plain.itl.mean_ms * _prior().params.itl_p99_factor)
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=shape, a=load, b=load)
+def test_stalled_latency_never_falls_as_rate_rises(shape: tuple[float, float], a: float, b: float) -> None:
+    p = _stalled()
+    w = Workload(*shape)
+    sat = saturation_rps(p, w)
+    lo, hi = sorted((a, b))
+    x, y = predict(p, w, rate_rps=lo * sat), predict(p, w, rate_rps=hi * sat)
+    assert y.itl.p99_ms >= x.itl.p99_ms and y.ttft.p99_ms >= x.ttft.p99_ms
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=shape, ttft=st.tuples(st.floats(10, 1e5), st.floats(10, 1e5)),
+       itl=st.tuples(st.floats(2, 500), st.floats(2, 500)))
+def test_stalled_capacity_never_rises_as_the_slo_tightens(shape: tuple[float, float], ttft: tuple[float, float],
+                                                          itl: tuple[float, float]) -> None:
+    p = _stalled()
+    w = Workload(*shape)
+    loose = capacity(p, w, ttft_p99_ms=max(ttft), itl_p99_ms=max(itl))
+    tight = capacity(p, w, ttft_p99_ms=min(ttft), itl_p99_ms=min(itl))
+    assert tight.max_rps <= loose.max_rps
+    if tight.max_rps > 0:
+        at = predict(p, w, rate_rps=tight.max_rps * 0.999)
+        assert at.ttft.p99_ms <= min(ttft) * 1.001 and at.itl.p99_ms <= min(itl) * 1.001
