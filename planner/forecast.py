@@ -1,11 +1,21 @@
 """Demand forecast over the lead-time horizon: a quantile of the request rate. Pure (numpy only).
 
-Methods, chosen by how much history there is:
-- "seasonal": >= 2 days of history: linear trend + daily harmonics (24 h, 12 h, 8 h) fitted by least
-  squares; forecast = max over the horizon of the fit + the q-quantile of the residuals.
-- "trend": >= 8 samples over >= 10 minutes: linear trend + residual quantile, max over the horizon.
-- "current": otherwise, the current rate.
-The forecast is never below the current rate (the planner serves max(current, forecast)).
+forecast = level + shape rise over the horizon + q-quantile of the short-horizon residuals, where
+- level: the mean rate of the last `LEVEL_S` seconds (the history samples there and the current
+  rate): it follows the observed rate down after a peak within ~LEVEL_S, never stuck on old peaks;
+- shape (chosen by how much history there is):
+  - "seasonal": >= 2 days of history: linear trend + daily harmonics (24 h, 12 h, 8 h), least
+    squares over the whole history; the rise is max over the horizon of fit(now + tau) - fit(now);
+  - "trend": >= 8 samples over >= 10 min and the slope of a line fitted to the last `TREND_S`
+    seconds is positive and significant (> `TREND_T` standard errors): rise = slope x horizon (a
+    falling trend is not extrapolated: the level follows the rate down);
+  - "level": enough history but no significant trend: rise = 0;
+  - "current": too little history: the current rate alone (no residuals to take a quantile of);
+- residuals: for every pair of history samples (t_i, t_j) with 0 < t_j - t_i <= horizon in the
+  last `RESID_S` seconds, r = y_j - level_i - (shape(t_j) - shape(t_i)): how far the rate came above
+  the level it had, within the horizon. Their q-quantile (not the mean) is the safety margin; it
+  is computed over recent pairs only, so a past peak does not keep the forecast up.
+The planner serves max(current, forecast).
 """
 
 from __future__ import annotations
@@ -17,23 +27,61 @@ from dataclasses import dataclass
 import numpy as np
 
 DAY_S = 86400.0
+LEVEL_S = 90.0  # the level is the mean rate of this trailing span
+TREND_S = 900.0  # the trend is fitted on this trailing span
+TREND_T = 3.0  # a trend is used only when |slope| exceeds this many standard errors
+RESID_S = 3600.0  # residual pairs from this trailing span
 
 
 @dataclass(frozen=True)
 class Forecast:
     rate_rps: float
-    method: str  # seasonal | trend | current | none
+    method: str  # seasonal | trend | level | current | none
     horizon_s: float
     quantile: float
+    level_rps: float | None = None
+    rise_rps: float = 0.0  # the shape's rise over the horizon
+    margin_rps: float = 0.0  # the residual quantile
 
 
-def _design(t: np.ndarray, seasonal: bool) -> np.ndarray:
+def _design(t: np.ndarray) -> np.ndarray:
     cols = [np.ones_like(t), t / DAY_S]
-    if seasonal:
-        for k in (1, 2, 3):
-            w = 2.0 * math.pi * k * t / DAY_S
-            cols += [np.sin(w), np.cos(w)]
+    for k in (1, 2, 3):
+        w = 2.0 * math.pi * k * t / DAY_S
+        cols += [np.sin(w), np.cos(w)]
     return np.stack(cols, axis=1)
+
+
+def _levels(t: np.ndarray, y: np.ndarray, span_s: float) -> np.ndarray:
+    """Per sample, the mean of the samples in (t_i - span, t_i] (a trailing mean)."""
+    c = np.concatenate(([0.0], np.cumsum(y)))
+    lo = np.searchsorted(t, t - span_s, side="right")
+    hi = np.arange(1, len(t) + 1)
+    return np.asarray((c[hi] - c[lo]) / np.maximum(hi - lo, 1), dtype=float)
+
+
+def _slopes(t: np.ndarray, y: np.ndarray, span_s: float, t_crit: float) -> np.ndarray:
+    """Per sample, the least-squares slope over (t_i - span, t_i], or 0 where it is not significant
+    (|slope| <= t_crit standard errors, or fewer than 5 samples)."""
+    def cs(a: np.ndarray) -> np.ndarray:
+        return np.concatenate(([0.0], np.cumsum(a)))
+
+    tt = t - t[-1]  # centred near the recent samples (numerics)
+    c1, ct, cy, ctt, cty, cyy = (cs(np.ones_like(tt)), cs(tt), cs(y), cs(tt * tt), cs(tt * y), cs(y * y))
+    lo = np.searchsorted(t, t - span_s, side="right")
+    hi = np.arange(1, len(t) + 1)
+    n = c1[hi] - c1[lo]
+    st, sy = ct[hi] - ct[lo], cy[hi] - cy[lo]
+    n_safe = np.maximum(n, 1.0)
+    sxx = (ctt[hi] - ctt[lo]) - st * st / n_safe
+    sxy = (cty[hi] - cty[lo]) - st * sy / n_safe
+    syy = (cyy[hi] - cyy[lo]) - sy * sy / n_safe
+    ok = (n >= 5) & (sxx > 1e-9)
+    b = np.where(ok, sxy / np.where(ok, sxx, 1.0), 0.0)
+    rss = np.maximum(syy - b * sxy, 0.0)
+    se = np.sqrt(rss / np.maximum(n - 2, 1.0) / np.where(ok, sxx, 1.0))
+    sig = ok & (np.abs(b) > t_crit * se)
+    return np.asarray(np.where(sig, b, 0.0), dtype=float)
 
 
 def forecast_rate(
@@ -44,25 +92,61 @@ def forecast_rate(
     quantile: float = 0.9,
 ) -> Forecast:
     """The q-quantile of the request rate over (now, now + horizon]."""
-    pts = [(t, r) for t, r in history if math.isfinite(t) and math.isfinite(r) and r >= 0 and t <= now_s]
+    pts = sorted((float(t), float(r)) for t, r in history
+                 if math.isfinite(t) and math.isfinite(r) and r >= 0 and t <= now_s)
     cur = current_rps if current_rps is not None else (pts[-1][1] if pts else None)
     if cur is None:
         return Forecast(0.0, "none", horizon_s, quantile)
     if len(pts) < 8 or pts[-1][0] - pts[0][0] < 600.0:
-        return Forecast(float(cur), "current", horizon_s, quantile)
+        return Forecast(float(cur), "current", horizon_s, quantile, float(cur))
     t = np.array([p[0] for p in pts], dtype=float) - now_s
     y = np.array([p[1] for p in pts], dtype=float)
+    if current_rps is not None and t[-1] < -1.0:
+        t = np.append(t, 0.0)  # the current rate is the newest sample
+        y = np.append(y, float(current_rps))
+    h = max(horizon_s, 0.0)
     span = float(t[-1] - t[0])
-    seasonal = span >= 2 * DAY_S and len(pts) >= 48
-    x = _design(t, seasonal)
-    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
-    resid = y - x @ coef
-    q = float(np.quantile(resid, quantile))
-    steps = max(2, min(60, int(horizon_s / 60.0) + 2))
-    tf = np.linspace(0.0, max(horizon_s, 0.0), steps)
-    fit = _design(tf, seasonal) @ coef
-    if not seasonal:
-        # a trend fitted on a short window must not extrapolate wildly: cap at 2x the current rate
-        fit = np.minimum(fit, 2.0 * max(float(cur), float(np.max(y))))
-    value = float(np.max(fit)) + max(q, 0.0)
-    return Forecast(max(float(cur), value, 0.0), "seasonal" if seasonal else "trend", horizon_s, quantile)
+
+    # the shape: daily seasonality with >= 2 days, else a significant linear trend, else flat
+    method = "level"
+    shape = np.zeros_like(t)
+    rise = 0.0
+    if span >= 2 * DAY_S and len(t) >= 48:
+        coef, *_ = np.linalg.lstsq(_design(t), y, rcond=None)
+        shape = _design(t) @ coef
+        tf = np.linspace(0.0, h, max(2, min(60, int(h / 60.0) + 2)))
+        fut = _design(tf) @ coef
+        rise = max(0.0, float(np.max(fut) - fut[0]))
+        method = "seasonal"
+    else:
+        recent = t >= t[-1] - TREND_S
+        b = float(_slopes(t[recent], y[recent], TREND_S + 1.0, TREND_T)[-1])
+        if b > 0.0:  # a falling trend is not extrapolated: the level follows the rate down
+            shape = b * t
+            rise = max(0.0, b * h)
+            method = "trend"
+
+    levels = _levels(t, y, LEVEL_S)
+    level = float(levels[-1])
+
+    # residuals: the rate within the horizon after t_i, above the level at t_i (shape change removed)
+    keep = t >= t[-1] - RESID_S
+    tk, yk, lk, sk = t[keep], y[keep], levels[keep], shape[keep]
+    resid: list[np.ndarray] = []
+    if h > 0:
+        for d in range(1, len(tk)):
+            dt = tk[d:] - tk[:-d]
+            ok = (dt > 0) & (dt <= h + 1e-9)
+            if not ok.any():
+                if float(dt.min()) > h:
+                    break
+                continue
+            r = yk[d:] - lk[:-d] - (sk[d:] - sk[:-d])
+            resid.append(r[ok])
+    margin = 0.0
+    if resid:
+        allr = np.concatenate(resid)
+        if len(allr) >= 4:
+            margin = max(0.0, float(np.quantile(allr, quantile)))
+    value = level + rise + margin
+    return Forecast(max(value, 0.0), method, horizon_s, quantile, level, rise, margin)

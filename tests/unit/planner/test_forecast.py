@@ -47,3 +47,22 @@ def test_daily_seasonality_sees_the_coming_peak() -> None:
     assert rate(now) < 86 and f.rate_rps >= 89.0
     short = forecast_rate(hist, rate(now), now, 600, 0.9)
     assert short.rate_rps < f.rate_rps
+
+
+def test_forecast_falls_back_to_the_level_after_a_peak() -> None:
+    # 30 min around 40 rps with a peak, then 10 min falling to ~10 rps: the forecast follows the
+    # level down (a quantile above it), it does not stay near the old peak
+    hist = []
+    for i in range(81):  # 40 min at 30 s
+        t = NOW - 2400 + 30 * i
+        base = 40.0 if i < 60 else 40.0 - 1.5 * (i - 60)
+        hist.append((t, base + (1.0 if i % 2 else -1.0)))
+    cur = hist[-1][1]
+    f = forecast_rate(tuple(hist), cur, NOW, 150, 0.9)
+    assert cur < 12.0
+    assert f.rate_rps < cur + 6.0, f
+    assert f.level_rps is not None and f.level_rps < 13.0
+    # and a flat, noisy series keeps a quantile margin above its level
+    flat = tuple((NOW - 2400 + 30 * i, 20.0 + (2.0 if i % 2 else -2.0)) for i in range(81))
+    g = forecast_rate(flat, 20.0, NOW, 150, 0.9)
+    assert g.method == "level" and 21.0 < g.rate_rps < 23.0
