@@ -327,6 +327,10 @@ def plan_with_capacities(
     now_plan = _make_plan(now_place, capacities, policy)
     target_plan = _make_plan(target_place, capacities, policy)
     actions = _actions(fleet, now_place, target_sol, needs_build, policy, hosts, drained, ready)
+    actions, held_mbb = _make_before_break(actions, fleet, now_place, capacities, demands, hosts)
+    if held_mbb:
+        notes.append("make-before-break: kept serving until their replacements are READY: " + ", ".join(
+            f"{m} x{n}" for m, n in sorted(held_mbb.items())))
     limit = policy.scaling.max_actions_per_cycle
     act, deferred = actions[:limit], actions[limit:]
     if deferred:
@@ -433,6 +437,77 @@ def _actions(
             stops.append(Action(ActionKind.STOP, r, why + " (not serving yet)"))
     # serving capacity first: starts on free GPUs, then engine builds, drains, stops, starts on freed GPUs
     return [*starts_free, *builds, *drains, *stops, *starts_after]
+
+
+def _make_before_break(
+    actions: list[Action],
+    fleet: Fleet,
+    now_place: Placement,
+    capacities: Mapping[ConfigKey, CapacityInfo],
+    demands: Mapping[str, _Demand],
+    hosts: tuple[HostInventory, ...],
+) -> tuple[list[Action], dict[str, int]]:
+    """Never drain a READY replica while its model's replacement capacity is still starting, unless
+    the READY capacity without it still covers the model's required rate (demand x (1 + headroom)).
+
+    A held replica gets no DRAIN/STOP this cycle (the next cycle decides again, with the
+    replacements' progress in the fleet); a START waiting for the GPUs of a held replica is dropped
+    too (it could not launch before that replica stops). Replacement capacity = STARTING replicas the
+    plan keeps (not waiting for another replica's GPUs) + STARTs on free GPUs this cycle. When the
+    only replacement needs the leaving replica's GPUs there is nothing to make first: it is drained.
+    """
+    online = {h.name for h in hosts if h.online}
+    kept_ids = {id(r) for r in now_place.kept}
+    live = [r for r in fleet.replicas if r.state != ReplicaState.STOPPED]
+
+    def cap(c: ConfigKey) -> float:
+        info = capacities.get(c)
+        return info.max_rps if info is not None and math.isfinite(info.max_rps) else 0.0
+
+    def overlaps(r: Replica, others: list[Replica]) -> bool:
+        return any(o is not r and o.host == r.host and set(o.gpu_indices) & set(r.gpu_indices) for o in others)
+
+    pending: set[str] = set()
+    for r in live:
+        if r.state == ReplicaState.STARTING and id(r) in kept_ids and not overlaps(
+                r, [o for o in live if o.state != ReplicaState.STARTING]):
+            pending.add(r.config.model)
+    for a in actions:
+        if a.kind is ActionKind.START and "after the replica there stops" not in a.reason:
+            pending.add(a.replica.config.model)
+    if not pending:
+        return actions, {}
+    ready_cap: dict[str, float] = {}
+    for r in live:
+        if r.state == ReplicaState.READY and r.host in online:
+            ready_cap[r.config.model] = ready_cap.get(r.config.model, 0.0) + cap(r.config)
+    held: list[Replica] = []
+    leaving = sorted((a.replica for a in actions if a.kind is ActionKind.DRAIN
+                      and a.replica.state == ReplicaState.READY and a.replica.host in online),
+                     key=lambda r: (cap(r.config), r.replica_id))
+    for r in leaving:
+        m = r.config.model
+        d = demands.get(m)
+        need = d.required_rps if d is not None else 0.0
+        if m in pending and ready_cap.get(m, 0.0) - cap(r.config) < need - 1e-9:
+            held.append(r)
+        else:
+            ready_cap[m] = ready_cap.get(m, 0.0) - cap(r.config)
+    if not held:
+        return actions, {}
+    held_ids = {r.replica_id for r in held}
+    out: list[Action] = []
+    for a in actions:
+        if a.kind in (ActionKind.DRAIN, ActionKind.STOP) and a.replica.replica_id in held_ids:
+            continue
+        if a.kind is ActionKind.START and any(h.host == a.replica.host and set(h.gpu_indices)
+                                               & set(a.replica.gpu_indices) for h in held):
+            continue
+        out.append(a)
+    counts: dict[str, int] = {}
+    for r in held:
+        counts[r.config.model] = counts.get(r.config.model, 0) + 1
+    return out, counts
 
 
 def _explain(

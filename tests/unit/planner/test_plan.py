@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from planner_helpers import A100, TRT, VLLM, caps, hosts, key, observe, policy
 
@@ -136,12 +137,21 @@ def test_switch_engine_starts_before_stops_and_caps_actions_per_cycle() -> None:
     r = plan_with_capacities(observe({"m8": 40.0, "m70": 0.0}), Fleet(hosts(1), current), p, CAPS,
                              PlannerState.initial(), NOW)
     assert _counts(r.plan) == {("m8", "trtllm", 1): 3}
+    # make-before-break: the vLLM replicas keep serving while their replacements start
     order = [a.kind for a in (*r.actions, *r.deferred_actions)]
-    assert order == [ActionKind.START] * 3 + [ActionKind.DRAIN] * 4 + [ActionKind.STOP] * 4
-    assert len(r.actions) == 3 and len(r.deferred_actions) == 8
+    assert order == [ActionKind.START] * 3
+    assert len(r.actions) == 3 and not r.deferred_actions
+    assert any("make-before-break" in n for n in r.explanation.notes)
     # new replicas never land on GPUs still held by the replicas being replaced
     held = {i for x in current for i in x.gpu_indices}
     assert all(not (set(a.replica.gpu_indices) & held) for a in r.actions)
+    # once the replacements are READY the old replicas are drained (start before stop, capped)
+    new = tuple(replace(a.replica, state=ReplicaState.READY, since_s=NOW + 60) for a in r.actions)
+    r2 = plan_with_capacities(observe({"m8": 40.0, "m70": 0.0}), Fleet(hosts(1), current + new), p, CAPS,
+                              r.next_state, NOW + 120)
+    order = [a.kind for a in (*r2.actions, *r2.deferred_actions)]
+    assert order == [ActionKind.DRAIN] * 4 + [ActionKind.STOP] * 4
+    assert len(r2.actions) == 3 and len(r2.deferred_actions) == 5
 
 
 def test_maintenance_window_drains_host_and_offline_host_is_replaced() -> None:
@@ -151,8 +161,13 @@ def test_maintenance_window_drains_host_and_offline_host_is_replaced() -> None:
     r = plan_with_capacities(observe({"m8": 10.0, "m70": 0.0}), Fleet(hosts(2), current), p, CAPS,
                              PlannerState.initial(), NOW)
     assert all(x.host == "h01" for x in r.plan.replicas)
-    assert [a.kind for a in r.actions] == [ActionKind.START, ActionKind.DRAIN, ActionKind.STOP]
-    assert "maintenance" in r.actions[1].reason
+    # make-before-break: the replica on h00 serves until its replacement on h01 is READY
+    assert [a.kind for a in r.actions] == [ActionKind.START]
+    moved = replace(r.actions[0].replica, state=ReplicaState.READY, since_s=NOW + 60)
+    r2 = plan_with_capacities(observe({"m8": 10.0, "m70": 0.0}), Fleet(hosts(2), (*current, moved)), p, CAPS,
+                              r.next_state, NOW + 120)
+    assert [a.kind for a in r2.actions] == [ActionKind.DRAIN, ActionKind.STOP]
+    assert "maintenance" in r2.actions[0].reason
 
 
 def test_failed_replicas_are_stopped_and_replaced() -> None:
@@ -203,8 +218,12 @@ def test_fragmented_hosts_are_repaired_with_few_moves_when_new_tp_groups_do_not_
         assert any(set(x.gpu_indices) <= set(g) for g in islands)
     starts = [a for a in r.actions if a.kind == ActionKind.START]
     stops = [a for a in r.actions if a.kind == ActionKind.STOP]
-    # 2 surplus TP1 replicas go; one kept TP1 moves out of the way of a TP4 group; one stays put
-    assert len(stops) == 3 and len(starts) == 4
+    # 2 surplus TP1 replicas go; one kept TP1 moves out of the way of a TP4 group (its replacement
+    # starts now; it stops once that is READY: make-before-break, and the TP4 group that needs its
+    # GPUs waits for that); one stays put
+    assert len(stops) == 2 and len(starts) == 3
+    assert any("make-before-break: kept serving until their replacements are READY: m8 x1" in n
+               for n in r.explanation.notes)
     assert len(set(current) & set(r.plan.replicas)) == 1
     # starts that need GPUs of a replica being stopped come after that stop
     pos = {id(a): i for i, a in enumerate(r.actions)}
