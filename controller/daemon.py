@@ -338,7 +338,7 @@ class Controller:
         self.report_runner: Any = None
         self.report_url: str | None = None
         self.routed: set[str] = set()  # replica ids in the nginx upstreams right now
-        self._builds_noted: set[str] = set()
+        self._builds_noted: set[tuple[str, str]] = set()
         self._pending_publish: set[str] = set()
         self._connected_wall = time.time()
         self._routing_lock = asyncio.Lock()
@@ -550,7 +550,17 @@ class Controller:
         builds = []
         for host, st in self.statuses.items():
             for ce in st.engines_cached:
-                builds.append(EngineBuild(ce.model, ce.engine, ce.gpu, ce.tp, ce.precision, host, True, None))
+                builds.append(EngineBuild(self.canonical(ce.model), ce.engine, ce.gpu, ce.tp, ce.precision, host,
+                                          True, None))
+        for b in self.store.builds((Phase.DESIRED,)):  # in progress: the planner must not order it again
+            eta = None
+            policy = self.policy.policy
+            build_s = policy.build_s(ConfigKey(b.model, parse_engine(b.engine), parse_gpu(b.gpu), b.tp,
+                                               parse_precision(b.precision)))
+            if build_s is not None:
+                eta = self.clock.to_sim(b.created_s) + build_s
+            builds.append(EngineBuild(b.model, parse_engine(b.engine), parse_gpu(b.gpu), b.tp,
+                                      parse_precision(b.precision), b.host, False, eta))
         return Fleet(tuple(hosts), tuple(replicas), tuple(builds))
 
     def address(self, host: str) -> str:
@@ -675,6 +685,25 @@ class Controller:
                         row.replica_id, "start", (ActionStatus.PUBLISHED, ActionStatus.ACKED), ActionStatus.DONE,
                         "ready",
                     )
+        # engine builds: done -> out of the desired state (the agent now lists the engine); failed -> alert
+        for b in self.store.builds((Phase.DESIRED,)):
+            bst = self.statuses.get(b.host)
+            bs = next((x for x in bst.builds if x.build_id == b.build_id), None) if bst is not None else None
+            if bs is None or bs.state.value not in ("done", "failed"):
+                continue
+            ok = bs.state.value == "done"
+            with self.store.tx() as c:
+                self.store.finish_build(c, b.build_id, "done" if ok else f"failed: {bs.error}")
+                c.execute(
+                    "UPDATE actions SET status=?, updated_s=?, detail=? WHERE replica_id=? AND kind='build'",
+                    (ActionStatus.DONE if ok else ActionStatus.FAILED, time.time(),
+                     "engine built" if ok else f"build failed: {bs.error}", b.build_id),
+                )
+            if not ok:
+                self.runtime_alerts[f"build/{b.build_id}"] = (
+                    f"engine build {b.build_id} ({b.model} {b.engine} {b.gpu} tp{b.tp}) failed on {b.host}: {bs.error}"
+                )
+            changed.add(b.host)
         # replicas that never became ready
         rep = self.reported()
         for row in self.store.replicas((Phase.DESIRED,)):
@@ -796,14 +825,11 @@ class Controller:
                 else:
                     counts["deferred"] += 1
             elif a.kind == ActionKind.BUILD:
-                # recorded once per config (the planner repeats it every cycle), see docs/controller.md
-                label = a.replica.config.label()
-                if label not in self._builds_noted:
-                    self._builds_noted.add(label)
-                    self._record(cycle_id, a, ActionStatus.DEFERRED,
-                                 "engine builds are not run by this controller yet; list the engine under "
-                                 "engines.trtllm.cached_builds once built")
-                counts["deferred"] += 1
+                if self._stage_build(cycle_id, a, active, rep):
+                    counts["build"] = counts.get("build", 0) + 1
+                    changed.add(a.replica.host)
+                else:
+                    counts["deferred"] += 1
         if changed:
             await self.publish_hosts(changed)
         # start before stop: a model with replicas still starting keeps its serving replicas
@@ -824,6 +850,9 @@ class Controller:
                 with self.store.tx() as c:
                     self.store.set_phase(c, rid, Phase.REMOVED)
                     self._record(cycle_id, a, ActionStatus.DONE, "removed (not serving)", conn=c, kind="stop")
+                    c.execute("UPDATE actions SET status='cancelled', updated_s=? WHERE replica_id=? AND "
+                              "kind='start' AND status IN (?, ?)",
+                              (time.time(), rid, ActionStatus.PUBLISHED, ActionStatus.ACKED))
                 counts["stop"] += 1
                 removed_hosts.add(row.host)
                 continue
@@ -858,13 +887,8 @@ class Controller:
         self.metrics.actions.labels(kind or a.kind.value, status).inc()
         return aid
 
-    def _stage_start(self, cycle_id: int, a: Any, active: dict[str, ReplicaRow], rep: Mapping[str, Any]) -> bool:
-        r = a.replica
-        host = r.host
-        st = self.statuses.get(host)
-        if st is None or not st.online:
-            self._record(cycle_id, a, ActionStatus.DEFERRED, f"host {host} has no online agent")
-            return False
+    def _busy(self, host: str, active: Mapping[str, ReplicaRow], rep: Mapping[str, Any]) -> tuple[set[int], set[int]]:
+        """GPUs and ports on `host` used by desired replicas/builds or by anything its agent still runs."""
         busy_gpus: set[int] = set()
         busy_ports: set[int] = set()
         for row in active.values():
@@ -875,10 +899,103 @@ class Controller:
             if h == host and rs.state.value != "stopped":
                 busy_gpus.update(rs.gpu_indices)
                 busy_ports.add(rs.port)
-        clash = sorted(busy_gpus & set(r.gpu_indices))
-        if clash:
-            self._record(cycle_id, a, ActionStatus.DEFERRED, f"GPUs {clash} on {host} still in use")
+        for b in self.store.builds((Phase.DESIRED,)):
+            if b.host == host:
+                busy_gpus.update(b.gpu_indices)
+        st = self.statuses.get(host)
+        for bs in st.builds if st is not None else ():
+            if bs.state.value in ("pending", "running"):
+                busy_gpus.update(bs.gpu_indices)
+        return busy_gpus, busy_ports
+
+    def _free_spot(self, gpu: Any, tp: int, active: Mapping[str, ReplicaRow], rep: Mapping[str, Any],
+                   prefer: str) -> tuple[str, tuple[int, ...]] | None:
+        """tp free GPUs of type `gpu` inside one NVLink group of an online host (`prefer` first)."""
+        hosts = sorted(self.statuses, key=lambda h: (h != prefer, h))
+        for h in hosts:
+            st = self.statuses[h]
+            if not st.online or st.gpu != gpu or st.gpu_count is None:
+                continue
+            busy, _ = self._busy(h, active, rep)
+            groups = st.nvlink_groups or (tuple(range(st.gpu_count)),)
+            for g in groups:
+                free = [i for i in g if i not in busy]
+                if len(free) >= tp:
+                    return h, tuple(free[:tp])
+        return None
+
+    def build_template_for(self, host: str, engine: str) -> str | None:
+        st = self.statuses.get(host)
+        names = list(st.build_templates) if st is not None else []
+        for pick in (lambda n: n == engine, lambda n: n.startswith(engine), lambda n: engine in n):
+            for n in names:
+                if pick(n):
+                    return n
+        return names[0] if names else None
+
+    def _stage_build(self, cycle_id: int, a: Any, active: dict[str, ReplicaRow], rep: Mapping[str, Any]) -> bool:
+        """A TensorRT-LLM engine build on the GPUs the plan reserved: a `builds` entry of the host's desired
+        state (the agent runs its allowlisted build template and reports the engine it then holds)."""
+        r = a.replica
+        c_ = r.config
+        label = c_.label()
+
+        def defer(why: str) -> bool:
+            if (label, why) not in self._builds_noted:  # the planner repeats it every cycle: note it once
+                self._builds_noted.add((label, why))
+                self._record(cycle_id, a, ActionStatus.DEFERRED, why)
             return False
+
+        key = (c_.model, c_.engine.value, c_.gpu.value, c_.tp, c_.precision.value)
+        for b in self.store.builds((Phase.DESIRED,)):
+            if (b.model, b.engine, b.gpu, b.tp, b.precision) == key:
+                return False  # already building
+        st = self.statuses.get(r.host)
+        if not r.host or not r.gpu_indices or st is None or not st.online:
+            return defer("no free GPUs on an online host to build on yet")
+        template = self.build_template_for(r.host, c_.engine.value)
+        if template is None:
+            return defer(f"host {r.host} offers no build template")
+        busy, _ = self._busy(r.host, active, rep)
+        clash = sorted(busy & set(r.gpu_indices))
+        if clash:
+            return defer(f"GPUs {clash} on {r.host} still in use")
+        now = time.time()
+        from controller.state import BuildRow
+
+        with self.store.tx() as c:
+            bid = self.store.allocate_build_id(c)
+            self.store.insert_build(c, BuildRow(bid, r.host, c_.model, c_.engine.value, c_.gpu.value, c_.tp,
+                                                c_.precision.value, tuple(r.gpu_indices), template, Phase.DESIRED,
+                                                now, now, None))
+            self.store.add_action(c, cycle_id=cycle_id, kind="build", replica_id=bid, host=r.host, model=c_.model,
+                                  status=ActionStatus.PUBLISHED, reason=a.reason,
+                                  detail=f"template {template}, GPUs {list(r.gpu_indices)}")
+        self.metrics.actions.labels("build", ActionStatus.PUBLISHED).inc()
+        return True
+
+    def _stage_start(self, cycle_id: int, a: Any, active: dict[str, ReplicaRow], rep: Mapping[str, Any]) -> bool:
+        r = a.replica
+        host = r.host
+        st = self.statuses.get(host)
+        if st is None or not st.online:
+            self._record(cycle_id, a, ActionStatus.DEFERRED, f"host {host} has no online agent")
+            return False
+        busy_gpus, busy_ports = self._busy(host, active, rep)
+        clash = sorted(busy_gpus & set(r.gpu_indices))
+        gpu_indices = tuple(r.gpu_indices)
+        moved = ""
+        if clash:
+            # the planner does not see GPUs held by engine builds or by engines still stopping: place the
+            # replica on other free GPUs of the same type (one NVLink group) when there are some
+            spot = self._free_spot(r.config.gpu, r.config.tp, active, rep, prefer=host)
+            if spot is None:
+                self._record(cycle_id, a, ActionStatus.DEFERRED, f"GPUs {clash} on {host} still in use")
+                return False
+            moved = f" (planned GPUs {list(r.gpu_indices)} on {host} busy: moved)"
+            host, gpu_indices = spot
+            st = self.statuses[host]
+            busy_gpus, busy_ports = self._busy(host, active, rep)
         lo, hi = st.port_range or self.settings.default_port_range
         port = next((p for p in range(lo, hi + 1) if p not in busy_ports), None)
         if port is None:
@@ -889,12 +1006,12 @@ class Controller:
         with self.store.tx() as c:
             rid = self.store.allocate_id(c)
             row = ReplicaRow(rid, host, c_.model, c_.engine.value, c_.gpu.value, c_.tp, c_.precision.value,
-                             tuple(r.gpu_indices), port, self.template_for(host, c_.engine.value), Phase.DESIRED,
+                             gpu_indices, port, self.template_for(host, c_.engine.value), Phase.DESIRED,
                              "planned", now, now, None, None)
             self.store.insert_replica(c, row)
             self.store.add_action(c, cycle_id=cycle_id, kind="start", replica_id=rid, host=host, model=c_.model,
                                   status=ActionStatus.PUBLISHED, reason=a.reason,
-                                  detail=f"port {port}, GPUs {list(r.gpu_indices)}")
+                                  detail=f"{host} port {port}, GPUs {list(gpu_indices)}{moved}")
         self.metrics.actions.labels("start", ActionStatus.PUBLISHED).inc()
         active[rid] = row
         return True
@@ -1133,6 +1250,7 @@ class Controller:
             "fleet": fleet,
             "hosts": hosts,
             "desired": desired,
+            "builds": [b.to_json() for b in self.store.builds()][-20:],
             "actions": self.store.actions(limit=40),
             "action_counts": self.store.action_counts(),
             "history": self.store.cycles(limit=30),

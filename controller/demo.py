@@ -39,14 +39,31 @@ DEMO_MODEL = "llama-3.1-8b"
 DEMO_MODEL_70B = "llama-3.1-70b"
 
 
+SIM_BUILD = (
+    "import os, sys, time\n"
+    "out, wall = sys.argv[1], float(sys.argv[2])\n"
+    "for i in range(1, 11):\n"
+    "    time.sleep(wall / 10)\n"
+    "    print('FLEETPLAN_PROGRESS %.1f' % (i / 10.0), flush=True)\n"
+    "os.makedirs(out, exist_ok=True)\n"
+    "open(os.path.join(out, 'rank0.engine'), 'w').write('simulated engine')\n"
+)
+
+
 @dataclass
 class EngineOptions:
     """How the agents' launch templates start simulated engines."""
 
     time_scale: float = 20.0
     startup_s: float = 40.0  # simulated seconds from launch to ready
-    max_num_seqs: int = 8  # small batches: a replica saturates at a few rps (keeps CPU low)
+    max_num_seqs: int | None = None  # None: the persona's default
     min_chunk_interval_ms: float = 150.0  # coalesce SSE chunks (wall ms)
+    build_s: float = 600.0  # simulated seconds of a TensorRT-LLM engine build (the lab's build template)
+
+    def build_argv(self) -> list[str]:
+        """A stand-in for trtllm-build: progress lines, then an engine file in {engine_dir}."""
+        wall = self.build_s / self.time_scale
+        return [sys.executable, "-c", SIM_BUILD, "{engine_dir}", f"{wall:g}"]
 
     def argv(self, persona: str) -> list[str]:
         return [
@@ -54,7 +71,7 @@ class EngineOptions:
             "--model", "{model}", "--gpu", "{gpu}", "--tp", "{tp}", "--precision", "{precision}",
             "--port", "{port}", "--replica-id", "{replica_id}", "--gpu-indices", "{gpu_indices}",
             "--time-scale", f"{self.time_scale:g}", "--startup-s", f"{self.startup_s:g}",
-            "--max-num-seqs", str(self.max_num_seqs),
+            *(["--max-num-seqs", str(self.max_num_seqs)] if self.max_num_seqs else []),
             "--min-chunk-interval-ms", f"{self.min_chunk_interval_ms:g}",
         ]
 
@@ -75,6 +92,8 @@ def demo_policy(
     osl: float = 128,
     startup_s: float = 40.0,
     headroom: float = 0.2,
+    trtllm_cached: bool = True,
+    build_s: float = 600.0,
 ) -> dict[str, Any]:
     """A policy document (dict) for the lab: H100 hosts, vLLM and TRT-LLM (cached engines)."""
     engine_doc: dict[str, Any] = {}
@@ -84,9 +103,10 @@ def demo_policy(
             "startup": {"default_s": startup_s},
         }
         if e == "trtllm":
-            doc["build"] = {"default_s": 600}
-            doc["cached_builds"] = [{"model": m, "gpu": "h100", "tp": tp, "precision": "bf16"}
-                                    for m in models for tp in (1, 2, 4, 8)]
+            doc["build"] = {"default_s": build_s}
+            if trtllm_cached:
+                doc["cached_builds"] = [{"model": m, "gpu": "h100", "tp": tp, "precision": "bf16"}
+                                        for m in models for tp in (1, 2, 4, 8)]
         engine_doc[e] = doc
     return {
         "version": 1,
@@ -163,6 +183,8 @@ class Rig:
                 "trtllm": {"engine": "trtllm", "argv": self.engine.argv("trtllm"), "cwd": str(REPO),
                            "startup_timeout_s": 120, "stop_timeout_s": 10},
             },
+            "build_templates": {"trtllm": {"argv": self.engine.build_argv(), "cwd": str(REPO),
+                                           "timeout_s": 600}},
             "status_interval_s": 1.0,
             "reconcile_interval_s": 0.5,
             "restart_backoff_s": [1.0, 10.0],
@@ -438,7 +460,8 @@ async def _demo(args: argparse.Namespace, work: Path) -> int:
         policy_path = work / "policy.yaml"
         policy = demo_policy(models=(model,), engines=engines, isl=isl, osl=osl, max_replicas=8,
                              ttft_p99_ms=slo_ttft_ms, itl_p99_ms=slo_itl_ms, cycle_s=60.0,
-                             scale_down_delay_s=300.0, max_actions=4, startup_s=40.0)
+                             scale_down_delay_s=300.0, max_actions=4, startup_s=40.0,
+                             trtllm_cached=False, build_s=rig.engine.build_s)
         policy["models"][0]["allowed"]["tp"] = [4]
         policy_path.write_text(yaml.safe_dump(policy, sort_keys=False))
         settings, reload = settings_from_lab(rig.controller_settings(observe_window_s=12.0, history_s=40.0))
@@ -479,8 +502,15 @@ async def _demo(args: argparse.Namespace, work: Path) -> int:
             if r.outcome != "ok":
                 failed += 1
 
+        import aiohttp
+
+        # one connection per request: a graceful nginx reload closes idle keep-alive connections, and a
+        # request written into one at that instant fails before nginx sees it (real clients retry those)
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=400, force_close=True),
+                                        timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
         load = asyncio.create_task(run_load(reqs, rig.lab.nginx_url + f"/m/{model}", speed=k,
-                                            max_in_flight=400, timeout_s=120, on_result=on_result))
+                                            max_in_flight=400, timeout_s=120, on_result=on_result,
+                                            session=session))
         cycle_wall = policy["scaling"]["cycle_s"] / k
         t0 = time.monotonic()
         gpu_s = 0.0
@@ -496,6 +526,7 @@ async def _demo(args: argparse.Namespace, work: Path) -> int:
             last = now
             print(_short_cycle_line(ctrl, summary, now - t0, len(results), failed), flush=True)
         res = load.result()
+        await session.close()
         ok = [r for r in res if r.outcome == "ok"]
         met = [r for r in ok if r.ttft_s is not None and r.ttft_s * 1000 <= slo_ttft_ms
                and (r.itl_mean_s is None or r.itl_mean_s * 1000 <= slo_itl_ms)]
@@ -511,6 +542,9 @@ async def _demo(args: argparse.Namespace, work: Path) -> int:
         print("")
         print("== summary")
         print(f"  requests: {len(res)} sent, {len(ok)} ok, {len(res) - len(ok)} failed")
+        for r in [r for r in res if r.outcome != "ok"][:3]:
+            print(f"    failed: t={r.t_s:.0f}s {r.outcome} HTTP {r.status} {r.output_tokens}/"
+                  f"{r.output_tokens_requested} tokens {r.error or ''}")
         print(f"  SLO attainment (TTFT <= {slo_ttft_ms:.0f} ms and mean ITL <= {slo_itl_ms:.0f} ms): "
               f"{100.0 * len(met) / max(1, len(res)):.1f}% of requests; TTFT p50 {p50:.0f} ms, p99 {p99:.0f} ms")
         print(f"  GPU-hours (simulated): {gpu_s / 3600:.1f} over {hours:.1f} h; static provisioning for the "

@@ -56,6 +56,21 @@ CREATE TABLE IF NOT EXISTS replicas (
     ready_s REAL
 );
 CREATE INDEX IF NOT EXISTS replicas_phase ON replicas(phase, host);
+CREATE TABLE IF NOT EXISTS builds (
+    build_id TEXT PRIMARY KEY,
+    host TEXT NOT NULL,
+    model TEXT NOT NULL,
+    engine TEXT NOT NULL,
+    gpu TEXT NOT NULL,
+    tp INTEGER NOT NULL,
+    precision TEXT NOT NULL,
+    gpu_indices TEXT NOT NULL,
+    template TEXT NOT NULL,
+    phase TEXT NOT NULL,
+    created_s REAL NOT NULL,
+    updated_s REAL NOT NULL,
+    result TEXT
+);
 CREATE TABLE IF NOT EXISTS desired (
     host TEXT PRIMARY KEY,
     version INTEGER NOT NULL,
@@ -175,6 +190,36 @@ class ReplicaRow:
             "gpu_indices": list(self.gpu_indices),
             "port": self.port,
         }
+
+
+@dataclass(frozen=True)
+class BuildRow:
+    """A TensorRT-LLM engine build the controller put in a host's desired state."""
+
+    build_id: str
+    host: str
+    model: str
+    engine: str
+    gpu: str
+    tp: int
+    precision: str
+    gpu_indices: tuple[int, ...]
+    template: str
+    phase: str  # desired | removed
+    created_s: float
+    updated_s: float
+    result: str | None  # done | failed: ... | None while running
+
+    def desired_entry(self) -> dict[str, Any]:
+        return {
+            "build_id": self.build_id, "template": self.template, "model": self.model, "engine": self.engine,
+            "gpu": self.gpu, "tp": self.tp, "precision": self.precision, "gpu_indices": list(self.gpu_indices),
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["gpu_indices"] = list(self.gpu_indices)
+        return d
 
 
 @dataclass(frozen=True)
@@ -368,7 +413,47 @@ class StateStore:
             "SELECT * FROM replicas WHERE host=? AND phase IN (?, ?) ORDER BY replica_id",
             (host, Phase.DESIRED, Phase.DRAINING),
         ).fetchall()
-        return {"replicas": [self._row(r).desired_entry() for r in rows], "builds": []}
+        builds = db.execute(
+            "SELECT * FROM builds WHERE host=? AND phase=? ORDER BY build_id", (host, Phase.DESIRED)
+        ).fetchall()
+        return {
+            "replicas": [self._row(r).desired_entry() for r in rows],
+            "builds": [self._build_row(b).desired_entry() for b in builds],
+        }
+
+    # -- builds --------------------------------------------------------------------------------
+    def _build_row(self, r: sqlite3.Row) -> BuildRow:
+        return BuildRow(
+            build_id=r["build_id"], host=r["host"], model=r["model"], engine=r["engine"], gpu=r["gpu"],
+            tp=int(r["tp"]), precision=r["precision"], gpu_indices=tuple(json.loads(r["gpu_indices"])),
+            template=r["template"], phase=r["phase"], created_s=r["created_s"], updated_s=r["updated_s"],
+            result=r["result"],
+        )
+
+    def builds(self, phases: Iterable[str] | None = None) -> list[BuildRow]:
+        rows = self._db.execute("SELECT * FROM builds ORDER BY build_id").fetchall()
+        out = [self._build_row(r) for r in rows]
+        if phases is not None:
+            ph = set(phases)
+            out = [b for b in out if b.phase in ph]
+        return out
+
+    def allocate_build_id(self, conn: sqlite3.Connection) -> str:
+        return self.allocate_id(conn, prefix="b")
+
+    def insert_build(self, conn: sqlite3.Connection, b: BuildRow) -> None:
+        conn.execute(
+            "INSERT INTO builds(build_id, host, model, engine, gpu, tp, precision, gpu_indices, template, phase, "
+            "created_s, updated_s, result) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (b.build_id, b.host, b.model, b.engine, b.gpu, b.tp, b.precision, json.dumps(list(b.gpu_indices)),
+             b.template, b.phase, b.created_s, b.updated_s, b.result),
+        )
+
+    def finish_build(self, conn: sqlite3.Connection, build_id: str, result: str) -> None:
+        conn.execute(
+            "UPDATE builds SET phase=?, result=?, updated_s=? WHERE build_id=?",
+            (Phase.REMOVED, result, self._clock(), build_id),
+        )
 
     def stage_desired(self, conn: sqlite3.Connection, host: str) -> dict[str, Any]:
         """Bump the host's desired version and store the payload to publish (inside `conn`'s tx)."""

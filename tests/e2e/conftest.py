@@ -182,7 +182,8 @@ def describe(ctrl: ControllerProc) -> Callable[[], str]:
 def rig(tmp_path: Path) -> Iterator[Rig]:
     if not PROFILES.exists():
         pytest.skip(f"{PROFILES} missing (python -m tests.e2e.make_profiles)")
-    r = Rig(tmp_path / "rig", hosts=2, gpus_per_host=8, engine=EngineOptions(time_scale=K, startup_s=40.0))
+    r = Rig(tmp_path / "rig", hosts=2, gpus_per_host=8,
+            engine=EngineOptions(time_scale=K, startup_s=40.0, build_s=200.0))
     r.start()
     try:
         yield r

@@ -1,4 +1,10 @@
-"""Open-loop Poisson load through nginx whose rate can change while it runs (simulated rps)."""
+"""Open-loop Poisson load through nginx whose rate can change while it runs (simulated rps).
+
+One connection per request (no keep-alive): a graceful nginx reload closes idle keep-alive
+connections, and a client that reuses one at that instant gets "Can not write request body"
+before nginx ever saw the request. Real clients retry such connection-level errors; this load
+generator counts every failure, so it does not reuse connections.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,8 @@ import asyncio
 import contextlib
 import random
 from typing import Any
+
+import aiohttp
 
 from sim.replay import RequestResult, run_load
 
@@ -21,9 +29,14 @@ class Load:
         self._rng = random.Random(seed)
         self._chunks: list[asyncio.Task[Any]] = []
         self._task: asyncio.Task[None] | None = None
+        self._session: aiohttp.ClientSession | None = None
 
     def start(self, rate_rps: float) -> None:
         self.rate_rps = rate_rps
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=1000, force_close=True),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+        )
         self._task = asyncio.create_task(self._run())
 
     async def _run(self) -> None:
@@ -42,7 +55,8 @@ class Load:
                     reqs.append((t, p, o, self.model))
             if reqs:
                 self._chunks.append(asyncio.create_task(
-                    run_load(reqs, self.url, speed=self.speed, timeout_s=120, on_result=self.results.append)))
+                    run_load(reqs, self.url, speed=self.speed, timeout_s=120, on_result=self.results.append,
+                             session=self._session)))
             await asyncio.sleep(chunk_wall)
 
     async def stop(self) -> list[RequestResult]:
@@ -52,6 +66,8 @@ class Load:
                 await self._task
         if self._chunks:
             await asyncio.gather(*self._chunks)
+        if self._session is not None:
+            await self._session.close()
         return self.results
 
     def failures(self) -> list[RequestResult]:
