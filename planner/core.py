@@ -24,7 +24,7 @@ from models.names import GpuType
 from models.profile import ProfileSet
 from planner.capacity import CapacityInfo, MixedWorkload, Predictor, capacity_table
 from planner.counts import UNMET_TOL_RPS, Candidate, CountProblem, CountSolution, ModelDemand, solve_counts
-from planner.forecast import forecast_rate
+from planner.forecast import forecast_rate, recent_level_max
 from planner.placement import LIVE_STATES, Placement, place, safe_id, slots_by_gpu
 from planner.policy import Effective, Policy, effective
 from planner.types import (
@@ -59,6 +59,7 @@ class _Demand:
     required_rps: float
     known: bool
     notes: tuple[str, ...]
+    hold_rps: float | None = None  # highest rate level over the scale-down delay (None: no history)
 
 
 def _inventory(fleet: Fleet, policy: Policy) -> tuple[HostInventory, ...]:
@@ -142,8 +143,11 @@ def _demands(observation: Observation, policy: Policy, now_s: float) -> dict[str
         demand = max(o.rate_rps, fc.rate_rps)
         notes.append(f"forecast {fc.method}: q{policy.scaling.forecast_quantile:g} over {horizon:.0f} s "
                      f"= {fc.rate_rps:.2f} rps")
+        hold = recent_level_max(o.history, o.rate_rps, now_s, policy.scaling.scale_down_delay_s)
+        if hold is not None:
+            hold = max(demand, hold + fc.margin_rps)  # what the forecast said at that level
         out[m.name] = _Demand(m.name, o.rate_rps, fc.rate_rps, demand, demand * (1 + m.headroom), True,
-                              tuple(notes))
+                              tuple(notes), hold)
     return out
 
 
@@ -307,7 +311,30 @@ def plan_with_capacities(
             surplus_next[c] = since
             if now_s - since < delay:
                 held[c] = k
-    if held:
+    held_models = {c.model for c in held}
+    if held and all(demands[m].hold_rps is not None for m in held_models):
+        # the rate history covers the delay: hold the DEMAND, not the replicas - the plan serves the
+        # highest rate level of the last delay (x (1 + headroom), at most what runs now), so the fleet
+        # steps down as that window slides instead of all at once when a surplus clock runs out
+        cap_now: dict[str, float] = {}
+        for c, k in current.items():
+            info = capacities.get(c)
+            if info is not None and math.isfinite(info.max_rps):
+                cap_now[c.model] = cap_now.get(c.model, 0.0) + info.max_rps * k
+        md = []
+        for x in now_problem.demands:
+            d = demands[x.model]
+            if x.model in held_models and d.hold_rps is not None:
+                mp_ = policy.model(x.model)
+                hr = mp_.headroom if mp_ is not None else 0.0
+                hold_req = min(d.hold_rps * (1 + hr), cap_now.get(x.model, 0.0))
+                x = replace(x, required_rps=max(x.required_rps, hold_req))
+            md.append(x)
+        now_problem = CountProblem(**{**now_problem.__dict__, "demands": tuple(md)})
+        now_sol, now_place = _solve_and_place(now_problem, hosts, fleet.replicas, drained, reports)
+        notes.append(f"scale-down delayed ({delay:.0f} s): sized for the highest rate level of the last "
+                     f"{delay:.0f} s for " + ", ".join(sorted(held_models)))
+    elif held:
         # hold every running config whose surplus clock has not run out (not only the ones the ideal
         # plan cut: with those held, the solver might otherwise cut a config that was never surplus)
         floors2 = dict(floors)

@@ -6,11 +6,11 @@ forecast = level + shape rise over the horizon + q-quantile of the short-horizon
 - shape (chosen by how much history there is):
   - "seasonal": >= 2 days of history: linear trend + daily harmonics (24 h, 12 h, 8 h), least
     squares over the whole history; the rise is max over the horizon of fit(now + tau) - fit(now);
-  - "trend": >= 8 samples over >= 10 min and the slope of a line fitted to the last `TREND_S`
+  - "trend": >= 8 samples over >= 5 min and the slope of a line fitted to the last `TREND_S`
     seconds is positive and significant (> `TREND_T` standard errors): rise = slope x horizon (a
     falling trend is not extrapolated: the level follows the rate down);
   - "level": enough history but no significant trend: rise = 0;
-  - "current": too little history: the current rate alone (no residuals to take a quantile of);
+  - "current": fewer than `MIN_SAMPLES` history samples: the current rate alone;
 - residuals: for every pair of history samples (t_i, t_j) with 0 < t_j - t_i <= horizon in the
   last `RESID_S` seconds, r = y_j - level_i - (shape(t_j) - shape(t_i)): how far the rate came above
   the level it had, within the horizon. Their q-quantile (not the mean) is the safety margin; it
@@ -31,6 +31,7 @@ LEVEL_S = 90.0  # the level is the mean rate of this trailing span
 TREND_S = 900.0  # the trend is fitted on this trailing span
 TREND_T = 3.0  # a trend is used only when |slope| exceeds this many standard errors
 RESID_S = 3600.0  # residual pairs from this trailing span
+MIN_SAMPLES = 4  # fewer history samples: the current rate alone
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ def forecast_rate(
     cur = current_rps if current_rps is not None else (pts[-1][1] if pts else None)
     if cur is None:
         return Forecast(0.0, "none", horizon_s, quantile)
-    if len(pts) < 8 or pts[-1][0] - pts[0][0] < 600.0:
+    if len(pts) < MIN_SAMPLES:
         return Forecast(float(cur), "current", horizon_s, quantile, float(cur))
     t = np.array([p[0] for p in pts], dtype=float) - now_s
     y = np.array([p[1] for p in pts], dtype=float)
@@ -120,7 +121,7 @@ def forecast_rate(
         method = "seasonal"
     else:
         recent = t >= t[-1] - TREND_S
-        b = float(_slopes(t[recent], y[recent], TREND_S + 1.0, TREND_T)[-1])
+        b = 0.0 if len(t) < 8 or span < 300.0 else float(_slopes(t[recent], y[recent], TREND_S + 1.0, TREND_T)[-1])
         if b > 0.0:  # a falling trend is not extrapolated: the level follows the rate down
             shape = b * t
             rise = max(0.0, b * h)
@@ -150,3 +151,27 @@ def forecast_rate(
             margin = max(0.0, float(np.quantile(allr, quantile)))
     value = level + rise + margin
     return Forecast(max(value, 0.0), method, horizon_s, quantile, level, rise, margin)
+
+
+def recent_level_max(
+    history: Sequence[tuple[float, float]],
+    current_rps: float | None,
+    now_s: float,
+    span_s: float,
+) -> float | None:
+    """The highest level (`LEVEL_S` trailing mean of the rate) over (now - span, now], or None when
+    the history does not reach back that far (what the scale-down delay holds the fleet for)."""
+    pts = sorted((float(t), float(r)) for t, r in history
+                 if math.isfinite(t) and math.isfinite(r) and r >= 0 and t <= now_s)
+    if current_rps is not None and math.isfinite(current_rps) and current_rps >= 0 and (
+            not pts or pts[-1][0] < now_s - 1.0):
+        pts.append((now_s, float(current_rps)))
+    if not pts or span_s <= 0:
+        return float(current_rps) if current_rps is not None and span_s <= 0 else None
+    step = pts[-1][0] - pts[-2][0] if len(pts) >= 2 else 0.0
+    if pts[0][0] > now_s - span_s + max(step, 1.0) + 1e-9:
+        return None
+    t = np.array([p[0] for p in pts], dtype=float)
+    y = np.array([p[1] for p in pts], dtype=float)
+    lv = _levels(t, y, LEVEL_S)
+    return float(np.max(lv[t > now_s - span_s]))

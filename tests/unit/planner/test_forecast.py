@@ -15,7 +15,7 @@ def test_no_history_is_the_current_rate() -> None:
     f = forecast_rate((), 12.0, NOW, 600, 0.9)
     assert (f.rate_rps, f.method) == (12.0, "current")
     assert forecast_rate((), None, NOW, 600).method == "none"
-    short = tuple((NOW - 60 + 10 * i, 5.0) for i in range(6))
+    short = tuple((NOW - 60 + 30 * i, 5.0) for i in range(3))
     assert forecast_rate(short, 5.0, NOW, 600).method == "current"
 
 
