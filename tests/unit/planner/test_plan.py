@@ -267,3 +267,27 @@ def test_scale_down_delay_holds_configs_that_were_never_surplus_too() -> None:
     later = plan_with_capacities(observe({"m8": 45.0, "m70": 0.0}), Fleet(hosts(1), current), p, CAPS,
                                  r.next_state, NOW + 400)
     assert [a.kind for a in later.actions] == [ActionKind.DRAIN, ActionKind.STOP]
+
+
+def test_scale_down_delay_with_history_holds_the_recent_demand_and_steps_down() -> None:
+    from planner.types import ModelObservation, Observation
+
+    p = policy(tps={"m8": [1], "m70": [4]}, cached=[("m8", "h100", 1)], scaling={"scale_down_delay_s": 300})
+    current = tuple(_running("m8", TRT, 1, "h00", i) for i in range(4))  # 4 x 14 rps
+    fleet = Fleet(hosts(1), current)
+
+    def rate(t: float) -> float:  # 45 rps, then 30 rps from now - 360, then 8 rps from now - 100
+        return 45.0 if t < NOW - 360 else 30.0 if t < NOW - 100 else 8.0
+
+    hist = tuple((NOW - 1800 + 30 * i, rate(NOW - 1800 + 30 * i)) for i in range(61))
+    obs = Observation({"m8": ModelObservation("m8", 8.0, 500.0, 200.0, history=hist),
+                       "m70": ModelObservation("m70", 0.0, 500.0, 200.0)})
+    r = plan_with_capacities(obs, fleet, p, CAPS, PlannerState.initial(), NOW)
+    # the ideal plan wants 1 replica; the hold serves the highest level of the last 300 s (30 rps x
+    # 1.2 = 36 rps -> 3 replicas) instead of all 4: the fleet steps down
+    assert len(r.plan.replicas) == 3
+    assert any("highest rate level of the last 300 s" in n for n in r.explanation.notes)
+    assert [a.kind for a in r.actions] == [ActionKind.DRAIN, ActionKind.STOP]
+    # without a history covering the delay the replica counts are held (4)
+    r0 = plan_with_capacities(observe({"m8": 8.0, "m70": 0.0}), fleet, p, CAPS, PlannerState.initial(), NOW)
+    assert len(r0.plan.replicas) == 4
