@@ -8,9 +8,12 @@ Pure. Steps:
 4. stage 1 (counts, CP-SAT) for the TARGET (every allowed config, builds included) and, when the
    target needs a TensorRT-LLM engine that is not built yet, for NOW (only ready configs: vLLM
    serves the gap until the build is done);
-5. scale-down delay: surplus configs are held until they have been surplus for the policy's delay;
+5. scale-down delay: while a surplus config's clock runs, the plan is held - on demand (the highest
+   rate level of the last delay) when the rate history covers the delay, else on replica counts;
 6. stage 2 (placement), re-solving stage 1 with tightened slots if a replica cannot be placed;
-7. the diff against the current fleet as ordered actions and the explanation.
+7. the diff against the current fleet as ordered actions (make-before-break: a READY replica is not
+   drained while its model's replacements start, unless READY capacity without it covers the
+   required rate) and the explanation.
 """
 
 from __future__ import annotations
