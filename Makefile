@@ -1,9 +1,8 @@
-.PHONY: test demo lint
+.PHONY: test demo
 
-# Sets up (Debian packages, .venv) and runs ruff, mypy, import-linter and pytest.
+# The README's two commands, for those who have make.
 test:
-	./scripts/test.sh
+	scripts/test.sh
 
-# Sets up and runs the main job.
 demo:
-	./scripts/demo.sh
+	scripts/demo.sh

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Sets up a fresh Debian machine for fleetplan: the Debian packages it needs (Python with venv, and
+# the real servers the lab and the tests start: mosquitto, prometheus, nginx), then .venv with
+# fleetplan installed. Idempotent: installs only what is missing. Sourced by test.sh and demo.sh.
+# Usage: scripts/setup.sh [EXTRAS]     e.g. scripts/setup.sh dev
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+extras="${1:-}"
+
+PY="${PYTHON:-python3}"
+need=()
+command -v "$PY" >/dev/null 2>&1 || need+=(python3)
+if command -v "$PY" >/dev/null 2>&1 && ! "$PY" -c "import ensurepip, venv" >/dev/null 2>&1; then
+  need+=(python3-venv)
+fi
+[ -r /etc/ssl/certs/ca-certificates.crt ] || need+=(ca-certificates)
+for bin in mosquitto prometheus nginx; do
+  command -v "$bin" >/dev/null 2>&1 || [ -x "/usr/sbin/$bin" ] || [ -x "/usr/bin/$bin" ] || need+=("$bin")
+done
+if [ ${#need[@]} -gt 0 ]; then
+  echo "== installing Debian packages: ${need[*]}"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y --no-install-recommends "${need[@]}" >/dev/null
+  # fleetplan never uses the services Debian may start: it runs its own instances on free ports.
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  echo "== creating .venv"
+  "$PY" -m venv .venv
+fi
+spec="."
+[ -n "$extras" ] && spec=".[$extras]"
+echo "== installing fleetplan ($spec) into .venv"
+.venv/bin/python -m pip install -q --disable-pip-version-check -e "$spec"
