@@ -29,6 +29,7 @@ from models.profile import (
     PerfProfile,
     ProfileKey,
     closed_loop_capped,
+    closed_loop_shift,
     itl_p99_gap,
     kv_capacity_tokens,
     latency_terms,
@@ -40,11 +41,17 @@ from models.profile import (
 Array = NDArray[np.float64]
 
 SATURATED_FRACTION = 0.9  # achieved / offered below this: the point is past saturation
-_N_PARAMS = 16
+_N_PARAMS = 17
 _STALL = 15  # itl_stall_weight
+_SYNC = 16  # closed_loop_sync
+_KV = _N_PARAMS  # log KV-cache tokens
+_SYNC_PRIOR = 0.3
+_SYNC_START = 0.3
+_SYNC_OFF = 1e-6
+_SYNC_GAIN = 0.5
 _STALL_PRIOR = 1.0
 _OFFSET_PARAMS = (8, 10)  # ttft_p99_factor, itl_p99_factor: fitted as log(f - 1), f > 1
-_FRACTION_PARAMS = (7, 9)  # ttft_p50_factor, itl_p50_factor: fitted as logit(f), 0 < f < 1 (median <= mean)
+_FRACTION_PARAMS = (7, 9, 16)  # ttft/itl_p50_factor (median <= mean), closed_loop_sync: fitted as logit(f)
 _RHO_CLIP = 0.995
 _PRIOR_WEIGHT_ROOFLINE = 0.3
 _PRIOR_WEIGHT_GUESS = 0.05
@@ -156,6 +163,8 @@ def _params_for(phi: Array, d: _Data) -> tuple[PerfParams, float]:
     params, kv = _params_from_phi(phi)
     if not d.has_gap_p99():
         params = replace(params, itl_stall_weight=0.0)
+    if params.closed_loop_sync < 1e-3 or not np.any((d.mode == 1) & np.isfinite(d.obs[:, 0:6]).any(axis=1)):
+        params = replace(params, closed_loop_sync=0.0)  # off, or no closed-loop latencies to see it
     return params, kv
 
 
@@ -182,6 +191,10 @@ def _predict_array(params: PerfParams, kv_tokens: float, d: _Data) -> Array:
     itl, ttft_mean, ttft_p50, ttft_p99, _ = latency_terms(params, isl, osl, x)
     # closed loop near a full KV cache: the clients the batch cannot hold queue for a slot
     queued = np.where(d.mode == 1, np.maximum(wait, 0.0), 0.0)
+    if params.closed_loop_sync > 0.0:  # closed loop in waves: prefill moves from the ITL to the TTFT
+        itl_wave, moved = closed_loop_shift(params, isl, osl, x, itl)
+        itl = np.where(d.mode == 1, itl_wave, itl)
+        queued = queued + np.where(d.mode == 1, moved, 0.0)
     out = np.empty((len(isl), len(_METRICS)))
     out[:, 0] = ttft_mean + queued
     out[:, 1] = ttft_p50 + queued
@@ -263,20 +276,45 @@ def _cost(d: _Data, phi: Array, prior: _Prior) -> float:
     return float(soft.sum() + np.sum((prior.weight * (phi - prior.phi)) ** 2))
 
 
-def _solve_multistart(d: _Data, prior: _Prior) -> Array:
+def _solve_multistart(d: _Data, prior: _Prior) -> tuple[Array, _Prior]:
     """The KV-cache size only matters once the batch reaches it, where the gradient starts: try
-    several starting sizes (the prior's and smaller ones) and keep the best fit."""
+    several starting sizes (the prior's and smaller ones) and keep the best fit.
+
+    Closed-loop waves (closed_loop_sync) are one more degree of freedom that noisy sweeps use to
+    chase scatter: the fit starts with them off and keeps them only when they halve the cost
+    (a sweep whose clients really move in waves: TTFT several times what prefill explains).
+    Returns the parameters and the prior they were fitted under (for refits on subsets)."""
+    closed = bool(np.any((d.mode == 1) & np.isfinite(d.obs[:, 0:6]).any(axis=1)))
+    base = _sync_off(prior) if closed else prior
     best: Array | None = None
     best_cost = math.inf
     for shrink in (1.0, 0.25, 1.0 / 16.0, 1.0 / 64.0):
-        start = prior.start.copy()
-        start[_N_PARAMS] += math.log(shrink)
-        phi = _solve(d, start, prior.phi, prior.weight)
-        cost = _cost(d, phi, prior)
+        start = base.start.copy()
+        start[_KV] += math.log(shrink)
+        phi = _solve(d, start, base.phi, base.weight)
+        cost = _cost(d, phi, base)
         if cost < best_cost:
             best, best_cost = phi, cost
     assert best is not None
-    return best
+    if closed:
+        start = best.copy()
+        start[_SYNC] = _logit(_SYNC_START)
+        phi = _solve(d, start, prior.phi, prior.weight)
+        if _cost(d, phi, prior) < _SYNC_GAIN * best_cost:
+            return phi, prior
+    return best, base
+
+
+def _logit(f: float) -> float:
+    return math.log(f / (1.0 - f))
+
+
+def _sync_off(prior: _Prior) -> _Prior:
+    """The prior with closed-loop waves pinned off (a tiny value the final parameters round to 0)."""
+    phi, weight, start = prior.phi.copy(), prior.weight.copy(), prior.start.copy()
+    phi[_SYNC] = start[_SYNC] = _logit(_SYNC_OFF)
+    weight[_SYNC] = 100.0
+    return _Prior(phi, weight, start, prior.note)
 
 
 def _primary(values: Array, cols: Sequence[int]) -> Array:
@@ -336,7 +374,7 @@ def _prior_for(key: ProfileKey, points: Sequence[BenchmarkPoint], d: _Data) -> _
         kv = _kv_guess(d)
         weight = np.full(_N_PARAMS + 1, _PRIOR_WEIGHT_GUESS)
         note = "prior: data-driven guess (architecture unknown)"
-    params = replace(params, itl_stall_weight=_STALL_PRIOR)
+    params = replace(params, itl_stall_weight=_STALL_PRIOR, closed_loop_sync=_SYNC_PRIOR)
     phi = _phi_from_params(params, kv)
     start_params = _work_estimate(d, params)
     ttft = d.obs[:, 0:3]
@@ -356,7 +394,7 @@ def fit_profile(key: ProfileKey, points: Sequence[BenchmarkPoint], *, loo: bool 
     if not np.isfinite(d.obs).any():
         raise FitFailure(f"{key.label()}: the points report no usable statistic")
     prior = _prior_for(key, points, d)
-    phi = _solve_multistart(d, prior)
+    phi, prior = _solve_multistart(d, prior)
     fit_error = _loo(d, phi, prior) if loo else None
     params, kv = _params_for(phi, d)
     profile = PerfProfile(
@@ -407,7 +445,7 @@ def holdout_errors(key: ProfileKey, train: Sequence[BenchmarkPoint], test: Seque
     d_train = _data(train)
     d_test = _data(test, test_saturated)
     prior = _prior_for(key, train, d_train)
-    phi = _solve_multistart(d_train, prior)
+    phi, prior = _solve_multistart(d_train, prior)
     pred = _predict_array(*_params_for(phi, d_train), d_test)
     out: dict[str, list[float]] = {m: [] for m in HOLDOUT_METRICS}
 

@@ -126,12 +126,13 @@ class PerfParams:
     prefill_latency_factor: float = 1.0  # a prompt's prefill latency / the GPU work it adds
     queue_decode_share: float = 1.0  # how much decode work, next to prefill, new prompts queue behind
     itl_stall_weight: float = 0.0  # share of a prefill chunk's time a stalled token gap carries (p99 gap)
+    closed_loop_sync: float = 0.0  # 0..1: how much closed-loop clients move in waves (prefills together)
 
     def as_tuple(self) -> tuple[float, ...]:
         return (self.s0_ms, self.s1_ms, self.s2_ms, self.p0_ms, self.p1_ms, self.p2_ms, self.q,
                 self.ttft_p50_factor, self.ttft_p99_factor, self.itl_p50_factor, self.itl_p99_factor,
                 self.chunk_per_token, self.ttft_fixed_ms, self.prefill_latency_factor,
-                self.queue_decode_share, self.itl_stall_weight)
+                self.queue_decode_share, self.itl_stall_weight, self.closed_loop_sync)
 
     @staticmethod
     def from_tuple(values: tuple[float, ...] | list[float]) -> PerfParams:
@@ -142,9 +143,10 @@ PARAM_NAMES: tuple[str, ...] = (
     "s0_ms", "s1_ms", "s2_ms", "p0_ms", "p1_ms", "p2_ms", "q",
     "ttft_p50_factor", "ttft_p99_factor", "itl_p50_factor", "itl_p99_factor", "chunk_per_token",
     "ttft_fixed_ms", "prefill_latency_factor", "queue_decode_share", "itl_stall_weight",
+    "closed_loop_sync",
 )
 _OPTIONAL_PARAMS = {"chunk_per_token": 1.0 / 8192.0, "ttft_fixed_ms": 2.0, "prefill_latency_factor": 1.0,
-                    "queue_decode_share": 1.0, "itl_stall_weight": 0.0}
+                    "queue_decode_share": 1.0, "itl_stall_weight": 0.0, "closed_loop_sync": 0.0}
 
 
 @dataclass(frozen=True)
@@ -232,6 +234,19 @@ def itl_p99_gap(p: PerfParams, isl: Any, osl: Any, x: Any, itl: Any) -> Any:
         z = (phi / t) ** _STALL_SHARPNESS
         count = count + z / (1.0 + z)
     return base + p.itl_stall_weight * p.prefill_latency_factor * prefill / chunks * count
+
+
+def closed_loop_shift(p: PerfParams, isl: Any, osl: Any, x: Any, itl: Any) -> tuple[Any, Any]:
+    """(ITL, TTFT added) in a closed loop whose clients move in waves (fixed lengths: they finish
+    together and send their next prompts together). A share `closed_loop_sync` of the prefill work
+    then runs before the wave's first tokens instead of between its decode steps: the ITL falls
+    towards the decode-only step time s0/(1 - x*(W - P)) and the TTFT carries the difference for all
+    osl - 1 steps. The cycle TTFT + (osl - 1)*ITL, hence the throughput, is unchanged; both terms
+    still rise with x."""
+    prefill, work = work_terms(p, isl, osl)
+    itl_decode = p.s0_ms / (1.0 - x * (work - prefill))
+    moved = p.closed_loop_sync * (itl - itl_decode)
+    return itl - moved, moved * (osl - 1.0)
 
 
 def closed_loop_x(p: PerfParams, isl: Any, osl: Any, clients: Any) -> Any:
@@ -361,6 +376,9 @@ def predict(profile: PerfProfile, workload: Workload, *, rate_rps: float | None 
             warnings.append("concurrency near or beyond the KV-cache batch limit: requests queue")
     itl, ttft_mean, ttft_p50, ttft_p99, batch = latency_terms(p, isl, osl, x)
     in_system = concurrency if concurrency is not None else x * (ttft_mean + (osl - 1.0) * itl)
+    if concurrency is not None and p.closed_loop_sync > 0.0:
+        itl, moved = closed_loop_shift(p, isl, osl, x, itl)
+        extra_wait += float(moved)
     return Prediction(
         ttft=LatencyStats(ttft_mean + extra_wait, ttft_p50 + extra_wait, ttft_p99 + extra_wait),
         itl=LatencyStats(itl, itl * p.itl_p50_factor, float(itl_p99_gap(p, isl, osl, x, itl))),

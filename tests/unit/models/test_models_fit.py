@@ -124,3 +124,16 @@ def test_the_prefill_stall_is_fitted_from_per_gap_p99_only() -> None:
     # per-request TPOT p99 averages the stalls away: no stall term from such data
     tpot_only = fit_profile(KEY, _gap_points(truth, per_gap=False), loo=False).profile
     assert tpot_only.params.itl_stall_weight == 0.0
+
+
+def test_closed_loop_waves_are_fitted_only_when_the_data_demand_them() -> None:
+    truth = _truth()
+    waves = replace(truth, params=replace(truth.params, closed_loop_sync=0.8))
+    fitted = fit_profile(KEY, _points(waves), loo=False).profile
+    assert fitted.params.closed_loop_sync > 0.5
+    w = Workload(4000, 200)
+    want, got = predict(waves, w, concurrency=16), predict(fitted, w, concurrency=16)
+    assert got.ttft.p50_ms == pytest.approx(want.ttft.p50_ms, rel=0.15)
+    assert got.itl.mean_ms == pytest.approx(want.itl.mean_ms, rel=0.15)
+    # the same sweep without waves keeps them off
+    assert fit_profile(KEY, _points(truth), loo=False).profile.params.closed_loop_sync == 0.0

@@ -281,3 +281,37 @@ def test_stalled_capacity_never_rises_as_the_slo_tightens(shape: tuple[float, fl
     if tight.max_rps > 0:
         at = predict(p, w, rate_rps=tight.max_rps * 0.999)
         assert at.ttft.p99_ms <= min(ttft) * 1.001 and at.itl.p99_ms <= min(itl) * 1.001
+
+
+# --- closed-loop waves ---------------------------------------------------------------------------------
+
+def _waves(sync: float = 0.8) -> PerfProfile:
+    from dataclasses import replace
+
+    p = _prior()
+    return replace(p, params=replace(p.params, closed_loop_sync=sync))
+
+
+def test_waves_move_prefill_from_the_itl_to_the_ttft_at_the_same_throughput() -> None:
+    w = Workload(467, 128)
+    plain, waves = predict(_prior(), w, concurrency=32), predict(_waves(), w, concurrency=32)
+    assert waves.request_rps == pytest.approx(plain.request_rps)
+    assert waves.ttft.mean_ms > 1.5 * plain.ttft.mean_ms and waves.itl.mean_ms < plain.itl.mean_ms
+    cycle = lambda pr: pr.ttft.mean_ms + (w.osl - 1) * pr.itl.mean_ms  # noqa: E731
+    assert cycle(waves) == pytest.approx(cycle(plain))
+    # an open loop has no waves
+    assert predict(_waves(), w, rate_rps=5.0) == predict(_prior(), w, rate_rps=5.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=shape, a=st.floats(min_value=1, max_value=2000), b=st.floats(min_value=1, max_value=2000),
+       sync=st.floats(0.0, 1.0))
+def test_wave_latency_never_falls_as_concurrency_rises(shape: tuple[float, float], a: float, b: float,
+                                                       sync: float) -> None:
+    p = _waves(sync)
+    w = Workload(*shape)
+    lo, hi = sorted((a, b))
+    x, y = predict(p, w, concurrency=lo), predict(p, w, concurrency=hi)
+    for f in ("mean_ms", "p50_ms", "p99_ms"):
+        assert getattr(y.ttft, f) >= getattr(x.ttft, f) * (1 - 1e-9)
+        assert getattr(y.itl, f) >= getattr(x.itl, f) * (1 - 1e-9)
