@@ -15,6 +15,10 @@ GPU prior is used for them). The goal of the issue: <= 10% MAPE on TTFT, ITL and
 saturation.
 
     .venv/bin/python bench/fit_accuracy.py [--data ../shared/data] [--gpu h200] [--precision fp8]
+        [--only SUBSTRING] [--scheme series|level] [--no-floor]
+
+--only keeps the data families whose name contains SUBSTRING (e.g. `dep8`, `GLM`, `trtllm_v0.14`);
+--scheme runs one hold-out scheme; --no-floor skips the isotonic "monotone floor".
 """
 
 from __future__ import annotations
@@ -56,15 +60,20 @@ def level(p: BenchmarkPoint) -> float | None:
 
 
 def run_holdouts(points: Sequence[BenchmarkPoint], errors: dict[tuple[str, str], dict[str, list[float]]],
-                 folds: dict[tuple[str, str], int]) -> None:
+                 folds: dict[tuple[str, str], int], only: str | None = None,
+                 scheme_only: str | None = None) -> None:
     for key, group in group_points(points).items():
         flags = dict(zip(map(id, group), saturation_flags(group), strict=True))
         fam = family(group[0])
+        if only is not None and only.lower() not in fam.lower():
+            continue
         schemes = {
             "series": lambda p: (round(p.isl), round(p.osl)),
             "level": level,
         }
         for scheme, label_of in schemes.items():
+            if scheme_only is not None and scheme != scheme_only:
+                continue
             labels = {label_of(p) for p in group} - {None}
             if len(labels) < 2:
                 continue
@@ -120,6 +129,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--data", default=str(REPO.parent / "shared" / "data"))
     parser.add_argument("--gpu", default="h200", help="GPU type for files that do not state one")
     parser.add_argument("--precision", default="fp8", help="precision for files that do not state one")
+    parser.add_argument("--only", default=None, help="only data families whose name contains this")
+    parser.add_argument("--scheme", choices=("series", "level"), default=None, help="one hold-out scheme")
+    parser.add_argument("--no-floor", action="store_true", help="skip the isotonic monotone floor")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     meta = Metadata(gpu=parse_gpu(args.gpu), precision=parse_precision(args.precision))
@@ -128,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"({len(outcome.bad)} files and {len(outcome.row_problems)} rows skipped)")
     errors: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     folds: dict[tuple[str, str], int] = defaultdict(int)
-    run_holdouts(outcome.points, errors, folds)
+    run_holdouts(outcome.points, errors, folds, args.only, args.scheme)
 
     header = f"{'data':42} {'held out':8} {'folds':>5}  " + "  ".join(f"{c:>13}" for c in COLUMNS.values())
     print("\nMAPE of held-out points (number of points), below saturation unless 'sat tput':")
@@ -144,9 +156,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for scheme in ("series", "level"):
         print(f"{'ALL':42} {scheme:8} {'':>5}  "
               + "  ".join(f"{fmt(totals[f'{scheme}:{m}']):>13}" for m in HOLDOUT_METRICS))
-    print("\nscatter no load-monotone model can remove (isotonic fit per ISL/OSL series, in sample):")
-    for fam, bucket in sorted(monotone_floor(outcome.points).items()):
-        print(f"  {fam[:42]:42} TTFT {fmt(bucket['ttft']):>13}   ITL {fmt(bucket['itl']):>13}")
+    if not args.no_floor:
+        print("\nscatter no load-monotone model can remove (isotonic fit per ISL/OSL series, in sample):")
+        for fam, bucket in sorted(monotone_floor(outcome.points).items()):
+            print(f"  {fam[:42]:42} TTFT {fmt(bucket['ttft']):>13}   ITL {fmt(bucket['itl']):>13}")
     print("\ngoal (issue 2): <= 10% MAPE on TTFT, ITL and throughput below saturation")
     for scheme in ("series", "level"):
         parts = []
