@@ -41,7 +41,7 @@ from models.profile import (
 Array = NDArray[np.float64]
 
 SATURATED_FRACTION = 0.9  # achieved / offered below this: the point is past saturation
-_N_PARAMS = 17
+_N_PARAMS = 18
 _STALL = 15  # itl_stall_weight
 _SYNC = 16  # closed_loop_sync
 _KV = _N_PARAMS  # log KV-cache tokens
@@ -49,9 +49,10 @@ _SYNC_PRIOR = 0.3
 _SYNC_START = 0.3
 _SYNC_OFF = 1e-6
 _SYNC_GAIN = 0.5
+_QUEUE_TAIL_PRIOR = 0.5
 _STALL_PRIOR = 1.0
 _OFFSET_PARAMS = (8, 10)  # ttft_p99_factor, itl_p99_factor: fitted as log(f - 1), f > 1
-_FRACTION_PARAMS = (7, 9, 16)  # ttft/itl_p50_factor (median <= mean), closed_loop_sync: fitted as logit(f)
+_FRACTION_PARAMS = (7, 9, 16, 17)  # ttft/itl_p50_factor (median <= mean), closed_loop_sync, queue_tail: logit
 _RHO_CLIP = 0.995
 _PRIOR_WEIGHT_ROOFLINE = 0.3
 _PRIOR_WEIGHT_GUESS = 0.05
@@ -374,7 +375,8 @@ def _prior_for(key: ProfileKey, points: Sequence[BenchmarkPoint], d: _Data) -> _
         kv = _kv_guess(d)
         weight = np.full(_N_PARAMS + 1, _PRIOR_WEIGHT_GUESS)
         note = "prior: data-driven guess (architecture unknown)"
-    params = replace(params, itl_stall_weight=_STALL_PRIOR, closed_loop_sync=_SYNC_PRIOR)
+    params = replace(params, itl_stall_weight=_STALL_PRIOR, closed_loop_sync=_SYNC_PRIOR,
+                     queue_tail=_QUEUE_TAIL_PRIOR)
     phi = _phi_from_params(params, kv)
     start_params = _work_estimate(d, params)
     ttft = d.obs[:, 0:3]

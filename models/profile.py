@@ -31,10 +31,12 @@ Every function here is pure; the equation helpers work on floats and on numpy ar
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
+
+import numpy as np
 
 from models.hardware import GPU_SPECS, llm_spec
 from models.names import (
@@ -127,12 +129,14 @@ class PerfParams:
     queue_decode_share: float = 1.0  # how much decode work, next to prefill, new prompts queue behind
     itl_stall_weight: float = 0.0  # share of a prefill chunk's time a stalled token gap carries (p99 gap)
     closed_loop_sync: float = 0.0  # 0..1: how much closed-loop clients move in waves (prefills together)
+    queue_tail: float = 0.0  # 0..1: share of the queue wait with an M/M/1 tail (0: exponential, old profiles)
 
     def as_tuple(self) -> tuple[float, ...]:
         return (self.s0_ms, self.s1_ms, self.s2_ms, self.p0_ms, self.p1_ms, self.p2_ms, self.q,
                 self.ttft_p50_factor, self.ttft_p99_factor, self.itl_p50_factor, self.itl_p99_factor,
                 self.chunk_per_token, self.ttft_fixed_ms, self.prefill_latency_factor,
-                self.queue_decode_share, self.itl_stall_weight, self.closed_loop_sync)
+                self.queue_decode_share, self.itl_stall_weight, self.closed_loop_sync,
+                self.queue_tail)
 
     @staticmethod
     def from_tuple(values: tuple[float, ...] | list[float]) -> PerfParams:
@@ -143,10 +147,11 @@ PARAM_NAMES: tuple[str, ...] = (
     "s0_ms", "s1_ms", "s2_ms", "p0_ms", "p1_ms", "p2_ms", "q",
     "ttft_p50_factor", "ttft_p99_factor", "itl_p50_factor", "itl_p99_factor", "chunk_per_token",
     "ttft_fixed_ms", "prefill_latency_factor", "queue_decode_share", "itl_stall_weight",
-    "closed_loop_sync",
+    "closed_loop_sync", "queue_tail",
 )
 _OPTIONAL_PARAMS = {"chunk_per_token": 1.0 / 8192.0, "ttft_fixed_ms": 2.0, "prefill_latency_factor": 1.0,
-                    "queue_decode_share": 1.0, "itl_stall_weight": 0.0, "closed_loop_sync": 0.0}
+                    "queue_decode_share": 1.0, "itl_stall_weight": 0.0, "closed_loop_sync": 0.0,
+                    "queue_tail": 0.0}
 
 
 @dataclass(frozen=True)
@@ -201,12 +206,28 @@ def latency_terms(p: PerfParams, isl: Any, osl: Any, x: Any) -> tuple[Any, Any, 
     prefill, work = work_terms(p, isl, osl)
     rho = x * work
     itl = p.s0_ms / (1.0 - rho)
-    wq = p.q * prefill * x * queued_work(p, prefill, work) / (1.0 - rho)
+    tau = p.q * prefill * queued_work(p, prefill, work) / work / (1.0 - rho)  # wait of those who wait
+    wq = rho * tau  # mean wait
     steps = (0.5 + p.chunk_per_token * isl) * itl  # wait for the running step, then one per chunk
     fixed = p.ttft_fixed_ms + steps
     own = p.prefill_latency_factor * prefill
-    return (itl, fixed + own + wq, fixed + p.ttft_p50_factor * own + _LN2 * wq,
-            fixed + p.ttft_p99_factor * own + _LN100 * wq, x * (osl - 1.0) * itl)
+    q50, q99 = queue_quantiles(p, rho, tau)
+    return (itl, fixed + own + wq, fixed + p.ttft_p50_factor * own + q50,
+            fixed + p.ttft_p99_factor * own + q99, x * (osl - 1.0) * itl)
+
+
+def queue_quantiles(p: PerfParams, rho: Any, tau: Any) -> tuple[Any, Any]:
+    """p50 and p99 of the queue wait whose mean is rho*tau.
+
+    Exponential (old profiles, queue_tail 0): ln(2) and ln(100) times the mean. M/M/1 (queue_tail
+    1): a share rho of the requests waits, exponentially with mean tau, so P(wait > t) =
+    rho*exp(-t/tau) and the q-quantile is tau*ln(rho/(1-q)) once rho > 1-q, else 0: at light load
+    the p99 is a rare long wait, the median none. Both rise with rho; queue_tail blends them."""
+    a = p.queue_tail
+    wq = rho * tau
+    mm1_50 = tau * np.log(np.maximum(2.0 * rho, 1.0))
+    mm1_99 = tau * np.log(np.maximum(100.0 * rho, 1.0))
+    return (1.0 - a) * _LN2 * wq + a * mm1_50, (1.0 - a) * _LN100 * wq + a * mm1_99
 
 
 # P(at least k prefill chunks in one step) reaches 1% for a Poisson count with these means (k = 1..4)
@@ -400,16 +421,22 @@ def _itl_stall_limit(p: PerfParams, isl: float, osl: float, work: float, x_hi: f
 
     if ok(x_hi):
         return x_hi
+    return min(_bisect_x(ok, work), x_hi)
+
+
+def _bisect_x(ok: Callable[[float], bool], work: float) -> float:
+    """The largest x in [0, 1/W) with ok(x), for ok true below a threshold: a fixed number of
+    halvings on the same grid whatever the target, so the answer never rises as a target tightens."""
     if not ok(0.0):
         return 0.0
-    lo, hi = 0.0, 1.0 / work  # the same grid whatever the target
+    lo, hi = 0.0, 1.0 / work
     for _ in range(60):
         mid = 0.5 * (lo + hi)
         if ok(mid):
             lo = mid
         else:
             hi = mid
-    return min(lo, x_hi)
+    return lo
 
 
 def capacity(profile: PerfProfile, workload: Workload, *, ttft_p99_ms: float, itl_p99_ms: float) -> Capacity:
@@ -435,6 +462,8 @@ def capacity(profile: PerfProfile, workload: Workload, *, ttft_p99_ms: float, it
     num = ttft_p99_ms - fixed - steps
     queue = _LN100 * p.q * prefill * queued_work(p, prefill, work) / work
     rho_ttft = max(num / (num + steps + queue), 0.0) if num > 0 else 0.0
+    if p.queue_tail > 0.0:  # no closed form: bisection on the TTFT p99, which rises with x
+        rho_ttft = work * _bisect_x(lambda x: float(latency_terms(p, isl, osl, x)[3]) <= ttft_p99_ms, work)
     x_itl = rho_itl / work
     if p.itl_stall_weight > 0.0 and x_itl > 0.0:
         x_itl = _itl_stall_limit(p, isl, osl, work, x_itl, itl_p99_ms)

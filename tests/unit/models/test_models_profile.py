@@ -315,3 +315,39 @@ def test_wave_latency_never_falls_as_concurrency_rises(shape: tuple[float, float
     for f in ("mean_ms", "p50_ms", "p99_ms"):
         assert getattr(y.ttft, f) >= getattr(x.ttft, f) * (1 - 1e-9)
         assert getattr(y.itl, f) >= getattr(x.itl, f) * (1 - 1e-9)
+
+
+# --- M/M/1 queue tail -----------------------------------------------------------------------------------
+
+def _tail(a: float) -> PerfProfile:
+    from dataclasses import replace
+
+    p = _prior()
+    return replace(p, params=replace(p.params, queue_tail=a, q=3.0))
+
+
+def test_mm1_tail_makes_the_p99_a_rare_long_wait() -> None:
+    w = Workload(2000, 200)
+    sat = saturation_rps(_prior(), w)
+    expo, mm1 = predict(_tail(0.0), w, rate_rps=0.3 * sat), predict(_tail(1.0), w, rate_rps=0.3 * sat)
+    assert mm1.ttft.mean_ms == pytest.approx(expo.ttft.mean_ms)  # the same mean wait
+    assert mm1.ttft.p99_ms > expo.ttft.p99_ms and mm1.ttft.p50_ms < expo.ttft.p50_ms
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=shape, a=load, b=load, tail=st.floats(0.0, 1.0),
+       ttft=st.tuples(st.floats(10, 1e5), st.floats(10, 1e5)))
+def test_tail_latency_rises_with_rate_and_capacity_falls_as_the_slo_tightens(
+        shape: tuple[float, float], a: float, b: float, tail: float, ttft: tuple[float, float]) -> None:
+    p = _tail(tail)
+    w = Workload(*shape)
+    sat = saturation_rps(p, w)
+    lo, hi = sorted((a, b))
+    x, y = predict(p, w, rate_rps=lo * sat), predict(p, w, rate_rps=hi * sat)
+    for f in ("mean_ms", "p50_ms", "p99_ms"):
+        assert getattr(y.ttft, f) >= getattr(x.ttft, f)
+    loose = capacity(p, w, ttft_p99_ms=max(ttft), itl_p99_ms=1e4)
+    tight = capacity(p, w, ttft_p99_ms=min(ttft), itl_p99_ms=1e4)
+    assert tight.max_rps <= loose.max_rps
+    if tight.max_rps > 0:
+        assert predict(p, w, rate_rps=tight.max_rps * 0.999).ttft.p99_ms <= min(ttft) * 1.001
