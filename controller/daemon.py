@@ -164,9 +164,13 @@ def sd_notify(message: str) -> bool:
         addr = "\0" + addr[1:]
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.setblocking(False)  # never block the event loop on a receiver that does not read
             s.connect(addr)
-            s.sendall(message.encode())
+            s.send(message.encode())
         return True
+    except BlockingIOError:
+        log.warning("sd_notify(%s): notify socket full, message dropped", message.split("\n")[0])
+        return False
     except OSError as exc:
         log.warning("sd_notify(%s) failed: %s", message.split("\n")[0], exc)
         return False
@@ -341,6 +345,7 @@ class Controller:
         self._builds_noted: set[tuple[str, str]] = set()
         self._pending_publish: set[str] = set()
         self._connected_wall = time.time()
+        self._progress_wall = time.time()  # last finished cycle (or the start)
         self._routing_lock = asyncio.Lock()
         self._routing_task: asyncio.Task[None] | None = None
 
@@ -439,7 +444,7 @@ class Controller:
         last = self.store.get_kv("clock_last")
         if last is not None and self.time_scale != 1.0:
             self.clock.origin_wall = time.time()
-            self.clock.origin_sim = float(last["sim"]) + (time.time() - float(last["wall"]))
+            self.clock.origin_sim = float(last["sim"]) + (time.time() - float(last["wall"])) * self.time_scale
         else:
             self.clock.origin_wall = float(origin["wall"])
             self.clock.origin_sim = float(origin["sim"])
@@ -464,8 +469,14 @@ class Controller:
             self._tasks.append(asyncio.create_task(self._watchdog(int(wd) / 1e6), name="watchdog"))
 
     async def _watchdog(self, period_s: float) -> None:
+        """WATCHDOG=1 only while cycles keep finishing: a wedged cycle (or loop) gets us restarted."""
+        policy_cycle = self.settings.cycle_s or self.policy.policy.scaling.cycle_s
+        stall_s = max(3 * policy_cycle / self.time_scale, period_s)
         while True:
-            sd_notify("WATCHDOG=1")
+            if time.time() - self._progress_wall < stall_s:
+                sd_notify("WATCHDOG=1")
+            else:
+                log.error("no cycle finished for %.0f s: not pinging the systemd watchdog", stall_s)
             await asyncio.sleep(period_s / 2)
 
     async def stop(self) -> None:
@@ -1147,6 +1158,7 @@ class Controller:
             self.store.finish_cycle(cid, status, summary)
             self.metrics.cycles.labels(status).inc()
             self.metrics.last_cycle_timestamp.set(time.time())
+            self._progress_wall = time.time()
             self.cycle_count += 1
             sd_notify("WATCHDOG=1")
         if status == "ok":

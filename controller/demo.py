@@ -94,6 +94,8 @@ def demo_policy(
     headroom: float = 0.2,
     trtllm_cached: bool = True,
     build_s: float = 600.0,
+    gpu: str = "h100",
+    price_usd_h: float = 3.0,
 ) -> dict[str, Any]:
     """A policy document (dict) for the lab: H100 hosts, vLLM and TRT-LLM (cached engines)."""
     engine_doc: dict[str, Any] = {}
@@ -105,20 +107,20 @@ def demo_policy(
         if e == "trtllm":
             doc["build"] = {"default_s": build_s}
             if trtllm_cached:
-                doc["cached_builds"] = [{"model": m, "gpu": "h100", "tp": tp, "precision": "bf16"}
+                doc["cached_builds"] = [{"model": m, "gpu": gpu, "tp": tp, "precision": "bf16"}
                                         for m in models for tp in (1, 2, 4, 8)]
         engine_doc[e] = doc
     return {
         "version": 1,
-        "gpu_types": {"h100": {"price_usd_h": 3.0}},
-        "hosts": [{"name": n, "gpu": "h100", "gpu_count": c} for n, c in hosts],
+        "gpu_types": {gpu: {"price_usd_h": price_usd_h}},
+        "hosts": [{"name": n, "gpu": gpu, "gpu_count": c} for n, c in hosts],
         "models": [
             {
                 "name": m,
                 "slo": {"ttft_p99_ms": ttft_p99_ms, "itl_p99_ms": itl_p99_ms},
                 "min_replicas": min_replicas,
                 "max_replicas": max_replicas,
-                "allowed": {"engines": list(engines), "tp": [1], "gpus": ["h100"]},
+                "allowed": {"engines": list(engines), "tp": [1], "gpus": [gpu]},
                 "precision": "bf16",
                 "headroom": headroom,
                 "workload": {"isl": isl, "osl": osl},
@@ -147,12 +149,13 @@ class Rig:
     lab: Any = None
     agents: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     launch_templates: dict[str, Any] | None = None  # default: simulated vllm/trtllm engines
+    gpu: str = "h100"
 
     def start(self) -> Rig:
         from sim.lab import Lab
 
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.lab = Lab(self.dir / "lab", hosts=self.hosts, gpus_per_host=self.gpus_per_host)
+        self.lab = Lab(self.dir / "lab", hosts=self.hosts, gpus_per_host=self.gpus_per_host, gpu=self.gpu)
         self.lab.start()
         for h in self.lab.hosts:
             self.write_agent_config(h)
@@ -333,7 +336,7 @@ def day_requests(
 
 def bench_and_fit(engine_opts: EngineOptions, out_dir: Path, models: Sequence[str], engines: Sequence[str], *,
                   isl: int, osl: int, tp: int = 1, concurrency: Sequence[int] = (1, 4, 16, 32, 64),
-                  num_prompts: int = 32, log: Any = print) -> Path:
+                  num_prompts: int = 32, gpu: str = "h100", log: Any = print) -> Path:
     """Start one simulated engine per (model, engine), sweep it with `fleetplan bench-engine`, and fit
     PROFILES.json with `fleetplan models fit`."""
     from sim.lab import free_port
@@ -347,7 +350,7 @@ def bench_and_fit(engine_opts: EngineOptions, out_dir: Path, models: Sequence[st
         for m in models:
             for e in engines:
                 port = free_port()
-                argv = [a.format(model=m, gpu="h100", tp=str(tp), precision="bf16", port=port,
+                argv = [a.format(model=m, gpu=gpu, tp=str(tp), precision="bf16", port=port,
                                  replica_id=f"bench-{e}", gpu_indices=",".join(str(i) for i in range(tp)))
                         for a in engine_opts.argv(e)]
                 argv[argv.index("--startup-s") + 1] = "0"
@@ -371,9 +374,9 @@ def bench_and_fit(engine_opts: EngineOptions, out_dir: Path, models: Sequence[st
             cmd = [sys.executable, "-m", "controller.cli", "bench-engine", "--target", f"http://127.0.0.1:{port}",
                    "--isl", str(isl), "--osl", str(osl), "--concurrency", conc, "--num-prompts", str(num_prompts),
                    "--time-scale", f"{k:g}", "--model", m, "--out", str(bench_dir / f"{m}-{e}"),
-                   "--label", f"{e}-h100-tp{tp}"]
+                   "--label", f"{e}-{gpu}-tp{tp}"]
             subprocess.run(cmd, check=True, cwd=str(REPO), capture_output=True, timeout=600)
-            log(f"  benchmarked {m} on a simulated {e} engine, H100 TP{tp}, ISL {isl} / OSL {osl}, "
+            log(f"  benchmarked {m} on a simulated {e} engine, {gpu.upper()} TP{tp}, ISL {isl} / OSL {osl}, "
                 f"concurrency {conc}: {time.monotonic() - t0:.0f} s")
     finally:
         for p in procs:
@@ -441,8 +444,10 @@ async def _demo(args: argparse.Namespace, work: Path) -> int:
     model = DEMO_MODEL_70B
     isl, osl = 1024, 256
     slo_ttft_ms, slo_itl_ms = 500.0, 100.0
+    # max_num_seqs 6: a replica saturates near 1.3 simulated rps, so a day that needs several replicas
+    # stays within what 2 CPU cores can simulate at 20x
     rig = Rig(work, hosts=args.hosts, gpus_per_host=args.gpus_per_host,
-              engine=EngineOptions(time_scale=k, startup_s=40.0))
+              engine=EngineOptions(time_scale=k, startup_s=40.0, max_num_seqs=6))
     print(f"== fleetplan demo in {work} (simulated time runs {k:g}x wall time)", flush=True)
     t_start = time.monotonic()
     ctrl = None
@@ -454,7 +459,7 @@ async def _demo(args: argparse.Namespace, work: Path) -> int:
               "   fleetplan bench-engine ... && fleetplan models fit ...)", flush=True)
         profiles = await asyncio.to_thread(
             bench_and_fit, rig.engine, work, (model,), engines, isl=isl, osl=osl, tp=4,
-            concurrency=(1, 4, 16, 32), num_prompts=24,
+            concurrency=(1, 4, 8, 16), num_prompts=24,
             log=lambda m: print(m, flush=True),
         )
         policy_path = work / "policy.yaml"

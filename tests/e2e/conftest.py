@@ -7,7 +7,7 @@ engine startup 2 s.
 
 The profiles (tests/e2e/data/profiles-sim.json) were fitted with `fleetplan models fit` from
 `fleetplan bench-engine` runs against the simulated engines (llama-3.1-70b, vLLM and TRT-LLM
-personas, H100 TP4, ISL 1024 / OSL 256, time scale 20); regenerate them with
+personas, H100 TP4, max_num_seqs 8, ISL 1024 / OSL 256, time scale 20); regenerate them with
 `python -m tests.e2e.make_profiles` when sim/groundtruth.py changes.
 """
 
@@ -36,6 +36,7 @@ PROFILES = Path(__file__).resolve().parent / "data" / "profiles-sim.json"
 MODEL = "llama-3.1-70b"
 K = 20.0
 ISL, OSL = 1024, 256
+MAX_NUM_SEQS = 8  # small batches: a replica saturates near 1.5 simulated rps, so scaling needs little CPU
 SLO_TTFT_MS = 800.0
 SLO_ITL_MS = 100.0
 
@@ -91,7 +92,7 @@ class ControllerProc:
         tmp.write_text(text)
         os.replace(tmp, self.policy_path)
 
-    def start(self) -> ControllerProc:
+    def start(self, env: dict[str, str] | None = None) -> ControllerProc:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "controller.cli", "-v", "controller", "--policy", str(self.policy_path),
@@ -99,7 +100,7 @@ class ControllerProc:
              "--state-db", str(self.state_db), "--report-listen",
              f"127.0.0.1:{self.port}", "--time-scale", f"{self.time_scale:g}", "--config", str(self.config)],
             stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO), start_new_session=True,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
         )
         log.close()
         deadline = time.monotonic() + 30
@@ -139,7 +140,7 @@ class ControllerProc:
             return None
 
     def report(self) -> dict[str, Any]:
-        r = httpx.get(self.url + "/api/report", timeout=10)
+        r = httpx.get(self.url + "/api/report", timeout=30)
         r.raise_for_status()
         data: dict[str, Any] = r.json()
         return data
@@ -183,7 +184,7 @@ def rig(tmp_path: Path) -> Iterator[Rig]:
     if not PROFILES.exists():
         pytest.skip(f"{PROFILES} missing (python -m tests.e2e.make_profiles)")
     r = Rig(tmp_path / "rig", hosts=2, gpus_per_host=8,
-            engine=EngineOptions(time_scale=K, startup_s=40.0, build_s=200.0))
+            engine=EngineOptions(time_scale=K, startup_s=40.0, build_s=200.0, max_num_seqs=MAX_NUM_SEQS))
     r.start()
     try:
         yield r

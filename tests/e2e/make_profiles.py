@@ -10,13 +10,13 @@ import tempfile
 from pathlib import Path
 
 from controller.demo import EngineOptions, bench_and_fit
-from tests.e2e.conftest import ISL, MODEL, OSL, PROFILES, K
+from tests.e2e.conftest import ISL, MAX_NUM_SEQS, MODEL, OSL, PROFILES, K
 
 
 def main() -> None:
     with tempfile.TemporaryDirectory(prefix="fleetplan-e2e-profiles-") as d:
-        out = bench_and_fit(EngineOptions(time_scale=K), Path(d), (MODEL,), ("vllm", "trtllm"), isl=ISL, osl=OSL,
-                            tp=4)
+        out = bench_and_fit(EngineOptions(time_scale=K, max_num_seqs=MAX_NUM_SEQS), Path(d), (MODEL,),
+                            ("vllm", "trtllm"), isl=ISL, osl=OSL, tp=4, concurrency=(1, 4, 8, 16), num_prompts=24)
         PROFILES.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(out, PROFILES)
     print(f"wrote {PROFILES}")

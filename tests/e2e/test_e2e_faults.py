@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
+import socket
+import threading
+import time
 from collections import Counter
 
 import yaml
@@ -83,8 +87,23 @@ async def test_prometheus_stopped_fail_static_with_alert(rig, controller_factory
     await wait_until(lambda: len(ctrl.report()["fleet"]) == 1, 60, "scale-down once observed again")
 
 
-async def test_invalid_policy_on_sighup_is_rejected_old_kept(rig, controller_factory) -> None:  # type: ignore[no-untyped-def]
-    ctrl = controller_factory(policy_doc(min_replicas=2)).start()
+async def test_invalid_policy_on_sighup_is_rejected_old_kept(rig, controller_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # also plays systemd: READY=1, WATCHDOG=1 while cycles run, STOPPING=1 on SIGTERM
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify.sock"))
+    notify.settimeout(0.5)
+    msgs: list[str] = []
+    done = threading.Event()
+
+    def read_notify() -> None:  # like systemd: always read
+        while not done.is_set():
+            with contextlib.suppress(TimeoutError):
+                msgs.append(notify.recv(200).decode())
+
+    reader = threading.Thread(target=read_notify, daemon=True)
+    reader.start()
+    ctrl = controller_factory(policy_doc(min_replicas=2)).start(
+        env={"NOTIFY_SOCKET": str(tmp_path / "notify.sock"), "WATCHDOG_USEC": "2000000"})
     await wait_until(lambda: len(ready_replicas(ctrl.report())) == 2, 40, "2 replicas ready")
     bad = policy_doc(min_replicas=1)
     bad["models"][0]["slo"]["ttft_p99_ms"] = -5
@@ -105,6 +124,12 @@ async def test_invalid_policy_on_sighup_is_rejected_old_kept(rig, controller_fac
     ctrl.signal(signal.SIGHUP)
     await wait_until(lambda: ctrl.report()["policy"]["error"] is None, 10, "the error cleared")
     assert ctrl.stop() == 0  # SIGTERM: clean exit
+    await asyncio.sleep(0.6)
+    done.set()
+    reader.join(5)
+    notify.close()
+    assert msgs and msgs[0].startswith("READY=1"), msgs[:3]
+    assert "WATCHDOG=1" in msgs and msgs[-1] == "STOPPING=1", msgs[-3:]
 
 
 async def test_lost_database_adopts_running_engines(rig, controller_factory) -> None:  # type: ignore[no-untyped-def]
@@ -127,3 +152,44 @@ async def test_lost_database_adopts_running_engines(rig, controller_factory) -> 
     assert {rid: pid for pid, rid in rig.engine_processes()} == before
     await wait_until(lambda: all(d["acked_version"] == d["version"] and d["ack_accepted"]
                                  for d in ctrl.report()["desired"].values()), 10, "desired states acked")
+
+
+def test_report_explain_metrics_cli_on_a_running_controller(rig, controller_factory) -> None:  # type: ignore[no-untyped-def]
+    """`fleetplan report`, `fleetplan explain MODEL` and /metrics against a live controller."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    from tests.e2e.conftest import MODEL, REPO
+
+    ctrl = controller_factory(policy_doc(min_replicas=1)).start()
+    deadline = time.monotonic() + 40
+    while time.monotonic() < deadline and len(ready_replicas(ctrl.report())) < 1:
+        time.sleep(0.5)
+    assert len(ready_replicas(ctrl.report())) == 1
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "controller.cli", *args], capture_output=True, text=True,
+                              cwd=str(REPO), timeout=60)
+
+    out = cli("report", "--url", ctrl.url)
+    assert out.returncode == 0, out.stderr
+    assert "plan: 1 replicas, 4 GPUs" in out.stdout and MODEL in out.stdout and "agent=ready" in out.stdout
+    out = cli("explain", MODEL, "--url", ctrl.url)
+    assert out.returncode == 0, out.stderr
+    assert f"{MODEL}: 1 replicas" in out.stdout and "capacity now" in out.stdout and "SLO TTFT p99" in out.stdout
+    out = cli("explain", "no-such-model", "--url", ctrl.url)
+    assert out.returncode == 1 and "not in the current plan" in out.stderr
+    deadline = time.monotonic() + 30  # Prometheus file_sd discovery takes a few seconds
+    while time.monotonic() < deadline:
+        obs = ((ctrl.report().get("plan") or {}).get("observation") or {}).get(MODEL) or {}
+        if not obs.get("stale", True):
+            break
+        time.sleep(0.5)
+    out = cli("observe", "--prometheus", rig.lab.prometheus_url, "--window", "10")
+    assert out.returncode == 0 and MODEL in out.stdout, out.stdout + out.stderr
+    metrics = httpx.get(ctrl.url + "/metrics", timeout=5).text
+    assert f'fleetplan_planned_replicas{{model="{MODEL}"}} 1.0' in metrics
+    assert f'fleetplan_running_replicas{{model="{MODEL}"}} 1.0' in metrics
+    assert "fleetplan_solve_seconds_count" in metrics and 'fleetplan_actions_total{kind="start"' in metrics

@@ -108,6 +108,10 @@ def test_sd_notify_sends_datagrams(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         monkeypatch.setenv("NOTIFY_SOCKET", str(path))
         assert sd_notify("READY=1")
         assert srv.recv(100) == b"READY=1"
+        # a receiver that never reads must not block the sender (the controller's event loop)
+        t0 = time.monotonic()
+        results = [sd_notify("WATCHDOG=1") for _ in range(2000)]
+        assert time.monotonic() - t0 < 5 and not all(results)
     monkeypatch.delenv("NOTIFY_SOCKET")
     assert not sd_notify("READY=1")
 
