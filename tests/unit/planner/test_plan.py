@@ -291,3 +291,24 @@ def test_scale_down_delay_with_history_holds_the_recent_demand_and_steps_down() 
     # without a history covering the delay the replica counts are held (4)
     r0 = plan_with_capacities(observe({"m8": 8.0, "m70": 0.0}), fleet, p, CAPS, PlannerState.initial(), NOW)
     assert len(r0.plan.replicas) == 4
+
+
+def test_make_before_break_drains_only_what_ready_capacity_can_spare() -> None:
+    p = policy(tps={"m8": [1], "m70": [4]}, cached=[("m8", "h100", 1)], scaling={"scale_down_delay_s": 0})
+    current = tuple(_running("m8", VLLM, 1, "h00", i) for i in range(3))  # 3 x 10 rps READY
+    obs = observe({"m8": 12.0, "m70": 0.0})
+    r = plan_with_capacities(obs, Fleet(hosts(1), current), p, CAPS, PlannerState.initial(), NOW)
+    assert _counts(r.plan) == {("m8", "trtllm", 1): 1}  # one TRT-LLM replica (14 rps, 1 GPU) replaces them
+    # required 12 rps (headroom 0): one vLLM replica can go now (20 rps stay READY), the other two
+    # serve until the TRT-LLM replica is READY
+    assert [a.kind for a in r.actions] == [ActionKind.START, ActionKind.DRAIN, ActionKind.STOP]
+    drained = r.actions[1].replica
+    kept = tuple(x for x in current if x != drained)
+    assert len(kept) == 2 and not any(a.replica in kept for a in r.actions)
+    assert any("make-before-break: kept serving until their replacements are READY: m8 x2" in n
+               for n in r.explanation.notes)
+    # the replacement READY: the other two are drained now
+    new = replace(r.actions[0].replica, state=ReplicaState.READY, since_s=NOW + 60)
+    r2 = plan_with_capacities(obs, Fleet(hosts(1), (*kept, new)), p, CAPS, r.next_state, NOW + 120)
+    assert sorted((a.kind.value, a.replica.replica_id) for a in r2.actions) == sorted(
+        [("drain", x.replica_id) for x in kept] + [("stop", x.replica_id) for x in kept])
