@@ -50,6 +50,7 @@ _SYNC_START = 0.3
 _SYNC_OFF = 1e-6
 _SYNC_GAIN = 0.5
 _QUEUE_TAIL_PRIOR = 0.5
+_GAP_P99_FACTOR_PRIOR = 1.2
 _STALL_PRIOR = 1.0
 _OFFSET_PARAMS = (8, 10)  # ttft_p99_factor, itl_p99_factor: fitted as log(f - 1), f > 1
 _FRACTION_PARAMS = (7, 9, 16, 17)  # ttft/itl_p50_factor (median <= mean), closed_loop_sync, queue_tail: logit
@@ -377,6 +378,8 @@ def _prior_for(key: ProfileKey, points: Sequence[BenchmarkPoint], d: _Data) -> _
         note = "prior: data-driven guess (architecture unknown)"
     params = replace(params, itl_stall_weight=_STALL_PRIOR, closed_loop_sync=_SYNC_PRIOR,
                      queue_tail=_QUEUE_TAIL_PRIOR)
+    if d.has_gap_p99():  # the stalls explain the long gaps: the rest is step-time noise
+        params = replace(params, itl_p99_factor=_GAP_P99_FACTOR_PRIOR)
     phi = _phi_from_params(params, kv)
     start_params = _work_estimate(d, params)
     ttft = d.obs[:, 0:3]
