@@ -351,3 +351,18 @@ def test_tail_latency_rises_with_rate_and_capacity_falls_as_the_slo_tightens(
     assert tight.max_rps <= loose.max_rps
     if tight.max_rps > 0:
         assert predict(p, w, rate_rps=tight.max_rps * 0.999).ttft.p99_ms <= min(ttft) * 1.001
+
+
+def test_profiles_written_before_the_new_parameters_load_and_predict_as_before() -> None:
+    from models.profile import profile_to_dict
+
+    p = _prior()
+    d = profile_to_dict(p)
+    for name in ("itl_stall_weight", "closed_loop_sync", "queue_tail", "chunk_per_token", "ttft_fixed_ms",
+                 "prefill_latency_factor", "queue_decode_share"):
+        del d["params"][name]
+    old = ProfileSet.from_json_dict({"profiles": [d]}).profiles[0]
+    assert (old.params.itl_stall_weight, old.params.closed_loop_sync, old.params.queue_tail) == (0.0, 0.0, 0.0)
+    w = Workload(1000, 200)
+    assert predict(old, w, rate_rps=3.0) == predict(p, w, rate_rps=3.0)
+    assert capacity(old, w, ttft_p99_ms=500, itl_p99_ms=40) == capacity(p, w, ttft_p99_ms=500, itl_p99_ms=40)
