@@ -442,12 +442,12 @@ async def _demo(args: argparse.Namespace, work: Path) -> int:
     k = float(args.speed)
     engines = ("vllm", "trtllm")
     model = DEMO_MODEL_70B
-    isl, osl = 1024, 256
-    slo_ttft_ms, slo_itl_ms = 500.0, 100.0
-    # max_num_seqs 6: a replica saturates near 1.3 simulated rps, so a day that needs several replicas
-    # stays within what 2 CPU cores can simulate at 20x
+    isl, osl = 1024, 1024
+    slo_ttft_ms, slo_itl_ms = 1000.0, 30.0
+    # long outputs and a tight ITL SLO: a replica serves well under 1 simulated rps, so a day that needs
+    # several replicas stays within what 2 CPU cores can simulate at 20x (SSE chunks every 300 ms wall)
     rig = Rig(work, hosts=args.hosts, gpus_per_host=args.gpus_per_host,
-              engine=EngineOptions(time_scale=k, startup_s=40.0, max_num_seqs=6))
+              engine=EngineOptions(time_scale=k, startup_s=40.0, min_chunk_interval_ms=300.0))
     print(f"== fleetplan demo in {work} (simulated time runs {k:g}x wall time)", flush=True)
     t_start = time.monotonic()
     ctrl = None
@@ -459,7 +459,7 @@ async def _demo(args: argparse.Namespace, work: Path) -> int:
               "   fleetplan bench-engine ... && fleetplan models fit ...)", flush=True)
         profiles = await asyncio.to_thread(
             bench_and_fit, rig.engine, work, (model,), engines, isl=isl, osl=osl, tp=4,
-            concurrency=(1, 4, 8, 16), num_prompts=24,
+            concurrency=(1, 4, 16, 32), num_prompts=16,
             log=lambda m: print(m, flush=True),
         )
         policy_path = work / "policy.yaml"
@@ -488,8 +488,8 @@ async def _demo(args: argparse.Namespace, work: Path) -> int:
             reqs: list[Any] = [(r.t_s, r.prompt_tokens, r.output_tokens, model) for r in tr.requests]
             what = f"{args.trace} shaped into a day"
         else:
-            reqs = day_requests(sim_duration, base_rps=0.15, peak_rps=2.4, isl=isl, osl=osl, model=model)
-            what = "a generated day (night trough 0.15 rps, afternoon peak 2.4 rps)"
+            reqs = day_requests(sim_duration, base_rps=0.1, peak_rps=2.0, isl=isl, osl=osl, model=model)
+            what = "a generated day (night trough 0.1 rps, afternoon peak 2.0 rps)"
         # place the minimum before traffic starts
         await ctrl.cycle()
         for _ in range(100):
