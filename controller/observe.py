@@ -282,7 +282,9 @@ class Observer:
         return q
 
     def history_query(self) -> str:
-        return f"sum by ({self._by()}) (rate({self._sel(_REQ_SUCCESS)}[{self._window()}]))"
+        # the rate window covers the whole step, so no request between two history points is lost
+        w = f"{max(1, round(max(self.config.window_s, self.config.history_step_s)))}s"
+        return f"sum by ({self._by()}) (rate({self._sel(_REQ_SUCCESS)}[{w}]))"
 
     async def snapshot(
         self,
