@@ -41,7 +41,7 @@ from models.profile import (
 Array = NDArray[np.float64]
 
 SATURATED_FRACTION = 0.9  # achieved / offered below this: the point is past saturation
-_N_PARAMS = 18
+_N_PARAMS = 19
 _STALL = 15  # itl_stall_weight
 _SYNC = 16  # closed_loop_sync
 _KV = _N_PARAMS  # log KV-cache tokens
@@ -165,6 +165,8 @@ def _params_for(phi: Array, d: _Data) -> tuple[PerfParams, float]:
     params, kv = _params_from_phi(phi)
     if not d.has_gap_p99():
         params = replace(params, itl_stall_weight=0.0)
+    else:
+        params = replace(params, itl_p99_load=0.0)
     if params.closed_loop_sync < 1e-3 or not np.any((d.mode == 1) & np.isfinite(d.obs[:, 0:6]).any(axis=1)):
         params = replace(params, closed_loop_sync=0.0)  # off, or no closed-loop latencies to see it
     return params, kv
@@ -203,7 +205,8 @@ def _predict_array(params: PerfParams, kv_tokens: float, d: _Data) -> Array:
     out[:, 2] = ttft_p99 + queued
     out[:, 3] = itl
     out[:, 4] = itl * params.itl_p50_factor
-    out[:, 5] = np.where(d.gap > 0, itl_p99_gap(params, isl, osl, x, itl), itl * params.itl_p99_factor)
+    out[:, 5] = np.where(d.gap > 0, itl_p99_gap(replace(params, itl_p99_load=0.0), isl, osl, x, itl),
+                         itl_p99_gap(replace(params, itl_stall_weight=0.0), isl, osl, x, itl))
     out[:, 6] = x * 1000.0 * osl
     return out
 
@@ -377,7 +380,7 @@ def _prior_for(key: ProfileKey, points: Sequence[BenchmarkPoint], d: _Data) -> _
         weight = np.full(_N_PARAMS + 1, _PRIOR_WEIGHT_GUESS)
         note = "prior: data-driven guess (architecture unknown)"
     params = replace(params, itl_stall_weight=_STALL_PRIOR, closed_loop_sync=_SYNC_PRIOR,
-                     queue_tail=_QUEUE_TAIL_PRIOR)
+                     queue_tail=_QUEUE_TAIL_PRIOR, itl_p99_load=0.3)
     if d.has_gap_p99():  # the stalls explain the long gaps: the rest is step-time noise
         params = replace(params, itl_p99_factor=_GAP_P99_FACTOR_PRIOR)
     phi = _phi_from_params(params, kv)

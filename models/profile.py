@@ -130,13 +130,14 @@ class PerfParams:
     itl_stall_weight: float = 0.0  # share of a prefill chunk's time a stalled token gap carries (p99 gap)
     closed_loop_sync: float = 0.0  # 0..1: how much closed-loop clients move in waves (prefills together)
     queue_tail: float = 0.0  # 0..1: share of the queue wait with an M/M/1 tail (0: exponential, old profiles)
+    itl_p99_load: float = 0.0  # per-request (TPOT) p99: k99*ITL*(1 + this*rho), spread rising with load
 
     def as_tuple(self) -> tuple[float, ...]:
         return (self.s0_ms, self.s1_ms, self.s2_ms, self.p0_ms, self.p1_ms, self.p2_ms, self.q,
                 self.ttft_p50_factor, self.ttft_p99_factor, self.itl_p50_factor, self.itl_p99_factor,
                 self.chunk_per_token, self.ttft_fixed_ms, self.prefill_latency_factor,
                 self.queue_decode_share, self.itl_stall_weight, self.closed_loop_sync,
-                self.queue_tail)
+                self.queue_tail, self.itl_p99_load)
 
     @staticmethod
     def from_tuple(values: tuple[float, ...] | list[float]) -> PerfParams:
@@ -147,11 +148,11 @@ PARAM_NAMES: tuple[str, ...] = (
     "s0_ms", "s1_ms", "s2_ms", "p0_ms", "p1_ms", "p2_ms", "q",
     "ttft_p50_factor", "ttft_p99_factor", "itl_p50_factor", "itl_p99_factor", "chunk_per_token",
     "ttft_fixed_ms", "prefill_latency_factor", "queue_decode_share", "itl_stall_weight",
-    "closed_loop_sync", "queue_tail",
+    "closed_loop_sync", "queue_tail", "itl_p99_load",
 )
 _OPTIONAL_PARAMS = {"chunk_per_token": 1.0 / 8192.0, "ttft_fixed_ms": 2.0, "prefill_latency_factor": 1.0,
                     "queue_decode_share": 1.0, "itl_stall_weight": 0.0, "closed_loop_sync": 0.0,
-                    "queue_tail": 0.0}
+                    "queue_tail": 0.0, "itl_p99_load": 0.0}
 
 
 @dataclass(frozen=True)
@@ -243,8 +244,10 @@ def itl_p99_gap(p: PerfParams, isl: Any, osl: Any, x: Any, itl: Any) -> Any:
     chunks once 1% of the steps carry two, ...). Chunks per step are Poisson with mean
     phi = x * chunks_per_prompt * ITL; each threshold crossing is a smooth step in phi. The stall
     weight is fitted only on per-gap ITL p99 data (0 for per-request TPOT p99, whose mean over a
-    request's tokens averages the stalls away)."""
-    base = p.itl_p99_factor * itl
+    request's tokens averages the stalls away). Per-request data instead fit itl_p99_load: the
+    spread of the per-request mean rises with utilisation rho, k99*ITL*(1 + itl_p99_load*rho)."""
+    _, work = work_terms(p, isl, osl)
+    base = p.itl_p99_factor * itl * (1.0 + p.itl_p99_load * x * work)
     if p.itl_stall_weight <= 0.0:
         return base
     prefill, _ = work_terms(p, isl, osl)
@@ -465,7 +468,7 @@ def capacity(profile: PerfProfile, workload: Workload, *, ttft_p99_ms: float, it
     if p.queue_tail > 0.0:  # no closed form: bisection on the TTFT p99, which rises with x
         rho_ttft = work * _bisect_x(lambda x: float(latency_terms(p, isl, osl, x)[3]) <= ttft_p99_ms, work)
     x_itl = rho_itl / work
-    if p.itl_stall_weight > 0.0 and x_itl > 0.0:
+    if (p.itl_stall_weight > 0.0 or p.itl_p99_load > 0.0) and x_itl > 0.0:
         x_itl = _itl_stall_limit(p, isl, osl, work, x_itl, itl_p99_ms)
     candidates = [(rho_ttft / work, Binding.TTFT), (x_itl, Binding.ITL)]
     if profile.kv_tokens is not None:

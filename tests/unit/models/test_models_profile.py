@@ -358,7 +358,8 @@ def test_profiles_written_before_the_new_parameters_load_and_predict_as_before()
 
     p = _prior()
     d = profile_to_dict(p)
-    for name in ("itl_stall_weight", "closed_loop_sync", "queue_tail", "chunk_per_token", "ttft_fixed_ms",
+    for name in ("itl_stall_weight", "closed_loop_sync", "queue_tail", "itl_p99_load", "chunk_per_token",
+                 "ttft_fixed_ms",
                  "prefill_latency_factor", "queue_decode_share"):
         del d["params"][name]
     old = ProfileSet.from_json_dict({"profiles": [d]}).profiles[0]
@@ -366,3 +367,24 @@ def test_profiles_written_before_the_new_parameters_load_and_predict_as_before()
     w = Workload(1000, 200)
     assert predict(old, w, rate_rps=3.0) == predict(p, w, rate_rps=3.0)
     assert capacity(old, w, ttft_p99_ms=500, itl_p99_ms=40) == capacity(p, w, ttft_p99_ms=500, itl_p99_ms=40)
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=shape, a=load, b=load, k=st.floats(0.0, 20.0), itl=st.tuples(st.floats(2, 500), st.floats(2, 500)))
+def test_load_dependent_itl_p99_rises_with_rate_and_capacity_falls_as_the_slo_tightens(
+        shape: tuple[float, float], a: float, b: float, k: float, itl: tuple[float, float]) -> None:
+    from dataclasses import replace
+
+    p0 = _prior()
+    p = replace(p0, params=replace(p0.params, itl_p99_load=k))
+    w = Workload(*shape)
+    sat = saturation_rps(p, w)
+    lo, hi = sorted((a, b))
+    x, y = predict(p, w, rate_rps=lo * sat), predict(p, w, rate_rps=hi * sat)
+    assert y.itl.p99_ms >= x.itl.p99_ms
+    assert x.itl.p99_ms >= predict(p0, w, rate_rps=lo * sat).itl.p99_ms  # the spread only adds
+    loose = capacity(p, w, ttft_p99_ms=1e6, itl_p99_ms=max(itl))
+    tight = capacity(p, w, ttft_p99_ms=1e6, itl_p99_ms=min(itl))
+    assert tight.max_rps <= loose.max_rps
+    if tight.max_rps > 0:
+        assert predict(p, w, rate_rps=tight.max_rps * 0.999).itl.p99_ms <= min(itl) * 1.001
