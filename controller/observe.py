@@ -264,7 +264,7 @@ class Observer:
         w = self._window()
         by = self._by()
         q: dict[str, str] = {
-            "rate": f"sum by ({by}) (rate({self._sel(_REQ_SUCCESS)}[{w}]))",
+            "rate": self._arrival_rate_query(),
             "prompt": f"sum by ({by}) (rate({self._sel(_PROMPT_TOK)}[{w}]))",
             "gen": f"sum by ({by}) (rate({self._sel(_GEN_TOK)}[{w}]))",
             "waiting": f"sum by ({by}) ({self._sel(_WAITING)})",
@@ -280,6 +280,20 @@ class Observer:
         q["replica_running"] = f"sum by ({REPLICA_LABEL}) ({self._sel(_RUNNING)})"
         q["replica_waiting"] = f"sum by ({REPLICA_LABEL}) ({self._sel(_WAITING)})"
         return q
+
+    def _arrival_rate_query(self) -> str:
+        """Arrivals = completions + growth of the requests in the engine (running + waiting).
+
+        Engines export no arrival counter, and the completion rate stops rising once a fleet
+        saturates while the queue grows: e.g. 10 rps completed with a queue growing by 3 per second
+        is an arrival rate of 13 rps, the number the planner must size for. A model whose queue
+        gauges are missing falls back to the completion rate.
+        """
+        w, by = self._window(), self._by()
+        done = f"sum by ({by}) (rate({self._sel(_REQ_SUCCESS)}[{w}]))"
+        # one deriv() per gauge: deriv drops the name, and two names in one vector would clash
+        growth = " + ".join(f"sum by ({by}) (deriv({self._sel(g)}[{w}]))" for g in (_WAITING, _RUNNING))
+        return f"clamp_min({done} + {growth}, 0) or {done}"
 
     def history_query(self) -> str:
         # the rate window covers the whole step, so no request between two history points is lost

@@ -69,6 +69,16 @@ def trtllm_text(model_name: str, t: float) -> str:
     return "\n".join(lines) + "\n"
 
 
+def saturated_text(model_name: str, t: float) -> str:
+    """A saturated vLLM replica: 1 req/s completes while the queue grows by 0.5 req/s (arrivals 1.5/s)."""
+    n = 1.0 * t
+    return "\n".join([
+        f'vllm:request_success_total{{model_name="{model_name}",finished_reason="length"}} {n}',
+        f'vllm:num_requests_waiting{{model_name="{model_name}"}} {0.5 * t}',
+        f'vllm:num_requests_running{{model_name="{model_name}"}} 4',
+    ]) + "\n"
+
+
 class Exporter:
     def __init__(self, render: Callable[[float], str]) -> None:
         t0 = time.time()
@@ -103,8 +113,9 @@ def prom_lab(tmp_path: Path) -> Iterator[tuple[str, dict[str, Exporter], subproc
         "r-colon": Exporter(lambda t: vllm_text("vllm:", "Llama-3.1-8B-Instruct", t)),
         "r-under": Exporter(lambda t: vllm_text("vllm_", "llama-3.1-8b", t)),
         "r-trt": Exporter(lambda t: trtllm_text("qwen-7b", t)),
+        "r-sat": Exporter(lambda t: saturated_text("saturated-7b", t)),
     }
-    models = {"r-colon": "llama-3.1-8b", "r-under": "llama-3.1-8b", "r-trt": "qwen-7b"}
+    models = {"r-colon": "llama-3.1-8b", "r-under": "llama-3.1-8b", "r-trt": "qwen-7b", "r-sat": "saturated-7b"}
     sd = tmp_path / "targets.json"
     import json
 
@@ -169,11 +180,11 @@ async def test_observe_both_spellings_and_trtllm_then_fail_static(prom_lab) -> N
         )
 
         async def ready() -> bool:
-            s = await obs.snapshot(["llama-3.1-8b", "qwen-7b"])
-            return all(not m.stale and m.rate_rps for m in s.models.values()) and len(s.replicas) == 3 and len(s.models["llama-3.1-8b"].history) >= 6
+            s = await obs.snapshot(["llama-3.1-8b", "qwen-7b", "saturated-7b"])
+            return all(not m.stale and m.rate_rps for m in s.models.values()) and len(s.replicas) == 4 and len(s.models["llama-3.1-8b"].history) >= 6
 
         await wait_for(ready, 30)
-        snap = await obs.snapshot(["llama-3.1-8b", "qwen-7b", "absent-model"])
+        snap = await obs.snapshot(["llama-3.1-8b", "qwen-7b", "saturated-7b", "absent-model"])
         print(render_snapshot(snap))
         ll, qw = snap.models["llama-3.1-8b"], snap.models["qwen-7b"]
         # two vLLM replicas at 2 req/s wall each, time scale 2 -> 2 simulated req/s
@@ -189,6 +200,9 @@ async def test_observe_both_spellings_and_trtllm_then_fail_static(prom_lab) -> N
         assert qw.kv_usage == pytest.approx(0.5)
         assert snap.replicas["r-trt"].running == 2
         assert len(ll.history) >= 3 and ll.history[-1][0] <= snap.now_s
+        # saturated: arrivals = completions (1/s) + queue growth (0.5/s) = 1.5/s wall = 0.75 simulated;
+        # the completion rate alone (0.5) would under-size the fleet exactly when it is short
+        assert snap.models["saturated-7b"].rate_rps == pytest.approx(0.75, rel=0.12)
         absent = snap.models["absent-model"]
         assert absent.stale and absent.rate_rps is None
         assert any("absent-model" in a for a in snap.alerts)
