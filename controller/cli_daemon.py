@@ -31,15 +31,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(handler=_controller)
 
     p = sub.add_parser("report", help="what the controller did and why (from its report API)")
-    p.add_argument("--url", default=os.environ.get("FLEETPLAN_REPORT_URL", DEFAULT_REPORT))
-    p.add_argument("--token", default=os.environ.get("FLEETPLAN_REPORT_TOKEN"))
+    p.add_argument("--url", default=None,
+                   help=f"report API (default $FLEETPLAN_REPORT_URL, else {DEFAULT_REPORT})")
+    p.add_argument("--token", default=None, help="bearer token (default $FLEETPLAN_REPORT_TOKEN)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=_report)
 
     p = sub.add_parser("explain", help="why MODEL has the replicas it has")
     p.add_argument("model")
-    p.add_argument("--url", default=os.environ.get("FLEETPLAN_REPORT_URL", DEFAULT_REPORT))
-    p.add_argument("--token", default=os.environ.get("FLEETPLAN_REPORT_TOKEN"))
+    p.add_argument("--url", default=None,
+                   help=f"report API (default $FLEETPLAN_REPORT_URL, else {DEFAULT_REPORT})")
+    p.add_argument("--token", default=None, help="bearer token (default $FLEETPLAN_REPORT_TOKEN)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=_explain)
 
@@ -84,11 +86,18 @@ def _controller(args: argparse.Namespace) -> int:
     return int(run_from_args(args))
 
 
+def _report_api(args: argparse.Namespace) -> tuple[str, str, str | None]:
+    """(url, path, token) of the report API: flags first, then the environment, then the default."""
+    url = args.url or os.environ.get("FLEETPLAN_REPORT_URL") or DEFAULT_REPORT
+    token = args.token or os.environ.get("FLEETPLAN_REPORT_TOKEN")
+    return url, "/api/report", token
+
+
 def _report(args: argparse.Namespace) -> int:
     from controller.report import fetch, render_report
 
     try:
-        data = fetch(args.url, "/api/report", args.token)
+        data = fetch(*_report_api(args))
     except RuntimeError as exc:
         print(f"fleetplan report: {exc}", file=sys.stderr)
         return 1
@@ -100,7 +109,7 @@ def _explain(args: argparse.Namespace) -> int:
     from controller.report import fetch, render_explain
 
     try:
-        data = fetch(args.url, "/api/report", args.token)
+        data = fetch(*_report_api(args))
     except RuntimeError as exc:
         print(f"fleetplan explain: {exc}", file=sys.stderr)
         return 1
