@@ -31,5 +31,14 @@ if [ ! -x .venv/bin/python ]; then
 fi
 spec="."
 [ -n "$extras" ] && spec=".[$extras]"
-echo "== installing fleetplan ($spec) into .venv"
-.venv/bin/python -m pip install -q --disable-pip-version-check -e "$spec"
+# Reinstall only when pyproject.toml changed since the last install with these extras.
+stamp=".venv/.fleetplan-installed${extras:+-$extras}"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  echo "== installing fleetplan ($spec) into .venv"
+  log=$(mktemp)
+  if ! .venv/bin/python -m pip install -q --disable-pip-version-check -e "$spec" >"$log" 2>&1; then
+    cat "$log" >&2; rm -f "$log"; echo "setup: pip install -e '$spec' failed" >&2; exit 1
+  fi
+  rm -f "$log"
+  touch "$stamp"
+fi
