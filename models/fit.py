@@ -167,6 +167,8 @@ def _params_for(phi: Array, d: _Data) -> tuple[PerfParams, float]:
         params = replace(params, itl_stall_weight=0.0)
     else:
         params = replace(params, itl_p99_load=0.0)
+    if not np.any((d.mode == 0) & np.isfinite(d.obs[:, 0:3]).any(axis=1)):
+        params = replace(params, queue_tail=0.0)  # no open-loop TTFT: nothing to see the tail
     if params.closed_loop_sync < 1e-3 or not np.any((d.mode == 1) & np.isfinite(d.obs[:, 0:6]).any(axis=1)):
         params = replace(params, closed_loop_sync=0.0)  # off, or no closed-loop latencies to see it
     return params, kv
@@ -193,6 +195,10 @@ def _predict_array(params: PerfParams, kv_tokens: float, d: _Data) -> Array:
     x = np.where(d.mode == 0, d.load, np.where(d.mode == 1, x_closed, x_cap))
     x = np.minimum(x, x_cap)
     itl, ttft_mean, ttft_p50, ttft_p99, _ = latency_terms(params, isl, osl, x)
+    if params.queue_tail > 0.0 and np.any(d.mode == 1):  # the M/M/1 tail is an open-loop shape
+        _, _, c50, c99, _ = latency_terms(replace(params, queue_tail=0.0), isl, osl, x)
+        ttft_p50 = np.where(d.mode == 1, c50, ttft_p50)
+        ttft_p99 = np.where(d.mode == 1, c99, ttft_p99)
     # closed loop near a full KV cache: the clients the batch cannot hold queue for a slot
     queued = np.where(d.mode == 1, np.maximum(wait, 0.0), 0.0)
     if params.closed_loop_sync > 0.0:  # closed loop in waves: prefill moves from the ITL to the TTFT

@@ -398,7 +398,9 @@ def predict(profile: PerfProfile, workload: Workload, *, rate_rps: float | None 
         x, extra_wait = float(x_raw), max(float(wait_raw), 0.0)
         if x >= 0.9 * x_max:
             warnings.append("concurrency near or beyond the KV-cache batch limit: requests queue")
-    itl, ttft_mean, ttft_p50, ttft_p99, batch = latency_terms(p, isl, osl, x)
+    # the M/M/1 queue tail is an open-loop shape: a closed loop's queue is bounded by its clients
+    lp = p if rate_rps is not None or p.queue_tail <= 0.0 else replace(p, queue_tail=0.0)
+    itl, ttft_mean, ttft_p50, ttft_p99, batch = latency_terms(lp, isl, osl, x)
     in_system = concurrency if concurrency is not None else x * (ttft_mean + (osl - 1.0) * itl)
     if concurrency is not None and p.closed_loop_sync > 0.0:
         itl, moved = closed_loop_shift(p, isl, osl, x, itl)
