@@ -41,7 +41,7 @@ import signal
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,6 +222,17 @@ def _counter(name: str, doc: str, labels: Sequence[str], values: Sequence[str], 
     return m
 
 
+def _success_counter(
+    name: str, labels: Sequence[str], values: Sequence[str], success: Mapping[str, float]
+) -> CounterMetricFamily:
+    """Finished requests by `finished_reason`, every reason present from the start (at 0)."""
+    m = CounterMetricFamily(name, "Count of successfully processed requests.",
+                            labels=[*labels, "finished_reason"])
+    for reason, v in success.items():
+        m.add_metric([*values, reason], v)
+    return m
+
+
 class _VllmCollector:
     def __init__(self, engine: SimEngine) -> None:
         self.e = engine
@@ -241,11 +252,7 @@ class _VllmCollector:
         yield _counter("vllm:prompt_tokens", "Number of prefill tokens processed.", ln, lv, s.prompt_tokens)
         yield _counter("vllm:generation_tokens", "Number of generation tokens processed.", ln, lv,
                        s.generation_tokens)
-        succ = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
-                                   labels=[*ln, "finished_reason"])
-        for reason, v in s.success.items():
-            succ.add_metric([*lv, reason], v)
-        yield succ
+        yield _success_counter("vllm:request_success", ln, lv, s.success)
         yield _hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.", ln, lv, s.prompt_req)
         yield _hist("vllm:request_generation_tokens", "Number of generation tokens processed.", ln, lv, s.gen_req)
         yield _hist("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", ln, lv,
@@ -279,11 +286,7 @@ class _TrtllmCollector:
         e, s = self.e, self.e.stats
         ln, lv = ["model_name", "engine_type"], [e.cfg.model, "trtllm"]
         core = e.core
-        succ = CounterMetricFamily("trtllm_request_success", "Count of successfully processed requests.",
-                                   labels=[*ln, "finished_reason"])
-        for reason, v in s.success.items():
-            succ.add_metric([*lv, reason], v)
-        yield succ
+        yield _success_counter("trtllm_request_success", ln, lv, s.success)
         yield _hist("trtllm_e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
                     ln, lv, s.e2e)
         yield _hist("trtllm_time_to_first_token_seconds", "Histogram of time to first token in seconds.", ln, lv,
