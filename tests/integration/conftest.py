@@ -16,11 +16,19 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import pytest
 
 from sim.lab import Lab, MosquittoServer, NginxServer, PrometheusServer, group_pids
+
+
+class _Startable(Protocol):
+    def start(self) -> Any: ...
+    def stop(self) -> Any: ...
+
+
+ServerT = TypeVar("ServerT", bound=_Startable)
 
 _HERE = Path(__file__).resolve().parent
 
@@ -67,31 +75,25 @@ def _server_dir() -> Iterator[Path]:
         yield Path(d)
 
 
-@pytest.fixture(scope="module")
-def mosquitto(_server_dir: Path) -> Iterator[MosquittoServer]:
-    server = MosquittoServer(_server_dir / "mosquitto", host_names=("host-a", "host-b"))
+def _running(server: ServerT) -> Iterator[ServerT]:
+    """Start a lab server for a fixture's lifetime; stopped however the tests end."""
     server.start()
     try:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def mosquitto(_server_dir: Path) -> Iterator[MosquittoServer]:
+    yield from _running(MosquittoServer(_server_dir / "mosquitto", host_names=("host-a", "host-b")))
 
 
 @pytest.fixture(scope="module")
 def prometheus(_server_dir: Path) -> Iterator[PrometheusServer]:
-    server = PrometheusServer(_server_dir / "prometheus")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from _running(PrometheusServer(_server_dir / "prometheus"))
 
 
 @pytest.fixture(scope="module")
 def nginx(_server_dir: Path) -> Iterator[NginxServer]:
-    server = NginxServer(_server_dir / "nginx")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from _running(NginxServer(_server_dir / "nginx"))
