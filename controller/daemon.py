@@ -496,20 +496,16 @@ class Controller:
 
     # ---- planner state persistence ---------------------------------------------------------
     def _load_planner_state(self) -> Any:
-        from models.names import parse_engine, parse_gpu, parse_precision
-        from planner.types import ConfigKey, PlannerState
+        from planner.policy import PolicyError
+        from planner.serde import state_from_dict
+        from planner.types import PlannerState
 
         d = self.store.get_kv("planner_state")
         if not d:
             return PlannerState.initial()
         try:
-            surplus = tuple(
-                (ConfigKey(s["model"], parse_engine(s["engine"]), parse_gpu(s["gpu"]), int(s["tp"]),
-                           parse_precision(s["precision"])), float(s["since_s"]))
-                for s in d.get("surplus_since_s", [])
-            )
-            return PlannerState(surplus, int(d.get("cycle", 0)))
-        except (KeyError, ValueError, TypeError) as exc:
+            return state_from_dict(d, "state store: planner_state")
+        except PolicyError as exc:
             log.warning("stored planner state unreadable (%s); starting fresh", exc)
             return PlannerState.initial()
 

@@ -172,6 +172,9 @@ class DataRange:
     rate_rps: tuple[float, float] | None  # open-loop points
     concurrency: tuple[float, float] | None  # closed-loop points
     latency_points: int | None = None  # points below saturation with TTFT or ITL (None: not recorded)
+    # the benchmark's requests had varied lengths (a real dataset, not fixed ISL/OSL): its latencies
+    # already include the spread of that mix, so capacity is computed at the mean, not per class
+    length_spread: bool = False
 
 
 @dataclass(frozen=True)
@@ -562,7 +565,8 @@ def profile_to_dict(p: PerfProfile) -> dict[str, Any]:
     if p.data_range is not None:
         r = p.data_range
         d["data_range"] = {"isl": list(r.isl), "osl": list(r.osl), "rate_rps": _opt_pair(r.rate_rps),
-                           "concurrency": _opt_pair(r.concurrency), "latency_points": r.latency_points}
+                           "concurrency": _opt_pair(r.concurrency), "latency_points": r.latency_points,
+                           "length_spread": r.length_spread}
     return d
 
 
@@ -645,7 +649,8 @@ def profile_from_dict(d: Mapping[str, Any], where: str = "profile") -> PerfProfi
         lat = _num(rd.get("latency_points"), f"{w}.latency_points", optional=True)
         data_range = DataRange(isl=isl, osl=osl, rate_rps=_pair(rd.get("rate_rps"), f"{w}.rate_rps"),
                                concurrency=_pair(rd.get("concurrency"), f"{w}.concurrency"),
-                               latency_points=None if lat is None else int(lat))
+                               latency_points=None if lat is None else int(lat),
+                               length_spread=rd.get("length_spread") is True)
     kv = _num(d.get("kv_tokens"), f"{where}.kv_tokens", optional=True)
     notes = d.get("notes") or []
     return PerfProfile(key=key, params=params, kv_tokens=kv, source=str(d.get("source", "fit")),

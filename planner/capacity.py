@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from models import profile as mp
+from models.mix import LengthMix, capacity_mix, predict_mix, scaled
 from models.names import Engine, GpuType
 from planner.policy import ModelPolicy, Policy
 from planner.types import ConfigKey
@@ -22,6 +23,9 @@ class CapacityInfo:
     binding: str  # ttft | itl | memory | "" (unknown)
     warnings: tuple[str, ...] = ()
     prior_only: bool = False  # from the roofline prior, no benchmark data
+    profile_rps: float | None = None  # what the profile alone says (before the correction)
+    correction: str = ""  # the correction in force, readable ("" none)
+    extrapolating: tuple[str, ...] = ()  # why the profile is used outside its data
 
 
 # predicted (ttft_p99_ms, itl_p99_ms) of one replica of `config` at `rate_rps`; None: unknown
@@ -30,8 +34,23 @@ Predictor = Callable[[ConfigKey, float], tuple[float | None, float | None]]
 
 @dataclass(frozen=True)
 class MixedWorkload:
+    """A model's request lengths: the means, and the distribution when it is known."""
+
     isl: float
     osl: float
+    mix: LengthMix | None = None
+
+    def length_mix(self) -> LengthMix:
+        return self.mix if self.mix is not None else LengthMix.single(self.isl, self.osl)
+
+
+@dataclass(frozen=True)
+class Speeds:
+    """The engine speed applied to a config's profile, per latency (1.0: the profile as fitted)."""
+
+    ttft: float = 1.0
+    itl: float = 1.0
+    note: str = ""
 
 
 def candidate_configs(policy: Policy, gpus: Iterable[GpuType]) -> list[ConfigKey]:
@@ -61,36 +80,109 @@ def _profile_for(profiles: mp.ProfileSet, m: ModelPolicy, engine: Engine, gpu: G
     return None
 
 
-def capacity_table(
-    policy: Policy,
-    profiles: mp.ProfileSet,
-    workloads: Mapping[str, MixedWorkload],
-    gpus: Iterable[GpuType],
-    use_prior: bool = True,
-) -> tuple[dict[ConfigKey, CapacityInfo], Predictor]:
-    """Capacity of every candidate config from the profiles, and a predictor for the explanation."""
-    table: dict[ConfigKey, CapacityInfo] = {}
-    chosen: dict[ConfigKey, mp.PerfProfile] = {}
+def resolve_profiles(policy: Policy, profiles: mp.ProfileSet, gpus: Iterable[GpuType],
+                     use_prior: bool = True) -> dict[ConfigKey, mp.PerfProfile]:
+    """The profile of every candidate config: fitted (by name or alias), else the roofline prior."""
+    out: dict[ConfigKey, mp.PerfProfile] = {}
     for key in candidate_configs(policy, gpus):
         m = policy.model(key.model)
         assert m is not None
         prof = _profile_for(profiles, m, key.engine, key.gpu, key.tp)
-        prior = False
         if prof is None and use_prior:
             prof = mp.roofline_profile(mp.ProfileKey(key.model, key.engine, key.gpu, key.tp, key.precision))
-            prior = prof is not None
-        if prof is None:
-            continue
+        if prof is not None:
+            out[key] = prof
+    return out
+
+
+EXTRAPOLATION_FACTOR = 1.25  # beyond the data's range by more than this: extrapolating
+
+
+def extrapolation(profile: mp.PerfProfile, mix: LengthMix) -> tuple[str, ...]:
+    """Why the profile answers outside what its benchmark data covered (empty: inside).
+
+    >>> from models.profile import DataRange, PerfParams, PerfProfile, ProfileKey
+    >>> from models.names import Engine, GpuType, Precision
+    >>> k = ProfileKey("m", Engine.VLLM, GpuType("h100"), 1, Precision.BF16)
+    >>> prof = PerfProfile(k, PerfParams(10, 0.1, 0, 1, 0.1, 0, 1), data_range=DataRange((128, 2048), (128, 512), None, None, 5))
+    >>> extrapolation(prof, LengthMix.single(1000, 200))
+    ()
+    >>> extrapolation(prof, LengthMix(((1000, 200, 0.98), (9000, 200, 0.02))))
+    ('prompts up to 9000 tokens (p99), the data up to 2048',)
+    """
+    why: list[str] = []
+    if profile.source == "roofline":
+        why.append("roofline prior only (no benchmark data)")
+    r = profile.data_range
+    if r is None:
+        return tuple(why)
+    if r.latency_points == 0:
+        why.append("no latency measurements in the data (throughput only)")
+    mean = mix.mean()
+    if r.length_spread:
+        if mean.isl > r.isl[1] * EXTRAPOLATION_FACTOR:
+            why.append(f"mean prompt {mean.isl:.0f} tokens, the data up to {r.isl[1]:.0f}")
+    else:
+        p99 = mix.isl_quantile(0.99)
+        if p99 > r.isl[1] * EXTRAPOLATION_FACTOR:
+            why.append(f"prompts up to {p99:.0f} tokens (p99), the data up to {r.isl[1]:.0f}")
+    if mean.osl > r.osl[1] * EXTRAPOLATION_FACTOR:
+        why.append(f"mean output {mean.osl:.0f} tokens, the data up to {r.osl[1]:.0f}")
+    return tuple(why)
+
+
+def mix_for(profile: mp.PerfProfile, workload: MixedWorkload) -> LengthMix:
+    """The mix a profile is evaluated on: per class for profiles fitted on fixed-length benchmarks;
+    at the mean for profiles whose data already carried a length spread (counted once, not twice)."""
+    if profile.data_range is not None and profile.data_range.length_spread:
+        return LengthMix.single(workload.isl, workload.osl)
+    return workload.length_mix()
+
+
+def config_capacity(profile: mp.PerfProfile, workload: MixedWorkload, m: ModelPolicy,
+                    speeds: Speeds = Speeds()) -> tuple[float, str]:
+    """(max rps, binding) of one replica at the model's SLO for the workload, at the given speeds."""
+    mix = mix_for(profile, workload)
+    if len(mix.classes) == 1 and speeds.ttft == 1.0 and speeds.itl == 1.0:
+        isl, osl, _ = mix.classes[0]
+        cap = mp.capacity(profile, mp.Workload(isl=isl, osl=osl), ttft_p99_ms=m.slo.ttft_p99_ms,
+                          itl_p99_ms=m.slo.itl_p99_ms)
+        return float(cap.max_rps), cap.binding.value
+    c = capacity_mix(profile, mix, ttft_p99_ms=m.slo.ttft_p99_ms, itl_p99_ms=m.slo.itl_p99_ms,
+                     ttft_speed=speeds.ttft, itl_speed=speeds.itl)
+    return c.max_rps, c.binding
+
+
+def capacity_table(
+    policy: Policy,
+    profiles: mp.ProfileSet | Mapping[ConfigKey, mp.PerfProfile],
+    workloads: Mapping[str, MixedWorkload],
+    gpus: Iterable[GpuType],
+    use_prior: bool = True,
+    speeds: Mapping[ConfigKey, Speeds] | None = None,
+) -> tuple[dict[ConfigKey, CapacityInfo], Predictor]:
+    """Capacity of every candidate config for its model's length mix and SLO, at the speeds the
+    online correction applies (planner/correction.py; none: the profiles as fitted), and a predictor
+    for the explanation. `profiles`: a ProfileSet, or the per-config profiles already resolved."""
+    chosen = (resolve_profiles(policy, profiles, gpus, use_prior) if isinstance(profiles, mp.ProfileSet)
+              else dict(profiles))
+    table: dict[ConfigKey, CapacityInfo] = {}
+    for key, prof in sorted(chosen.items()):
+        m = policy.model(key.model)
+        assert m is not None
         w = workloads.get(key.model) or MixedWorkload(m.workload.isl, m.workload.osl)
+        sp = (speeds or {}).get(key, Speeds())
         try:
-            cap = mp.capacity(prof, mp.Workload(isl=w.isl, osl=w.osl),
-                              ttft_p99_ms=m.slo.ttft_p99_ms, itl_p99_ms=m.slo.itl_p99_ms)
+            base_rps, base_binding = config_capacity(prof, w, m)
+            rps, binding = (base_rps, base_binding) if sp == Speeds() else config_capacity(prof, w, m, sp)
+            warnings = mp.capacity(prof, mp.Workload(isl=w.isl, osl=w.osl), ttft_p99_ms=m.slo.ttft_p99_ms,
+                                   itl_p99_ms=m.slo.itl_p99_ms).warnings
         except (ValueError, ArithmeticError):
             continue  # a profile that cannot answer for this mix: not a candidate
-        if not (math.isfinite(cap.max_rps) and cap.max_rps > 0):
+        if not (math.isfinite(rps) and rps > 0):
             continue
-        table[key] = CapacityInfo(float(cap.max_rps), cap.binding.value, tuple(cap.warnings), prior)
-        chosen[key] = prof
+        table[key] = CapacityInfo(rps, binding, tuple(warnings), prof.source == "roofline", base_rps, sp.note,
+                                  extrapolation(prof, mix_for(prof, w)))
 
     def predictor(config: ConfigKey, rate_rps: float) -> tuple[float | None, float | None]:
         prof = chosen.get(config)
@@ -98,10 +190,13 @@ def capacity_table(
         if prof is None or m is None:
             return None, None
         w = workloads.get(config.model) or MixedWorkload(m.workload.isl, m.workload.osl)
+        sp = (speeds or {}).get(config, Speeds())
         try:
-            pred = mp.predict(prof, mp.Workload(isl=w.isl, osl=w.osl), rate_rps=max(rate_rps, 1e-6))
+            mix = mix_for(prof, w)
+            t = predict_mix(scaled(prof, sp.ttft), mix, max(rate_rps, 1e-6))
+            i = predict_mix(scaled(prof, sp.itl), mix, max(rate_rps, 1e-6))
         except (ValueError, ArithmeticError):
             return None, None
-        return float(pred.ttft.p99_ms), float(pred.itl.p99_ms)
+        return float(t.ttft_p99_ms), float(i.itl_p99_ms)
 
     return table, predictor

@@ -23,13 +23,25 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from models.mix import mix_from_quantiles
 from models.names import GpuType
 from models.profile import ProfileSet
-from planner.capacity import CapacityInfo, MixedWorkload, Predictor, capacity_table
+from planner.capacity import (
+    CapacityInfo,
+    MixedWorkload,
+    Predictor,
+    candidate_configs,
+    capacity_table,
+    extrapolation,
+    mix_for,
+    resolve_profiles,
+)
+from planner.correction import applied_speeds, corrections_tuple, forget, update_corrections
 from planner.counts import UNMET_TOL_RPS, Candidate, CountProblem, CountSolution, ModelDemand, solve_counts
 from planner.forecast import forecast_rate, recent_level_max
 from planner.placement import LIVE_STATES, Placement, place, safe_id, slots_by_gpu
 from planner.policy import Effective, Policy, effective
+from planner.serde import state_to_dict
 from planner.types import (
     Action,
     ActionKind,
@@ -91,7 +103,8 @@ def _canonical_observations(observation: Observation, policy: Policy) -> dict[st
 
 
 def workloads_from(observation: Observation, policy: Policy) -> dict[str, MixedWorkload]:
-    """Per model ISL/OSL mix: the observed one when known, else the policy's default."""
+    """Per model the request-length mix: the observed distribution (quantiles of the engines'
+    prompt/output length histograms), else the observed means, else the policy's `workload`."""
     obs = _canonical_observations(observation, policy)
     out: dict[str, MixedWorkload] = {}
     for m in policy.models:
@@ -100,7 +113,15 @@ def workloads_from(observation: Observation, policy: Policy) -> dict[str, MixedW
             else m.workload.isl
         osl = o.osl if o is not None and o.osl is not None and math.isfinite(o.osl) and o.osl > 0 \
             else m.workload.osl
-        out[m.name] = MixedWorkload(isl, osl)
+        isl_q = o.isl_quantiles if o is not None and o.isl_quantiles else m.workload.isl_quantile_pairs()
+        osl_q = o.osl_quantiles if o is not None and o.osl_quantiles else m.workload.osl_quantile_pairs()
+        mix = None  # the policy's quantiles give the shape; the observed mean, when known, the scale
+        if isl_q or osl_q:
+            try:
+                mix = mix_from_quantiles(isl_q, osl_q, isl_mean=isl, osl_mean=osl)
+            except ValueError:
+                mix = None
+        out[m.name] = MixedWorkload(isl, osl, mix)
     return out
 
 
@@ -112,10 +133,23 @@ def plan(
     state: PlannerState,
     now_s: float,
 ) -> PlanResult:
-    """The plan for now, the target once builds are ready, the actions, the explanation. Pure."""
+    """The plan for now, the target once builds are ready, the actions, the explanation. Pure.
+
+    Capacity is the profiles' for the observed length mix, corrected by the fleet's own latency
+    (planner/correction.py): the corrections are updated from this observation first, carried in
+    the next state, and shown per config in the explanation."""
     hosts = _inventory(fleet, policy)
     gpus = {h.gpu for h in hosts if h.online}
-    table, predictor = capacity_table(policy, profiles, workloads_from(observation, policy), gpus)
+    workloads = workloads_from(observation, policy)
+    chosen = resolve_profiles(policy, profiles, gpus)
+    extrap = {c: extrapolation(p, mix_for(p, workloads[c.model])) for c, p in chosen.items()}
+    allowed = set(candidate_configs(policy, {h.gpu for h in hosts}))
+    corrections = update_corrections(forget(state.correction_map(), allowed),
+                                     _canonical_observations(observation, policy), chosen, workloads, extrap,
+                                     now_s)
+    speeds = applied_speeds(corrections, chosen, extrap)
+    table, predictor = capacity_table(policy, chosen, workloads, gpus, speeds=speeds)
+    state = replace(state, corrections=corrections_tuple(corrections))
     return plan_with_capacities(observation, fleet, policy, table, state, now_s, predictor=predictor)
 
 
@@ -367,8 +401,8 @@ def plan_with_capacities(
         notes.append(f"{len(deferred)} actions deferred to later cycles (max {limit} per cycle)")
 
     explanation = _explain(policy, demands, now_sol, target_sol, now_place, target_place, capacities,
-                           predictor, reports, now_plan, target_plan, notes)
-    next_state = PlannerState(tuple(sorted(surplus_next.items())), state.cycle + 1)
+                           predictor, reports, now_plan, target_plan, notes, observation)
+    next_state = PlannerState(tuple(sorted(surplus_next.items())), state.cycle + 1, state.corrections)
     return PlanResult(now_plan, target_plan, next_state, explanation, tuple(act), tuple(deferred))
 
 
@@ -553,8 +587,11 @@ def _explain(
     now_plan: Plan,
     target_plan: Plan,
     notes: list[str],
+    observation: Observation,
 ) -> Explanation:
     models: list[ModelExplanation] = []
+    obs = _canonical_observations(observation, policy)
+    workloads = workloads_from(observation, policy)
     binding: list[str] = list(now_sol.binding)
     all_counts = _counts_of(now_place)
     all_tcounts = _counts_of(target_place)
@@ -578,7 +615,20 @@ def _explain(
                 itl = itl if itl is not None and math.isfinite(itl) else None
             price = (policy.price_usd_h(c.gpu) or 0.0) * c.tp * n
             usd += price
-            configs.append(ConfigExplanation(c, n, per, info.binding if info else "", load, ttft, itl, price))
+            o = obs.get(m.name)
+            ev = next((x for x in o.configs if x.config == c), None) if o is not None else None
+            base = info.profile_rps if info is not None else None
+            configs.append(ConfigExplanation(
+                c, n, per, info.binding if info else "", load, ttft, itl, price,
+                profile_capacity_rps=base,
+                capacity_factor=per / base if base else 1.0,
+                correction=info.correction if info else "",
+                extrapolating=info.extrapolating if info else (),
+                observed_ttft_p99_ms=ev.ttft_p99_ms if ev is not None else None,
+                observed_itl_p99_ms=ev.itl_p99_ms if ev is not None else None,
+                observed_rps_per_replica=(ev.rate_rps / ev.ready_replicas if ev is not None and ev.rate_rps
+                                          is not None and ev.ready_replicas > 0 else None)))
+
         mnotes = list(d.notes)
         unmet = max(0.0, d.required_rps - cap)
         if unmet > UNMET_TOL_RPS:
@@ -597,7 +647,7 @@ def _explain(
         models.append(ModelExplanation(
             m.name, d.observed_rps, d.forecast_rps, d.demand_rps, m.headroom, d.required_rps, cap, tcap,
             unmet if unmet > UNMET_TOL_RPS else 0.0, m.slo.ttft_p99_ms, m.slo.itl_p99_ms, usd, tuple(configs),
-            tuple(mnotes)))
+            tuple(mnotes), workloads[m.name].length_mix().describe()))
     solve_s = sum(r.wall_s for r in reports)
     main = now_sol.report
     return Explanation(tuple(models), tuple(dict.fromkeys(binding)), tuple(reports), main.objective, main.gap,
@@ -658,8 +708,15 @@ def plan_to_dict(result: PlanResult) -> dict[str, Any]:
                              "capacity_per_replica_rps": c.capacity_per_replica_rps, "binding": c.binding,
                              "load_per_replica_rps": c.load_per_replica_rps,
                              "predicted_ttft_p99_ms": c.predicted_ttft_p99_ms,
-                             "predicted_itl_p99_ms": c.predicted_itl_p99_ms, "usd_h": c.usd_h}
+                             "predicted_itl_p99_ms": c.predicted_itl_p99_ms, "usd_h": c.usd_h,
+                             "profile_capacity_rps": c.profile_capacity_rps,
+                             "capacity_factor": c.capacity_factor, "correction": c.correction,
+                             "extrapolating": list(c.extrapolating),
+                             "observed_ttft_p99_ms": c.observed_ttft_p99_ms,
+                             "observed_itl_p99_ms": c.observed_itl_p99_ms,
+                             "observed_rps_per_replica": c.observed_rps_per_replica}
                             for c in m.configs],
+                "length_mix": m.length_mix,
             } for m in e.models],
             "binding_constraints": list(e.binding_constraints),
             "solver": [_report_dict(r) for r in e.solver],
@@ -670,8 +727,5 @@ def plan_to_dict(result: PlanResult) -> dict[str, Any]:
             "target_usd_h": e.target_usd_h,
             "notes": list(e.notes),
         },
-        "next_state": {
-            "cycle": result.next_state.cycle,
-            "surplus_since_s": [{**_config_dict(c), "since_s": t} for c, t in result.next_state.surplus_since_s],
-        },
+        "next_state": state_to_dict(result.next_state),
     }

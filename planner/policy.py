@@ -10,6 +10,7 @@ from the `now_s` the caller passes in (the planner never reads the clock).
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -109,6 +110,32 @@ class AllowedConfigs(_Strict):
 class WorkloadMix(_Strict):
     isl: float = Field(gt=0)  # mean prompt tokens
     osl: float = Field(gt=0)  # mean output tokens
+    # the distribution, as quantiles {q: tokens} (e.g. {0.5: 2400, 0.9: 27000, 0.99: 85000}): p99
+    # TTFT is set by the long prompts, so capacity is computed for the mix, not for the mean
+    isl_quantiles: dict[float, float] | None = None
+    osl_quantiles: dict[float, float] | None = None
+
+    @field_validator("isl_quantiles", "osl_quantiles")
+    @classmethod
+    def _quantiles(cls, v: dict[float, float] | None) -> dict[float, float] | None:
+        if v is None:
+            return v
+        last = 0.0
+        for q in sorted(v):
+            if not 0.0 < q < 1.0:
+                raise ValueError(f"quantile level {q!r} must be between 0 and 1 (exclusive)")
+            if not (math.isfinite(v[q]) and v[q] > 0):
+                raise ValueError(f"quantile {q!r}: tokens {v[q]!r} must be a positive number")
+            if v[q] < last:
+                raise ValueError(f"quantile {q!r}: tokens {v[q]!r} below a lower quantile's {last!r}")
+            last = v[q]
+        return v
+
+    def isl_quantile_pairs(self) -> tuple[tuple[float, float], ...]:
+        return tuple(sorted((self.isl_quantiles or {}).items()))
+
+    def osl_quantile_pairs(self) -> tuple[tuple[float, float], ...]:
+        return tuple(sorted((self.osl_quantiles or {}).items()))
 
 
 class ModelPolicy(_Strict):

@@ -17,6 +17,7 @@ from models.names import Engine, GpuType, Precision, parse_engine, parse_gpu, pa
 from planner.policy import PolicyError, format_loc, short_repr
 from planner.types import (
     ConfigKey,
+    Correction,
     EngineBuild,
     Fleet,
     HostInventory,
@@ -57,6 +58,8 @@ class ModelDemandDoc(_Strict):
     itl_p99_ms: float | None = Field(default=None, ge=0)
     history: tuple[tuple[float, float], ...] = ()
     stale: bool = False
+    isl_quantiles: dict[float, float] | None = None  # {q: tokens}: the prompt-length distribution
+    osl_quantiles: dict[float, float] | None = None
 
 
 class DemandDoc(_Strict):
@@ -108,9 +111,27 @@ class SurplusDoc(_Strict):
     since_s: float
 
 
+class CorrectionDoc(_Strict):
+    model: str
+    engine: EngineName
+    gpu: GpuName
+    tp: int
+    precision: PrecisionName
+    ttft_log: float = Field(ge=-5, le=5)
+    ttft_var: float = Field(ge=0, le=100)
+    itl_log: float = Field(ge=-5, le=5)
+    itl_var: float = Field(ge=0, le=100)
+    observations: int = Field(ge=0)
+    since_s: float | None = None
+    updated_s: float | None = None
+    observed_ttft_speed: float | None = None
+    observed_itl_speed: float | None = None
+
+
 class StateDoc(_Strict):
     cycle: int = 0
     surplus_since_s: tuple[SurplusDoc, ...] = ()
+    corrections: tuple[CorrectionDoc, ...] = ()
 
 
 class FleetDoc(_Strict):
@@ -139,7 +160,9 @@ def observation_from_dict(data: Any, source: str = "demand") -> tuple[Observatio
     """A DEMAND document -> (Observation, time_s or None). Raises PolicyError naming key + value."""
     doc: DemandDoc = _validate(DemandDoc, data, source)
     models = {
-        name: ModelObservation(name, m.rate_rps, m.isl, m.osl, m.ttft_p99_ms, m.itl_p99_ms, m.history, m.stale)
+        name: ModelObservation(name, m.rate_rps, m.isl, m.osl, m.ttft_p99_ms, m.itl_p99_ms, m.history, m.stale,
+                               tuple(sorted((m.isl_quantiles or {}).items())),
+                               tuple(sorted((m.osl_quantiles or {}).items())))
         for name, m in sorted(doc.models.items())
     }
     return Observation(models, doc.alerts), doc.time_s
@@ -156,31 +179,44 @@ def fleet_from_dict(data: Any, source: str = "fleet") -> tuple[Fleet, PlannerSta
     )
     builds = tuple(EngineBuild(b.model, b.engine, b.gpu, b.tp, b.precision, b.host, b.ready, b.eta_s,
                                b.gpu_indices) for b in doc.builds)
-    state = PlannerState.initial()
-    if doc.planner_state is not None:
-        state = PlannerState(
-            tuple(sorted((ConfigKey(s.model, s.engine, s.gpu, s.tp, s.precision), s.since_s)
-                         for s in doc.planner_state.surplus_since_s)),
-            doc.planner_state.cycle,
-        )
+    state = _state(doc.planner_state) if doc.planner_state is not None else PlannerState.initial()
     return Fleet(hosts, replicas, builds), state
 
 
+def _key_dict(c: ConfigKey) -> dict[str, Any]:
+    return {"model": c.model, "engine": c.engine.value, "gpu": c.gpu.value, "tp": c.tp,
+            "precision": c.precision.value}
+
+
 def state_to_dict(state: PlannerState) -> dict[str, Any]:
+    """The planner state as stored with every plan (the daemon reloads it after a restart)."""
     return {
         "cycle": state.cycle,
-        "surplus_since_s": [{"model": c.model, "engine": c.engine.value, "gpu": c.gpu.value, "tp": c.tp,
-                             "precision": c.precision.value, "since_s": t} for c, t in state.surplus_since_s],
+        "surplus_since_s": [{**_key_dict(c), "since_s": t} for c, t in state.surplus_since_s],
+        "corrections": [{**_key_dict(k.config), "ttft_log": k.ttft_log, "ttft_var": k.ttft_var,
+                         "itl_log": k.itl_log, "itl_var": k.itl_var, "observations": k.observations,
+                         "since_s": k.since_s, "updated_s": k.updated_s,
+                         "observed_ttft_speed": k.observed_ttft_speed, "observed_itl_speed": k.observed_itl_speed}
+                        for k in state.corrections],
     }
 
 
-def state_from_dict(data: Any, source: str = "state") -> PlannerState:
-    doc: StateDoc = _validate(StateDoc, data, source)
+def _state(doc: StateDoc) -> PlannerState:
+    def key(s: SurplusDoc | CorrectionDoc) -> ConfigKey:
+        return ConfigKey(s.model, s.engine, s.gpu, s.tp, s.precision)
+
     return PlannerState(
-        tuple(sorted((ConfigKey(s.model, s.engine, s.gpu, s.tp, s.precision), s.since_s)
-                     for s in doc.surplus_since_s)),
+        tuple(sorted((key(s), s.since_s) for s in doc.surplus_since_s)),
         doc.cycle,
+        tuple(sorted((Correction(key(k), k.ttft_log, k.ttft_var, k.itl_log, k.itl_var, k.observations, k.since_s,
+                                 k.updated_s, k.observed_ttft_speed, k.observed_itl_speed)
+                      for k in doc.corrections), key=lambda c: c.config)),
     )
+
+
+def state_from_dict(data: Any, source: str = "state") -> PlannerState:
+    """A stored planner state; raises PolicyError naming the key and value."""
+    return _state(_validate(StateDoc, data, source))
 
 
 def fleet_to_dict(fleet: Fleet, state: PlannerState | None = None) -> dict[str, Any]:

@@ -96,6 +96,19 @@ class Fleet:
 
 
 @dataclass(frozen=True)
+class ConfigObservation:
+    """What one serving configuration of a model did over the observation window: the evidence the
+    online correction compares with the profile (planner/correction.py)."""
+
+    config: ConfigKey
+    ready_replicas: int  # READY replicas of this config that served in the window
+    rate_rps: float | None  # requests per second over those replicas together
+    ttft_p99_ms: float | None
+    itl_p99_ms: float | None  # per-request mean inter-token time, p99 over requests
+    requests: float = 0.0  # completions behind the quantiles (how much evidence the window holds)
+
+
+@dataclass(frozen=True)
 class ModelObservation:
     model: str
     rate_rps: float | None = None
@@ -105,6 +118,12 @@ class ModelObservation:
     itl_p99_ms: float | None = None
     history: tuple[tuple[float, float], ...] = ()  # (t_s, rps) samples, oldest first; may be empty
     stale: bool = False
+    # the length distribution: ((q, tokens), ...) from the engines' prompt/generation-length
+    # histograms; empty: only the means are known
+    isl_quantiles: tuple[tuple[float, float], ...] = ()
+    osl_quantiles: tuple[tuple[float, float], ...] = ()
+    configs: tuple[ConfigObservation, ...] = ()  # per serving config, where the engines export it
+    peak_rps: float | None = None  # the highest short-window (one scrape interval) rate in the window
 
 
 def _empty_models() -> Mapping[str, ModelObservation]:
@@ -118,6 +137,27 @@ class Observation:
 
 
 @dataclass(frozen=True)
+class Correction:
+    """The engine speed of one config relative to its profile, learned from observed latency.
+
+    Per latency (TTFT, ITL): the estimate of ln(speed) and its variance (a Kalman filter in log
+    space; planner/correction.py). speed < 1: the engine is slower than the profile says, every
+    duration is 1/speed longer, and the capacity at the SLO is lower.
+    """
+
+    config: ConfigKey
+    ttft_log: float = 0.0
+    ttft_var: float = 0.0
+    itl_log: float = 0.0
+    itl_var: float = 0.0
+    observations: int = 0  # windows that updated it
+    since_s: float | None = None  # since when it has moved the capacity by more than 5% (epoch s)
+    updated_s: float | None = None  # the last window that updated it (epoch s)
+    observed_ttft_speed: float | None = None  # what the last window alone said
+    observed_itl_speed: float | None = None
+
+
+@dataclass(frozen=True)
 class PlannerState:
     """What the planner carries from one cycle to the next (a value: plan() returns the next one).
 
@@ -127,6 +167,7 @@ class PlannerState:
 
     surplus_since_s: tuple[tuple[ConfigKey, float], ...] = ()
     cycle: int = 0
+    corrections: tuple[Correction, ...] = ()  # per config, from observed latency (planner/correction.py)
 
     @staticmethod
     def initial() -> PlannerState:
@@ -134,6 +175,9 @@ class PlannerState:
 
     def surplus_map(self) -> dict[ConfigKey, float]:
         return dict(self.surplus_since_s)
+
+    def correction_map(self) -> dict[ConfigKey, Correction]:
+        return {c.config: c for c in self.corrections}
 
 
 @dataclass(frozen=True)
@@ -169,6 +213,14 @@ class ConfigExplanation:
     predicted_ttft_p99_ms: float | None  # at the planned load; None: no profile prediction
     predicted_itl_p99_ms: float | None
     usd_h: float
+    # the evidence behind capacity_per_replica_rps (planner/correction.py)
+    profile_capacity_rps: float | None = None  # what the profile alone says for the length mix
+    capacity_factor: float = 1.0  # capacity_per_replica_rps / profile_capacity_rps
+    correction: str = ""  # e.g. "TTFT x0.62 speed (4 windows, since 2026-01-05T00:12Z)"; "": none
+    extrapolating: tuple[str, ...] = ()  # why the profile is used outside its data
+    observed_ttft_p99_ms: float | None = None  # this config's replicas, last window
+    observed_itl_p99_ms: float | None = None
+    observed_rps_per_replica: float | None = None
 
 
 @dataclass(frozen=True)
@@ -187,6 +239,7 @@ class ModelExplanation:
     usd_h: float
     configs: tuple[ConfigExplanation, ...]
     notes: tuple[str, ...]  # fail static, forecast method, lead-time fallback, ...
+    length_mix: str = ""  # the ISL/OSL mix capacity was computed for
 
 
 @dataclass(frozen=True)

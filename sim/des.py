@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 import math
 import random
 from collections.abc import Callable, Mapping, Sequence
@@ -32,10 +33,12 @@ from typing import Protocol, cast
 
 import numpy as np
 
+from models.mix import QUANTILE_LEVELS
 from planner.types import (
     Action,
     ActionKind,
     ConfigKey,
+    ConfigObservation,
     EngineBuild,
     Fleet,
     HostInventory,
@@ -57,8 +60,27 @@ ITL_BUCKETS_S: tuple[float, ...] = (
     40.0, 80.0,
 )
 
+# vLLM's request_prompt_tokens / request_generation_tokens buckets: build_1_2_5_buckets(max_model_len)
+LENGTH_BUCKETS: tuple[float, ...] = tuple(float(m * 10 ** e) for e in range(0, 7) for m in (1, 2, 5))
+TPOT_BUCKETS_S = ITL_BUCKETS_S  # vllm:request_time_per_output_token_seconds (per request)
+# the quantiles of the length histograms the controller reads (what controller/observe.py asks)
+LENGTH_QUANTILES: tuple[float, ...] = QUANTILE_LEVELS
+
 # request status codes
 PENDING, SERVED, REJECTED = 0, 1, 2
+
+
+def _quantiles(a: Sequence[float], b: Sequence[float]) -> tuple[tuple[float, float], ...]:
+    """LENGTH_QUANTILES of the window's length histogram (increase from scrape a to b)."""
+    d = [y - (a[j] if j < len(a) else 0.0) for j, y in enumerate(b)]
+    if sum(d) <= 0:
+        return ()
+    out = []
+    for q in LENGTH_QUANTILES:
+        v = histogram_quantile(q, LENGTH_BUCKETS, d)
+        if v is not None and math.isfinite(v):
+            out.append((q, v))
+    return tuple(out)
 
 
 def histogram_quantile(q: float, edges: Sequence[float], counts: Sequence[float]) -> float | None:
@@ -543,7 +565,7 @@ class SimResult:
 
 
 class _SimReplica:
-    __slots__ = ("blocked", "config", "core", "gpus", "host", "load", "mi", "rid", "seq", "since", "state",
+    __slots__ = ("blocked", "cm", "config", "core", "gpus", "host", "load", "mi", "rid", "seq", "since", "state",
                  "t_gpu", "t_ready", "t_start", "t_stop", "version")
 
     def __init__(self, rid: str, config: ConfigKey, host: str, gpus: tuple[int, ...], core: FastCore,
@@ -564,6 +586,7 @@ class _SimReplica:
         self.load = 0
         self.version = 0
         self.seq = seq
+        self.cm: _ConfigMetrics | None = None
 
 
 @dataclass
@@ -573,6 +596,17 @@ class _ModelMetrics:
     gen_tokens: float = 0.0
     ttft: list[float] = field(default_factory=lambda: [0.0] * (len(TTFT_BUCKETS_S) + 1))
     itl: list[float] = field(default_factory=lambda: [0.0] * (len(ITL_BUCKETS_S) + 1))
+    plen: list[float] = field(default_factory=lambda: [0.0] * (len(LENGTH_BUCKETS) + 1))
+    glen: list[float] = field(default_factory=lambda: [0.0] * (len(LENGTH_BUCKETS) + 1))
+
+
+@dataclass
+class _ConfigMetrics:
+    """One config's series (the engines' per-replica series summed by config, as PromQL would)."""
+
+    completed: float = 0.0
+    ttft: list[float] = field(default_factory=lambda: [0.0] * (len(TTFT_BUCKETS_S) + 1))
+    tpot: list[float] = field(default_factory=lambda: [0.0] * (len(TPOT_BUCKETS_S) + 1))
 
 
 @dataclass(frozen=True)
@@ -584,6 +618,10 @@ class _Scrape:
     gen_tokens: float
     ttft: tuple[float, ...]
     itl: tuple[float, ...]
+    plen: tuple[float, ...] = ()
+    glen: tuple[float, ...] = ()
+    # per config: (READY replicas, completed, ttft buckets, tpot buckets)
+    configs: tuple[tuple[ConfigKey, int, float, tuple[float, ...], tuple[float, ...]], ...] = ()
 
 
 class FleetSim:
@@ -618,6 +656,7 @@ class FleetSim:
         self.heap: list[tuple[float, int, int, str, object]] = []
         self._seq = 0
         self.metrics = [_ModelMetrics() for _ in self.model_names]
+        self.config_metrics: dict[ConfigKey, _ConfigMetrics] = {}
         self.scrapes: list[list[_Scrape]] = [[] for _ in self.model_names]
         self.rate_hist: list[list[tuple[float, float]]] = [[] for _ in self.model_names]
         self.replica_scrape: dict[str, ReplicaLoad] = {}
@@ -654,6 +693,7 @@ class FleetSim:
         used = {(r.host, g) for r in self.replicas if r.state != ReplicaState.STOPPED for g in r.gpus}
         busy = any((host, g) in used for g in gpus)
         rep = _SimReplica(rid, config, host, gpus, core, t, self._rid_seq, self.model_names.index(config.model))
+        rep.cm = self.config_metrics.setdefault(config, _ConfigMetrics())
         self.replicas.append(rep)
         self.replica_starts += 1
         if instant:
@@ -811,8 +851,38 @@ class FleetSim:
                 ttft_p99_ms=tq * 1000.0 if tq is not None else None,
                 itl_p99_ms=iq * 1000.0 if iq is not None else None,
                 history=tuple(pts), stale=False,
+                isl_quantiles=_quantiles(a.plen, b.plen), osl_quantiles=_quantiles(a.glen, b.glen),
+                configs=self._config_observations(a, b), peak_rps=self._peak_rate(sc, b.t - self.s.window_s),
             )
         return Observation(models=out)
+
+    def _config_observations(self, a: _Scrape, b: _Scrape) -> tuple[ConfigObservation, ...]:
+        """Per config over the window: READY replicas at its end, arrival-free completion rate, the
+        TTFT and per-request TPOT p99 from the config's histograms."""
+        before = {c[0]: c for c in a.configs}
+        out = []
+        dt = b.t - a.t
+        for c, ready, done, ttft, tpot in b.configs:
+            prev = before.get(c)
+            d_done = done - (prev[2] if prev else 0.0)
+            if ready < 1 or d_done <= 0 or dt <= 0:
+                continue
+            d_ttft = [y - (prev[3][j] if prev else 0.0) for j, y in enumerate(ttft)]
+            d_tpot = [y - (prev[4][j] if prev else 0.0) for j, y in enumerate(tpot)]
+            tq = histogram_quantile(0.99, TTFT_BUCKETS_S, d_ttft)
+            iq = histogram_quantile(0.99, TPOT_BUCKETS_S, d_tpot)
+            out.append(ConfigObservation(c, ready, d_done / dt, tq * 1000.0 if tq is not None else None,
+                                         iq * 1000.0 if iq is not None else None, d_done))
+        return tuple(out)
+
+    def _peak_rate(self, sc: list[_Scrape], since: float) -> float | None:
+        """The highest rate between two consecutive scrapes after `since` (a short-window peak)."""
+        best: float | None = None
+        for x, y in itertools.pairwise(sc):
+            if x.t >= since - 1e-9 and y.t > x.t:
+                r = self._rate(x, y)
+                best = r if best is None else max(best, r)
+        return best
 
     def _replica_loads(self, t: float) -> Mapping[str, ReplicaLoad]:
         cut = t - self.s.scrape_delay_s
@@ -829,9 +899,19 @@ class FleetSim:
         for r in self.replicas:
             if r.state in (ReplicaState.READY, ReplicaState.DRAINING):
                 in_sys[r.mi] += r.core.num_running + r.core.num_waiting
+        ready: dict[ConfigKey, int] = {}
+        for r in self.replicas:
+            if r.state == ReplicaState.READY:
+                ready[r.config] = ready.get(r.config, 0) + 1
+        per_model: list[list[tuple[ConfigKey, int, float, tuple[float, ...], tuple[float, ...]]]] = [
+            [] for _ in self.model_names]
+        for c, cmx in sorted(self.config_metrics.items()):
+            per_model[self.model_names.index(c.model)].append(
+                (c, ready.get(c, 0), cmx.completed, tuple(cmx.ttft), tuple(cmx.tpot)))
         for mi, mm in enumerate(self.metrics):
             self.scrapes[mi].append(_Scrape(t, in_sys[mi], mm.completed, mm.prompt_tokens, mm.gen_tokens,
-                                            tuple(mm.ttft), tuple(mm.itl)))
+                                            tuple(mm.ttft), tuple(mm.itl), tuple(mm.plen), tuple(mm.glen),
+                                            tuple(per_model[mi])))
             win = self._window(self.scrapes[mi], self.s.window_s)
             if win is not None:
                 hist = self.rate_hist[mi]
@@ -944,6 +1024,7 @@ class FleetSim:
         i = 0
         ttft_edges = TTFT_BUCKETS_S
         itl_edges = ITL_BUCKETS_S
+        len_edges = LENGTH_BUCKETS
         metrics = self.metrics
         req_model = self.req_model
         first_t = self.first_t
@@ -979,16 +1060,25 @@ class FleetSim:
                     if oh is None:
                         oh = rep.core.params.factors.ttft_overhead_s
                         overheads[id(rep.core)] = oh
+                    cm = rep.cm
+                    assert cm is not None
                     for idx in firsts:
                         first_t[idx] = t
                         tt = t - arr_t[idx] + oh
-                        mm.ttft[bisect.bisect_left(ttft_edges, tt)] += 1
+                        b = bisect.bisect_left(ttft_edges, tt)
+                        mm.ttft[b] += 1
+                        cm.ttft[b] += 1
                     for idx in fins:
                         finish_t[idx] = t
                         status[idx] = SERVED
                         mm.completed += 1
                         mm.prompt_tokens += prompt[idx]
                         mm.gen_tokens += output[idx]
+                        mm.plen[bisect.bisect_left(len_edges, prompt[idx])] += 1
+                        mm.glen[bisect.bisect_left(len_edges, output[idx])] += 1
+                        cm.completed += 1
+                        if output[idx] >= 2:
+                            cm.tpot[bisect.bisect_left(itl_edges, (t - first_t[idx]) / (output[idx] - 1))] += 1
                         outstanding -= 1
                     rep.load -= len(fins)
                     te = rep.core.begin(t)

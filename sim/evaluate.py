@@ -17,7 +17,7 @@ import random
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -327,9 +327,12 @@ def profiles_from_ground_truth(configs: Sequence[ConfigKey], lengths: Sequence[t
             ))
         key = ProfileKey(c.model, c.engine, c.gpu, c.tp, c.precision)
         try:
-            profiles.append(fit_profile(key, points, loo=False).profile)
+            prof = fit_profile(key, points, loo=False).profile
         except FitFailure:
             continue
+        if prof.data_range is not None:  # requests drawn from the trace: the latencies carry its spread
+            prof = replace(prof, data_range=replace(prof.data_range, length_spread=True))
+        profiles.append(prof)
     return ProfileSet(tuple(profiles))
 
 

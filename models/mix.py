@@ -1,0 +1,329 @@
+"""Latency and capacity for a MIX of request lengths, and the engine speed that explains an observation.
+
+A profile is fitted on benchmark points, each with one prompt and one output length (public benchmark
+tables, `vllm bench serve --dataset random`). Real traffic is a distribution with a long tail, and the
+p99 TTFT is set by the long prompts and by the wait behind them, not by the mean prompt:
+
+- the replica's utilisation and the decode step time follow the MEAN work of the mix;
+- the queue wait follows the mix's residual prefill work E[P*Q]/E[W] (an M/G/1 residual: one long
+  prompt ahead of you delays you by its whole prefill);
+- every length class sees the same wait, its own prefill and its own chunk steps; the mix's p99 is
+  the 1% tail of the mixture: each class's TTFT is a shifted exponential through that class's
+  profile p50 and p99, and the mixture's p99 solves sum_i w_i P(TTFT_i > T) = 1%.
+
+With one class this is exactly `models.profile.predict` / `capacity` (tests hold it).
+
+A heavier tail needs more replicas: a 12k-token mean with a 60k-token p99 prompt has a p99 TTFT of the
+60k prompt's prefill plus the wait, which a mean-length prediction misses by 5x.
+
+`speed_from_latency` inverts the model: the time scale s (engine speed relative to the profile) at which
+the profile predicts the observed p99 at the observed load. s < 1: the engine is slower than the
+profile says (another version, a different mix, extrapolation); every duration is 1/s longer and the
+capacity at a fixed SLO falls. Pure; numpy on small arrays.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from models.profile import (
+    PerfParams,
+    PerfProfile,
+    Workload,
+    queue_quantiles,
+    queued_work,
+    work_terms,
+)
+
+_LN2 = math.log(2.0)
+_LN50 = math.log(50.0)
+_STALL_THRESHOLDS = (0.01005, 0.1486, 0.4360, 0.8232)  # as models.profile.itl_p99_gap
+_STALL_SHARPNESS = 12.0
+
+# Probability bins of the prompt-length distribution: finest in the tail, which sets the p99 TTFT.
+ISL_BINS: tuple[float, ...] = (0.0, 0.5, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 1.0)
+OSL_BINS: tuple[float, ...] = (0.0, 0.5, 0.9, 1.0)
+# The quantile levels an observer should report so that the bins above are resolved.
+QUANTILE_LEVELS: tuple[float, ...] = (0.1, 0.25, 0.5, 0.65, 0.7, 0.8, 0.85, 0.9, 0.925, 0.95, 0.965, 0.98,
+                                      0.985, 0.99, 0.9925, 0.995, 0.9975, 0.999)
+
+
+@dataclass(frozen=True)
+class LengthMix:
+    """Request length classes (isl, osl, weight); weights are positive and sum to 1."""
+
+    classes: tuple[tuple[float, float, float], ...]
+
+    def mean(self) -> Workload:
+        return Workload(isl=sum(i * w for i, _, w in self.classes), osl=sum(o * w for _, o, w in self.classes))
+
+    def isl_quantile(self, q: float) -> float:
+        """The q-quantile of the prompt length (class resolution)."""
+        acc = 0.0
+        for isl, _, w in sorted(self.classes):
+            acc += w
+            if acc >= q - 1e-12:
+                return isl
+        return max(i for i, _, _ in self.classes)
+
+    def describe(self) -> str:
+        m = self.mean()
+        return (f"isl mean {m.isl:.0f} p50 {self.isl_quantile(0.5):.0f} p99 {self.isl_quantile(0.99):.0f}, "
+                f"osl mean {m.osl:.0f} ({len(self.classes)} classes)")
+
+    @staticmethod
+    def single(isl: float, osl: float) -> LengthMix:
+        return LengthMix(((float(isl), float(osl), 1.0),))
+
+
+def _quantile_fn(points: Sequence[tuple[float, float]]) -> tuple[np.ndarray, np.ndarray]:
+    pts = sorted((float(q), float(v)) for q, v in points if 0.0 <= q <= 1.0 and math.isfinite(v) and v >= 0)
+    qs = [q for q, _ in pts]
+    vs = list(np.maximum.accumulate([v for _, v in pts]))  # a quantile function never falls
+    return np.array(qs), np.array(vs, dtype=float)
+
+
+def _classes(points: Sequence[tuple[float, float]], bins: Sequence[float], mean: float | None,
+             floor: float) -> list[tuple[float, float]]:
+    """(value, weight) per probability bin: the quantile at the bin's middle (linear in q between the
+    given levels, flat beyond them); rescaled to the exact mean when it is known and close."""
+    qs, vs = _quantile_fn(points)
+    out = []
+    for lo, hi in itertools.pairwise(bins):
+        mid = 0.5 * (lo + hi)
+        v = float(np.interp(mid, qs, vs)) if len(qs) else floor
+        out.append((max(v, floor), hi - lo))
+    if mean is not None and math.isfinite(mean) and mean > 0:
+        m = sum(v * w for v, w in out)
+        if m > 0 and 0.5 <= mean / m <= 2.0:  # coarse buckets: keep the shape, match the exact mean
+            out = [(max(v * mean / m, floor), w) for v, w in out]
+    return out
+
+
+def mix_from_quantiles(isl_quantiles: Sequence[tuple[float, float]], osl_quantiles: Sequence[tuple[float, float]],
+                       *, isl_mean: float | None = None, osl_mean: float | None = None) -> LengthMix:
+    """A mix from quantiles ((q, tokens), ...) of the prompt and output length distributions.
+
+    Prompt and output lengths are taken as independent (histograms give only the marginals). An empty
+    side uses its mean as one class (and needs the mean).
+
+    >>> m = mix_from_quantiles([(0.5, 1000), (0.99, 8000)], [], osl_mean=200)
+    >>> round(m.isl_quantile(0.99)), round(m.mean().osl)
+    (7965, 200)
+    """
+    if isl_quantiles:
+        isl = _classes(isl_quantiles, ISL_BINS, isl_mean, 0.0)
+    elif isl_mean is not None:
+        isl = [(float(isl_mean), 1.0)]
+    else:
+        raise ValueError("a length mix needs prompt-length quantiles or a mean")
+    if osl_quantiles:
+        osl = _classes(osl_quantiles, OSL_BINS, osl_mean, 1.0)
+    elif osl_mean is not None:
+        osl = [(max(float(osl_mean), 1.0), 1.0)]
+    else:
+        raise ValueError("a length mix needs output-length quantiles or a mean")
+    merged: dict[tuple[float, float], float] = {}
+    for i, wi in isl:
+        for o, wo in osl:
+            merged[(i, o)] = merged.get((i, o), 0.0) + wi * wo
+    total = sum(merged.values())
+    return LengthMix(tuple((i, o, w / total) for (i, o), w in sorted(merged.items())))
+
+
+@dataclass(frozen=True)
+class MixPrediction:
+    ttft_p99_ms: float
+    itl_p99_ms: float  # per-request mean inter-token time, p99 over requests (the SLO's definition)
+    rho: float
+    saturated: bool
+
+
+def _arrays(mix: LengthMix) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    c = np.array(mix.classes, dtype=float)
+    return c[:, 0], c[:, 1], c[:, 2]
+
+
+def _x_mem(profile: PerfProfile, isl: np.ndarray, osl: np.ndarray, w: np.ndarray, wbar: float) -> float:
+    """Throughput (req/ms) at which the decode batch fills the KV cache: tokens a sequence holds,
+    weighted by how long it stays in the batch (its output length)."""
+    if profile.kv_tokens is None:
+        return math.inf
+    stay = np.maximum(osl - 1.0, 1.0)
+    tokens = float(np.sum(w * stay * (isl + osl)) / np.sum(w * stay))
+    b_max = profile.kv_tokens / max(tokens, 1.0)
+    if b_max <= 0:
+        return 0.0
+    return float(b_max / (float(np.sum(w * (osl - 1.0))) * profile.params.s0_ms + b_max * wbar))
+
+
+@dataclass(frozen=True)
+class _Terms:
+    """The load-independent terms of one profile on one mix (arrays over the length classes)."""
+
+    p: PerfParams
+    w: np.ndarray
+    isl: np.ndarray
+    prefill: np.ndarray
+    wbar: float  # mean work per request (ms)
+    resid: float  # the residual prefill work a new prompt queues behind, E[P*Q]/E[W] (ms)
+    per_chunk: float  # mean prefill time per chunk (ms)
+    mean_chunks: float
+
+
+def _terms(p: PerfParams, isl: np.ndarray, osl: np.ndarray, w: np.ndarray) -> _Terms:
+    prefill, work = work_terms(p, isl, osl)
+    wbar = float(np.sum(w * work))
+    chunks = 1.0 + p.chunk_per_token * isl
+    mean_chunks = float(np.sum(w * chunks))
+    return _Terms(p, w, isl, prefill, wbar, float(np.sum(w * prefill * queued_work(p, prefill, work))) / wbar,
+                  float(np.sum(w * prefill)) / mean_chunks, mean_chunks)
+
+
+def _ttft_p99(t: _Terms, x: float) -> float:
+    return float(_ttft_p99_many(t, np.array([x]))[0])
+
+
+def _ttft_p99_many(t: _Terms, xs: np.ndarray) -> np.ndarray:
+    """TTFT p99 of the mix at each throughput in xs (req/ms, rho < 1): shape (len(xs),)."""
+    p = t.p
+    rho = (xs * t.wbar)[:, None]
+    itl = p.s0_ms / (1.0 - rho)
+    tau = p.q * t.resid / (1.0 - rho)
+    q50, q99 = queue_quantiles(p, rho, tau)
+    fixed = p.ttft_fixed_ms + (0.5 + p.chunk_per_token * t.isl)[None, :] * itl
+    own = (p.prefill_latency_factor * t.prefill)[None, :]
+    return _mixture_p99(fixed + p.ttft_p50_factor * own + q50, fixed + p.ttft_p99_factor * own + q99, t.w)
+
+
+def _itl_p99(t: _Terms, x: Any) -> Any:
+    """Per-request ITL p99: one decode batch for all classes; prefill stalls from everyone's chunks."""
+    p = t.p
+    rho = x * t.wbar
+    itl = p.s0_ms / (1.0 - rho)
+    base = p.itl_p99_factor * itl * (1.0 + p.itl_p99_load * rho)
+    if p.itl_stall_weight > 0.0:
+        phi = x * t.mean_chunks * itl
+        count = sum((phi / th) ** _STALL_SHARPNESS / (1.0 + (phi / th) ** _STALL_SHARPNESS)
+                    for th in _STALL_THRESHOLDS)
+        base = base + p.itl_stall_weight * p.prefill_latency_factor * t.per_chunk * count
+    return base
+
+
+def _mixture_p99(p50: np.ndarray, p99: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Per row, T with sum_i w_i P(TTFT_i > T) = 1%, TTFT_i a shifted exponential through its
+    (p50_i, p99_i); rows are loads, columns length classes."""
+    if p50.shape[1] == 1:
+        return np.asarray(p99[:, 0], dtype=float)
+    b = np.maximum((p99 - p50) / _LN50, 1e-9)
+    a = p50 - b * _LN2
+    lo, hi = np.min(a, axis=1), np.max(p99, axis=1)
+    for _ in range(36):
+        mid = 0.5 * (lo + hi)
+        exceed = np.sum(w * np.exp(-np.maximum(mid[:, None] - a, 0.0) / b), axis=1)
+        above = exceed > 0.01
+        lo = np.where(above, mid, lo)
+        hi = np.where(above, hi, mid)
+    return np.asarray(hi, dtype=float)
+
+
+def scaled(profile: PerfProfile, speed: float) -> PerfProfile:
+    """The profile of an engine `speed` times as fast: every duration divided by `speed`."""
+    if speed == 1.0:
+        return profile
+    p = profile.params
+    k = 1.0 / speed
+    params = replace(p, s0_ms=p.s0_ms * k, s1_ms=p.s1_ms * k, s2_ms=p.s2_ms * k, p0_ms=p.p0_ms * k,
+                     p1_ms=p.p1_ms * k, p2_ms=p.p2_ms * k, ttft_fixed_ms=p.ttft_fixed_ms * k)
+    return replace(profile, params=params)
+
+
+def predict_mix(profile: PerfProfile, mix: LengthMix, rate_rps: float) -> MixPrediction:
+    """TTFT p99 and per-request ITL p99 of the mix at an open-loop rate (inf beyond saturation)."""
+    isl, osl, w = _arrays(mix)
+    t = _terms(profile.params, isl, osl, w)
+    x = max(rate_rps, 0.0) / 1000.0
+    if x >= min(1.0 / t.wbar, _x_mem(profile, isl, osl, w, t.wbar)):
+        return MixPrediction(math.inf, math.inf, x * t.wbar, True)
+    return MixPrediction(_ttft_p99(t, x), float(_itl_p99(t, x)), x * t.wbar, False)
+
+
+def _largest_x(ok: Callable[[np.ndarray], np.ndarray], x_hi: float) -> float:
+    """The largest x in [0, x_hi] with ok(x), for ok true below a threshold: three rounds of a
+    64-point grid, each inside the previous bracket (relative resolution ~4e-6 of x_hi)."""
+    if not bool(ok(np.array([0.0]))[0]):
+        return 0.0
+    lo, hi = 0.0, x_hi
+    for _ in range(3):
+        xs = np.linspace(lo, hi, 65)
+        good = ok(xs)
+        k = int(np.argmin(good)) if not good.all() else len(xs)  # first failing point
+        if k == len(xs):
+            return hi
+        lo, hi = float(xs[k - 1]), float(xs[k])
+    return lo
+
+
+@dataclass(frozen=True)
+class MixCapacity:
+    max_rps: float
+    binding: str  # ttft | itl | memory
+
+
+def capacity_mix(profile: PerfProfile, mix: LengthMix, *, ttft_p99_ms: float, itl_p99_ms: float,
+                 ttft_speed: float = 1.0, itl_speed: float = 1.0) -> MixCapacity:
+    """The largest rate one replica sustains with the mix's TTFT p99 and ITL p99 under the targets.
+
+    `ttft_speed` / `itl_speed`: the engine's speed relative to the profile as observed through each
+    latency (see `speed_from_latency`); each limit is computed on the profile scaled by its speed,
+    the memory limit on the slower of the two.
+    """
+    isl, osl, w = _arrays(mix)
+
+    t_t = _terms(scaled(profile, ttft_speed).params, isl, osl, w)
+    x_t = _largest_x(lambda xs: _ttft_p99_many(t_t, xs) <= ttft_p99_ms, (1.0 - 1e-9) / t_t.wbar)
+    t_i = _terms(scaled(profile, itl_speed).params, isl, osl, w)
+    x_i = _largest_x(lambda xs: _itl_p99(t_i, xs) <= itl_p99_ms, (1.0 - 1e-9) / t_i.wbar)
+    slow = scaled(profile, min(ttft_speed, itl_speed))
+    x_m = _x_mem(slow, isl, osl, w, _terms(slow.params, isl, osl, w).wbar)
+    x, binding = min((x_t, "ttft"), (x_i, "itl"), (x_m, "memory"), key=lambda c: c[0])
+    return MixCapacity(float(x) * 1000.0, binding)
+
+
+_SPEED_LO, _SPEED_HI = 0.1, 10.0
+
+
+def speed_from_latency(profile: PerfProfile, mix: LengthMix, rate_rps: float, observed_p99_ms: float,
+                       *, itl: bool) -> float | None:
+    """The engine speed s (relative to the profile) at which the profile predicts `observed_p99_ms`
+    (TTFT p99, or per-request ITL p99 when `itl`) at `rate_rps` per replica; clamped to [0.1, 10].
+
+    The prediction at speed s is the profile's at rate/s with every duration x 1/s, which falls as s
+    rises: bisection on log s. None when the observation cannot be used (not finite, not positive).
+    """
+    if not (math.isfinite(observed_p99_ms) and observed_p99_ms > 0 and math.isfinite(rate_rps) and rate_rps >= 0):
+        return None
+    which = 1 if itl else 0
+
+    def latency(log_s: float) -> float:
+        pred = predict_mix(scaled(profile, math.exp(log_s)), mix, rate_rps)
+        return pred.itl_p99_ms if which else pred.ttft_p99_ms
+
+    lo, hi = math.log(_SPEED_LO), math.log(_SPEED_HI)
+    if latency(hi) >= observed_p99_ms:
+        return _SPEED_HI
+    if latency(lo) <= observed_p99_ms:
+        return _SPEED_LO
+    for _ in range(40):
+        mid = 0.5 * (lo + hi)
+        if latency(mid) > observed_p99_ms:
+            lo = mid
+        else:
+            hi = mid
+    return math.exp(0.5 * (lo + hi))

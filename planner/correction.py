@@ -1,0 +1,194 @@
+"""Online correction: the fleet's own latency corrects the profiles. Pure.
+
+A plan is a hypothesis; the fleet's latency is the evidence. Each cycle, for every serving config
+that served requests in the window, the observed TTFT p99 and per-request ITL p99 at the observed
+load per replica are compared with what the profile predicts at that load and length mix. What is
+estimated is the engine's SPEED relative to the profile (models.mix.speed_from_latency): the time
+scale s at which the profile reproduces the observation. s = 0.7 means every duration is 1/0.7
+longer than the profile says (another engine version, a heavier mix than the benchmark, prompts
+longer than any benchmark); the capacity at the SLO then falls by more than 30%, since the SLO does
+not scale.
+
+Per config and per latency, ln(s) is tracked by a Kalman filter (a value and its variance):
+
+- prior: 0 with sd PRIOR_SD (a fitted profile inside its data) or PRIOR_SD_EXTRAPOLATING (a roofline
+  prior, or lengths beyond the data); a config never observed borrows the mean of its model's
+  observed configs (a profile source that is wrong for one config is likely wrong for its
+  neighbours), with the prior's variance;
+- each window: z = ln(s_observed) with variance OBS_VAR + OBS_VAR_PER_REQUEST / n (a p99 of few
+  requests is noise; fewer than MIN_REQUESTS completions: no update); drift DRIFT_VAR per cycle keeps
+  it learning; the step per cycle is capped (MAX_STEP_DOWN / MAX_STEP_UP): one noisy window never
+  swings the fleet;
+- applied: a slower engine at once (the plan grows now: feedback, not only the forecast); a faster
+  one only as far as the evidence's lower bound (mean - 1 sd), and, while a profile is used outside
+  its data and has not yet been confirmed (sd > CONFIRMED_SD), conservatively at mean - 1 sd.
+
+The state (`Correction` per config) is part of PlannerState: the daemon persists it with every plan,
+so a restart keeps it. Worked example: a profile 40% optimistic (s = 1/1.4, ln s = -0.34): first
+window z = -0.34 -> gain 0.61 (prior var 0.0625, obs var 0.04) -> -0.21; second -> -0.29; third
+-> -0.31: the plan is within ~3% of the true profile's after 3 cycles.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from models.mix import LengthMix, speed_from_latency
+from models.profile import PerfProfile
+from planner.capacity import MixedWorkload, Speeds, mix_for
+from planner.types import ConfigKey, Correction, ModelObservation
+
+PRIOR_SD = 0.25
+PRIOR_SD_EXTRAPOLATING = 0.5
+OBS_VAR = 0.15 ** 2
+OBS_VAR_PER_REQUEST = 2.0  # / n: a p99 over 50 requests adds 0.04
+DRIFT_VAR = 0.03 ** 2
+MAX_STEP_DOWN = 0.25  # ln per cycle: at most x0.78
+MAX_STEP_UP = 0.10  # ln per cycle: at most x1.105
+CONFIRMED_SD = 0.2
+MIN_REQUESTS = 20.0
+NOTABLE = math.log(1.05)  # a correction that moves the speed by more than 5% is "in force"
+SPEED_BOUNDS = (math.log(0.1), math.log(10.0))
+
+
+def _prior_sd(extrapolating: bool) -> float:
+    return PRIOR_SD_EXTRAPOLATING if extrapolating else PRIOR_SD
+
+
+def _kalman(mean: float, var: float, z: float | None, r: float) -> tuple[float, float]:
+    if z is None:
+        return mean, var
+    k = var / (var + r)
+    step = k * (z - mean)
+    step = max(-MAX_STEP_DOWN, min(MAX_STEP_UP, step))
+    return mean + step, (1.0 - k) * var
+
+
+def _pooled(corrections: Mapping[ConfigKey, Correction], model: str) -> tuple[float, float]:
+    """The mean ln-speed (TTFT, ITL) of the model's observed configs, precision-weighted (0, 0: none)."""
+    num_t = den_t = num_i = den_i = 0.0
+    for c, corr in corrections.items():
+        if c.model != model or corr.observations == 0:
+            continue
+        wt = 1.0 / max(corr.ttft_var, 1e-6)
+        wi = 1.0 / max(corr.itl_var, 1e-6)
+        num_t += wt * corr.ttft_log
+        den_t += wt
+        num_i += wi * corr.itl_log
+        den_i += wi
+    return (num_t / den_t if den_t else 0.0), (num_i / den_i if den_i else 0.0)
+
+
+def update_corrections(
+    previous: Mapping[ConfigKey, Correction],
+    observations: Mapping[str, ModelObservation],
+    profiles: Mapping[ConfigKey, PerfProfile],
+    workloads: Mapping[str, MixedWorkload],
+    extrapolating: Mapping[ConfigKey, tuple[str, ...]],
+    now_s: float,
+) -> dict[ConfigKey, Correction]:
+    """The corrections after this cycle's windows (configs without evidence keep theirs)."""
+    out: dict[ConfigKey, Correction] = dict(previous)
+    for config, prof in sorted(profiles.items()):
+        o = observations.get(config.model)
+        if o is None or o.stale:
+            continue
+        ev = next((c for c in o.configs if c.config == config), None)
+        if ev is None or ev.ready_replicas < 1 or ev.rate_rps is None or ev.requests < MIN_REQUESTS:
+            continue
+        if not (math.isfinite(ev.rate_rps) and ev.rate_rps >= 0):
+            continue
+        w = workloads.get(config.model)
+        if w is None:
+            continue
+        mix: LengthMix = mix_for(prof, w)
+        per_replica = ev.rate_rps / ev.ready_replicas
+        z_t = _log_speed(prof, mix, per_replica, ev.ttft_p99_ms, itl=False)
+        z_i = _log_speed(prof, mix, per_replica, ev.itl_p99_ms, itl=True)
+        if z_t is None and z_i is None:
+            continue
+        prev = out.get(config)
+        if prev is None or prev.observations == 0:
+            var0 = _prior_sd(bool(extrapolating.get(config))) ** 2
+            pooled_t, pooled_i = _pooled(out, config.model)
+            prev = Correction(config, pooled_t, var0, pooled_i, var0, 0, None, None)
+        r = OBS_VAR + OBS_VAR_PER_REQUEST / max(ev.requests, 1.0)
+        t_log, t_var = _kalman(prev.ttft_log, prev.ttft_var + DRIFT_VAR, z_t, r)
+        i_log, i_var = _kalman(prev.itl_log, prev.itl_var + DRIFT_VAR, z_i, r)
+        notable = abs(t_log) > NOTABLE or abs(i_log) > NOTABLE
+        since = (prev.since_s if prev.since_s is not None else now_s) if notable else None
+        out[config] = Correction(config, t_log, t_var, i_log, i_var, prev.observations + 1, since, now_s,
+                                 math.exp(z_t) if z_t is not None else None,
+                                 math.exp(z_i) if z_i is not None else None)
+    return out
+
+
+def _log_speed(prof: PerfProfile, mix: LengthMix, rps: float, observed_ms: float | None, *, itl: bool) -> float | None:
+    if observed_ms is None or not math.isfinite(observed_ms) or observed_ms <= 0:
+        return None
+    try:
+        s = speed_from_latency(prof, mix, rps, observed_ms, itl=itl)
+    except (ValueError, ArithmeticError):
+        return None
+    if s is None:
+        return None
+    return min(max(math.log(s), SPEED_BOUNDS[0]), SPEED_BOUNDS[1])
+
+
+def _applied(mean: float, var: float, conservative: bool) -> float:
+    sd = math.sqrt(max(var, 0.0))
+    if conservative:
+        return mean - sd
+    return mean if mean <= 0.0 else max(0.0, mean - sd)
+
+
+def applied_speeds(
+    corrections: Mapping[ConfigKey, Correction],
+    configs: Mapping[ConfigKey, PerfProfile],
+    extrapolating: Mapping[ConfigKey, tuple[str, ...]],
+) -> dict[ConfigKey, Speeds]:
+    """The speeds the plan uses per config (absent: the profile as fitted), with a readable note."""
+    out: dict[ConfigKey, Speeds] = {}
+    for config in sorted(configs):
+        corr = corrections.get(config)
+        extra = bool(extrapolating.get(config))
+        if corr is None or corr.observations == 0:
+            pooled_t, pooled_i = _pooled(corrections, config.model)
+            var0 = _prior_sd(extra) ** 2
+            corr = Correction(config, pooled_t, var0, pooled_i, var0)
+            if not extra and pooled_t == 0.0 and pooled_i == 0.0:
+                continue
+        conservative_t = extra and corr.ttft_var > CONFIRMED_SD ** 2
+        conservative_i = extra and corr.itl_var > CONFIRMED_SD ** 2
+        st = math.exp(_applied(corr.ttft_log, corr.ttft_var, conservative_t))
+        si = math.exp(_applied(corr.itl_log, corr.itl_var, conservative_i))
+        if abs(math.log(st)) < 1e-9 and abs(math.log(si)) < 1e-9:
+            continue
+        out[config] = Speeds(st, si, describe(corr, st, si, conservative_t or conservative_i))
+    return out
+
+
+def describe(corr: Correction, ttft_speed: float, itl_speed: float, conservative: bool) -> str:
+    """e.g. 'engine speed vs profile: TTFT x0.71, ITL x0.95 (4 windows; since t=...)'."""
+    parts = [f"TTFT x{ttft_speed:.2f}", f"ITL x{itl_speed:.2f}"]
+    if corr.observations == 0:
+        src = "no observation yet: " + ("borrowed from the model's observed configs"
+                                        if corr.ttft_log or corr.itl_log else "conservative prior")
+    else:
+        src = f"{corr.observations} windows"
+        if conservative:
+            src += ", not yet confirmed: conservative"
+    return f"engine speed vs profile: {', '.join(parts)} ({src})"
+
+
+def corrections_tuple(corrections: Mapping[ConfigKey, Correction]) -> tuple[Correction, ...]:
+    return tuple(corrections[c] for c in sorted(corrections))
+
+
+def forget(corrections: Mapping[ConfigKey, Correction], keep: set[ConfigKey]) -> dict[ConfigKey, Correction]:
+    """Corrections of configs the policy still allows (a removed config's evidence is dropped)."""
+    return {c: v for c, v in corrections.items() if c in keep}
+
+
+__all__ = ["applied_speeds", "corrections_tuple", "describe", "forget", "update_corrections"]
