@@ -302,13 +302,16 @@ _SPEED_LO, _SPEED_HI = 0.1, 10.0
 def speed_from_latency(profile: PerfProfile, mix: LengthMix, rate_rps: float, observed_p99_ms: float,
                        *, itl: bool) -> float | None:
     """The engine speed s (relative to the profile) at which the profile predicts `observed_p99_ms`
-    (TTFT p99, or per-request ITL p99 when `itl`) at `rate_rps` per replica; clamped to [0.1, 10].
+    (TTFT p99, or per-request ITL p99 when `itl`) at `rate_rps` per replica; clamped to [0.1, 10]
+    (an infinite observation, a saturated replica, is the lower bound).
 
     The prediction at speed s is the profile's at rate/s with every duration x 1/s, which falls as s
     rises: bisection on log s. None when the observation cannot be used (not finite, not positive).
     """
-    if not (math.isfinite(observed_p99_ms) and observed_p99_ms > 0 and math.isfinite(rate_rps) and rate_rps >= 0):
-        return None
+    if not (observed_p99_ms > 0 and math.isfinite(rate_rps) and rate_rps >= 0):
+        return None  # NaN, negative: not a latency
+    if math.isinf(observed_p99_ms):
+        return _SPEED_LO  # saturated: slower than anything the profile explains (steps are capped)
     which = 1 if itl else 0
 
     def latency(log_s: float) -> float:

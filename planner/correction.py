@@ -12,15 +12,15 @@ not scale.
 Per config and per latency, ln(s) is tracked by a Kalman filter (a value and its variance):
 
 - prior: 0 with sd PRIOR_SD (a fitted profile inside its data) or PRIOR_SD_EXTRAPOLATING (a roofline
-  prior, or lengths beyond the data); a config never observed borrows the mean of its model's
-  observed configs (a profile source that is wrong for one config is likely wrong for its
-  neighbours), with the prior's variance;
+  prior, or lengths beyond the data). Evidence is not pooled across configs: a TP4 replica's
+  prefill stalls its decode less than a TP1 replica's, so one config's error says little about
+  another's (the extrapolation guard below covers the ones not yet observed);
 - each window: z = ln(s_observed) with variance OBS_VAR + OBS_VAR_PER_REQUEST / n (a p99 of few
   requests is noise; fewer than MIN_REQUESTS completions: no update); drift DRIFT_VAR per cycle keeps
   it learning; the step per cycle is capped (MAX_STEP_DOWN / MAX_STEP_UP): one noisy window never
   swings the fleet;
 - applied: a slower engine at once (the plan grows now: feedback, not only the forecast); a faster
-  one only as far as the evidence's lower bound (mean - 1 sd), and, while a profile is used outside
+  one only as far as the evidence's lower side (mean - UP_TRUST_SD sd), and, while a profile is used outside
   its data and has not yet been confirmed (sd > CONFIRMED_SD), conservatively at mean - 1 sd.
 
 The state (`Correction` per config) is part of PlannerState: the daemon persists it with every plan,
@@ -65,21 +65,6 @@ def _kalman(mean: float, var: float, z: float | None, r: float) -> tuple[float, 
     return mean + step, (1.0 - k) * var
 
 
-def _pooled(corrections: Mapping[ConfigKey, Correction], model: str) -> tuple[float, float]:
-    """The mean ln-speed (TTFT, ITL) of the model's observed configs, precision-weighted (0, 0: none)."""
-    num_t = den_t = num_i = den_i = 0.0
-    for c, corr in corrections.items():
-        if c.model != model or corr.observations == 0:
-            continue
-        wt = 1.0 / max(corr.ttft_var, 1e-6)
-        wi = 1.0 / max(corr.itl_var, 1e-6)
-        num_t += wt * corr.ttft_log
-        den_t += wt
-        num_i += wi * corr.itl_log
-        den_i += wi
-    return (num_t / den_t if den_t else 0.0), (num_i / den_i if den_i else 0.0)
-
-
 def update_corrections(
     previous: Mapping[ConfigKey, Correction],
     observations: Mapping[str, ModelObservation],
@@ -111,8 +96,7 @@ def update_corrections(
         prev = out.get(config)
         if prev is None or prev.observations == 0:
             var0 = _prior_sd(bool(extrapolating.get(config))) ** 2
-            pooled_t, pooled_i = _pooled(out, config.model)
-            prev = Correction(config, pooled_t, var0, pooled_i, var0, 0, None, None)
+            prev = Correction(config, 0.0, var0, 0.0, var0, 0, None, None)
         r = OBS_VAR + OBS_VAR_PER_REQUEST / max(ev.requests, 1.0)
         t_log, t_var = _kalman(prev.ttft_log, prev.ttft_var + DRIFT_VAR, z_t, r)
         i_log, i_var = _kalman(prev.itl_log, prev.itl_var + DRIFT_VAR, z_i, r)
@@ -125,8 +109,8 @@ def update_corrections(
 
 
 def _log_speed(prof: PerfProfile, mix: LengthMix, rps: float, observed_ms: float | None, *, itl: bool) -> float | None:
-    if observed_ms is None or not math.isfinite(observed_ms) or observed_ms <= 0:
-        return None
+    if observed_ms is None or math.isnan(observed_ms) or observed_ms <= 0:
+        return None  # inf stays: a saturated replica is evidence of a slow engine
     try:
         s = speed_from_latency(prof, mix, rps, observed_ms, itl=itl)
     except (ValueError, ArithmeticError):
@@ -136,11 +120,14 @@ def _log_speed(prof: PerfProfile, mix: LengthMix, rps: float, observed_ms: float
     return min(max(math.log(s), SPEED_BOUNDS[0]), SPEED_BOUNDS[1])
 
 
+UP_TRUST_SD = 0.5  # a faster engine is trusted up to mean - 0.5 sd (the evidence's lower side)
+
+
 def _applied(mean: float, var: float, conservative: bool) -> float:
     sd = math.sqrt(max(var, 0.0))
     if conservative:
         return mean - sd
-    return mean if mean <= 0.0 else max(0.0, mean - sd)
+    return mean if mean <= 0.0 else max(0.0, mean - UP_TRUST_SD * sd)
 
 
 def applied_speeds(
@@ -154,11 +141,10 @@ def applied_speeds(
         corr = corrections.get(config)
         extra = bool(extrapolating.get(config))
         if corr is None or corr.observations == 0:
-            pooled_t, pooled_i = _pooled(corrections, config.model)
+            if not extra:
+                continue  # a fitted profile inside its data: trusted until observed
             var0 = _prior_sd(extra) ** 2
-            corr = Correction(config, pooled_t, var0, pooled_i, var0)
-            if not extra and pooled_t == 0.0 and pooled_i == 0.0:
-                continue
+            corr = Correction(config, 0.0, var0, 0.0, var0)
         conservative_t = extra and corr.ttft_var > CONFIRMED_SD ** 2
         conservative_i = extra and corr.itl_var > CONFIRMED_SD ** 2
         st = math.exp(_applied(corr.ttft_log, corr.ttft_var, conservative_t))
@@ -173,8 +159,7 @@ def describe(corr: Correction, ttft_speed: float, itl_speed: float, conservative
     """e.g. 'engine speed vs profile: TTFT x0.71, ITL x0.95 (4 windows; since t=...)'."""
     parts = [f"TTFT x{ttft_speed:.2f}", f"ITL x{itl_speed:.2f}"]
     if corr.observations == 0:
-        src = "no observation yet: " + ("borrowed from the model's observed configs"
-                                        if corr.ttft_log or corr.itl_log else "conservative prior")
+        src = "not observed yet: conservative while extrapolating"
     else:
         src = f"{corr.observations} windows"
         if conservative:
