@@ -339,6 +339,7 @@ class Controller:
         self.router: Any = None
         self.prom = PromClient(self.settings.prometheus_url)
         self.link = MqttLink(self.settings.mqtt, self._on_status, self._on_ack, self._on_connect)
+        self.metrics.mqtt_connected.set_function(lambda: float(self.link.connected.is_set()))
         self.report_runner: Any = None
         self.report_url: str | None = None
         self.routed: set[str] = set()  # replica ids in the nginx upstreams right now
@@ -1200,6 +1201,9 @@ class Controller:
         for me in doc["explanation"]["models"]:
             name = me["model"]
             m.demand_rps.labels(name).set(me["demand_rps"])
+            m.capacity_rps.labels(name).set(me["capacity_rps"])
+            m.slo_ttft_p99_ms.labels(name).set(me["slo_ttft_p99_ms"])
+            m.slo_itl_p99_ms.labels(name).set(me["slo_itl_p99_ms"])
             m.unmet_demand_rps.labels(name).set(me["unmet_rps"])
             ttfts = [c["predicted_ttft_p99_ms"] for c in me["configs"] if c["predicted_ttft_p99_ms"] is not None]
             itls = [c["predicted_itl_p99_ms"] for c in me["configs"] if c["predicted_itl_p99_ms"] is not None]

@@ -36,6 +36,11 @@ class ControllerMetrics:
         )
         self.observed_itl_p99_ms = Gauge("fleetplan_observed_itl_p99_ms", "observed p99 ITL", ["model"], registry=r)
         self.demand_rps = Gauge("fleetplan_demand_rps", "demand the plan serves", ["model"], registry=r)
+        self.capacity_rps = Gauge(
+            "fleetplan_capacity_rps", "capacity of the replicas in the current plan", ["model"], registry=r
+        )
+        self.slo_ttft_p99_ms = Gauge("fleetplan_slo_ttft_p99_ms", "the policy's p99 TTFT SLO", ["model"], registry=r)
+        self.slo_itl_p99_ms = Gauge("fleetplan_slo_itl_p99_ms", "the policy's p99 ITL SLO", ["model"], registry=r)
         self.unmet_demand_rps = Gauge(
             "fleetplan_unmet_demand_rps", "required rps the plan cannot serve", ["model"], registry=r
         )
@@ -50,6 +55,8 @@ class ControllerMetrics:
         self.last_cycle_timestamp = Gauge(
             "fleetplan_last_cycle_timestamp_seconds", "unix time of the last finished cycle", registry=r
         )
+        # 1 while the controller's MQTT session is up (the controller binds it to its link)
+        self.mqtt_connected = Gauge("fleetplan_mqtt_connected", "1 if connected to the MQTT broker", registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

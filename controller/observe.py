@@ -2,8 +2,10 @@
 
 PromQL instant queries give the current rate, ISL/OSL mix, p50/p99 TTFT and ITL, queue depth,
 KV usage and per-replica `up`; a range query gives the request-rate history for the forecast.
-Both vLLM spellings (`vllm:` and `vllm_`) and TensorRT-LLM (`trtllm_`) are matched with
-`__name__` regexes, so one query covers a mixed fleet.
+Both vLLM spellings (`vllm:` and `vllm_`) and TensorRT-LLM (`trtllm_`, as trtllm-serve exports
+them on /prometheus/metrics: tensorrt_llm/metrics/collector.py) are matched with `__name__`
+regexes, so one query covers a mixed fleet. TRT-LLM has no inter-token histogram: its ITL is read
+from `trtllm_time_per_output_token_seconds` (one mean per request, logged when it finishes).
 
 Fail static: when Prometheus is unreachable, answers NaN, has no series for a model, or one of
 the model's scrape targets is down, that model is `stale` with `None` (unknown) values and an
@@ -31,6 +33,9 @@ log = logging.getLogger(__name__)
 # Labels that may carry the model name: `model` is written by the controller into the file_sd
 # target labels (canonical name); `model_name` is what vLLM / TRT-LLM put on their own series.
 MODEL_LABELS: tuple[str, ...] = ("model", "model_name")
+# trtllm-serve labels every series model_name="undefined" (NVIDIA/TensorRT-LLM tensorrt_llm/serve/
+# openai_server.py): no model name at all, so TRT-LLM replicas are known by the target's `model`.
+UNSET_MODEL_NAMES = frozenset({"undefined"})
 REPLICA_LABEL = "replica"  # file_sd label written by controller/routing.py ScrapeTarget
 
 _REQ_SUCCESS = r"vllm[:_]request_success_total|trtllm_request_success_total"
@@ -237,7 +242,7 @@ class Observer:
     def _model_of(self, labels: Mapping[str, str]) -> str | None:
         for key in self.config.model_labels:
             val = labels.get(key)
-            if val:
+            if val and val not in UNSET_MODEL_NAMES:
                 return self.canonical(val)
         return None
 

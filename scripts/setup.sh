@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up a fresh Debian machine for fleetplan: the Debian packages it needs (Python with venv, and
-# the real servers the lab and the tests start: mosquitto, prometheus, nginx), then .venv with
+# the real servers the lab and the tests start: mosquitto, prometheus (with promtool), nginx), then .venv with
 # fleetplan installed. Idempotent: installs only what is missing. Sourced by test.sh and demo.sh.
 # Usage: scripts/setup.sh [EXTRAS]     e.g. scripts/setup.sh dev
 set -euo pipefail
@@ -17,6 +17,10 @@ fi
 for bin in mosquitto prometheus nginx; do
   command -v "$bin" >/dev/null 2>&1 || [ -x "/usr/sbin/$bin" ] || [ -x "/usr/bin/$bin" ] || need+=("$bin")
 done
+# promtool (checks and unit-tests config/prometheus/fleetplan-alerts.yml) ships in Debian's prometheus
+if ! command -v promtool >/dev/null 2>&1 && [ ! -x /usr/bin/promtool ] && [[ " ${need[*]} " != *" prometheus "* ]]; then
+  need+=(prometheus)
+fi
 if [ ${#need[@]} -gt 0 ]; then
   echo "== installing Debian packages: ${need[*]}"
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"

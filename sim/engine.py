@@ -3,8 +3,9 @@
 One process (or one in-process server) per replica. Persona vllm serves `/v1/completions`,
 `/v1/chat/completions` (SSE streaming and not), `/v1/models`, `/health` (503 while starting or
 draining) and `/metrics` with vLLM's metric names, labels (`model_name`, `engine`) and histogram
-bucket edges. Persona trtllm serves the same plus `/prometheus/metrics` with the `trtllm_` names of
-`trtllm-serve` (labels `model_name`, `engine_type`).
+bucket edges. Persona trtllm serves, as `trtllm-serve` does, `/prometheus/metrics` with the names,
+types, labels and bucket edges of TensorRT-LLM's MetricsCollector, and on `/metrics` the JSON
+iteration stats (see `_TrtllmCollector` for the source and what the simulation keeps).
 
 Time: the simulated clock runs `time_scale` times faster than wall time. Everything the engine
 reports (histograms, startup delay) is in SIMULATED seconds. The engine keeps its own simulated
@@ -36,6 +37,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import random
 import signal
 import time
@@ -73,6 +75,10 @@ TRTLLM_PREFILL_BUCKETS: tuple[float, ...] = (
     640.0, 2560.0,
 )
 FINISH_REASONS = ("stop", "length", "abort")
+# trtllm-serve builds its MetricsCollector with these label values, whatever the model (NVIDIA/TensorRT-LLM
+# tensorrt_llm/serve/openai_server.py @ 00057725d9a6591f033e44f31c219e2426827bb7, `_init_llm`): the model
+# must come from the scrape target's labels, never from `model_name`.
+TRTLLM_SERVE_LABEL_VALUES = {"model_name": "undefined", "engine_type": "undefined"}
 
 
 def buckets_1_2_5(max_value: int) -> tuple[float, ...]:
@@ -202,6 +208,10 @@ class _Stats:
         self.generation_tokens = 0
         self.preemptions = 0
         self.success = dict.fromkeys(FINISH_REASONS, 0)
+        # TensorRT-LLM logs every per-request metric once, when the request finishes
+        self.ttft_finished = Hist(TTFT_BUCKETS)
+        self.prompt_tokens_finished = 0
+        self.generation_tokens_finished = 0
 
 
 def _hist(name: str, doc: str, labels: Sequence[str], values: Sequence[str], h: Hist) -> HistogramMetricFamily:
@@ -279,18 +289,32 @@ class _VllmCollector:
 
 
 class _TrtllmCollector:
+    """What `trtllm-serve` exports on /prometheus/metrics.
+
+    Source: NVIDIA/TensorRT-LLM tensorrt_llm/metrics/collector.py @ 050f80def8df236e326949c8bd9dee10fd896a83
+    (`MetricsCollector`: names with the `trtllm_` prefix, types, default bucket edges, labels; the
+    per-request metrics are logged when a request finishes, the gauges from the iteration stats),
+    mounted by tensorrt_llm/serve/openai_server.py (`mount_metrics`) through prometheus_client's
+    multiprocess collector: counters and histograms have no `_created` series, and gauges (mode
+    "all") carry a `pid` label. The simulation exports the subset it can compute; the names, types,
+    labels and edges are held against the source by tests/integration/test_sim_engine_trtllm_metrics.py.
+    """
+
     def __init__(self, engine: SimEngine) -> None:
         self.e = engine
 
     def collect(self) -> Iterable[Metric]:
         e, s = self.e, self.e.stats
-        ln, lv = ["model_name", "engine_type"], [e.cfg.model, "trtllm"]
+        ln = list(TRTLLM_SERVE_LABEL_VALUES)
+        lv = [TRTLLM_SERVE_LABEL_VALUES[k] for k in ln]
+        gn, gv = [*ln, "pid"], [*lv, str(os.getpid())]
         core = e.core
+        kv_used = round(core.kv_usage * e.params.kv_blocks)
         yield _success_counter("trtllm_request_success", ln, lv, s.success)
         yield _hist("trtllm_e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
                     ln, lv, s.e2e)
         yield _hist("trtllm_time_to_first_token_seconds", "Histogram of time to first token in seconds.", ln, lv,
-                    s.ttft)
+                    s.ttft_finished)
         yield _hist("trtllm_time_per_output_token_seconds", "Histogram of time per output token in seconds.",
                     ln, lv, s.tpot_req)
         yield _hist("trtllm_request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
@@ -302,16 +326,23 @@ class _TrtllmCollector:
         yield _hist("trtllm_request_inference_time_seconds", "Histogram of total inference duration in seconds.",
                     ln, lv, s.inference)
         yield _counter("trtllm_prompt_tokens", "Cumulative number of prompt (input) tokens processed.", ln, lv,
-                       s.prompt_tokens)
+                       s.prompt_tokens_finished)
         yield _counter("trtllm_generation_tokens", "Cumulative number of generation (output) tokens produced.",
-                       ln, lv, s.generation_tokens)
-        yield _gauge("trtllm_kv_cache_utilization", "KV cache utilization", ln, lv, core.kv_usage)
-        yield _gauge("trtllm_num_requests_running", "Number of active requests", ln, lv, core.num_running)
-        yield _gauge("trtllm_num_requests_waiting", "Number of queued requests", ln, lv,
+                       ln, lv, s.generation_tokens_finished)
+        yield _counter("trtllm_num_requests_completed", "Total number of completed requests across iterations",
+                       ln, lv, sum(s.success.values()) - s.success["abort"])
+        yield _gauge("trtllm_kv_cache_utilization", "KV cache utilization", gn, gv, core.kv_usage)
+        yield _gauge("trtllm_num_requests_running", "Number of active requests", gn, gv, core.num_running)
+        yield _gauge("trtllm_num_requests_waiting", "Number of queued requests", gn, gv,
                      core.num_waiting + len(e.incoming))
-        yield _gauge("trtllm_kv_cache_max_blocks", "Maximum number of KV cache blocks", ln, lv,
-                     e.params.kv_blocks)
-        yield _gauge("trtllm_kv_cache_tokens_per_block", "Tokens per KV cache block", ln, lv, e.params.block_size)
+        yield _gauge("trtllm_max_num_active_requests", "Maximum number of active requests", gn, gv,
+                     e.params.max_num_seqs)
+        yield _gauge("trtllm_kv_cache_max_blocks", "Maximum number of KV cache blocks", gn, gv, e.params.kv_blocks)
+        yield _gauge("trtllm_kv_cache_used_blocks", "Number of used KV cache blocks", gn, gv, kv_used)
+        yield _gauge("trtllm_kv_cache_free_blocks", "Number of free KV cache blocks", gn, gv,
+                     e.params.kv_blocks - kv_used)
+        yield _gauge("trtllm_kv_cache_tokens_per_block", "Number of tokens per KV cache block", gn, gv,
+                     e.params.block_size)
 
 
 class RequestError(Exception):
@@ -397,6 +428,7 @@ class SimEngine:
         self.behind_max_wall_s = 0.0  # the most the simulated clock fell behind time_scale x wall
         self._warned_behind = False
         self.steps = 0
+        self.last_step_s = 0.0  # simulated duration of the last engine step
         self._driver: asyncio.Task[None] | None = None
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
@@ -423,9 +455,11 @@ class SimEngine:
         app.router.add_get("/ping", self.h_health)
         app.router.add_get("/v1/models", self.h_models)
         app.router.add_get("/version", self.h_version)
-        app.router.add_get("/metrics", self.h_metrics)
         if self.cfg.persona is Engine.TRTLLM:
+            app.router.add_get("/metrics", self.h_trt_iteration_stats)
             app.router.add_get("/prometheus/metrics", self.h_trt_metrics)
+        else:
+            app.router.add_get("/metrics", self.h_metrics)
         app.router.add_post("/v1/completions", self.h_completions)
         app.router.add_post("/v1/chat/completions", self.h_chat)
         app.router.add_get("/sim/state", self.h_state)
@@ -508,6 +542,7 @@ class SimEngine:
             end = t + res.duration_s
             self._sim_t = end
             self.steps += 1
+            self.last_step_s = res.duration_s
             ahead_wall = (end - self.wall_sim_now()) / k
             await asyncio.sleep(ahead_wall if ahead_wall > 0.0005 else 0)
             self._emit(res, t, end)
@@ -557,6 +592,9 @@ class SimEngine:
         first = r.first if r.first is not None else end
         sched = r.scheduled if r.scheduled is not None else first
         s.success[r.finish_reason] += 1
+        s.ttft_finished.observe(first - r.arrival)
+        s.prompt_tokens_finished += r.prompt_tokens
+        s.generation_tokens_finished += r.out_tokens
         s.e2e.observe(end - r.arrival)
         s.queue.observe(max(0.0, sched - r.arrival))
         s.prefill.observe(first - sched)
@@ -594,6 +632,22 @@ class SimEngine:
     async def h_trt_metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.trtllm_registry),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def h_trt_iteration_stats(self, request: web.Request) -> web.Response:
+        """trtllm-serve's `/metrics`: JSON iteration stats, not Prometheus text (the keys the
+        MetricsCollector reads from them; NVIDIA/TensorRT-LLM tensorrt_llm/metrics/collector.py
+        `log_iteration_stats`)."""
+        core, p = self.core, self.params
+        used = round(core.kv_usage * p.kv_blocks)
+        return web.json_response([{
+            "iter": self.steps,
+            "iterLatencyMS": self.last_step_s * 1000.0,
+            "numActiveRequests": core.num_running,
+            "numQueuedRequests": core.num_waiting + len(self.incoming),
+            "maxNumActiveRequests": p.max_num_seqs,
+            "kvCacheStats": {"maxNumBlocks": p.kv_blocks, "usedNumBlocks": used, "freeNumBlocks": p.kv_blocks - used,
+                             "tokensPerBlock": p.block_size},
+        }])
 
     async def h_state(self, request: web.Request) -> web.Response:
         return web.json_response({
