@@ -40,7 +40,7 @@ from planner.correction import applied_speeds, corrections_tuple, forget, update
 from planner.counts import UNMET_TOL_RPS, Candidate, CountProblem, CountSolution, ModelDemand, solve_counts
 from planner.forecast import forecast_rate, recent_level_max
 from planner.placement import LIVE_STATES, Placement, place, safe_id, slots_by_gpu
-from planner.policy import Effective, Policy, effective
+from planner.policy import Effective, ModelPolicy, Policy, effective
 from planner.serde import state_to_dict
 from planner.types import (
     Action,
@@ -153,9 +153,36 @@ def plan(
     return plan_with_capacities(observation, fleet, policy, table, state, now_s, predictor=predictor)
 
 
-def _demands(observation: Observation, policy: Policy, now_s: float) -> dict[str, _Demand]:
+def burst_need_rps(peak_rps: float, window_s: float, ttft_slo_ms: float) -> float:
+    """The least capacity that serves a burst within the TTFT SLO: a burst at `peak_rps` for
+    `window_s` on capacity C leaves a backlog (peak - C) x window that drains at C; its last request
+    waits backlog / C <= SLO  <=>  C >= peak x window / (window + SLO).
+
+    >>> round(burst_need_rps(40.0, 15.0, 1000.0), 2)   # 4x a 10 rps mean, chat SLO: keep ~3.75x
+    37.5
+    >>> round(burst_need_rps(40.0, 15.0, 15000.0), 2)  # long-context SLO: the queue absorbs half
+    20.0
+    """
+    return peak_rps * window_s / (window_s + ttft_slo_ms / 1000.0)
+
+
+def _bursts(o: ModelObservation | None, m: ModelPolicy, state: PlannerState, now_s: float,
+            keep_s: float) -> tuple[float, tuple[tuple[float, float], ...]]:
+    """(the highest burst need over the last `keep_s`, this model's burst memory for the next state)."""
+    past = tuple((t, v) for name, t, v in state.bursts if name == m.name and now_s - t < keep_s)
+    if o is not None and o.peak_rps is not None and math.isfinite(o.peak_rps) and o.peak_rps > 0 \
+            and o.peak_window_s > 0:
+        past = (*past, (now_s, burst_need_rps(o.peak_rps, o.peak_window_s, m.slo.ttft_p99_ms)))
+    return max((v for _, v in past), default=0.0), past
+
+
+def _demands(observation: Observation, policy: Policy, now_s: float,
+             state: PlannerState | None = None) -> tuple[dict[str, _Demand], tuple[tuple[str, float, float], ...]]:
+    """Per model what the plan serves, and the burst memory for the next state."""
     obs = _canonical_observations(observation, policy)
     out: dict[str, _Demand] = {}
+    memory: list[tuple[str, float, float]] = []
+    keep_s = max(policy.scaling.scale_down_delay_s, 2 * policy.scaling.cycle_s)
     for m in policy.models:
         o = obs.get(m.name)
         notes: list[str] = []
@@ -183,9 +210,16 @@ def _demands(observation: Observation, policy: Policy, now_s: float) -> dict[str
         hold = recent_level_max(o.history, o.rate_rps, now_s, policy.scaling.scale_down_delay_s)
         if hold is not None:
             hold = max(demand, hold + fc.margin_rps)  # what the forecast said at that level
-        out[m.name] = _Demand(m.name, o.rate_rps, fc.rate_rps, demand, demand * (1 + m.headroom), True,
-                              tuple(notes), hold)
-    return out
+        required = demand * (1 + m.headroom)
+        burst, mem = _bursts(o, m, state or PlannerState.initial(), now_s, keep_s)
+        memory.extend((m.name, t, v) for t, v in mem)
+        if burst > required:
+            # bursts shorter than the lead time cannot be chased: keep what drains them within the SLO
+            notes.append(f"bursts: short-window peaks need {burst:.2f} rps of capacity to drain within the "
+                         f"TTFT SLO (above demand x (1 + headroom) = {required:.2f}); kept for {keep_s:.0f} s")
+            required = burst
+        out[m.name] = _Demand(m.name, o.rate_rps, fc.rate_rps, demand, required, True, tuple(notes), hold)
+    return out, tuple(memory)
 
 
 def _ready_configs(policy: Policy, fleet: Fleet) -> frozenset[ConfigKey]:
@@ -292,7 +326,7 @@ def plan_with_capacities(
     drained = eff.drain_hosts
     usable = [h for h in hosts if h.online and h.name not in drained]
     gpus = {h.gpu for h in usable}
-    demands = _demands(observation, policy, now_s)
+    demands, bursts = _demands(observation, policy, now_s, state)
     ready = _ready_configs(policy, fleet)
     usable_names = {h.name for h in usable}
 
@@ -402,7 +436,7 @@ def plan_with_capacities(
 
     explanation = _explain(policy, demands, now_sol, target_sol, now_place, target_place, capacities,
                            predictor, reports, now_plan, target_plan, notes, observation)
-    next_state = PlannerState(tuple(sorted(surplus_next.items())), state.cycle + 1, state.corrections)
+    next_state = PlannerState(tuple(sorted(surplus_next.items())), state.cycle + 1, state.corrections, bursts)
     return PlanResult(now_plan, target_plan, next_state, explanation, tuple(act), tuple(deferred))
 
 

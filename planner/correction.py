@@ -18,7 +18,8 @@ Per config and per latency, ln(s) is tracked by a Kalman filter (a value and its
 - each window: z = ln(s_observed) with variance OBS_VAR + OBS_VAR_PER_REQUEST / n (a p99 of few
   requests is noise; fewer than MIN_REQUESTS completions: no update); drift DRIFT_VAR per cycle keeps
   it learning; the step per cycle is capped (MAX_STEP_DOWN / MAX_STEP_UP): one noisy window never
-  swings the fleet;
+  swings the fleet; what the plan applies moves only when the estimate leaves a band around it
+  (HYSTERESIS_DOWN / _UP), so configs of nearly equal cost do not flip back and forth;
 - applied: a slower engine at once (the plan grows now: feedback, not only the forecast); a faster
   one only as far as the evidence's lower side (mean - UP_TRUST_SD sd), and, while a profile is used outside
   its data and has not yet been confirmed (sd > CONFIRMED_SD), conservatively at mean - 1 sd.
@@ -43,7 +44,7 @@ PRIOR_SD = 0.25
 PRIOR_SD_EXTRAPOLATING = 0.5
 OBS_VAR = 0.15 ** 2
 OBS_VAR_PER_REQUEST = 2.0  # / n: a p99 over 50 requests adds 0.04
-DRIFT_VAR = 0.03 ** 2
+DRIFT_VAR = 0.02 ** 2
 MAX_STEP_DOWN = 0.25  # ln per cycle: at most x0.78
 MAX_STEP_UP = 0.10  # ln per cycle: at most x1.105
 CONFIRMED_SD = 0.2
@@ -102,10 +103,27 @@ def update_corrections(
         i_log, i_var = _kalman(prev.itl_log, prev.itl_var + DRIFT_VAR, z_i, r)
         notable = abs(t_log) > NOTABLE or abs(i_log) > NOTABLE
         since = (prev.since_s if prev.since_s is not None else now_s) if notable else None
+        extra = bool(extrapolating.get(config))
+        a_t = _hysteresis(prev.applied_ttft_log if prev.observations else None,
+                          _applied(t_log, t_var, extra and t_var > CONFIRMED_SD ** 2))
+        a_i = _hysteresis(prev.applied_itl_log if prev.observations else None,
+                          _applied(i_log, i_var, extra and i_var > CONFIRMED_SD ** 2))
         out[config] = Correction(config, t_log, t_var, i_log, i_var, prev.observations + 1, since, now_s,
                                  math.exp(z_t) if z_t is not None else None,
-                                 math.exp(z_i) if z_i is not None else None)
+                                 math.exp(z_i) if z_i is not None else None, a_t, a_i)
     return out
+
+
+HYSTERESIS_DOWN = 0.02  # ln: a slower engine is applied once the estimate is 2% below what is applied
+HYSTERESIS_UP = 0.05  # ln: a faster one once it is 5% above (estimates wander; configs must not flip)
+
+
+def _hysteresis(applied: float | None, candidate: float) -> float:
+    """What the plan applies: the previous value unless the estimate left a band around it, so that
+    a wandering estimate does not make the fleet flip between configs of nearly equal cost."""
+    if applied is None or candidate < applied - HYSTERESIS_DOWN or candidate > applied + HYSTERESIS_UP:
+        return candidate
+    return applied
 
 
 def _log_speed(prof: PerfProfile, mix: LengthMix, rps: float, observed_ms: float | None, *, itl: bool) -> float | None:
@@ -147,8 +165,11 @@ def applied_speeds(
             corr = Correction(config, 0.0, var0, 0.0, var0)
         conservative_t = extra and corr.ttft_var > CONFIRMED_SD ** 2
         conservative_i = extra and corr.itl_var > CONFIRMED_SD ** 2
-        st = math.exp(_applied(corr.ttft_log, corr.ttft_var, conservative_t))
-        si = math.exp(_applied(corr.itl_log, corr.itl_var, conservative_i))
+        if corr.observations:
+            st, si = math.exp(corr.applied_ttft_log), math.exp(corr.applied_itl_log)
+        else:
+            st = math.exp(_applied(corr.ttft_log, corr.ttft_var, conservative_t))
+            si = math.exp(_applied(corr.itl_log, corr.itl_var, conservative_i))
         if abs(math.log(st)) < 1e-9 and abs(math.log(si)) < 1e-9:
             continue
         out[config] = Speeds(st, si, describe(corr, st, si, conservative_t or conservative_i))

@@ -14,7 +14,9 @@ forecast = level + shape rise over the horizon + q-quantile of the short-horizon
 - residuals: for every pair of history samples (t_i, t_j) with 0 < t_j - t_i <= horizon in the
   last `RESID_S` seconds, r = y_j - level_i - (shape(t_j) - shape(t_i)): how far the rate came above
   the level it had, within the horizon. Their q-quantile (not the mean) is the safety margin; it
-  is computed over recent pairs only, so a past peak does not keep the forecast up.
+  is computed over recent pairs only, so a past peak does not keep the forecast up, and it is
+  capped by the largest rise seen in at least `MIN_RECUR` disjoint horizon windows, so one step
+  (1 -> 10 rps and back) never sets the margin alone, however short the history.
 The planner serves max(current, forecast).
 """
 
@@ -149,8 +151,41 @@ def forecast_rate(
         allr = np.concatenate(resid)
         if len(allr) >= 4:
             margin = max(0.0, float(np.quantile(allr, quantile)))
+            margin = min(margin, _recurring_rise(tk, yk, lk, sk, h))
     value = level + rise + margin
     return Forecast(max(value, 0.0), method, horizon_s, quantile, level, rise, margin)
+
+
+MIN_RECUR = 2  # a rise counts for the margin only when it happened in at least this many episodes
+
+
+def _recurring_rise(t: np.ndarray, y: np.ndarray, level: np.ndarray, shape: np.ndarray, h: float) -> float:
+    """The largest rise above the level seen in at least MIN_RECUR distinct events (rise peaks more
+    than one horizon apart): one step in the rate (a load test, an incident) is one event and never
+    sets the margin alone, however short the history; bursts that recur do.
+
+    >>> t = np.arange(0.0, 1200.0, 30.0); y = np.where(t < 600, 1.0, 10.0)
+    >>> float(_recurring_rise(t, y, y, np.zeros_like(t), 150.0))
+    0.0
+    >>> y2 = np.where((t % 400) < 60, 6.0, 1.0)
+    >>> float(_recurring_rise(t, y2, np.ones_like(t), np.zeros_like(t), 150.0))
+    5.0
+    """
+    events: list[tuple[float, float]] = []  # (rise, time of its peak)
+    for i in range(len(t)):
+        j = int(np.searchsorted(t, t[i] + h, side="right"))
+        if j <= i + 1:
+            continue
+        r = y[i + 1:j] - level[i] - (shape[i + 1:j] - shape[i])
+        k = int(np.argmax(r))
+        events.append((float(r[k]), float(t[i + 1 + k])))
+    accepted: list[float] = []
+    for rise, tj in sorted(events, reverse=True):
+        if all(abs(tj - a) > h for a in accepted):
+            accepted.append(tj)
+            if len(accepted) >= MIN_RECUR:
+                return max(rise, 0.0)
+    return 0.0
 
 
 def recent_level_max(

@@ -126,12 +126,15 @@ class CorrectionDoc(_Strict):
     updated_s: float | None = None
     observed_ttft_speed: float | None = None
     observed_itl_speed: float | None = None
+    applied_ttft_log: float = Field(default=0.0, ge=-5, le=5)
+    applied_itl_log: float = Field(default=0.0, ge=-5, le=5)
 
 
 class StateDoc(_Strict):
     cycle: int = 0
     surplus_since_s: tuple[SurplusDoc, ...] = ()
     corrections: tuple[CorrectionDoc, ...] = ()
+    bursts: tuple[tuple[str, float, float], ...] = ()
 
 
 class FleetDoc(_Strict):
@@ -196,8 +199,10 @@ def state_to_dict(state: PlannerState) -> dict[str, Any]:
         "corrections": [{**_key_dict(k.config), "ttft_log": k.ttft_log, "ttft_var": k.ttft_var,
                          "itl_log": k.itl_log, "itl_var": k.itl_var, "observations": k.observations,
                          "since_s": k.since_s, "updated_s": k.updated_s,
-                         "observed_ttft_speed": k.observed_ttft_speed, "observed_itl_speed": k.observed_itl_speed}
+                         "observed_ttft_speed": k.observed_ttft_speed, "observed_itl_speed": k.observed_itl_speed,
+                         "applied_ttft_log": k.applied_ttft_log, "applied_itl_log": k.applied_itl_log}
                         for k in state.corrections],
+        "bursts": [list(b) for b in state.bursts],
     }
 
 
@@ -209,8 +214,10 @@ def _state(doc: StateDoc) -> PlannerState:
         tuple(sorted((key(s), s.since_s) for s in doc.surplus_since_s)),
         doc.cycle,
         tuple(sorted((Correction(key(k), k.ttft_log, k.ttft_var, k.itl_log, k.itl_var, k.observations, k.since_s,
-                                 k.updated_s, k.observed_ttft_speed, k.observed_itl_speed)
+                                 k.updated_s, k.observed_ttft_speed, k.observed_itl_speed, k.applied_ttft_log,
+                                 k.applied_itl_log)
                       for k in doc.corrections), key=lambda c: c.config)),
+        tuple(doc.bursts),
     )
 
 

@@ -123,7 +123,8 @@ class ModelObservation:
     isl_quantiles: tuple[tuple[float, float], ...] = ()
     osl_quantiles: tuple[tuple[float, float], ...] = ()
     configs: tuple[ConfigObservation, ...] = ()  # per serving config, where the engines export it
-    peak_rps: float | None = None  # the highest short-window (one scrape interval) rate in the window
+    peak_rps: float | None = None  # the highest short-window rate within the window (bursts)
+    peak_window_s: float = 15.0  # the short window peak_rps is measured over (one scrape interval)
 
 
 def _empty_models() -> Mapping[str, ModelObservation]:
@@ -155,6 +156,8 @@ class Correction:
     updated_s: float | None = None  # the last window that updated it (epoch s)
     observed_ttft_speed: float | None = None  # what the last window alone said
     observed_itl_speed: float | None = None
+    applied_ttft_log: float = 0.0  # ln(speed) the plan uses (the estimate, with hysteresis)
+    applied_itl_log: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -168,6 +171,7 @@ class PlannerState:
     surplus_since_s: tuple[tuple[ConfigKey, float], ...] = ()
     cycle: int = 0
     corrections: tuple[Correction, ...] = ()  # per config, from observed latency (planner/correction.py)
+    bursts: tuple[tuple[str, float, float], ...] = ()  # (model, t_s, capacity a burst needed), recent
 
     @staticmethod
     def initial() -> PlannerState:

@@ -853,6 +853,7 @@ class FleetSim:
                 history=tuple(pts), stale=False,
                 isl_quantiles=_quantiles(a.plen, b.plen), osl_quantiles=_quantiles(a.glen, b.glen),
                 configs=self._config_observations(a, b), peak_rps=self._peak_rate(sc, b.t - self.s.window_s),
+                peak_window_s=self.s.scrape_s,
             )
         return Observation(models=out)
 

@@ -61,9 +61,9 @@ def test_a_profile_40_percent_optimistic_is_corrected_within_5_cycles() -> None:
     hist = run(optimistic, 12, demand)
     want = math.ceil(demand / true_capacity())
     assert hist[0][1] < want  # the optimistic profile alone under-provisions
-    for cap, n in hist[5:]:
-        assert cap == pytest.approx(true_capacity(), rel=0.05)
-        assert n >= want
+    for cap, n in hist[5:]:  # what the true profile would plan, and never more capacity than it
+        assert n == want
+        assert true_capacity() <= cap <= 1.1 * true_capacity()
 
 
 def test_a_profile_40_percent_pessimistic_comes_down_without_overshooting() -> None:
