@@ -23,6 +23,8 @@ seconds (e.g. --traces azure --day-s 21600 --day-scale 2: a 6 h day, 238k reques
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from models.profile import ProfileSet  # noqa: E402
 from planner.policy import load_policy_text  # noqa: E402
 from sim.baselines import POLICY_NAMES  # noqa: E402
 from sim.des import SimSettings  # noqa: E402
@@ -97,10 +100,25 @@ models:
     workload: {isl: 12035, osl: 343}
 """
 
+LONG_CONTEXT_POLICY = (ROOT / "config" / "example-policy-long-context.yaml").read_text()
+
 SCENARIOS = {
     "azure": ("azure_llm_conv_2023.csv", AZURE_POLICY, "llama-3-70b", 4.0),
     "mooncake": ("mooncake_conversation.jsonl", MOONCAKE_POLICY, "llama-3-8b", 1.0),
+    # the issue's long-context case: config/example-policy-long-context.yaml (TTFT 15 s / ITL 120 ms,
+    # TP 1/2/4, TRT-LLM TP1/TP2 cached); meant to be run with --profiles benchmarks
+    "mooncake-long": ("mooncake_conversation.jsonl", LONG_CONTEXT_POLICY, "llama-3-8b", 1.0),
 }
+BENCHMARKS = ROOT.parent / "shared" / "data" / "benchmarks"
+
+
+def _benchmark_profiles(cache: Path) -> ProfileSet:
+    """The user's workflow: `fleetplan models fit` on the public benchmark files (cached)."""
+    if not cache.exists():
+        print(f"fitting profiles from {BENCHMARKS} (fleetplan models fit; a few minutes) -> {cache}", flush=True)
+        subprocess.run([sys.executable, "-m", "controller.cli", "models", "fit", str(BENCHMARKS), "--out",
+                        str(cache)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    return ProfileSet.from_json_dict(json.loads(cache.read_text()))
 
 
 def _profile_cap(profiles: object, c: object, isl: float, osl: float, m: object) -> float:
@@ -124,6 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--policies", default=",".join(POLICY_NAMES))
     ap.add_argument("--out", type=Path, default=None, help="write charts per scenario here")
+    ap.add_argument("--profiles", default="ground-truth",
+                    help="ground-truth (rate sweeps on the simulator with the trace's mix, fitted), "
+                         "benchmarks (fleetplan models fit on ../shared/data/benchmarks: the user's "
+                         "workflow; cached in --profiles-cache), or a PROFILES.json path")
+    ap.add_argument("--profiles-cache", type=Path, default=Path("/tmp/fleetplan-benchmark-profiles.json"))
     args = ap.parse_args(argv)
     if not TRACES.is_dir():
         print(f"traces not found at {TRACES}", file=sys.stderr)
@@ -145,17 +168,23 @@ def main(argv: list[str] | None = None) -> int:
             m = pol.models[0]
             t0 = time.perf_counter()
             configs = candidates_for(pol, model)
-            profiles = profiles_from_ground_truth(configs, trace_lengths(tr, model), m.slo.ttft_p99_ms,
-                                                  m.slo.itl_p99_ms)
+            if args.profiles == "ground-truth":
+                profiles = profiles_from_ground_truth(configs, trace_lengths(tr, model), m.slo.ttft_p99_ms,
+                                                      m.slo.itl_p99_ms)
+            elif args.profiles == "benchmarks":
+                profiles = _benchmark_profiles(args.profiles_cache)
+            else:
+                profiles = ProfileSet.from_json_dict(json.loads(Path(args.profiles).read_text()))
             t_prof = time.perf_counter() - t0
             opts = EvaluateOptions(policies=tuple(args.policies.split(",")), settings=SimSettings(),
                                    workers=args.workers)
             ev = evaluate(tr, pol, profiles, opts, trace_info={"scenario": key, "shape": shape_name,
                                                                 "rate_scale": tr_scale})
-            print(f"\n=== {key} ({fname}), {shape_name}, rate x{tr_scale:g}, model {model} ===")
+            print(f"\n=== {key} ({fname}), {shape_name}, rate x{tr_scale:g}, model {model}, "
+                  f"profiles: {args.profiles} ===")
             print(render_table(ev))
             isl, osl = ev.trace["mean_prompt_tokens"][model], ev.trace["mean_output_tokens"][model]
-            print("capacity per replica at the SLO, ground truth vs fitted profile (rps): " + ", ".join(
+            print("capacity per replica at the SLO (mean lengths), ground truth vs fitted profile (rps): " + ", ".join(
                 f"{c.label()}={ev.capacities.get(c.label(), 0.0):.2f} vs {_profile_cap(profiles, c, isl, osl, m):.2f}"
                 for c in configs))
             print("diagnostics: " + "; ".join(
@@ -163,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                 for n, f in ev.policies.items() if n.startswith("fleetplan") or n == "hpa"))
             for goal, ok, fig in goals(ev):
                 print(f"goal: {goal}: {'MET' if ok else 'NOT MET'} ({fig})")
-            print(f"profiles from ground truth: {t_prof:.1f} s; evaluation wall time: {ev.wall_s:.1f} s "
+            print(f"profiles ({args.profiles}): {t_prof:.1f} s; evaluation wall time: {ev.wall_s:.1f} s "
                   f"for {len(ev.policies)} policies on {ev.trace['requests']} requests")
             if args.out is not None:
                 png, html = write_charts(ev, args.out / f"{key}-{shape_name}")

@@ -62,7 +62,10 @@ from planner.types import (
     SolverReport,
 )
 
-__all__ = ["plan", "plan_to_dict", "plan_with_capacities"]
+__all__ = ["UNKNOWN_CAPACITY_RPS", "plan", "plan_to_dict", "plan_with_capacities"]
+
+# the capacity of a config nothing is known about: a candidate for min_replicas, never for demand
+UNKNOWN_CAPACITY_RPS = 1e-6
 
 
 @dataclass(frozen=True)
@@ -149,6 +152,12 @@ def plan(
                                      now_s)
     speeds = applied_speeds(corrections, chosen, extrap)
     table, predictor = capacity_table(policy, chosen, workloads, gpus, speeds=speeds)
+    for c in sorted(allowed):
+        if not any(k.model == c.model for k in table):
+            # no profile and no roofline prior: the floor still runs (min_replicas), flagged
+            table[c] = CapacityInfo(UNKNOWN_CAPACITY_RPS, "", (), True, None, "",
+                                    ("no profile and no roofline prior for this model: capacity unknown, "
+                                     "sized to min_replicas only",))
     state = replace(state, corrections=corrections_tuple(corrections))
     return plan_with_capacities(observation, fleet, policy, table, state, now_s, predictor=predictor)
 
@@ -356,6 +365,14 @@ def plan_with_capacities(
         notes.append("maintenance (drained hosts): " + ", ".join(sorted(drained)))
     if not usable:
         notes.append("no usable hosts: every host is offline or drained")
+    unknown = {m.name for m in policy.models
+               if any(c.model == m.name for c in capacities)
+               and all(i.max_rps <= UNKNOWN_CAPACITY_RPS for c, i in capacities.items() if c.model == m.name)}
+    for name in sorted(unknown):
+        d = demands[name]
+        demands[name] = replace(d, required_rps=0.0, notes=(
+            *d.notes, "no capacity data (no profile, no roofline prior): only min_replicas run; benchmark "
+            "this model (fleetplan models fit) to size it to its demand"))
 
     target_cands = _candidates(policy, capacities, gpus, ready, now_only=False)
     target_problem = _count_problem(policy, eff, target_cands, demands, slots, current, floors)

@@ -105,13 +105,25 @@ def update_corrections(
         since = (prev.since_s if prev.since_s is not None else now_s) if notable else None
         extra = bool(extrapolating.get(config))
         a_t = _hysteresis(prev.applied_ttft_log if prev.observations else None,
-                          _applied(t_log, t_var, extra and t_var > CONFIRMED_SD ** 2))
+                          _deadband(_applied(t_log, t_var, extra and t_var > CONFIRMED_SD ** 2), extra))
         a_i = _hysteresis(prev.applied_itl_log if prev.observations else None,
-                          _applied(i_log, i_var, extra and i_var > CONFIRMED_SD ** 2))
+                          _deadband(_applied(i_log, i_var, extra and i_var > CONFIRMED_SD ** 2), extra))
         out[config] = Correction(config, t_log, t_var, i_log, i_var, prev.observations + 1, since, now_s,
                                  math.exp(z_t) if z_t is not None else None,
                                  math.exp(z_i) if z_i is not None else None, a_t, a_i)
     return out
+
+
+TRUSTED_BAND = 0.10  # ln: a profile used inside its data is not corrected within its fit error (~10%)
+
+
+def _deadband(candidate: float, extrapolating: bool) -> float:
+    """A profile used inside its data is trusted within its fit error: the p99 of one window moves
+    with load fluctuations and sample noise by about that much (docs/models.md: LOO TTFT/ITL errors
+    ~10-20%); beyond it, or while extrapolating, the evidence is applied in full."""
+    if extrapolating or abs(candidate) > TRUSTED_BAND:
+        return candidate
+    return 0.0
 
 
 HYSTERESIS_DOWN = 0.02  # ln: a slower engine is applied once the estimate is 2% below what is applied

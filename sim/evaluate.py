@@ -23,9 +23,10 @@ from typing import Any
 
 import numpy as np
 
+from models.mix import QUANTILE_LEVELS, mix_from_quantiles
 from models.names import Engine
 from models.profile import ProfileSet
-from planner.capacity import candidate_configs
+from planner.capacity import MixedWorkload, candidate_configs, capacity_table
 from planner.policy import Policy
 from planner.types import ConfigKey
 from sim.baselines import (
@@ -120,6 +121,21 @@ class Evaluation:
     capacities: Mapping[str, float]  # ground-truth max rps per config label
     wall_s: float
     notes: tuple[str, ...] = ()
+    # per config label: what the profiles say for the trace's length mix (the planner's view before
+    # any observation) and why it extrapolates; the gap to `capacities` is the profile's error
+    profile_capacities: Mapping[str, tuple[float, tuple[str, ...]]] = field(default_factory=dict)
+
+    def capacity_gaps(self) -> list[str]:
+        """One line per config: profile vs ground-truth capacity per replica at the SLO."""
+        out = []
+        for label in sorted(set(self.capacities) | set(self.profile_capacities)):
+            gt = self.capacities.get(label)
+            prof, why = self.profile_capacities.get(label, (None, ()))
+            gap = (f"{100.0 * (prof / gt - 1.0):+.0f}%" if prof is not None and gt else "-")
+            out.append(f"{label}: profile {'-' if prof is None else format(prof, '.2f')} vs ground truth "
+                       f"{'-' if gt is None else format(gt, '.2f')} rps ({gap})"
+                       + (f"; extrapolating: {'; '.join(why)}" if why else ""))
+        return out
 
     def to_json(self) -> dict[str, Any]:
         """{"policies": {name: figures}, "trace": {...}}: exactly the two top-level keys of the issue."""
@@ -130,6 +146,10 @@ class Evaluation:
                 k: round(v, 3) for k, v in sorted(self.capacities.items())}
         trace = dict(self.trace)
         trace["evaluation_wall_s"] = round(self.wall_s, 2)
+        trace["profile_vs_ground_truth_rps"] = {
+            label: {"profile": round(prof, 3), "ground_truth": round(self.capacities.get(label, 0.0), 3),
+                    "extrapolating": list(why)}
+            for label, (prof, why) in sorted(self.profile_capacities.items())}
         if self.notes:
             trace["notes"] = list(self.notes)
         return {"policies": policies, "trace": trace}
@@ -471,7 +491,28 @@ def evaluate(trace: Trace, policy: Policy, profiles: ProfileSet, options: Evalua
         capacities={c.label(): v for c, v in caps.items()},
         wall_s=time.perf_counter() - t_start,
         notes=tuple(notes),
+        profile_capacities=profile_capacities(trace, policy, profiles, models),
     )
+
+
+def trace_workload(trace: Trace, model: str) -> MixedWorkload:
+    """The model's length mix in the trace, as the controller would observe it (quantiles + means)."""
+    lengths = np.array(trace_lengths(trace, model), dtype=float)
+    isl, osl = lengths[:, 0], lengths[:, 1]
+    mix = mix_from_quantiles([(q, float(np.quantile(isl, q))) for q in QUANTILE_LEVELS],
+                             [(q, float(np.quantile(osl, q))) for q in QUANTILE_LEVELS],
+                             isl_mean=float(isl.mean()), osl_mean=float(osl.mean()))
+    return MixedWorkload(float(isl.mean()), float(osl.mean()), mix)
+
+
+def profile_capacities(trace: Trace, policy: Policy, profiles: ProfileSet,
+                       models: Sequence[str]) -> dict[str, tuple[float, tuple[str, ...]]]:
+    """Per config: the profiles' capacity for the trace's mix (no correction) and why it extrapolates."""
+    gpus = {h.gpu for h in policy.hosts} or set(policy.gpu_types)
+    workloads = {m: trace_workload(trace, m) for m in models}
+    table, _ = capacity_table(policy, profiles, workloads, gpus)
+    return {c.label(): (info.profile_rps or info.max_rps, info.extrapolating) for c, info in table.items()
+            if c.model in workloads}
 
 
 def _window_rates(trace: Trace, window_s: float, duration_s: float) -> np.ndarray:
@@ -562,6 +603,10 @@ def render_table(ev: Evaluation) -> str:
                  f"{tr.get('duration_s')} s, mean {tr.get('mean_rps')} rps, peak(60 s) {tr.get('peak_rps_60s')} rps")
     if ev.oracle_config:
         lines.append(f"oracle config: {ev.oracle_config}")
+    gaps = ev.capacity_gaps()
+    if gaps:
+        lines.append("capacity per replica at the SLO for the trace's mix, profile vs ground truth:")
+        lines.extend(f"  {g}" for g in gaps)
     lines.append(f"evaluation wall time: {ev.wall_s:.1f} s")
     return "\n".join(lines)
 
