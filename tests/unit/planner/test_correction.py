@@ -7,8 +7,6 @@ import itertools
 import math
 import random
 
-import pytest
-
 from models import profile as mp
 from models.mix import LengthMix, capacity_mix, predict_mix, scaled
 from planner.capacity import MixedWorkload, capacity_table

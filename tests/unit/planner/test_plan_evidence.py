@@ -1,0 +1,86 @@
+"""plan() with length mixes, observed evidence and no profile: what the planner does with the fleet's
+own numbers (planner/correction.py, models/mix.py), end to end through plan()."""
+
+from __future__ import annotations
+
+import json
+
+from planner_helpers import H100, VLLM, hosts, policy, policy_dict
+
+from models import profile as mp
+from models.mix import LengthMix, predict_mix, scaled
+from planner.capacity import MixedWorkload
+from planner.core import plan, plan_to_dict, workloads_from
+from planner.policy import load_policy_dict
+from planner.serde import state_from_dict
+from planner.types import ConfigKey, ConfigObservation, Fleet, ModelObservation, Observation, PlannerState
+
+NOW = 1_700_000_000.0
+KEY = ConfigKey("m8", VLLM, H100, 1, mp.Precision.BF16)
+TRUE = mp.PerfProfile(mp.ProfileKey("m8", VLLM, H100, 1, mp.Precision.BF16),
+                      mp.PerfParams(s0_ms=9.0, s1_ms=0.05, s2_ms=0.0002, p0_ms=5.0, p1_ms=0.06, p2_ms=2e-7, q=1.0),
+                      kv_tokens=400_000.0,
+                      data_range=mp.DataRange((128.0, 4096.0), (64.0, 1024.0), (0.5, 20.0), None, 8))
+ONE = policy(models=("m8",), model_extra={"m8": {"allowed": {"tp": [1], "engines": ["vllm"]}}})
+
+
+def _obs(rate: float, replicas: int, ttft: float | None, itl: float | None, **kw: object) -> Observation:
+    ev = (ConfigObservation(KEY, replicas, rate, ttft, itl, 500.0),) if replicas else ()
+    return Observation({"m8": ModelObservation("m8", rate, 500.0, 200.0, configs=ev, **kw)})  # type: ignore[arg-type]
+
+
+def test_a_slow_fleet_scales_up_now_and_the_state_carries_the_correction() -> None:
+    profiles = mp.ProfileSet((scaled(TRUE, 1.6),))  # the profile is 1.6x too optimistic
+    rate = 60.0
+    first = plan(_obs(rate, 0, None, None), Fleet(hosts(2)), ONE, profiles, PlannerState.initial(), NOW)
+    n0 = sum(c.replicas for c in first.plan.counts)
+    seen = predict_mix(TRUE, LengthMix.single(500, 200), rate / n0)
+    second = plan(_obs(rate, n0, seen.ttft_p99_ms, seen.itl_p99_ms), Fleet(hosts(2)), ONE, profiles,
+                  first.next_state, NOW + 60)
+    n1 = sum(c.replicas for c in second.plan.counts)
+    assert n1 > n0  # feedback: the same demand, more replicas, this cycle
+    cfg = second.explanation.models[0].configs[0]
+    assert cfg.capacity_factor < 0.85 and cfg.correction.startswith("engine speed vs profile")
+    assert cfg.observed_ttft_p99_ms == seen.ttft_p99_ms
+    doc = plan_to_dict(second)
+    json.dumps(doc)
+    assert doc["explanation"]["models"][0]["configs"][0]["capacity_factor"] < 0.85
+    restored = state_from_dict(doc["next_state"])  # what the daemon stores and reloads after a restart
+    assert restored.corrections == second.next_state.corrections
+    assert restored.corrections[0].observations == 1
+
+
+def test_a_model_without_any_capacity_data_runs_its_floor() -> None:
+    p = load_policy_dict(policy_dict(models=("acme-13b",), model_extra={"acme-13b": {
+        "min_replicas": 1, "allowed": {"tp": [1, 2], "engines": ["vllm"]}}}), "test")
+    r = plan(Observation({"acme-13b": ModelObservation("acme-13b", 5.0)}), Fleet(hosts(1)), p,
+             mp.ProfileSet(()), PlannerState.initial(), NOW)
+    assert sum(c.replicas for c in r.plan.counts) == 1
+    assert any("no capacity data" in n for n in r.explanation.models[0].notes)
+
+
+def test_the_policy_workload_may_be_a_distribution_and_observed_quantiles_win() -> None:
+    d = policy_dict(models=("m8",))
+    d["models"][0]["workload"] = {"isl": 820, "osl": 200, "isl_quantiles": {0.5: 500, 0.95: 2400, 0.99: 4100}}
+    p = load_policy_dict(d, "test")
+    w = workloads_from(Observation(), p)["m8"]
+    assert isinstance(w, MixedWorkload) and w.mix is not None
+    assert w.length_mix().isl_quantile(0.99) > 2.5 * w.length_mix().isl_quantile(0.5)
+    obs = Observation({"m8": ModelObservation("m8", 1.0, 1000.0, 100.0,
+                                              isl_quantiles=((0.5, 800.0), (0.99, 9000.0)))})
+    w2 = workloads_from(obs, p)["m8"]
+    assert w2.length_mix().isl_quantile(0.99) > 8000
+
+
+def test_a_one_off_burst_is_held_for_the_scale_down_delay_then_forgotten() -> None:
+    p = policy(models=("m8",), scaling={"scale_down_delay_s": 300, "cycle_s": 60},
+               model_extra={"m8": {"allowed": {"tp": [1], "engines": ["vllm"]}, "headroom": 0.0}})
+    profiles = mp.ProfileSet((TRUE,))
+    calm = plan(_obs(10.0, 0, None, None), Fleet(hosts(2)), p, profiles, PlannerState.initial(), NOW)
+    burst = plan(_obs(10.0, 0, None, None, peak_rps=60.0), Fleet(hosts(2)), p, profiles,
+                 PlannerState.initial(), NOW)
+    assert burst.explanation.models[0].required_rps > 3 * calm.explanation.models[0].required_rps
+    later = plan(_obs(10.0, 0, None, None), Fleet(hosts(2)), p, profiles, burst.next_state, NOW + 120)
+    assert later.explanation.models[0].required_rps == burst.explanation.models[0].required_rps
+    gone = plan(_obs(10.0, 0, None, None), Fleet(hosts(2)), p, profiles, later.next_state, NOW + 400)
+    assert gone.explanation.models[0].required_rps == calm.explanation.models[0].required_rps
