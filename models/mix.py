@@ -84,6 +84,8 @@ class LengthMix:
 
 def _quantile_fn(points: Sequence[tuple[float, float]]) -> tuple[np.ndarray, np.ndarray]:
     pts = sorted((float(q), float(v)) for q, v in points if 0.0 <= q <= 1.0 and math.isfinite(v) and v >= 0)
+    if pts and pts[0][0] > 0.0:
+        pts.insert(0, (0.0, 0.0))  # lengths start at 0: interpolate up to the first quantile, not flat
     qs = [q for q, _ in pts]
     vs = list(np.maximum.accumulate([v for _, v in pts]))  # a quantile function never falls
     return np.array(qs), np.array(vs, dtype=float)
@@ -115,7 +117,7 @@ def mix_from_quantiles(isl_quantiles: Sequence[tuple[float, float]], osl_quantil
 
     >>> m = mix_from_quantiles([(0.5, 1000), (0.99, 8000)], [], osl_mean=200)
     >>> round(m.isl_quantile(0.99)), round(m.mean().osl)
-    (7965, 200)
+    (7929, 200)
     """
     if isl_quantiles:
         isl = _classes(isl_quantiles, ISL_BINS, isl_mean, 0.0)

@@ -42,8 +42,8 @@ from planner.types import ConfigKey, Correction, ModelObservation
 
 PRIOR_SD = 0.25
 PRIOR_SD_EXTRAPOLATING = 0.5
-OBS_VAR = 0.15 ** 2
-OBS_VAR_PER_REQUEST = 2.0  # / n: a p99 over 50 requests adds 0.04
+OBS_VAR = 0.25 ** 2  # one window's p99 ratio wanders ~0.3 in ln on real traces (mooncake, azure)
+OBS_VAR_PER_REQUEST = 4.0  # / n: a p99 over 100 requests adds 0.04
 DRIFT_VAR = 0.02 ** 2
 MAX_STEP_DOWN = 0.25  # ln per cycle: at most x0.78
 MAX_STEP_UP = 0.10  # ln per cycle: at most x1.105
@@ -126,8 +126,8 @@ def _deadband(candidate: float, extrapolating: bool) -> float:
     return 0.0
 
 
-HYSTERESIS_DOWN = 0.02  # ln: a slower engine is applied once the estimate is 2% below what is applied
-HYSTERESIS_UP = 0.05  # ln: a faster one once it is 5% above (estimates wander; configs must not flip)
+HYSTERESIS_DOWN = 0.04  # ln: a slower engine is applied once the estimate is 4% below what is applied
+HYSTERESIS_UP = 0.08  # ln: a faster one once it is 8% above (estimates wander; configs must not flip)
 
 
 def _hysteresis(applied: float | None, candidate: float) -> float:
