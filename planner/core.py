@@ -26,6 +26,12 @@ from typing import Any
 from models.names import GpuType
 from models.profile import ProfileSet
 from planner.capacity import CapacityInfo, MixedWorkload, Predictor, capacity_table
+from planner.counterfactual import (
+    add_counterfactuals,
+    alternative_to_dict,
+    relaxation_to_dict,
+    slo_relaxed_capacities,
+)
 from planner.counts import UNMET_TOL_RPS, Candidate, CountProblem, CountSolution, ModelDemand, solve_counts
 from planner.forecast import forecast_rate, recent_level_max
 from planner.placement import LIVE_STATES, Placement, place, safe_id, slots_by_gpu
@@ -115,8 +121,11 @@ def plan(
     """The plan for now, the target once builds are ready, the actions, the explanation. Pure."""
     hosts = _inventory(fleet, policy)
     gpus = {h.gpu for h in hosts if h.online}
-    table, predictor = capacity_table(policy, profiles, workloads_from(observation, policy), gpus)
-    return plan_with_capacities(observation, fleet, policy, table, state, now_s, predictor=predictor)
+    workloads = workloads_from(observation, policy)
+    table, predictor = capacity_table(policy, profiles, workloads, gpus)
+    relaxed = slo_relaxed_capacities(policy, profiles, workloads, gpus)  # counterfactual: SLO +10%
+    return plan_with_capacities(observation, fleet, policy, table, state, now_s, predictor=predictor,
+                                relaxed_capacities=relaxed)
 
 
 def _demands(observation: Observation, policy: Policy, now_s: float) -> dict[str, _Demand]:
@@ -251,8 +260,10 @@ def plan_with_capacities(
     state: PlannerState,
     now_s: float,
     predictor: Predictor | None = None,
+    relaxed_capacities: Mapping[ConfigKey, CapacityInfo] | None = None,
 ) -> PlanResult:
-    """plan() with the capacity table given (tests, benchmarks, what-if)."""
+    """plan() with the capacity table given (tests, benchmarks, what-if); `relaxed_capacities`: the
+    table at SLO +10% for the counterfactuals (planner/counterfactual.py), None: not evaluated."""
     eff = effective(policy, now_s)
     hosts = _inventory(fleet, policy)
     drained = eff.drain_hosts
@@ -368,6 +379,8 @@ def plan_with_capacities(
 
     explanation = _explain(policy, demands, now_sol, target_sol, now_place, target_place, capacities,
                            predictor, reports, now_plan, target_plan, notes)
+    explanation = add_counterfactuals(explanation, policy, eff, now_problem, now_sol, ready, hosts, capacities,
+                                      relaxed_capacities)
     next_state = PlannerState(tuple(sorted(surplus_next.items())), state.cycle + 1)
     return PlanResult(now_plan, target_plan, next_state, explanation, tuple(act), tuple(deferred))
 
@@ -660,7 +673,9 @@ def plan_to_dict(result: PlanResult) -> dict[str, Any]:
                              "predicted_ttft_p99_ms": c.predicted_ttft_p99_ms,
                              "predicted_itl_p99_ms": c.predicted_itl_p99_ms, "usd_h": c.usd_h}
                             for c in m.configs],
+                "alternatives": [alternative_to_dict(a) for a in m.alternatives],
             } for m in e.models],
+            "relaxations": [relaxation_to_dict(r) for r in e.relaxations],
             "binding_constraints": list(e.binding_constraints),
             "solver": [_report_dict(r) for r in e.solver],
             "objective": e.objective,
