@@ -154,6 +154,18 @@ def render_plan(doc: dict[str, Any]) -> str:
                        f"{m['slo_ttft_p99_ms']:>6.0f}/{m['slo_itl_p99_ms']:<6.0f} {c['usd_h']:>8.2f}")
         for note in m["notes"]:
             out.append(f"  {m['model']}: {note}")
+    from controller.report import render_alternatives, render_relaxations
+
+    out.append("")
+    out.append("ALTERNATIVES (each allowed config not chosen, alone; why it lost; the load where it would win)")
+    for m in e["models"]:
+        chosen = ", ".join(f"{c['replicas']} x {c['engine']} {c['gpu']} tp{c['tp']}" for c in m["configs"])
+        out.append(f"{m['model']}: chosen {chosen or 'nothing'} ${m['usd_h']:.2f}/h at {m['demand_rps']:.1f} rps")
+        out.extend(render_alternatives(m))
+    relax = render_relaxations(e.get("relaxations") or [])
+    if relax:
+        out.append("RELAXATIONS (a binding constraint one step looser, re-solved)")
+        out.extend(relax)
     for title, key in (("PLAN (now)", "plan"), ("TARGET (after builds)", "target")):
         p = doc[key]
         out.append("")

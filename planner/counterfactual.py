@@ -251,7 +251,13 @@ def _alternatives(
                        f"(build ~{b_s:.0f} s)")
             elif abs(diff) <= _USD_EPS:
                 reason = LossReason.TIE
-                why = f"same ${usd:.2f}/h; the solver prefers more spare capacity and shorter lead time"
+                if n * cap < me.capacity_rps - UNMET_TOL_RPS:
+                    why = (f"same ${usd:.2f}/h with less capacity ({_fmt(n * cap)} vs {_fmt(me.capacity_rps)} rps): "
+                           "the tie-break prefers spare capacity")
+                elif policy.startup_s(key) > chosen_lead:
+                    why = f"same ${usd:.2f}/h but starts in {policy.startup_s(key):.0f} s vs {chosen_lead:.0f} s"
+                else:
+                    why = f"same ${usd:.2f}/h; the solver's tie-break kept the chosen config"
             elif chosen_running and problem.current.get(key, 0) == 0:
                 reason = LossReason.CHURN
                 why = (f"${usd:.2f}/h vs ${me.usd_h:.2f}/h, but the running replicas are kept (churn penalty "
@@ -277,14 +283,10 @@ def _alternatives(
             lo, hi = flip
             if lo < me.demand_rps <= hi:
                 alt = replace(alt, cheaper_from_rps=lo, cheaper_to_rps=hi)
-            elif lo >= me.demand_rps:
-                alt = replace(alt, flip_rps=lo, flip_side=FlipSide.ABOVE, cheaper_from_rps=lo, cheaper_to_rps=hi,
-                              detail=alt.detail + f"; cheaper above {_fmt(lo)} rps (up to {_fmt(hi)} rps)"
-                              + (" once built" if policy.needs_build(key) and key not in ready else ""))
             else:
-                alt = replace(alt, flip_rps=hi, flip_side=FlipSide.BELOW, cheaper_from_rps=lo, cheaper_to_rps=hi,
-                              detail=alt.detail + f"; cheaper below {_fmt(hi)} rps"
-                              + (" once built" if policy.needs_build(key) and key not in ready else ""))
+                side = FlipSide.ABOVE if lo >= me.demand_rps else FlipSide.BELOW
+                alt = replace(alt, flip_rps=lo if side is FlipSide.ABOVE else hi, flip_side=side,
+                              cheaper_from_rps=lo, cheaper_to_rps=hi)
         out.append(alt)
     return tuple(out)
 
