@@ -117,15 +117,17 @@ def plan(
     profiles: ProfileSet,
     state: PlannerState,
     now_s: float,
+    counterfactuals: bool = True,
 ) -> PlanResult:
-    """The plan for now, the target once builds are ready, the actions, the explanation. Pure."""
+    """The plan for now, the target once builds are ready, the actions, the explanation. Pure.
+    counterfactuals=False: no alternatives/relaxations in the explanation (replays that only act)."""
     hosts = _inventory(fleet, policy)
     gpus = {h.gpu for h in hosts if h.online}
     workloads = workloads_from(observation, policy)
     table, predictor = capacity_table(policy, profiles, workloads, gpus)
-    relaxed = slo_relaxed_capacities(policy, profiles, workloads, gpus)  # counterfactual: SLO +10%
+    relaxed = slo_relaxed_capacities(policy, profiles, workloads, gpus) if counterfactuals else None
     return plan_with_capacities(observation, fleet, policy, table, state, now_s, predictor=predictor,
-                                relaxed_capacities=relaxed)
+                                relaxed_capacities=relaxed, counterfactuals=counterfactuals)
 
 
 def _demands(observation: Observation, policy: Policy, now_s: float) -> dict[str, _Demand]:
@@ -261,6 +263,7 @@ def plan_with_capacities(
     now_s: float,
     predictor: Predictor | None = None,
     relaxed_capacities: Mapping[ConfigKey, CapacityInfo] | None = None,
+    counterfactuals: bool = True,
 ) -> PlanResult:
     """plan() with the capacity table given (tests, benchmarks, what-if); `relaxed_capacities`: the
     table at SLO +10% for the counterfactuals (planner/counterfactual.py), None: not evaluated."""
@@ -379,8 +382,9 @@ def plan_with_capacities(
 
     explanation = _explain(policy, demands, now_sol, target_sol, now_place, target_place, capacities,
                            predictor, reports, now_plan, target_plan, notes)
-    explanation = add_counterfactuals(explanation, policy, eff, now_problem, now_sol, ready, hosts, capacities,
-                                      relaxed_capacities)
+    if counterfactuals:
+        explanation = add_counterfactuals(explanation, policy, eff, now_problem, now_sol, ready, hosts, capacities,
+                                          relaxed_capacities)
     next_state = PlannerState(tuple(sorted(surplus_next.items())), state.cycle + 1)
     return PlanResult(now_plan, target_plan, next_state, explanation, tuple(act), tuple(deferred))
 

@@ -15,8 +15,11 @@ render what is stored with the plan and never recompute it.
   with one binding constraint relaxed one step: max_replicas +1, +1 host of the GPU type whose
   inventory binds, budget +1 host (max_gpus / max_usd_h), and SLO +10% per model (capacities from
   the profiles at the relaxed SLO, given by plan(); skipped by plan_with_capacities without them).
-  At most MAX_RESOLVES re-solves; none when the policy has more than MANY_MODELS models (they would
-  cost more than the plan itself); the explanation says so.
+  At most MAX_RESOLVES re-solves, sharing one plan solve's time limit (so they never take longer
+  than the plan's own solve may); none when the policy has more than MANY_MODELS models; the
+  explanation says so. The re-solves are listed in the explanation's solver reports (stage
+  "counterfactual") and not counted in its solve_s. plan(counterfactuals=False) skips all of it
+  (replays that act on thousands of plans and never show them).
 """
 
 from __future__ import annotations
@@ -389,7 +392,9 @@ def add_counterfactuals(
                          f"(at most {MAX_RESOLVES} re-solves per plan)")
             todo = todo[:MAX_RESOLVES]
         base_usd, base_unmet = _usd_unmet(problem, solution)
+        share = problem.time_limit_s / max(1, len(todo))  # all re-solves within one plan solve's limit
         for constraint, step, model, relaxed in todo:
+            relaxed = replace(relaxed, time_limit_s=share)
             sol = solve(relaxed)
             reports.append(replace(sol.report, stage="counterfactual"))
             usd, unmet = _usd_unmet(relaxed, sol)
@@ -403,10 +408,12 @@ def add_counterfactuals(
             detail = f"{constraint} {step}: " + (", ".join(parts) if parts else "no change"
                                                   + (" (another constraint still binds)" if constraint.startswith(
                                                       ("inventory", "budget")) else ""))
+            if sol.report.status != "OPTIMAL":
+                detail += f" (re-solve {sol.report.status}, gap {sol.report.gap if sol.report.gap is not None else '?'})"
             relaxations.append(Relaxation(constraint, step, model, base_usd, usd, base_unmet, unmet, detail))
     solver = explanation.solver + tuple(reports)
     return replace(explanation, models=models, relaxations=tuple(relaxations), solver=solver,
-                   solve_s=explanation.solve_s + sum(r.wall_s for r in reports), notes=tuple(notes))
+                   notes=tuple(notes))
 
 
 # ---- JSON ------------------------------------------------------------------------------------------
