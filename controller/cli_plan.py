@@ -18,6 +18,9 @@ def register(subparsers: Any) -> None:
     psub = policy.add_subparsers(dest="policy_command", metavar="SUBCOMMAND")
     check = psub.add_parser("check", help="validate a policy file and print a summary (exit 2 on errors)")
     check.add_argument("file", help="policy YAML file")
+    check.add_argument("--controller", help="also run `what-if` of FILE against the running controller's policy, "
+                       "fleet and last observation (exit 0 no change, 1 change, 2 bad file)")
+    check.add_argument("--token", default=None, help="report API bearer token (default $FLEETPLAN_REPORT_TOKEN)")
     check.set_defaults(handler=cmd_policy_check)
     policy.set_defaults(handler=lambda args: (policy.print_help(), 2)[1])
 
@@ -86,6 +89,12 @@ def cmd_policy_check(args: argparse.Namespace) -> int:
     print(f"  schedules ({len(policy.schedules)}): " + ", ".join(f"{x.name} [{x.cron}]" for x in policy.schedules))
     active = effective(policy, time.time()).active_schedules
     print("  active now: " + (", ".join(active) if active else "none"))
+    if getattr(args, "controller", None):
+        from controller.cli_whatif import run_whatif
+
+        print("")
+        sys.stdout.flush()
+        return run_whatif(args.file, controller=args.controller, token=args.token)
     return 0
 
 

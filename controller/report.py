@@ -3,6 +3,8 @@
 Endpoints (loopback by default; a bearer token is required when bound elsewhere):
   GET /api/report          everything: stored plan + explanation, fleet, hosts, actions, history, alerts
   GET /api/explain/<model> the stored explanation of one model
+  GET /api/state           the planner's inputs: loaded policy, fleet + planner state, last observation,
+                           profiles (for `fleetplan what-if --controller` / `policy check --controller`)
   GET /metrics             the controller's own Prometheus metrics
   GET /healthz             200 when the loop runs
 
@@ -49,6 +51,9 @@ async def start_report_server(ctrl: Any, listen: str, token: str | None) -> tupl
             return web.json_response({"error": f"model {model!r} is not in the current plan"}, status=404)
         return web.json_response(m, dumps=lambda d: json.dumps(d, default=str))
 
+    async def state(_: web.Request) -> web.Response:
+        return web.json_response(ctrl.state(), dumps=lambda d: json.dumps(d, default=str))
+
     async def metrics(_: web.Request) -> web.Response:
         from controller.metrics import CONTENT_TYPE_LATEST
 
@@ -62,6 +67,7 @@ async def start_report_server(ctrl: Any, listen: str, token: str | None) -> tupl
     app = web.Application(middlewares=[auth])
     app.router.add_get("/api/report", report)
     app.router.add_get("/api/explain/{model:.+}", explain)
+    app.router.add_get("/api/state", state)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     runner = web.AppRunner(app, access_log=None)

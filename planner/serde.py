@@ -199,3 +199,16 @@ def fleet_to_dict(fleet: Fleet, state: PlannerState | None = None) -> dict[str, 
     if state is not None:
         out["planner_state"] = state_to_dict(state)
     return out
+
+
+def observation_to_dict(observation: Observation, time_s: float | None = None) -> dict[str, Any]:
+    """An Observation -> a DEMAND document (observation_from_dict reads it back)."""
+    out: dict[str, Any] = {
+        "models": {name: {"rate_rps": o.rate_rps, "isl": o.isl, "osl": o.osl, "ttft_p99_ms": o.ttft_p99_ms,
+                          "itl_p99_ms": o.itl_p99_ms, "history": [list(p) for p in o.history], "stale": o.stale}
+                   for name, o in sorted(observation.models.items())},
+        "alerts": list(observation.alerts),
+    }
+    if time_s is not None:
+        out["time_s"] = time_s
+    return out
