@@ -27,6 +27,7 @@ from models.names import GpuType
 from models.profile import ProfileSet
 from planner.capacity import CapacityInfo, MixedWorkload, Predictor, capacity_table
 from planner.counterfactual import (
+    MANY_MODELS,
     add_counterfactuals,
     alternative_to_dict,
     relaxation_to_dict,
@@ -125,7 +126,8 @@ def plan(
     gpus = {h.gpu for h in hosts if h.online}
     workloads = workloads_from(observation, policy)
     table, predictor = capacity_table(policy, profiles, workloads, gpus)
-    relaxed = slo_relaxed_capacities(policy, profiles, workloads, gpus) if counterfactuals else None
+    relaxed = (slo_relaxed_capacities(policy, profiles, workloads, gpus)
+               if counterfactuals and len(policy.models) <= MANY_MODELS else None)
     return plan_with_capacities(observation, fleet, policy, table, state, now_s, predictor=predictor,
                                 relaxed_capacities=relaxed, counterfactuals=counterfactuals)
 

@@ -134,12 +134,26 @@ def _usable(hosts: tuple[HostInventory, ...], drained: frozenset[str]) -> list[H
     return [h for h in hosts if h.online and h.name not in drained]
 
 
-def _slots(hosts: list[HostInventory], gpu: GpuType, tp: int) -> int:
-    return sum(tp_slots([len(g) for g in h.groups()], tp) for h in hosts if h.gpu == gpu)
+class _Inventory:
+    """TP groups and GPUs of the usable hosts per GPU type (computed once per type and TP size)."""
 
+    def __init__(self, hosts: list[HostInventory]) -> None:
+        self.groups: dict[GpuType, list[int]] = {}
+        for h in hosts:
+            self.groups.setdefault(h.gpu, []).extend(len(g) for g in h.groups())
+        self._slots: dict[tuple[GpuType, int], int] = {}
 
-def _gpus(hosts: list[HostInventory], gpu: GpuType) -> int:
-    return sum(sum(len(g) for g in h.groups()) for h in hosts if h.gpu == gpu)
+    def has(self, gpu: GpuType) -> bool:
+        return gpu in self.groups
+
+    def slots(self, gpu: GpuType, tp: int) -> int:
+        k = (gpu, tp)
+        if k not in self._slots:
+            self._slots[k] = tp_slots(self.groups.get(gpu, []), tp)
+        return self._slots[k]
+
+    def gpus(self, gpu: GpuType) -> int:
+        return sum(self.groups.get(gpu, []))
 
 
 def _allowed(policy: Policy, model: str) -> list[ConfigKey]:
@@ -166,7 +180,7 @@ def _alternatives(
     eff: Effective,
     problem: CountProblem,
     everyone: tuple[ModelExplanation, ...],
-    usable: list[HostInventory],
+    inv: _Inventory,
     ready: frozenset[ConfigKey],
     capacities: Mapping[ConfigKey, CapacityInfo],
     with_flips: bool,
@@ -192,7 +206,7 @@ def _alternatives(
 
     def limit(key: ConfigKey, unit: float) -> float:
         """How many replicas of `key` the whole usable inventory, max_replicas and budget allow."""
-        n = float(_slots(usable, key.gpu, key.tp))
+        n = float(inv.slots(key.gpu, key.tp))
         if max_rep is not None:
             n = min(n, max_rep)
         if budget.max_gpus is not None:
@@ -211,7 +225,7 @@ def _alternatives(
         if price is None:
             continue
         unit = price * key.tp
-        if not any(h.gpu == key.gpu for h in usable):
+        if not inv.has(key.gpu):
             out.append(Alternative(key, LossReason.INVENTORY, None, info.max_rps if info else None, None,
                                    f"{label}: no usable {key.gpu.value} host"))
             continue
@@ -222,8 +236,7 @@ def _alternatives(
             continue
         cap = info.max_rps
         need = max(min_rep, math.ceil(required / cap - 1e-9) if required > UNMET_TOL_RPS else 0)
-        fit_inv = min(_slots(usable, key.gpu, key.tp),
-                      (_gpus(usable, key.gpu) - other_gpus_by_type.get(key.gpu, 0)) // key.tp)
+        fit_inv = min(inv.slots(key.gpu, key.tp), (inv.gpus(key.gpu) - other_gpus_by_type.get(key.gpu, 0)) // key.tp)
         fit_budget: float = math.inf
         if budget.max_gpus is not None:
             fit_budget = min(fit_budget, (budget.max_gpus - other_gpus) // key.tp)
@@ -335,8 +348,11 @@ def _relaxed_problems(
             out.append(("budget max_usd_h", f"+1 host (+${price * host.gpu_count:.2f}/h)", None,
                         replace(problem, max_usd_h=problem.max_usd_h + price * host.gpu_count)))
     if relaxed_capacities is not None:
-        ranked = sorted(models, key=lambda me: (-(policy.model(me.model).priority  # type: ignore[union-attr]
-                                                  if policy.model(me.model) else 0), me.model))
+        def rank(me: ModelExplanation) -> tuple[int, str]:
+            mp = policy.model(me.model)
+            return (-(mp.priority if mp is not None else 0), me.model)
+
+        ranked = sorted(models, key=rank)
         for me in ranked:
             if not any(c.binding in ("ttft", "itl") for c in me.configs):
                 continue
@@ -368,13 +384,14 @@ def add_counterfactuals(
 ) -> Explanation:
     """The explanation with `alternatives` per model and `relaxations` (see the module doc)."""
     usable = _usable(hosts, eff.drain_hosts)
+    inv = _Inventory(usable)
     notes = list(explanation.notes)
     n_alts = sum(len(_allowed(policy, me.model)) for me in explanation.models)
     with_flips = n_alts * 2048 <= MAX_FLIP_CELLS
     if not with_flips:
         notes.append(f"counterfactuals: flip loads skipped ({n_alts} alternatives; too many to scan)")
     models = tuple(
-        replace(me, alternatives=_alternatives(me, policy, eff, problem, explanation.models, usable, ready,
+        replace(me, alternatives=_alternatives(me, policy, eff, problem, explanation.models, inv, ready,
                                                capacities, with_flips))
         for me in explanation.models)
 
