@@ -160,6 +160,14 @@ def render_report(data: Mapping[str, Any], *, actions: int = 12) -> str:
                 f"{m['required_rps']:>7.2f} {m['capacity_rps']:>7.2f} {m['unmet_rps']:>6.2f} {ttft:>26} "
                 f"{n:>9}{stale}"
             )
+        for m in e["models"]:
+            alts = sorted((a for a in m.get("alternatives") or [] if a.get("usd_h") is not None),
+                          key=lambda a: (a["usd_h"], a["engine"], a["tp"]))[:3]
+            if alts:
+                lines.append(f"  {m['model']}: not chosen: " + "; ".join(
+                    f"{a['engine']} {a['gpu']} tp{a['tp']} ${a['usd_h']:.2f}/h {a['reason']}"
+                    + (f" ({_flip_text(a)})" if _flip_text(a) != "-" else "") for a in alts)
+                    + f"  (fleetplan explain {m['model']})")
         for b in e.get("binding_constraints", []):
             lines.append(f"  binding: {b}")
         for n in e.get("notes", []):
@@ -200,7 +208,7 @@ def _flip_text(a: Mapping[str, Any]) -> str:
         if a.get("flip_side") == "below":
             return f"cheaper below {a['flip_rps']:.1f} rps{built}"
         to = a.get("cheaper_to_rps")
-        return f"cheaper above {a['flip_rps']:.1f} rps{built}" + (f" (to {to:.1f})" if to is not None else "")
+        return f"cheaper above {a['flip_rps']:.1f} rps{built}" + (f", up to {to:.1f}" if to is not None else "")
     if a.get("cheaper_from_rps") is not None:
         return f"cheaper now ({a['cheaper_from_rps']:.1f}..{a['cheaper_to_rps']:.1f} rps)"
     return "-"

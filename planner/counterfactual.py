@@ -33,7 +33,14 @@ from typing import Any
 from models.names import GpuType
 from models.profile import ProfileSet
 from planner.capacity import CapacityInfo, MixedWorkload, capacity_table
-from planner.counts import UNMET_TOL_RPS, CountProblem, CountSolution, solve_counts, tp_slots
+from planner.counts import (
+    CAPACITY_TIEBREAK_USD_H_PER_RPS,
+    UNMET_TOL_RPS,
+    CountProblem,
+    CountSolution,
+    solve_counts,
+    tp_slots,
+)
 from planner.policy import Effective, Policy, Slo
 from planner.types import (
     Alternative,
@@ -174,6 +181,44 @@ def _fmt(x: float) -> str:
     return f"{x:.1f}"
 
 
+def _terms(problem: CountProblem, model: str, counts: Mapping[ConfigKey, int]) -> dict[LossReason, float]:
+    """The solver's objective terms besides $/h (planner/counts.py) for `counts` of one model:
+    the spare-capacity tie-break, the startup (lead-time) penalty and the churn penalty."""
+    cands = {c.config: c for c in problem.candidates}
+    tie = lead = churn = 0.0
+    configs = set(counts) | {c for c, k in problem.current.items() if c.model == model and k > 0}
+    for c in configs:
+        n, cur = counts.get(c, 0), problem.current.get(c, 0)
+        cand = cands.get(c)
+        if cand is not None:
+            tie -= n * min(CAPACITY_TIEBREAK_USD_H_PER_RPS * cand.capacity_rps, 0.01 * cand.usd_h)
+            lead += max(0, n - cur) * problem.lead_time_cost_usd_h_per_min * cand.lead_s / 60.0
+        churn += abs(n - cur) * problem.churn_cost_usd_h
+    return {LossReason.TIE: tie, LossReason.LEAD_TIME: lead, LossReason.CHURN: churn}
+
+
+def _objective_reason(problem: CountProblem, me: ModelExplanation, key: ConfigKey, n: int, usd: float,
+                      chosen: Mapping[ConfigKey, int]) -> tuple[LossReason, str]:
+    """Why an alternative that is not dearer in $/h lost: the objective term that outweighs it."""
+    alt = _terms(problem, me.model, {key: n})
+    ch = _terms(problem, me.model, chosen)
+    obj_alt = usd + sum(alt.values())
+    obj_ch = me.usd_h + sum(ch.values())
+    head = (f"same ${usd:.2f}/h" if abs(usd - me.usd_h) <= _USD_EPS else f"${usd:.2f}/h vs ${me.usd_h:.2f}/h")
+    if obj_alt <= obj_ch + _USD_EPS:
+        return LossReason.COST, (f"{head}, objective {obj_alt:.3f} vs {obj_ch:.3f} alone; the joint solve "
+                                 "(shared inventory, relative gap) kept the chosen mix")
+    reason = max(alt, key=lambda r: alt[r] - ch[r])
+    what = {LossReason.TIE: "the tie-break for spare capacity",
+            LossReason.LEAD_TIME: "the startup penalty of its new replicas",
+            LossReason.CHURN: "the churn penalty per replica started or stopped"}[reason]
+    if reason is LossReason.CHURN and problem.churn_cost_usd_h > 0:
+        moves = (round(alt[reason] / problem.churn_cost_usd_h), round(ch[reason] / problem.churn_cost_usd_h))
+        what += f", {moves[0]} vs {moves[1]} starts/stops"
+    return reason, (f"{head}; in the solver's objective {obj_alt:.3f} vs {obj_ch:.3f} $/h: {what} "
+                    f"({alt[reason]:+.3f} vs {ch[reason]:+.3f} $/h)")
+
+
 def _alternatives(
     me: ModelExplanation,
     policy: Policy,
@@ -199,8 +244,7 @@ def _alternatives(
     other_gpus = sum(other_gpus_by_type.values())
     other_usd = sum(c.usd_h for c in others)
     budget = eff.budget
-    chosen_lead = min((policy.startup_s(c) for c in chosen), default=0.0)
-    chosen_running = any(problem.current.get(c, 0) > 0 for c in chosen)
+    chosen_counts = {c: x.replicas for c, x in chosen.items()}
     chosen_cfgs = [c for c in chosen if c in capacities]
     chosen_steps = [(capacities[c].max_rps, (policy.price_usd_h(c.gpu) or 0.0) * c.tp) for c in chosen_cfgs]
 
@@ -265,26 +309,12 @@ def _alternatives(
                 b_s = policy.build_s(key) or 0.0
                 why = (f"${usd:.2f}/h for {n} replica(s) (vs ${me.usd_h:.2f}/h) but its engine is not built "
                        f"(build ~{b_s:.0f} s)")
-            elif abs(diff) <= _USD_EPS:
-                reason = LossReason.TIE
-                if n * cap < me.capacity_rps - UNMET_TOL_RPS:
-                    why = (f"same ${usd:.2f}/h with less capacity ({_fmt(n * cap)} vs {_fmt(me.capacity_rps)} rps): "
-                           "the tie-break prefers spare capacity")
-                elif policy.startup_s(key) > chosen_lead:
-                    why = f"same ${usd:.2f}/h but starts in {policy.startup_s(key):.0f} s vs {chosen_lead:.0f} s"
-                else:
-                    why = f"same ${usd:.2f}/h; the solver's tie-break kept the chosen config"
-            elif chosen_running and problem.current.get(key, 0) == 0:
+            elif any(problem.floors.get(c, 0) for c in chosen):
                 reason = LossReason.CHURN
-                why = (f"${usd:.2f}/h vs ${me.usd_h:.2f}/h, but the running replicas are kept (churn penalty "
-                       "/ scale-down delay)")
-            elif policy.startup_s(key) > chosen_lead:
-                reason = LossReason.LEAD_TIME
-                why = f"${usd:.2f}/h but starts in {policy.startup_s(key):.0f} s vs {chosen_lead:.0f} s"
+                why = (f"${usd:.2f}/h vs ${me.usd_h:.2f}/h, but the running replicas are held (scale-down delay "
+                       "or fail static)")
             else:
-                reason = LossReason.COST
-                why = (f"${usd:.2f}/h alone vs ${me.usd_h:.2f}/h chosen; the joint solve (shared inventory, "
-                       "gap) kept the chosen mix")
+                reason, why = _objective_reason(problem, me, key, n, usd, chosen_counts)
         flip = None
         if with_flips and chosen_steps:
             lim = min(limit(key, unit), max(limit(c, u) for c, (_, u) in zip(chosen_cfgs, chosen_steps, strict=True)))

@@ -175,9 +175,10 @@ class LossReason(StrEnum):
     """Why an allowed config is not in the plan (planner/counterfactual.py)."""
 
     COST = "cost"  # it alone costs more $/h than the chosen plan
-    TIE = "tie"  # same $/h; the solver took the one with more spare capacity or shorter lead time
-    LEAD_TIME = "lead_time"  # cheaper, but its startup penalty in the objective outweighs the saving
-    CHURN = "churn"  # cheaper, but replacing the running replicas costs more (churn penalty)
+    # not dearer in $/h, but another term of the solver's objective outweighs it:
+    TIE = "tie"  # the tie-break for spare capacity
+    LEAD_TIME = "lead_time"  # the startup penalty of its new replicas
+    CHURN = "churn"  # the churn penalty per replica started/stopped (or held: scale-down delay, fail static)
     BUILD_PENDING = "build_pending"  # cheaper, but its TensorRT-LLM engine is not built yet
     INVENTORY = "inventory"  # not enough usable GPUs of its type / TP groups (or the type is absent)
     BUDGET = "budget"  # would exceed the budget (max_gpus / max_usd_h) left by the other models

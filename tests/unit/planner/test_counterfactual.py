@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -136,6 +137,15 @@ def test_plan_command_on_the_example_policy_shows_alternatives_and_a_flip_load(
         assert alts and not alts & chosen and len(alts | chosen) == 4  # 2 engines x 2 TP sizes on h100
         for a in m["alternatives"]:
             assert a["usd_h"] is not None and a["usd_h"] > 0 and a["reason"] in {x.value for x in LossReason}
+    # where the reason is an objective term, the detail quotes the solver's own objective: the chosen
+    # configs' terms of both models add up to the stage-1 objective the solver reported
+    chosen_obj = []
+    for m in models:
+        objs = {re.search(r"objective ([\d.]+) vs ([\d.]+)", a["detail"]).group(2)  # type: ignore[union-attr]
+                for a in m["alternatives"] if a["reason"] in ("churn", "tie", "lead_time")}
+        assert len(objs) == 1
+        chosen_obj.append(float(objs.pop()))
+    assert sum(chosen_obj) == pytest.approx(doc["explanation"]["solver"][0]["objective"], abs=2e-3)
     flips = [a for m in models for a in m["alternatives"] if a["flip_rps"] is not None]
     assert flips and all(a["flip_side"] in ("above", "below") for a in flips)
     # with profiles, the SLO +10% step is re-solved for each model whose replicas are SLO-bound
