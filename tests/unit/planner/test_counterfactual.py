@@ -162,3 +162,31 @@ def test_plan_command_on_the_example_policy_shows_alternatives_and_a_flip_load(
             assert f"{a['usd_h']:.2f}" in line and a["reason"] in line
     assert "cheaper above" in section or "cheaper below" in section
     assert "RELAXATIONS" in out and "SLO +10%" in out
+
+
+def test_slo_relaxed_capacities_are_larger_and_the_demand_document_round_trips() -> None:
+    import yaml
+
+    from planner.capacity import MixedWorkload, capacity_table
+    from planner.counterfactual import slo_relaxed_capacities
+    from planner.policy import load_policy_text
+    from planner.serde import observation_from_dict, observation_to_dict
+    from planner.types import ModelObservation, Observation
+
+    p = load_policy_text((ROOT / "config/example-policy.yaml").read_text(), "example-policy.yaml")
+    w = {m.name: MixedWorkload(820.0, 200.0) for m in p.models}
+    gpus = {h.gpu for h in p.hosts}
+    base, _ = capacity_table(p, ProfileSet(), w, gpus)
+    relaxed = slo_relaxed_capacities(p, ProfileSet(), w, gpus)
+    assert set(relaxed) == set(base)
+    assert all(relaxed[k].max_rps >= base[k].max_rps for k in base)
+    assert any(relaxed[k].max_rps > base[k].max_rps * 1.01 for k in base)
+    assert p.models[0].slo.ttft_p99_ms == 500  # the policy itself is untouched
+
+    demand = yaml.safe_load((ROOT / "config/example-demand.yaml").read_text())
+    obs, t = observation_from_dict(demand)
+    assert observation_from_dict(observation_to_dict(obs, t)) == (obs, t)
+    odd = Observation({"m": ModelObservation("m", float("nan"), 0.0, 200.0, float("inf"), None,
+                                             ((1.0, 2.0), (2.0, float("nan"))))})
+    back, _ = observation_from_dict(observation_to_dict(odd))
+    assert back.models["m"] == ModelObservation("m", None, None, 200.0, None, None, ((1.0, 2.0),))
