@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 COMMAND_MODULES: tuple[str, ...] = (
     "controller.cli_models",  # models fit | predict | capacity
     "controller.cli_plan",  # policy check, plan
+    "controller.cli_whatif",  # what-if
     "sim.cli",  # sim-engine, replay-load, bench-engine
     "sim.lab",  # lab up | down
     "controller.cli_agent",  # agent

@@ -18,6 +18,9 @@ def register(subparsers: Any) -> None:
     psub = policy.add_subparsers(dest="policy_command", metavar="SUBCOMMAND")
     check = psub.add_parser("check", help="validate a policy file and print a summary (exit 2 on errors)")
     check.add_argument("file", help="policy YAML file")
+    check.add_argument("--controller", help="also run `what-if` of FILE against the running controller's policy, "
+                       "fleet and last observation (exit 0 no change, 1 change, 2 bad file)")
+    check.add_argument("--token", default=None, help="report API bearer token (default $FLEETPLAN_REPORT_TOKEN)")
     check.set_defaults(handler=cmd_policy_check)
     policy.set_defaults(handler=lambda args: (policy.print_help(), 2)[1])
 
@@ -86,6 +89,12 @@ def cmd_policy_check(args: argparse.Namespace) -> int:
     print(f"  schedules ({len(policy.schedules)}): " + ", ".join(f"{x.name} [{x.cron}]" for x in policy.schedules))
     active = effective(policy, time.time()).active_schedules
     print("  active now: " + (", ".join(active) if active else "none"))
+    if getattr(args, "controller", None):
+        from controller.cli_whatif import run_whatif
+
+        print("")
+        sys.stdout.flush()
+        return run_whatif(args.file, controller=args.controller, token=args.token)
     return 0
 
 
@@ -177,6 +186,18 @@ def render_plan(doc: dict[str, Any]) -> str:
             out.append(f"  {m['model']}: length mix: {m['length_mix']}")
         for note in m["notes"]:
             out.append(f"  {m['model']}: {note}")
+    from controller.report import render_alternatives, render_relaxations
+
+    out.append("")
+    out.append("ALTERNATIVES (each allowed config not chosen, alone; why it lost; the load where it would win)")
+    for m in e["models"]:
+        chosen = ", ".join(f"{c['replicas']} x {c['engine']} {c['gpu']} tp{c['tp']}" for c in m["configs"])
+        out.append(f"{m['model']}: chosen {chosen or 'nothing'} ${m['usd_h']:.2f}/h at {m['demand_rps']:.1f} rps")
+        out.extend(render_alternatives(m))
+    relax = render_relaxations(e.get("relaxations") or [])
+    if relax:
+        out.append("RELAXATIONS (a binding constraint one step looser, re-solved)")
+        out.extend(relax)
     for title, key in (("PLAN (now)", "plan"), ("TARGET (after builds)", "target")):
         p = doc[key]
         out.append("")

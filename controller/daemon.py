@@ -1220,6 +1220,27 @@ class Controller:
         m.stale_models.set(sum(1 for name, o in snap.models.items() if o.stale and name in desired))
 
     # ---- report ---------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """The planner's inputs as the controller holds them (GET /api/state, for `fleetplan what-if`):
+        the loaded policy, the fleet + planner state (a CURRENT document), the last observation (a DEMAND
+        document) and the profiles."""
+        from planner.serde import fleet_to_dict, observation_to_dict
+
+        policy = self.policy.policy
+        snap = self.last_snapshot
+        demand = None
+        if snap is not None and policy is not None:
+            demand = observation_to_dict(to_observation(snap, self.model_names()), snap.now_s)
+        return {
+            "generated_s": time.time(),
+            "now_s": self.clock.now(),
+            "policy_path": str(self.policy_path),
+            "policy": policy.model_dump(mode="json") if policy is not None else None,
+            "fleet": fleet_to_dict(self.build_fleet(), self.planner_state) if policy is not None else None,
+            "demand": demand,
+            "profiles": self.profiles.to_json_dict() if self.profiles is not None else None,
+        }
+
     def report(self) -> dict[str, Any]:
         """Everything the report API serves; the plan is the STORED plan dict, never recomputed."""
         last = self.store.last_plan()

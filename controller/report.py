@@ -3,6 +3,8 @@
 Endpoints (loopback by default; a bearer token is required when bound elsewhere):
   GET /api/report          everything: stored plan + explanation, fleet, hosts, actions, history, alerts
   GET /api/explain/<model> the stored explanation of one model
+  GET /api/state           the planner's inputs: loaded policy, fleet + planner state, last observation,
+                           profiles (for `fleetplan what-if --controller` / `policy check --controller`)
   GET /metrics             the controller's own Prometheus metrics
   GET /healthz             200 when the loop runs
 
@@ -49,6 +51,9 @@ async def start_report_server(ctrl: Any, listen: str, token: str | None) -> tupl
             return web.json_response({"error": f"model {model!r} is not in the current plan"}, status=404)
         return web.json_response(m, dumps=lambda d: json.dumps(d, default=str))
 
+    async def state(_: web.Request) -> web.Response:
+        return web.json_response(ctrl.state(), dumps=lambda d: json.dumps(d, default=str))
+
     async def metrics(_: web.Request) -> web.Response:
         from controller.metrics import CONTENT_TYPE_LATEST
 
@@ -62,6 +67,7 @@ async def start_report_server(ctrl: Any, listen: str, token: str | None) -> tupl
     app = web.Application(middlewares=[auth])
     app.router.add_get("/api/report", report)
     app.router.add_get("/api/explain/{model:.+}", explain)
+    app.router.add_get("/api/state", state)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     runner = web.AppRunner(app, access_log=None)
@@ -97,6 +103,8 @@ def explanation_for(data: Mapping[str, Any], model: str) -> dict[str, Any] | Non
             out["observation"] = (plan.get("observation") or {}).get(model)
             out["replicas"] = [r for r in plan.get("plan", {}).get("replicas", []) if r.get("model") == model]
             out["cycle_id"] = plan.get("cycle_id")
+            out["relaxations"] = [r for r in plan.get("explanation", {}).get("relaxations", [])
+                                  if r.get("model") in (None, model)]
             return out
     return None
 
@@ -152,6 +160,14 @@ def render_report(data: Mapping[str, Any], *, actions: int = 12) -> str:
                 f"{m['required_rps']:>7.2f} {m['capacity_rps']:>7.2f} {m['unmet_rps']:>6.2f} {ttft:>26} "
                 f"{n:>9}{stale}"
             )
+        for m in e["models"]:
+            alts = sorted((a for a in m.get("alternatives") or [] if a.get("usd_h") is not None),
+                          key=lambda a: (a["usd_h"], a["engine"], a["tp"]))[:3]
+            if alts:
+                lines.append(f"  {m['model']}: not chosen: " + "; ".join(
+                    f"{a['engine']} {a['gpu']} tp{a['tp']} ${a['usd_h']:.2f}/h {a['reason']}"
+                    + (f" ({_flip_text(a)})" if _flip_text(a) != "-" else "") for a in alts)
+                    + f"  (fleetplan explain {m['model']})")
         for b in e.get("binding_constraints", []):
             lines.append(f"  binding: {b}")
         for n in e.get("notes", []):
@@ -186,6 +202,41 @@ def render_report(data: Mapping[str, Any], *, actions: int = 12) -> str:
     return "\n".join(lines)
 
 
+def _flip_text(a: Mapping[str, Any]) -> str:
+    if a.get("flip_rps") is not None:
+        built = " once built" if a.get("reason") == "build_pending" else ""
+        if a.get("flip_side") == "below":
+            return f"cheaper below {a['flip_rps']:.1f} rps{built}"
+        to = a.get("cheaper_to_rps")
+        return f"cheaper above {a['flip_rps']:.1f} rps{built}" + (f", up to {to:.1f}" if to is not None else "")
+    if a.get("cheaper_from_rps") is not None:
+        return f"cheaper now ({a['cheaper_from_rps']:.1f}..{a['cheaper_to_rps']:.1f} rps)"
+    return "-"
+
+
+def render_alternatives(m: Mapping[str, Any], indent: str = "  ") -> list[str]:
+    """The stored `alternatives` of one model of a plan_to_dict() explanation (never recomputed)."""
+    alts = m.get("alternatives") or []
+    if not alts:
+        return [f"{indent}alternatives: none (every allowed config is in the plan)"]
+    lines = [f"{indent}{'alternative':<24} {'n':>3} {'$/h':>8} {'reason':<14} flip load"]
+    for a in alts:
+        cfg = f"{a['engine']} {a['gpu']} tp{a['tp']}"
+        n = "-" if a.get("replicas") is None else str(a["replicas"])
+        usd = "-" if a.get("usd_h") is None else f"{a['usd_h']:.2f}"
+        lines.append(f"{indent}{cfg:<24} {n:>3} {usd:>8} {a['reason']:<14} {_flip_text(a)}")
+        lines.append(f"{indent}    {a.get('detail', '')}")
+    return lines
+
+
+def render_relaxations(relaxations: list[Mapping[str, Any]], model: str | None = None,
+                       indent: str = "  ") -> list[str]:
+    """The stored relaxation re-solves; with `model`: those of that model and the fleet-wide ones."""
+    rows = [r for r in relaxations if model is None or r.get("model") in (None, model)]
+    return [f"{indent}{r['detail']} (${r['usd_h_before']:.2f}/h -> ${r['usd_h_after']:.2f}/h, unmet "
+            f"{r['unmet_rps_before']:.2f} -> {r['unmet_rps_after']:.2f} rps)" for r in rows]
+
+
 def render_explain(data: Mapping[str, Any], model: str) -> str | None:
     m = explanation_for(data, model)
     if m is None:
@@ -215,6 +266,12 @@ def render_explain(data: Mapping[str, Any], model: str) -> str | None:
         )
     for n in m.get("notes", []):
         lines.append(f"  note: {n}")
+    lines.append("  why not the others (each allowed config alone, from the plan's solve):")
+    lines.extend(render_alternatives(m, indent="    "))
+    relax = render_relaxations(m.get("relaxations") or [], model, indent="    ")
+    if relax:
+        lines.append("  relaxing a binding constraint one step (re-solved):")
+        lines.extend(relax)
     for r in m.get("replicas", []):
         lines.append(f"  replica {r['replica_id']} on {r['host']} GPUs {r['gpu_indices']} ({r['state']})")
     return "\n".join(lines)

@@ -37,6 +37,13 @@ from planner.capacity import (
     resolve_profiles,
 )
 from planner.correction import applied_speeds, corrections_tuple, forget, update_corrections
+from planner.counterfactual import (
+    MANY_MODELS,
+    add_counterfactuals,
+    alternative_to_dict,
+    relaxation_to_dict,
+    slo_relaxed_capacities,
+)
 from planner.counts import UNMET_TOL_RPS, Candidate, CountProblem, CountSolution, ModelDemand, solve_counts
 from planner.forecast import forecast_rate, recent_level_max
 from planner.placement import LIVE_STATES, Placement, place, safe_id, slots_by_gpu
@@ -135,12 +142,14 @@ def plan(
     profiles: ProfileSet,
     state: PlannerState,
     now_s: float,
+    counterfactuals: bool = True,
 ) -> PlanResult:
     """The plan for now, the target once builds are ready, the actions, the explanation. Pure.
 
     Capacity is the profiles' for the observed length mix, corrected by the fleet's own latency
     (planner/correction.py): the corrections are updated from this observation first, carried in
-    the next state, and shown per config in the explanation."""
+    the next state, and shown per config in the explanation.
+    counterfactuals=False: no alternatives/relaxations in the explanation (replays that only act)."""
     hosts = _inventory(fleet, policy)
     gpus = {h.gpu for h in hosts if h.online}
     workloads = workloads_from(observation, policy)
@@ -158,8 +167,11 @@ def plan(
             table[c] = CapacityInfo(UNKNOWN_CAPACITY_RPS, "", (), True, None, "",
                                     ("no profile and no roofline prior for this model: capacity unknown, "
                                      "sized to min_replicas only",))
+    relaxed = (slo_relaxed_capacities(policy, chosen, workloads, gpus, speeds=speeds)
+               if counterfactuals and len(policy.models) <= MANY_MODELS else None)
     state = replace(state, corrections=corrections_tuple(corrections))
-    return plan_with_capacities(observation, fleet, policy, table, state, now_s, predictor=predictor)
+    return plan_with_capacities(observation, fleet, policy, table, state, now_s, predictor=predictor,
+                                relaxed_capacities=relaxed, counterfactuals=counterfactuals)
 
 
 def burst_need_rps(peak_rps: float, window_s: float, ttft_slo_ms: float) -> float:
@@ -328,8 +340,11 @@ def plan_with_capacities(
     state: PlannerState,
     now_s: float,
     predictor: Predictor | None = None,
+    relaxed_capacities: Mapping[ConfigKey, CapacityInfo] | None = None,
+    counterfactuals: bool = True,
 ) -> PlanResult:
-    """plan() with the capacity table given (tests, benchmarks, what-if)."""
+    """plan() with the capacity table given (tests, benchmarks, what-if); `relaxed_capacities`: the
+    table at SLO +10% for the counterfactuals (planner/counterfactual.py), None: not evaluated."""
     eff = effective(policy, now_s)
     hosts = _inventory(fleet, policy)
     drained = eff.drain_hosts
@@ -453,6 +468,9 @@ def plan_with_capacities(
 
     explanation = _explain(policy, demands, now_sol, target_sol, now_place, target_place, capacities,
                            predictor, reports, now_plan, target_plan, notes, observation)
+    if counterfactuals:
+        explanation = add_counterfactuals(explanation, policy, eff, now_problem, now_sol, ready, hosts, capacities,
+                                          relaxed_capacities)
     next_state = PlannerState(tuple(sorted(surplus_next.items())), state.cycle + 1, state.corrections, bursts)
     return PlanResult(now_plan, target_plan, next_state, explanation, tuple(act), tuple(deferred))
 
@@ -768,7 +786,9 @@ def plan_to_dict(result: PlanResult) -> dict[str, Any]:
                              "observed_rps_per_replica": c.observed_rps_per_replica}
                             for c in m.configs],
                 "length_mix": m.length_mix,
+                "alternatives": [alternative_to_dict(a) for a in m.alternatives],
             } for m in e.models],
+            "relaxations": [relaxation_to_dict(r) for r in e.relaxations],
             "binding_constraints": list(e.binding_constraints),
             "solver": [_report_dict(r) for r in e.solver],
             "objective": e.objective,

@@ -9,6 +9,7 @@ CURRENT (JSON): {"hosts": [...], "replicas": [...], "builds": [...], "planner_st
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
@@ -241,4 +242,26 @@ def fleet_to_dict(fleet: Fleet, state: PlannerState | None = None) -> dict[str, 
     }
     if state is not None:
         out["planner_state"] = state_to_dict(state)
+    return out
+
+
+def observation_to_dict(observation: Observation, time_s: float | None = None) -> dict[str, Any]:
+    """An Observation -> a DEMAND document (observation_from_dict reads it back). Values the DEMAND
+    format cannot hold (NaN, inf, a negative rate, a zero ISL/OSL) become null: unknown."""
+
+    def ok(v: float | None, positive: bool = False) -> float | None:
+        if v is None or not math.isfinite(v) or v < 0 or (positive and v == 0):
+            return None
+        return v
+
+    out: dict[str, Any] = {
+        "models": {name: {"rate_rps": ok(o.rate_rps), "isl": ok(o.isl, True), "osl": ok(o.osl, True),
+                          "ttft_p99_ms": ok(o.ttft_p99_ms), "itl_p99_ms": ok(o.itl_p99_ms),
+                          "history": [list(p) for p in o.history if all(math.isfinite(x) for x in p)],
+                          "stale": o.stale}
+                   for name, o in sorted(observation.models.items())},
+        "alerts": list(observation.alerts),
+    }
+    if time_s is not None:
+        out["time_s"] = time_s
     return out

@@ -227,6 +227,56 @@ class ConfigExplanation:
     observed_rps_per_replica: float | None = None
 
 
+class LossReason(StrEnum):
+    """Why an allowed config is not in the plan (planner/counterfactual.py)."""
+
+    COST = "cost"  # it alone costs more $/h than the chosen plan
+    # not dearer in $/h, but another term of the solver's objective outweighs it:
+    TIE = "tie"  # the tie-break for spare capacity
+    LEAD_TIME = "lead_time"  # the startup penalty of its new replicas
+    CHURN = "churn"  # the churn penalty per replica started/stopped (or held: scale-down delay, fail static)
+    BUILD_PENDING = "build_pending"  # cheaper, but its TensorRT-LLM engine is not built yet
+    INVENTORY = "inventory"  # not enough usable GPUs of its type / TP groups (or the type is absent)
+    BUDGET = "budget"  # would exceed the budget (max_gpus / max_usd_h) left by the other models
+    MAX_REPLICAS = "max_replicas"  # needs more replicas than the model's max_replicas
+    SLO = "slo"  # no capacity at the model's SLO (or no profile for it)
+
+
+class FlipSide(StrEnum):
+    ABOVE = "above"  # the alternative is cheaper at loads above flip_rps
+    BELOW = "below"  # ... below flip_rps
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """The best plan for one allowed config the model did not choose: that config alone."""
+
+    config: ConfigKey
+    reason: LossReason
+    replicas: int | None  # None: no capacity at the SLO
+    capacity_per_replica_rps: float | None
+    usd_h: float | None  # of `replicas`; None: no capacity
+    detail: str
+    flip_rps: float | None = None  # demand (rps) at which the $/h order flips; None: not in range
+    flip_side: FlipSide | None = None
+    cheaper_from_rps: float | None = None  # the demand range, nearest today, where it is cheaper
+    cheaper_to_rps: float | None = None  # None with cheaper_from_rps set: up to the inventory limit
+
+
+@dataclass(frozen=True)
+class Relaxation:
+    """Re-solve of the plan's count problem with one binding constraint relaxed by one step."""
+
+    constraint: str  # e.g. "max_replicas llama-3-70b", "inventory h100", "budget max_gpus", "slo llama-3-8b"
+    step: str  # e.g. "+1 replica", "+1 host (8 GPUs)", "SLO +10%"
+    model: str | None  # the model it concerns; None: fleet-wide
+    usd_h_before: float
+    usd_h_after: float
+    unmet_rps_before: float
+    unmet_rps_after: float
+    detail: str
+
+
 @dataclass(frozen=True)
 class ModelExplanation:
     model: str
@@ -244,6 +294,7 @@ class ModelExplanation:
     configs: tuple[ConfigExplanation, ...]
     notes: tuple[str, ...]  # fail static, forecast method, lead-time fallback, ...
     length_mix: str = ""  # the ISL/OSL mix capacity was computed for
+    alternatives: tuple[Alternative, ...] = ()  # the allowed configs not chosen (planner/counterfactual.py)
 
 
 @dataclass(frozen=True)
@@ -268,6 +319,8 @@ class Explanation:
     usd_h: float
     target_usd_h: float
     notes: tuple[str, ...]
+    relaxations: tuple[Relaxation, ...] = ()  # what relaxing a binding constraint one step does
+
 
 
 @dataclass(frozen=True)

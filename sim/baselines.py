@@ -85,7 +85,8 @@ class FleetplanController:
         obs = view.observation
         if not self.use_history:
             obs = Observation(models={m: replace(o, history=()) for m, o in obs.models.items()}, alerts=obs.alerts)
-        res = plan(obs, view.fleet, self.policy, self.profiles, self.state, view.epoch_s)
+        res = plan(obs, view.fleet, self.policy, self.profiles, self.state, view.epoch_s,
+                   counterfactuals=False)  # a replay acts on plans; nobody reads their explanation
         self.state = res.next_state
         self.solve_s += res.explanation.solve_s
         note = "; ".join(n for m in res.explanation.models for n in m.notes if n.startswith("fail static"))

@@ -179,6 +179,10 @@ def test_report_explain_metrics_cli_on_a_running_controller(rig, controller_fact
     out = cli("explain", MODEL, "--url", ctrl.url)
     assert out.returncode == 0, out.stderr
     assert f"{MODEL}: 1 replicas" in out.stdout and "capacity now" in out.stdout and "SLO TTFT p99" in out.stdout
+    assert "why not the others" in out.stdout and "reason" in out.stdout  # the stored counterfactuals
+    # the unedited policy against the live controller's state: no change (exit 0)
+    out = cli("policy", "check", str(ctrl.policy_path), "--controller", ctrl.url)
+    assert out.returncode == 0 and "RESULT: no change (exit 0)" in out.stdout, out.stdout + out.stderr
     out = cli("explain", "no-such-model", "--url", ctrl.url)
     assert out.returncode == 1 and "not in the current plan" in out.stderr
     deadline = time.monotonic() + 30  # Prometheus file_sd discovery takes a few seconds

@@ -16,6 +16,8 @@ import pytest
 from controller.daemon import inflight_from_metrics, sd_notify
 from controller.state import Phase, ReplicaRow, StateStore
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 def _row(rid: str, host: str = "h1", gpus: tuple[int, ...] = (0,), port: int = 8100) -> ReplicaRow:
     now = time.time()
@@ -151,3 +153,92 @@ async def test_report_api_requires_token_off_loopback() -> None:
         await runner.cleanup()
     with pytest.raises(SystemExit):
         await start_report_server(_FakeCtrl(), "0.0.0.0:0", None)
+
+
+async def test_state_api_feeds_policy_check_and_explain_renders_the_stored_counterfactuals(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A real Controller (no MQTT/Prometheus needed for this): a plan stored as a cycle stores it;
+    `explain` renders its alternatives from the report API; GET /api/state (bearer token) gives
+    `policy check --controller` the controller's policy, fleet and last observation."""
+    import asyncio
+
+    import yaml
+
+    from controller.cli import main
+    from controller.daemon import Controller, ControllerSettings
+    from controller.observe import ModelMetrics, Snapshot
+    from controller.report import render_explain, start_report_server
+    from planner.core import plan, plan_to_dict
+    from planner.types import PlannerState
+
+    root = ROOT
+    now_s = 1731574800.0  # config/example-demand.yaml's time_s (business hours)
+    store = StateStore(tmp_path / "state.db")
+    ctrl = Controller(ControllerSettings(), root / "config/example-policy.yaml", None, store)
+    runner = None
+    try:
+        assert ctrl.load_policy(initial=True)
+        ctrl.load_profiles()  # no profiles file: roofline priors
+        ctrl.planner_state = PlannerState.initial()
+        with store.tx() as c:
+            store.insert_replica(c, ReplicaRow("r00001", "gpu-04", "llama-3-70b", "vllm", "h100", 8, "bf16",
+                                               tuple(range(8)), 8100, "vllm", Phase.DESIRED, "planned", now_s,
+                                               now_s, None, None))
+        ctrl.last_snapshot = Snapshot(
+            {"llama-3-8b": ModelMetrics("llama-3-8b", 60.0, 820.0, 200.0, stale=False),
+             "llama-3-70b": ModelMetrics("llama-3-70b", 12.0, 820.0, 200.0, stale=False)},
+            {}, (), True, time.time(), now_s)
+        # the cycle's way: plan, plan_to_dict, save_plan (reports render it, never recompute)
+        from controller.observe import to_observation
+
+        result = plan(to_observation(ctrl.last_snapshot, ctrl.model_names()), ctrl.build_fleet(),
+                      ctrl.policy.policy, ctrl.profiles, ctrl.planner_state, now_s)
+        doc = plan_to_dict(result)
+        doc["cycle_id"] = 1
+        store.save_plan(1, doc, 0.05, doc["next_state"])
+
+        runner, url = await start_report_server(ctrl, "127.0.0.1:0", "s3cret")
+        auth = {"Authorization": "Bearer s3cret"}
+        async with httpx.AsyncClient() as c:
+            assert (await c.get(url + "/api/state")).status_code == 401  # same auth as the report
+            state = (await c.get(url + "/api/state", headers=auth)).json()
+            report = (await c.get(url + "/api/report", headers=auth)).json()
+        assert state["policy"]["models"][0]["name"] == "llama-3-8b"
+        assert [r["replica_id"] for r in state["fleet"]["replicas"]] == ["r00001"]
+        assert state["demand"]["time_s"] == now_s and state["demand"]["models"]["llama-3-8b"]["rate_rps"] == 60.0
+        assert state["profiles"] is not None
+
+        for model in ("llama-3-8b", "llama-3-70b"):
+            text = render_explain(report, model)
+            assert text is not None and "why not the others" in text
+            stored = next(m for m in report["plan"]["explanation"]["models"] if m["model"] == model)
+            assert stored["alternatives"]
+            for a in stored["alternatives"]:
+                row = next(x for x in text.splitlines() if x.strip().startswith(f"{a['engine']} {a['gpu']} tp{a['tp']}"))
+                assert f"{a['usd_h']:.2f}" in row and a["reason"] in row
+        assert any("cheaper above" in (render_explain(report, m) or "") or "cheaper below" in (render_explain(report, m) or "")
+                   for m in ("llama-3-8b", "llama-3-70b"))
+        assert "SLO +10%" in (render_explain(report, "llama-3-8b") or "")
+
+        # policy check --controller: the unedited policy changes nothing; a tighter SLO does
+        capsys.readouterr()
+        same = await asyncio.to_thread(main, ["policy", "check", str(root / "config/example-policy.yaml"),
+                                              "--controller", url, "--token", "s3cret"])
+        out = capsys.readouterr().out
+        assert same == 0 and "RESULT: no change (exit 0)" in out
+        tight = yaml.safe_load((root / "config/example-policy.yaml").read_text())
+        tight["models"][0]["slo"]["itl_p99_ms"] = 30
+        (tmp_path / "tight.yaml").write_text(yaml.safe_dump(tight))
+        changed = await asyncio.to_thread(main, ["policy", "check", str(tmp_path / "tight.yaml"),
+                                                 "--controller", url, "--token", "s3cret"])
+        out = capsys.readouterr().out
+        assert changed == 1 and "llama-3-8b" in out and "RESULT: CHANGE (exit 1)" in out
+        # a wrong token: the controller's state cannot be read (exit 2, said on stderr)
+        bad = await asyncio.to_thread(main, ["what-if", "--policy", str(tmp_path / "tight.yaml"),
+                                             "--controller", url, "--token", "nope"])
+        assert bad == 2 and "HTTP 401" in capsys.readouterr().err
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        await ctrl.prom.aclose()
+        store.close()
