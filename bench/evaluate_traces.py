@@ -121,16 +121,6 @@ def _benchmark_profiles(cache: Path) -> ProfileSet:
     return ProfileSet.from_json_dict(json.loads(cache.read_text()))
 
 
-def _profile_cap(profiles: object, c: object, isl: float, osl: float, m: object) -> float:
-    from models import profile as mp
-
-    prof = profiles.get(c.model, c.engine, c.gpu, c.tp, c.precision)  # type: ignore[attr-defined]
-    if prof is None:
-        return 0.0
-    return mp.capacity(prof, mp.Workload(isl, osl), ttft_p99_ms=m.slo.ttft_p99_ms,  # type: ignore[attr-defined]
-                       itl_p99_ms=m.slo.itl_p99_ms).max_rps  # type: ignore[attr-defined]
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--traces", default="azure,mooncake")
@@ -183,10 +173,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n=== {key} ({fname}), {shape_name}, rate x{tr_scale:g}, model {model}, "
                   f"profiles: {args.profiles} ===")
             print(render_table(ev))
-            isl, osl = ev.trace["mean_prompt_tokens"][model], ev.trace["mean_output_tokens"][model]
-            print("capacity per replica at the SLO (mean lengths), ground truth vs fitted profile (rps): " + ", ".join(
-                f"{c.label()}={ev.capacities.get(c.label(), 0.0):.2f} vs {_profile_cap(profiles, c, isl, osl, m):.2f}"
-                for c in configs))
             print("diagnostics: " + "; ".join(
                 f"{n}: swap_cycles={f.swap_cycles} builds={f.builds} mean_gpus={f.mean_gpus:.1f}"
                 for n, f in ev.policies.items() if n.startswith("fleetplan") or n == "hpa"))

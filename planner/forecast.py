@@ -136,6 +136,7 @@ def forecast_rate(
     keep = t >= t[-1] - RESID_S
     tk, yk, lk, sk = t[keep], y[keep], levels[keep], shape[keep]
     resid: list[np.ndarray] = []
+    resid_t: list[np.ndarray] = []  # the time of the later sample of each pair
     if h > 0:
         for d in range(1, len(tk)):
             dt = tk[d:] - tk[:-d]
@@ -146,46 +147,32 @@ def forecast_rate(
                 continue
             r = yk[d:] - lk[:-d] - (sk[d:] - sk[:-d])
             resid.append(r[ok])
+            resid_t.append(tk[d:][ok])
     margin = 0.0
     if resid:
         allr = np.concatenate(resid)
         if len(allr) >= 4:
             margin = max(0.0, float(np.quantile(allr, quantile)))
-            margin = min(margin, _recurring_rise(tk, yk, lk, sk, h))
+            margin = min(margin, _without_largest_event(allr, np.concatenate(resid_t), h, quantile))
     value = level + rise + margin
     return Forecast(max(value, 0.0), method, horizon_s, quantile, level, rise, margin)
 
 
-MIN_RECUR = 2  # a rise counts for the margin only when it happened in at least this many episodes
+def _without_largest_event(r: np.ndarray, tj: np.ndarray, h: float, quantile: float) -> float:
+    """The residual quantile without the pairs of the largest single event (the pairs whose later
+    sample is within one horizon of the largest rise): one step in the rate (a load test, an
+    incident: 1 -> 10 -> 1 rps) never sets the margin alone, however short the history, while rises
+    that recur keep it (excluding one of many changes the quantile little).
 
-
-def _recurring_rise(t: np.ndarray, y: np.ndarray, level: np.ndarray, shape: np.ndarray, h: float) -> float:
-    """The largest rise above the level seen in at least MIN_RECUR distinct events (rise peaks more
-    than one horizon apart): one step in the rate (a load test, an incident) is one event and never
-    sets the margin alone, however short the history; bursts that recur do.
-
-    >>> t = np.arange(0.0, 1200.0, 30.0); y = np.where(t < 600, 1.0, 10.0)
-    >>> float(_recurring_rise(t, y, y, np.zeros_like(t), 150.0))
-    0.0
-    >>> y2 = np.where((t % 400) < 60, 6.0, 1.0)
-    >>> float(_recurring_rise(t, y2, np.ones_like(t), np.zeros_like(t), 150.0))
-    5.0
+    >>> r = np.array([0.1, -0.2, 0.0, 0.2, 9.0, 8.5, 8.0, -0.1]); t = np.array([0, 30, 60, 90, 600, 630, 660, 700.])
+    >>> round(_without_largest_event(r, t, 150.0, 0.9), 2)
+    0.17
     """
-    events: list[tuple[float, float]] = []  # (rise, time of its peak)
-    for i in range(len(t)):
-        j = int(np.searchsorted(t, t[i] + h, side="right"))
-        if j <= i + 1:
-            continue
-        r = y[i + 1:j] - level[i] - (shape[i + 1:j] - shape[i])
-        k = int(np.argmax(r))
-        events.append((float(r[k]), float(t[i + 1 + k])))
-    accepted: list[float] = []
-    for rise, tj in sorted(events, reverse=True):
-        if all(abs(tj - a) > h for a in accepted):
-            accepted.append(tj)
-            if len(accepted) >= MIN_RECUR:
-                return max(rise, 0.0)
-    return 0.0
+    k = int(np.argmax(r))
+    rest = r[np.abs(tj - tj[k]) > h]
+    if len(rest) < 4:
+        return 0.0
+    return max(0.0, float(np.quantile(rest, quantile)))
 
 
 def recent_level_max(
