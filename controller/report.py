@@ -143,7 +143,8 @@ def config_lines(m: Mapping[str, Any], c: Mapping[str, Any], plan: Mapping[str, 
         f"{indent}{name}: {c['replicas']} replicas; capacity {c['capacity_per_replica_rps']:.2f} rps/replica = "
         f"profile {_f(c.get('profile_capacity_rps'))} x {factor:.2f}"
         + (" (profile trusted)" if abs(factor - 1.0) < 0.005 else " (corrected)"),
-        f"{indent}  profile predicts at {c['load_per_replica_rps']:.2f} rps/replica: TTFT p99 "
+        f"{indent}  {'profile predicts' if abs(factor - 1.0) < 0.005 else 'corrected profile predicts'} at "
+        f"{c['load_per_replica_rps']:.2f} rps/replica: TTFT p99 "
         f"{_f(c.get('predicted_ttft_p99_ms'), '{:.0f}')} ms, ITL p99 {_f(c.get('predicted_itl_p99_ms'), '{:.1f}')} ms",
     ]
     if c.get("observed_rps_per_replica") is not None or c.get("observed_ttft_p99_ms") is not None:
