@@ -156,7 +156,12 @@ def _p99_ms(buckets: Buckets, window_s: float) -> float | None:
     if not math.isfinite(total) or total * window_s < MIN_P99_SAMPLES:
         return None
     v = histogram_quantile(0.99, buckets)
-    return v * 1000.0 if v is not None and math.isfinite(v) else None
+    if v is None or not math.isfinite(v):
+        return None
+    lowest = min((le for le, _ in buckets if math.isfinite(le) and le > 0), default=None)
+    if lowest is not None and v <= lowest:
+        return None  # the histogram only says "below its first bucket": no evidence of the value
+    return v * 1000.0
 
 
 def _sum_buckets(parts: Iterable[Buckets]) -> Buckets:
@@ -183,7 +188,9 @@ def interpret(model: str, evidence: Evidence | None, replicas: Sequence[Replica]
     MIN_LENGTH_SAMPLES requests in the window; a config's evidence comes only from its READY replicas
     that were READY for the whole window and whose series Prometheus returned (a replica that joined
     mid-window would dilute the load per replica); a config with fewer than MIN_CONFIG_REQUESTS
-    completions has none; a p99 over fewer than MIN_P99_SAMPLES observations is unknown (None).
+    completions has none; a p99 over fewer than MIN_P99_SAMPLES observations is unknown (None), and so
+    is a p99 inside the lowest bucket (e.g. a per-request ITL under vLLM's first 10 ms edge: the
+    interpolated 9.9 ms would be a bucket artefact, not a measurement).
     Rates are divided by the time scale (simulated rps); completions are counts over the window.
     """
     if stale or evidence is None or evidence.window_s <= 0:

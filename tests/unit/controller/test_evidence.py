@@ -166,6 +166,14 @@ def test_interpret_few_samples_give_unknown_p99_and_idle_configs_no_evidence() -
     assert out.configs == ()
 
 
+def test_a_p99_inside_the_lowest_bucket_is_unknown() -> None:
+    tpot = [0.0] * (len(TPOT_EDGES) + 1)
+    tpot[0] = 4.0  # every request under 10 ms: histogram_quantile would say 9.9 ms by interpolation
+    s = ReplicaSeries(4.0, series(4.0).ttft, cumulative(TPOT_EDGES, tpot))
+    (c,) = interpret(M, evidence({"r1": s}), [replica("r1")], NOW, stale=False).configs
+    assert c.itl_p99_ms is None and c.ttft_p99_ms is not None
+
+
 def test_interpret_stale_model_or_no_evidence_gives_nothing() -> None:
     per = [0.0] * (len(LEN_EDGES) + 1)
     per[LEN_EDGES.index(1000.0)] = 10.0
