@@ -10,6 +10,7 @@ falls and the plan grows beyond what the optimistic profile alone would plan.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import sqlite3
@@ -80,6 +81,33 @@ def _plans_after(db: Path, cycle_id: int) -> list[tuple[int, dict[str, Any]]]:
     return [(int(cid), json.loads(p)) for cid, p in rows]
 
 
+def _shown(url: str) -> None:
+    """`fleetplan report --json`, `fleetplan report`, `fleetplan explain MODEL` and /metrics show it."""
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "controller.cli", *args, "--url", url],
+                              capture_output=True, text=True, cwd=str(REPO), timeout=60)
+
+    out = cli("report", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    cj = _vllm_config(doc["plan"])
+    assert cj is not None and cj["capacity_factor"] < 0.85 and cj["correction"].startswith("engine speed vs")
+    assert cj["observed_ttft_p99_ms"] is not None and cj["observed_rps_per_replica"] is not None
+    assert _vllm_correction(doc["plan"]) is not None
+    out = cli("explain", MODEL)
+    assert out.returncode == 0, out.stderr
+    print(out.stdout)
+    assert "correction: engine speed vs profile" in out.stdout and "in force since" in out.stdout, out.stdout
+    assert "length mix used for capacity: isl mean" in out.stdout and "observed at" in out.stdout
+    out = cli("report")
+    assert out.returncode == 0 and "(corrected)" in out.stdout, out.stdout
+    metrics = httpx.get(url + "/metrics", timeout=5).text
+    line = next(ln for ln in metrics.splitlines()
+                if ln.startswith(f'fleetplan_profile_correction_ratio{{config="{CONFIG}",model="{MODEL}"}}'))
+    assert float(line.rsplit(" ", 1)[1]) < 0.85, line
+
+
 async def test_optimistic_profiles_corrected_persisted_across_restart_and_shown(
         rig, controller_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     truth = ProfileSet.from_json_dict(json.loads(PROFILES.read_text()))
@@ -102,29 +130,7 @@ async def test_optimistic_profiles_corrected_persisted_across_restart_and_shown(
               f" = profile {c['profile_capacity_rps']:.2f} x {c['capacity_factor']:.2f}; {c['planned']} replicas "
               f"planned for {c['required_rps']:.2f} rps; {k}")
 
-        # the report shows it: text and JSON (fleetplan report --json / fleetplan explain MODEL)
-        def cli(*args: str) -> subprocess.CompletedProcess[str]:
-            return subprocess.run([sys.executable, "-m", "controller.cli", *args, "--url", ctrl.url],
-                                  capture_output=True, text=True, cwd=str(REPO), timeout=60)
-
-        out = cli("report", "--json")
-        assert out.returncode == 0, out.stderr
-        doc = json.loads(out.stdout)
-        cj = _vllm_config(doc["plan"])
-        assert cj is not None and cj["capacity_factor"] < 0.85 and cj["correction"].startswith("engine speed vs")
-        assert cj["observed_ttft_p99_ms"] is not None and cj["observed_rps_per_replica"] is not None
-        assert _vllm_correction(doc["plan"]) is not None
-        out = cli("explain", MODEL)
-        assert out.returncode == 0, out.stderr
-        print(out.stdout)
-        assert "correction: engine speed vs profile" in out.stdout and "in force since" in out.stdout, out.stdout
-        assert "length mix used for capacity: isl mean" in out.stdout and "observed at" in out.stdout
-        out = cli("report")
-        assert out.returncode == 0 and "(corrected)" in out.stdout, out.stdout
-        metrics = httpx.get(ctrl.url + "/metrics", timeout=5).text
-        line = next(ln for ln in metrics.splitlines()
-                    if ln.startswith(f'fleetplan_profile_correction_ratio{{config="{CONFIG}",model="{MODEL}"}}'))
-        assert float(line.rsplit(" ", 1)[1]) < 0.85, line
+        await asyncio.to_thread(_shown, ctrl.url)
 
         # restart: the first plan after it carries the correction read back from the state store
         assert ctrl.stop() == 0, ctrl.log_tail()
