@@ -474,7 +474,9 @@ class Controller:
         policy_cycle = self.settings.cycle_s or self.policy.policy.scaling.cycle_s
         stall_s = max(3 * policy_cycle / self.time_scale, period_s)
         while True:
-            if time.time() - self._progress_wall < stall_s:
+            if self._stopping.is_set():  # after STOPPING=1 systemd expects no more pings
+                pass
+            elif time.time() - self._progress_wall < stall_s:
                 sd_notify("WATCHDOG=1")
             else:
                 log.error("no cycle finished for %.0f s: not pinging the systemd watchdog", stall_s)
@@ -1157,7 +1159,8 @@ class Controller:
             self.metrics.last_cycle_timestamp.set(time.time())
             self._progress_wall = time.time()
             self.cycle_count += 1
-            sd_notify("WATCHDOG=1")
+            if not self._stopping.is_set():  # a cycle that finishes after SIGTERM: STOPPING=1 was the last word
+                sd_notify("WATCHDOG=1")
         if status == "ok":
             self.runtime_alerts.pop("cycle", None)
         return summary

@@ -134,10 +134,11 @@ async def test_optimistic_profiles_corrected_persisted_across_restart_and_shown(
 
         # restart: the first plan after it carries the correction read back from the state store
         assert ctrl.stop() == 0, ctrl.log_tail()
+        last_before = max(cid for cid, _ in _plans_after(ctrl.state_db, before_cycle - 1))
         ctrl.start()
-        await wait_until(lambda: _plans_after(ctrl.state_db, before_cycle), 30, "the first cycle after the restart",
+        await wait_until(lambda: _plans_after(ctrl.state_db, last_before), 30, "the first cycle after the restart",
                          describe=describe(ctrl))
-        cid, first = _plans_after(ctrl.state_db, before_cycle)[0]
+        cid, first = _plans_after(ctrl.state_db, last_before)[0]
         k2, c2 = _vllm_correction(first), _vllm_config(first)
         assert k2 is not None and c2 is not None, first.get("next_state")
         # learned before the restart (a fresh start would hold at most this cycle's one window)
