@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from controller.report import config_lines
+
 
 def register(subparsers: Any) -> None:
     policy = subparsers.add_parser("policy", help="policy file tools")
@@ -138,25 +140,6 @@ def _f(v: Any, fmt: str = ".1f") -> str:
     return "-" if v is None else format(v, fmt)
 
 
-def config_evidence_lines(c: dict[str, Any]) -> list[str]:
-    """What stands behind one config's capacity: the profile, the observation, the correction in
-    force, and why the profile extrapolates (from the stored plan document, never recomputed)."""
-    out = []
-    prof = c.get("profile_capacity_rps")
-    if prof is not None and abs(c.get("capacity_factor", 1.0) - 1.0) > 1e-3:
-        out.append(f"profile says {prof:.2f} rps/replica; planned with {c['capacity_per_replica_rps']:.2f} "
-                   f"(x{c['capacity_factor']:.2f})")
-    if c.get("observed_ttft_p99_ms") is not None or c.get("observed_itl_p99_ms") is not None:
-        out.append(f"observed: TTFT p99 {_f(c.get('observed_ttft_p99_ms'), '.0f')} ms, ITL p99 "
-                   f"{_f(c.get('observed_itl_p99_ms'), '.1f')} ms at {_f(c.get('observed_rps_per_replica'), '.2f')} "
-                   f"rps/replica")
-    if c.get("correction"):
-        out.append(c["correction"])
-    if c.get("extrapolating"):
-        out.append("extrapolating: " + "; ".join(c["extrapolating"]))
-    return out
-
-
 def render_plan(doc: dict[str, Any]) -> str:
     """Readable tables from a plan_to_dict() document (never recomputes anything)."""
     e = doc["explanation"]
@@ -180,8 +163,7 @@ def render_plan(doc: dict[str, Any]) -> str:
                        f"{c['binding']:<6} {_f(c['predicted_ttft_p99_ms'], '.0f'):>9} "
                        f"{_f(c['predicted_itl_p99_ms'], '.1f'):>8} "
                        f"{m['slo_ttft_p99_ms']:>6.0f}/{m['slo_itl_p99_ms']:<6.0f} {c['usd_h']:>8.2f}")
-            for line in config_evidence_lines(c):
-                out.append(f"    {line}")
+            out.extend(config_lines(m, c, doc))  # the evidence behind the row (controller/report.py)
         if m.get("length_mix"):
             out.append(f"  {m['model']}: length mix: {m['length_mix']}")
         for note in m["notes"]:

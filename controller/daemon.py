@@ -342,6 +342,7 @@ class Controller:
         self.metrics.mqtt_connected.set_function(lambda: float(self.link.connected.is_set()))
         self.report_runner: Any = None
         self.report_url: str | None = None
+        self._correction_labels: set[tuple[str, str]] = set()  # label sets of profile_correction_ratio
         self.routed: set[str] = set()  # replica ids in the nginx upstreams right now
         self._builds_noted: set[tuple[str, str]] = set()
         self._pending_publish: set[str] = set()
@@ -474,7 +475,9 @@ class Controller:
         policy_cycle = self.settings.cycle_s or self.policy.policy.scaling.cycle_s
         stall_s = max(3 * policy_cycle / self.time_scale, period_s)
         while True:
-            if time.time() - self._progress_wall < stall_s:
+            if self._stopping.is_set():  # after STOPPING=1 systemd expects no more pings
+                pass
+            elif time.time() - self._progress_wall < stall_s:
                 sd_notify("WATCHDOG=1")
             else:
                 log.error("no cycle finished for %.0f s: not pinging the systemd watchdog", stall_s)
@@ -1116,9 +1119,9 @@ class Controller:
             snap = await observer.snapshot(models, now_s=now_s, expected_replicas=expected)
             self.last_snapshot = snap
             self.store.save_observation(cid, snap.to_json())
-            obs = to_observation(snap, models)
             self.adopt_orphans()  # statuses may have arrived while observing: never plan around an unknown engine
             fleet = self.build_fleet()
+            obs = to_observation(snap, models, fleet.replicas)  # + length mix and per-config evidence
             t0 = time.perf_counter()
             result = await asyncio.to_thread(plan, obs, fleet, policy, self.profiles, self.planner_state, now_s)
             solve_s = time.perf_counter() - t0
@@ -1157,7 +1160,8 @@ class Controller:
             self.metrics.last_cycle_timestamp.set(time.time())
             self._progress_wall = time.time()
             self.cycle_count += 1
-            sd_notify("WATCHDOG=1")
+            if not self._stopping.is_set():  # a cycle that finishes after SIGTERM: STOPPING=1 was the last word
+                sd_notify("WATCHDOG=1")
         if status == "ok":
             self.runtime_alerts.pop("cycle", None)
         return summary
@@ -1216,8 +1220,23 @@ class Controller:
                 m.observed_ttft_p99_ms.labels(name).set(o.ttft_p99_ms)
             if o is not None and o.itl_p99_ms is not None:
                 m.observed_itl_p99_ms.labels(name).set(o.itl_p99_ms)
+        self._update_correction_metrics(doc)
         m.plan_usd_h.set(doc["plan"]["usd_h"])
         m.stale_models.set(sum(1 for name, o in snap.models.items() if o.stale and name in desired))
+
+    def _update_correction_metrics(self, doc: Mapping[str, Any]) -> None:
+        """fleetplan_profile_correction_ratio{model,config}: the plan's capacity factor per config
+        (1.0: the profile is trusted); a config that left the plan loses its label set."""
+        from controller.metrics import correction_series
+
+        series = correction_series(doc)
+        gauge = self.metrics.profile_correction_ratio
+        for labels in self._correction_labels - set(series):
+            with contextlib.suppress(KeyError):
+                gauge.remove(*labels)
+        for labels, value in series.items():
+            gauge.labels(*labels).set(value)
+        self._correction_labels = set(series)
 
     # ---- report ---------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-__all__ = ["CONTENT_TYPE_LATEST", "ControllerMetrics"]
+__all__ = ["CONTENT_TYPE_LATEST", "ControllerMetrics", "config_label", "correction_series"]
 
 
 class ControllerMetrics:
@@ -52,6 +55,12 @@ class ControllerMetrics:
         self.alerts_active = Gauge("fleetplan_alerts_active", "active alerts", registry=r)
         self.stale_models = Gauge("fleetplan_stale_models", "models observed stale (fail static)", registry=r)
         self.policy_reloads = Counter("fleetplan_policy_reloads", "SIGHUP reloads", ["result"], registry=r)
+        self.profile_correction_ratio = Gauge(
+            "fleetplan_profile_correction_ratio",
+            "capacity per replica the plan uses / what the profile alone says, per serving config "
+            "(1.0: profile trusted; < 1: the fleet's latency says the engines are slower than profiled)",
+            ["model", "config"], registry=r,
+        )
         self.last_cycle_timestamp = Gauge(
             "fleetplan_last_cycle_timestamp_seconds", "unix time of the last finished cycle", registry=r
         )
@@ -60,3 +69,19 @@ class ControllerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def config_label(c: Mapping[str, Any]) -> str:
+    """The `config` label of a serving config in a plan document: engine/gpuxTP/precision."""
+    return f"{c['engine']}/{c['gpu']}x{c['tp']}/{c['precision']}"
+
+
+def correction_series(doc: Mapping[str, Any]) -> dict[tuple[str, str], float]:
+    """(model, config) -> capacity_factor of every config in the stored plan's explanation."""
+    out: dict[tuple[str, str], float] = {}
+    for m in (doc.get("explanation") or {}).get("models", []):
+        for c in m.get("configs", []):
+            f = c.get("capacity_factor")
+            if isinstance(f, int | float):
+                out[(str(m["model"]), config_label(c))] = float(f)
+    return out

@@ -28,6 +28,8 @@ from typing import Any
 
 import httpx
 
+from controller import evidence as ev
+
 log = logging.getLogger(__name__)
 
 # Labels that may carry the model name: `model` is written by the controller into the file_sd
@@ -192,6 +194,8 @@ class Snapshot:
     prometheus_ok: bool
     wall_s: float
     now_s: float  # on the (possibly simulated) controller clock
+    # length histograms per model and latency series per replica (controller/evidence.py); None: not read
+    evidence: ev.Evidence | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -286,6 +290,32 @@ class Observer:
         q["replica_waiting"] = f"sum by ({REPLICA_LABEL}) ({self._sel(_WAITING)})"
         return q
 
+    def evidence_queries(self) -> dict[str, str]:
+        """Length histograms per model, latency histograms and completions per replica (evidence.py)."""
+        w, by = self._window(), self._by("le")
+        rb = f"{REPLICA_LABEL}, le"
+        return {
+            "ev_prompt_len": f"sum by ({by}) (rate({self._sel(ev.PROMPT_LEN_BUCKET)}[{w}]))",
+            "ev_gen_len": f"sum by ({by}) (rate({self._sel(ev.GEN_LEN_BUCKET)}[{w}]))",
+            "ev_done": f"sum by ({REPLICA_LABEL}) (rate({self._sel(ev.REQ_SUCCESS)}[{w}]))",
+            "ev_ttft": f"sum by ({rb}) (rate({self._sel(ev.TTFT_BUCKET)}[{w}]))",
+            "ev_tpot": f"sum by ({rb}) (rate({self._sel(ev.TPOT_REQ_BUCKET)}[{w}]))",
+        }
+
+    async def _evidence(self, wall: float) -> ev.Evidence | None:
+        """The evidence queries; a failure here leaves the evidence unknown, not the model stale."""
+        queries = self.evidence_queries()
+        try:
+            names = list(queries)
+            results = await asyncio.gather(*(self.client.query(queries[n], wall) for n in names))
+        except PrometheusError as exc:
+            log.warning("length/latency evidence unavailable: %s", exc)
+            return None
+        r = dict(zip(names, results, strict=True))
+        return ev.collect(r["ev_prompt_len"], r["ev_gen_len"], r["ev_done"], r["ev_ttft"], r["ev_tpot"],
+                          model_of=self._model_of, window_s=self.config.window_s,
+                          time_scale=self.config.time_scale, replica_label=REPLICA_LABEL)
+
     def _arrival_rate_query(self) -> str:
         """Arrivals = completions + growth of the requests in the engine (running + waiting).
 
@@ -339,6 +369,7 @@ class Observer:
             unknown = {m: ModelMetrics(model=m, stale=True, reasons=(str(exc),)) for m in wanted}
             return Snapshot(unknown, {}, (alert,), False, wall, now)
 
+        evidence = await self._evidence(wall)
         replicas: dict[str, ReplicaMetrics] = {}
         running_by_rep = {s.labels.get(REPLICA_LABEL, ""): s.value for s in res["replica_running"]}
         waiting_by_rep = {s.labels.get(REPLICA_LABEL, ""): s.value for s in res["replica_waiting"]}
@@ -440,17 +471,24 @@ class Observer:
                 # never plan on partial numbers of a stale model
                 mm = replace(mm, rate_rps=None, isl=None, osl=None)
             out[m] = mm
-        return Snapshot(out, replicas, tuple(alerts), True, wall, now)
+        return Snapshot(out, replicas, tuple(alerts), True, wall, now, evidence)
 
 
-def to_observation(snapshot: Snapshot, models: Sequence[str] | None = None) -> Any:
-    """The planner's Observation for `models` (default: every model in the snapshot)."""
+def to_observation(snapshot: Snapshot, models: Sequence[str] | None = None,
+                   replicas: Sequence[Any] | None = None) -> Any:
+    """The planner's Observation for `models` (default: every model in the snapshot).
+
+    `replicas`: the fleet's planner.types.Replica list; with it, each model also carries its length
+    quantiles and per-config evidence (controller/evidence.py), else only the per-model numbers."""
     from planner.types import ModelObservation, Observation
 
     names = list(models) if models is not None else list(snapshot.models)
     obs: dict[str, Any] = {}
     for m in names:
         mm = snapshot.models.get(m) or ModelMetrics(model=m, stale=True, reasons=("not observed",))
+        me = ev.interpret(m, snapshot.evidence, replicas or (), snapshot.now_s, stale=mm.stale)
+        for note in me.notes:
+            log.info("evidence for %s: %s", m, note)
         obs[m] = ModelObservation(
             model=m,
             rate_rps=mm.rate_rps,
@@ -460,6 +498,9 @@ def to_observation(snapshot: Snapshot, models: Sequence[str] | None = None) -> A
             itl_p99_ms=mm.itl_p99_ms,
             history=mm.history,
             stale=mm.stale,
+            isl_quantiles=me.isl_quantiles,
+            osl_quantiles=me.osl_quantiles,
+            configs=me.configs if replicas is not None else (),
         )
     return Observation(models=obs, alerts=tuple(snapshot.alerts))
 

@@ -18,6 +18,7 @@ import hmac
 import json
 import time
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Any
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
@@ -105,6 +106,8 @@ def explanation_for(data: Mapping[str, Any], model: str) -> dict[str, Any] | Non
             out["cycle_id"] = plan.get("cycle_id")
             out["relaxations"] = [r for r in plan.get("explanation", {}).get("relaxations", [])
                                   if r.get("model") in (None, model)]
+            out["corrections"] = [c for c in ((plan.get("next_state") or {}).get("corrections") or [])
+                                  if c.get("model") == model]
             return out
     return None
 
@@ -118,6 +121,59 @@ def _ago(t: float | None, now: float) -> str:
         return "-"
     d = max(0.0, now - t)
     return f"{d:.0f}s ago" if d < 120 else f"{d / 60:.0f}m ago"
+
+
+def _key(c: Mapping[str, Any]) -> tuple[Any, ...]:
+    return (c.get("model"), c.get("engine"), c.get("gpu"), c.get("tp"), c.get("precision"))
+
+
+def corrections_by_config(plan: Mapping[str, Any]) -> dict[tuple[Any, ...], Mapping[str, Any]]:
+    """The corrections the planner carries (stored plan's next_state), by (model, engine, gpu, tp, precision)."""
+    return {_key(c): c for c in ((plan.get("next_state") or {}).get("corrections") or [])}
+
+
+def _when(t: float | None, now: float | None) -> str:
+    if t is None:
+        return "-"
+    iso = datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return iso if now is None else f"{iso}, {_ago(t, now)}"
+
+
+def config_lines(m: Mapping[str, Any], c: Mapping[str, Any], plan: Mapping[str, Any], *,
+                 indent: str = "    ") -> list[str]:
+    """Per config, from the stored plan: the profile's capacity and prediction, the observation, the
+    correction in force and since when, and where the profile is extrapolated."""
+    corr = corrections_by_config(plan).get(_key({**c, "model": m["model"]}))
+    now = plan.get("now_s")
+    factor = c.get("capacity_factor", 1.0)
+    name = f"{c['engine']}/{c['gpu']}x{c['tp']}/{c['precision']}"
+    lines = [
+        f"{indent}{name}: {c['replicas']} replicas; capacity {c['capacity_per_replica_rps']:.2f} rps/replica = "
+        f"profile {_f(c.get('profile_capacity_rps'))} x {factor:.2f}"
+        + (" (profile trusted)" if abs(factor - 1.0) < 0.005 else " (corrected)"),
+        f"{indent}  {'profile predicts' if abs(factor - 1.0) < 0.005 else 'corrected profile predicts'} at "
+        f"{c['load_per_replica_rps']:.2f} rps/replica: TTFT p99 "
+        f"{_f(c.get('predicted_ttft_p99_ms'), '{:.0f}')} ms, ITL p99 {_f(c.get('predicted_itl_p99_ms'), '{:.1f}')} ms",
+    ]
+    if c.get("observed_rps_per_replica") is not None or c.get("observed_ttft_p99_ms") is not None:
+        lines.append(
+            f"{indent}  observed at {_f(c.get('observed_rps_per_replica'))} rps/replica: TTFT p99 "
+            f"{_f(c.get('observed_ttft_p99_ms'), '{:.0f}')} ms, ITL p99 {_f(c.get('observed_itl_p99_ms'), '{:.1f}')} ms")
+    else:
+        lines.append(f"{indent}  observed: no evidence from this config in the last window")
+    text = c.get("correction") or ""
+    if corr is not None and corr.get("since_s") is not None:
+        lines.append(f"{indent}  correction: {text or 'in force'}; in force since {_when(corr['since_s'], now)}")
+    elif text:
+        lines.append(f"{indent}  correction: {text}")
+    elif corr is not None and corr.get("observations"):
+        lines.append(f"{indent}  correction: none in force ({corr['observations']} windows agree with the profile "
+                     "within its fit error)")
+    else:
+        lines.append(f"{indent}  correction: none (no evidence yet)")
+    if c.get("extrapolating"):
+        lines.append(f"{indent}  extrapolating: {'; '.join(c['extrapolating'])}")
+    return lines
 
 
 def render_report(data: Mapping[str, Any], *, actions: int = 12) -> str:
@@ -168,6 +224,14 @@ def render_report(data: Mapping[str, Any], *, actions: int = 12) -> str:
                     f"{a['engine']} {a['gpu']} tp{a['tp']} ${a['usd_h']:.2f}/h {a['reason']}"
                     + (f" ({_flip_text(a)})" if _flip_text(a) != "-" else "") for a in alts)
                     + f"  (fleetplan explain {m['model']})")
+        lines.append("per config: profile vs the fleet's latency")
+        for m in e["models"]:
+            if m.get("length_mix"):
+                lines.append(f"  {m['model']}: length mix {m['length_mix']}")
+            else:
+                lines.append(f"  {m['model']}:")
+            for c in m["configs"]:
+                lines.extend(config_lines(m, c, plan))
         for b in e.get("binding_constraints", []):
             lines.append(f"  binding: {b}")
         for n in e.get("notes", []):
@@ -257,6 +321,9 @@ def render_explain(data: Mapping[str, Any], model: str) -> str | None:
         f"unmet {m['unmet_rps']:.2f} rps; SLO TTFT p99 {m['slo_ttft_p99_ms']:.0f} ms, ITL p99 "
         f"{m['slo_itl_p99_ms']:.0f} ms; ${m['usd_h']:.2f}/h"
     )
+    if m.get("length_mix"):
+        lines.append(f"  length mix used for capacity: {m['length_mix']}")
+    plan = data.get("plan") or {}
     for c in m["configs"]:
         lines.append(
             f"  - {c['replicas']} x {c['engine']} {c['gpu']} tp{c['tp']} {c['precision']}: "
@@ -264,6 +331,7 @@ def render_explain(data: Mapping[str, Any], model: str) -> str | None:
             f"{c['load_per_replica_rps']:.2f} rps each, predicted TTFT p99 {_f(c['predicted_ttft_p99_ms'], '{:.0f}')} ms "
             f"ITL p99 {_f(c['predicted_itl_p99_ms'], '{:.1f}')} ms, ${c['usd_h']:.2f}/h"
         )
+        lines.extend(config_lines(m, c, plan))
     for n in m.get("notes", []):
         lines.append(f"  note: {n}")
     lines.append("  why not the others (each allowed config alone, from the plan's solve):")

@@ -17,7 +17,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from models.names import Engine, GpuType
-from sim.engine import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, EngineConfig, SimEngine
+from sim.engine import (
+    ITL_BUCKETS,
+    REQUEST_LATENCY_BUCKETS,
+    TTFT_BUCKETS,
+    EngineConfig,
+    SimEngine,
+    buckets_1_2_5,
+)
 from sim.replay import run_load, summarize
 
 REPO = Path(__file__).resolve().parents[2]
@@ -193,6 +200,35 @@ async def test_metrics_names_labels_buckets_and_counts(vllm_engine: SimEngine) -
     assert sum(r.e2e_s or 0.0 for r in results) / 30 == pytest.approx(e2e_engine, rel=1e-6)
 
 
+async def test_length_and_per_request_tpot_histograms_as_vllm_exports_them(vllm_engine: SimEngine) -> None:
+    """What controller/evidence.py reads: vllm:request_prompt_tokens / request_generation_tokens are
+    histograms with build_1_2_5_buckets(max_model_len) edges, vllm:request_time_per_output_token_seconds
+    one observation per request (vllm/v1/metrics/loggers.py)."""
+    reqs = [(i * 0.05, 400 if i % 4 else 3000, 30) for i in range(20)]
+    results = await run_load(reqs, f"http://127.0.0.1:{vllm_engine.port}", speed=20.0, model="llama-3.1-8b")
+    assert all(r.outcome == "ok" for r in results)
+    async with aiohttp.ClientSession() as s, s.get(_url(vllm_engine, "/metrics")) as resp:
+        fams = _families(await resp.text())
+    max_len = vllm_engine.params.max_model_len
+    for name in ("vllm:request_prompt_tokens", "vllm:request_generation_tokens",
+                 "vllm:request_time_per_output_token_seconds"):
+        assert fams[name].type == "histogram", name
+
+    def buckets(name: str) -> dict[str, float]:
+        return {smp.labels["le"]: smp.value for smp in fams[name].samples if smp.name == name + "_bucket"}
+
+    prompt = buckets("vllm:request_prompt_tokens")
+    assert [float(le) for le in prompt if le != "+Inf"] == [float(b) for b in buckets_1_2_5(max_len)]
+    assert prompt["500.0"] == 15 and prompt["5000.0"] == 20 and prompt["+Inf"] == 20
+    gen = buckets("vllm:request_generation_tokens")
+    assert gen["20.0"] == 0 and gen["50.0"] == 20
+    tpot = buckets("vllm:request_time_per_output_token_seconds")
+    assert [float(le) for le in tpot if le != "+Inf"] == list(ITL_BUCKETS)
+    assert tpot["+Inf"] == 20  # per request, not per token gap (inter_token_latency has 20 x 29)
+    assert sum(smp.value for smp in fams["vllm:inter_token_latency_seconds"].samples
+               if smp.name == "vllm:inter_token_latency_seconds_count") == 20 * 29
+
+
 async def test_trtllm_persona_exports_trtllm_names(trt_engine: SimEngine) -> None:
     results = await run_load([(0.0, 100, 10), (0.01, 100, 10)], f"http://127.0.0.1:{trt_engine.port}", speed=20.0)
     assert [r.outcome for r in results] == ["ok", "ok"]
@@ -208,6 +244,10 @@ async def test_trtllm_persona_exports_trtllm_names(trt_engine: SimEngine) -> Non
         assert name in fams, name
     succ = [smp for smp in fams["trtllm_request_success"].samples if smp.name == "trtllm_request_success_total"]
     assert sum(smp.value for smp in succ) == 2
+    # per request (tensorrt_llm/metrics/collector.py logs one TPOT per finished request)
+    assert fams["trtllm_time_per_output_token_seconds"].type == "histogram"
+    assert sum(smp.value for smp in fams["trtllm_time_per_output_token_seconds"].samples
+               if smp.name == "trtllm_time_per_output_token_seconds_count") == 2
     # as trtllm-serve labels them (tests/integration/test_sim_engine_trtllm_metrics.py holds the whole set)
     assert all(smp.labels["engine_type"] == "undefined" and smp.labels["model_name"] == "undefined" for smp in succ)
 
