@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -349,6 +350,9 @@ class Controller:
         self._progress_wall = time.time()  # last finished cycle (or the start)
         self._routing_lock = asyncio.Lock()
         self._routing_task: asyncio.Task[None] | None = None
+        from controller.actuation import PauseState
+
+        self.pause = PauseState(False)  # loaded from the store at start
 
     # ---- policy & profiles --------------------------------------------------------------
     def load_policy(self, *, initial: bool) -> bool:
@@ -450,6 +454,9 @@ class Controller:
             self.clock.origin_wall = float(origin["wall"])
             self.clock.origin_sim = float(origin["sim"])
         self.planner_state = self._load_planner_state()
+        from controller.actuation import load_pause
+
+        self.pause = load_pause(self.store)
         if self.settings.routing.nginx_upstreams_path is not None and self.nginx_reload is not None:
             from controller.routing import NginxRouter
 
@@ -580,6 +587,8 @@ class Controller:
     # ---- routing -----------------------------------------------------------------------------
     async def update_routing(self) -> None:
         """nginx upstreams + endpoints JSON: ready, non-draining replicas; file_sd: ready or draining."""
+        if self.advisory():
+            return  # advisory mode changes no routing
         async with self._routing_lock:
             await self._update_routing()
 
@@ -615,8 +624,8 @@ class Controller:
     # ---- desired state publishing ------------------------------------------------------------
     async def publish_hosts(self, hosts: set[str], *, bump: bool = True) -> None:
         """Stage (version+1, committed) and publish each host's desired state, then wait for acks."""
-        if not hosts:
-            return
+        if not hosts or self.advisory():
+            return  # advisory mode publishes nothing (a staged state is published once active)
         payloads = {}
         with self.store.tx() as c:
             for h in sorted(hosts):
@@ -1127,9 +1136,11 @@ class Controller:
             doc["observation"] = {m: mm.to_json() for m, mm in snap.models.items()}
             doc["cycle_id"] = cid
             doc["now_s"] = now_s
+            brakes = self._brakes(result, fleet, doc, now_s)
             self.store.save_plan(cid, doc, solve_s, doc["next_state"])
             self.planner_state = result.next_state
-            counts = await self.execute(cid, result)
+            counts = await self.execute(cid, dataclasses.replace(result, actions=brakes.allowed))
+            summary["held"] = len(brakes.held)
             await self.update_routing()
             summary.update(counts)
             summary["solve_s"] = round(solve_s, 4)
@@ -1219,6 +1230,41 @@ class Controller:
         m.plan_usd_h.set(doc["plan"]["usd_h"])
         m.stale_models.set(sum(1 for name, o in snap.models.items() if o.stale and name in desired))
 
+    # ---- brakes (planner/brakes.py decides; controller/actuation.py reads the store) -------------
+    def advisory(self) -> bool:
+        from planner.brakes import Mode
+
+        return self.policy.policy is not None and self.policy.policy.mode is Mode.ADVISORY
+
+    def _brakes(self, result: Any, fleet: Any, doc: dict[str, Any], now_s: float) -> Any:
+        from controller.actuation import brakes_for, history
+        from planner.brakes import Limit, brakes_to_dict
+
+        policy = self.policy.policy
+        past = history(self.store, self.clock.to_sim, time.time(), self.time_scale)
+        b = brakes_for(result, fleet, doc, policy=policy, paused=self.pause.paused, past=past, now_s=now_s)
+        doc["brakes"] = brakes_to_dict(b, policy.scaling.brake_limits())
+        self.metrics.actuating.set(0.0 if self.advisory() or self.pause.paused else 1.0)
+        for limit in Limit:
+            self.metrics.actions_held.labels(limit.value).set(sum(1 for h in b.held if h.limit is limit))
+        for h in b.held:
+            log.info("cycle %s: %s %s held back by %s: %s", doc.get("cycle_id"), h.action.kind.value,
+                     h.action.replica.replica_id, h.limit.value, h.detail)
+        return b
+
+    def set_paused(self, paused: bool, reason: str = "") -> dict[str, Any]:
+        """Pause/resume actuation (persisted first); the next cycle's act step obeys it."""
+        from controller.actuation import save_pause
+
+        self.pause = save_pause(self.store, paused, reason)
+        self.metrics.actuating.set(0.0 if self.advisory() or paused else 1.0)
+        log.warning("actuation %s%s", "PAUSED" if paused else "resumed", f": {reason}" if reason else "")
+        return self.actuation()
+
+    def actuation(self) -> dict[str, Any]:
+        policy = self.policy.policy
+        return {"mode": policy.mode.value if policy is not None else None, **self.pause.to_json()}
+
     # ---- report ---------------------------------------------------------------------------------
     def report(self) -> dict[str, Any]:
         """Everything the report API serves; the plan is the STORED plan dict, never recomputed."""
@@ -1256,6 +1302,7 @@ class Controller:
             "time_scale": self.time_scale,
             "policy": {"path": str(self.policy_path), "loaded_s": self.policy.loaded_s, "error": self.policy.error},
             "mqtt_connected": self.link.connected.is_set(),
+            "actuation": self.actuation(),
             "cycle_id": last[0] if last else None,
             "solve_s": last[2] if last else None,
             "plan": last[1] if last else None,

@@ -574,6 +574,20 @@ class StateStore:
             ).fetchall()
         return [dict(r) for r in rows]
 
+    def actuation_history(self, since_s: float) -> list[tuple[str, float, int]]:
+        """("start" | "stop", created_s, GPUs) of the replicas a cycle started, or drained/stopped,
+        since `since_s` (one row per replica and direction; deferred/failed/planned actions did
+        nothing). For the brakes (planner/brakes.py)."""
+        rows = self._db.execute(
+            "SELECT CASE WHEN a.kind = 'start' THEN 'start' ELSE 'stop' END AS kind, "
+            "MIN(a.created_s) AS created_s, COALESCE(MAX(r.tp), 1) AS gpus "
+            "FROM actions a LEFT JOIN replicas r ON r.replica_id = a.replica_id "
+            "WHERE a.created_s >= ? AND a.cycle_id IS NOT NULL AND a.kind IN ('start', 'drain', 'stop') "
+            "AND a.status NOT IN (?, ?, ?) GROUP BY 1, a.replica_id",
+            (since_s, ActionStatus.DEFERRED, ActionStatus.FAILED, ActionStatus.PLANNED),
+        ).fetchall()
+        return [(str(r["kind"]), float(r["created_s"]), int(r["gpus"])) for r in rows]
+
     def action_counts(self) -> dict[str, int]:
         rows = self._db.execute("SELECT kind, status, COUNT(*) AS n FROM actions GROUP BY kind, status").fetchall()
         return {f"{r['kind']}/{r['status']}": int(r["n"]) for r in rows}
