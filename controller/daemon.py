@@ -70,6 +70,7 @@ from controller.protocol import (
 from controller.state import ActionStatus, Phase, ReplicaRow, StateStore
 
 log = logging.getLogger(__name__)
+audit_log = logging.getLogger("fleetplan.audit")  # one JSON line per cycle (the audit trail)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1087,7 +1088,9 @@ class Controller:
                     "AND status=?",
                     (ActionStatus.DONE, time.time(), f"drained ({reason})", rid, ActionStatus.PUBLISHED),
                 )
-                self.store.add_action(c, cycle_id=None, kind="stop", replica_id=rid, host=row.host,
+                by = c.execute("SELECT cycle_id FROM actions WHERE replica_id=? AND kind='drain' "
+                               "ORDER BY action_id DESC LIMIT 1", (rid,)).fetchone()  # the decision that drained it
+                self.store.add_action(c, cycle_id=by[0] if by else None, kind="stop", replica_id=rid, host=row.host,
                                       model=row.model, status=ActionStatus.DONE, reason=f"drained: {reason}")
             self.metrics.actions.labels("stop", ActionStatus.DONE).inc()
             await self.update_routing()
@@ -1141,6 +1144,7 @@ class Controller:
             self.planner_state = result.next_state
             counts = await self.execute(cid, dataclasses.replace(result, actions=brakes.allowed))
             summary["held"] = len(brakes.held)
+            summary["decision_id"] = self._audit(cid, now_s, doc, snap, fleet, brakes.allowed)
             await self.update_routing()
             summary.update(counts)
             summary["solve_s"] = round(solve_s, 4)
@@ -1251,6 +1255,18 @@ class Controller:
             log.info("cycle %s: %s %s held back by %s: %s", doc.get("cycle_id"), h.action.kind.value,
                      h.action.replica.replica_id, h.limit.value, h.detail)
         return b
+
+    def _audit(self, cid: int, now_s: float, doc: dict[str, Any], snap: Snapshot, fleet: Any,
+               issued: Any) -> str:
+        """The cycle's decision record (planner/audit.py): stored, and one JSON line to the journal."""
+        from planner.audit import decision_record, fleet_view, inputs_digest
+
+        digest = inputs_digest({"observation": snap.to_json(), "fleet": fleet_view(fleet),
+                                "policy": self.policy.policy.model_dump(mode="json")})
+        rec = decision_record(cycle_id=cid, now_s=now_s, digest=digest, plan_doc=doc, issued=issued)
+        self.store.save_decision(rec)
+        audit_log.info("%s", json.dumps({"event": "fleetplan.decision", **rec}, default=str, sort_keys=True))
+        return str(rec["decision_id"])
 
     def set_paused(self, paused: bool, reason: str = "") -> dict[str, Any]:
         """Pause/resume actuation (persisted first); the next cycle's act step obeys it."""
@@ -1378,6 +1394,12 @@ DEFAULT_CONFIG = Path("/etc/fleetplan/controller.yaml")
 def run_from_args(args: argparse.Namespace) -> int:
     for noisy in ("httpx", "apscheduler", "aiohttp.access"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    if not audit_log.handlers:  # the decision lines reach the journal whatever the verbosity
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        audit_log.addHandler(handler)
+        audit_log.setLevel(logging.INFO)
+        audit_log.propagate = False
     config = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
     settings = load_settings(config)
     settings, reload = settings_from_lab(settings)
