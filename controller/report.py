@@ -5,6 +5,7 @@ Endpoints (loopback by default; a bearer token is required when bound elsewhere)
   GET /api/explain/<model> the stored explanation of one model
   GET /metrics             the controller's own Prometheus metrics
   GET /healthz             200 when the loop runs
+  GET /plan                the plan page: self-contained HTML (controller/page.py)
   POST /api/pause          stop actuating from the next cycle on (JSON body {"reason": "..."} optional);
                            persisted in the state store, so a restart stays paused
   POST /api/resume         act again from the next cycle on
@@ -71,6 +72,13 @@ async def start_report_server(ctrl: Any, listen: str, token: str | None) -> tupl
             reason = body.get("reason", "")[:500]
         return web.json_response(ctrl.set_paused(request.path.endswith("/pause"), reason))
 
+    async def plan_page(_: web.Request) -> web.Response:
+        from controller.page import plan_page as render
+
+        return web.Response(text=render(ctrl), content_type="text/html", charset="utf-8",
+                            headers={"Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; "
+                                     "script-src 'unsafe-inline'; img-src data:"})
+
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({"ok": True, "cycles": ctrl.cycle_count})
 
@@ -79,6 +87,7 @@ async def start_report_server(ctrl: Any, listen: str, token: str | None) -> tupl
     app.router.add_get("/api/explain/{model:.+}", explain)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/plan", plan_page)
     app.router.add_post("/api/pause", pause)
     app.router.add_post("/api/resume", pause)
     runner = web.AppRunner(app, access_log=None)
