@@ -243,6 +243,32 @@ class DesiredRow:
     ack_errors: tuple[str, ...]
 
 
+def read_history(path: str | Path, since_s: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(decision records, action rows) created at or after `since_s` (wall seconds), oldest first,
+    read through a READ-ONLY connection (safe next to a running controller; writes nothing)."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no such state database")
+    db = sqlite3.connect(f"file:{p}?mode=ro", uri=True)
+    db.row_factory = sqlite3.Row
+    try:
+        has = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'").fetchall()}
+        decisions = []
+        if "decisions" in has:
+            decisions = [{**json.loads(r["payload"]), "created_s": float(r["created_s"])} for r in db.execute(
+                "SELECT created_s, payload FROM decisions WHERE created_s >= ? ORDER BY cycle_id", (since_s,))]
+        actions = []
+        if "actions" in has:
+            join = ("LEFT JOIN decisions d ON d.cycle_id = a.cycle_id" if "decisions" in has else "")
+            dec = "d.decision_id" if "decisions" in has else "NULL"
+            actions = [dict(r) for r in db.execute(
+                f"SELECT a.*, {dec} AS decision_id FROM actions a {join} WHERE a.created_s >= ? "
+                "ORDER BY a.action_id", (since_s,))]
+    finally:
+        db.close()
+    return decisions, actions
+
+
 class StateStore:
     """Synchronous SQLite store; each public method is one transaction (call from one thread)."""
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 import subprocess
 import sys
@@ -159,3 +160,17 @@ async def test_pause_holds_within_a_cycle_survives_restart_and_a_limit_holds_a_l
     assert "held back by max_gpus_stopped_per_hour" in text, text
     explain = cli("explain", MODEL, "--url", ctrl.url).stdout
     assert "held back by max_gpus_stopped_per_hour" in explain, explain
+
+    # the audit trail: the drain carries its decision's id; `fleetplan history` tells the story from
+    # the state store; every cycle wrote one JSON line to the journal (here the controller's log)
+    drain = next(a for a in rep["actions"] if a["kind"] == "drain")
+    assert drain["decision_id"] and drain["decision_id"].startswith(f"{drain['cycle_id']}-")
+    hist = cli("history", "--state-db", str(ctrl.state_db), "--since", "1h", "--model", MODEL)
+    assert hist.returncode == 0, hist.stderr
+    assert f"decision {drain['decision_id']}" in hist.stdout and f"drain  {drain['replica_id']}" in hist.stdout
+    assert "held back by max_gpus_stopped_per_hour" in hist.stdout and "held back by pause" in hist.stdout
+    lines = [json.loads(x) for x in ctrl.log_path.read_text().splitlines()
+             if x.startswith("{") and '"event": "fleetplan.decision"' in x]
+    assert any(r["event"] == "fleetplan.decision" and r["decision_id"] == drain["decision_id"]
+               and [a["replica_id"] for a in r["actions"] if a["kind"] == "drain"] == [drain["replica_id"]]
+               for r in lines), lines[-3:]
