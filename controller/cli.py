@@ -23,6 +23,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "sim.lab",  # lab up | down
     "controller.cli_agent",  # agent
     "controller.cli_daemon",  # controller, report, explain, observe, demo
+    "controller.cli_ops",  # pause, resume, history
     "sim.evaluate_cli",  # evaluate
 )
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -69,6 +70,7 @@ from controller.protocol import (
 from controller.state import ActionStatus, Phase, ReplicaRow, StateStore
 
 log = logging.getLogger(__name__)
+audit_log = logging.getLogger("fleetplan.audit")  # one JSON line per cycle (the audit trail)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -350,6 +352,9 @@ class Controller:
         self._progress_wall = time.time()  # last finished cycle (or the start)
         self._routing_lock = asyncio.Lock()
         self._routing_task: asyncio.Task[None] | None = None
+        from controller.actuation import PauseState
+
+        self.pause = PauseState(False)  # loaded from the store at start
 
     # ---- policy & profiles --------------------------------------------------------------
     def load_policy(self, *, initial: bool) -> bool:
@@ -451,6 +456,9 @@ class Controller:
             self.clock.origin_wall = float(origin["wall"])
             self.clock.origin_sim = float(origin["sim"])
         self.planner_state = self._load_planner_state()
+        from controller.actuation import load_pause
+
+        self.pause = load_pause(self.store)
         if self.settings.routing.nginx_upstreams_path is not None and self.nginx_reload is not None:
             from controller.routing import NginxRouter
 
@@ -583,6 +591,8 @@ class Controller:
     # ---- routing -----------------------------------------------------------------------------
     async def update_routing(self) -> None:
         """nginx upstreams + endpoints JSON: ready, non-draining replicas; file_sd: ready or draining."""
+        if self.advisory():
+            return  # advisory mode changes no routing
         async with self._routing_lock:
             await self._update_routing()
 
@@ -618,8 +628,8 @@ class Controller:
     # ---- desired state publishing ------------------------------------------------------------
     async def publish_hosts(self, hosts: set[str], *, bump: bool = True) -> None:
         """Stage (version+1, committed) and publish each host's desired state, then wait for acks."""
-        if not hosts:
-            return
+        if not hosts or self.advisory():
+            return  # advisory mode publishes nothing (a staged state is published once active)
         payloads = {}
         with self.store.tx() as c:
             for h in sorted(hosts):
@@ -1081,7 +1091,9 @@ class Controller:
                     "AND status=?",
                     (ActionStatus.DONE, time.time(), f"drained ({reason})", rid, ActionStatus.PUBLISHED),
                 )
-                self.store.add_action(c, cycle_id=None, kind="stop", replica_id=rid, host=row.host,
+                by = c.execute("SELECT cycle_id FROM actions WHERE replica_id=? AND kind='drain' "
+                               "ORDER BY action_id DESC LIMIT 1", (rid,)).fetchone()  # the decision that drained it
+                self.store.add_action(c, cycle_id=by[0] if by else None, kind="stop", replica_id=rid, host=row.host,
                                       model=row.model, status=ActionStatus.DONE, reason=f"drained: {reason}")
             self.metrics.actions.labels("stop", ActionStatus.DONE).inc()
             await self.update_routing()
@@ -1130,9 +1142,12 @@ class Controller:
             doc["observation"] = {m: mm.to_json() for m, mm in snap.models.items()}
             doc["cycle_id"] = cid
             doc["now_s"] = now_s
+            brakes = self._brakes(result, fleet, doc, now_s)
             self.store.save_plan(cid, doc, solve_s, doc["next_state"])
             self.planner_state = result.next_state
-            counts = await self.execute(cid, result)
+            counts = await self.execute(cid, dataclasses.replace(result, actions=brakes.allowed))
+            summary["held"] = len(brakes.held)
+            summary["decision_id"] = self._audit(cid, now_s, doc, snap, fleet, brakes.allowed)
             await self.update_routing()
             summary.update(counts)
             summary["solve_s"] = round(solve_s, 4)
@@ -1238,6 +1253,53 @@ class Controller:
             gauge.labels(*labels).set(value)
         self._correction_labels = set(series)
 
+    # ---- brakes (planner/brakes.py decides; controller/actuation.py reads the store) -------------
+    def advisory(self) -> bool:
+        from planner.brakes import Mode
+
+        return self.policy.policy is not None and self.policy.policy.mode is Mode.ADVISORY
+
+    def _brakes(self, result: Any, fleet: Any, doc: dict[str, Any], now_s: float) -> Any:
+        from controller.actuation import brakes_for, history
+        from planner.brakes import Limit, brakes_to_dict
+
+        policy = self.policy.policy
+        past = history(self.store, self.clock.to_sim, time.time(), self.time_scale)
+        b = brakes_for(result, fleet, doc, policy=policy, paused=self.pause.paused, past=past, now_s=now_s)
+        doc["brakes"] = brakes_to_dict(b, policy.scaling.brake_limits())
+        self.metrics.actuating.set(0.0 if self.advisory() or self.pause.paused else 1.0)
+        for limit in Limit:
+            self.metrics.actions_held.labels(limit.value).set(sum(1 for h in b.held if h.limit is limit))
+        for h in b.held:
+            log.info("cycle %s: %s %s held back by %s: %s", doc.get("cycle_id"), h.action.kind.value,
+                     h.action.replica.replica_id, h.limit.value, h.detail)
+        return b
+
+    def _audit(self, cid: int, now_s: float, doc: dict[str, Any], snap: Snapshot, fleet: Any,
+               issued: Any) -> str:
+        """The cycle's decision record (planner/audit.py): stored, and one JSON line to the journal."""
+        from planner.audit import decision_record, fleet_view, inputs_digest
+
+        digest = inputs_digest({"observation": snap.to_json(), "fleet": fleet_view(fleet),
+                                "policy": self.policy.policy.model_dump(mode="json")})
+        rec = decision_record(cycle_id=cid, now_s=now_s, digest=digest, plan_doc=doc, issued=issued)
+        self.store.save_decision(rec)
+        audit_log.info("%s", json.dumps({"event": "fleetplan.decision", **rec}, default=str, sort_keys=True))
+        return str(rec["decision_id"])
+
+    def set_paused(self, paused: bool, reason: str = "") -> dict[str, Any]:
+        """Pause/resume actuation (persisted first); the next cycle's act step obeys it."""
+        from controller.actuation import save_pause
+
+        self.pause = save_pause(self.store, paused, reason)
+        self.metrics.actuating.set(0.0 if self.advisory() or paused else 1.0)
+        log.warning("actuation %s%s", "PAUSED" if paused else "resumed", f": {reason}" if reason else "")
+        return self.actuation()
+
+    def actuation(self) -> dict[str, Any]:
+        policy = self.policy.policy
+        return {"mode": policy.mode.value if policy is not None else None, **self.pause.to_json()}
+
     # ---- report ---------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         """The planner's inputs as the controller holds them (GET /api/state, for `fleetplan what-if`):
@@ -1296,6 +1358,7 @@ class Controller:
             "time_scale": self.time_scale,
             "policy": {"path": str(self.policy_path), "loaded_s": self.policy.loaded_s, "error": self.policy.error},
             "mqtt_connected": self.link.connected.is_set(),
+            "actuation": self.actuation(),
             "cycle_id": last[0] if last else None,
             "solve_s": last[2] if last else None,
             "plan": last[1] if last else None,
@@ -1371,6 +1434,12 @@ DEFAULT_CONFIG = Path("/etc/fleetplan/controller.yaml")
 def run_from_args(args: argparse.Namespace) -> int:
     for noisy in ("httpx", "apscheduler", "aiohttp.access"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    if not audit_log.handlers:  # the decision lines reach the journal whatever the verbosity
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        audit_log.addHandler(handler)
+        audit_log.setLevel(logging.INFO)
+        audit_log.propagate = False
     config = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
     settings = load_settings(config)
     settings, reload = settings_from_lab(settings)

@@ -51,6 +51,13 @@ class ControllerMetrics:
         self.actions = Counter(
             "fleetplan_actions", "actions executed", ["kind", "status"], registry=r
         )
+        # the brakes (planner/brakes.py): 0 in advisory mode or while paused; held actions per limit
+        self.actuating = Gauge(
+            "fleetplan_actuating", "1 if the controller acts on its plans (active mode, not paused)", registry=r
+        )
+        self.actions_held = Gauge(
+            "fleetplan_actions_held", "planned actions held back this cycle", ["limit"], registry=r
+        )
         self.cycles = Counter("fleetplan_cycles", "control cycles", ["status"], registry=r)
         self.alerts_active = Gauge("fleetplan_alerts_active", "active alerts", registry=r)
         self.stale_models = Gauge("fleetplan_stale_models", "models observed stale (fail static)", registry=r)

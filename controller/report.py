@@ -7,6 +7,10 @@ Endpoints (loopback by default; a bearer token is required when bound elsewhere)
                            profiles (for `fleetplan what-if --controller` / `policy check --controller`)
   GET /metrics             the controller's own Prometheus metrics
   GET /healthz             200 when the loop runs
+  GET /plan                the plan page: self-contained HTML (controller/page.py)
+  POST /api/pause          stop actuating from the next cycle on (JSON body {"reason": "..."} optional);
+                           persisted in the state store, so a restart stays paused
+  POST /api/resume         act again from the next cycle on
 
 The plan and its explanation are rendered from the plan dict stored by the cycle that made it
 (planner.core.plan_to_dict), never recomputed.
@@ -62,6 +66,25 @@ async def start_report_server(ctrl: Any, listen: str, token: str | None) -> tupl
         resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return resp
 
+    async def pause(request: web.Request) -> web.Response:
+        reason = ""
+        if request.can_read_body:
+            try:
+                body = await request.json()
+            except ValueError:
+                return web.json_response({"error": "body: expected JSON like {\"reason\": \"...\"}"}, status=400)
+            if not isinstance(body, dict) or not isinstance(body.get("reason", ""), str):
+                return web.json_response({"error": f"body.reason = {body!r}: expected a string"}, status=400)
+            reason = body.get("reason", "")[:500]
+        return web.json_response(ctrl.set_paused(request.path.endswith("/pause"), reason))
+
+    async def plan_page(_: web.Request) -> web.Response:
+        from controller.page import plan_page as render
+
+        return web.Response(text=render(ctrl), content_type="text/html", charset="utf-8",
+                            headers={"Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; "
+                                     "script-src 'unsafe-inline'; img-src data:"})
+
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({"ok": True, "cycles": ctrl.cycle_count})
 
@@ -71,6 +94,9 @@ async def start_report_server(ctrl: Any, listen: str, token: str | None) -> tupl
     app.router.add_get("/api/state", state)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/plan", plan_page)
+    app.router.add_post("/api/pause", pause)
+    app.router.add_post("/api/resume", pause)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, int(port_s))
@@ -96,6 +122,44 @@ def fetch(url: str, path: str, token: str | None = None, timeout_s: float = 10.0
     return data
 
 
+def post(url: str, path: str, body: Mapping[str, Any], token: str | None = None,
+         timeout_s: float = 10.0) -> dict[str, Any]:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        resp = httpx.post(url.rstrip("/") + path, json=dict(body), headers=headers, timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        raise RuntimeError(f"controller report API at {url} unreachable: {exc}") from None
+    if resp.status_code != 200:
+        raise RuntimeError(f"{url}{path}: HTTP {resp.status_code}: {resp.text[:200]}")
+    data: dict[str, Any] = resp.json()
+    return data
+
+
+def held_lines(plan: Mapping[str, Any] | None, model: str | None = None) -> list[str]:
+    """The stored plan's held-back actions, one line each ("held back by <limit>: ...")."""
+    brakes = (plan or {}).get("brakes") or {}
+    out = []
+    for h in brakes.get("held", []):
+        if model is not None and h.get("model") != model:
+            continue
+        out.append(f"  {h['kind']:<6} {h['replica_id']:<10} {h['model']:<20} {h['host'] or '-':<10} "
+                   f"held back by {h['limit']}: {h['detail']}")
+    return out
+
+
+def actuation_line(data: Mapping[str, Any]) -> str | None:
+    a = data.get("actuation") or {}
+    if a.get("mode") == "advisory":
+        return "ADVISORY MODE: plans and reports only; no action is issued (policy mode: advisory)"
+    if a.get("paused"):
+        why = f" ({a['reason']})" if a.get("reason") else ""
+        return f"ACTUATION PAUSED since {_ago(a.get('since_s'), float(data.get('generated_s') or time.time()))}" \
+               f"{why}: `fleetplan resume` to act again"
+    return None
+
+
 def explanation_for(data: Mapping[str, Any], model: str) -> dict[str, Any] | None:
     plan = data.get("plan") or {}
     for m in plan.get("explanation", {}).get("models", []):
@@ -108,6 +172,7 @@ def explanation_for(data: Mapping[str, Any], model: str) -> dict[str, Any] | Non
                                   if r.get("model") in (None, model)]
             out["corrections"] = [c for c in ((plan.get("next_state") or {}).get("corrections") or [])
                                   if c.get("model") == model]
+            out["held"] = [h for h in (plan.get("brakes") or {}).get("held", []) if h.get("model") == model]
             return out
     return None
 
@@ -188,6 +253,9 @@ def render_report(data: Mapping[str, Any], *, actions: int = 12) -> str:
                  + ("" if data.get("mqtt_connected") else "   MQTT: DISCONNECTED"))
     if pol.get("error"):
         lines.append(f"POLICY RELOAD REJECTED (old policy kept): {pol['error']}")
+    act = actuation_line(data)
+    if act:
+        lines.append(act)
     alerts = data.get("alerts") or []
     lines.append("")
     lines.append(f"ALERTS ({len(alerts)})" if alerts else "alerts: none")
@@ -236,6 +304,10 @@ def render_report(data: Mapping[str, Any], *, actions: int = 12) -> str:
             lines.append(f"  binding: {b}")
         for n in e.get("notes", []):
             lines.append(f"  note: {n}")
+        held = held_lines(plan)
+        if held:
+            lines.append(f"held back this cycle ({len(held)}):")
+            lines.extend(held)
     else:
         lines.append("")
         lines.append("plan: none yet (no cycle finished)")
@@ -340,6 +412,8 @@ def render_explain(data: Mapping[str, Any], model: str) -> str | None:
     if relax:
         lines.append("  relaxing a binding constraint one step (re-solved):")
         lines.extend(relax)
+    for h in m.get("held", []):
+        lines.append(f"  held: {h['kind']} {h['replica_id']} held back by {h['limit']}: {h['detail']}")
     for r in m.get("replicas", []):
         lines.append(f"  replica {r['replica_id']} on {r['host']} GPUs {r['gpu_indices']} ({r['state']})")
     return "\n".join(lines)

@@ -11,7 +11,9 @@ What is stored (all JSON columns are plain dicts, never pickles):
   the last acked version.
 - ``plans``/``observations``/``actions``/``acks``/``alerts``/``events``: the history the report
   API serves; ``actions`` carry a status (planned, published, acked, done, failed, deferred).
-- ``kv``: small values such as the planner state and the policy error.
+- ``kv``: small values such as the planner state, the policy error and the actuation pause.
+- ``decisions``: one record per cycle (planner/audit.py: id, inputs digest, plan summary, actions
+  issued and held back, why); the audit trail `fleetplan history` and the plan page read.
 
 Crash recovery (kill -9 at any moment): on start the daemon re-derives each host's desired state
 from ``replicas`` (phase desired/draining), bumps the version and republishes; draining replicas
@@ -135,6 +137,14 @@ CREATE TABLE IF NOT EXISTS alerts (
     cleared_s REAL
 );
 CREATE INDEX IF NOT EXISTS alerts_active ON alerts(active, key);
+CREATE TABLE IF NOT EXISTS decisions (
+    cycle_id INTEGER PRIMARY KEY,
+    decision_id TEXT NOT NULL,
+    created_s REAL NOT NULL,
+    now_s REAL NOT NULL,
+    payload TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS decisions_created ON decisions(created_s);
 """
 
 
@@ -233,6 +243,32 @@ class DesiredRow:
     ack_errors: tuple[str, ...]
 
 
+def read_history(path: str | Path, since_s: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(decision records, action rows) created at or after `since_s` (wall seconds), oldest first,
+    read through a READ-ONLY connection (safe next to a running controller; writes nothing)."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no such state database")
+    db = sqlite3.connect(f"file:{p}?mode=ro", uri=True)
+    db.row_factory = sqlite3.Row
+    try:
+        has = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'").fetchall()}
+        decisions = []
+        if "decisions" in has:
+            decisions = [{**json.loads(r["payload"]), "created_s": float(r["created_s"])} for r in db.execute(
+                "SELECT created_s, payload FROM decisions WHERE created_s >= ? ORDER BY cycle_id", (since_s,))]
+        actions = []
+        if "actions" in has:
+            join = ("LEFT JOIN decisions d ON d.cycle_id = a.cycle_id" if "decisions" in has else "")
+            dec = "d.decision_id" if "decisions" in has else "NULL"
+            actions = [dict(r) for r in db.execute(
+                f"SELECT a.*, {dec} AS decision_id FROM actions a {join} WHERE a.created_s >= ? "
+                "ORDER BY a.action_id", (since_s,))]
+    finally:
+        db.close()
+    return decisions, actions
+
+
 class StateStore:
     """Synchronous SQLite store; each public method is one transaction (call from one thread)."""
 
@@ -325,6 +361,24 @@ class StateStore:
         if row is None:
             return None
         return int(row["cycle_id"]), json.loads(row["payload"]), row["solve_s"]
+
+    # -- decisions (the audit trail) ------------------------------------------------------------
+    def save_decision(self, record: Mapping[str, Any]) -> None:
+        with self.tx() as c:
+            c.execute(
+                "INSERT OR REPLACE INTO decisions(cycle_id, decision_id, created_s, now_s, payload) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (int(record["cycle_id"]), str(record["decision_id"]), self._clock(), float(record["now_s"]),
+                 json.dumps(record, default=str)),
+            )
+
+    def decisions(self, since_s: float | None = None, limit: int = 5000) -> list[dict[str, Any]]:
+        """Decision records created at or after `since_s` (wall seconds), oldest first."""
+        rows = self._db.execute(
+            "SELECT created_s, payload FROM decisions WHERE created_s >= ? ORDER BY cycle_id DESC LIMIT ?",
+            (since_s if since_s is not None else float("-inf"), limit),
+        ).fetchall()
+        return [{**json.loads(r["payload"]), "created_s": float(r["created_s"])} for r in reversed(rows)]
 
     def last_observation(self) -> dict[str, Any] | None:
         row = self._db.execute("SELECT payload FROM observations ORDER BY cycle_id DESC LIMIT 1").fetchone()
@@ -564,14 +618,37 @@ class StateStore:
             )
 
     def actions(self, limit: int = 50, statuses: Iterable[str] | None = None) -> list[dict[str, Any]]:
+        # each action carries the id of the decision (cycle) that issued it
+        sel = "SELECT a.*, d.decision_id FROM actions a LEFT JOIN decisions d ON d.cycle_id = a.cycle_id"
         if statuses is None:
-            rows = self._db.execute("SELECT * FROM actions ORDER BY action_id DESC LIMIT ?", (limit,)).fetchall()
+            rows = self._db.execute(f"{sel} ORDER BY a.action_id DESC LIMIT ?", (limit,)).fetchall()
         else:
             st = list(statuses)
             q = ",".join("?" * len(st))
             rows = self._db.execute(
-                f"SELECT * FROM actions WHERE status IN ({q}) ORDER BY action_id DESC LIMIT ?", (*st, limit)
+                f"{sel} WHERE a.status IN ({q}) ORDER BY a.action_id DESC LIMIT ?", (*st, limit)
             ).fetchall()
+        return [dict(r) for r in rows]
+
+    def actuation_history(self, since_s: float) -> list[tuple[str, float, int]]:
+        """("start" | "stop", created_s, GPUs) of the replicas a cycle started, or drained/stopped,
+        since `since_s` (one row per replica and direction; deferred/failed/planned actions did
+        nothing). For the brakes (planner/brakes.py)."""
+        rows = self._db.execute(
+            "SELECT CASE WHEN a.kind = 'start' THEN 'start' ELSE 'stop' END AS kind, "
+            "MIN(a.created_s) AS created_s, COALESCE(MAX(r.tp), 1) AS gpus "
+            "FROM actions a LEFT JOIN replicas r ON r.replica_id = a.replica_id "
+            "WHERE a.created_s >= ? AND a.cycle_id IS NOT NULL AND a.kind IN ('start', 'drain', 'stop') "
+            "AND a.status NOT IN (?, ?, ?) GROUP BY 1, a.replica_id",
+            (since_s, ActionStatus.DEFERRED, ActionStatus.FAILED, ActionStatus.PLANNED),
+        ).fetchall()
+        return [(str(r["kind"]), float(r["created_s"]), int(r["gpus"])) for r in rows]
+
+    def actions_since(self, since_s: float, limit: int = 5000) -> list[dict[str, Any]]:
+        rows = self._db.execute(
+            "SELECT a.*, d.decision_id FROM actions a LEFT JOIN decisions d ON d.cycle_id = a.cycle_id "
+            "WHERE a.created_s >= ? ORDER BY a.action_id LIMIT ?", (since_s, limit)
+        ).fetchall()
         return [dict(r) for r in rows]
 
     def action_counts(self) -> dict[str, int]:

@@ -40,6 +40,7 @@ from models.names import (
     parse_gpu,
     parse_precision,
 )
+from planner.brakes import BrakeLimits, Mode
 from planner.types import ConfigKey, HostInventory
 
 
@@ -252,6 +253,15 @@ class Scaling(_Strict):
     churn_cost_usd_h: float = Field(default=0.5, ge=0)  # objective penalty per replica started/stopped
     lead_time_cost_usd_h_per_min: float = Field(default=0.02, ge=0)  # per minute of startup of a new replica
     forecast_quantile: float = Field(default=0.9, gt=0, lt=1)
+    # blast-radius limits (planner/brakes.py; None: no limit): what may change per hour / per cycle
+    max_gpus_started_per_hour: int | None = Field(default=None, ge=0)
+    max_gpus_stopped_per_hour: int | None = Field(default=None, ge=0)
+    max_drains_per_host_per_cycle: int | None = Field(default=None, ge=0)
+    min_ready_capacity_fraction: float | None = Field(default=None, ge=0, le=1)  # never drained at once
+
+    def brake_limits(self) -> BrakeLimits:
+        return BrakeLimits(self.max_gpus_started_per_hour, self.max_gpus_stopped_per_hour,
+                           self.max_drains_per_host_per_cycle, self.min_ready_capacity_fraction)
 
 
 class Budget(_Strict):
@@ -296,6 +306,7 @@ _TZ_RE = re.compile(r"^UTC(?:([+-])(\d{1,2}):(\d{2}))?$")
 
 class Policy(_Strict):
     version: int = 1
+    mode: Mode = Mode.ACTIVE  # advisory: plan, report, export metrics, act on nothing
     timezone: str = "UTC"  # UTC or a fixed offset "UTC+02:00" (schedules are evaluated in it)
     gpu_types: Mapping[GpuName, GpuTypePolicy]
     hosts: tuple[HostPolicy, ...] = ()  # used when agents do not report inventory

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up a fresh Debian machine for fleetplan: the Debian packages it needs (Python with venv, and
-# the real servers the lab and the tests start: mosquitto, prometheus (with promtool), nginx), then .venv with
+# the real servers the lab and the tests start: mosquitto, prometheus (with promtool), nginx; chromium for
+# the plan page's test), then .venv with
 # fleetplan installed. Idempotent: installs only what is missing. Sourced by test.sh and demo.sh.
 # Usage: scripts/setup.sh [EXTRAS]     e.g. scripts/setup.sh dev
 set -euo pipefail
@@ -21,6 +22,8 @@ done
 if ! command -v promtool >/dev/null 2>&1 && [ ! -x /usr/bin/promtool ] && [[ " ${need[*]} " != *" prometheus "* ]]; then
   need+=(prometheus)
 fi
+# the plan page's test opens it in a real headless browser (Debian's chromium)
+command -v chromium >/dev/null 2>&1 || [ -x /usr/bin/chromium ] || need+=(chromium)
 if [ ${#need[@]} -gt 0 ]; then
   echo "== installing Debian packages: ${need[*]}"
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"

@@ -1,0 +1,72 @@
+"""The daemon's side of the brakes (planner/brakes.py decides): the pause flag persisted in the
+state store, the actuation history read from it, and the call into the pure `apply_brakes`.
+
+The pause is a kv entry (`actuation_pause`), so a restarted controller stays paused. It is set
+by `fleetplan pause` / `fleetplan resume` through the report API (POST /api/pause, /api/resume,
+bearer token when the API has one) and takes effect at the next cycle's act step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from controller.state import StateStore
+from planner.brakes import HOUR_S, BrakeResult, Direction, Mode, PastAction, apply_brakes
+from planner.types import ConfigKey, Fleet, PlanResult
+
+PAUSE_KEY = "actuation_pause"
+
+
+@dataclass(frozen=True)
+class PauseState:
+    paused: bool
+    since_s: float | None = None  # wall seconds
+    reason: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"paused": self.paused, "since_s": self.since_s, "reason": self.reason}
+
+
+def load_pause(store: StateStore) -> PauseState:
+    d = store.get_kv(PAUSE_KEY)
+    if not isinstance(d, dict) or not d.get("paused"):
+        return PauseState(False)
+    return PauseState(True, d.get("since_s"), str(d.get("reason") or ""))
+
+
+def save_pause(store: StateStore, paused: bool, reason: str = "", *, wall_s: float | None = None) -> PauseState:
+    """Persist the pause (resume clears it) before the caller reports success."""
+    state = PauseState(True, wall_s if wall_s is not None else time.time(), reason) if paused else PauseState(False)
+    store.set_kv(PAUSE_KEY, state.to_json())
+    return state
+
+
+def capacity_from_plan(doc: Mapping[str, Any]) -> dict[ConfigKey, float]:
+    """Per-replica capacity (rps at the SLO) of each config the stored plan explains."""
+    from models.names import parse_engine, parse_gpu, parse_precision
+
+    out: dict[ConfigKey, float] = {}
+    for m in (doc.get("explanation") or {}).get("models", []):
+        for c in m.get("configs", []):
+            key = ConfigKey(c["model"], parse_engine(c["engine"]), parse_gpu(c["gpu"]), int(c["tp"]),
+                            parse_precision(c["precision"]))
+            out[key] = float(c["capacity_per_replica_rps"])
+    return out
+
+
+def history(store: StateStore, to_sim: Callable[[float], float], now_wall_s: float,
+            time_scale: float) -> list[PastAction]:
+    """The last hour (of the planner's clock) of replicas started/stopped, on the planner's clock."""
+    since = now_wall_s - HOUR_S / max(time_scale, 1e-9)
+    return [PastAction(Direction.UP if kind == "start" else Direction.DOWN, to_sim(at), gpus)
+            for kind, at, gpus in store.actuation_history(since)]
+
+
+def brakes_for(result: PlanResult, fleet: Fleet, doc: Mapping[str, Any], *, policy: Any, paused: bool,
+               past: list[PastAction], now_s: float) -> BrakeResult:
+    mode: Mode = policy.mode
+    return apply_brakes(result.actions, past, policy.scaling.brake_limits(), mode=mode, paused=paused,
+                        replicas=fleet.replicas, capacity_rps=capacity_from_plan(doc), now_s=now_s)
