@@ -136,7 +136,6 @@ def forecast_rate(
     keep = t >= t[-1] - RESID_S
     tk, yk, lk, sk = t[keep], y[keep], levels[keep], shape[keep]
     resid: list[np.ndarray] = []
-    resid_t: list[np.ndarray] = []  # the time of the later sample of each pair
     if h > 0:
         for d in range(1, len(tk)):
             dt = tk[d:] - tk[:-d]
@@ -147,32 +146,14 @@ def forecast_rate(
                 continue
             r = yk[d:] - lk[:-d] - (sk[d:] - sk[:-d])
             resid.append(r[ok])
-            resid_t.append(tk[d:][ok])
     margin = 0.0
     if resid:
         allr = np.concatenate(resid)
         if len(allr) >= 4:
             margin = max(0.0, float(np.quantile(allr, quantile)))
-            margin = min(margin, _without_largest_event(allr, np.concatenate(resid_t), h, quantile))
+
     value = level + rise + margin
     return Forecast(max(value, 0.0), method, horizon_s, quantile, level, rise, margin)
-
-
-def _without_largest_event(r: np.ndarray, tj: np.ndarray, h: float, quantile: float) -> float:
-    """The residual quantile without the pairs of the largest single event (the pairs whose later
-    sample is within one horizon of the largest rise): one step in the rate (a load test, an
-    incident: 1 -> 10 -> 1 rps) never sets the margin alone, however short the history, while rises
-    that recur keep it (excluding one of many changes the quantile little).
-
-    >>> r = np.array([0.1, -0.2, 0.0, 0.2, 9.0, 8.5, 8.0, -0.1]); t = np.array([0, 30, 60, 90, 600, 630, 660, 700.])
-    >>> round(_without_largest_event(r, t, 150.0, 0.9), 2)
-    0.17
-    """
-    k = int(np.argmax(r))
-    rest = r[np.abs(tj - tj[k]) > h]
-    if len(rest) < 4:
-        return 0.0
-    return max(0.0, float(np.quantile(rest, quantile)))
 
 
 def recent_level_max(
