@@ -156,7 +156,9 @@ def plan(
     chosen = resolve_profiles(policy, profiles, gpus)
     extrap = {c: extrapolation(p, mix_for(p, workloads[c.model])) for c, p in chosen.items()}
     allowed = set(candidate_configs(policy, {h.gpu for h in hosts}))
-    corrections = update_corrections(forget(state.correction_map(), allowed),
+    # evidence is dropped only for configs the POLICY no longer allows, never because hosts have not
+    # reported yet (the first cycles after a restart)
+    corrections = update_corrections(forget(state.correction_map(), set(candidate_configs(policy, policy.gpu_types))),
                                      _canonical_observations(observation, policy), chosen, workloads, extrap,
                                      now_s)
     speeds = applied_speeds(corrections, chosen, extrap)

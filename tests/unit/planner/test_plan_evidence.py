@@ -84,3 +84,15 @@ def test_a_one_off_burst_is_held_for_the_scale_down_delay_then_forgotten() -> No
     assert later.explanation.models[0].required_rps == burst.explanation.models[0].required_rps
     gone = plan(_obs(10.0, 0, None, None), Fleet(hosts(2)), p, profiles, later.next_state, NOW + 400)
     assert gone.explanation.models[0].required_rps == calm.explanation.models[0].required_rps
+
+
+def test_corrections_survive_a_cycle_before_any_host_reported() -> None:
+    """After a restart the first cycle may see no hosts (agents not reported yet, no policy hosts):
+    the stored corrections must not be forgotten then."""
+    profiles = mp.ProfileSet((scaled(TRUE, 1.6),))
+    seen = predict_mix(TRUE, LengthMix.single(500, 200), 20.0)
+    first = plan(_obs(40.0, 2, seen.ttft_p99_ms, seen.itl_p99_ms), Fleet(hosts(2)), ONE, profiles,
+                 PlannerState.initial(), NOW)
+    assert first.next_state.corrections
+    restarted = plan(_obs(40.0, 0, None, None), Fleet(), ONE, profiles, first.next_state, NOW + 60)
+    assert restarted.next_state.corrections == first.next_state.corrections
