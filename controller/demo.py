@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,9 +139,18 @@ def demo_policy(
     }
 
 
+# Set in the environment of the rig's agents; the engines and builds they launch (and those
+# processes' children) inherit it, so that Rig.stop finds every one of them, whatever its command.
+RIG_ENV = "FLEETPLAN_RIG"
+
+
 @dataclass
 class Rig:
-    """A lab with one agent process per simulated host, and helpers to run the controller on it."""
+    """A lab with one agent process per simulated host, and helpers to run the controller on it.
+
+    `stop()` stops the agents, then every process they launched (the agents leave engines running
+    when they stop, by design): the process groups the agents recorded, and every process that
+    inherited this rig's tag (`RIG_ENV`), engine workers that left their group included."""
 
     dir: Path
     hosts: int = 4
@@ -150,6 +160,7 @@ class Rig:
     agents: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     launch_templates: dict[str, Any] | None = None  # default: simulated vllm/trtllm engines
     gpu: str = "h100"
+    tag: str = field(default_factory=lambda: f"rig-{uuid.uuid4().hex}")
 
     def start(self) -> Rig:
         from sim.lab import Lab
@@ -198,7 +209,7 @@ class Rig:
 
     def start_agent(self, host: str) -> None:
         log = open(self.dir / "agents" / f"{host}.log", "ab")
-        env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", **{RIG_ENV: self.tag})
         self.agents[host] = subprocess.Popen(
             [sys.executable, "-m", "controller.cli", "-v", "agent", "--config", str(self.agent_config_path(host))],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=str(REPO), env=env,
@@ -216,18 +227,46 @@ class Rig:
             p.kill()
             p.wait(5)
 
-    def engine_pids(self) -> dict[str, int]:
-        """replica id -> pid of every engine process the agents recorded that is still alive."""
-        out: dict[str, int] = {}
+    def _records(self) -> list[dict[str, Any]]:
+        """The agents' instance records (engines and builds they run or ran and did not stop)."""
+        out = []
         for h in self.lab.hosts if self.lab else ():
             d = self.agent_state_dir(h.name) / "instances"
             for f in sorted(d.glob("*.json")) if d.is_dir() else ():
-                with contextlib.suppress(OSError, ValueError, KeyError):
+                with contextlib.suppress(OSError, ValueError):
                     rec = json.loads(f.read_text())
-                    pid = int(rec["handle"]["pid"])
-                    if _is_engine(pid):
-                        out[str(rec["handle"]["instance_id"])] = pid
+                    if isinstance(rec, dict) and isinstance(rec.get("handle"), dict):
+                        out.append(rec)
         return out
+
+    def engine_pids(self) -> dict[str, int]:
+        """replica or build id -> pid of every instance the agents recorded that still runs."""
+        out: dict[str, int] = {}
+        for rec in self._records():
+            handle = rec["handle"]
+            pid, ticks = handle.get("pid"), handle.get("start_ticks")
+            if isinstance(pid, int) and _same_process(pid, ticks if isinstance(ticks, int) else None):
+                out[str(handle.get("instance_id"))] = pid
+        return out
+
+    def launched_processes(self) -> set[int]:
+        """Every live process the agents launched: the members of each process group an agent
+        recorded (the instance leads its group) and every process carrying this rig's tag."""
+        from sim.lab import group_pids
+
+        pids: set[int] = set()
+        for rec in self._records():
+            handle = rec["handle"]
+            pid, ticks = handle.get("pid"), handle.get("start_ticks")
+            if not isinstance(pid, int):
+                continue
+            if _same_process(pid, ticks if isinstance(ticks, int) else None) or not _alive(pid):
+                # the leader itself, or what is left of its group after it died (a group id is not
+                # reused while the group has members); a live pid with another start time is not ours
+                pids.update(group_pids(pid))
+        pids.update(_tagged_processes(RIG_ENV, self.tag))
+        pids.discard(os.getpid())
+        return pids
 
     def engine_processes(self) -> list[tuple[int, str]]:
         """(pid, replica id) of every running sim-engine started under this rig's agents (from /proc)."""
@@ -267,22 +306,73 @@ class Rig:
         return path
 
     def stop(self) -> None:
-        """Stop agents, then every engine they started (engines outlive agents by design)."""
-        for host in list(self.agents):
-            self.stop_agent(host)
-        pids = [pid for pid, _ in self.engine_processes()] if self.lab else []
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
+        """Stop agents, then every process they started (engines outlive agents by design), then the lab."""
+        try:
+            for host in list(self.agents):
+                self.stop_agent(host)
+            self.stop_launched()
+        finally:
+            if self.lab is not None:
+                self.lab.stop()
+
+    def stop_launched(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM every process the agents launched (its process group), SIGKILL what is left after
+        `timeout_s`; raises RuntimeError naming any process that survives SIGKILL."""
+        pids = self.launched_processes()
+        _signal_all(pids, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
         while pids and time.monotonic() < deadline:
-            pids = [p for p in pids if _alive(p)]
             time.sleep(0.1)
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
-        if self.lab is not None:
-            self.lab.stop()
+            pids = self.launched_processes()  # children forked meanwhile are tagged too
+            _signal_all(pids, signal.SIGTERM)
+        if pids:
+            _signal_all(pids, signal.SIGKILL)
+            deadline = time.monotonic() + 5.0
+            while pids and time.monotonic() < deadline:
+                time.sleep(0.1)
+                pids = self.launched_processes()
+                _signal_all(pids, signal.SIGKILL)
+        if pids:
+            raise RuntimeError(f"rig {self.dir}: processes {sorted(pids)} launched by its agents survive SIGKILL")
+
+
+def _signal_all(pids: set[int], sig: signal.Signals) -> None:
+    """Signal each pid's process group (the engines lead theirs) and the pid itself."""
+    own_group = os.getpgrp()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            group = os.getpgid(pid)
+            if group != own_group:  # never our own group (a caller that did not start a session)
+                os.killpg(group, sig)
+            os.kill(pid, sig)
+
+
+def _same_process(pid: int, start_ticks: int | None) -> bool:
+    """`pid` runs and (when known) started at `start_ticks` (/proc/<pid>/stat field 22): not a reused pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    fields = stat.rsplit(")", 1)[1].split()
+    if fields[0] in ("Z", "X"):
+        return False
+    return start_ticks is None or int(fields[19]) == start_ticks
+
+
+def _tagged_processes(name: str, value: str) -> set[int]:
+    """Live processes whose environment has name=value (inherited from whoever set it)."""
+    entry = f"{name}={value}".encode()
+    found = set()
+    for pid_dir in Path("/proc").iterdir():
+        if not pid_dir.name.isdigit():
+            continue
+        try:
+            environ = (pid_dir / "environ").read_bytes()
+        except OSError:  # gone, or another user's
+            continue
+        if entry in environ.split(b"\0") and _alive(int(pid_dir.name)):
+            found.add(int(pid_dir.name))
+    return found
 
 
 def _alive(pid: int) -> bool:
@@ -291,13 +381,6 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def _is_engine(pid: int) -> bool:
-    try:
-        return b"sim-engine" in Path(f"/proc/{pid}/cmdline").read_bytes() and _alive(pid)
-    except OSError:
-        return False
 
 
 # ---------------------------------------------------------------------------------------------
