@@ -227,46 +227,21 @@ class Rig:
             p.kill()
             p.wait(5)
 
-    def _records(self) -> list[dict[str, Any]]:
-        """The agents' instance records (engines and builds they run or ran and did not stop)."""
-        out = []
-        for h in self.lab.hosts if self.lab else ():
-            d = self.agent_state_dir(h.name) / "instances"
-            for f in sorted(d.glob("*.json")) if d.is_dir() else ():
-                with contextlib.suppress(OSError, ValueError):
-                    rec = json.loads(f.read_text())
-                    if isinstance(rec, dict) and isinstance(rec.get("handle"), dict):
-                        out.append(rec)
-        return out
+    def _state_dirs(self) -> list[Path]:
+        return [self.agent_state_dir(h.name) for h in self.lab.hosts] if self.lab else []
 
     def engine_pids(self) -> dict[str, int]:
         """replica or build id -> pid of every instance the agents recorded that still runs."""
         out: dict[str, int] = {}
-        for rec in self._records():
-            handle = rec["handle"]
+        for handle in _recorded_handles(self._state_dirs()):
             pid, ticks = handle.get("pid"), handle.get("start_ticks")
             if isinstance(pid, int) and _same_process(pid, ticks if isinstance(ticks, int) else None):
                 out[str(handle.get("instance_id"))] = pid
         return out
 
     def launched_processes(self) -> set[int]:
-        """Every live process the agents launched: the members of each process group an agent
-        recorded (the instance leads its group) and every process carrying this rig's tag."""
-        from sim.lab import group_pids
-
-        pids: set[int] = set()
-        for rec in self._records():
-            handle = rec["handle"]
-            pid, ticks = handle.get("pid"), handle.get("start_ticks")
-            if not isinstance(pid, int):
-                continue
-            if _same_process(pid, ticks if isinstance(ticks, int) else None) or not _alive(pid):
-                # the leader itself, or what is left of its group after it died (a group id is not
-                # reused while the group has members); a live pid with another start time is not ours
-                pids.update(group_pids(pid))
-        pids.update(_tagged_processes(RIG_ENV, self.tag))
-        pids.discard(os.getpid())
-        return pids
+        """Every live process this rig's agents launched (see `launched_processes`)."""
+        return launched_processes(self._state_dirs(), self.tag)
 
     def engine_processes(self) -> list[tuple[int, str]]:
         """(pid, replica id) of every running sim-engine started under this rig's agents (from /proc)."""
@@ -316,24 +291,65 @@ class Rig:
                 self.lab.stop()
 
     def stop_launched(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM every process the agents launched (its process group), SIGKILL what is left after
-        `timeout_s`; raises RuntimeError naming any process that survives SIGKILL."""
-        pids = self.launched_processes()
+        stop_launched(self._state_dirs(), self.tag, timeout_s=timeout_s)
+
+
+def _recorded_handles(state_dirs: Sequence[Path]) -> list[dict[str, Any]]:
+    """The handles in agents' instance records (engines and builds they run, or ran and did not stop)."""
+    out = []
+    for state_dir in state_dirs:
+        d = state_dir / "instances"
+        for f in sorted(d.glob("*.json")) if d.is_dir() else ():
+            with contextlib.suppress(OSError, ValueError):
+                rec = json.loads(f.read_text())
+                if isinstance(rec, dict) and isinstance(rec.get("handle"), dict):
+                    out.append(rec["handle"])
+    return out
+
+
+def launched_processes(state_dirs: Sequence[Path], tag: str | None = None) -> set[int]:
+    """Every live process that agents with these state dirs launched: the members of each process
+    group an agent recorded (an instance leads its own group), and, with `tag`, every process whose
+    environment has RIG_ENV=tag (inherited from the agent: an engine whose record was not written
+    yet, workers that left their group)."""
+    from sim.lab import group_pids
+
+    pids: set[int] = set()
+    for handle in _recorded_handles(state_dirs):
+        pid, ticks = handle.get("pid"), handle.get("start_ticks")
+        if not isinstance(pid, int):
+            continue
+        if _same_process(pid, ticks if isinstance(ticks, int) else None) or not _alive(pid):
+            # the leader itself, or what is left of its group after it died (a group id is not
+            # reused while the group has members); a live pid with another start time is not ours
+            pids.update(group_pids(pid))
+    if tag is not None:
+        pids.update(_tagged_processes(RIG_ENV, tag))
+    pids.discard(os.getpid())
+    return pids
+
+
+def stop_launched(state_dirs: Sequence[Path], tag: str | None = None, *, timeout_s: float = 15.0) -> None:
+    """SIGTERM every process `launched_processes` finds (and its process group), SIGKILL what is left
+    after `timeout_s`; raises RuntimeError naming any process that survives SIGKILL. For after the
+    agents stopped: they leave their engines running by design."""
+    pids = launched_processes(state_dirs, tag)
+    _signal_all(pids, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while pids and time.monotonic() < deadline:
+        time.sleep(0.1)
+        pids = launched_processes(state_dirs, tag)  # children forked meanwhile are found too
         _signal_all(pids, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
+    if pids:
+        _signal_all(pids, signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
         while pids and time.monotonic() < deadline:
             time.sleep(0.1)
-            pids = self.launched_processes()  # children forked meanwhile are tagged too
-            _signal_all(pids, signal.SIGTERM)
-        if pids:
+            pids = launched_processes(state_dirs, tag)
             _signal_all(pids, signal.SIGKILL)
-            deadline = time.monotonic() + 5.0
-            while pids and time.monotonic() < deadline:
-                time.sleep(0.1)
-                pids = self.launched_processes()
-                _signal_all(pids, signal.SIGKILL)
-        if pids:
-            raise RuntimeError(f"rig {self.dir}: processes {sorted(pids)} launched by its agents survive SIGKILL")
+    if pids:
+        dirs = ", ".join(str(d) for d in state_dirs)
+        raise RuntimeError(f"processes {sorted(pids)} launched by the agents of {dirs} survive SIGKILL")
 
 
 def _signal_all(pids: set[int], sig: signal.Signals) -> None:
