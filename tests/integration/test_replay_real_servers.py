@@ -8,6 +8,12 @@ vllm/entrypoints/openai/completion/serving.py, completion_stream_generator. trtl
 unknown request fields (OpenAIBaseModel `extra="forbid"` in tensorrt_llm/serve/openai_protocol.py)
 and takes `prompt` as a string or a list of token ids, like vLLM.
 
+Seen with the vLLM CPU build (tiny Llama, one request, max_tokens 64, ignore_eos): the old request
+("fleetplan replay" + a `prompt_tokens` field vLLM ignores) was an 8-token prompt, and 9 of the 64
+chunks had empty text (byte-level tokens that decode to nothing yet), so chunk counting saw 55 tokens
+("incomplete") while `usage.completion_tokens` said 64. With a 300-id prompt vLLM counted 300 prompt
+tokens, and `continuous_usage_stats` gave the count of every chunk.
+
 `OpenAIServer` below is such a server on a loopback port: it merges `merge` tokens per chunk, sends
 usage only when asked and when `usage` is on, counts a token-id prompt by its length (a text prompt
 by its words), honours `continuous_usage_stats` when `continuous_usage` is on and answers 400 to
