@@ -244,24 +244,17 @@ class Rig:
         return launched_processes(self._state_dirs(), self.tag)
 
     def engine_processes(self) -> list[tuple[int, str]]:
-        """(pid, replica id) of every running sim-engine started under this rig's agents (from /proc)."""
+        """(pid, replica id) of every running sim-engine this rig's agents started (from /proc). Found
+        by the rig's tag, not by port: another lab's engines may use ports in this rig's ranges."""
         out = []
-        for pid_dir in Path("/proc").iterdir():
-            if not pid_dir.name.isdigit():
-                continue
+        for pid in sorted(_tagged_processes(RIG_ENV, self.tag)):
             try:
-                argv = (pid_dir / "cmdline").read_bytes().split(b"\0")
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
             args = [a.decode(errors="replace") for a in argv]
-            if "sim-engine" not in args or "--replica-id" not in args:
-                continue
-            try:
-                port = int(args[args.index("--port") + 1])
-            except (ValueError, IndexError):
-                continue
-            if any(lo <= port <= hi for lo, hi in (h.port_range for h in self.lab.hosts)):
-                out.append((int(pid_dir.name), args[args.index("--replica-id") + 1]))
+            if "sim-engine" in args and "--replica-id" in args[:-1]:
+                out.append((pid, args[args.index("--replica-id") + 1]))
         return out
 
     def controller_settings(self, **over: Any) -> Any:
