@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
@@ -57,9 +59,29 @@ def configure_logging(verbosity: int) -> None:
     )
 
 
+# The exit status of a process killed by SIGPIPE as a shell reports it (128 + 13), so that
+# `fleetplan explain m | head -1` under `set -o pipefail` looks like any other writer to a closed pipe.
+EXIT_BROKEN_PIPE = 128 + int(signal.SIGPIPE)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command. A reader that closes stdout early (`| head`) ends the command quietly with
+    EXIT_BROKEN_PIPE, as the Python docs recommend for SIGPIPE (library/signal.html, "Note on
+    SIGPIPE"): stdout is pointed at /dev/null so the interpreter's final flush cannot fail again."""
+    try:
+        code = _run(argv)
+        sys.stdout.flush()  # inside the try: a pipe closed after the last print fails here, not at exit
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
+    return code
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # argparse itself ignores a closed pipe for --help and usage
     handler: Handler | None = getattr(args, "handler", None)
     if handler is None:
         parser.print_help()

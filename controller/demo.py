@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,9 +139,18 @@ def demo_policy(
     }
 
 
+# Set in the environment of the rig's agents; the engines and builds they launch (and those
+# processes' children) inherit it, so that Rig.stop finds every one of them, whatever its command.
+RIG_ENV = "FLEETPLAN_RIG"
+
+
 @dataclass
 class Rig:
-    """A lab with one agent process per simulated host, and helpers to run the controller on it."""
+    """A lab with one agent process per simulated host, and helpers to run the controller on it.
+
+    `stop()` stops the agents, then every process they launched (the agents leave engines running
+    when they stop, by design): the process groups the agents recorded, and every process that
+    inherited this rig's tag (`RIG_ENV`), engine workers that left their group included."""
 
     dir: Path
     hosts: int = 4
@@ -150,6 +160,7 @@ class Rig:
     agents: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     launch_templates: dict[str, Any] | None = None  # default: simulated vllm/trtllm engines
     gpu: str = "h100"
+    tag: str = field(default_factory=lambda: f"rig-{uuid.uuid4().hex}")
 
     def start(self) -> Rig:
         from sim.lab import Lab
@@ -198,7 +209,7 @@ class Rig:
 
     def start_agent(self, host: str) -> None:
         log = open(self.dir / "agents" / f"{host}.log", "ab")
-        env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", **{RIG_ENV: self.tag})
         self.agents[host] = subprocess.Popen(
             [sys.executable, "-m", "controller.cli", "-v", "agent", "--config", str(self.agent_config_path(host))],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=str(REPO), env=env,
@@ -216,38 +227,34 @@ class Rig:
             p.kill()
             p.wait(5)
 
+    def _state_dirs(self) -> list[Path]:
+        return [self.agent_state_dir(h.name) for h in self.lab.hosts] if self.lab else []
+
     def engine_pids(self) -> dict[str, int]:
-        """replica id -> pid of every engine process the agents recorded that is still alive."""
+        """replica or build id -> pid of every instance the agents recorded that still runs."""
         out: dict[str, int] = {}
-        for h in self.lab.hosts if self.lab else ():
-            d = self.agent_state_dir(h.name) / "instances"
-            for f in sorted(d.glob("*.json")) if d.is_dir() else ():
-                with contextlib.suppress(OSError, ValueError, KeyError):
-                    rec = json.loads(f.read_text())
-                    pid = int(rec["handle"]["pid"])
-                    if _is_engine(pid):
-                        out[str(rec["handle"]["instance_id"])] = pid
+        for handle in _recorded_handles(self._state_dirs()):
+            pid, ticks = handle.get("pid"), handle.get("start_ticks")
+            if isinstance(pid, int) and _same_process(pid, ticks if isinstance(ticks, int) else None):
+                out[str(handle.get("instance_id"))] = pid
         return out
 
+    def launched_processes(self) -> set[int]:
+        """Every live process this rig's agents launched (see `launched_processes`)."""
+        return launched_processes(self._state_dirs(), self.tag)
+
     def engine_processes(self) -> list[tuple[int, str]]:
-        """(pid, replica id) of every running sim-engine started under this rig's agents (from /proc)."""
+        """(pid, replica id) of every running sim-engine this rig's agents started (from /proc). Found
+        by the rig's tag, not by port: another lab's engines may use ports in this rig's ranges."""
         out = []
-        for pid_dir in Path("/proc").iterdir():
-            if not pid_dir.name.isdigit():
-                continue
+        for pid in sorted(_tagged_processes(RIG_ENV, self.tag)):
             try:
-                argv = (pid_dir / "cmdline").read_bytes().split(b"\0")
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
             args = [a.decode(errors="replace") for a in argv]
-            if "sim-engine" not in args or "--replica-id" not in args:
-                continue
-            try:
-                port = int(args[args.index("--port") + 1])
-            except (ValueError, IndexError):
-                continue
-            if any(lo <= port <= hi for lo, hi in (h.port_range for h in self.lab.hosts)):
-                out.append((int(pid_dir.name), args[args.index("--replica-id") + 1]))
+            if "sim-engine" in args and "--replica-id" in args[:-1]:
+                out.append((pid, args[args.index("--replica-id") + 1]))
         return out
 
     def controller_settings(self, **over: Any) -> Any:
@@ -267,22 +274,114 @@ class Rig:
         return path
 
     def stop(self) -> None:
-        """Stop agents, then every engine they started (engines outlive agents by design)."""
-        for host in list(self.agents):
-            self.stop_agent(host)
-        pids = [pid for pid, _ in self.engine_processes()] if self.lab else []
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
+        """Stop agents, then every process they started (engines outlive agents by design), then the lab."""
+        try:
+            for host in list(self.agents):
+                self.stop_agent(host)
+            self.stop_launched()
+        finally:
+            if self.lab is not None:
+                self.lab.stop()
+
+    def stop_launched(self, timeout_s: float = 15.0) -> None:
+        stop_launched(self._state_dirs(), self.tag, timeout_s=timeout_s)
+
+
+def _recorded_handles(state_dirs: Sequence[Path]) -> list[dict[str, Any]]:
+    """The handles in agents' instance records (engines and builds they run, or ran and did not stop)."""
+    out = []
+    for state_dir in state_dirs:
+        d = state_dir / "instances"
+        for f in sorted(d.glob("*.json")) if d.is_dir() else ():
+            with contextlib.suppress(OSError, ValueError):
+                rec = json.loads(f.read_text())
+                if isinstance(rec, dict) and isinstance(rec.get("handle"), dict):
+                    out.append(rec["handle"])
+    return out
+
+
+def launched_processes(state_dirs: Sequence[Path], tag: str | None = None) -> set[int]:
+    """Every live process that agents with these state dirs launched: the members of each process
+    group an agent recorded (an instance leads its own group), and, with `tag`, every process whose
+    environment has RIG_ENV=tag (inherited from the agent: an engine whose record was not written
+    yet, workers that left their group)."""
+    from sim.lab import group_pids
+
+    pids: set[int] = set()
+    for handle in _recorded_handles(state_dirs):
+        pid, ticks = handle.get("pid"), handle.get("start_ticks")
+        if not isinstance(pid, int):
+            continue
+        if _same_process(pid, ticks if isinstance(ticks, int) else None) or not _alive(pid):
+            # the leader itself, or what is left of its group after it died (a group id is not
+            # reused while the group has members); a live pid with another start time is not ours
+            pids.update(group_pids(pid))
+    if tag is not None:
+        pids.update(_tagged_processes(RIG_ENV, tag))
+    pids.discard(os.getpid())
+    return pids
+
+
+def stop_launched(state_dirs: Sequence[Path], tag: str | None = None, *, timeout_s: float = 15.0) -> None:
+    """SIGTERM every process `launched_processes` finds (and its process group), SIGKILL what is left
+    after `timeout_s`; raises RuntimeError naming any process that survives SIGKILL. For after the
+    agents stopped: they leave their engines running by design."""
+    pids = launched_processes(state_dirs, tag)
+    _signal_all(pids, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while pids and time.monotonic() < deadline:
+        time.sleep(0.1)
+        pids = launched_processes(state_dirs, tag)  # children forked meanwhile are found too
+        _signal_all(pids, signal.SIGTERM)
+    if pids:
+        _signal_all(pids, signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
         while pids and time.monotonic() < deadline:
-            pids = [p for p in pids if _alive(p)]
             time.sleep(0.1)
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
-        if self.lab is not None:
-            self.lab.stop()
+            pids = launched_processes(state_dirs, tag)
+            _signal_all(pids, signal.SIGKILL)
+    if pids:
+        dirs = ", ".join(str(d) for d in state_dirs)
+        raise RuntimeError(f"processes {sorted(pids)} launched by the agents of {dirs} survive SIGKILL")
+
+
+def _signal_all(pids: set[int], sig: signal.Signals) -> None:
+    """Signal each pid's process group (the engines lead theirs) and the pid itself."""
+    own_group = os.getpgrp()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            group = os.getpgid(pid)
+            if group != own_group:  # never our own group (a caller that did not start a session)
+                os.killpg(group, sig)
+            os.kill(pid, sig)
+
+
+def _same_process(pid: int, start_ticks: int | None) -> bool:
+    """`pid` runs and (when known) started at `start_ticks` (/proc/<pid>/stat field 22): not a reused pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    fields = stat.rsplit(")", 1)[1].split()
+    if fields[0] in ("Z", "X"):
+        return False
+    return start_ticks is None or int(fields[19]) == start_ticks
+
+
+def _tagged_processes(name: str, value: str) -> set[int]:
+    """Live processes whose environment has name=value (inherited from whoever set it)."""
+    entry = f"{name}={value}".encode()
+    found = set()
+    for pid_dir in Path("/proc").iterdir():
+        if not pid_dir.name.isdigit():
+            continue
+        try:
+            environ = (pid_dir / "environ").read_bytes()
+        except OSError:  # gone, or another user's
+            continue
+        if entry in environ.split(b"\0") and _alive(int(pid_dir.name)):
+            found.add(int(pid_dir.name))
+    return found
 
 
 def _alive(pid: int) -> bool:
@@ -291,13 +390,6 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def _is_engine(pid: int) -> bool:
-    try:
-        return b"sim-engine" in Path(f"/proc/{pid}/cmdline").read_bytes() and _alive(pid)
-    except OSError:
-        return False
 
 
 # ---------------------------------------------------------------------------------------------

@@ -73,6 +73,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     r.add_argument("--allow-remote", action="store_true", help="allow a non-loopback target")
     r.add_argument("--wall-clock", action="store_true",
                    help="measure wall time x speed even when the target reports its simulated clock")
+    r.add_argument("--prompts", choices=("token-ids", "words", "hint"), default="token-ids",
+                   help="how each request carries the trace's prompt length: token-ids (default; a list of "
+                   "that many token ids, exact: vLLM, trtllm-serve, sim-engine), words (text of that many "
+                   "common words, about one token each, for servers that take text only), hint (a short "
+                   "prompt plus the prompt_tokens field only fleetplan's sim-engine reads)")
     r.set_defaults(handler=_replay_load)
 
     b = subparsers.add_parser(

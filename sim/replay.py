@@ -7,10 +7,19 @@ Library use (the demo and e2e tests drive load with it):
     print(summarize(results))
 
 Every request is a streaming `/v1/completions` call with `max_tokens` = `min_tokens` = the recorded
-output length and `ignore_eos`, plus the `prompt_tokens` hint the simulated engines read (a real
-engine needs `full_prompts=True`: a prompt of that many words). Times are measured on the wall
-clock and multiplied by `speed` (= the engines' --time-scale), so they are simulated seconds.
-Coalesced SSE chunks are counted by their `n_tokens` field (1 per chunk when absent).
+output length and `ignore_eos` (vLLM's and trtllm-serve's sampling extensions: the engine generates
+exactly that many tokens). The prompt (`PromptStyle`): by default a short text plus the
+`prompt_tokens` hint only fleetplan's simulated engines read; `TOKEN_IDS` sends the recorded prompt
+length as a list of token ids (exact; vLLM, trtllm-serve and the simulated engines accept it), `WORDS`
+as text of common words (about one token each). Times are measured on the wall clock and multiplied
+by `speed` (= the engines' --time-scale), so they are simulated seconds.
+
+Output tokens: the server's own count, `usage.completion_tokens` of the final chunk (requested with
+`stream_options.include_usage`), because a chunk may carry several tokens (vLLM merges the tokens of
+a step, or of several steps when the client reads slowly). Per chunk, for the timing of each token:
+the simulated engines' `n_tokens` field, else the growth of `usage.completion_tokens` when the
+server reports it on every chunk (`continuous_usage_stats`, vLLM and trtllm-serve), else one token
+per non-empty chunk. Chunk counting decides the total only when the server sends no usage.
 
 CLI: `fleetplan replay-load --trace FILE --target URL [--speed K] [--duration-s S] ...`: bounded
 by --max-requests and --duration-s (trace seconds), loopback targets only unless --allow-remote.
@@ -30,10 +39,12 @@ import ipaddress
 import json
 import logging
 import math
+import random
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from typing import Any
 from urllib.parse import quote, urlsplit
 
@@ -44,6 +55,27 @@ log = logging.getLogger(__name__)
 
 class TargetError(ValueError):
     """A target URL that is refused (not loopback without allow_remote, or malformed)."""
+
+
+class PromptStyle(Enum):
+    """How a request carries the recorded prompt length."""
+
+    HINT = "hint"  # "fleetplan replay" + the `prompt_tokens` field: fleetplan's simulated engines only
+    TOKEN_IDS = "token-ids"  # a list of that many token ids: exact (OpenAI completions `prompt: int[]`)
+    WORDS = "words"  # text of that many common words: ~1 token each, for servers that take text only
+
+
+# Token ids of a TOKEN_IDS prompt: ordinary tokens in the vocabularies served here (Llama-2/Mistral put
+# special and byte-fallback tokens below 259, Llama-3 and Qwen above 128000) and below 4096, so that
+# small test vocabularies (the 4096-token tiny Llama of the vLLM CPU test) accept them too.
+PROMPT_TOKEN_IDS = (1000, 4000)
+# Words that are one token each (with their leading space) in common BPE vocabularies.
+PROMPT_WORDS = (
+    "the", "of", "and", "to", "in", "is", "for", "on", "that", "with", "as", "it", "by", "at", "from",
+    "this", "be", "or", "an", "not", "are", "we", "can", "all", "one", "time", "new", "more", "if", "will",
+    "has", "but", "have", "which", "their", "so", "other", "was", "its", "there", "also", "into", "use",
+    "data", "each", "may", "some", "these", "any", "return", "self", "name", "value", "list", "type",
+)
 
 
 @dataclass(frozen=True)
@@ -72,6 +104,7 @@ class RequestResult:
     sim_start_s: float | None = None  # engine clock at arrival / last token (simulated engines only)
     sim_end_s: float | None = None
     error: str | None = None
+    server_prompt_tokens: int | None = None  # usage.prompt_tokens as the server counted them (None: not sent)
     itls_s: list[float] | None = field(default=None, repr=False)  # the gaps between tokens (tokens - 1), keep_itls
 
 
@@ -111,21 +144,47 @@ def request_url(base: str, path: str, model: str | None) -> str:
     return base + path
 
 
-def request_body(req: LoadRequest, model: str | None, full_prompts: bool) -> dict[str, Any]:
+def request_prompt(req: LoadRequest, style: PromptStyle, seed: int = 0) -> str | list[int]:
+    """The prompt of `req` in `style`; TOKEN_IDS and WORDS prompts differ per `seed` (the request's
+    index), so that a server's prefix cache does not turn a replay into cache hits."""
+    if style is PromptStyle.HINT:
+        return "fleetplan replay"
+    rng = random.Random(seed)
+    n = max(1, req.prompt_tokens)
+    if style is PromptStyle.TOKEN_IDS:
+        lo, hi = PROMPT_TOKEN_IDS
+        return [rng.randrange(lo, hi) for _ in range(n)]
+    return " ".join(rng.choice(PROMPT_WORDS) for _ in range(n))
+
+
+def request_body(
+    req: LoadRequest, model: str | None, prompts: PromptStyle = PromptStyle.HINT, seed: int = 0
+) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "prompt": ("hi " * req.prompt_tokens).rstrip() if full_prompts else "fleetplan replay",
-        "prompt_tokens": req.prompt_tokens,
+        "prompt": request_prompt(req, prompts, seed),
         "max_tokens": req.output_tokens,
         "min_tokens": req.output_tokens,
         "ignore_eos": True,
         "stream": True,
-        "stream_options": {"include_usage": True},
+        # vLLM: usage in a final chunk (choices []) and, with continuous_usage_stats, on every chunk
+        # (vllm/entrypoints/openai/completion/serving.py, completion_stream_generator); trtllm-serve
+        # has the same StreamOptions (tensorrt_llm/serve/openai_protocol.py).
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         "temperature": 0.0,
     }
+    if prompts is PromptStyle.HINT:
+        # An extension only the simulated engines read; trtllm-serve rejects unknown fields.
+        body["prompt_tokens"] = req.prompt_tokens
     m = req.model or model
     if m is not None:
         body["model"] = m
     return body
+
+
+def _completion_tokens(usage: Any) -> int | None:
+    if not isinstance(usage, dict) or usage.get("completion_tokens") is None:
+        return None
+    return int(usage["completion_tokens"])
 
 
 async def _one(
@@ -144,7 +203,9 @@ async def _one(
     origin: float | None = None  # the request's start on the measuring clock
     first: float | None = None
     last: float | None = None
-    tokens = 0
+    tokens = 0  # counted from the chunks
+    usage_tokens: int | None = None  # the server's count (the last usage seen: the final chunk's)
+    per_chunk_usage: bool | None = None  # decided by the first chunk with tokens: continuous usage stats
     max_gap = 0.0
     gaps: list[float] | None = [] if keep_itls else None
     finished = False
@@ -169,18 +230,30 @@ async def _one(
                         finished = True
                         break
                     chunk = json.loads(data)
+                    usage = chunk.get("usage")
+                    so_far = _completion_tokens(usage)
+                    if isinstance(usage, dict) and usage.get("prompt_tokens") is not None:
+                        res.server_prompt_tokens = int(usage["prompt_tokens"])
                     choices = chunk.get("choices") or []
-                    if not choices:
-                        usage = chunk.get("usage")
-                        if usage and usage.get("completion_tokens") is not None and tokens == 0:
-                            tokens = int(usage["completion_tokens"])
+                    if not choices:  # the final usage chunk
+                        if so_far is not None:
+                            usage_tokens = so_far
                         continue
                     ch = choices[0]
                     text = ch.get("text")
                     if text is None:
                         text = (ch.get("delta") or {}).get("content")
-                    n = chunk.get("n_tokens")
-                    n = int(n) if n is not None else (1 if text else 0)
+                    n_field = chunk.get("n_tokens")
+                    if per_chunk_usage is None and (text or so_far):
+                        per_chunk_usage = so_far is not None
+                    if n_field is not None:
+                        n = int(n_field)
+                    elif per_chunk_usage and so_far is not None:
+                        n = so_far - (usage_tokens or 0)
+                    else:
+                        n = 1 if text else 0
+                    if so_far is not None:
+                        usage_tokens = so_far
                     if n <= 0:
                         continue
                     sim_t = chunk.get("sim_time_s")
@@ -220,6 +293,8 @@ async def _one(
     except (aiohttp.ClientError, json.JSONDecodeError, ValueError) as exc:
         res.outcome = "error"
         res.error = f"{type(exc).__name__}: {exc}"[:300]
+    if usage_tokens is not None:
+        tokens = usage_tokens  # the server's count: chunks may have merged tokens
     res.output_tokens = tokens
     if first is not None and origin is not None:
         assert last is not None
@@ -244,7 +319,7 @@ async def run_load(
     max_in_flight: int = 2000,
     timeout_s: float = 600.0,
     allow_remote: bool = False,
-    full_prompts: bool = False,
+    prompts: PromptStyle = PromptStyle.HINT,
     keep_itls: bool = False,
     engine_clock: bool = True,
     path: str = "/v1/completions",
@@ -281,7 +356,7 @@ async def run_load(
         async with sem:
             res.late_s = max(0.0, (time.monotonic() - start) * speed - req.t_s)
             url = request_url(base, path, req.model or model)
-            await _one(session, url, request_body(req, model, full_prompts), res, speed, timeout_s, keep_itls,
+            await _one(session, url, request_body(req, model, prompts, seed=i), res, speed, timeout_s, keep_itls,
                        engine_clock)
         if on_result is not None:
             on_result(res)
@@ -399,6 +474,7 @@ def replay_main(args: argparse.Namespace) -> int:
         return await run_load(
             reqs, base, speed=args.speed, model=model, max_in_flight=args.concurrency_limit,
             timeout_s=args.timeout_s, allow_remote=args.allow_remote, engine_clock=not args.wall_clock,
+            prompts=PromptStyle(args.prompts),
         )
 
     print(f"replay-load: {len(reqs)} requests over {reqs[-1].t_s:.0f} trace s "

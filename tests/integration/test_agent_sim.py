@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import pytest
 import yaml
 
 from controller.agent import sim_agent_config
+from controller.demo import stop_launched
 from controller.protocol import HostStatus, ack_topic, desired_topic, parse_ack, parse_status, status_topic
 from sim.lab import MosquittoServer, allocate_port_ranges
 
@@ -47,12 +47,7 @@ def setup() -> Iterator[tuple[MosquittoServer, Path, tuple[int, int]]]:
         finally:
             agent.send_signal(signal.SIGTERM)
             agent.wait(timeout=15)
-            for record in (root / "state" / "instances").glob("*.json"):
-                pid = json.loads(record.read_text())["handle"]["pid"]
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            stop_launched([root / "state"])  # the agent leaves its engines running, by design
             broker.stop()
 
 

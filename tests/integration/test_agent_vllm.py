@@ -23,6 +23,7 @@ import httpx
 import pytest
 import yaml
 
+from controller.demo import stop_launched
 from controller.observe import Observer, PromClient
 from controller.protocol import HostStatus, ack_topic, desired_topic, parse_ack, parse_status, status_topic
 from controller.routing import ScrapeTarget, write_file_sd
@@ -88,12 +89,7 @@ def rig() -> Iterator[tuple[MosquittoServer, PrometheusServer, Path, int]]:
         finally:
             agent.send_signal(signal.SIGTERM)
             agent.wait(timeout=15)
-            for record in (root / "state" / "instances").glob("*.json"):
-                pid = json.loads(record.read_text())["handle"]["pid"]
-                try:
-                    os.killpg(pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+            stop_launched([root / "state"])  # the agent leaves its engines running, by design
             prometheus.stop()
             broker.stop()
 

@@ -96,3 +96,62 @@ def test_startup_failure_names_the_server_and_shows_its_log(tmp_path: Path) -> N
     message = str(err.value)
     assert "prometheus exited" in message and "address already in use" in message
     assert not server.running
+
+
+async def _mqtt_login_ok(port: int, user: str, password: str) -> bool:
+    import aiomqtt
+
+    try:
+        async with aiomqtt.Client("127.0.0.1", port, username=user, password=password, timeout=5):
+            return True
+    except aiomqtt.MqttError:
+        return False
+
+
+async def test_cli_lab_up_on_a_stopped_labs_dir_starts_a_new_lab(tmp_path: Path) -> None:
+    """`lab up` in the directory of a stopped lab: new ports and passwords in every config (the old
+    files had the old ones), the user's own files in the directory untouched."""
+    import asyncio
+
+    lab_dir = tmp_path / "lab"
+    cli = [sys.executable, "-m", "controller.cli", "lab"]
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*cli, *args, "--dir", str(lab_dir)], capture_output=True, text=True, timeout=120)
+
+    up = await asyncio.to_thread(run, "up", "--hosts", "1")
+    assert up.returncode == 0, up.stderr
+    first = json.loads((lab_dir / LAB_JSON).read_text())
+    down = await asyncio.to_thread(run, "down")
+    assert down.returncode == 0, down.stderr
+    user_files = {lab_dir / "notes.txt": "mine", lab_dir / "mosquitto" / "extra.conf": "# mine too",
+                  lab_dir / "nginx" / "README": "keep"}
+    for path, text in user_files.items():
+        path.write_text(text)
+    # the previous lab's routes (engines long gone) must not survive into the new lab
+    with (lab_dir / "nginx" / "upstreams.conf").open("a") as f:
+        f.write("# a stale route\n")
+
+    again = await asyncio.to_thread(run, "up", "--hosts", "1")
+    try:
+        assert again.returncode == 0, again.stderr
+        doc = json.loads((lab_dir / LAB_JSON).read_text())
+        mqtt = doc["mqtt"]
+        assert mqtt["controller_password"] != first["mqtt"]["controller_password"]
+        assert doc["hosts"][0]["mqtt_password"] != first["hosts"][0]["mqtt_password"]
+        assert f"listener {mqtt['port']} 127.0.0.1" in (lab_dir / "mosquitto" / "mosquitto.conf").read_text()
+        assert await _mqtt_login_ok(mqtt["port"], "controller", mqtt["controller_password"])
+        assert await _mqtt_login_ok(mqtt["port"], doc["hosts"][0]["mqtt_user"], doc["hosts"][0]["mqtt_password"])
+        assert not await _mqtt_login_ok(mqtt["port"], "controller", first["mqtt"]["controller_password"])
+        async with httpx.AsyncClient(timeout=5) as http:
+            assert (await http.get(f"{doc['prometheus']['url']}/-/ready")).status_code == 200
+            assert (await http.get(f"{doc['nginx']['url']}/v1/models")).json() == {"object": "list", "data": []}
+        assert "stale route" not in (lab_dir / "nginx" / "upstreams.conf").read_text()
+        assert {path: path.read_text() for path in user_files} == user_files
+        assert not list((lab_dir / "mosquitto").glob(".passwd.*"))  # no temp file left behind
+        assert oct((lab_dir / "mosquitto" / "passwd").stat().st_mode & 0o777) == "0o600"
+    finally:
+        down = await asyncio.to_thread(run, "down")
+    assert down.returncode == 0, down.stderr
+    assert {name: group_pids(p["pgid"]) for name, p in doc["processes"].items()} == {
+        name: [] for name in doc["processes"]}

@@ -10,7 +10,9 @@ import pytest
 from sim.benchclient import file_name, result_json
 from sim.engine import Hist, RequestError, buckets_1_2_5, prompt_length
 from sim.replay import (
+    PROMPT_TOKEN_IDS,
     LoadRequest,
+    PromptStyle,
     RequestResult,
     TargetError,
     _as_load_request,
@@ -42,11 +44,21 @@ def test_malformed_target() -> None:
 def test_request_items_and_body() -> None:
     assert _as_load_request((1.5, 100, 20)) == LoadRequest(1.5, 100, 20, None)
     assert _as_load_request(TraceRequest(2.0, 7, 3, "m")) == LoadRequest(2.0, 7, 3, "m")
-    body = request_body(LoadRequest(0.0, 300, 40), "llama", full_prompts=False)
+    body = request_body(LoadRequest(0.0, 300, 40), "llama")
     assert body["prompt_tokens"] == 300 and body["max_tokens"] == 40 and body["min_tokens"] == 40
     assert body["ignore_eos"] and body["stream"] and body["model"] == "llama"
-    full = request_body(LoadRequest(0.0, 300, 40, "other"), "llama", full_prompts=True)
-    assert len(full["prompt"].split()) == 300 and full["model"] == "other"
+    assert body["stream_options"]["include_usage"]
+    words = request_body(LoadRequest(0.0, 300, 40, "other"), "llama", PromptStyle.WORDS)
+    assert len(words["prompt"].split()) == 300 and words["model"] == "other"
+    assert "prompt_tokens" not in words  # servers that forbid unknown fields (trtllm-serve) take it
+    ids = request_body(LoadRequest(0.0, 300, 40), "llama", PromptStyle.TOKEN_IDS, seed=1)
+    assert len(ids["prompt"]) == 300 and all(isinstance(t, int) for t in ids["prompt"])
+    assert "prompt_tokens" not in ids and ids["max_tokens"] == 40 and ids["ignore_eos"]
+    assert all(PROMPT_TOKEN_IDS[0] <= t < PROMPT_TOKEN_IDS[1] for t in ids["prompt"])
+    # a different prompt per request (no prefix-cache hits), the same one for the same request
+    assert ids["prompt"] != request_body(LoadRequest(0.0, 300, 40), None, PromptStyle.TOKEN_IDS, seed=2)["prompt"]
+    assert ids["prompt"] == request_body(LoadRequest(0.0, 300, 40), None, PromptStyle.TOKEN_IDS, seed=1)["prompt"]
+    assert prompt_length(ids, chat=False) == 300 and prompt_length(words, chat=False) == 300  # the sim agrees
 
 
 def test_summary_counts_only_successes_in_latency() -> None:
