@@ -553,6 +553,7 @@ class SimResult:
     notes: tuple[str, ...] = ()
     placement_conflicts: int = 0  # starts that waited for their GPUs to be released
     swap_cycles: int = 0  # decisions that drained READY replicas of a model while starting others
+    met: np.ndarray | None = None  # per arrived request (trace order): served within both SLOs
 
     @property
     def slo_attainment(self) -> float:
@@ -1239,6 +1240,7 @@ class FleetSim:
             rejected=int((self.status == REJECTED).sum()),
             unfinished=int((self.status == PENDING).sum()),
             slo_met=int(ok.sum()),
+            met=ok,
             gpu_hours=gpu_hours,
             build_gpu_hours=build_s / 3600.0,
             cost_usd=cost,

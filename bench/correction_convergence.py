@@ -1,0 +1,89 @@
+"""The online correction on the replay: profiles made wrong on purpose, and how fast the fleet recovers.
+
+    .venv/bin/python bench/correction_convergence.py [--trace mooncake|azure] [--factors 1.4,0.6]
+
+Per scenario (bench/evaluate_traces.py's policies and traces), profiles are fitted on the simulator's
+ground truth (the "true" profiles), then every profile is made `factor` times as fast
+(models.mix.scaled: factor 1.4 = 40% optimistic, 0.6 = 40% pessimistic). fleetplan replays the trace
+with the true profiles and with each wrong set; per run it prints GPU-hours, SLO attainment, and per
+cycle the GPUs the plan holds against the true-profile run: the first cycle from which the wrong run
+stays within one replica's GPUs of the true run, and the attainment of the requests that arrived
+after that cycle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from evaluate_traces import SCENARIOS, TRACES  # noqa: E402
+
+from models.mix import scaled  # noqa: E402
+from models.profile import ProfileSet  # noqa: E402
+from planner.policy import load_policy_text  # noqa: E402
+from sim.baselines import FleetplanController  # noqa: E402
+from sim.des import FleetSim, SimSettings  # noqa: E402
+from sim.evaluate import (  # noqa: E402
+    candidates_for,
+    make_environment,
+    policy_for_models,
+    prepare_trace,
+    profiles_from_ground_truth,
+    trace_lengths,
+)
+from sim.traces import read_trace, reshape  # noqa: E402
+
+
+def _run(trace: object, policy: object, profiles: ProfileSet) -> tuple[object, list[tuple[float, int]]]:
+    ctl = FleetplanController("fleetplan", policy, profiles)  # type: ignore[arg-type]
+    sim = FleetSim(trace, ctl, make_environment(policy), SimSettings())  # type: ignore[arg-type]
+    res = sim.run()
+    gpus = [(p.t_s, p.gpus) for p in res.timeline]
+    return res, gpus
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trace", default="mooncake", choices=sorted(SCENARIOS))
+    ap.add_argument("--factors", default="1.4,0.6")
+    args = ap.parse_args(argv)
+    fname, text, model, scale = SCENARIOS[args.trace]
+    policy = load_policy_text(text, f"bench:{args.trace}")
+    raw = read_trace(TRACES / fname, model=model)
+    tr = prepare_trace(raw if scale == 1.0 else reshape(raw, duration_s=raw.duration_s, rate_scale=scale),
+                       policy, model)
+    policy = policy_for_models(policy, [model])
+    m = policy.models[0]
+    true = profiles_from_ground_truth(candidates_for(policy, model), trace_lengths(tr, model),
+                                      m.slo.ttft_p99_ms, m.slo.itl_p99_ms)
+    base, base_gpus = _run(tr, policy, true)
+    print(f"{args.trace}: true profiles: {base.gpu_hours:.2f} GPU-h, SLO attainment "  # type: ignore[attr-defined]
+          f"{100 * base.slo_attainment:.2f}%", flush=True)  # type: ignore[attr-defined]
+    step = max(c.tp for c in candidates_for(policy, model))
+    cycle = policy.scaling.cycle_s
+    for f in [float(x) for x in args.factors.split(",") if x.strip()]:
+        wrong = ProfileSet(tuple(scaled(p, f) for p in true.profiles))
+        res, gpus = _run(tr, policy, wrong)
+        # the first time from which the wrong run holds within one replica's GPUs of the true run
+        diffs = [(t, abs(g - bg)) for (t, g), (_, bg) in zip(gpus, base_gpus, strict=False)]
+        settle = next((t for i, (t, _) in enumerate(diffs) if all(d <= step for _, d in diffs[i:])), None)
+        after = "-"
+        if settle is not None:
+            ok = [bool(met) for r, met in zip(tr.requests, res.met, strict=False)  # type: ignore[attr-defined]
+                  if r.t_s >= settle]
+            after = f"{100 * sum(ok) / len(ok):.2f}%" if ok else "-"
+        print(f"  profiles x{f:g} ({'optimistic' if f > 1 else 'pessimistic'}): {res.gpu_hours:.2f} GPU-h, "  # type: ignore[attr-defined]
+              f"SLO attainment {100 * res.slo_attainment:.2f}%; within one replica of the true run from "  # type: ignore[attr-defined]
+              f"t={'-' if settle is None else format(settle, '.0f')} s "
+              f"({'-' if settle is None else format(settle / cycle, '.1f')} cycles); attainment after: {after}",
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
