@@ -58,12 +58,15 @@ from controller.observe import (
 )
 from controller.protocol import (
     ACK_WILDCARD,
+    DESIRED_WILDCARD,
     STATUS_WILDCARD,
+    DesiredState,
     HostStatus,
     ProtocolError,
     desired_topic,
     host_from_topic,
     parse_ack,
+    parse_desired,
     parse_status,
 )
 from controller.state import ActionStatus, Phase, ReplicaRow, StateStore
@@ -225,7 +228,11 @@ def inflight_from_metrics(text: str) -> float | None:
 
 
 class MqttLink:
-    """The controller's MQTT session: status/ack subscriptions, desired publishing, reconnects."""
+    """The controller's MQTT session: status/ack subscriptions, desired publishing, reconnects.
+
+    Every message is parsed with the protocol's bounds; a bad one is rejected (logged with its host,
+    field and value, counted through `on_reject`) and never ends the loop that reads the next one:
+    only cancellation ends `run()`."""
 
     def __init__(
         self,
@@ -233,14 +240,20 @@ class MqttLink:
         on_status: Callable[[str, HostStatus], None],
         on_ack: Callable[[str, Any], None],
         on_connect: Callable[[], None],
+        on_reject: Callable[[str, str], None] | None = None,
+        on_desired: Callable[[str, DesiredState | None], None] | None = None,
     ) -> None:
         self.settings = settings
         self._on_status = on_status
         self._on_ack = on_ack
         self._on_connect = on_connect
+        self._on_reject = on_reject
+        self._on_desired = on_desired
         self._client: Any = None
         self.connected = asyncio.Event()
         self.last_error: str | None = None
+        self._log_wall: dict[str, float] = {}  # host -> last rejection logged (wall)
+        self._suppressed: dict[str, int] = {}
 
     async def run(self) -> None:
         import aiomqtt
@@ -252,6 +265,10 @@ class MqttLink:
         while True:
             try:
                 async with aiomqtt.Client(**kwargs) as client:
+                    # desired first: its retained messages (what this controller last published) arrive
+                    # before the statuses, so adoption can check a reported replica against them
+                    if self._on_desired is not None:
+                        await client.subscribe(DESIRED_WILDCARD, qos=1)
                     await client.subscribe(STATUS_WILDCARD, qos=1)
                     await client.subscribe(ACK_WILDCARD, qos=1)
                     self._client = client
@@ -265,22 +282,54 @@ class MqttLink:
             except aiomqtt.MqttError as exc:
                 self.last_error = f"MQTT broker {self.settings.host}:{self.settings.port}: {exc}"
                 log.warning("%s; reconnecting", self.last_error)
+            except Exception as exc:  # a bug must not end the MQTT task: log it, reconnect
+                self.last_error = f"MQTT session failed: {type(exc).__name__}: {exc}"
+                log.exception("MQTT session failed; reconnecting")
             finally:
                 self._client = None
                 self.connected.clear()
             await asyncio.sleep(backoff.next_delay_s())
 
     def _dispatch(self, topic: str, payload: bytes) -> None:
+        """Parse and hand on one message; whatever is wrong with it stays with it."""
         host = host_from_topic(topic)
-        if host is None or not payload:
+        if host is None:
             return
         try:
+            if topic.endswith("/desired"):
+                if self._on_desired is not None:  # our own retained output; empty = cleared
+                    self._on_desired(host, parse_desired(payload, host=host) if payload.strip() else None)
+                return
+            if not payload:
+                return
             if topic.endswith("/status"):
-                self._on_status(host, parse_status(payload))
+                status = parse_status(payload, host=host)
+                if status.host != host:
+                    raise ProtocolError(
+                        f"host status from {host}: host = {status.host!r}: differs from the topic's host {host!r}"
+                    )
+                self._on_status(host, status)
             elif topic.endswith("/ack"):
-                self._on_ack(host, parse_ack(payload))
+                ack = parse_ack(payload, host=host)
+                if ack.host != host:
+                    raise ProtocolError(f"ack from {host}: host = {ack.host!r}: differs from the topic's host {host!r}")
+                self._on_ack(host, ack)
         except ProtocolError as exc:
-            log.warning("ignoring malformed message on %s: %s", topic, exc)
+            self._reject(host, str(exc))
+        except Exception as exc:  # a handler's bug: this message is lost, the loop is not
+            log.exception("handling a message on %s failed", topic)
+            self._reject(host, f"message on {topic} could not be handled: {type(exc).__name__}: {exc}"[:500])
+
+    def _reject(self, host: str, text: str) -> None:
+        now = time.time()
+        if now - self._log_wall.get(host, 0.0) >= 1.0:  # at most one line per host per second
+            more = self._suppressed.pop(host, 0)
+            log.warning("rejected message: %s%s", text, f" (+{more} more from {host} not logged)" if more else "")
+            self._log_wall[host] = now
+        else:
+            self._suppressed[host] = self._suppressed.get(host, 0) + 1
+        if self._on_reject is not None:
+            self._on_reject(host, text)
 
     async def publish(self, topic: str, payload: bytes) -> bool:
         client = self._client
@@ -338,7 +387,11 @@ class Controller:
         self.runtime_alerts: dict[str, str] = {}
         self.router: Any = None
         self.prom = PromClient(self.settings.prometheus_url)
-        self.link = MqttLink(self.settings.mqtt, self._on_status, self._on_ack, self._on_connect)
+        self.link = MqttLink(self.settings.mqtt, self._on_status, self._on_ack, self._on_connect,
+                             on_reject=self._on_reject, on_desired=self._on_desired)
+        self.retained_desired: dict[str, DesiredState] = {}  # host -> what the broker holds from us
+        self.rejected_messages: dict[str, int] = {}  # host -> malformed messages rejected
+        self.flaps: dict[str, list[float]] = {}  # host -> wall times of online/offline transitions
         self.report_runner: Any = None
         self.report_url: str | None = None
         self.routed: set[str] = set()  # replica ids in the nginx upstreams right now
@@ -348,6 +401,7 @@ class Controller:
         self._progress_wall = time.time()  # last finished cycle (or the start)
         self._routing_lock = asyncio.Lock()
         self._routing_task: asyncio.Task[None] | None = None
+        self._watchdog_period_s: float | None = None
 
     # ---- policy & profiles --------------------------------------------------------------
     def load_policy(self, *, initial: bool) -> bool:
@@ -398,8 +452,43 @@ class Controller:
         return str(self.policy.policy.aliases().canonical(name))
 
     # ---- MQTT callbacks (event loop thread) -------------------------------------------
+    def _on_reject(self, host: str, text: str) -> None:
+        n = self.rejected_messages[host] = self.rejected_messages.get(host, 0) + 1
+        self.runtime_alerts[f"wire/{host}"] = f"host {host}: {n} malformed message(s) rejected; last: {text}"
+
+    def _on_desired(self, host: str, desired: DesiredState | None) -> None:
+        """The retained desired state the broker holds for `host` (only this controller may write it)."""
+        if desired is None:
+            self.retained_desired.pop(host, None)
+        else:
+            self.retained_desired[host] = desired
+
+    FLAP_WINDOW_S = 60.0
+    FLAP_MAX_TRANSITIONS = 3
+
+    def _note_flap(self, host: str, was_online: bool | None, online: bool, now: float) -> None:
+        """Count online/offline transitions; more than 3 in 60 s raises an alert (two agents with one
+        client id, a crash loop, a bad network)."""
+        times = [t for t in self.flaps.get(host, []) if now - t <= self.FLAP_WINDOW_S]
+        if was_online is not None and was_online != online:
+            times.append(now)
+        self.flaps[host] = times
+        key = f"flap/{host}"
+        if len(times) > self.FLAP_MAX_TRANSITIONS:
+            if key not in self.runtime_alerts:
+                log.warning("host %s flaps: %d online/offline transitions in %.0f s", host, len(times),
+                            self.FLAP_WINDOW_S)
+            self.runtime_alerts[key] = (
+                f"host {host} flaps: {len(times)} online/offline transitions in {self.FLAP_WINDOW_S:.0f} s "
+                "(two agents with the same MQTT client id or credentials? an agent crash-looping?)"
+            )
+        else:
+            self.runtime_alerts.pop(key, None)
+
     def _on_status(self, host: str, status: HostStatus) -> None:
         now = time.time()
+        prev = self.statuses.get(host)
+        self._note_flap(host, prev.online if prev is not None else None, status.online, now)
         self.statuses[host] = status if status.online or host not in self.statuses else (
             self.statuses[host].model_copy(update={"online": False})
         )
@@ -468,15 +557,35 @@ class Controller:
         if wd:
             self._tasks.append(asyncio.create_task(self._watchdog(int(wd) / 1e6), name="watchdog"))
 
-    async def _watchdog(self, period_s: float) -> None:
-        """WATCHDOG=1 only while cycles keep finishing: a wedged cycle (or loop) gets us restarted."""
+    def _stall_s(self) -> float:
         policy_cycle = self.settings.cycle_s or self.policy.policy.scaling.cycle_s
-        stall_s = max(3 * policy_cycle / self.time_scale, period_s)
+        return max(3 * policy_cycle / self.time_scale, self._watchdog_period_s or 0.0, 60.0)
+
+    def health(self) -> list[str]:
+        """What is wrong with the controller's own loops (empty: healthy). Healthy means the MQTT task
+        runs (connected or reconnecting) and a cycle finished recently; /healthz and the systemd
+        watchdog both follow it, so a dead loop gets the controller restarted."""
+        problems = []
+        mqtt = next((t for t in self._tasks if t.get_name() == "mqtt"), None)
+        if mqtt is None:
+            problems.append("MQTT task not started")
+        elif mqtt.done():
+            exc = None if mqtt.cancelled() else mqtt.exception()
+            problems.append(f"MQTT task ended ({type(exc).__name__}: {exc})" if exc else "MQTT task ended")
+        stalled = time.time() - self._progress_wall
+        if self.policy.policy is not None and stalled > self._stall_s():
+            problems.append(f"no cycle finished for {stalled:.0f} s (limit {self._stall_s():.0f} s)")
+        return problems
+
+    async def _watchdog(self, period_s: float) -> None:
+        """WATCHDOG=1 only while healthy: a wedged cycle, a dead MQTT task (or loop) gets us restarted."""
+        self._watchdog_period_s = period_s
         while True:
-            if time.time() - self._progress_wall < stall_s:
+            problems = self.health()
+            if not problems:
                 sd_notify("WATCHDOG=1")
             else:
-                log.error("no cycle finished for %.0f s: not pinging the systemd watchdog", stall_s)
+                log.error("unhealthy (%s): not pinging the systemd watchdog", "; ".join(problems))
             await asyncio.sleep(period_s / 2)
 
     async def stop(self) -> None:
@@ -764,8 +873,26 @@ class Controller:
         return changed
 
     def _adopt(self, host: str, rs: Any, active: Mapping[str, ReplicaRow]) -> bool:
-        """An engine this database never allocated: adopt it when it conflicts with nothing."""
+        """An engine this database never allocated (a lost database): adopt it when a desired state this
+        controller published names it (the broker's retained desired state for the host: only the
+        controller may write it) with the same model, engine, GPUs and port, and it conflicts with
+        nothing. A replica an agent reports that no controller asked for is never adopted."""
         if rs.state.value not in ("starting", "ready"):
+            return False
+        retained = self.retained_desired.get(host)
+        asked = next((d for d in retained.replicas if d.replica_id == rs.replica_id), None) if retained else None
+        if asked is None or (asked.model, asked.engine, asked.tp, asked.precision, tuple(asked.gpu_indices),
+                             asked.port) != (rs.model, rs.engine, rs.tp, rs.precision, tuple(rs.gpu_indices),
+                                             rs.port) or (rs.gpu is not None and rs.gpu != asked.gpu):
+            key = f"orphan/{rs.replica_id}"
+            if key not in self.runtime_alerts:
+                log.warning("replica %s reported by %s (%s, port %s, GPUs %s) matches no desired state this "
+                            "controller published; not adopted", rs.replica_id, host, rs.model, rs.port,
+                            list(rs.gpu_indices))
+            self.runtime_alerts[key] = (
+                f"unknown replica {rs.replica_id} reported by {host} matches no desired state this controller "
+                "published; not adopted (not routed, not counted)"
+            )
             return False
         mine = [r for r in active.values() if r.host == host]
         used_gpus = {g for r in mine for g in r.gpu_indices}
@@ -1160,7 +1287,8 @@ class Controller:
             self.metrics.last_cycle_timestamp.set(time.time())
             self._progress_wall = time.time()
             self.cycle_count += 1
-            sd_notify("WATCHDOG=1")
+            if not self.health():
+                sd_notify("WATCHDOG=1")
         if status == "ok":
             self.runtime_alerts.pop("cycle", None)
         return summary

@@ -4,7 +4,7 @@ Endpoints (loopback by default; a bearer token is required when bound elsewhere)
   GET /api/report          everything: stored plan + explanation, fleet, hosts, actions, history, alerts
   GET /api/explain/<model> the stored explanation of one model
   GET /metrics             the controller's own Prometheus metrics
-  GET /healthz             200 when the loop runs
+  GET /healthz             200 while the MQTT task runs and cycles finish; else 503 + problems
 
 The plan and its explanation are rendered from the plan dict stored by the cycle that made it
 (planner.core.plan_to_dict), never recomputed.
@@ -57,7 +57,10 @@ async def start_report_server(ctrl: Any, listen: str, token: str | None) -> tupl
         return resp
 
     async def healthz(_: web.Request) -> web.Response:
-        return web.json_response({"ok": True, "cycles": ctrl.cycle_count})
+        # 200 only while the controller's loops live (MQTT task running, cycles finishing)
+        problems = ctrl.health()
+        return web.json_response({"ok": not problems, "cycles": ctrl.cycle_count, "problems": problems},
+                                 status=503 if problems else 200)
 
     app = web.Application(middlewares=[auth])
     app.router.add_get("/api/report", report)

@@ -130,6 +130,11 @@ class _FakeCtrl:
     def report(self) -> dict[str, object]:
         return {"plan": None, "fleet": [], "alerts": ["x"], "actions": [], "policy": {}, "generated_s": time.time()}
 
+    def health(self) -> list[str]:
+        return list(self.problems)
+
+    problems: tuple[str, ...] = ()
+
 
 async def test_report_api_requires_token_off_loopback() -> None:
     from controller.report import render_report, start_report_server
