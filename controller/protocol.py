@@ -290,7 +290,7 @@ class CachedEngine(_Strict):
     gpu: GpuType
     tp: Tp
     precision: Precision
-    path: Name | None = None
+    path: Annotated[str, Field(max_length=4096)] | None = None
     built_s: UnixTime | None = None
 
 
