@@ -402,25 +402,64 @@ class Controller:
         self._routing_lock = asyncio.Lock()
         self._routing_task: asyncio.Task[None] | None = None
         self._watchdog_period_s: float | None = None
+        self._reload_lock = asyncio.Lock()
 
     # ---- policy & profiles --------------------------------------------------------------
-    def load_policy(self, *, initial: bool) -> bool:
-        """Read + validate the policy file; on error keep the old policy (or fail at start)."""
-        from planner.policy import PolicyError, load_policy_text
+    def _read_policy(self) -> Any:
+        """Read + parse + validate the policy file (no controller state touched: runs in a thread).
+        Raises PolicyError naming the file, the field and the value."""
+        from planner.policy import MAX_POLICY_BYTES, PolicyError, load_policy_text
 
         try:
-            text = self.policy_path.read_text(encoding="utf-8")
-            policy = load_policy_text(text, str(self.policy_path))
-        except (OSError, PolicyError) as exc:
-            msg = str(exc) if isinstance(exc, PolicyError) else f"{self.policy_path}: cannot read: {exc}"
-            self.policy.error = msg
-            self.store.set_kv("policy_error", {"error": msg, "at_s": time.time()})
-            self.metrics.policy_reloads.labels("rejected").inc()
-            if initial:
-                raise SystemExit(msg) from None
-            log.error("policy reload rejected, keeping the previous policy: %s", msg)
-            self.runtime_alerts["policy"] = f"policy reload rejected (previous policy kept): {msg}"
-            return False
+            with self.policy_path.open("rb") as f:
+                raw = f.read(MAX_POLICY_BYTES + 1)
+            text = raw.decode("utf-8")
+        except OSError as exc:
+            raise PolicyError(str(self.policy_path), [f"cannot read: {exc.strerror or exc}"]) from None
+        except UnicodeDecodeError as exc:
+            raise PolicyError(str(self.policy_path), [f"byte {exc.start} = {raw[exc.start:exc.start + 1]!r}: "
+                                                      "not UTF-8"]) from None
+        return load_policy_text(text, str(self.policy_path))
+
+    def load_policy(self, *, initial: bool) -> bool:
+        """Read + validate the policy file; on error keep the old policy (or fail at start)."""
+        from planner.policy import PolicyError
+
+        try:
+            policy = self._read_policy()
+        except PolicyError as exc:
+            return self._policy_rejected(str(exc), initial=initial)
+        self._apply_policy(policy, initial=initial)
+        return True
+
+    async def reload_policy(self) -> bool:
+        """SIGHUP: parse the policy off the event loop (a huge or hostile file must not stall MQTT and
+        the cycle); the last good policy stays on any error."""
+        from planner.policy import PolicyError
+
+        async with self._reload_lock:
+            try:
+                policy = await asyncio.to_thread(self._read_policy)
+            except PolicyError as exc:
+                return self._policy_rejected(str(exc), initial=False)
+            except Exception as exc:  # a parser bug: still keep the last good policy
+                log.exception("policy reload failed")
+                return self._policy_rejected(f"{self.policy_path}: {type(exc).__name__}: {exc}", initial=False)
+            self._apply_policy(policy, initial=False)
+            self.load_profiles()
+            return True
+
+    def _policy_rejected(self, msg: str, *, initial: bool) -> bool:
+        self.policy.error = msg
+        self.store.set_kv("policy_error", {"error": msg, "at_s": time.time()})
+        self.metrics.policy_reloads.labels("rejected").inc()
+        if initial:
+            raise SystemExit(msg) from None
+        log.error("policy reload rejected, keeping the previous policy: %s", msg)
+        self.runtime_alerts["policy"] = f"policy reload rejected (previous policy kept): {msg}"
+        return False
+
+    def _apply_policy(self, policy: Any, *, initial: bool) -> None:
         self.policy.policy = policy
         self.policy.loaded_s = time.time()
         self.policy.error = None
@@ -428,7 +467,6 @@ class Controller:
         self.runtime_alerts.pop("policy", None)
         self.metrics.policy_reloads.labels("initial" if initial else "ok").inc()
         log.info("policy loaded from %s (%d models)", self.policy_path, len(policy.models))
-        return True
 
     def load_profiles(self) -> None:
         from models.profile import ProfileSet
@@ -1406,11 +1444,13 @@ def _install_signals(ctrl: Controller, stop: asyncio.Event) -> None:
     """All signal handling in one place."""
     loop = asyncio.get_running_loop()
 
+    reloads: set[asyncio.Task[bool]] = set()
+
     def on_hup() -> None:
         log.info("SIGHUP: reloading the policy from %s", ctrl.policy_path)
-        ok = ctrl.load_policy(initial=False)
-        if ok:
-            ctrl.load_profiles()
+        task = loop.create_task(ctrl.reload_policy(), name="policy-reload")  # parsed in a thread
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
 
     loop.add_signal_handler(signal.SIGHUP, on_hup)
     loop.add_signal_handler(signal.SIGTERM, stop.set)
