@@ -453,10 +453,21 @@ def to_payload(message: BaseModel) -> bytes:
     return message.model_dump_json().encode()
 
 
+_PLAIN_KEY_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def field_name(part: Any) -> str:
+    """One step of a field path as text: plain keys and indices as they are, anything else quoted
+    (an attacker's key may contain ':', ' = ', quotes or newlines)."""
+    if isinstance(part, int) or (isinstance(part, str) and _PLAIN_KEY_RE.match(part)):
+        return str(part)
+    return repr(str(part)[:40])
+
+
 def _one_line(what: str, exc: ValidationError) -> str:
     parts = []
     for err in exc.errors()[:5]:
-        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        loc = ".".join(field_name(p) for p in err["loc"]) or "(top level)"
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] in ("value_error", "assertion_error", "missing") or "input" not in err:
             parts.append(f"{loc}: {msg}")
@@ -525,7 +536,8 @@ def _find_rejected(data: Any) -> tuple[str, _Rejected] | None:
         if isinstance(value, _Rejected):
             return path or "(top level)", value
         if isinstance(value, dict):
-            stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in reversed(list(value.items())))
+            stack.extend((f"{path}.{field_name(k)}" if path else field_name(k), v)
+                         for k, v in reversed(list(value.items())))
         elif isinstance(value, list):
             stack.extend((f"{path}.{i}" if path else str(i), v) for i, v in reversed(list(enumerate(value))))
     return None
