@@ -480,7 +480,7 @@ class StateStore:
             return  # never a floor no later version can pass (the protocol already bounds it)
         with self.tx() as c:
             cur = self.get_kv(f"version_floor/{host}")
-            if cur is None or int(cur) < applied_version:
+            if not isinstance(cur, int) or not 0 <= cur < MAX_VERSION or cur < applied_version:
                 self.set_kv(f"version_floor/{host}", applied_version, c)
 
     def mark_published(self, host: str, version: int) -> None:

@@ -184,3 +184,37 @@ async def test_another_agents_credentials_cannot_take_over_a_client_id(mosquitto
     log = (mosquitto.workdir / "mosquitto.log").read_text(errors="replace")
     assert "Client fleetplan-agent-host-a already connected" not in log, log[-2000:]
     assert "Client agent-host-a already connected" not in log, log[-2000:]
+
+
+async def test_policy_reload_refuses_hostile_yaml_and_keeps_the_last_good_policy(tmp_path: Path) -> None:
+    policy = tmp_path / "policy.yaml"
+    good = (REPO / "config" / "example-policy.yaml").read_text()
+    policy.write_text(good)
+    c = Controller(settings=ControllerSettings(), policy_path=policy, profiles_path=None,
+                   store=StateStore(tmp_path / "s.db"))
+    try:
+        c.load_policy(initial=True)
+        loaded = c.policy.policy
+        bomb = "a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+            f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]\n" for i in range(1, 7))
+        for text, needle in [
+            (bomb, "alias"),
+            ("x: " + "[" * 100_000 + "]" * 100_000, "nested deeper than 32 levels"),
+            ("".join("  " * i + f"k{i}:\n" for i in range(40)), "line 32: YAML refused: nested deeper"),
+            (good.replace("ttft_p99_ms: 500", "ttft_p99_ms: -5"), "ttft_p99_ms = -5"),
+        ]:
+            policy.write_text(text)
+            assert await c.reload_policy() is False
+            assert c.policy.policy is loaded  # the last good policy stays
+            assert c.policy.error is not None and c.policy.error.startswith(str(policy)), c.policy.error
+            assert needle in c.policy.error, (needle, c.policy.error)
+            assert "policy reload rejected" in c.runtime_alerts["policy"]
+        policy.write_bytes(b"\xff\xfe not utf-8")
+        assert await c.reload_policy() is False and "not UTF-8" in (c.policy.error or "")
+        policy.unlink()
+        assert await c.reload_policy() is False and "cannot read" in (c.policy.error or "")
+        policy.write_text(good)
+        assert await c.reload_policy() is True and c.policy.error is None and "policy" not in c.runtime_alerts
+    finally:
+        await c.prom.aclose()
+        c.store.close()
