@@ -453,13 +453,13 @@ def to_payload(message: BaseModel) -> bytes:
     return message.model_dump_json().encode()
 
 
-_PLAIN_KEY_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_PLAIN_KEY_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def field_name(part: Any) -> str:
     """One step of a field path as text: plain keys and indices as they are, anything else quoted
     (an attacker's key may contain ':', ' = ', quotes or newlines)."""
-    if isinstance(part, int) or (isinstance(part, str) and _PLAIN_KEY_RE.match(part)):
+    if isinstance(part, int) or (isinstance(part, str) and _PLAIN_KEY_RE.fullmatch(part)):
         return str(part)
     return repr(str(part)[:40])
 

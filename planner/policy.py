@@ -422,7 +422,7 @@ def format_loc(loc: tuple[int | str, ...]) -> str:
             out += f"[{part}]"
         else:
             text = str(part)
-            if not re.match(r"^[A-Za-z0-9_-]{1,64}$", text):
+            if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", text):
                 text = repr(text[:40])  # a key with ':', ' = ', quotes or a newline: quoted, one line
             out += ("." if out else "") + text
     return out or "(top level)"

@@ -363,6 +363,7 @@ def _status(**over: Any) -> bytes:
     (_status(host="host/#"), ["host", "host/#"]),
     (b'"\xff\xfe"', ["payload", "not JSON"]),
     (b"[1, 2]", ["(top level) = [1, 2]", "JSON object"]),
+    (encode({**STATUS, "0\n": None}), ["'0\\n': Extra inputs"]),  # found by bench/fuzz_wire.py
 ])
 def test_bad_status_is_rejected_naming_host_field_and_value(payload: bytes, needles: list[str]) -> None:
     with pytest.raises(ProtocolError) as err:
