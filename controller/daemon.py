@@ -391,6 +391,7 @@ class Controller:
                              on_reject=self._on_reject, on_desired=self._on_desired)
         self.retained_desired: dict[str, DesiredState] = {}  # host -> what the broker holds from us
         self.rejected_messages: dict[str, int] = {}  # host -> malformed messages rejected
+        self._rejected_wall: dict[str, float] = {}  # host -> last malformed message (wall)
         self.flaps: dict[str, list[float]] = {}  # host -> wall times of online/offline transitions
         self.report_runner: Any = None
         self.report_url: str | None = None
@@ -490,8 +491,11 @@ class Controller:
         return str(self.policy.policy.aliases().canonical(name))
 
     # ---- MQTT callbacks (event loop thread) -------------------------------------------
+    WIRE_ALERT_QUIET_S = 300.0  # a host's malformed-message alert clears after this long without one
+
     def _on_reject(self, host: str, text: str) -> None:
         n = self.rejected_messages[host] = self.rejected_messages.get(host, 0) + 1
+        self._rejected_wall[host] = time.time()
         self.runtime_alerts[f"wire/{host}"] = f"host {host}: {n} malformed message(s) rejected; last: {text}"
 
     def _on_desired(self, host: str, desired: DesiredState | None) -> None:
@@ -527,6 +531,10 @@ class Controller:
         now = time.time()
         prev = self.statuses.get(host)
         self._note_flap(host, prev.online if prev is not None else None, status.online, now)
+        if host in self._rejected_wall and now - self._rejected_wall[host] > self.WIRE_ALERT_QUIET_S:
+            del self._rejected_wall[host]
+            self.rejected_messages.pop(host, None)
+            self.runtime_alerts.pop(f"wire/{host}", None)
         self.statuses[host] = status if status.online or host not in self.statuses else (
             self.statuses[host].model_copy(update={"online": False})
         )

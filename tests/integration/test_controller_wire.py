@@ -105,6 +105,10 @@ async def test_bad_messages_are_rejected_and_the_loop_reads_the_next_one(
     # nothing absurd reached the database: the version floor is the good status's
     await ctrl.reconcile()
     assert ctrl.store.get_kv(f"version_floor/{HOST}") == 3
+    # a good status after a quiet period clears the alert
+    ctrl._rejected_wall[HOST] -= ctrl.WIRE_ALERT_QUIET_S + 1
+    ctrl._on_status(HOST, ctrl.statuses[HOST])
+    assert f"wire/{HOST}" not in ctrl.runtime_alerts and HOST not in ctrl.rejected_messages
 
 
 async def test_health_follows_the_mqtt_task_and_healthz_says_why(ctrl: Controller) -> None:
