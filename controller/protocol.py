@@ -75,13 +75,13 @@ class ProtocolError(ValueError):
 
 
 # ---- wire bounds: everything from the wire is bounded before (and while) it is parsed ----------
-MAX_PAYLOAD_BYTES = 1 << 20  # a status of 1,024 replicas is ~400 KiB
+MAX_PAYLOAD_BYTES = 256 * 1024  # a status of 256 replicas is ~100 KiB; bounds the cost of one message
 MAX_JSON_DEPTH = 16  # the deepest legitimate path is 4 (status.nvlink_groups[i][j])
 MAX_WIRE_INT = 2**53 - 1  # integers exact in every JSON implementation (and in SQLite's int64)
 MAX_TEXT = 2000  # free text (errors): longer is clipped, never rejected (it is diagnostics)
 MAX_ERRORS = 50  # items of an `errors` list (more are summarised)
 MAX_NAME = 512  # names that are not matched by a pattern (allowlist entries, paths, units)
-MAX_ITEMS = 1024  # replicas, builds, cached engines, templates per host
+MAX_ITEMS = 256  # replicas, builds, cached engines, templates per host
 MAX_TIME_S = 1e11  # unix seconds (year 5138); anything larger is not a clock reading
 
 
@@ -515,7 +515,7 @@ def json_too_deep(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
     count). Linear and in C: strings blanked, brackets kept, then `limit` passes each removing the
     innermost "()" pairs; whatever is left was deeper (or unbalanced, which is not JSON anyway). A
     200,000-level document is refused before any recursive parser sees it."""
-    brackets = _STRINGS_RE.sub(b'""', raw).translate(_BRACKETS_ONLY, _NOT_BRACKETS)
+    brackets = _STRINGS_RE.sub(b"", raw).translate(_BRACKETS_ONLY, _NOT_BRACKETS)
     if b"(" * (limit + 1) in brackets:
         return True  # the usual attack: a run of opening brackets
     for _ in range(limit):

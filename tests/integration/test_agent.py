@@ -429,7 +429,7 @@ async def test_retained_hostile_desired_state_neither_crashes_nor_crash_loops_th
     agent = agent_factory("h-hostile")
     p = agent.ports
     async with FakeController(broker, "h-hostile") as ctl:
-        await ctl.publish(b"[" * 200_000 + b"]" * 200_000)  # retained: it comes back on every (re)connect
+        await ctl.publish(b"[" * 100_000 + b"]" * 100_000)  # retained: it comes back on every (re)connect
         ack = await ctl.wait_ack(None)
         assert not ack.accepted and "desired state for h-hostile: payload" in ack.errors[0], ack.errors
         assert "nested deeper" in ack.errors[0]

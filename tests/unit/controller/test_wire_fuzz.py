@@ -78,7 +78,8 @@ class Raw:
 
 
 RAW_TOKENS = [Raw("NaN"), Raw("Infinity"), Raw("-Infinity"), Raw("1e999"), Raw("-1e999"), Raw("9" * 5000),
-              Raw("[" * 200_000 + "]" * 200_000), Raw("{\"a\":" * 50_000 + "1" + "}" * 50_000),
+              Raw("[" * 200_000 + "]" * 200_000), Raw("[" * 100_000 + "]" * 100_000),
+              Raw("{\"a\":" * 30_000 + "1" + "}" * 30_000),
               Raw("[" * 17 + "]" * 17)]
 HOSTILE: st.SearchStrategy[Any] = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.sampled_from([2**53, 2**63, -(2**63), -1, 0, 65536]),
@@ -270,7 +271,7 @@ def yaml_structures(draw: st.DrawFn) -> str:
         lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * fan) + "]" for i in range(1, levels)]
         return "\n".join(lines) + "\n"
     if kind == "flow":
-        n = draw(st.integers(1, 120_000))
+        n = draw(st.integers(1, 3_000))  # deeper is the same code path, slower in the YAML scanner
         return "x: " + "[" * n + "]" * n + "\n"
     if kind == "block":
         n = draw(st.integers(1, 200))
@@ -350,8 +351,9 @@ def _status(**over: Any) -> bytes:
     (_status(desired_version=2**63), ["desired_version = 9223372036854775808", "out of range"]),
     (_status(desired_version=2**53), ["desired_version", "9007199254740992"]),
     (_status(gpu_count=Raw("9" * 5000)), ["gpu_count = 9999", "out of range"]),
-    (encode([[[]]]) [:1] + b"[" * 200_000 + b"]" * 200_000 + b"]", ["payload", "nested deeper"]),
-    (_status(errors=Raw("[" * 200_000 + "]" * 200_000)), ["payload", "nested deeper"]),
+    (b"[" * 200_000 + b"]" * 200_000, ["payload = 400000 bytes", "limit"]),  # 200k levels: too big already
+    (b"[" * 100_000 + b"]" * 100_000, ["payload", "nested deeper"]),
+    (_status(errors=Raw("[" * 100_000 + "]" * 100_000)), ["payload", "nested deeper"]),
     (_status(agent_version="x" * 100_000), ["agent_version", "at most 100"]),
     (b"x" * (2 << 20), ["payload = 2097152 bytes"]),
     (_status(online="yes"), ["online", "'yes'"]),
@@ -375,9 +377,9 @@ def test_bad_status_is_rejected_naming_host_field_and_value(payload: bytes, need
 
 
 def test_huge_error_text_is_clipped_not_rejected() -> None:
-    st_ = parse_status(_status(errors=["e" * 4_000] * 200), host=HOST)
+    st_ = parse_status(_status(errors=["e" * 3_000] * 60), host=HOST)
     assert len(st_.errors) == 50 and all(len(e) <= 2000 for e in st_.errors)
-    assert st_.errors[-1] == "... and 151 more errors"
+    assert st_.errors[-1] == "... and 11 more errors"
 
 
 @pytest.mark.parametrize(("doc", "needles"), [
@@ -387,7 +389,7 @@ def test_huge_error_text_is_clipped_not_rejected() -> None:
     ({**ACK, "version": True}, ["version", "True"]),
     ({**ACK, "accepted": "false"}, ["accepted", "'false'"]),
     ({**ACK, "received_s": Raw("Infinity")}, ["received_s = Infinity"]),
-    ({**ACK, "errors": Raw("[" * 200_000 + "]" * 200_000)}, ["nested deeper"]),
+    ({**ACK, "errors": Raw("[" * 100_000 + "]" * 100_000)}, ["nested deeper"]),
 ])
 def test_bad_ack_is_rejected(doc: dict[str, Any], needles: list[str]) -> None:
     with pytest.raises(ProtocolError) as err:
@@ -401,7 +403,8 @@ def test_bad_ack_is_rejected(doc: dict[str, Any], needles: list[str]) -> None:
 @pytest.mark.parametrize(("doc", "needles"), [
     ({**DESIRED, "version": 2**63}, ["version = 9223372036854775808"]),
     ({**DESIRED, "version": Raw("Infinity")}, ["version = Infinity"]),
-    ({**DESIRED, "replicas": Raw("[" * 200_000 + "]" * 200_000)}, ["payload", "nested deeper"]),
+    ({**DESIRED, "replicas": Raw("[" * 100_000 + "]" * 100_000)}, ["payload", "nested deeper"]),
+    ({**DESIRED, "replicas": Raw("[" * 200_000 + "]" * 200_000)}, ["payload", "bytes", "limit"]),
     ({**DESIRED, "replicas": [{**REPLICA, "port": 70000}]}, ["replicas.0.port", "70000"]),
     ({**DESIRED, "replicas": [{**REPLICA, "port": "18000"}]}, ["replicas.0.port", "'18000'"]),
     ({**DESIRED, "replicas": [{**REPLICA, "model": "x" * 100_000}]}, ["replicas.0.model"]),
@@ -445,9 +448,9 @@ def test_dispatch_contains_a_handler_bug() -> None:
     assert rejected and "OverflowError" in rejected[0] and HOST in rejected[0]
 
 
-def test_depth_scan_is_fast_on_a_megabyte_of_brackets() -> None:
+def test_depth_scan_finishes_on_the_largest_payload_of_brackets() -> None:
     """Not a speed assertion: the scan must finish at all (a recursive parser would not)."""
-    payload = b"[" * 500_000 + b"]" * 500_000
+    payload = b"[" + b"[]" * 60_000 + b"[" * 6_000 + b"]" * 6_001
     t0 = time.perf_counter()
     with pytest.raises(ProtocolError, match="nested deeper"):
         parse_status(payload, host=HOST)
@@ -455,7 +458,7 @@ def test_depth_scan_is_fast_on_a_megabyte_of_brackets() -> None:
 
 
 @pytest.mark.parametrize(("text", "needle"), [
-    ("x: " + "[" * 100_000 + "]" * 100_000, "nested deeper than 32 levels"),
+    ("x: " + "[" * 20_000 + "]" * 20_000, "nested deeper than 32 levels"),
     ("".join("  " * i + f"k{i}:\n" for i in range(60)), "line 32: YAML refused: nested deeper"),
     ("a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
         f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]\n" for i in range(1, 7)), "alias"),
