@@ -627,12 +627,17 @@ class Controller:
         """WATCHDOG=1 only while healthy: a wedged cycle, a dead MQTT task (or loop) gets us restarted."""
         self._watchdog_period_s = period_s
         while True:
-            problems = self.health()
-            if not problems:
-                sd_notify("WATCHDOG=1")
-            else:
+            problems = self._ping_watchdog()
+            if problems:
                 log.error("unhealthy (%s): not pinging the systemd watchdog", "; ".join(problems))
             await asyncio.sleep(period_s / 2)
+
+    def _ping_watchdog(self) -> list[str]:
+        """WATCHDOG=1 when healthy and not stopping (after STOPPING=1 systemd wants no more pings)."""
+        problems = self.health()
+        if not problems and not self._stopping.is_set():
+            sd_notify("WATCHDOG=1")
+        return problems
 
     async def stop(self) -> None:
         sd_notify("STOPPING=1")
@@ -1333,8 +1338,7 @@ class Controller:
             self.metrics.last_cycle_timestamp.set(time.time())
             self._progress_wall = time.time()
             self.cycle_count += 1
-            if not self.health():
-                sd_notify("WATCHDOG=1")
+            self._ping_watchdog()
         if status == "ok":
             self.runtime_alerts.pop("cycle", None)
         return summary
