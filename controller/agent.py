@@ -30,7 +30,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -48,6 +48,7 @@ from controller.atomic import atomic_write_text
 from controller.mqtt import Backoff, MqttSettings, client_kwargs
 from controller.protocol import (
     HOST_PATTERN,
+    MAX_NAME,
     TEMPLATE_PATTERN,
     Ack,
     BuildPhase,
@@ -177,7 +178,7 @@ class AgentConfig(BaseModel):
     actuator: ActuatorConfig = ActuatorConfig()
     launch_templates: dict[str, LaunchTemplate] = Field(default_factory=dict)
     build_templates: dict[str, BuildTemplate] = Field(default_factory=dict)
-    models: list[str] | None = None  # optional allowlist of model names
+    models: list[Annotated[str, Field(max_length=MAX_NAME)]] | None = None  # optional allowlist of model names
     health_host: str = "127.0.0.1"
     status_interval_s: float = Field(default=15.0, gt=0)
     reconcile_interval_s: float = Field(default=1.0, gt=0)
@@ -467,7 +468,7 @@ class Agent:
             log.info("empty desired-state payload (retained message cleared): keeping the current state")
             return None
         try:
-            desired = parse_desired(payload)
+            desired = parse_desired(payload, host=host)
         except ProtocolError as exc:
             log.warning("rejected desired state: %s", exc)
             return Ack(version=payload_version(payload), accepted=False, errors=(str(exc),), host=host,
@@ -844,14 +845,25 @@ class Agent:
         async for message in client.messages:
             payload = message.payload if isinstance(message.payload, bytes | bytearray) else (
                 str(message.payload).encode() if message.payload is not None else b"")
-            ack = self.handle_desired(bytes(payload))
+            try:
+                ack = self.handle_desired(bytes(payload))
+            except Exception as exc:  # a bug must not end the loop (nor crash-loop on a retained message)
+                log.exception("handling a desired-state message failed")
+                ack = Ack(version=payload_version(bytes(payload)), accepted=False, host=self.config.host,
+                          errors=(f"desired state for {self.config.host}: not handled: {type(exc).__name__}: {exc}",),
+                          received_s=time.time())
             if ack is not None:
                 await client.publish(ack_topic(self.config.host), to_payload(ack), qos=1)
 
     async def _publish_loop(self, client: Any) -> None:
         while True:
             self._changed.clear()
-            await client.publish(status_topic(self.config.host), to_payload(self.status()), qos=1, retain=True)
+            try:
+                payload = to_payload(self.status())
+            except Exception:  # a bug in building the status must not end the MQTT loop: retry later
+                log.exception("building the status failed; not published")
+            else:
+                await client.publish(status_topic(self.config.host), payload, qos=1, retain=True)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), timeout=self.config.status_interval_s)
             await asyncio.sleep(0.05)  # coalesce bursts of changes

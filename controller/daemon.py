@@ -59,12 +59,15 @@ from controller.observe import (
 )
 from controller.protocol import (
     ACK_WILDCARD,
+    DESIRED_WILDCARD,
     STATUS_WILDCARD,
+    DesiredState,
     HostStatus,
     ProtocolError,
     desired_topic,
     host_from_topic,
     parse_ack,
+    parse_desired,
     parse_status,
 )
 from controller.state import ActionStatus, Phase, ReplicaRow, StateStore
@@ -227,7 +230,11 @@ def inflight_from_metrics(text: str) -> float | None:
 
 
 class MqttLink:
-    """The controller's MQTT session: status/ack subscriptions, desired publishing, reconnects."""
+    """The controller's MQTT session: status/ack subscriptions, desired publishing, reconnects.
+
+    Every message is parsed with the protocol's bounds; a bad one is rejected (logged with its host,
+    field and value, counted through `on_reject`) and never ends the loop that reads the next one:
+    only cancellation ends `run()`."""
 
     def __init__(
         self,
@@ -235,14 +242,20 @@ class MqttLink:
         on_status: Callable[[str, HostStatus], None],
         on_ack: Callable[[str, Any], None],
         on_connect: Callable[[], None],
+        on_reject: Callable[[str, str], None] | None = None,
+        on_desired: Callable[[str, DesiredState | None], None] | None = None,
     ) -> None:
         self.settings = settings
         self._on_status = on_status
         self._on_ack = on_ack
         self._on_connect = on_connect
+        self._on_reject = on_reject
+        self._on_desired = on_desired
         self._client: Any = None
         self.connected = asyncio.Event()
         self.last_error: str | None = None
+        self._log_wall: dict[str, float] = {}  # host -> last rejection logged (wall)
+        self._suppressed: dict[str, int] = {}
 
     async def run(self) -> None:
         import aiomqtt
@@ -254,6 +267,10 @@ class MqttLink:
         while True:
             try:
                 async with aiomqtt.Client(**kwargs) as client:
+                    # desired first: its retained messages (what this controller last published) arrive
+                    # before the statuses, so adoption can check a reported replica against them
+                    if self._on_desired is not None:
+                        await client.subscribe(DESIRED_WILDCARD, qos=1)
                     await client.subscribe(STATUS_WILDCARD, qos=1)
                     await client.subscribe(ACK_WILDCARD, qos=1)
                     self._client = client
@@ -267,22 +284,54 @@ class MqttLink:
             except aiomqtt.MqttError as exc:
                 self.last_error = f"MQTT broker {self.settings.host}:{self.settings.port}: {exc}"
                 log.warning("%s; reconnecting", self.last_error)
+            except Exception as exc:  # a bug must not end the MQTT task: log it, reconnect
+                self.last_error = f"MQTT session failed: {type(exc).__name__}: {exc}"
+                log.exception("MQTT session failed; reconnecting")
             finally:
                 self._client = None
                 self.connected.clear()
             await asyncio.sleep(backoff.next_delay_s())
 
     def _dispatch(self, topic: str, payload: bytes) -> None:
+        """Parse and hand on one message; whatever is wrong with it stays with it."""
         host = host_from_topic(topic)
-        if host is None or not payload:
+        if host is None:
             return
         try:
+            if topic.endswith("/desired"):
+                if self._on_desired is not None:  # our own retained output; empty = cleared
+                    self._on_desired(host, parse_desired(payload, host=host) if payload.strip() else None)
+                return
+            if not payload:
+                return
             if topic.endswith("/status"):
-                self._on_status(host, parse_status(payload))
+                status = parse_status(payload, host=host)
+                if status.host != host:
+                    raise ProtocolError(
+                        f"host status from {host}: host = {status.host!r}: differs from the topic's host {host!r}"
+                    )
+                self._on_status(host, status)
             elif topic.endswith("/ack"):
-                self._on_ack(host, parse_ack(payload))
+                ack = parse_ack(payload, host=host)
+                if ack.host != host:
+                    raise ProtocolError(f"ack from {host}: host = {ack.host!r}: differs from the topic's host {host!r}")
+                self._on_ack(host, ack)
         except ProtocolError as exc:
-            log.warning("ignoring malformed message on %s: %s", topic, exc)
+            self._reject(host, str(exc))
+        except Exception as exc:  # a handler's bug: this message is lost, the loop is not
+            log.exception("handling a message on %s failed", topic)
+            self._reject(host, f"message on {topic} could not be handled: {type(exc).__name__}: {exc}"[:500])
+
+    def _reject(self, host: str, text: str) -> None:
+        now = time.time()
+        if now - self._log_wall.get(host, 0.0) >= 1.0:  # at most one line per host per second
+            more = self._suppressed.pop(host, 0)
+            log.warning("rejected message: %s%s", text, f" (+{more} more from {host} not logged)" if more else "")
+            self._log_wall[host] = now
+        else:
+            self._suppressed[host] = self._suppressed.get(host, 0) + 1
+        if self._on_reject is not None:
+            self._on_reject(host, text)
 
     async def publish(self, topic: str, payload: bytes) -> bool:
         client = self._client
@@ -340,7 +389,12 @@ class Controller:
         self.runtime_alerts: dict[str, str] = {}
         self.router: Any = None
         self.prom = PromClient(self.settings.prometheus_url)
-        self.link = MqttLink(self.settings.mqtt, self._on_status, self._on_ack, self._on_connect)
+        self.link = MqttLink(self.settings.mqtt, self._on_status, self._on_ack, self._on_connect,
+                             on_reject=self._on_reject, on_desired=self._on_desired)
+        self.retained_desired: dict[str, DesiredState] = {}  # host -> what the broker holds from us
+        self.rejected_messages: dict[str, int] = {}  # host -> malformed messages rejected
+        self._rejected_wall: dict[str, float] = {}  # host -> last malformed message (wall)
+        self.flaps: dict[str, list[float]] = {}  # host -> wall times of online/offline transitions
         self.metrics.mqtt_connected.set_function(lambda: float(self.link.connected.is_set()))
         self.report_runner: Any = None
         self.report_url: str | None = None
@@ -355,25 +409,65 @@ class Controller:
         from controller.actuation import PauseState
 
         self.pause = PauseState(False)  # loaded from the store at start
+        self._watchdog_period_s: float | None = None
+        self._reload_lock = asyncio.Lock()
 
     # ---- policy & profiles --------------------------------------------------------------
-    def load_policy(self, *, initial: bool) -> bool:
-        """Read + validate the policy file; on error keep the old policy (or fail at start)."""
-        from planner.policy import PolicyError, load_policy_text
+    def _read_policy(self) -> Any:
+        """Read + parse + validate the policy file (no controller state touched: runs in a thread).
+        Raises PolicyError naming the file, the field and the value."""
+        from planner.policy import MAX_POLICY_BYTES, PolicyError, load_policy_text
 
         try:
-            text = self.policy_path.read_text(encoding="utf-8")
-            policy = load_policy_text(text, str(self.policy_path))
-        except (OSError, PolicyError) as exc:
-            msg = str(exc) if isinstance(exc, PolicyError) else f"{self.policy_path}: cannot read: {exc}"
-            self.policy.error = msg
-            self.store.set_kv("policy_error", {"error": msg, "at_s": time.time()})
-            self.metrics.policy_reloads.labels("rejected").inc()
-            if initial:
-                raise SystemExit(msg) from None
-            log.error("policy reload rejected, keeping the previous policy: %s", msg)
-            self.runtime_alerts["policy"] = f"policy reload rejected (previous policy kept): {msg}"
-            return False
+            with self.policy_path.open("rb") as f:
+                raw = f.read(MAX_POLICY_BYTES + 1)
+            text = raw.decode("utf-8")
+        except OSError as exc:
+            raise PolicyError(str(self.policy_path), [f"cannot read: {exc.strerror or exc}"]) from None
+        except UnicodeDecodeError as exc:
+            raise PolicyError(str(self.policy_path), [f"byte {exc.start} = {raw[exc.start:exc.start + 1]!r}: "
+                                                      "not UTF-8"]) from None
+        return load_policy_text(text, str(self.policy_path))
+
+    def load_policy(self, *, initial: bool) -> bool:
+        """Read + validate the policy file; on error keep the old policy (or fail at start)."""
+        from planner.policy import PolicyError
+
+        try:
+            policy = self._read_policy()
+        except PolicyError as exc:
+            return self._policy_rejected(str(exc), initial=initial)
+        self._apply_policy(policy, initial=initial)
+        return True
+
+    async def reload_policy(self) -> bool:
+        """SIGHUP: parse the policy off the event loop (a huge or hostile file must not stall MQTT and
+        the cycle); the last good policy stays on any error."""
+        from planner.policy import PolicyError
+
+        async with self._reload_lock:
+            try:
+                policy = await asyncio.to_thread(self._read_policy)
+            except PolicyError as exc:
+                return self._policy_rejected(str(exc), initial=False)
+            except Exception as exc:  # a parser bug: still keep the last good policy
+                log.exception("policy reload failed")
+                return self._policy_rejected(f"{self.policy_path}: {type(exc).__name__}: {exc}", initial=False)
+            self._apply_policy(policy, initial=False)
+            self.load_profiles()
+            return True
+
+    def _policy_rejected(self, msg: str, *, initial: bool) -> bool:
+        self.policy.error = msg
+        self.store.set_kv("policy_error", {"error": msg, "at_s": time.time()})
+        self.metrics.policy_reloads.labels("rejected").inc()
+        if initial:
+            raise SystemExit(msg) from None
+        log.error("policy reload rejected, keeping the previous policy: %s", msg)
+        self.runtime_alerts["policy"] = f"policy reload rejected (previous policy kept): {msg}"
+        return False
+
+    def _apply_policy(self, policy: Any, *, initial: bool) -> None:
         self.policy.policy = policy
         self.policy.loaded_s = time.time()
         self.policy.error = None
@@ -381,7 +475,6 @@ class Controller:
         self.runtime_alerts.pop("policy", None)
         self.metrics.policy_reloads.labels("initial" if initial else "ok").inc()
         log.info("policy loaded from %s (%d models)", self.policy_path, len(policy.models))
-        return True
 
     def load_profiles(self) -> None:
         from models.profile import ProfileSet
@@ -405,8 +498,50 @@ class Controller:
         return str(self.policy.policy.aliases().canonical(name))
 
     # ---- MQTT callbacks (event loop thread) -------------------------------------------
+    WIRE_ALERT_QUIET_S = 300.0  # a host's malformed-message alert clears after this long without one
+
+    def _on_reject(self, host: str, text: str) -> None:
+        n = self.rejected_messages[host] = self.rejected_messages.get(host, 0) + 1
+        self._rejected_wall[host] = time.time()
+        self.runtime_alerts[f"wire/{host}"] = f"host {host}: {n} malformed message(s) rejected; last: {text}"
+
+    def _on_desired(self, host: str, desired: DesiredState | None) -> None:
+        """The retained desired state the broker holds for `host` (only this controller may write it)."""
+        if desired is None:
+            self.retained_desired.pop(host, None)
+        else:
+            self.retained_desired[host] = desired
+
+    FLAP_WINDOW_S = 60.0
+    FLAP_MAX_TRANSITIONS = 3
+
+    def _note_flap(self, host: str, was_online: bool | None, online: bool, now: float) -> None:
+        """Count online/offline transitions; more than 3 in 60 s raises an alert (two agents with one
+        client id, a crash loop, a bad network)."""
+        times = [t for t in self.flaps.get(host, []) if now - t <= self.FLAP_WINDOW_S]
+        if was_online is not None and was_online != online:
+            times.append(now)
+        self.flaps[host] = times
+        key = f"flap/{host}"
+        if len(times) > self.FLAP_MAX_TRANSITIONS:
+            if key not in self.runtime_alerts:
+                log.warning("host %s flaps: %d online/offline transitions in %.0f s", host, len(times),
+                            self.FLAP_WINDOW_S)
+            self.runtime_alerts[key] = (
+                f"host {host} flaps: {len(times)} online/offline transitions in {self.FLAP_WINDOW_S:.0f} s "
+                "(two agents with the same MQTT client id or credentials? an agent crash-looping?)"
+            )
+        else:
+            self.runtime_alerts.pop(key, None)
+
     def _on_status(self, host: str, status: HostStatus) -> None:
         now = time.time()
+        prev = self.statuses.get(host)
+        self._note_flap(host, prev.online if prev is not None else None, status.online, now)
+        if host in self._rejected_wall and now - self._rejected_wall[host] > self.WIRE_ALERT_QUIET_S:
+            del self._rejected_wall[host]
+            self.rejected_messages.pop(host, None)
+            self.runtime_alerts.pop(f"wire/{host}", None)
         self.statuses[host] = status if status.online or host not in self.statuses else (
             self.statuses[host].model_copy(update={"online": False})
         )
@@ -478,18 +613,41 @@ class Controller:
         if wd:
             self._tasks.append(asyncio.create_task(self._watchdog(int(wd) / 1e6), name="watchdog"))
 
-    async def _watchdog(self, period_s: float) -> None:
-        """WATCHDOG=1 only while cycles keep finishing: a wedged cycle (or loop) gets us restarted."""
+    def _stall_s(self) -> float:
         policy_cycle = self.settings.cycle_s or self.policy.policy.scaling.cycle_s
-        stall_s = max(3 * policy_cycle / self.time_scale, period_s)
+        return max(3 * policy_cycle / self.time_scale, self._watchdog_period_s or 0.0, 60.0)
+
+    def health(self) -> list[str]:
+        """What is wrong with the controller's own loops (empty: healthy). Healthy means the MQTT task
+        runs (connected or reconnecting) and a cycle finished recently; /healthz and the systemd
+        watchdog both follow it, so a dead loop gets the controller restarted."""
+        problems = []
+        mqtt = next((t for t in self._tasks if t.get_name() == "mqtt"), None)
+        if mqtt is None:
+            problems.append("MQTT task not started")
+        elif mqtt.done():
+            exc = None if mqtt.cancelled() else mqtt.exception()
+            problems.append(f"MQTT task ended ({type(exc).__name__}: {exc})" if exc else "MQTT task ended")
+        stalled = time.time() - self._progress_wall
+        if self.policy.policy is not None and stalled > self._stall_s():
+            problems.append(f"no cycle finished for {stalled:.0f} s (limit {self._stall_s():.0f} s)")
+        return problems
+
+    async def _watchdog(self, period_s: float) -> None:
+        """WATCHDOG=1 only while healthy: a wedged cycle, a dead MQTT task (or loop) gets us restarted."""
+        self._watchdog_period_s = period_s
         while True:
-            if self._stopping.is_set():  # after STOPPING=1 systemd expects no more pings
-                pass
-            elif time.time() - self._progress_wall < stall_s:
-                sd_notify("WATCHDOG=1")
-            else:
-                log.error("no cycle finished for %.0f s: not pinging the systemd watchdog", stall_s)
+            problems = self._ping_watchdog()
+            if problems:
+                log.error("unhealthy (%s): not pinging the systemd watchdog", "; ".join(problems))
             await asyncio.sleep(period_s / 2)
+
+    def _ping_watchdog(self) -> list[str]:
+        """WATCHDOG=1 when healthy and not stopping (after STOPPING=1 systemd wants no more pings)."""
+        problems = self.health()
+        if not problems and not self._stopping.is_set():
+            sd_notify("WATCHDOG=1")
+        return problems
 
     async def stop(self) -> None:
         sd_notify("STOPPING=1")
@@ -774,8 +932,26 @@ class Controller:
         return changed
 
     def _adopt(self, host: str, rs: Any, active: Mapping[str, ReplicaRow]) -> bool:
-        """An engine this database never allocated: adopt it when it conflicts with nothing."""
+        """An engine this database never allocated (a lost database): adopt it when a desired state this
+        controller published names it (the broker's retained desired state for the host: only the
+        controller may write it) with the same model, engine, GPUs and port, and it conflicts with
+        nothing. A replica an agent reports that no controller asked for is never adopted."""
         if rs.state.value not in ("starting", "ready"):
+            return False
+        retained = self.retained_desired.get(host)
+        asked = next((d for d in retained.replicas if d.replica_id == rs.replica_id), None) if retained else None
+        if asked is None or (asked.model, asked.engine, asked.tp, asked.precision, tuple(asked.gpu_indices),
+                             asked.port) != (rs.model, rs.engine, rs.tp, rs.precision, tuple(rs.gpu_indices),
+                                             rs.port) or (rs.gpu is not None and rs.gpu != asked.gpu):
+            key = f"orphan/{rs.replica_id}"
+            if key not in self.runtime_alerts:
+                log.warning("replica %s reported by %s (%s, port %s, GPUs %s) matches no desired state this "
+                            "controller published; not adopted", rs.replica_id, host, rs.model, rs.port,
+                            list(rs.gpu_indices))
+            self.runtime_alerts[key] = (
+                f"unknown replica {rs.replica_id} reported by {host} matches no desired state this controller "
+                "published; not adopted (not routed, not counted)"
+            )
             return False
         mine = [r for r in active.values() if r.host == host]
         used_gpus = {g for r in mine for g in r.gpu_indices}
@@ -1175,8 +1351,7 @@ class Controller:
             self.metrics.last_cycle_timestamp.set(time.time())
             self._progress_wall = time.time()
             self.cycle_count += 1
-            if not self._stopping.is_set():  # a cycle that finishes after SIGTERM: STOPPING=1 was the last word
-                sd_notify("WATCHDOG=1")
+            self._ping_watchdog()
         if status == "ok":
             self.runtime_alerts.pop("cycle", None)
         return summary
@@ -1381,11 +1556,13 @@ def _install_signals(ctrl: Controller, stop: asyncio.Event) -> None:
     """All signal handling in one place."""
     loop = asyncio.get_running_loop()
 
+    reloads: set[asyncio.Task[bool]] = set()
+
     def on_hup() -> None:
         log.info("SIGHUP: reloading the policy from %s", ctrl.policy_path)
-        ok = ctrl.load_policy(initial=False)
-        if ok:
-            ctrl.load_profiles()
+        task = loop.create_task(ctrl.reload_policy(), name="policy-reload")  # parsed in a thread
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
 
     loop.add_signal_handler(signal.SIGHUP, on_hup)
     loop.add_signal_handler(signal.SIGTERM, stop.set)

@@ -24,13 +24,23 @@ into templates from its own config.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from models.names import (
     Engine,
@@ -64,6 +74,29 @@ class ProtocolError(ValueError):
     """A payload that is not valid; the message is one line naming the field and the value."""
 
 
+# ---- wire bounds: everything from the wire is bounded before (and while) it is parsed ----------
+MAX_PAYLOAD_BYTES = 256 * 1024  # a status of 256 replicas is ~100 KiB; bounds the cost of one message
+MAX_JSON_DEPTH = 16  # the deepest legitimate path is 4 (status.nvlink_groups[i][j])
+MAX_WIRE_INT = 2**53 - 1  # integers exact in every JSON implementation (and in SQLite's int64)
+MAX_TEXT = 2000  # free text (errors): longer is clipped, never rejected (it is diagnostics)
+MAX_ERRORS = 50  # items of an `errors` list (more are summarised)
+MAX_NAME = 512  # names that are not matched by a pattern (allowlist entries, paths, units)
+MAX_ITEMS = 256  # replicas, builds, cached engines, templates per host
+MAX_TIME_S = 1e11  # unix seconds (year 5138); anything larger is not a clock reading
+
+
+def _clip_text(value: Any) -> Any:
+    if isinstance(value, str) and len(value) > MAX_TEXT:
+        return value[: MAX_TEXT - 20] + f"... (+{len(value) - MAX_TEXT + 20} chars)"
+    return value
+
+
+def _clip_errors(value: Any) -> Any:
+    if isinstance(value, list | tuple) and len(value) > MAX_ERRORS:
+        return [*value[: MAX_ERRORS - 1], f"... and {len(value) - MAX_ERRORS + 1} more errors"]
+    return value
+
+
 class ReplicaPhase(StrEnum):
     """Replica states as the agent reports them (same values as planner.types.ReplicaState)."""
 
@@ -85,13 +118,21 @@ ReplicaId = Annotated[str, Field(pattern=ID_PATTERN)]
 TemplateName = Annotated[str, Field(pattern=TEMPLATE_PATTERN)]
 HostName = Annotated[str, Field(pattern=HOST_PATTERN)]
 ModelName = Annotated[str, Field(pattern=MODEL_PATTERN)]
-Port = Annotated[int, Field(ge=1, le=65535)]
-GpuIndex = Annotated[int, Field(ge=0, le=1023)]
-Tp = Annotated[int, Field(ge=1, le=64)]
+Port = Annotated[int, Field(strict=True, ge=1, le=65535)]
+GpuIndex = Annotated[int, Field(strict=True, ge=0, le=1023)]
+Tp = Annotated[int, Field(strict=True, ge=1, le=64)]
+Version = Annotated[int, Field(strict=True, ge=0, le=MAX_WIRE_INT)]
+Count = Annotated[int, Field(strict=True, ge=0, le=MAX_WIRE_INT)]
+Pid = Annotated[int, Field(strict=True, ge=1, le=2**22)]  # Linux pid_max limit
+UnixTime = Annotated[float, Field(strict=True, ge=0.0, le=MAX_TIME_S)]
+Text = Annotated[str, BeforeValidator(_clip_text)]
+Errors = Annotated[tuple[Text, ...], BeforeValidator(_clip_errors)]
+Name = Annotated[str, Field(max_length=MAX_NAME)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: NaN/Infinity never get into a model, whoever constructs it
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class _EngineConfigMixin(_Strict):
@@ -131,7 +172,7 @@ class DesiredReplica(_EngineConfigMixin):
     gpu: GpuType
     tp: Tp
     precision: Precision
-    gpu_indices: tuple[GpuIndex, ...]
+    gpu_indices: tuple[GpuIndex, ...] = Field(max_length=64)
     port: Port
 
     @model_validator(mode="after")
@@ -150,7 +191,7 @@ class DesiredBuild(_EngineConfigMixin):
     gpu: GpuType
     tp: Tp
     precision: Precision
-    gpu_indices: tuple[GpuIndex, ...]
+    gpu_indices: tuple[GpuIndex, ...] = Field(max_length=64)
 
     @model_validator(mode="after")
     def _consistent(self) -> DesiredBuild:
@@ -161,9 +202,9 @@ class DesiredBuild(_EngineConfigMixin):
 class DesiredState(_Strict):
     """What the controller wants on one host. Level-triggered: the full set, not a delta."""
 
-    version: Annotated[int, Field(ge=0)]
-    replicas: tuple[DesiredReplica, ...] = ()
-    builds: tuple[DesiredBuild, ...] = ()
+    version: Version
+    replicas: tuple[DesiredReplica, ...] = Field(default=(), max_length=MAX_ITEMS)
+    builds: tuple[DesiredBuild, ...] = Field(default=(), max_length=MAX_ITEMS)
 
     @model_validator(mode="after")
     def _no_conflicts(self) -> DesiredState:
@@ -200,57 +241,57 @@ def desired_conflicts(desired: DesiredState) -> list[str]:
 class Ack(_Strict):
     """The agent's answer to one desired version (ACL denials are silent; acks are not)."""
 
-    version: int | None  # None: the payload was so broken that it had no integer version
-    accepted: bool
-    errors: tuple[str, ...] = ()
+    version: Version | None  # None: the payload was so broken that it had no integer version
+    accepted: StrictBool
+    errors: Errors = ()
     host: HostName
-    received_s: float | None = None  # agent wall clock (unix seconds)
+    received_s: UnixTime | None = None  # agent wall clock (unix seconds)
 
 
 class ReplicaStatus(_Strict):
     replica_id: ReplicaId
     template: TemplateName | None = None
-    model: str
+    model: ModelName
     engine: Engine
     gpu: GpuType | None = None
-    tp: int
+    tp: Tp
     precision: Precision
-    gpu_indices: tuple[int, ...]
-    port: int
+    gpu_indices: tuple[GpuIndex, ...] = Field(max_length=64)
+    port: Port
     state: ReplicaPhase
-    since_s: float | None = None  # unix seconds when the replica entered `state`
-    pid: int | None = None  # process actuator
-    unit: str | None = None  # systemd actuator, e.g. fleetplan-engine@r1.service
-    error: str | None = None
-    restarts: int = 0
+    since_s: UnixTime | None = None  # unix seconds when the replica entered `state`
+    pid: Pid | None = None  # process actuator
+    unit: Name | None = None  # systemd actuator, e.g. fleetplan-engine@r1.service
+    error: Text | None = None
+    restarts: Count = 0
 
 
 class BuildStatus(_Strict):
     build_id: ReplicaId
     template: TemplateName | None = None
-    model: str
+    model: ModelName
     engine: Engine = Engine.TRTLLM
     gpu: GpuType
-    tp: int
+    tp: Tp
     precision: Precision
-    gpu_indices: tuple[int, ...]
+    gpu_indices: tuple[GpuIndex, ...] = Field(max_length=64)
     state: BuildPhase
-    progress: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
-    since_s: float | None = None
-    pid: int | None = None
-    error: str | None = None
+    progress: Annotated[float, Field(strict=True, ge=0.0, le=1.0)] = 0.0
+    since_s: UnixTime | None = None
+    pid: Pid | None = None
+    error: Text | None = None
 
 
 class CachedEngine(_Strict):
     """A built engine the host holds (usable by launch templates with ``{engine_dir}``)."""
 
-    model: str
+    model: ModelName
     engine: Engine = Engine.TRTLLM
     gpu: GpuType
-    tp: int
+    tp: Tp
     precision: Precision
-    path: str | None = None
-    built_s: float | None = None
+    path: Annotated[str, Field(max_length=4096)] | None = None
+    built_s: UnixTime | None = None
 
 
 class HostStatus(_Strict):
@@ -258,23 +299,28 @@ class HostStatus(_Strict):
     its engines may still be running — treat its replicas as unknown, not as stopped."""
 
     host: HostName
-    online: bool
+    online: StrictBool
     gpu: GpuType | None = None
-    gpu_count: int | None = None
-    nvlink_groups: tuple[tuple[int, ...], ...] = ()
-    replicas: tuple[ReplicaStatus, ...] = ()
-    builds: tuple[BuildStatus, ...] = ()
-    engines_cached: tuple[CachedEngine, ...] = ()
-    agent_version: str | None = None
-    updated_s: float | None = None
-    desired_version: int | None = None  # last accepted desired version (None: none yet)
-    port_range: tuple[int, int] | None = None
-    templates: tuple[str, ...] = ()  # launch template names this agent offers
-    template_engines: dict[str, Engine] = Field(default_factory=dict)  # launch template -> engine
-    cached_templates: tuple[str, ...] = ()  # launch templates that need a built engine ({engine_dir})
-    models_allowed: tuple[str, ...] | None = None  # the agent's model allowlist (None: any)
-    build_templates: tuple[str, ...] = ()
-    errors: tuple[str, ...] = ()  # host-level problems (e.g. state dir unreadable)
+    gpu_count: Annotated[int, Field(strict=True, ge=1, le=1024)] | None = None
+    nvlink_groups: tuple[Annotated[tuple[GpuIndex, ...], Field(max_length=1024)], ...] = Field(
+        default=(), max_length=1024)
+    replicas: tuple[ReplicaStatus, ...] = Field(default=(), max_length=MAX_ITEMS)
+    builds: tuple[BuildStatus, ...] = Field(default=(), max_length=MAX_ITEMS)
+    engines_cached: tuple[CachedEngine, ...] = Field(default=(), max_length=MAX_ITEMS)
+    agent_version: Annotated[str, Field(max_length=100)] | None = None
+    updated_s: UnixTime | None = None
+    desired_version: Version | None = None  # last accepted desired version (None: none yet)
+    port_range: tuple[Port, Port] | None = None
+    # launch template names this agent offers
+    templates: tuple[TemplateName, ...] = Field(default=(), max_length=MAX_ITEMS)
+    # launch template -> engine
+    template_engines: dict[TemplateName, Engine] = Field(default_factory=dict, max_length=MAX_ITEMS)
+    # launch templates that need a built engine ({engine_dir})
+    cached_templates: tuple[TemplateName, ...] = Field(default=(), max_length=MAX_ITEMS)
+    # the agent's model allowlist (None: any)
+    models_allowed: tuple[Name, ...] | None = Field(default=None, max_length=100_000)
+    build_templates: tuple[TemplateName, ...] = Field(default=(), max_length=MAX_ITEMS)
+    errors: Errors = ()  # host-level problems (e.g. state dir unreadable)
 
 
 # --------------------------------------------------------------------------------------------
@@ -407,10 +453,21 @@ def to_payload(message: BaseModel) -> bytes:
     return message.model_dump_json().encode()
 
 
+_PLAIN_KEY_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def field_name(part: Any) -> str:
+    """One step of a field path as text: plain keys and indices as they are, anything else quoted
+    (an attacker's key may contain ':', ' = ', quotes or newlines)."""
+    if isinstance(part, int) or (isinstance(part, str) and _PLAIN_KEY_RE.fullmatch(part)):
+        return str(part)
+    return repr(str(part)[:40])
+
+
 def _one_line(what: str, exc: ValidationError) -> str:
     parts = []
     for err in exc.errors()[:5]:
-        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        loc = ".".join(field_name(p) for p in err["loc"]) or "(top level)"
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] in ("value_error", "assertion_error", "missing") or "input" not in err:
             parts.append(f"{loc}: {msg}")
@@ -421,42 +478,149 @@ def _one_line(what: str, exc: ValidationError) -> str:
     return text.replace("\r", "\\r").replace("\n", "\\n")  # one line, whatever the keys were
 
 
-def _parse(model: type[BaseModel], payload: bytes | str, what: str) -> Any:
+class _Rejected:
+    """A JSON value the protocol refuses (NaN, Infinity, an out-of-range number): kept in place
+    while parsing so that the error can name the field it sits in."""
+
+    __slots__ = ("text", "why")
+
+    def __init__(self, text: str, why: str) -> None:
+        self.text, self.why = text, why
+
+
+def _reject_constant(text: str) -> _Rejected:
+    return _Rejected(text, "NaN and Infinity are not allowed")
+
+
+def _bounded_float(text: str) -> float | _Rejected:
+    value = float(text)
+    return value if math.isfinite(value) else _Rejected(text, "number out of range (not a finite float)")
+
+
+def _bounded_int(text: str) -> int | _Rejected:
+    if len(text.lstrip("-")) > 16:  # before int(): 10**5000 costs time and raises past 4300 digits
+        return _Rejected(text[:40] + ("..." if len(text) > 40 else ""), f"integer out of range (|n| <= {MAX_WIRE_INT})")
+    value = int(text)
+    return value if -MAX_WIRE_INT <= value <= MAX_WIRE_INT else _Rejected(
+        text, f"integer out of range (|n| <= {MAX_WIRE_INT})")
+
+
+_STRINGS_RE = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_BRACKETS_ONLY = bytes.maketrans(b"[{]}", b"(())")
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def json_too_deep(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """True when a JSON text nests brackets deeper than `limit` (brackets inside strings do not
+    count). Linear and in C: strings blanked, brackets kept, then `limit` passes each removing the
+    innermost "()" pairs; whatever is left was deeper (or unbalanced, which is not JSON anyway). A
+    200,000-level document is refused before any recursive parser sees it."""
+    brackets = _STRINGS_RE.sub(b"", raw).translate(_BRACKETS_ONLY, _NOT_BRACKETS)
+    if b"(" * (limit + 1) in brackets:
+        return True  # the usual attack: a run of opening brackets
+    for _ in range(limit):
+        if not brackets:
+            return False
+        shorter = brackets.replace(b"()", b"")
+        if len(shorter) == len(brackets):
+            break  # no innermost pair left: unbalanced
+        brackets = shorter
+    return bool(brackets) and brackets.count(b"(") == brackets.count(b")")
+
+
+def _find_rejected(data: Any) -> tuple[str, _Rejected] | None:
+    """(field path, value) of the first refused number, depth-first; the depth is already bounded."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, _Rejected):
+            return path or "(top level)", value
+        if isinstance(value, dict):
+            stack.extend((f"{path}.{field_name(k)}" if path else field_name(k), v)
+                         for k, v in reversed(list(value.items())))
+        elif isinstance(value, list):
+            stack.extend((f"{path}.{i}" if path else str(i), v) for i, v in reversed(list(enumerate(value))))
+    return None
+
+
+def _one_line_text(text: str) -> str:
+    return text.replace("\r", "\\r").replace("\n", "\\n")
+
+
+def wire_json(payload: bytes | str, what: str) -> Any:
+    """Parse one JSON payload from the wire with bounds: size, nesting depth, no NaN/Infinity,
+    integers within +-(2**53-1). Raises ProtocolError naming `what` (host or file), the field and the
+    value; nothing else escapes (no RecursionError, OverflowError, UnicodeDecodeError)."""
+    raw = payload.encode("utf-8", "surrogatepass") if isinstance(payload, str) else bytes(payload)
+    if len(raw) > MAX_PAYLOAD_BYTES:
+        raise ProtocolError(f"{what}: payload = {len(raw)} bytes: larger than the {MAX_PAYLOAD_BYTES} byte limit")
+    if json_too_deep(raw):
+        raise ProtocolError(
+            f"{what}: payload = {_one_line_text(repr(raw[:24]))}...: nested deeper than the limit of "
+            f"{MAX_JSON_DEPTH} levels"
+        )
     try:
-        data = json.loads(payload)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ProtocolError(f"{what}: not JSON ({exc})") from None
+        data = json.loads(raw, parse_constant=_reject_constant, parse_float=_bounded_float,
+                          parse_int=_bounded_int)
+    except (ValueError, UnicodeDecodeError, RecursionError, OverflowError) as exc:
+        raise ProtocolError(
+            f"{what}: payload = {_one_line_text(repr(raw[:40]))}{'...' if len(raw) > 40 else ''}: "
+            f"not JSON ({_one_line_text(str(exc))[:200]})"
+        ) from None
+    bad = _find_rejected(data)
+    if bad is not None:
+        where, value = bad
+        raise ProtocolError(f"{what}: {_one_line_text(where)[:200]} = {value.text}: {value.why}")
+    return data
+
+
+def _parse(model: type[BaseModel], payload: bytes | str, what: str) -> Any:
+    data = wire_json(payload, what)
     if not isinstance(data, dict):
-        raise ProtocolError(f"{what}: expected a JSON object, got {type(data).__name__}")
+        raise ProtocolError(
+            f"{what}: (top level) = {_one_line_text(repr(data))[:80]}: expected a JSON object, "
+            f"got {type(data).__name__}"
+        )
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise ProtocolError(_one_line(what, exc)) from None
+    except (ValueError, TypeError, RecursionError, OverflowError) as exc:  # a validator's own bug
+        raise ProtocolError(f"{what}: (top level): {_one_line_text(str(exc))[:200]}") from None
 
 
-def parse_desired(payload: bytes | str) -> DesiredState:
-    result: DesiredState = _parse(DesiredState, payload, "desired state")
+def _what(kind: str, host: str | None, preposition: str) -> str:
+    return f"{kind} {preposition} {host}" if host else kind
+
+
+def parse_desired(payload: bytes | str, *, host: str | None = None) -> DesiredState:
+    """A desired state (for `host`, named in errors when given)."""
+    result: DesiredState = _parse(DesiredState, payload, _what("desired state", host, "for"))
     return result
 
 
-def parse_ack(payload: bytes | str) -> Ack:
-    result: Ack = _parse(Ack, payload, "ack")
+def parse_ack(payload: bytes | str, *, host: str | None = None) -> Ack:
+    """An ack (from `host`, named in errors when given)."""
+    result: Ack = _parse(Ack, payload, _what("ack", host, "from"))
     return result
 
 
-def parse_status(payload: bytes | str) -> HostStatus:
-    result: HostStatus = _parse(HostStatus, payload, "host status")
+def parse_status(payload: bytes | str, *, host: str | None = None) -> HostStatus:
+    """A host status (from `host`, named in errors when given)."""
+    result: HostStatus = _parse(HostStatus, payload, _what("host status", host, "from"))
     return result
 
 
 def payload_version(payload: bytes | str) -> int | None:
     """Best effort: the integer ``version`` of a payload that failed validation (for the error ack)."""
     try:
-        data = json.loads(payload)
-    except (ValueError, UnicodeDecodeError):
+        data = wire_json(payload, "payload")
+    except ProtocolError:
         return None
     version = data.get("version") if isinstance(data, dict) else None
-    return version if isinstance(version, int) and not isinstance(version, bool) else None
+    if isinstance(version, int) and not isinstance(version, bool) and 0 <= version <= MAX_WIRE_INT:
+        return version
+    return None
 
 
 def is_valid_id(text: str) -> bool:

@@ -6,7 +6,7 @@ Endpoints (loopback by default; a bearer token is required when bound elsewhere)
   GET /api/state           the planner's inputs: loaded policy, fleet + planner state, last observation,
                            profiles (for `fleetplan what-if --controller` / `policy check --controller`)
   GET /metrics             the controller's own Prometheus metrics
-  GET /healthz             200 when the loop runs
+  GET /healthz             200 while the MQTT task runs and cycles finish; else 503 + problems
   GET /plan                the plan page: self-contained HTML (controller/page.py)
   POST /api/pause          stop actuating from the next cycle on (JSON body {"reason": "..."} optional);
                            persisted in the state store, so a restart stays paused
@@ -86,7 +86,10 @@ async def start_report_server(ctrl: Any, listen: str, token: str | None) -> tupl
                                      "script-src 'unsafe-inline'; img-src data:"})
 
     async def healthz(_: web.Request) -> web.Response:
-        return web.json_response({"ok": True, "cycles": ctrl.cycle_count})
+        # 200 only while the controller's loops live (MQTT task running, cycles finishing)
+        problems = ctrl.health()
+        return web.json_response({"ok": not problems, "cycles": ctrl.cycle_count, "problems": problems},
+                                 status=503 if problems else 200)
 
     app = web.Application(middlewares=[auth])
     app.router.add_get("/api/report", report)

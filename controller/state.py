@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 SCHEMA_VERSION = 1
+MAX_VERSION = 2**53 - 1  # desired versions stay exact integers (controller.protocol.MAX_WIRE_INT)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -515,8 +516,9 @@ class StateStore:
         version = (int(row["version"]) + 1) if row else 1
         # never go below what an agent may already have applied from an earlier database
         floor = conn.execute("SELECT value FROM kv WHERE key=?", (f"version_floor/{host}",)).fetchone()
-        if floor is not None:
-            version = max(version, int(json.loads(floor["value"])) + 1)
+        floor_v = json.loads(floor["value"]) if floor is not None else None
+        if isinstance(floor_v, int) and 0 <= floor_v < MAX_VERSION:  # an absurd floor (old database) is ignored
+            version = max(version, floor_v + 1)
         payload = {"version": version, **self.desired_payload(host, conn)}
         conn.execute(
             "INSERT INTO desired(host, version, payload, published_s) VALUES (?, ?, ?, NULL) "
@@ -528,11 +530,11 @@ class StateStore:
 
     def note_version_floor(self, host: str, applied_version: int | None) -> None:
         """Agents report the version they applied; our next version must be above it."""
-        if applied_version is None:
-            return
+        if applied_version is None or not 0 <= applied_version < MAX_VERSION:
+            return  # never a floor no later version can pass (the protocol already bounds it)
         with self.tx() as c:
             cur = self.get_kv(f"version_floor/{host}")
-            if cur is None or int(cur) < applied_version:
+            if not isinstance(cur, int) or not 0 <= cur < MAX_VERSION or cur < applied_version:
                 self.set_kv(f"version_floor/{host}", applied_version, c)
 
     def mark_published(self, host: str, version: int) -> None:

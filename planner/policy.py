@@ -459,7 +459,10 @@ def format_loc(loc: tuple[int | str, ...]) -> str:
         elif isinstance(part, int):
             out += f"[{part}]"
         else:
-            out += ("." if out else "") + str(part)
+            text = str(part)
+            if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", text):
+                text = repr(text[:40])  # a key with ':', ' = ', quotes or a newline: quoted, one line
+            out += ("." if out else "") + text
     return out or "(top level)"
 
 
@@ -492,12 +495,113 @@ def load_policy_dict(data: Any, source: str) -> Policy:
         raise PolicyError(source, problems) from None
 
 
-def load_policy_text(text: str, source: str) -> Policy:
-    """Parse and validate a policy YAML document. Raises PolicyError (one line per problem)."""
+# Bounds for the policy YAML (a policy is a few KiB): a deeply nested document or an alias bomb
+# ("billion laughs") is refused while composing, before anything is built from it.
+MAX_POLICY_BYTES = 256 * 1024
+MAX_YAML_DEPTH = 32  # nesting levels, counted after alias expansion
+MAX_YAML_ALIASES = 64
+MAX_YAML_NODES = 100_000  # nodes after alias expansion
+
+
+class _YamlLimit(Exception):
+    def __init__(self, line: int | None, problem: str) -> None:
+        super().__init__(problem)
+        self.line, self.problem = line, problem
+
+
+def _line(node_or_event: Any) -> int | None:
+    mark = getattr(node_or_event, "start_mark", None)
+    return mark.line + 1 if mark is not None else None
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """SafeLoader with a nesting limit and an alias budget (PyYAML's composer recurses per level)."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+        self._aliases = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()  # type: ignore[no-untyped-call]
+        if isinstance(event, yaml.AliasEvent):
+            self._aliases += 1
+            if self._aliases > MAX_YAML_ALIASES:
+                raise _YamlLimit(_line(event), f"more than {MAX_YAML_ALIASES} aliases (*name)")
+        self._depth += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                raise _YamlLimit(_line(event), f"nested deeper than {MAX_YAML_DEPTH} levels")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def _node_children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
+
+
+def _check_expansion(root: yaml.Node) -> None:
+    """Size and depth of the document as built (aliases expanded), computed on the node graph with a
+    memo, so that an alias bomb is measured without being expanded; a recursive alias is refused."""
+    size: dict[int, int] = {}
+    depth: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, finished = stack.pop()
+        key = id(node)
+        if finished:
+            on_path.discard(key)
+            children = _node_children(node)
+            size[key] = 1 + sum(size[id(c)] for c in children)
+            depth[key] = 1 + max((depth[id(c)] for c in children), default=0)
+            if size[key] > MAX_YAML_NODES:
+                raise _YamlLimit(_line(node), f"expands to more than {MAX_YAML_NODES} values (alias bomb?)")
+            if depth[key] > MAX_YAML_DEPTH:
+                raise _YamlLimit(_line(node), f"nested deeper than {MAX_YAML_DEPTH} levels (through aliases)")
+            continue
+        if key in size:
+            continue
+        if key in on_path:
+            raise _YamlLimit(_line(node), "an alias refers to a value that contains it (recursive alias)")
+        on_path.add(key)
+        stack.append((node, True))
+        stack.extend((c, False) for c in _node_children(node) if id(c) not in size)
+
+
+def load_policy_yaml(text: str, source: str) -> Any:
+    """The YAML document of a policy as Python data, with bounds (size, nesting, aliases, expanded
+    size). Raises PolicyError naming the source, the line and the problem; nothing else escapes."""
+    if len(text) > MAX_POLICY_BYTES:
+        raise PolicyError(source, [f"(file) = {len(text)} characters: larger than the {MAX_POLICY_BYTES} limit"])
+    loader: _BoundedLoader | None = None
     try:
-        data = yaml.safe_load(text)
+        loader = _BoundedLoader(text)  # the reader already refuses some characters
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_expansion(node)
+        return loader.construct_document(node)
+    except _YamlLimit as exc:
+        where = f"line {exc.line}" if exc.line is not None else "(document)"
+        raise PolicyError(source, [f"{where}: YAML refused: {exc.problem}"]) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}" if mark is not None else "?"
-        raise PolicyError(source, [f"YAML syntax error at {where}: {getattr(exc, 'problem', exc)}"]) from None
-    return load_policy_dict(data, source)
+        problem = " ".join(str(getattr(exc, "problem", None) or exc).split())[:200]  # one line
+        raise PolicyError(source, [f"YAML syntax error at {where}: {problem}"]) from None
+    except (RecursionError, ValueError, TypeError, OverflowError) as exc:  # e.g. a bad timestamp scalar
+        raise PolicyError(source, [f"(document): YAML not loadable: {type(exc).__name__}: {str(exc)[:200]}"]) from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+
+
+def load_policy_text(text: str, source: str) -> Policy:
+    """Parse and validate a policy YAML document. Raises PolicyError (one line per problem)."""
+    return load_policy_dict(load_policy_yaml(text, source), source)

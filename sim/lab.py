@@ -277,7 +277,8 @@ class MqttUser:
 
 
 class MosquittoServer:
-    """Mosquitto 2.x on loopback: no anonymous access, password file, per-user ACL.
+    """Mosquitto 2.x on loopback: no anonymous access, password file, per-user ACL, client id = user
+    name (``use_username_as_clientid``: one user's credentials cannot disconnect another's session).
 
     Users: ``controller`` (readwrite fleetplan/#) and ``agent-<host>`` per host (read
     fleetplan/hosts/<host>/desired, write fleetplan/hosts/<host>/status and .../ack).
@@ -349,6 +350,9 @@ class MosquittoServer:
             "allow_anonymous false",
             f"password_file {self.passwd_path}",
             f"acl_file {self.acl_path}",
+            # the client id is the user name: one agent's credentials cannot take over (disconnect)
+            # another agent's session by connecting with its client id (mosquitto.conf(5))
+            "use_username_as_clientid true",
             "persistence true",
             f"persistence_location {self.workdir}/",
             "autosave_interval 1",

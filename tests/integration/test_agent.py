@@ -37,7 +37,7 @@ from controller.protocol import (
 from sim.lab import MosquittoServer, allocate_port_ranges
 
 REPO = Path(__file__).resolve().parents[2]
-HOSTS = ("h-basic", "h-bad", "h-broker", "h-restart", "h-crash", "h-build", "h-kill9", "h-systemd")
+HOSTS = ("h-basic", "h-bad", "h-broker", "h-restart", "h-crash", "h-build", "h-kill9", "h-systemd", "h-hostile")
 
 FAKE_ENGINE = r'''
 import json, os, signal, sys, time
@@ -402,6 +402,10 @@ async def test_bad_input_is_rejected_with_a_reason_and_running_engines_are_untou
              "replicas.0.model"),
             ({"version": 10, "replicas": [{**replica("r1", p[0], [0]), "argv": ["/bin/sh"]}]}, 10,
              "replicas.0.argv: Extra inputs are not permitted"),
+            (b'{"version": NaN, "replicas": []}', None, "version = NaN"),
+            (b'{"version": %d, "replicas": []}' % 2**63, None, "version = 9223372036854775808"),
+            (b"[" * 200_000 + b"]" * 200_000, None, "desired state for h-bad: payload"),
+            ({"version": 11, "replicas": [{**replica("r1", p[0], [0]), "port": "18000"}]}, 11, "replicas.0.port"),
             ({"version": 4, "replicas": []}, 4, "older than the applied version 5"),
             ({"version": 5, "replicas": []}, 5, "already applied with different content"),
         ]
@@ -417,6 +421,28 @@ async def test_bad_input_is_rejected_with_a_reason_and_running_engines_are_untou
         assert pid is not None and alive(pid)
         assert (await get_json(p[0], "/env"))["cuda"] == "0"
         assert "Traceback" not in agent.log()
+
+
+async def test_retained_hostile_desired_state_neither_crashes_nor_crash_loops_the_agent(
+    broker: MosquittoServer, agent_factory: Callable[[str], AgentProcess]
+) -> None:
+    agent = agent_factory("h-hostile")
+    p = agent.ports
+    async with FakeController(broker, "h-hostile") as ctl:
+        await ctl.publish(b"[" * 100_000 + b"]" * 100_000)  # retained: it comes back on every (re)connect
+        ack = await ctl.wait_ack(None)
+        assert not ack.accepted and "desired state for h-hostile: payload" in ack.errors[0], ack.errors
+        assert "nested deeper" in ack.errors[0]
+        assert agent.stop() == 0  # a clean stop: the agent was alive
+        agent.start()
+        ack = await ctl.wait_ack(None)  # the retained message again: acked as an error, the agent lives on
+        assert not ack.accepted
+        await ctl.wait_status(lambda s: s.online, "online after the restart")
+        await ctl.publish({"version": 1, "replicas": [replica("r1", p[0], [0])]})
+        assert (await ctl.wait_ack(1)).accepted
+        await ctl.wait_status(all_ready("r1"), "r1 ready")
+    assert agent.proc is not None and agent.proc.poll() is None
+    assert "Traceback" not in agent.log()
 
 
 async def test_broker_restart_agent_reconnects_and_engines_are_untouched(

@@ -59,8 +59,8 @@ def tls_broker() -> Iterator[tuple[Path, int]]:
                                "topic write fleetplan/hosts/tls-host/ack\n")
         port = free_port()
         lines = [f"listener {port} 127.0.0.1", "allow_anonymous false", f"password_file {d / 'passwd'}",
-                 f"acl_file {d / 'acl'}", f"cafile {d / 'good-ca.pem'}", f"certfile {d / 'good-server.pem'}",
-                 f"keyfile {d / 'good-server.key'}", "log_dest stderr"]
+                 f"acl_file {d / 'acl'}", "use_username_as_clientid true", f"cafile {d / 'good-ca.pem'}",
+                 f"certfile {d / 'good-server.pem'}", f"keyfile {d / 'good-server.key'}", "log_dest stderr"]
         if os.geteuid() == 0:
             lines.append("user root")
         (d / "mosquitto.conf").write_text("\n".join(lines) + "\n")

@@ -51,6 +51,19 @@ def test_ids_and_desired_versions_survive_reopen(tmp_path: Path) -> None:
     assert s.known_ids() == {rid}
 
 
+def test_version_floor_is_range_checked_even_from_an_old_database(tmp_path: Path) -> None:
+    s = StateStore(tmp_path / "state.db")
+    s.note_version_floor("h1", 2**63)  # the protocol refuses it already; the store too
+    assert s.get_kv("version_floor/h1") is None
+    s.set_kv("version_floor/h1", 2**63)  # as an older controller could have stored it
+    with s.tx() as c:
+        assert s.stage_desired(c, "h1")["version"] == 1  # ignored: the next cycle does not fail
+    s.note_version_floor("h1", 41)
+    with s.tx() as c:
+        assert s.stage_desired(c, "h1")["version"] == 42
+    s.close()
+
+
 def test_transaction_rolls_back_on_error(tmp_path: Path) -> None:
     s = StateStore(tmp_path / "state.db")
     with pytest.raises(RuntimeError), s.tx() as c:
@@ -131,6 +144,11 @@ class _FakeCtrl:
 
     def report(self) -> dict[str, object]:
         return {"plan": None, "fleet": [], "alerts": ["x"], "actions": [], "policy": {}, "generated_s": time.time()}
+
+    def health(self) -> list[str]:
+        return list(self.problems)
+
+    problems: tuple[str, ...] = ()
 
 
 async def test_report_api_requires_token_off_loopback() -> None:
