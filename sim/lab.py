@@ -280,8 +280,9 @@ class MosquittoServer:
     """Mosquitto 2.x on loopback: no anonymous access, password file, per-user ACL, client id = user
     name (``use_username_as_clientid``: one user's credentials cannot disconnect another's session).
 
-    Users: ``controller`` (readwrite fleetplan/#) and ``agent-<host>`` per host (read
-    fleetplan/hosts/<host>/desired, write fleetplan/hosts/<host>/status and .../ack).
+    Users: ``controller`` (readwrite fleetplan/#), ``observer`` (read fleetplan/#: on-call's
+    mosquitto_sub and the tests' watchers, never the controller's session) and ``agent-<host>`` per
+    host (read fleetplan/hosts/<host>/desired, write fleetplan/hosts/<host>/status and .../ack).
     Persistence is on, so retained messages survive `restart()` (same port).
     """
 
@@ -290,6 +291,7 @@ class MosquittoServer:
         self.host = LOOPBACK
         self.port = port or free_port()
         self.controller = MqttUser(CONTROLLER_USER, secrets.token_urlsafe(12))
+        self.observer = MqttUser("observer", secrets.token_urlsafe(12))
         self.agents = {h: MqttUser(f"agent-{h}", secrets.token_urlsafe(12)) for h in host_names}
         self.conf_path = workdir / "mosquitto.conf"
         self.passwd_path = workdir / "passwd"
@@ -310,6 +312,9 @@ class MosquittoServer:
             f"user {self.controller.user}",
             "topic readwrite fleetplan/#",
             "",
+            f"user {self.observer.user}",
+            "topic read fleetplan/#",
+            "",
         ]
         for host, agent in self.agents.items():
             lines += [
@@ -326,7 +331,7 @@ class MosquittoServer:
         from controller.atomic import atomic_write_text
 
         self.workdir.mkdir(parents=True, exist_ok=True)
-        users = [self.controller, *self.agents.values()]
+        users = [self.controller, self.observer, *self.agents.values()]
         # Hash a private temp copy, then rename it over the old file: a reader never sees plain text
         # or a half-written file.
         fd, tmp_name = tempfile.mkstemp(prefix=".passwd.", dir=self.workdir)
@@ -877,6 +882,12 @@ class Lab:
         return str(self._need(self.mosquitto, "mosquitto").controller_password)
 
     @property
+    def observer(self) -> MqttUser:
+        """Read-only MQTT credentials (fleetplan/#) that never share the controller's client id."""
+        observer: MqttUser = self._need(self.mosquitto, "mosquitto").observer
+        return observer
+
+    @property
     def prometheus_url(self) -> str:
         return str(self._need(self.prometheus, "prometheus").url)
 
@@ -935,6 +946,8 @@ class Lab:
                 "port": m.port,
                 "controller_user": m.controller_user,
                 "controller_password": m.controller_password,
+                "observer_user": m.observer.user,
+                "observer_password": m.observer.password,
                 "conf": str(m.conf_path),
                 "acl": str(m.acl_path),
             }
@@ -998,6 +1011,8 @@ class Lab:
                 Path(doc["mqtt"]["conf"]).parent, [h.name for h in hosts], int(doc["mqtt"]["port"])
             )
             m.controller = MqttUser(doc["mqtt"]["controller_user"], doc["mqtt"]["controller_password"])
+            if "observer_user" in doc["mqtt"]:
+                m.observer = MqttUser(doc["mqtt"]["observer_user"], doc["mqtt"]["observer_password"])
             m.agents = {h.name: MqttUser(h.mqtt_user, h.mqtt_password) for h in hosts}
             m.proc = _attached_proc("mosquitto", procs.get("mosquitto"))
             lab.mosquitto = m

@@ -30,8 +30,8 @@ class DesiredWatcher:
         self._task: asyncio.Task[None] | None = None
 
     async def _run(self) -> None:
-        async with aiomqtt.Client(self.lab.mqtt_host, self.lab.mqtt_port, username=self.lab.controller_user,
-                                  password=self.lab.controller_password,
+        async with aiomqtt.Client(self.lab.mqtt_host, self.lab.mqtt_port, username=self.lab.observer.user,
+                                  password=self.lab.observer.password,
                                   identifier=f"test-watch-{uuid.uuid4().hex[:8]}") as client:
             await client.subscribe(DESIRED_WILDCARD, qos=1)
             self.subscribed.set()
