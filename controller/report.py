@@ -111,33 +111,30 @@ async def start_report_server(ctrl: Any, listen: str, token: str | None) -> tupl
     return runner, f"http://{host}:{actual}"
 
 
-def fetch(url: str, path: str, token: str | None = None, timeout_s: float = 10.0) -> dict[str, Any]:
+def _call(method: str, url: str, path: str, token: str | None, timeout_s: float,
+          body: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """One request to the report API; errors name the URL and status (RuntimeError)."""
     import httpx
 
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        resp = httpx.get(url.rstrip("/") + path, headers=headers, timeout=timeout_s)
+        resp = httpx.request(method, url.rstrip("/") + path, headers=headers, timeout=timeout_s,
+                             json=dict(body) if body is not None else None)
     except httpx.HTTPError as exc:
         raise RuntimeError(f"controller report API at {url} unreachable: {exc}") from None
     if resp.status_code != 200:
         raise RuntimeError(f"{url}{path}: HTTP {resp.status_code}: {resp.text[:200]}")
     data: dict[str, Any] = resp.json()
     return data
+
+
+def fetch(url: str, path: str, token: str | None = None, timeout_s: float = 10.0) -> dict[str, Any]:
+    return _call("GET", url, path, token, timeout_s)
 
 
 def post(url: str, path: str, body: Mapping[str, Any], token: str | None = None,
          timeout_s: float = 10.0) -> dict[str, Any]:
-    import httpx
-
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    try:
-        resp = httpx.post(url.rstrip("/") + path, json=dict(body), headers=headers, timeout=timeout_s)
-    except httpx.HTTPError as exc:
-        raise RuntimeError(f"controller report API at {url} unreachable: {exc}") from None
-    if resp.status_code != 200:
-        raise RuntimeError(f"{url}{path}: HTTP {resp.status_code}: {resp.text[:200]}")
-    data: dict[str, Any] = resp.json()
-    return data
+    return _call("POST", url, path, token, timeout_s, body)
 
 
 def held_lines(plan: Mapping[str, Any] | None, model: str | None = None) -> list[str]:
