@@ -7,16 +7,20 @@ forecast = level + shape rise over the horizon + q-quantile of the short-horizon
   - "seasonal": >= 2 days of history: linear trend + daily harmonics (24 h, 12 h, 8 h), least
     squares over the whole history; the rise is max over the horizon of fit(now + tau) - fit(now);
   - "trend": >= 8 samples over >= 5 min and the slope of a line fitted to the last `TREND_S`
-    seconds is positive and significant (> `TREND_T` standard errors): rise = slope x horizon (a
-    falling trend is not extrapolated: the level follows the rate down);
+    seconds is positive and significant (> `TREND_T` standard errors) and the rate of the last
+    `LEVEL_S` is at least that span's mean: rise = slope x horizon (a falling trend is not
+    extrapolated: the level follows the rate down; nor a step up and back down, which fits a
+    rising line but has the rate below the line's span);
   - "level": enough history but no significant trend: rise = 0;
   - "current": fewer than `MIN_SAMPLES` history samples: the current rate alone;
 - residuals: for every pair of history samples (t_i, t_j) with 0 < t_j - t_i <= horizon in the
   last `RESID_S` seconds, r = y_j - level_i - (shape(t_j) - shape(t_i)): how far the rate came above
   the level it had, within the horizon. Their q-quantile (not the mean) is the safety margin; it
   is computed over recent pairs only, so a past peak does not keep the forecast up, and it is
-  capped by the largest rise seen in at least `MIN_RECUR` disjoint horizon windows, so one step
-  (1 -> 10 rps and back) never sets the margin alone, however short the history.
+  capped by the largest rise seen in two separate (not neighbouring) horizon windows, so one step
+  (1 -> 10 rps and back) never sets the margin alone, however short the history (a step's pairs
+  outnumber q's tail when the history is only a few horizons long: the q0.9 alone remembered a
+  10 rps step for the whole hour).
 The planner serves max(current, forecast).
 """
 
@@ -124,7 +128,10 @@ def forecast_rate(
     else:
         recent = t >= t[-1] - TREND_S
         b = 0.0 if len(t) < 8 or span < 300.0 else float(_slopes(t[recent], y[recent], TREND_S + 1.0, TREND_T)[-1])
-        if b > 0.0:  # a falling trend is not extrapolated: the level follows the rate down
+        # a falling trend is not extrapolated (the level follows the rate down), nor a rising line
+        # the rate no longer follows: a step up and back down fits a rising line over 15 min, but the
+        # rate now is below that span's mean
+        if b > 0.0 and float(np.mean(y[t >= -LEVEL_S])) >= float(np.mean(y[recent])):
             shape = b * t
             rise = max(0.0, b * h)
             method = "trend"
@@ -136,6 +143,7 @@ def forecast_rate(
     keep = t >= t[-1] - RESID_S
     tk, yk, lk, sk = t[keep], y[keep], levels[keep], shape[keep]
     resid: list[np.ndarray] = []
+    windows: list[np.ndarray] = []  # per pair, the horizon-long window its first sample falls in
     if h > 0:
         for d in range(1, len(tk)):
             dt = tk[d:] - tk[:-d]
@@ -146,14 +154,40 @@ def forecast_rate(
                 continue
             r = yk[d:] - lk[:-d] - (sk[d:] - sk[:-d])
             resid.append(r[ok])
+            windows.append(np.floor((tk[:-d][ok] - tk[0]) / h).astype(np.int64))
     margin = 0.0
     if resid:
         allr = np.concatenate(resid)
         if len(allr) >= 4:
             margin = max(0.0, float(np.quantile(allr, quantile)))
+            margin = min(margin, _recurring_rise(allr, np.concatenate(windows)))
 
     value = level + rise + margin
     return Forecast(max(value, 0.0), method, horizon_s, quantile, level, rise, margin)
+
+
+def _recurring_rise(rises: np.ndarray, windows: np.ndarray) -> float:
+    """The largest rise seen in two separate events: per disjoint horizon window the largest rise
+    starting in it, then the largest value reached by two windows that are not neighbours. One step
+    up (1 -> 10 rps) spans at most two neighbouring windows, so it never sets the margin alone;
+    rises that come back (bursty traffic) do. No two separate windows yet: no cap (inf).
+
+    >>> _recurring_rise(np.array([9.0, 9.0, 0.5, 0.4, 0.6]), np.array([3, 4, 0, 1, 2]))
+    0.6
+    >>> _recurring_rise(np.array([9.0, 0.5, 8.0, 0.4]), np.array([0, 1, 2, 3]))
+    8.0
+    """
+    best = np.full(int(windows.max()) + 1, -np.inf)
+    np.maximum.at(best, windows, rises)
+    idx = np.flatnonzero(np.isfinite(best))
+    out = -np.inf
+    for a in range(len(idx)):
+        for b in range(a + 1, len(idx)):
+            if idx[b] - idx[a] >= 2:
+                out = max(out, min(float(best[idx[a]]), float(best[idx[b]])))
+    if not np.isfinite(out):
+        return math.inf  # two horizons of history or less cannot tell a step from a recurrence
+    return max(0.0, out)
 
 
 def recent_level_max(

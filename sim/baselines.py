@@ -204,9 +204,17 @@ def _concurrency(profiles: ProfileSet, policy: Policy, c: ConfigKey, isl: float,
         return 1.0
     try:
         pred = mp.predict(prof, mp.Workload(isl=isl, osl=osl), rate_rps=rate)
+        conc = float(pred.concurrency)
     except (ValueError, ArithmeticError):
-        return 1.0
-    return max(1.0, float(pred.concurrency))
+        conc = math.nan
+    if not math.isfinite(conc):
+        # the profile cannot say (saturated at that rate on its own terms): a team would use Little's
+        # law on the SLO's latency budget; an infinite target froze the HPA at its first size
+        m = policy.model(c.model)
+        if m is None:
+            return 1.0
+        conc = rate * (m.slo.ttft_p99_ms + osl * m.slo.itl_p99_ms) / 1000.0
+    return max(1.0, conc)
 
 
 def peak_rate(trace: Trace, window_s: float = 60.0) -> float:

@@ -66,3 +66,26 @@ def test_forecast_falls_back_to_the_level_after_a_peak() -> None:
     flat = tuple((NOW - 2400 + 30 * i, 20.0 + (2.0 if i % 2 else -2.0)) for i in range(81))
     g = forecast_rate(flat, 20.0, NOW, 150, 0.9)
     assert g.method == "level" and 21.0 < g.rate_rps < 23.0
+
+
+def _step_history(step_rps: float, after_s: float) -> tuple[tuple[float, float], ...]:
+    # 10 min at 1 rps, 5 min at step_rps, then `after_s` back at 1 rps; a sample every 15 s
+    span = 900 + after_s
+    return tuple((NOW - span + 15 * i, step_rps if 600 <= 15 * i < 900 else 1.0) for i in range(int(span / 15) + 1))
+
+
+def test_one_step_is_not_remembered_by_the_margin() -> None:
+    # issue 12 (seen on a real vLLM): load fell from 10 to 1 rps and 2.5 min later the forecast still
+    # said ~9.8 rps: the q0.9 of the rises was the one step up. The level follows the rate down in
+    # ~90 s and one step, seen once, does not set the margin.
+    for horizon_s in (120.0, 300.0):  # the q0.9 alone said 6.0 and 10.4 rps here
+        f = forecast_rate(_step_history(10.0, 150.0), 1.0, NOW, horizon_s, 0.9)
+        assert f.level_rps == pytest.approx(1.0)
+        assert f.rate_rps < 1.5, f
+
+
+def test_rises_that_recur_keep_their_margin() -> None:
+    # the same +9 rps rise every 5 minutes is traffic's shape, not one step: it stays in the margin
+    hist = tuple((NOW - 3600 + 15 * i, 10.0 if (15 * i) % 300 >= 150 else 1.0) for i in range(240))
+    f = forecast_rate(hist, 1.0, NOW, 120, 0.9)
+    assert f.margin_rps > 8.0, f

@@ -185,3 +185,22 @@ def test_oracle_bulk_on_cheapest_per_unit_remainder_on_cheapest_cover() -> None:
     assert o.gpus_per_window == (5, 5)  # 2 x TP2 (50 rps) + 1 x TP1 (10 rps), not 3 x TP2
     assert o.gpu_hours == pytest.approx(5 * 120.0 / 3600.0, rel=1e-6)
     assert o.cost_usd == pytest.approx(2.0 * o.gpu_hours)
+
+
+def test_hpa_target_stays_finite_when_the_profile_saturates() -> None:
+    # a profile that saturates below the target rate (long prompts, small KV) once gave the HPA an
+    # infinite concurrency target: it never scaled up (mooncake-long: 1 replica, 1.3% attainment).
+    # Little's law on the SLO's latency budget is what a team would set instead.
+    from models import profile as mp
+    from models.profile import ProfileSet
+    from sim.baselines import _concurrency
+    from tests.unit.planner.planner_helpers import BF16, H100, VLLM, policy
+
+    small_kv = mp.PerfProfile(mp.ProfileKey("m8", VLLM, H100, 1, BF16),
+                              mp.PerfParams(s0_ms=9.0, s1_ms=0.05, s2_ms=0.0002, p0_ms=5.0, p1_ms=0.06,
+                                            p2_ms=2e-7, q=1.0), kv_tokens=1000.0)
+    pol = policy(models=("m8",), tps={"m8": [1]})
+    m = pol.model("m8")
+    assert m is not None
+    conc = _concurrency(ProfileSet((small_kv,)), pol, ConfigKey("m8", VLLM, H100, 1, BF16), 12000, 343, 1.0)
+    assert conc == pytest.approx(1.0 * (m.slo.ttft_p99_ms + 343 * m.slo.itl_p99_ms) / 1000.0)

@@ -1,0 +1,22 @@
+"""The worked examples in the pure cores' docstrings are executed: an example that drifts from the
+code fails here instead of misleading the next reader."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import pkgutil
+
+import pytest
+
+import models
+import planner
+
+MODULES = sorted(f"{pkg.__name__}.{m.name}" for pkg in (planner, models)
+                 for m in pkgutil.iter_modules(pkg.__path__))
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples_hold(name: str) -> None:
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0, f"{name}: {result.failed} of {result.attempted} examples failed"
