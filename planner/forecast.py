@@ -17,8 +17,9 @@ forecast = level + shape rise over the horizon + q-quantile of the short-horizon
   last `RESID_S` seconds, r = y_j - level_i - (shape(t_j) - shape(t_i)): how far the rate came above
   the level it had, within the horizon. Their q-quantile (not the mean) is the safety margin; it
   is computed over recent pairs only, so a past peak does not keep the forecast up, and it is
-  capped by the largest rise seen in two separate (not neighbouring) horizon windows, so one step
-  (1 -> 10 rps and back) never sets the margin alone, however short the history (a step's pairs
+  capped by the largest rise seen in two separate (not neighbouring) horizon windows once the rate
+  has given back at least half of the rise it discounts, so one step (1 -> 10 rps and back) never holds the
+  margin after it, however short the history (a step's pairs
   outnumber q's tail when the history is only a few horizons long: the q0.9 alone remembered a
   10 rps step for the whole hour).
 The planner serves max(current, forecast).
@@ -160,7 +161,12 @@ def forecast_rate(
         allr = np.concatenate(resid)
         if len(allr) >= 4:
             margin = max(0.0, float(np.quantile(allr, quantile)))
-            margin = min(margin, _recurring_rise(allr, np.concatenate(windows)))
+            recurring = _recurring_rise(allr, np.concatenate(windows))
+            # a one-off rise that took the rate to where it still is stays (a new level, maybe still
+            # climbing: the safe side); once the rate has given back at least half of it (more than
+            # noise around a new level), it no longer holds the forecast (and the scale-down) up
+            if recurring < margin and level + recurring < float(np.max(lk)) - 0.5 * (margin - recurring):
+                margin = recurring
 
     value = level + rise + margin
     return Forecast(max(value, 0.0), method, horizon_s, quantile, level, rise, margin)
