@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import replace
 
 from models.mix import LengthMix, speed_from_latency
 from models.profile import PerfProfile
@@ -68,6 +69,43 @@ def _kalman(mean: float, var: float, z: float | None, r: float) -> tuple[float, 
     return mean + step, (1.0 - k) * var
 
 
+RELAX_S = 24 * 3600.0  # without evidence a correction relaxes toward the profile (e-folding time)
+
+
+def _relaxed(mean: float, var: float, prior_var: float, age_s: float) -> tuple[float, float]:
+    """The estimate `age_s` after its last evidence: ln(speed) as a mean-reverting process, so a
+    config the plan stopped running (after a slow spell: another engine version, a bad host) is
+    tried again within a day instead of never; its variance grows back to the prior's. (Applied
+    every cycle, it also pulls a steadily observed estimate toward 0 by ~1% of its size: slower
+    relaxation would be the same process with a wider prior.)
+
+    >>> m, v = _relaxed(-0.4, 0.01, 0.0625, 12 * 3600.0)
+    >>> round(m, 3), round(v, 4)
+    (-0.243, 0.0432)
+    """
+    k = math.exp(-max(age_s, 0.0) / RELAX_S)
+    return mean * k, prior_var + (var - prior_var) * k * k
+
+
+def _evidence(config: ConfigKey, prof: PerfProfile, o: ModelObservation | None,
+              w: MixedWorkload | None) -> tuple[float | None, float | None, float] | None:
+    """(ln speed from TTFT, from ITL, the measurement variance) of this window, or None."""
+    if o is None or o.stale or w is None:
+        return None
+    ev = next((c for c in o.configs if c.config == config), None)
+    if ev is None or ev.ready_replicas < 1 or ev.rate_rps is None or ev.requests < MIN_REQUESTS:
+        return None
+    if not (math.isfinite(ev.rate_rps) and ev.rate_rps >= 0):
+        return None
+    mix: LengthMix = mix_for(prof, w)
+    per_replica = ev.rate_rps / ev.ready_replicas
+    z_t = _log_speed(prof, mix, per_replica, ev.ttft_p99_ms, itl=False)
+    z_i = _log_speed(prof, mix, per_replica, ev.itl_p99_ms, itl=True)
+    if z_t is None and z_i is None:
+        return None
+    return z_t, z_i, OBS_VAR + OBS_VAR_PER_REQUEST / max(ev.requests, 1.0)
+
+
 def update_corrections(
     previous: Mapping[ConfigKey, Correction],
     observations: Mapping[str, ModelObservation],
@@ -76,44 +114,50 @@ def update_corrections(
     extrapolating: Mapping[ConfigKey, tuple[str, ...]],
     now_s: float,
 ) -> dict[ConfigKey, Correction]:
-    """The corrections after this cycle's windows (configs without evidence keep theirs)."""
+    """The corrections after this cycle's windows; a config without evidence keeps its estimate,
+    and what the plan applies of it relaxes toward the profile (RELAX_S)."""
     out: dict[ConfigKey, Correction] = dict(previous)
     for config, prof in sorted(profiles.items()):
-        o = observations.get(config.model)
-        if o is None or o.stale:
-            continue
-        ev = next((c for c in o.configs if c.config == config), None)
-        if ev is None or ev.ready_replicas < 1 or ev.rate_rps is None or ev.requests < MIN_REQUESTS:
-            continue
-        if not (math.isfinite(ev.rate_rps) and ev.rate_rps >= 0):
-            continue
-        w = workloads.get(config.model)
-        if w is None:
-            continue
-        mix: LengthMix = mix_for(prof, w)
-        per_replica = ev.rate_rps / ev.ready_replicas
-        z_t = _log_speed(prof, mix, per_replica, ev.ttft_p99_ms, itl=False)
-        z_i = _log_speed(prof, mix, per_replica, ev.itl_p99_ms, itl=True)
-        if z_t is None and z_i is None:
-            continue
+        extra = bool(extrapolating.get(config))
+        var0 = _prior_sd(extra) ** 2
         prev = out.get(config)
+        evidence = _evidence(config, prof, observations.get(config.model), workloads.get(config.model))
+        if evidence is None:
+            if prev is not None and prev.observations and prev.updated_s is not None:
+                a_t, a_i = _applied_logs(prev, extra, var0, now_s)
+                out[config] = replace(prev, applied_ttft_log=a_t, applied_itl_log=a_i)
+            continue
+        z_t, z_i, r = evidence
         if prev is None or prev.observations == 0:
-            var0 = _prior_sd(bool(extrapolating.get(config))) ** 2
             prev = Correction(config, 0.0, var0, 0.0, var0, 0, None, None)
-        r = OBS_VAR + OBS_VAR_PER_REQUEST / max(ev.requests, 1.0)
-        t_log, t_var = _kalman(prev.ttft_log, prev.ttft_var + DRIFT_VAR, z_t, r)
-        i_log, i_var = _kalman(prev.itl_log, prev.itl_var + DRIFT_VAR, z_i, r)
+        age_s = now_s - prev.updated_s if prev.updated_s is not None else 0.0
+        t0, tv0 = _relaxed(prev.ttft_log, prev.ttft_var, var0, age_s)
+        i0, iv0 = _relaxed(prev.itl_log, prev.itl_var, var0, age_s)
+        t_log, t_var = _kalman(t0, tv0 + DRIFT_VAR, z_t, r)
+        i_log, i_var = _kalman(i0, iv0 + DRIFT_VAR, z_i, r)
         notable = abs(t_log) > NOTABLE or abs(i_log) > NOTABLE
         since = (prev.since_s if prev.since_s is not None else now_s) if notable else None
-        extra = bool(extrapolating.get(config))
-        a_t = _hysteresis(prev.applied_ttft_log if prev.observations else None,
-                          _deadband(_applied(t_log, t_var, extra and t_var > CONFIRMED_SD ** 2), extra))
-        a_i = _hysteresis(prev.applied_itl_log if prev.observations else None,
-                          _deadband(_applied(i_log, i_var, extra and i_var > CONFIRMED_SD ** 2), extra))
-        out[config] = Correction(config, t_log, t_var, i_log, i_var, prev.observations + 1, since, now_s,
-                                 math.exp(z_t) if z_t is not None else None,
-                                 math.exp(z_i) if z_i is not None else None, a_t, a_i)
+        nxt = Correction(config, t_log, t_var, i_log, i_var, prev.observations + 1, since, now_s,
+                         math.exp(z_t) if z_t is not None else None,
+                         math.exp(z_i) if z_i is not None else None,
+                         prev.applied_ttft_log, prev.applied_itl_log)
+        a_t, a_i = _applied_logs(nxt, extra, var0, now_s, first=prev.observations == 0)
+        out[config] = replace(nxt, applied_ttft_log=a_t, applied_itl_log=a_i)
     return out
+
+
+def _applied_logs(c: Correction, extra: bool, var0: float, now_s: float, *,
+                  first: bool = False) -> tuple[float, float]:
+    """What the plan applies of an estimate at `now_s` (relaxed since its last evidence): the
+    conservative side while extrapolating, the deadband inside the data, hysteresis on top."""
+    age_s = now_s - c.updated_s if c.updated_s is not None else 0.0
+    t_log, t_var = _relaxed(c.ttft_log, c.ttft_var, var0, age_s)
+    i_log, i_var = _relaxed(c.itl_log, c.itl_var, var0, age_s)
+    a_t = _hysteresis(None if first else c.applied_ttft_log,
+                      _deadband(_applied(t_log, t_var, extra and t_var > CONFIRMED_SD ** 2), extra))
+    a_i = _hysteresis(None if first else c.applied_itl_log,
+                      _deadband(_applied(i_log, i_var, extra and i_var > CONFIRMED_SD ** 2), extra))
+    return a_t, a_i
 
 
 # ln: a profile used inside its data is not corrected within its fit error plus a window's p99 noise:

@@ -107,3 +107,16 @@ def test_an_extrapolating_profile_is_conservative_until_observed() -> None:
     assert speeds[KEY].ttft < 0.7 and speeds[KEY].itl < 0.7
     assert "conservative" in speeds[KEY].note
     assert applied_speeds({}, {KEY: TRUE}, {}) == {}
+
+
+def test_a_correction_without_evidence_relaxes_toward_the_profile() -> None:
+    # a config the plan stopped running after a slow spell keeps its correction for a while, then is
+    # trusted again (tried again) instead of never: the estimate relaxes over RELAX_S without evidence
+    slow = Correction(KEY, -0.4, 0.005, -0.4, 0.005, 12, 0.0, 0.0, 0.67, 0.67, -0.4, -0.4)
+    nothing = {"m8": ModelObservation("m8", 5.0, 500.0, 200.0)}
+    soon = update_corrections({KEY: slow}, nothing, {KEY: TRUE}, {"m8": MixedWorkload(500.0, 200.0)}, {}, 600.0)
+    assert soon[KEY].applied_ttft_log == pytest.approx(-0.4)
+    later = update_corrections({KEY: slow}, nothing, {KEY: TRUE}, {"m8": MixedWorkload(500.0, 200.0)}, {},
+                               86_400.0)
+    assert later[KEY].applied_ttft_log == 0.0 and later[KEY].applied_itl_log == 0.0
+    assert later[KEY].ttft_log == -0.4  # the evidence itself is kept (report: what was seen, when)
