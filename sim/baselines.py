@@ -12,7 +12,8 @@
   minutes wins), scale-up at most max(4 pods, 100%) per 15 s. Metric: requests in the engine per
   READY replica (vllm:num_requests_running + vllm:num_requests_waiting, as scraped); target: the
   concurrency one replica holds at 80% of its SLO capacity (the profile's prediction at that
-  rate, Little's law). Pods still starting count in `current` but not in the metric.
+  rate, Little's law; where the profile saturates at that rate, Little's law on the SLO's latency
+  budget, TTFT + output x ITL). Pods still starting count in `current` but not in the metric.
 - oracle: per window (the policy's cycle period) ceil(true arrival rate / ground-truth max rate of
   one replica at the SLO) replicas of the config with the lowest $ per unit of ground-truth
   capacity (the last partial replica's worth on whichever config covers it cheapest); perfect
