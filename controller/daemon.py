@@ -71,6 +71,16 @@ from controller.protocol import (
     parse_status,
 )
 from controller.state import ActionStatus, Phase, ReplicaRow, StateStore
+from planner import act
+from planner.act import (
+    ActDecision,
+    ActSettings,
+    ActView,
+    BuildState,
+    HostReport,
+    ReportedBuild,
+    ReportedReplica,
+)
 
 log = logging.getLogger(__name__)
 audit_log = logging.getLogger("fleetplan.audit")  # one JSON line per cycle (the audit trail)
@@ -199,8 +209,6 @@ class Clock:
             return wall_s
         return self.origin_sim + (wall_s - self.origin_wall) * self.time_scale
 
-
-_RID_IN_ERROR = re.compile(r"replica ([A-Za-z0-9_-]+)")
 
 
 def _engine_metrics_path(engine: str) -> str:
@@ -347,6 +355,30 @@ class MqttLink:
 
 # ---------------------------------------------------------------------------------------------
 # the controller
+
+
+def retained_replica(d: Any) -> ReportedReplica:
+    """A replica a retained desired state names (what this controller once asked for)."""
+    from planner.types import ReplicaState
+
+    return ReportedReplica(d.replica_id, ReplicaState.STARTING, d.model, d.engine.value,
+                           d.gpu.value if d.gpu is not None else None, d.tp, d.precision.value,
+                           tuple(d.gpu_indices), d.port, d.template)
+
+
+def host_report(st: HostStatus) -> HostReport:
+    """The act core's view of one agent status (protocol types stay at the edge)."""
+    from planner.types import ReplicaState
+
+    return HostReport(
+        st.host, st.online, st.gpu.value if st.gpu is not None else None, st.gpu_count, st.port_range,
+        tuple(st.templates), tuple(st.build_templates),
+        tuple(ReportedReplica(r.replica_id, ReplicaState(r.state.value), r.model, r.engine.value,
+                              r.gpu.value if r.gpu is not None else None, r.tp, r.precision.value,
+                              tuple(r.gpu_indices), r.port, r.template) for r in st.replicas),
+        tuple(ReportedBuild(b.build_id, BuildState(b.state.value), tuple(b.gpu_indices), b.error)
+              for b in st.builds),
+    )
 
 
 @dataclass
@@ -702,10 +734,12 @@ class Controller:
         from planner.types import ConfigKey, EngineBuild, Fleet, HostInventory, Replica, ReplicaState
 
         hosts = []
+        view = self.act_view()
         for host, st in sorted(self.statuses.items()):
             if st.gpu is None or st.gpu_count is None:
                 continue
-            hosts.append(HostInventory(host, st.gpu, st.gpu_count, st.nvlink_groups, self.host_online(host)))
+            hosts.append(HostInventory(host, st.gpu, st.gpu_count, st.nvlink_groups, self.host_online(host),
+                                       act.held_gpus(view, host)))
         rep = self.reported()
         replicas = []
         for row in self.store.active_replicas():
@@ -820,398 +854,72 @@ class Controller:
             await self._rejected(host, version, payload, list(ack.errors))
 
     async def _rejected(self, host: str, version: int, payload: dict[str, Any], errors: list[str]) -> None:
-        """The agent rejected the whole desired state: drop the replicas it names (or every replica
-        this controller has not yet seen acked on that host), alert, and republish."""
-        text = "; ".join(errors) or "no reason given"
-        self.runtime_alerts[f"rejected/{host}"] = f"host {host} rejected desired v{version}: {text}"
-        log.error("host %s rejected desired v%s: %s", host, version, text)
-        named = {m.group(1) for e in errors for m in _RID_IN_ERROR.finditer(e)}
-        rows = [r for r in self.store.active_replicas() if r.host == host]
-        bad = [r for r in rows if r.replica_id in named] or [r for r in rows if r.ready_s is None]
-        if not bad:
-            return
-        with self.store.tx() as c:
-            for r in bad:
-                self.store.set_phase(c, r.replica_id, Phase.REMOVED)
-                self.store.add_action(c, cycle_id=None, kind="start", replica_id=r.replica_id, host=host,
-                                      model=r.model, status=ActionStatus.FAILED, reason="rejected by agent",
-                                      detail=text)
-        await self.publish_hosts({host})
+        """The agent rejected the whole desired state (act.rejected decides what leaves it)."""
+        d = act.rejected(self.act_view(), host, version, errors)
+        log.error("%s", d.alerts.get(f"rejected/{host}", f"host {host} rejected desired v{version}"))
+        self.apply(d, None)
+        if d.publish:
+            await self.publish_hosts(set(d.publish))
 
-    # ---- reconcile -----------------------------------------------------------------------------
+    # ---- acting: inputs to the act core (planner/act.py) and its effects ----------------------
+    def act_view(self) -> ActView:
+        """What the act core decides on: the hosts' last reports and this controller's records."""
+        s = self.settings
+        connected = self._connected_wall if self.link.connected.is_set() else None
+        return ActView(
+            now_s=time.time(), hosts={h: host_report(st) for h, st in self.statuses.items()},
+            replicas=tuple(self.store.active_replicas()), builds=tuple(self.store.builds((Phase.DESIRED,))),
+            desired=self.store.desired_rows(), known_ids=frozenset(self.store.known_ids()),
+            settings=ActSettings(s.ready_timeout_s, s.ack_timeout_s, s.host_offline_grace_s,
+                                 s.default_port_range, dict(s.templates)),
+            retained={h: tuple(retained_replica(r) for r in d.replicas) for h, d in self.retained_desired.items()},
+            connected_since_s=connected, republish_all=self._republish_all, noted=frozenset(self._builds_noted),
+        )
+
+    def apply(self, d: ActDecision, cycle_id: int | None) -> None:
+        """Persist the decision's effects (one transaction), count its actions, raise/clear alerts."""
+        for note in self.store.apply(d.effects, cycle_id):
+            self.metrics.actions.labels(note.kind, note.status).inc()
+        for key, text in d.alerts.items():
+            if key.startswith("orphan/") and key not in self.runtime_alerts:
+                log.warning("%s", text)
+            self.runtime_alerts[key] = text
+        for key in d.cleared:
+            self.runtime_alerts.pop(key, None)
+        self._builds_noted |= set(d.noted)
+
     async def reconcile(self) -> None:
         """Bring the database in line with what the agents report (before planning)."""
-        now = time.time()
-        changed: set[str] = set()
-        changed.update(self.adopt_orphans())
-        changed.update(self._pending_publish)
-        self._pending_publish.clear()
-        known = self.store.known_ids()
-        active = {r.replica_id: r for r in self.store.active_replicas()}
         for host, st in self.statuses.items():
-            if not st.online:
-                continue
-            self.store.note_version_floor(host, st.desired_version)
-            for rs in st.replicas:
-                if rs.replica_id not in known:
-                    continue
-                row = active.get(rs.replica_id)
-                if row is None:
-                    continue
-                if rs.state.value == "ready" and row.ready_s is None:
-                    self.store.mark_ready(row.replica_id)
-                    self.store.update_actions_for(
-                        row.replica_id, "start", (ActionStatus.PUBLISHED, ActionStatus.ACKED), ActionStatus.DONE,
-                        "ready",
-                    )
-        # engine builds: done -> out of the desired state (the agent now lists the engine); failed -> alert
-        for b in self.store.builds((Phase.DESIRED,)):
-            bst = self.statuses.get(b.host)
-            bs = next((x for x in bst.builds if x.build_id == b.build_id), None) if bst is not None else None
-            if bs is None or bs.state.value not in ("done", "failed"):
-                continue
-            ok = bs.state.value == "done"
-            with self.store.tx() as c:
-                self.store.finish_build(c, b.build_id, "done" if ok else f"failed: {bs.error}")
-                c.execute(
-                    "UPDATE actions SET status=?, updated_s=?, detail=? WHERE replica_id=? AND kind='build'",
-                    (ActionStatus.DONE if ok else ActionStatus.FAILED, time.time(),
-                     "engine built" if ok else f"build failed: {bs.error}", b.build_id),
-                )
-            if not ok:
-                self.runtime_alerts[f"build/{b.build_id}"] = (
-                    f"engine build {b.build_id} ({b.model} {b.engine} {b.gpu} tp{b.tp}) failed on {b.host}: {bs.error}"
-                )
-            changed.add(b.host)
-        # replicas that never became ready
-        rep = self.reported()
-        for row in self.store.replicas((Phase.DESIRED,)):
-            if row.ready_s is not None or now - row.created_s < self.settings.ready_timeout_s:
-                continue
-            seen = rep.get(row.replica_id)
-            if seen is not None and seen[1].state.value == "ready":
-                continue
-            with self.store.tx() as c:
-                self.store.set_phase(c, row.replica_id, Phase.REMOVED)
-                self.store.add_action(c, cycle_id=None, kind="stop", replica_id=row.replica_id, host=row.host,
-                                      model=row.model, status=ActionStatus.DONE,
-                                      reason=f"not ready after {self.settings.ready_timeout_s:.0f} s")
-            self.runtime_alerts[f"ready/{row.replica_id}"] = (
-                f"replica {row.replica_id} ({row.model} on {row.host}) not ready after "
-                f"{self.settings.ready_timeout_s:.0f} s; removed"
-            )
-            changed.add(row.host)
-        # desired states not published or not acked in time: republish
-        for host, d in self.store.desired_rows().items():
-            if self._republish_all:
-                changed.add(host)
-            elif d.published_s is None or (
-                d.acked_version != d.version and now - d.published_s > self.settings.ack_timeout_s
-            ):
-                changed.add(host)
-        if self._republish_all:
-            self._republish_all = False
+            if st.online:
+                self.store.note_version_floor(host, st.desired_version)
+        d = act.reconcile(self.act_view())
+        self.apply(d, None)
+        changed = set(d.publish) | self._pending_publish
+        self._pending_publish.clear()
+        self._republish_all = False
         if changed and self.link.connected.is_set():
             await self.publish_hosts(changed)
 
     def adopt_orphans(self) -> set[str]:
-        """Adopt engines the agents run that this database never allocated; returns the hosts whose
-        desired state changed (published by the next reconcile)."""
-        known = self.store.known_ids()
-        active = {r.replica_id: r for r in self.store.active_replicas()}
-        changed: set[str] = set()
-        for host, st in self.statuses.items():
-            if not st.online:
-                continue
-            for rs in st.replicas:
-                if rs.replica_id not in known and self._adopt(host, rs, active):
-                    known.add(rs.replica_id)
-                    active = {r.replica_id: r for r in self.store.active_replicas()}
-                    changed.add(host)
-        self._pending_publish.update(changed)
-        return changed
+        """Adopt engines the agents run that this database never allocated (act.adopt); returns the
+        hosts whose desired state changed (published by the next reconcile)."""
+        d = act.adopt(self.act_view())
+        self.apply(d, None)
+        self._pending_publish.update(d.publish)
+        return set(d.publish)
 
-    def _adopt(self, host: str, rs: Any, active: Mapping[str, ReplicaRow]) -> bool:
-        """An engine this database never allocated (a lost database): adopt it when a desired state this
-        controller published names it (the broker's retained desired state for the host: only the
-        controller may write it) with the same model, engine, GPUs and port, and it conflicts with
-        nothing. A replica an agent reports that no controller asked for is never adopted."""
-        if rs.state.value not in ("starting", "ready"):
-            return False
-        retained = self.retained_desired.get(host)
-        asked = next((d for d in retained.replicas if d.replica_id == rs.replica_id), None) if retained else None
-        if asked is None or (asked.model, asked.engine, asked.tp, asked.precision, tuple(asked.gpu_indices),
-                             asked.port) != (rs.model, rs.engine, rs.tp, rs.precision, tuple(rs.gpu_indices),
-                                             rs.port) or (rs.gpu is not None and rs.gpu != asked.gpu):
-            key = f"orphan/{rs.replica_id}"
-            if key not in self.runtime_alerts:
-                log.warning("replica %s reported by %s (%s, port %s, GPUs %s) matches no desired state this "
-                            "controller published; not adopted", rs.replica_id, host, rs.model, rs.port,
-                            list(rs.gpu_indices))
-            self.runtime_alerts[key] = (
-                f"unknown replica {rs.replica_id} reported by {host} matches no desired state this controller "
-                "published; not adopted (not routed, not counted)"
-            )
-            return False
-        mine = [r for r in active.values() if r.host == host]
-        used_gpus = {g for r in mine for g in r.gpu_indices}
-        used_ports = {r.port for r in mine}
-        if used_gpus & set(rs.gpu_indices) or rs.port in used_ports:
-            self.runtime_alerts[f"orphan/{rs.replica_id}"] = (
-                f"unknown replica {rs.replica_id} on {host} conflicts with planned replicas; not adopted "
-                "(the agent stops it)"
-            )
-            return False
-        gpu = rs.gpu.value if rs.gpu is not None else (self.statuses[host].gpu or "")
-        now = time.time()
-        row = ReplicaRow(
-            rs.replica_id, host, self.canonical(rs.model), rs.engine.value, str(gpu), rs.tp, rs.precision.value,
-            tuple(rs.gpu_indices), rs.port, rs.template or self.template_for(host, rs.engine.value), Phase.DESIRED,
-            "adopted", now, now, None, now if rs.state.value == "ready" else None,
-        )
-        with self.store.tx() as c:
-            self.store.insert_replica(c, row)
-            self.store.add_action(c, cycle_id=None, kind="adopt", replica_id=rs.replica_id, host=host,
-                                  model=row.model, status=ActionStatus.DONE,
-                                  reason="running engine unknown to the controller: adopted")
-        log.warning("adopted unknown replica %s on %s", rs.replica_id, host)
-        return True
-
-    def template_for(self, host: str, engine: str) -> str:
-        if engine in self.settings.templates:
-            return self.settings.templates[engine]
-        st = self.statuses.get(host)
-        names = list(st.templates) if st is not None else []
-        for pick in (lambda n: n == engine, lambda n: n.startswith(engine), lambda n: engine in n):
-            for n in names:
-                if pick(n):
-                    return n
-        return engine
-
-    # ---- acting --------------------------------------------------------------------------------
     async def execute(self, cycle_id: int, result: Any) -> dict[str, int]:
-        from planner.types import ActionKind
-
-        counts = {"start": 0, "drain": 0, "stop": 0, "deferred": 0}
-        if not self.link.connected.is_set():
-            self.runtime_alerts["mqtt"] = f"not connected to MQTT ({self.link.last_error}); not acting"
-            for a in result.actions:
-                self._record(cycle_id, a, ActionStatus.DEFERRED, "MQTT down")
-            counts["deferred"] += len(result.actions)
-            return counts
-        self.runtime_alerts.pop("mqtt", None)
-        # after a (re)start, act only on a complete view: every host we have desired state for must
-        # have reported (retained status arrives right after subscribing; the grace covers dead agents)
-        missing = sorted(set(self.store.desired_rows()) - set(self.statuses))
-        if missing and time.time() - self._connected_wall < self.settings.host_offline_grace_s:
-            for a in result.actions:
-                self._record(cycle_id, a, ActionStatus.DEFERRED, f"waiting for status from {', '.join(missing)}")
-            counts["deferred"] += len(result.actions)
-            return counts
-        active = {r.replica_id: r for r in self.store.active_replicas()}
-        rep = self.reported()
-        changed: set[str] = set()
-        started_models: set[str] = set()
-        for a in result.actions:
-            if a.kind == ActionKind.START:
-                ok = self._stage_start(cycle_id, a, active, rep)
-                if ok:
-                    counts["start"] += 1
-                    changed.add(a.replica.host)
-                    started_models.add(a.replica.config.model)
-                else:
-                    counts["deferred"] += 1
-            elif a.kind == ActionKind.BUILD:
-                if self._stage_build(cycle_id, a, active, rep):
-                    counts["build"] = counts.get("build", 0) + 1
-                    changed.add(a.replica.host)
-                else:
-                    counts["deferred"] += 1
-        if changed:
-            await self.publish_hosts(changed)
-        # start before stop: a model with replicas still starting keeps its serving replicas
-        active = {r.replica_id: r for r in self.store.active_replicas()}
-        starting_models = {r.model for r in active.values() if r.phase == Phase.DESIRED and r.ready_s is None}
-        removed_hosts: set[str] = set()
-        draining: list[str] = []
-        for a in result.actions:
-            if a.kind not in (ActionKind.DRAIN, ActionKind.STOP):
-                continue
-            rid = a.replica.replica_id
-            row = active.get(rid)
-            if row is None or row.phase == Phase.DRAINING or rid in draining:
-                continue  # unknown / already removed / drain in progress
-            serving = row.ready_s is not None and a.replica.state.value == "ready"
-            if not serving:
-                # never served (starting, failed, stopped): nothing to drain
-                with self.store.tx() as c:
-                    self.store.set_phase(c, rid, Phase.REMOVED)
-                    self._record(cycle_id, a, ActionStatus.DONE, "removed (not serving)", conn=c, kind="stop")
-                    c.execute("UPDATE actions SET status='cancelled', updated_s=? WHERE replica_id=? AND "
-                              "kind='start' AND status IN (?, ?)",
-                              (time.time(), rid, ActionStatus.PUBLISHED, ActionStatus.ACKED))
-                counts["stop"] += 1
-                removed_hosts.add(row.host)
-                continue
-            others_starting = row.model in starting_models and any(
-                r.model == row.model and r.ready_s is None and r.replica_id != rid for r in active.values()
-            )
-            if others_starting:
-                self._record(cycle_id, a, ActionStatus.DEFERRED, "start before stop: a replica of this model is "
-                             "still starting")
-                counts["deferred"] += 1
-                continue
-            with self.store.tx() as c:
-                self.store.set_phase(c, rid, Phase.DRAINING)
-                self._record(cycle_id, a, ActionStatus.PUBLISHED, "draining: removed from routing", conn=c,
-                             kind="drain")
-            draining.append(rid)
-            counts["drain"] += 1
-        if removed_hosts:
-            await self.publish_hosts(removed_hosts)
-        if draining:
+        """The act core's effects of the plan's actions: rows committed, then published, then drains."""
+        d = act.execute(self.act_view(), result.actions)
+        self.apply(d, cycle_id)
+        if d.publish_first or d.publish:
+            await self.publish_hosts(set(d.publish_first | d.publish))
+        if d.drains:
             await self.update_routing()  # out of the upstream (nginx reloaded) before waiting
-            for rid in draining:
+            for rid in d.drains:
                 self._start_drain(rid)
-        return counts
-
-    def _record(self, cycle_id: int | None, a: Any, status: str, detail: str, *, conn: Any = None,
-                kind: str | None = None) -> int:
-        aid = self.store.add_action(
-            conn, cycle_id=cycle_id, kind=kind or a.kind.value, replica_id=a.replica.replica_id,
-            host=a.replica.host, model=a.replica.config.model, status=status, reason=a.reason, detail=detail,
-        )
-        self.metrics.actions.labels(kind or a.kind.value, status).inc()
-        return aid
-
-    def _busy(self, host: str, active: Mapping[str, ReplicaRow], rep: Mapping[str, Any]) -> tuple[set[int], set[int]]:
-        """GPUs and ports on `host` used by desired replicas/builds or by anything its agent still runs."""
-        busy_gpus: set[int] = set()
-        busy_ports: set[int] = set()
-        for row in active.values():
-            if row.host == host:
-                busy_gpus.update(row.gpu_indices)
-                busy_ports.add(row.port)
-        for h, rs in rep.values():
-            if h == host and rs.state.value != "stopped":
-                busy_gpus.update(rs.gpu_indices)
-                busy_ports.add(rs.port)
-        for b in self.store.builds((Phase.DESIRED,)):
-            if b.host == host:
-                busy_gpus.update(b.gpu_indices)
-        st = self.statuses.get(host)
-        for bs in st.builds if st is not None else ():
-            if bs.state.value in ("pending", "running"):
-                busy_gpus.update(bs.gpu_indices)
-        return busy_gpus, busy_ports
-
-    def _free_spot(self, gpu: Any, tp: int, active: Mapping[str, ReplicaRow], rep: Mapping[str, Any],
-                   prefer: str) -> tuple[str, tuple[int, ...]] | None:
-        """tp free GPUs of type `gpu` inside one NVLink group of an online host (`prefer` first)."""
-        hosts = sorted(self.statuses, key=lambda h: (h != prefer, h))
-        for h in hosts:
-            st = self.statuses[h]
-            if not st.online or st.gpu != gpu or st.gpu_count is None:
-                continue
-            busy, _ = self._busy(h, active, rep)
-            groups = st.nvlink_groups or (tuple(range(st.gpu_count)),)
-            for g in groups:
-                free = [i for i in g if i not in busy]
-                if len(free) >= tp:
-                    return h, tuple(free[:tp])
-        return None
-
-    def build_template_for(self, host: str, engine: str) -> str | None:
-        st = self.statuses.get(host)
-        names = list(st.build_templates) if st is not None else []
-        for pick in (lambda n: n == engine, lambda n: n.startswith(engine), lambda n: engine in n):
-            for n in names:
-                if pick(n):
-                    return n
-        return names[0] if names else None
-
-    def _stage_build(self, cycle_id: int, a: Any, active: dict[str, ReplicaRow], rep: Mapping[str, Any]) -> bool:
-        """A TensorRT-LLM engine build on the GPUs the plan reserved: a `builds` entry of the host's desired
-        state (the agent runs its allowlisted build template and reports the engine it then holds)."""
-        r = a.replica
-        c_ = r.config
-        label = c_.label()
-
-        def defer(why: str) -> bool:
-            if (label, why) not in self._builds_noted:  # the planner repeats it every cycle: note it once
-                self._builds_noted.add((label, why))
-                self._record(cycle_id, a, ActionStatus.DEFERRED, why)
-            return False
-
-        key = (c_.model, c_.engine.value, c_.gpu.value, c_.tp, c_.precision.value)
-        for b in self.store.builds((Phase.DESIRED,)):
-            if (b.model, b.engine, b.gpu, b.tp, b.precision) == key:
-                return False  # already building
-        st = self.statuses.get(r.host)
-        if not r.host or not r.gpu_indices or st is None or not st.online:
-            return defer("no free GPUs on an online host to build on yet")
-        template = self.build_template_for(r.host, c_.engine.value)
-        if template is None:
-            return defer(f"host {r.host} offers no build template")
-        busy, _ = self._busy(r.host, active, rep)
-        clash = sorted(busy & set(r.gpu_indices))
-        if clash:
-            return defer(f"GPUs {clash} on {r.host} still in use")
-        now = time.time()
-        from controller.state import BuildRow
-
-        with self.store.tx() as c:
-            bid = self.store.allocate_build_id(c)
-            self.store.insert_build(c, BuildRow(bid, r.host, c_.model, c_.engine.value, c_.gpu.value, c_.tp,
-                                                c_.precision.value, tuple(r.gpu_indices), template, Phase.DESIRED,
-                                                now, now, None))
-            self.store.add_action(c, cycle_id=cycle_id, kind="build", replica_id=bid, host=r.host, model=c_.model,
-                                  status=ActionStatus.PUBLISHED, reason=a.reason,
-                                  detail=f"template {template}, GPUs {list(r.gpu_indices)}")
-        self.metrics.actions.labels("build", ActionStatus.PUBLISHED).inc()
-        return True
-
-    def _stage_start(self, cycle_id: int, a: Any, active: dict[str, ReplicaRow], rep: Mapping[str, Any]) -> bool:
-        r = a.replica
-        host = r.host
-        st = self.statuses.get(host)
-        if st is None or not st.online:
-            self._record(cycle_id, a, ActionStatus.DEFERRED, f"host {host} has no online agent")
-            return False
-        busy_gpus, busy_ports = self._busy(host, active, rep)
-        clash = sorted(busy_gpus & set(r.gpu_indices))
-        gpu_indices = tuple(r.gpu_indices)
-        moved = ""
-        if clash:
-            # the planner does not see GPUs held by engine builds or by engines still stopping: place the
-            # replica on other free GPUs of the same type (one NVLink group) when there are some
-            spot = self._free_spot(r.config.gpu, r.config.tp, active, rep, prefer=host)
-            if spot is None:
-                self._record(cycle_id, a, ActionStatus.DEFERRED, f"GPUs {clash} on {host} still in use")
-                return False
-            moved = f" (planned GPUs {list(r.gpu_indices)} on {host} busy: moved)"
-            host, gpu_indices = spot
-            st = self.statuses[host]
-            busy_gpus, busy_ports = self._busy(host, active, rep)
-        lo, hi = st.port_range or self.settings.default_port_range
-        port = next((p for p in range(lo, hi + 1) if p not in busy_ports), None)
-        if port is None:
-            self._record(cycle_id, a, ActionStatus.DEFERRED, f"no free port in {lo}-{hi} on {host}")
-            return False
-        c_ = r.config
-        now = time.time()
-        with self.store.tx() as c:
-            rid = self.store.allocate_id(c)
-            row = ReplicaRow(rid, host, c_.model, c_.engine.value, c_.gpu.value, c_.tp, c_.precision.value,
-                             gpu_indices, port, self.template_for(host, c_.engine.value), Phase.DESIRED,
-                             "planned", now, now, None, None)
-            self.store.insert_replica(c, row)
-            self.store.add_action(c, cycle_id=cycle_id, kind="start", replica_id=rid, host=host, model=c_.model,
-                                  status=ActionStatus.PUBLISHED, reason=a.reason,
-                                  detail=f"{host} port {port}, GPUs {list(gpu_indices)}{moved}")
-        self.metrics.actions.labels("start", ActionStatus.PUBLISHED).inc()
-        active[rid] = row
-        return True
+        return dict(d.counts)
 
     # ---- draining ------------------------------------------------------------------------------
     def _start_drain(self, rid: str) -> None:
@@ -1241,22 +949,17 @@ class Controller:
         row = self.store.get_replica(rid)
         if row is None or row.phase != Phase.DRAINING:
             return
-        started = row.drain_started_s or time.time()
+        progress = act.DrainProgress(row.drain_started_s or time.time())
         await asyncio.sleep(self.settings.drain_settle_s)
-        zeros = 0
-        reason = "timeout"
-        while time.time() - started < self.settings.drain_timeout_s:
-            n = await self._inflight(row)
-            if n is not None and n <= 0:
-                zeros += 1
-                if zeros >= 2:
-                    reason = "in-flight requests reached 0"
-                    break
-            else:
-                zeros = 0
+        while True:
+            step, progress = act.drain_step(progress, await self._inflight(row), time.time(),
+                                            self.settings.drain_timeout_s)
+            if step != act.DrainStep.WAIT:
+                break
             await asyncio.sleep(self.settings.drain_poll_s)
-        if reason == "timeout":
-            self.runtime_alerts[f"drain/{rid}"] = (
+        reason = "in-flight requests reached 0" if step == act.DrainStep.DONE else "timeout"
+        if step == act.DrainStep.TIMEOUT:
+            self.runtime_alerts[act.alert_key(act.AlertKind.DRAIN_TIMEOUT, rid)] = (
                 f"replica {rid} still had requests after {self.settings.drain_timeout_s:.0f} s of draining; stopped"
             )
         async with self._lock:

@@ -31,9 +31,28 @@ import sqlite3
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+# the records' types are the act core's (planner/act.py decides on them; this module persists them)
+from planner.act import (
+    ActionStatus,
+    BuildRow,
+    DesiredRow,
+    Effect,
+    FinishBuild,
+    MarkReady,
+    NewBuild,
+    NewReplica,
+    Note,
+    Phase,
+    Record,
+    ReplicaRow,
+    SetPhase,
+)
+
+__all__ = ["ActionStatus", "BuildRow", "DesiredRow", "Phase", "ReplicaRow", "StateStore", "read_history"]
 
 SCHEMA_VERSION = 1
 MAX_VERSION = 2**53 - 1  # desired versions stay exact integers (controller.protocol.MAX_WIRE_INT)
@@ -147,101 +166,6 @@ CREATE TABLE IF NOT EXISTS decisions (
 );
 CREATE INDEX IF NOT EXISTS decisions_created ON decisions(created_s);
 """
-
-
-class Phase:
-    DESIRED = "desired"
-    DRAINING = "draining"
-    REMOVED = "removed"
-
-
-class ActionStatus:
-    PLANNED = "planned"
-    PUBLISHED = "published"
-    ACKED = "acked"
-    DONE = "done"
-    FAILED = "failed"
-    DEFERRED = "deferred"
-
-
-@dataclass(frozen=True)
-class ReplicaRow:
-    replica_id: str
-    host: str
-    model: str
-    engine: str
-    gpu: str
-    tp: int
-    precision: str
-    gpu_indices: tuple[int, ...]
-    port: int
-    template: str
-    phase: str
-    origin: str
-    created_s: float
-    updated_s: float
-    drain_started_s: float | None
-    ready_s: float | None
-
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["gpu_indices"] = list(self.gpu_indices)
-        return d
-
-    def desired_entry(self) -> dict[str, Any]:
-        """The entry of this replica in its host's desired state (controller/protocol.py)."""
-        return {
-            "replica_id": self.replica_id,
-            "template": self.template,
-            "model": self.model,
-            "engine": self.engine,
-            "gpu": self.gpu,
-            "tp": self.tp,
-            "precision": self.precision,
-            "gpu_indices": list(self.gpu_indices),
-            "port": self.port,
-        }
-
-
-@dataclass(frozen=True)
-class BuildRow:
-    """A TensorRT-LLM engine build the controller put in a host's desired state."""
-
-    build_id: str
-    host: str
-    model: str
-    engine: str
-    gpu: str
-    tp: int
-    precision: str
-    gpu_indices: tuple[int, ...]
-    template: str
-    phase: str  # desired | removed
-    created_s: float
-    updated_s: float
-    result: str | None  # done | failed: ... | None while running
-
-    def desired_entry(self) -> dict[str, Any]:
-        return {
-            "build_id": self.build_id, "template": self.template, "model": self.model, "engine": self.engine,
-            "gpu": self.gpu, "tp": self.tp, "precision": self.precision, "gpu_indices": list(self.gpu_indices),
-        }
-
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["gpu_indices"] = list(self.gpu_indices)
-        return d
-
-
-@dataclass(frozen=True)
-class DesiredRow:
-    host: str
-    version: int
-    payload: dict[str, Any]
-    published_s: float | None
-    acked_version: int | None
-    ack_accepted: bool | None
-    ack_errors: tuple[str, ...]
 
 
 def read_history(path: str | Path, since_s: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -448,6 +372,54 @@ class StateStore:
             c.execute(
                 "UPDATE replicas SET ready_s=COALESCE(ready_s, ?) WHERE replica_id=?", (self._clock(), replica_id)
             )
+
+    def apply(self, effects: Iterable[Effect], cycle_id: int | None) -> list[Note]:
+        """Persist an act decision's effects in ONE transaction (ids allocated here, in order);
+        returns the action-log notes written, with their allocated ids."""
+        notes: list[Note] = []
+        with self.tx() as c:
+            for e in effects:
+                notes.extend(self._apply_one(c, e, cycle_id))
+        return notes
+
+    def _apply_one(self, c: sqlite3.Connection, e: Effect, cycle_id: int | None) -> list[Note]:
+        now = self._clock()
+        if isinstance(e, NewReplica):
+            rid = e.row.replica_id or self.allocate_id(c)
+            self.insert_replica(c, replace(e.row, replica_id=rid))
+            return [self._note(c, replace(e.note, replica_id=rid), cycle_id)]
+        if isinstance(e, NewBuild):
+            bid = e.row.build_id or self.allocate_build_id(c)
+            self.insert_build(c, replace(e.row, build_id=bid))
+            return [self._note(c, replace(e.note, replica_id=bid), cycle_id)]
+        if isinstance(e, SetPhase):
+            self.set_phase(c, e.replica_id, e.phase)
+            if e.cancel_start:
+                c.execute("UPDATE actions SET status=?, updated_s=? WHERE replica_id=? AND kind='start' AND "
+                          "status IN (?, ?)", (ActionStatus.CANCELLED, now, e.replica_id, ActionStatus.PUBLISHED,
+                                               ActionStatus.ACKED))
+            return [self._note(c, e.note, cycle_id)] if e.note is not None else []
+        if isinstance(e, MarkReady):
+            c.execute("UPDATE replicas SET ready_s=COALESCE(ready_s, ?) WHERE replica_id=?", (now, e.replica_id))
+            c.execute("UPDATE actions SET status=?, updated_s=?, detail=? WHERE replica_id=? AND kind='start' AND "
+                      "status IN (?, ?)", (ActionStatus.DONE, now, "ready", e.replica_id, ActionStatus.PUBLISHED,
+                                           ActionStatus.ACKED))
+            return []
+        if isinstance(e, FinishBuild):
+            b = e.build
+            self.finish_build(c, b.build_id, "done" if e.ok else f"failed: {e.error}")
+            c.execute("UPDATE actions SET status=?, updated_s=?, detail=? WHERE replica_id=? AND kind='build'",
+                      (ActionStatus.DONE if e.ok else ActionStatus.FAILED, now,
+                       "engine built" if e.ok else f"build failed: {e.error}", b.build_id))
+            return []
+        if isinstance(e, Record):
+            return [self._note(c, e.note, cycle_id)]
+        raise TypeError(f"unknown effect {e!r}")
+
+    def _note(self, c: sqlite3.Connection, n: Note, cycle_id: int | None) -> Note:
+        self.add_action(c, cycle_id=cycle_id, kind=n.kind, replica_id=n.replica_id, host=n.host, model=n.model,
+                        status=n.status, reason=n.reason, detail=n.detail)
+        return n
 
     # -- desired state per host ---------------------------------------------------------------
     def desired_rows(self) -> dict[str, DesiredRow]:

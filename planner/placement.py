@@ -126,6 +126,9 @@ def place(
             kept.append(r)
         else:
             removed.append(r)
+    for h in usable:  # builds and engines still stopping: never for new replicas
+        if h.held_gpus:
+            used.setdefault(h.name, set()).update(h.held_gpus)
     # GPUs still held by replicas that are being removed (draining/stopping) are used only as a
     # second resort, so that new replicas can start before the old ones stop.
     held: dict[str, set[int]] = {h: set(s) for h, s in used.items()}
@@ -168,7 +171,8 @@ def place(
             all_items = sorted(((c, k) for c, k in counts.items() if k > 0 and c.gpu == gpu),
                                key=lambda ck: (-ck[0].tp, ck[0]))
             fresh: list[Replica] = []
-            if not _pack(all_items, _Segments(_segments_for(ghosts, {})), fresh):
+            held_only = {h.name: set(h.held_gpus) for h in ghosts if h.held_gpus}
+            if not _pack(all_items, _Segments(_segments_for(ghosts, held_only)), fresh):
                 where = {(r.config, r.host, r.gpu_indices): r for r in live if r.config.gpu == gpu}
                 old_kept = [r for r in kept if r.config.gpu == gpu]
                 kept = [r for r in kept if r.config.gpu != gpu]

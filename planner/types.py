@@ -63,6 +63,9 @@ class HostInventory:
     # (PCIe-only hosts such as L40S, where TP runs over PCIe).
     nvlink_groups: tuple[tuple[int, ...], ...] = ()
     online: bool = True
+    # GPUs busy with something the plan does not place (an engine build, an engine still stopping):
+    # new replicas avoid them (planner/act.py held_gpus; the controller would defer a start there)
+    held_gpus: tuple[int, ...] = ()
 
     def groups(self) -> tuple[tuple[int, ...], ...]:
         if self.nvlink_groups:

@@ -34,6 +34,8 @@ from typing import Protocol, cast
 import numpy as np
 
 from models.mix import QUANTILE_LEVELS
+from models.names import parse_engine, parse_gpu, parse_precision
+from planner import act
 from planner.types import (
     Action,
     ActionKind,
@@ -553,6 +555,7 @@ class SimResult:
     notes: tuple[str, ...] = ()
     placement_conflicts: int = 0  # starts that waited for their GPUs to be released
     swap_cycles: int = 0  # decisions that drained READY replicas of a model while starting others
+    deferred_actions: int = 0  # actions the act core deferred (GPUs still busy, start before stop)
     met: np.ndarray | None = None  # per arrived request (trace order): served within both SLOs
 
     @property
@@ -670,6 +673,7 @@ class FleetSim:
         self.notes: list[str] = []
         self.conflicts = 0
         self.swap_cycles = 0
+        self.deferred = 0  # actions the act core deferred (busy GPUs, start before stop)
         self.ttft_overhead = 0.0
         self._rid_seq = 0
         self.timeline: list[TimelinePoint] = []
@@ -933,33 +937,68 @@ class FleetSim:
             del self.replica_scrape_hist[:-16]
 
     def _apply(self, t: float, decision: Decision) -> None:
-        started = {a.replica.config.model for a in decision.actions if a.kind is ActionKind.START}
-        drained = {a.replica.config.model for a in decision.actions
-                   if a.kind is ActionKind.DRAIN and any(r.rid == a.replica.replica_id and r.state == ReplicaState.READY
-                                                          for r in self.replicas)}
-        if started & drained:
-            self.swap_cycles += 1  # READY replicas drained while their replacements only start
-        for act in decision.actions:
-            rep = act.replica
-            if act.kind is ActionKind.START:
-                self._start_replica(t, rep.replica_id, rep.config, rep.host, rep.gpu_indices)
-            elif act.kind is ActionKind.BUILD:
-                c = rep.config
-                if self._built(c) or (c in self.builds and not self.builds[c].ready):
-                    continue
-                bs = self.env.build_s(c) or 0.0
-                self.builds[c] = EngineBuild(c.model, c.engine, c.gpu, c.tp, c.precision, rep.host, False,
-                                             self.env.epoch0_s + t + bs)
-                self.n_builds += 1
-                self.build_gpu_s[c.gpu.value] = self.build_gpu_s.get(c.gpu.value, 0.0) + bs * max(
-                    1, len(rep.gpu_indices) or c.tp)
-                self._push(t + bs, self._P_LIFE, "built", c)
-            elif act.kind in (ActionKind.DRAIN, ActionKind.STOP):
-                for r in self.replicas:
-                    if r.rid == rep.replica_id and r.state != ReplicaState.STOPPED:
-                        self._drain(r, t)
+        """The controller's actions go through the shipped act core (planner/act.py), as in the
+        daemon: starts only on free GPUs, make-before-break, never-served replicas removed at once.
+        Baselines that set `targets` are applied directly (they model other controllers)."""
+        if decision.actions:
+            self._act(t, decision.actions)
         if decision.targets is not None:
             self._reconcile(t, decision.targets)
+
+    def _act_view(self, t: float) -> act.ActView:
+        rows: list[act.ReplicaRow] = []
+        reported: dict[str, list[act.ReportedReplica]] = {}
+        for r in self.replicas:
+            if r.state == ReplicaState.STOPPED:
+                continue
+            c = r.config
+            port = 8000 + min(r.gpus)  # the simulator has no ports: unique per host while GPUs are
+            ready_s = r.t_ready if r.state in (ReplicaState.READY, ReplicaState.DRAINING) else None
+            rows.append(act.ReplicaRow(
+                r.rid, r.host, c.model, c.engine.value, c.gpu.value, c.tp, c.precision.value, r.gpus, port,
+                c.engine.value, act.Phase.DRAINING if r.state == ReplicaState.DRAINING else act.Phase.DESIRED,
+                "planned", r.t_start, r.since, r.since if r.state == ReplicaState.DRAINING else None, ready_s))
+            reported.setdefault(r.host, []).append(act.ReportedReplica(
+                r.rid, r.state, c.model, c.engine.value, c.gpu.value, c.tp, c.precision.value, r.gpus, port))
+        hosts = {h.name: act.HostReport(h.name, h.online, h.gpu.value, h.gpu_count, None, (), ("build",),
+                                        tuple(reported.get(h.name, ())))
+                 for h in self.env.hosts}
+        return act.ActView(t, hosts, tuple(rows), (), {}, frozenset(r.rid for r in self.replicas),
+                           connected_since_s=-math.inf)
+
+    def _act(self, t: float, actions: Sequence[Action]) -> None:
+        decision = act.execute(self._act_view(t), actions)
+        by_id = {r.rid: r for r in self.replicas if r.state != ReplicaState.STOPPED}
+        started: set[str] = set()
+        for eff in decision.effects:
+            if isinstance(eff, act.NewReplica):
+                row = eff.row
+                config = ConfigKey(row.model, parse_engine(row.engine), parse_gpu(row.gpu), row.tp,
+                                   parse_precision(row.precision))
+                self._start_replica(t, None, config, row.host, row.gpu_indices)
+                started.add(row.model)
+            elif isinstance(eff, act.NewBuild):
+                self._build(t, eff.row)
+            elif isinstance(eff, act.SetPhase):
+                r = by_id.get(eff.replica_id)
+                if r is not None:
+                    if eff.phase == act.Phase.DRAINING and r.config.model in started:
+                        self.swap_cycles += 1  # (the act core defers these: make-before-break)
+                    self._drain(r, t)
+            elif isinstance(eff, act.Record) and eff.note.status == act.ActionStatus.DEFERRED:
+                self.deferred += 1
+
+    def _build(self, t: float, row: act.BuildRow) -> None:
+        c = ConfigKey(row.model, parse_engine(row.engine), parse_gpu(row.gpu), row.tp, parse_precision(row.precision))
+        if self._built(c) or (c in self.builds and not self.builds[c].ready):
+            return
+        bs = self.env.build_s(c) or 0.0
+        self.builds[c] = EngineBuild(c.model, c.engine, c.gpu, c.tp, c.precision, row.host, False,
+                                     self.env.epoch0_s + t + bs)
+        self.n_builds += 1
+        self.build_gpu_s[c.gpu.value] = self.build_gpu_s.get(c.gpu.value, 0.0) + bs * max(
+            1, len(row.gpu_indices) or c.tp)
+        self._push(t + bs, self._P_LIFE, "built", c)
 
     def _reconcile(self, t: float, targets: Mapping[ConfigKey, int]) -> None:
         live: dict[ConfigKey, list[_SimReplica]] = {}
@@ -1252,7 +1291,7 @@ class FleetSim:
             decisions=self.decisions,
             notes=tuple(self.notes),
             placement_conflicts=self.conflicts,
-            swap_cycles=self.swap_cycles,
+            swap_cycles=self.swap_cycles, deferred_actions=self.deferred,
         )
 
 

@@ -1,0 +1,702 @@
+"""The act core: what the controller does about the plan and about what the agents report. Pure.
+
+The planner decides WHAT the fleet should be; this core decides, each cycle, what the controller
+writes and publishes to get there safely, from three inputs: the plan's actions, the hosts' last
+reports, and the controller's own records (the state store's rows). It returns effects; the daemon
+(controller/daemon.py) executes them (SQLite, MQTT, nginx) and the tests check them without
+servers. No I/O, no clock (`now_s` is an input), no threads.
+
+Two calls per cycle, in this order:
+
+- `reconcile(view)` before planning: replicas the agents report READY are marked ready; engine
+  builds done or failed leave the desired state (failed: an alert); replicas that never became
+  ready within `ready_timeout_s` are removed (an alert); desired states never published, or not
+  acked within `ack_timeout_s`, are published again; engines the agents run that this database
+  never allocated are adopted only when a desired state this controller published names them
+  (`adopt`); a host offline longer than `host_offline_grace_s` is lost: its replicas are not
+  counted by the planner (planner side), and nothing here removes them (no scale-down caused by a
+  fault).
+- `execute(view, actions)` after planning: START -> a new replica row (id allocated by the store,
+  port chosen here, committed before the desired state naming it is published), never on GPUs
+  still in use (deferred: the next plan places it elsewhere; relocation is the planner's job);
+  BUILD -> a build row on the GPUs the plan reserved; DRAIN/STOP -> a replica that never served
+  is removed at once, a serving one drains, unless another replica of the model is still starting
+  (make-before-break). MQTT down, or statuses still missing after a (re)connect: every action is
+  deferred with the reason.
+
+Worked example (tests/unit/planner/test_act.py): the plan says START llama on gpu-01 GPUs (0,) and
+DRAIN r00007 of the same model; gpu-01 reports GPU 0 free and ports 8000-8001 taken ->
+`NewReplica(host='gpu-01', gpu_indices=(0,), port=8002, ...)`, publish gpu-01, and the drain of
+r00007 is DEFERRED ("start before stop") until the new replica is READY.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from enum import StrEnum
+from typing import Any
+
+from planner.types import Action, ActionKind, ReplicaState
+
+
+class Phase(StrEnum):
+    """A replica row's phase in the controller's records."""
+
+    DESIRED = "desired"  # in its host's desired state
+    DRAINING = "draining"  # out of routing, in-flight requests finishing; still desired
+    REMOVED = "removed"  # out of the desired state (the agent stops it)
+
+
+class ActionStatus(StrEnum):
+    PLANNED = "planned"
+    PUBLISHED = "published"
+    ACKED = "acked"
+    DONE = "done"
+    FAILED = "failed"
+    DEFERRED = "deferred"
+    CANCELLED = "cancelled"
+
+
+class BuildState(StrEnum):
+    """An engine build as the agent reports it."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class AlertKind(StrEnum):
+    """What a runtime alert is about; its key is `<kind>/<subject>`."""
+
+    MQTT = "mqtt"
+    READY_TIMEOUT = "ready"
+    BUILD_FAILED = "build"
+    ORPHAN = "orphan"
+    DRAIN_TIMEOUT = "drain"
+
+
+def alert_key(kind: AlertKind, subject: str = "") -> str:
+    return f"{kind.value}/{subject}" if subject else kind.value
+
+
+@dataclass(frozen=True)
+class ReplicaRow:
+    """One replica the controller allocated (or adopted), as the state store keeps it."""
+
+    replica_id: str
+    host: str
+    model: str
+    engine: str
+    gpu: str
+    tp: int
+    precision: str
+    gpu_indices: tuple[int, ...]
+    port: int
+    template: str
+    phase: str
+    origin: str
+    created_s: float
+    updated_s: float
+    drain_started_s: float | None
+    ready_s: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["gpu_indices"] = list(self.gpu_indices)
+        return d
+
+    def desired_entry(self) -> dict[str, Any]:
+        """The entry of this replica in its host's desired state (controller/protocol.py)."""
+        return {
+            "replica_id": self.replica_id,
+            "template": self.template,
+            "model": self.model,
+            "engine": self.engine,
+            "gpu": self.gpu,
+            "tp": self.tp,
+            "precision": self.precision,
+            "gpu_indices": list(self.gpu_indices),
+            "port": self.port,
+        }
+
+
+@dataclass(frozen=True)
+class BuildRow:
+    """A TensorRT-LLM engine build the controller put in a host's desired state."""
+
+    build_id: str
+    host: str
+    model: str
+    engine: str
+    gpu: str
+    tp: int
+    precision: str
+    gpu_indices: tuple[int, ...]
+    template: str
+    phase: str  # desired | removed
+    created_s: float
+    updated_s: float
+    result: str | None  # done | failed: ... | None while running
+
+    def desired_entry(self) -> dict[str, Any]:
+        return {
+            "build_id": self.build_id, "template": self.template, "model": self.model, "engine": self.engine,
+            "gpu": self.gpu, "tp": self.tp, "precision": self.precision, "gpu_indices": list(self.gpu_indices),
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["gpu_indices"] = list(self.gpu_indices)
+        return d
+
+
+@dataclass(frozen=True)
+class DesiredRow:
+    host: str
+    version: int
+    payload: dict[str, Any]
+    published_s: float | None
+    acked_version: int | None
+    ack_accepted: bool | None
+    ack_errors: tuple[str, ...]
+
+
+# ---- inputs ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReportedReplica:
+    """An engine an agent reports (or a replica a retained desired state names)."""
+
+    replica_id: str
+    state: ReplicaState
+    model: str
+    engine: str
+    gpu: str | None
+    tp: int
+    precision: str
+    gpu_indices: tuple[int, ...]
+    port: int
+    template: str | None = None
+
+
+@dataclass(frozen=True)
+class ReportedBuild:
+    build_id: str
+    state: BuildState
+    gpu_indices: tuple[int, ...]
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class HostReport:
+    """A host's last status. `online=False` (the agent's last will): its engines may still run."""
+
+    name: str
+    online: bool
+    gpu: str | None = None
+    gpu_count: int | None = None
+    port_range: tuple[int, int] | None = None
+    templates: tuple[str, ...] = ()
+    build_templates: tuple[str, ...] = ()
+    replicas: tuple[ReportedReplica, ...] = ()
+    builds: tuple[ReportedBuild, ...] = ()
+
+
+@dataclass(frozen=True)
+class ActSettings:
+    ready_timeout_s: float = 900.0
+    ack_timeout_s: float = 10.0
+    host_offline_grace_s: float = 60.0
+    default_port_range: tuple[int, int] = (8000, 8999)
+    templates: Mapping[str, str] = field(default_factory=dict)  # engine -> launch template (settings)
+
+
+@dataclass(frozen=True)
+class ActView:
+    """Everything one decision reads: the hosts' reports and the controller's records, at `now_s`."""
+
+    now_s: float  # wall clock seconds (the store's clock)
+    hosts: Mapping[str, HostReport]
+    replicas: tuple[ReplicaRow, ...]  # active: desired or draining
+    builds: tuple[BuildRow, ...]  # desired (in progress)
+    desired: Mapping[str, DesiredRow]
+    known_ids: frozenset[str]  # every replica id this database ever allocated
+    settings: ActSettings = ActSettings()
+    retained: Mapping[str, tuple[ReportedReplica, ...]] = field(default_factory=dict)  # broker's copy
+    connected_since_s: float | None = None  # MQTT connected since (None: not connected)
+    republish_all: bool = False  # after a (re)connect: the broker may have lost retained states
+    noted: frozenset[tuple[str, str]] = frozenset()  # (config label, why) build deferrals already recorded
+
+    def reported(self) -> dict[str, tuple[str, ReportedReplica]]:
+        """replica id -> (host, report) from the agents' last statuses."""
+        return {r.replica_id: (h.name, r) for h in self.hosts.values() for r in h.replicas}
+
+
+# ---- effects --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Note:
+    """One row of the action log: what was done (or not) and why."""
+
+    kind: str  # start | drain | stop | build | adopt
+    status: ActionStatus
+    reason: str
+    detail: str = ""
+    replica_id: str | None = None
+    host: str | None = None
+    model: str | None = None
+
+
+@dataclass(frozen=True)
+class NewReplica:
+    """Insert a replica row (replica_id None: the store allocates it) with its log entry."""
+
+    row: ReplicaRow
+    note: Note
+
+
+@dataclass(frozen=True)
+class NewBuild:
+    row: BuildRow  # build_id "" : the store allocates it
+    note: Note
+
+
+@dataclass(frozen=True)
+class SetPhase:
+    replica_id: str
+    phase: Phase
+    note: Note | None = None
+    cancel_start: bool = False  # the replica's pending start action is cancelled
+
+
+@dataclass(frozen=True)
+class MarkReady:
+    replica_id: str
+
+
+@dataclass(frozen=True)
+class FinishBuild:
+    build: BuildRow
+    ok: bool
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Record:
+    note: Note
+
+
+Effect = NewReplica | NewBuild | SetPhase | MarkReady | FinishBuild | Record
+
+
+@dataclass(frozen=True)
+class ActDecision:
+    """Effects in order; hosts to publish after the new rows (`publish_first`) and after the
+    removals (`publish`); replicas to drain once routing excludes them; alerts raised or cleared."""
+
+    effects: tuple[Effect, ...] = ()
+    publish_first: frozenset[str] = frozenset()
+    publish: frozenset[str] = frozenset()
+    drains: tuple[str, ...] = ()
+    alerts: Mapping[str, str] = field(default_factory=dict)
+    cleared: frozenset[str] = frozenset()
+    counts: Mapping[str, int] = field(default_factory=dict)
+    noted: frozenset[tuple[str, str]] = frozenset()
+
+
+# ---- reconcile ------------------------------------------------------------------------------
+
+
+def reconcile(view: ActView) -> ActDecision:
+    """Bring the records in line with what the agents report (before planning)."""
+    adopted = adopt(view)
+    effects: list[Effect] = list(adopted.effects)
+    alerts = dict(adopted.alerts)
+    changed = set(adopted.publish)
+    active = {r.replica_id: r for r in view.replicas}
+    for host in view.hosts.values():
+        if not host.online:
+            continue
+        for rs in host.replicas:
+            row = active.get(rs.replica_id)
+            if row is not None and rs.replica_id in view.known_ids and rs.state == ReplicaState.READY \
+                    and row.ready_s is None:
+                effects.append(MarkReady(row.replica_id))
+    for b in view.builds:
+        bhost = view.hosts.get(b.host)
+        bs = next((x for x in bhost.builds if x.build_id == b.build_id), None) if bhost is not None else None
+        if bs is None or bs.state not in (BuildState.DONE, BuildState.FAILED):
+            continue
+        ok = bs.state == BuildState.DONE
+        effects.append(FinishBuild(b, ok, None if ok else bs.error))
+        if not ok:
+            alerts[alert_key(AlertKind.BUILD_FAILED, b.build_id)] = (
+                f"engine build {b.build_id} ({b.model} {b.engine} {b.gpu} tp{b.tp}) failed on {b.host}: {bs.error}"
+            )
+        changed.add(b.host)
+    rep = view.reported()
+    timeout = view.settings.ready_timeout_s
+    for row in view.replicas:
+        if row.phase != Phase.DESIRED or row.ready_s is not None or view.now_s - row.created_s < timeout:
+            continue
+        seen = rep.get(row.replica_id)
+        if seen is not None and seen[1].state == ReplicaState.READY:
+            continue
+        effects.append(SetPhase(row.replica_id, Phase.REMOVED, Note(
+            "stop", ActionStatus.DONE, f"not ready after {timeout:.0f} s", replica_id=row.replica_id,
+            host=row.host, model=row.model)))
+        alerts[alert_key(AlertKind.READY_TIMEOUT, row.replica_id)] = (
+            f"replica {row.replica_id} ({row.model} on {row.host}) not ready after {timeout:.0f} s; removed"
+        )
+        changed.add(row.host)
+    for host_name, d in view.desired.items():
+        unacked = d.acked_version != d.version and d.published_s is not None and \
+            view.now_s - d.published_s > view.settings.ack_timeout_s
+        if view.republish_all or d.published_s is None or unacked:
+            changed.add(host_name)
+    return ActDecision(tuple(effects), publish=frozenset(changed), alerts=alerts)
+
+
+def adopt(view: ActView) -> ActDecision:
+    """Engines the agents run that this database never allocated (a lost database): adopted when a
+    desired state this controller published (the broker's retained copy: only the controller may
+    write it) names them with the same model, engine, GPUs and port, and they conflict with nothing.
+    A replica that no controller asked for is never adopted (alert: not routed, not counted)."""
+    effects: list[Effect] = []
+    alerts: dict[str, str] = {}
+    changed: set[str] = set()
+    known = set(view.known_ids)
+    rows = list(view.replicas)
+    for host in sorted(view.hosts.values(), key=lambda h: h.name):
+        if not host.online:
+            continue
+        for rs in host.replicas:
+            if rs.replica_id in known or rs.state not in (ReplicaState.STARTING, ReplicaState.READY):
+                continue
+            key = alert_key(AlertKind.ORPHAN, rs.replica_id)
+            asked = next((d for d in view.retained.get(host.name, ()) if d.replica_id == rs.replica_id), None)
+            if asked is None or (asked.model, asked.engine, asked.tp, asked.precision, asked.gpu_indices,
+                                 asked.port) != (rs.model, rs.engine, rs.tp, rs.precision, rs.gpu_indices,
+                                                 rs.port) or (rs.gpu is not None and rs.gpu != asked.gpu):
+                alerts[key] = (
+                    f"unknown replica {rs.replica_id} reported by {host.name} matches no desired state this "
+                    "controller published; not adopted (not routed, not counted)"
+                )
+                continue
+            mine = [r for r in rows if r.host == host.name]
+            if {g for r in mine for g in r.gpu_indices} & set(rs.gpu_indices) or rs.port in {r.port for r in mine}:
+                alerts[key] = (
+                    f"unknown replica {rs.replica_id} on {host.name} conflicts with planned replicas; not adopted "
+                    "(the agent stops it)"
+                )
+                continue
+            row = ReplicaRow(
+                rs.replica_id, host.name, rs.model, rs.engine, rs.gpu or host.gpu or "", rs.tp, rs.precision,
+                rs.gpu_indices, rs.port, rs.template or template_for(view, host.name, rs.engine), Phase.DESIRED,
+                "adopted", view.now_s, view.now_s, None, view.now_s if rs.state == ReplicaState.READY else None,
+            )
+            effects.append(NewReplica(row, Note("adopt", ActionStatus.DONE,
+                                                "running engine unknown to the controller: adopted",
+                                                replica_id=rs.replica_id, host=host.name, model=rs.model)))
+            rows.append(row)
+            known.add(rs.replica_id)
+            changed.add(host.name)
+    return ActDecision(tuple(effects), publish=frozenset(changed), alerts=alerts)
+
+
+def template_for(view: ActView, host: str, engine: str) -> str:
+    """The launch template for `engine` on `host`: the settings' choice, else the agent's template
+    named after the engine (exact, then prefix, then substring), else the engine's name."""
+    if engine in view.settings.templates:
+        return view.settings.templates[engine]
+    h = view.hosts.get(host)
+    return _pick(h.templates if h is not None else (), engine) or engine
+
+
+def build_template_for(view: ActView, host: str, engine: str) -> str | None:
+    h = view.hosts.get(host)
+    names = h.build_templates if h is not None else ()
+    return _pick(names, engine) or (names[0] if names else None)
+
+
+def _pick(names: Sequence[str], engine: str) -> str | None:
+    for n in names:
+        if n == engine:
+            return n
+    for n in names:
+        if n.startswith(engine):
+            return n
+    for n in names:
+        if engine in n:
+            return n
+    return None
+
+
+def rejected(view: ActView, host: str, version: int, errors: Sequence[str]) -> ActDecision:
+    """The agent rejected a whole desired state: the replicas its errors name (else every replica
+    on that host not yet ready) leave the desired state as failed starts; alert; republish.
+
+    Why not retry as is: a rejected state is rejected again (a template the agent does not offer,
+    GPUs it does not have); dropping the named replicas lets the next plan place them elsewhere."""
+    text = "; ".join(errors) or "no reason given"
+    named = {m.group(1) for e in errors for m in _RID_IN_ERROR.finditer(e)}
+    rows = [r for r in view.replicas if r.host == host]
+    bad = [r for r in rows if r.replica_id in named] or [r for r in rows if r.ready_s is None]
+    alerts = {f"rejected/{host}": f"host {host} rejected desired v{version}: {text}"}
+    effects = tuple(SetPhase(r.replica_id, Phase.REMOVED, Note("start", ActionStatus.FAILED, "rejected by agent",
+                                                               text, r.replica_id, host, r.model)) for r in bad)
+    return ActDecision(effects, publish=frozenset({host}) if bad else frozenset(), alerts=alerts)
+
+
+_RID_IN_ERROR = re.compile(r"replica ([A-Za-z0-9_-]+)")
+
+
+# ---- execute --------------------------------------------------------------------------------
+
+
+def _busy(view: ActView, host: str, rows: Sequence[ReplicaRow]) -> tuple[set[int], set[int]]:
+    """GPUs and ports on `host` used by desired replicas/builds or by anything its agent still runs."""
+    gpus: set[int] = set()
+    ports: set[int] = set()
+    for row in rows:
+        if row.host == host:
+            gpus.update(row.gpu_indices)
+            ports.add(row.port)
+    h = view.hosts.get(host)
+    for rs in h.replicas if h is not None else ():
+        if rs.state != ReplicaState.STOPPED:
+            gpus.update(rs.gpu_indices)
+            ports.add(rs.port)
+    for b in view.builds:
+        if b.host == host:
+            gpus.update(b.gpu_indices)
+    for bs in h.builds if h is not None else ():
+        if bs.state in (BuildState.PENDING, BuildState.RUNNING):
+            gpus.update(bs.gpu_indices)
+    return gpus, ports
+
+
+def held_gpus(view: ActView, host: str) -> tuple[int, ...]:
+    """GPUs of `host` busy with something the plan does not place: an engine build, an engine its
+    agent still runs that no active record names (stopping). The planner's placement avoids them."""
+    rows = {r.replica_id for r in view.replicas}
+    h = view.hosts.get(host)
+    out: set[int] = set()
+    for rs in h.replicas if h is not None else ():
+        if rs.state != ReplicaState.STOPPED and rs.replica_id not in rows:
+            out.update(rs.gpu_indices)
+    for b in view.builds:
+        if b.host == host:
+            out.update(b.gpu_indices)
+    for bs in h.builds if h is not None else ():
+        if bs.state in (BuildState.PENDING, BuildState.RUNNING):
+            out.update(bs.gpu_indices)
+    return tuple(sorted(out))
+
+
+def _note(a: Action, status: ActionStatus, detail: str, kind: str | None = None,
+          replica_id: str | None = None) -> Note:
+    return Note(kind or a.kind.value, status, a.reason, detail, replica_id or a.replica.replica_id,
+                a.replica.host, a.replica.config.model)
+
+
+def execute(view: ActView, actions: Sequence[Action]) -> ActDecision:
+    """The effects of the plan's actions (see the module docstring)."""
+    if view.connected_since_s is None:
+        return _defer_all(actions, "MQTT down", {alert_key(AlertKind.MQTT): "not connected to MQTT; not acting"})
+    # after a (re)connect, act only on a complete view: every host we have a desired state for must
+    # have reported (retained statuses arrive right after subscribing; the grace covers dead agents)
+    missing = sorted(set(view.desired) - set(view.hosts))
+    if missing and view.now_s - view.connected_since_s < view.settings.host_offline_grace_s:
+        return _defer_all(actions, f"waiting for status from {', '.join(missing)}", {})
+    effects: list[Effect] = []
+    counts = {"start": 0, "drain": 0, "stop": 0, "deferred": 0}
+    rows = list(view.replicas)
+    cur = view  # with this cycle's new builds (their GPUs are busy for the next starts)
+    noted = set(view.noted)
+    first: set[str] = set()
+    blocked: dict[str, set[tuple[str, int]]] = {}  # model -> (host, GPU) its deferred starts wait for
+    for a in actions:
+        eff: Effect | None
+        if a.kind == ActionKind.START:
+            eff = _start(cur, a, rows)
+            if isinstance(eff, Record):
+                busy, _ = _busy(cur, a.replica.host, rows)
+                blocked.setdefault(a.replica.config.model, set()).update(
+                    (a.replica.host, g) for g in a.replica.gpu_indices if g in busy)
+        elif a.kind == ActionKind.BUILD:
+            eff = _build(cur, a, rows, noted)
+        else:
+            continue
+        if isinstance(eff, NewReplica):
+            rows.append(eff.row)
+            counts["start"] += 1
+            first.add(eff.row.host)
+        elif isinstance(eff, NewBuild):
+            cur = replace(cur, builds=(*cur.builds, eff.row))
+            counts["build"] = counts.get("build", 0) + 1
+            first.add(eff.row.host)
+        else:
+            counts["deferred"] += 1
+        if eff is not None:
+            effects.append(eff)
+    drains, removed_hosts = _stop_or_drain(view, actions, rows, effects, counts, blocked)
+    return ActDecision(tuple(effects), publish_first=frozenset(first), publish=frozenset(removed_hosts),
+                       drains=tuple(drains), cleared=frozenset({alert_key(AlertKind.MQTT)}), counts=counts,
+                       noted=frozenset(noted))
+
+
+def _defer_all(actions: Sequence[Action], why: str, alerts: Mapping[str, str]) -> ActDecision:
+    effects = tuple(Record(_note(a, ActionStatus.DEFERRED, why)) for a in actions)
+    return ActDecision(effects, alerts=alerts, counts={"start": 0, "drain": 0, "stop": 0,
+                                                       "deferred": len(actions)})
+
+
+def _start(view: ActView, a: Action, rows: Sequence[ReplicaRow]) -> NewReplica | Record:
+    r = a.replica
+    host = view.hosts.get(r.host)
+    if host is None or not host.online:
+        return Record(_note(a, ActionStatus.DEFERRED, f"host {r.host} has no online agent"))
+    busy_gpus, busy_ports = _busy(view, r.host, rows)
+    clash = sorted(busy_gpus & set(r.gpu_indices))
+    if clash:
+        # the next plan sees these GPUs as held (held_gpus) and places the replica elsewhere
+        return Record(_note(a, ActionStatus.DEFERRED, f"GPUs {clash} on {r.host} still in use"))
+    lo, hi = host.port_range or view.settings.default_port_range
+    port = next((p for p in range(lo, hi + 1) if p not in busy_ports), None)
+    if port is None:
+        return Record(_note(a, ActionStatus.DEFERRED, f"no free port in {lo}-{hi} on {r.host}"))
+    c = r.config
+    row = ReplicaRow("", r.host, c.model, c.engine.value, c.gpu.value, c.tp, c.precision.value,
+                     tuple(r.gpu_indices), port, template_for(view, r.host, c.engine.value), Phase.DESIRED,
+                     "planned", view.now_s, view.now_s, None, None)
+    return NewReplica(row, _note(a, ActionStatus.PUBLISHED, f"{r.host} port {port}, GPUs {list(r.gpu_indices)}",
+                                 replica_id=""))
+
+
+def _build(view: ActView, a: Action, rows: Sequence[ReplicaRow],
+           noted: set[tuple[str, str]]) -> NewBuild | Record | None:
+    """A TensorRT-LLM engine build on the GPUs the plan reserved; a repeated deferral is noted once
+    (the planner repeats the BUILD every cycle until it can run)."""
+    r = a.replica
+    c = r.config
+    label = c.label()
+
+    def defer(why: str) -> Record | None:
+        if (label, why) in noted:
+            return None
+        noted.add((label, why))
+        return Record(_note(a, ActionStatus.DEFERRED, why))
+
+    key = (c.model, c.engine.value, c.gpu.value, c.tp, c.precision.value)
+    if any((b.model, b.engine, b.gpu, b.tp, b.precision) == key for b in view.builds):
+        return None  # already building
+    host = view.hosts.get(r.host)
+    if not r.host or not r.gpu_indices or host is None or not host.online:
+        return defer("no free GPUs on an online host to build on yet")
+    template = build_template_for(view, r.host, c.engine.value)
+    if template is None:
+        return defer(f"host {r.host} offers no build template")
+    busy, _ = _busy(view, r.host, rows)
+    clash = sorted(busy & set(r.gpu_indices))
+    if clash:
+        return defer(f"GPUs {clash} on {r.host} still in use")
+    row = BuildRow("", r.host, c.model, c.engine.value, c.gpu.value, c.tp, c.precision.value,
+                   tuple(r.gpu_indices), template, Phase.DESIRED, view.now_s, view.now_s, None)
+    return NewBuild(row, _note(a, ActionStatus.PUBLISHED, f"template {template}, GPUs {list(r.gpu_indices)}",
+                               kind="build", replica_id=""))
+
+
+def _stop_or_drain(view: ActView, actions: Sequence[Action], rows: Sequence[ReplicaRow], effects: list[Effect],
+                   counts: dict[str, int], blocked: Mapping[str, set[tuple[str, int]]]) -> tuple[list[str], set[str]]:
+    """DRAIN/STOP: a replica that never served is removed at once; a serving one drains unless a
+    replica of the same model is still starting, or its replacement could not start yet on GPUs
+    this drain does not free (start before stop). A replacement planned on the drained replica's
+    own GPUs needs the drain first: allowed only while another replica of the model serves."""
+    active = {r.replica_id: r for r in rows}
+    starting = [r for r in rows if r.phase == Phase.DESIRED and r.ready_s is None]
+    drains: list[str] = []
+    removed_hosts: set[str] = set()
+    for a in actions:
+        if a.kind not in (ActionKind.DRAIN, ActionKind.STOP):
+            continue
+        rid = a.replica.replica_id
+        row = active.get(rid)
+        if row is None or row.phase == Phase.DRAINING or rid in drains:
+            continue  # unknown / already removed / drain in progress
+        if row.ready_s is None or a.replica.state != ReplicaState.READY:
+            effects.append(SetPhase(rid, Phase.REMOVED, _note(a, ActionStatus.DONE, "removed (not serving)",
+                                                              kind="stop"), cancel_start=True))
+            counts["stop"] += 1
+            removed_hosts.add(row.host)
+            continue
+        if any(r.model == row.model and r.replica_id != rid for r in starting):
+            effects.append(Record(_note(a, ActionStatus.DEFERRED,
+                                        "start before stop: a replica of this model is still starting")))
+            counts["deferred"] += 1
+            continue
+        waits = blocked.get(row.model, set())
+        others_serving = any(r.model == row.model and r.replica_id != rid and r.ready_s is not None
+                             and r.phase == Phase.DESIRED and r.replica_id not in drains for r in rows)
+        if waits - {(row.host, g) for g in row.gpu_indices} or (waits and not others_serving):
+            # the replacement waits for GPUs this drain does not free, or for this replica's own GPUs
+            # while nothing else of the model serves: draining now would be an outage
+            effects.append(Record(_note(a, ActionStatus.DEFERRED,
+                                        "start before stop: this model's replacement waits for busy GPUs")))
+            counts["deferred"] += 1
+            continue
+        effects.append(SetPhase(rid, Phase.DRAINING, _note(a, ActionStatus.PUBLISHED, "draining: removed from routing",
+                                                           kind="drain")))
+        drains.append(rid)
+        counts["drain"] += 1
+    return drains, removed_hosts
+
+
+# ---- draining -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DrainProgress:
+    """A drain's state between polls of the replica's in-flight requests."""
+
+    started_s: float
+    zeros: int = 0  # consecutive polls that saw no request in flight
+
+
+class DrainStep(StrEnum):
+    WAIT = "wait"
+    DONE = "done"  # in-flight requests reached 0 (twice in a row: one poll may race a new request)
+    TIMEOUT = "timeout"  # stopped anyway; alert
+
+
+def drain_step(progress: DrainProgress, inflight: float | None, now_s: float,
+               timeout_s: float) -> tuple[DrainStep, DrainProgress]:
+    """One poll of a draining replica: `inflight` requests (None: unknown, e.g. metrics unreachable).
+
+    >>> p = DrainProgress(started_s=0.0)
+    >>> drain_step(p, 0.0, 5.0, 120.0)
+    (<DrainStep.WAIT: 'wait'>, DrainProgress(started_s=0.0, zeros=1))
+    >>> drain_step(DrainProgress(0.0, 1), 0.0, 10.0, 120.0)[0]
+    <DrainStep.DONE: 'done'>
+    >>> drain_step(DrainProgress(0.0, 1), None, 130.0, 120.0)[0]
+    <DrainStep.TIMEOUT: 'timeout'>
+    """
+    if now_s - progress.started_s >= timeout_s:
+        return DrainStep.TIMEOUT, progress
+    zeros = progress.zeros + 1 if inflight is not None and inflight <= 0 else 0
+    nxt = replace(progress, zeros=zeros)
+    return (DrainStep.DONE if zeros >= 2 else DrainStep.WAIT), nxt
+
+
+__all__ = [
+    "ActDecision", "ActSettings", "ActView", "ActionStatus", "AlertKind", "BuildRow", "BuildState",
+    "DesiredRow", "DrainProgress", "DrainStep", "FinishBuild", "HostReport", "MarkReady", "NewBuild",
+    "NewReplica", "Note", "Phase", "Record", "ReplicaRow", "ReportedBuild", "ReportedReplica", "SetPhase",
+    "adopt", "alert_key", "build_template_for", "drain_step", "execute", "held_gpus", "reconcile", "rejected",
+    "template_for",
+]

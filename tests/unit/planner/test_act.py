@@ -1,0 +1,258 @@
+"""The act core (planner/act.py) without servers or sleeps: every path that only the end-to-end
+tests reached before (adopt, reject, ack timeout, ready timeout, drain timeout, build done/failed,
+make-before-break, host loss, MQTT down, statuses missing after a restart)."""
+
+from __future__ import annotations
+
+from planner import act
+from planner.act import (
+    ActionStatus,
+    ActView,
+    BuildRow,
+    BuildState,
+    DesiredRow,
+    FinishBuild,
+    HostReport,
+    MarkReady,
+    NewBuild,
+    NewReplica,
+    Phase,
+    Record,
+    ReplicaRow,
+    ReportedBuild,
+    ReportedReplica,
+    SetPhase,
+)
+from planner.types import Action, ActionKind, ConfigKey, Replica, ReplicaState
+from tests.unit.planner.planner_helpers import BF16, H100, VLLM
+
+NOW = 10_000.0
+CFG = ConfigKey("llama", VLLM, H100, 1, BF16)
+
+
+def row(rid: str, *, host: str = "gpu-01", gpus: tuple[int, ...] = (0,), port: int = 8000,
+        ready: bool = True, phase: Phase = Phase.DESIRED, created_s: float = NOW - 600) -> ReplicaRow:
+    return ReplicaRow(rid, host, "llama", "vllm", "h100", 1, "bf16", gpus, port, "vllm", phase, "planned",
+                      created_s, created_s, None, created_s + 60 if ready else None)
+
+
+def reported(rid: str, state: ReplicaState = ReplicaState.READY, *, gpus: tuple[int, ...] = (0,),
+             port: int = 8000) -> ReportedReplica:
+    return ReportedReplica(rid, state, "llama", "vllm", "h100", 1, "bf16", gpus, port, "vllm")
+
+
+def host(name: str = "gpu-01", *replicas: ReportedReplica, online: bool = True,
+         builds: tuple[ReportedBuild, ...] = ()) -> HostReport:
+    return HostReport(name, online, "h100", 8, (8000, 8009), ("vllm",), ("trtllm-build",), replicas, builds)
+
+
+def view(*hosts: HostReport, rows: tuple[ReplicaRow, ...] = (), builds: tuple[BuildRow, ...] = (),
+         desired: dict[str, DesiredRow] | None = None, **kw: object) -> ActView:
+    d = desired if desired is not None else {
+        h.name: DesiredRow(h.name, 3, {}, NOW - 30, 3, True, ()) for h in hosts}
+    known = frozenset(r.replica_id for r in rows)
+    return ActView(NOW, {h.name: h for h in hosts}, rows, builds, d, known,
+                   connected_since_s=kw.pop("connected_since_s", NOW - 3600), **kw)  # type: ignore[arg-type]
+
+
+def action(kind: ActionKind, rid: str = "new", *, gpus: tuple[int, ...] = (1,),
+           state: ReplicaState = ReplicaState.STARTING, host_name: str = "gpu-01") -> Action:
+    return Action(kind, Replica(rid, CFG, host_name, gpus, state), "plan says so")
+
+
+# ---- adopt ----------------------------------------------------------------------------------
+
+
+def test_an_engine_a_published_desired_state_names_is_adopted() -> None:
+    rs = reported("r00042", gpus=(3,), port=8003)
+    v = view(host("gpu-01", rs), retained={"gpu-01": (rs,)})
+    d = act.adopt(v)
+    (eff,) = d.effects
+    assert isinstance(eff, NewReplica)
+    assert (eff.row.replica_id, eff.row.origin, eff.row.ready_s) == ("r00042", "adopted", NOW)
+    assert d.publish == {"gpu-01"} and not d.alerts
+
+
+def test_an_engine_no_desired_state_named_is_not_adopted() -> None:
+    rs = reported("r00042", gpus=(3,), port=8003)
+    other = reported("r00042", gpus=(4,), port=8003)  # retained copy says other GPUs
+    for retained in ({}, {"gpu-01": (other,)}):
+        d = act.adopt(view(host("gpu-01", rs), retained=retained))
+        assert d.effects == () and "orphan/r00042" in d.alerts
+
+
+def test_an_engine_that_conflicts_with_planned_replicas_is_not_adopted() -> None:
+    rs = reported("r00042", gpus=(0,), port=8005)
+    d = act.adopt(view(host("gpu-01", rs), rows=(row("r00001"),), retained={"gpu-01": (rs,)}))
+    assert d.effects == () and "conflicts" in d.alerts["orphan/r00042"]
+
+
+# ---- reconcile ------------------------------------------------------------------------------
+
+
+def test_a_replica_reported_ready_is_marked_ready() -> None:
+    d = act.reconcile(view(host("gpu-01", reported("r00001")), rows=(row("r00001", ready=False, created_s=NOW),)))
+    assert MarkReady("r00001") in d.effects
+
+
+def test_a_replica_never_ready_is_removed_after_the_timeout_with_an_alert() -> None:
+    stuck = row("r00001", ready=False, created_s=NOW - 2000)
+    d = act.reconcile(view(host("gpu-01", reported("r00001", ReplicaState.STARTING)), rows=(stuck,)))
+    (eff,) = [e for e in d.effects if isinstance(e, SetPhase)]
+    assert eff.phase == Phase.REMOVED and "not ready after 900 s" in (eff.note.reason if eff.note else "")
+    assert "ready/r00001" in d.alerts and "gpu-01" in d.publish
+    young = row("r00001", ready=False, created_s=NOW - 100)
+    assert not any(isinstance(e, SetPhase) for e in act.reconcile(view(host(), rows=(young,))).effects)
+
+
+def test_an_unacked_desired_state_is_published_again_after_the_ack_timeout() -> None:
+    late = {"gpu-01": DesiredRow("gpu-01", 4, {}, NOW - 30, 3, True, ())}
+    fresh = {"gpu-01": DesiredRow("gpu-01", 4, {}, NOW - 2, 3, True, ())}
+    never = {"gpu-01": DesiredRow("gpu-01", 4, {}, None, 3, True, ())}
+    assert act.reconcile(view(host(), desired=late)).publish == {"gpu-01"}
+    assert act.reconcile(view(host(), desired=fresh)).publish == frozenset()
+    assert act.reconcile(view(host(), desired=never)).publish == {"gpu-01"}
+
+
+def test_builds_done_and_failed_leave_the_desired_state_failed_alerts() -> None:
+    b1 = BuildRow("b00001", "gpu-01", "llama", "trtllm", "h100", 1, "bf16", (2,), "trtllm-build",
+                  Phase.DESIRED, NOW, NOW, None)
+    b2 = BuildRow("b00002", "gpu-01", "llama", "trtllm", "h100", 2, "bf16", (4, 5), "trtllm-build",
+                  Phase.DESIRED, NOW, NOW, None)
+    h = host("gpu-01", builds=(ReportedBuild("b00001", BuildState.DONE, (2,)),
+                               ReportedBuild("b00002", BuildState.FAILED, (4, 5), "OOM")))
+    d = act.reconcile(view(h, builds=(b1, b2)))
+    finished = [e for e in d.effects if isinstance(e, FinishBuild)]
+    assert [(f.build.build_id, f.ok, f.error) for f in finished] == [("b00001", True, None), ("b00002", False, "OOM")]
+    assert "OOM" in d.alerts["build/b00002"] and "build/b00001" not in d.alerts
+
+
+def test_rejected_desired_state_drops_the_named_replicas() -> None:
+    rows = (row("r00001"), row("r00002", gpus=(1,), port=8001, ready=False))
+    d = act.rejected(view(host(), rows=rows), "gpu-01", 5, ["replica r00001: template 'x' not offered"])
+    (eff,) = d.effects
+    assert isinstance(eff, SetPhase) and eff.replica_id == "r00001" and eff.note is not None
+    assert eff.note.status == ActionStatus.FAILED and d.publish == {"gpu-01"}
+    # no replica named: every replica not yet ready on that host
+    d = act.rejected(view(host(), rows=rows), "gpu-01", 5, ["bad payload"])
+    assert [e.replica_id for e in d.effects if isinstance(e, SetPhase)] == ["r00002"]
+
+
+# ---- execute --------------------------------------------------------------------------------
+
+
+def test_a_start_takes_the_planned_gpus_and_the_first_free_port() -> None:
+    h = host("gpu-01", reported("r00001", port=8000), reported("r00002", gpus=(2,), port=8001))
+    d = act.execute(view(h, rows=(row("r00001"), row("r00002", gpus=(2,), port=8001))),
+                    [action(ActionKind.START, gpus=(1,))])
+    (eff,) = d.effects
+    assert isinstance(eff, NewReplica) and eff.row.gpu_indices == (1,) and eff.row.port == 8002
+    assert eff.row.replica_id == "" and eff.note.status == ActionStatus.PUBLISHED  # the store allocates the id
+    assert d.publish_first == {"gpu-01"} and d.counts["start"] == 1
+
+
+def test_a_start_on_gpus_still_in_use_is_deferred_and_the_planner_sees_them_held() -> None:
+    # an engine the agent still runs that no record names (stopping) holds GPU 1
+    h = host("gpu-01", reported("r00009", ReplicaState.DRAINING, gpus=(1,), port=8005))
+    v = view(h)
+    d = act.execute(v, [action(ActionKind.START, gpus=(1,))])
+    (eff,) = d.effects
+    assert isinstance(eff, Record) and eff.note.status == ActionStatus.DEFERRED and "still in use" in eff.note.detail
+    assert act.held_gpus(v, "gpu-01") == (1,)
+
+
+def test_make_before_break_defers_the_drain_while_a_replica_of_the_model_starts() -> None:
+    serving = row("r00001")
+    h = host("gpu-01", reported("r00001"))
+    acts = [action(ActionKind.START, gpus=(1,)), action(ActionKind.DRAIN, "r00001", gpus=(0,),
+                                                         state=ReplicaState.READY)]
+    d = act.execute(view(h, rows=(serving,)), acts)
+    deferred = [e for e in d.effects if isinstance(e, Record)]
+    assert len(deferred) == 1 and "start before stop" in deferred[0].note.detail and d.drains == ()
+    # once nothing of the model is starting, the drain goes ahead
+    d = act.execute(view(h, rows=(serving,)), acts[1:])
+    assert d.drains == ("r00001",) and any(isinstance(e, SetPhase) and e.phase == Phase.DRAINING for e in d.effects)
+
+
+def test_a_replica_that_never_served_is_removed_at_once() -> None:
+    starting = row("r00001", ready=False, created_s=NOW)
+    d = act.execute(view(host(), rows=(starting,)), [action(ActionKind.STOP, "r00001", gpus=(0,))])
+    (eff,) = d.effects
+    assert isinstance(eff, SetPhase) and eff.phase == Phase.REMOVED and eff.cancel_start
+    assert d.publish == {"gpu-01"} and d.drains == ()
+
+
+def test_mqtt_down_defers_everything_with_an_alert() -> None:
+    d = act.execute(view(host(), connected_since_s=None), [action(ActionKind.START)])
+    assert [type(e) for e in d.effects] == [Record] and d.counts["deferred"] == 1 and "mqtt" in d.alerts
+
+
+def test_after_a_restart_nothing_acts_until_every_known_host_reported() -> None:
+    desired = {h: DesiredRow(h, 3, {}, NOW - 30, 3, True, ()) for h in ("gpu-01", "gpu-02")}
+    acts = [action(ActionKind.START)]
+    d = act.execute(view(host("gpu-01"), desired=desired, connected_since_s=NOW - 5), acts)
+    assert isinstance(d.effects[0], Record) and "waiting for status from gpu-02" in d.effects[0].note.detail
+    # the grace passed: a host that never reported does not block the others
+    d = act.execute(view(host("gpu-01"), desired=desired, connected_since_s=NOW - 3600), acts)
+    assert isinstance(d.effects[0], NewReplica)
+
+
+def test_host_loss_defers_starts_there_and_removes_nothing() -> None:
+    lost = host("gpu-02", online=False)
+    rows = (row("r00001", host="gpu-02"),)
+    d = act.execute(view(host("gpu-01"), lost, rows=rows), [action(ActionKind.START, host_name="gpu-02")])
+    assert isinstance(d.effects[0], Record) and "no online agent" in d.effects[0].note.detail
+    r = act.reconcile(view(host("gpu-01"), lost, rows=rows))
+    assert not any(isinstance(e, SetPhase) for e in r.effects)  # a fault never scales down
+
+
+def test_a_build_is_staged_once_and_a_repeated_deferral_is_noted_once() -> None:
+    b = Action(ActionKind.BUILD, Replica("b", ConfigKey("llama", VLLM, H100, 2, BF16), "gpu-01", (4, 5),
+                                         ReplicaState.STARTING), "TRT-LLM is cheaper")
+    d = act.execute(view(host()), [b])
+    assert isinstance(d.effects[0], NewBuild) and d.effects[0].row.template == "trtllm-build"
+    busy = host("gpu-01", reported("r00003", gpus=(4,), port=8003))
+    d1 = act.execute(view(busy), [b])
+    assert isinstance(d1.effects[0], Record)
+    d2 = act.execute(view(busy, noted=d1.noted), [b])
+    assert d2.effects == ()
+
+
+def test_drain_ends_when_in_flight_reaches_zero_twice_or_at_the_timeout() -> None:
+    p = act.DrainProgress(started_s=0.0)
+    step, p = act.drain_step(p, 3.0, 5.0, 120.0)
+    assert step == act.DrainStep.WAIT and p.zeros == 0
+    step, p = act.drain_step(p, 0.0, 7.0, 120.0)
+    assert step == act.DrainStep.WAIT
+    step, p = act.drain_step(p, 0.0, 9.0, 120.0)
+    assert step == act.DrainStep.DONE
+    assert act.drain_step(act.DrainProgress(0.0), 5.0, 121.0, 120.0)[0] == act.DrainStep.TIMEOUT
+
+
+def test_the_planner_places_new_replicas_off_held_gpus() -> None:
+    from planner.placement import place
+    from planner.types import HostInventory
+
+    h = HostInventory("gpu-01", H100, 2, (), True, held_gpus=(0,))
+    p = place({CFG: 1}, [h])
+    assert [r.gpu_indices for r in p.replicas] == [(1,)]
+    assert place({CFG: 2}, [h]).replicas.__len__() == 1  # the held GPU is never used
+
+
+def test_a_drain_waits_when_the_replacement_could_not_start() -> None:
+    # the replacement's GPU 1 is still held by an engine stopping: draining r00001 now would leave
+    # the model with nothing serving (seen on the lab: 503s during a swap)
+    h = host("gpu-01", reported("r00001"), reported("r00009", ReplicaState.DRAINING, gpus=(1,), port=8005))
+    acts = [action(ActionKind.START, gpus=(1,)), action(ActionKind.DRAIN, "r00001", gpus=(0,),
+                                                         state=ReplicaState.READY)]
+    d = act.execute(view(h, rows=(row("r00001"),)), acts)
+    assert d.drains == () and all(isinstance(e, Record) for e in d.effects)
+    # planned on the drained replica's own GPU: the drain must come first, but never of the model's
+    # last serving replica (an outage); with another one serving it goes ahead
+    swap_in_place = [action(ActionKind.START, gpus=(0,)), acts[1]]
+    d = act.execute(view(host("gpu-01", reported("r00001")), rows=(row("r00001"),)), swap_in_place)
+    assert d.drains == ()
+    two = (row("r00001"), row("r00002", gpus=(2,), port=8002))
+    d = act.execute(view(host("gpu-01", reported("r00001"), reported("r00002", gpus=(2,), port=8002)), rows=two),
+                    swap_in_place)
+    assert d.drains == ("r00001",)
