@@ -371,7 +371,8 @@ def host_report(st: HostStatus) -> HostReport:
     from planner.types import ReplicaState
 
     return HostReport(
-        st.host, st.online, st.gpu.value if st.gpu is not None else None, st.gpu_count, st.port_range,
+        st.host, st.online, st.gpu.value if st.gpu is not None else None, st.gpu_count,
+        tuple(tuple(g) for g in st.nvlink_groups), st.port_range,
         tuple(st.templates), tuple(st.build_templates),
         tuple(ReportedReplica(r.replica_id, ReplicaState(r.state.value), r.model, r.engine.value,
                               r.gpu.value if r.gpu is not None else None, r.tp, r.precision.value,

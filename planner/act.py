@@ -18,7 +18,8 @@ Two calls per cycle, in this order:
   fault).
 - `execute(view, actions)` after planning: START -> a new replica row (id allocated by the store,
   port chosen here, committed before the desired state naming it is published), never on GPUs
-  still in use (deferred: the next plan places it elsewhere; relocation is the planner's job);
+  still in use (other free GPUs of the type in one NVLink group, else deferred; the planner sees
+  such GPUs as held from the next cycle on: `held_gpus`);
   BUILD -> a build row on the GPUs the plan reserved; DRAIN/STOP -> a replica that never served
   is removed at once, a serving one drains, unless another replica of the model is still starting
   (make-before-break). MQTT down, or statuses still missing after a (re)connect: every action is
@@ -199,6 +200,7 @@ class HostReport:
     online: bool
     gpu: str | None = None
     gpu_count: int | None = None
+    nvlink_groups: tuple[tuple[int, ...], ...] = ()
     port_range: tuple[int, int] | None = None
     templates: tuple[str, ...] = ()
     build_templates: tuple[str, ...] = ()
@@ -562,21 +564,45 @@ def _start(view: ActView, a: Action, rows: Sequence[ReplicaRow]) -> NewReplica |
     host = view.hosts.get(r.host)
     if host is None or not host.online:
         return Record(_note(a, ActionStatus.DEFERRED, f"host {r.host} has no online agent"))
-    busy_gpus, busy_ports = _busy(view, r.host, rows)
-    clash = sorted(busy_gpus & set(r.gpu_indices))
+    where, gpus = r.host, tuple(r.gpu_indices)
+    busy_gpus, busy_ports = _busy(view, where, rows)
+    clash = sorted(busy_gpus & set(gpus))
+    moved = ""
     if clash:
-        # the next plan sees these GPUs as held (held_gpus) and places the replica elsewhere
-        return Record(_note(a, ActionStatus.DEFERRED, f"GPUs {clash} on {r.host} still in use"))
+        # GPUs still held (an engine stopping, a build, the drained replica of a swap): take other free
+        # GPUs of the type in one NVLink group now (the next plan sees them held: held_gpus)
+        spot = _free_spot(view, r.config.gpu.value, r.config.tp, rows, prefer=r.host)
+        if spot is None:
+            return Record(_note(a, ActionStatus.DEFERRED, f"GPUs {clash} on {r.host} still in use"))
+        moved = f" (planned GPUs {list(gpus)} on {r.host} busy: moved)"
+        where, gpus = spot
+        host = view.hosts[where]
+        busy_gpus, busy_ports = _busy(view, where, rows)
     lo, hi = host.port_range or view.settings.default_port_range
     port = next((p for p in range(lo, hi + 1) if p not in busy_ports), None)
     if port is None:
-        return Record(_note(a, ActionStatus.DEFERRED, f"no free port in {lo}-{hi} on {r.host}"))
+        return Record(_note(a, ActionStatus.DEFERRED, f"no free port in {lo}-{hi} on {where}"))
     c = r.config
-    row = ReplicaRow("", r.host, c.model, c.engine.value, c.gpu.value, c.tp, c.precision.value,
-                     tuple(r.gpu_indices), port, template_for(view, r.host, c.engine.value), Phase.DESIRED,
+    row = ReplicaRow("", where, c.model, c.engine.value, c.gpu.value, c.tp, c.precision.value,
+                     gpus, port, template_for(view, where, c.engine.value), Phase.DESIRED,
                      "planned", view.now_s, view.now_s, None, None)
-    return NewReplica(row, _note(a, ActionStatus.PUBLISHED, f"{r.host} port {port}, GPUs {list(r.gpu_indices)}",
-                                 replica_id=""))
+    return NewReplica(row, Note("start", ActionStatus.PUBLISHED, a.reason,
+                                f"{where} port {port}, GPUs {list(gpus)}{moved}", "", where, c.model))
+
+
+def _free_spot(view: ActView, gpu: str, tp: int, rows: Sequence[ReplicaRow],
+               prefer: str) -> tuple[str, tuple[int, ...]] | None:
+    """`tp` free GPUs of type `gpu` inside one NVLink group of an online host (`prefer` first)."""
+    for name in sorted(view.hosts, key=lambda h: (h != prefer, h)):
+        h = view.hosts[name]
+        if not h.online or h.gpu != gpu or h.gpu_count is None:
+            continue
+        busy, _ = _busy(view, name, rows)
+        for g in h.nvlink_groups or (tuple(range(h.gpu_count)),):
+            free = [i for i in g if i not in busy]
+            if len(free) >= tp:
+                return name, tuple(free[:tp])
+    return None
 
 
 def _build(view: ActView, a: Action, rows: Sequence[ReplicaRow],

@@ -42,8 +42,8 @@ def reported(rid: str, state: ReplicaState = ReplicaState.READY, *, gpus: tuple[
 
 
 def host(name: str = "gpu-01", *replicas: ReportedReplica, online: bool = True,
-         builds: tuple[ReportedBuild, ...] = ()) -> HostReport:
-    return HostReport(name, online, "h100", 8, (8000, 8009), ("vllm",), ("trtllm-build",), replicas, builds)
+         builds: tuple[ReportedBuild, ...] = (), gpus: int = 8) -> HostReport:
+    return HostReport(name, online, "h100", gpus, (), (8000, 8009), ("vllm",), ("trtllm-build",), replicas, builds)
 
 
 def view(*hosts: HostReport, rows: tuple[ReplicaRow, ...] = (), builds: tuple[BuildRow, ...] = (),
@@ -151,14 +151,16 @@ def test_a_start_takes_the_planned_gpus_and_the_first_free_port() -> None:
     assert d.publish_first == {"gpu-01"} and d.counts["start"] == 1
 
 
-def test_a_start_on_gpus_still_in_use_is_deferred_and_the_planner_sees_them_held() -> None:
+def test_a_start_on_gpus_still_in_use_moves_to_free_gpus_or_waits() -> None:
     # an engine the agent still runs that no record names (stopping) holds GPU 1
-    h = host("gpu-01", reported("r00009", ReplicaState.DRAINING, gpus=(1,), port=8005))
-    v = view(h)
-    d = act.execute(v, [action(ActionKind.START, gpus=(1,))])
-    (eff,) = d.effects
+    stopping = reported("r00009", ReplicaState.DRAINING, gpus=(1,), port=8005)
+    v = view(host("gpu-01", stopping))
+    (eff,) = act.execute(v, [action(ActionKind.START, gpus=(1,))]).effects
+    assert isinstance(eff, NewReplica) and eff.row.gpu_indices == (0,) and "busy: moved" in eff.note.detail
+    assert act.held_gpus(v, "gpu-01") == (1,)  # and the next plan places around it
+    full = view(host("gpu-01", stopping, reported("r00001", gpus=(0,)), gpus=2), rows=(row("r00001"),))
+    (eff,) = act.execute(full, [action(ActionKind.START, gpus=(1,))]).effects
     assert isinstance(eff, Record) and eff.note.status == ActionStatus.DEFERRED and "still in use" in eff.note.detail
-    assert act.held_gpus(v, "gpu-01") == (1,)
 
 
 def test_make_before_break_defers_the_drain_while_a_replica_of_the_model_starts() -> None:
@@ -242,7 +244,7 @@ def test_the_planner_places_new_replicas_off_held_gpus() -> None:
 def test_a_drain_waits_when_the_replacement_could_not_start() -> None:
     # the replacement's GPU 1 is still held by an engine stopping: draining r00001 now would leave
     # the model with nothing serving (seen on the lab: 503s during a swap)
-    h = host("gpu-01", reported("r00001"), reported("r00009", ReplicaState.DRAINING, gpus=(1,), port=8005))
+    h = host("gpu-01", reported("r00001"), reported("r00009", ReplicaState.DRAINING, gpus=(1,), port=8005), gpus=2)
     acts = [action(ActionKind.START, gpus=(1,)), action(ActionKind.DRAIN, "r00001", gpus=(0,),
                                                          state=ReplicaState.READY)]
     d = act.execute(view(h, rows=(row("r00001"),)), acts)
@@ -250,9 +252,9 @@ def test_a_drain_waits_when_the_replacement_could_not_start() -> None:
     # planned on the drained replica's own GPU: the drain must come first, but never of the model's
     # last serving replica (an outage); with another one serving it goes ahead
     swap_in_place = [action(ActionKind.START, gpus=(0,)), acts[1]]
-    d = act.execute(view(host("gpu-01", reported("r00001")), rows=(row("r00001"),)), swap_in_place)
+    d = act.execute(view(host("gpu-01", reported("r00001"), gpus=1), rows=(row("r00001"),)), swap_in_place)
     assert d.drains == ()
-    two = (row("r00001"), row("r00002", gpus=(2,), port=8002))
-    d = act.execute(view(host("gpu-01", reported("r00001"), reported("r00002", gpus=(2,), port=8002)), rows=two),
-                    swap_in_place)
+    two = (row("r00001"), row("r00002", gpus=(1,), port=8002))
+    d = act.execute(view(host("gpu-01", reported("r00001"), reported("r00002", gpus=(1,), port=8002), gpus=2),
+                         rows=two), swap_in_place)
     assert d.drains == ("r00001",)
