@@ -80,7 +80,7 @@ def test_histogram_quantile_like_prometheus() -> None:
 
 def test_lifecycle_goes_through_the_act_core_make_before_break_and_gpu_hours() -> None:
     """The replay applies the controller's actions through the shipped act core (planner/act.py):
-    a start on GPUs still in use is deferred, a drain waits while a replacement starts (no request
+    a start on GPUs still in use moves to free ones, a drain waits while a replacement starts (no request
     is rejected for lack of a READY replica), GPU-hours run from launch to stop."""
     from models.names import Precision
     from planner.policy import load_policy_text
@@ -111,13 +111,10 @@ models:
             if view.t_s == 0.0:
                 return Decision(actions=(Action(ActionKind.START, Replica("a", cfg, "h1", (0,),
                                                                           ReplicaState.STARTING), "warm"),))
-            if view.t_s == 60.0:  # GPU 0 is busy: deferred
-                return Decision(actions=(Action(ActionKind.START, Replica("b", cfg, "h1", (0,),
-                                                                          ReplicaState.STARTING), "busy"),))
-            if view.t_s >= 120.0 and len(live) == 1 and live[0].gpu_indices == (0,):
-                return Decision(actions=(Action(ActionKind.START, Replica("c", cfg, "h1", (1,), ReplicaState.STARTING),
+            if view.t_s == 60.0:  # GPU 0 is busy: the start moves to GPU 1; the drain waits for it
+                return Decision(actions=(Action(ActionKind.START, Replica("b", cfg, "h1", (0,), ReplicaState.STARTING),
                                                 "swap"), Action(ActionKind.DRAIN, live[0], "swap")))
-            if view.t_s >= 180.0 and len(live) == 2:
+            if view.t_s >= 120.0 and len(live) == 2:
                 return Decision(actions=(Action(ActionKind.DRAIN, live[0], "swap"),))
             return Decision()
 
@@ -126,11 +123,11 @@ models:
     res = sim.run()
     rep1, rep2 = sim.replicas
     assert rep1.gpus == (0,) and rep2.gpus == (1,)
-    assert rep2.t_start == 120.0 and rep2.t_ready == pytest.approx(150.0)
-    assert rep1.t_stop is not None and 180.0 <= rep1.t_stop < 181.0  # drained once the replacement served
-    assert res.deferred_actions == 2  # the start on busy GPU 0, the drain while "c" started
+    assert rep2.t_start == 60.0 and rep2.t_ready == pytest.approx(90.0)
+    assert rep1.t_stop is not None and 120.0 <= rep1.t_stop < 121.0  # drained once the replacement served
+    assert res.deferred_actions == 1  # the drain while "b" started
     assert res.swap_cycles == 0 and res.replica_starts == 1  # the replacement (t = 0 is the initial fleet)
     assert res.rejected == 0
     assert res.served + res.rejected + res.unfinished == res.arrived == 1201
-    assert res.gpu_hours == pytest.approx((rep1.t_stop + 600.0 - 120.0) / 3600.0, rel=1e-3)
+    assert res.gpu_hours == pytest.approx((rep1.t_stop + 600.0 - 60.0) / 3600.0, rel=1e-3)
     assert res.cost_usd == pytest.approx(2.0 * res.gpu_hours)
