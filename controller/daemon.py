@@ -1,7 +1,7 @@
 """The controller daemon: every cycle observe -> plan -> act, safely, and say why.
 
-One asyncio loop; an APScheduler 3 AsyncIOScheduler interval job runs `cycle()` (coalesce=True,
-max_instances=1; a cycle also holds a lock so SIGTERM and SIGHUP never interleave with one).
+One asyncio loop; a plain interval loop (`_cycle_loop`) runs `cycle()`: cycles never overlap, a
+late one is not made up for, a SIGHUP reload is applied between cycles.
 Each cycle:
 
 1. reconcile with what the agents report (adopt orphans, note ready replicas, retry unacked
@@ -17,9 +17,10 @@ Each cycle:
    targets, all written atomically.
 
 The planner already caps actions per cycle and applies the scale-down delay.
-Signals (one place, `_install_signals`): SIGHUP reloads the policy (validated first; an invalid
-file keeps the old policy and the error shows in reports); SIGTERM/SIGINT finish the current
-step and stop cleanly (drains in progress are resumed by the next start). sd_notify READY=1,
+Signals (one place, `_install_signals`): SIGHUP reloads the policy before the next cycle (validated
+first; an invalid file keeps the old policy and the error shows in reports); SIGTERM/SIGINT finish
+the current step and stop cleanly within `stop_deadline_s` (drains in progress are resumed by the
+next start); a second SIGTERM/SIGINT exits at once. sd_notify READY=1,
 WATCHDOG=1, STOPPING=1 via $NOTIFY_SOCKET.
 """
 
@@ -115,6 +116,7 @@ class ControllerSettings(BaseModel):
     ack_timeout_s: float = Field(default=10.0, gt=0)  # wall seconds
     ready_timeout_s: float = Field(default=600.0, gt=0)  # wall seconds
     drain_timeout_s: float = Field(default=120.0, gt=0)  # wall seconds
+    stop_deadline_s: float = Field(default=30.0, gt=0)  # SIGTERM: the current step finishes within this
     drain_settle_s: float = Field(default=1.0, ge=0)  # after the reload, before trusting "0 running"
     drain_poll_s: float = Field(default=0.5, gt=0)
     host_offline_grace_s: float = Field(default=60.0, ge=0)  # wall; an agent gone longer = host offline
@@ -1092,6 +1094,7 @@ class Controller:
             rs = rep.get(row.replica_id)
             if rs is not None and rs[1].state.value == "ready":
                 running[row.model] = running.get(row.model, 0) + 1
+        m.keep_models(set(self.model_names()))
         for name in self.model_names():
             m.planned_replicas.labels(name).set(planned.get(name, 0))
             m.running_replicas.labels(name).set(running.get(name, 0))
@@ -1256,29 +1259,62 @@ class Controller:
 # running it
 
 
-def _install_signals(ctrl: Controller, stop: asyncio.Event) -> None:
-    """All signal handling in one place."""
+@dataclass
+class Signals:
+    """What the signals asked for; the loop acts on it between cycles (uvicorn's shape)."""
+
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    stop: bool = False
+    reload: bool = False
+
+
+def _install_signals(ctrl: Controller, sig: Signals) -> None:
+    """All signal handling in one place: SIGHUP asks for a policy reload (applied between cycles,
+    never inside one); SIGTERM/SIGINT ask for a graceful stop (the current cycle finishes, within
+    `stop_deadline_s`); a second SIGTERM/SIGINT forces the exit at once."""
     loop = asyncio.get_running_loop()
 
-    reloads: set[asyncio.Task[bool]] = set()
-
     def on_hup() -> None:
-        log.info("SIGHUP: reloading the policy from %s", ctrl.policy_path)
-        task = loop.create_task(ctrl.reload_policy(), name="policy-reload")  # parsed in a thread
-        reloads.add(task)
-        task.add_done_callback(reloads.discard)
+        log.info("SIGHUP: the policy (%s) is reloaded before the next cycle", ctrl.policy_path)
+        sig.reload = True
+        sig.wake.set()
+
+    def on_term() -> None:
+        if sig.stop:
+            log.warning("second stop signal: exiting now")
+            sd_notify("STOPPING=1")
+            os._exit(1)
+        log.info("stop signal: finishing the current cycle (at most %.0f s)", ctrl.settings.stop_deadline_s)
+        sig.stop = True
+        sig.wake.set()
 
     loop.add_signal_handler(signal.SIGHUP, on_hup)
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, on_term)
+    loop.add_signal_handler(signal.SIGINT, on_term)
+
+
+async def _cycle_loop(ctrl: Controller, sig: Signals, interval_s: float) -> None:
+    """One interval job on a plain asyncio loop: cycles never overlap, a late cycle is not made up
+    for (the next starts one interval after the late one began), a reload lands between cycles."""
+    loop = asyncio.get_running_loop()
+    next_s = loop.time()
+    while not sig.stop:
+        if sig.reload:
+            sig.reload = False
+            await ctrl.reload_policy()
+        if loop.time() >= next_s:
+            next_s = loop.time() + interval_s
+            await ctrl.cycle()
+            continue
+        sig.wake.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(sig.wake.wait(), next_s - loop.time())
 
 
 async def run_controller(ctrl: Controller, *, once: bool = False, cycle_wall_s: float | None = None) -> int:
-    from apscheduler.schedulers.asyncio import AsyncIOScheduler
-
     await ctrl.start()
-    stop = asyncio.Event()
-    _install_signals(ctrl, stop)
+    sig = Signals()
+    _install_signals(ctrl, sig)
     if once:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(ctrl.link.connected.wait(), 10.0)
@@ -1287,20 +1323,17 @@ async def run_controller(ctrl: Controller, *, once: bool = False, cycle_wall_s: 
         return 0
     policy_cycle = ctrl.settings.cycle_s or ctrl.policy.policy.scaling.cycle_s
     interval = cycle_wall_s or max(0.5, policy_cycle / ctrl.time_scale)
-    scheduler = AsyncIOScheduler()
-    scheduler.add_job(
-        ctrl.cycle, "interval", seconds=interval, coalesce=True, max_instances=1,
-        next_run_time=__import__("datetime").datetime.now(), id="cycle", misfire_grace_time=None,
-    )
-    scheduler.start()
     log.info("controller running: cycle every %.2f s wall (time scale %g), report at %s", interval,
              ctrl.time_scale, ctrl.report_url)
+    cycles = asyncio.create_task(_cycle_loop(ctrl, sig, interval), name="cycles")
     try:
-        await stop.wait()
+        await cycles
     finally:
         log.info("stopping: finishing the current step")
-        scheduler.shutdown(wait=False)
-        await ctrl.stop()
+        try:
+            await asyncio.wait_for(ctrl.stop(), ctrl.settings.stop_deadline_s)
+        except TimeoutError:
+            log.error("stop did not finish within %.0f s; exiting anyway", ctrl.settings.stop_deadline_s)
     return 0
 
 

@@ -74,6 +74,19 @@ class ControllerMetrics:
         # 1 while the controller's MQTT session is up (the controller binds it to its link)
         self.mqtt_connected = Gauge("fleetplan_mqtt_connected", "1 if connected to the MQTT broker", registry=r)
 
+    def per_model(self) -> tuple[Gauge, ...]:
+        """The gauges labelled by model alone."""
+        return (self.planned_replicas, self.running_replicas, self.desired_replicas, self.predicted_ttft_p99_ms,
+                self.observed_ttft_p99_ms, self.predicted_itl_p99_ms, self.observed_itl_p99_ms, self.demand_rps,
+                self.capacity_rps, self.slo_ttft_p99_ms, self.slo_itl_p99_ms, self.unmet_demand_rps)
+
+    def keep_models(self, models: set[str]) -> None:
+        """Remove the series of models that left the policy (a stale gauge would keep alerting)."""
+        for gauge in self.per_model():
+            for labels in list(gauge._metrics):  # the label sets it holds (prometheus_client has no public list)
+                if labels[0] not in models:
+                    gauge.remove(*labels)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
