@@ -19,8 +19,8 @@ import math
 import sys
 from pathlib import Path
 
-from models.names import Engine, GpuType, parse_engine, parse_gpu, parse_precision
-from sim.groundtruth import build_params, poisson_arrivals, simulate
+from fleetplan.models.names import Engine, GpuType, parse_engine, parse_gpu, parse_precision
+from fleetplan.sim.groundtruth import build_params, poisson_arrivals, simulate
 
 BENCH_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "benchmarks"
 TABLE = BENCH_DIR / "trtllm_v0.14_online_serving_triton_bf16.csv"

@@ -1,18 +1,18 @@
 """Predicted vs ground-truth capacity at a p99 SLO, for a few configurations on the simulator.
 
-What the planner uses is `models.profile.capacity()` of a fitted profile. This bench does what a
-team would do on the simulator's ground truth (sim.groundtruth): a Poisson rate sweep at the
+What the planner uses is `fleetplan.models.profile.capacity()` of a fitted profile. This bench does what a
+team would do on the simulator's ground truth (fleetplan.sim.groundtruth): a Poisson rate sweep at the
 workload's lengths (the `vllm bench serve` points: TTFT mean/p50/p99, per-request TPOT mean/p50/p99,
-ITL p99 over all token gaps), fitted with models.fit.fit_profile, then compares
+ITL p99 over all token gaps), fitted with fleetplan.models.fit.fit_profile, then compares
 `capacity(profile, ttft_p99, itl_p99).max_rps` with the truth:
 
-- fixed: fixed-length requests, truth = sim.groundtruth.max_rate_at_slo (p99 TTFT and p99 of all
+- fixed: fixed-length requests, truth = fleetplan.sim.groundtruth.max_rate_at_slo (p99 TTFT and p99 of all
   inter-token gaps);
 - azure (--mix): the Azure conversation trace's length mix (Llama-3-70B, SLO 1 s / 80 ms, as
-  bench/evaluate_traces.py), profile built by sim.evaluate.profiles_from_ground_truth, truth =
-  sim.des.capacity_at_slo (p99 TTFT and p99 per-request TPOT; median of 3 draws).
+  bench/evaluate_traces.py), profile built by fleetplan.sim.evaluate.profiles_from_ground_truth, truth =
+  fleetplan.sim.des.capacity_at_slo (p99 TTFT and p99 per-request TPOT; median of 3 draws).
 
-The sweep spans 15%..115% of the true capacity (like sim.evaluate), so the fit sees the region that
+The sweep spans 15%..115% of the true capacity (like fleetplan.sim.evaluate), so the fit sees the region that
 matters. Prints one line per config: predicted and true max rps, the error, the predicted binding.
 
     .venv/bin/python bench/capacity_vs_groundtruth.py [--only fixed|mix] [--configs 0,2]
@@ -34,11 +34,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from models.bench import BenchmarkPoint, LoadKind  # noqa: E402
-from models.fit import fit_profile  # noqa: E402
-from models.names import Engine, GpuType, Precision  # noqa: E402
-from models.profile import ProfileKey, Workload, capacity, predict  # noqa: E402
-from sim.groundtruth import EngineParams, build_params, max_rate_at_slo, simulate  # noqa: E402
+from fleetplan.models.bench import BenchmarkPoint, LoadKind  # noqa: E402
+from fleetplan.models.fit import fit_profile  # noqa: E402
+from fleetplan.models.names import Engine, GpuType, Precision  # noqa: E402
+from fleetplan.models.profile import ProfileKey, Workload, capacity, predict  # noqa: E402
+from fleetplan.sim.groundtruth import EngineParams, build_params, max_rate_at_slo, simulate  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -115,9 +115,9 @@ def run_fixed(cases: Sequence[Case], n: int) -> list[float]:
 
 
 def run_mix(n_sweep: int) -> list[float]:
-    from planner.types import ConfigKey
-    from sim.evaluate import ground_truth_capacity, profiles_from_ground_truth, trace_lengths
-    from sim.traces import read_trace
+    from fleetplan.planner.types import ConfigKey
+    from fleetplan.sim.evaluate import ground_truth_capacity, profiles_from_ground_truth, trace_lengths
+    from fleetplan.sim.traces import read_trace
 
     trace = read_trace(ROOT.parent / "shared" / "data" / "traces" / "azure_llm_conv_2023.csv", model="llama-3-70b")
     lengths = trace_lengths(trace, "llama-3-70b")

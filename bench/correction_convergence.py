@@ -4,7 +4,7 @@
 
 Per scenario (bench/evaluate_traces.py's policies and traces), profiles are fitted on the simulator's
 ground truth (the "true" profiles), then every profile is made `factor` times as fast
-(models.mix.scaled: factor 1.4 = 40% optimistic, 0.6 = 40% pessimistic). fleetplan replays the trace
+(fleetplan.models.mix.scaled: factor 1.4 = 40% optimistic, 0.6 = 40% pessimistic). fleetplan replays the trace
 with the true profiles and with each wrong set; per run it prints GPU-hours, SLO attainment, and per
 cycle the GPUs the plan holds against the true-profile run: the first cycle from which the wrong run
 stays within one replica's GPUs of the true run, and the attainment of the requests that arrived
@@ -23,12 +23,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from evaluate_traces import SCENARIOS, TRACES  # noqa: E402
 
-from models.mix import scaled  # noqa: E402
-from models.profile import ProfileSet  # noqa: E402
-from planner.policy import load_policy_text  # noqa: E402
-from sim.baselines import FleetplanController  # noqa: E402
-from sim.des import FleetSim, SimSettings  # noqa: E402
-from sim.evaluate import (  # noqa: E402
+from fleetplan.models.mix import scaled  # noqa: E402
+from fleetplan.models.profile import ProfileSet  # noqa: E402
+from fleetplan.planner.policy import load_policy_text  # noqa: E402
+from fleetplan.sim.baselines import FleetplanController  # noqa: E402
+from fleetplan.sim.des import FleetSim, SimSettings  # noqa: E402
+from fleetplan.sim.evaluate import (  # noqa: E402
     candidates_for,
     make_environment,
     policy_for_models,
@@ -36,7 +36,7 @@ from sim.evaluate import (  # noqa: E402
     profiles_from_ground_truth,
     trace_lengths,
 )
-from sim.traces import read_trace, reshape  # noqa: E402
+from fleetplan.sim.traces import read_trace, reshape  # noqa: E402
 
 
 def _run(trace: object, policy: object, profiles: ProfileSet) -> tuple[object, list[tuple[float, int]]]:

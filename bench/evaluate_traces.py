@@ -3,19 +3,19 @@
     .venv/bin/python bench/evaluate_traces.py [--traces azure,mooncake] [--day] [--workers 2] [--out DIR]
 
 Per trace it builds profiles the way a team would (a rate sweep per config on the simulator's ground
-truth with the trace's own length mix, fitted with models.fit), runs `sim.evaluate.evaluate` for
+truth with the trace's own length mix, fitted with fleetplan.models.fit), runs `fleetplan.sim.evaluate.evaluate` for
 all policies, prints the table, the issue's goals and the evaluation wall time (the simulations of
 all policies plus the ground-truth capacities; profile generation is reported separately).
 
 Scenarios (policies are written below, in the repo; only the traces are read from outside):
 - azure: Azure LLM conversation trace, 1 h, 19,366 requests, rate x4 (tiled: 4 copies of the hour
-  time-compressed into the hour, sim.traces.reshape), served as Llama-3-70B on 8 hosts x 8 H100,
+  time-compressed into the hour, fleetplan.sim.traces.reshape), served as Llama-3-70B on 8 hosts x 8 H100,
   SLO TTFT p99 1 s / ITL p99 80 ms; vLLM and TensorRT-LLM at TP 4 or 8 (TRT-LLM engines cached).
 - mooncake: Mooncake conversation trace, 59 min, 12,031 requests with 12k-token mean prompts, rate
   x1, served as Llama-3-8B on 4 hosts x 8 H100, long-context SLO TTFT p99 20 s / ITL p99 150 ms,
   TP 1 or 2 (TRT-LLM engines cached). Both: headroom 0.2 (the example policy's), 60 s cycle, 300 s
   scale-down delay.
-With --day the hour is also shaped into a compressed day (sim.traces.shape_day, day_s = 3600 s:
+With --day the hour is also shaped into a compressed day (fleetplan.sim.traces.shape_day, day_s = 3600 s:
 trough at the start, peak at 30 min, peak/trough 3); with --day-s S [--day-scale R] into a day of S
 seconds (e.g. --traces azure --day-s 21600 --day-scale 2: a 6 h day, 238k requests).
 """
@@ -32,11 +32,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from models.profile import ProfileSet  # noqa: E402
-from planner.policy import load_policy_text  # noqa: E402
-from sim.baselines import POLICY_NAMES  # noqa: E402
-from sim.des import SimSettings  # noqa: E402
-from sim.evaluate import (  # noqa: E402
+from fleetplan.models.profile import ProfileSet  # noqa: E402
+from fleetplan.planner.policy import load_policy_text  # noqa: E402
+from fleetplan.sim.baselines import POLICY_NAMES  # noqa: E402
+from fleetplan.sim.des import SimSettings  # noqa: E402
+from fleetplan.sim.evaluate import (  # noqa: E402
     EvaluateOptions,
     candidates_for,
     evaluate,
@@ -48,7 +48,7 @@ from sim.evaluate import (  # noqa: E402
     trace_lengths,
     write_charts,
 )
-from sim.traces import read_trace, reshape, shape_day  # noqa: E402
+from fleetplan.sim.traces import read_trace, reshape, shape_day  # noqa: E402
 
 TRACES = ROOT.parent / "shared" / "data" / "traces"
 
@@ -116,7 +116,7 @@ def _benchmark_profiles(cache: Path) -> ProfileSet:
     """The user's workflow: `fleetplan models fit` on the public benchmark files (cached)."""
     if not cache.exists():
         print(f"fitting profiles from {BENCHMARKS} (fleetplan models fit; a few minutes) -> {cache}", flush=True)
-        subprocess.run([sys.executable, "-m", "controller.cli", "models", "fit", str(BENCHMARKS), "--out",
+        subprocess.run([sys.executable, "-m", "fleetplan", "models", "fit", str(BENCHMARKS), "--out",
                         str(cache)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     return ProfileSet.from_json_dict(json.loads(cache.read_text()))
 

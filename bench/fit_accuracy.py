@@ -10,7 +10,7 @@ separately). `saturation throughput` is the offline max-throughput figures (trtl
 `qps=INF` rows), predicted from the other ISL/OSL pairs.
 
 Files that do not state the GPU (InferenceX) are read with --gpu (default h200: an assumption that
-only names the profile; the GLM-5 and MiniMax architectures are unknown to models.hardware, so no
+only names the profile; the GLM-5 and MiniMax architectures are unknown to fleetplan.models.hardware, so no
 GPU prior is used for them). The goal of the issue: <= 10% MAPE on TTFT, ITL and throughput below
 saturation.
 
@@ -34,10 +34,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from controller.benchfiles import read_benchmark_paths  # noqa: E402
-from models.bench import BenchmarkPoint, LoadKind, Metadata  # noqa: E402
-from models.fit import HOLDOUT_METRICS, group_points, holdout_errors, saturation_flags  # noqa: E402
-from models.names import parse_gpu, parse_precision  # noqa: E402
+from fleetplan.models.bench import BenchmarkPoint, LoadKind, Metadata  # noqa: E402
+from fleetplan.models.fit import HOLDOUT_METRICS, group_points, holdout_errors, saturation_flags  # noqa: E402
+from fleetplan.models.names import parse_gpu, parse_precision  # noqa: E402
+from fleetplan.shared.benchfiles import read_benchmark_paths  # noqa: E402
 
 COLUMNS = {"ttft": "TTFT", "ttft_p99": "TTFT p99", "itl": "ITL", "itl_p99": "ITL p99",
            "throughput": "tput", "saturation_throughput": "sat tput"}
@@ -96,7 +96,7 @@ def monotone_floor(points: Sequence[BenchmarkPoint]) -> dict[str, dict[str, list
     import numpy as np
     from scipy.optimize import isotonic_regression
 
-    from models.fit import saturation_flags as flags_of
+    from fleetplan.models.fit import saturation_flags as flags_of
 
     out: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for _, group in group_points(points).items():

@@ -16,11 +16,11 @@ import argparse
 import time
 from dataclasses import replace
 
-from models.names import Engine, GpuType, Precision
-from planner.capacity import CapacityInfo
-from planner.core import plan_with_capacities
-from planner.policy import load_policy_dict
-from planner.types import (
+from fleetplan.models.names import Engine, GpuType, Precision
+from fleetplan.planner.capacity import CapacityInfo
+from fleetplan.planner.core import plan_with_capacities
+from fleetplan.planner.policy import load_policy_dict
+from fleetplan.planner.types import (
     ConfigKey,
     Fleet,
     HostInventory,

@@ -13,9 +13,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from controller.state import StateStore
-from planner.brakes import HOUR_S, BrakeResult, Direction, Mode, PastAction, apply_brakes
-from planner.types import ConfigKey, Fleet, PlanResult
+from fleetplan.controller.state import StateStore
+from fleetplan.planner.brakes import HOUR_S, BrakeResult, Direction, Mode, PastAction, apply_brakes
+from fleetplan.planner.types import ConfigKey, Fleet, PlanResult
 
 PAUSE_KEY = "actuation_pause"
 
@@ -46,7 +46,7 @@ def save_pause(store: StateStore, paused: bool, reason: str = "", *, wall_s: flo
 
 def capacity_from_plan(doc: Mapping[str, Any]) -> dict[ConfigKey, float]:
     """Per-replica capacity (rps at the SLO) of each config the stored plan explains."""
-    from models.names import parse_engine, parse_gpu, parse_precision
+    from fleetplan.models.names import parse_engine, parse_gpu, parse_precision
 
     out: dict[ConfigKey, float] = {}
     for m in (doc.get("explanation") or {}).get("models", []):

@@ -12,7 +12,7 @@ restart it can :meth:`Actuator.adopt` what still runs instead of starting a dupl
   the same cmdline as recorded.
 - :class:`SystemdActuator` (real hosts): the template unit ``fleetplan-engine@<id>.service`` with
   a per-instance environment file ``<env_dir>/<id>.env`` written atomically; the unit's
-  ExecStart runs ``python -m controller.actuators exec``, which execs the argv from the
+  ExecStart runs ``python -m fleetplan.controller.actuators exec``, which execs the argv from the
   environment file. Engines are then independent of the agent's cgroup.
 """
 
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from controller.atomic import atomic_write_text
+from fleetplan.shared.atomic import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -414,7 +414,7 @@ def exec_from_env(environ: Mapping[str, str] | None = None) -> None:
 def _main(argv: Sequence[str]) -> int:
     if list(argv) == ["exec"]:
         exec_from_env()
-    print("usage: python -m controller.actuators exec", file=sys.stderr)
+    print("usage: python -m fleetplan.controller.actuators exec", file=sys.stderr)
     return 2
 
 

@@ -1,6 +1,6 @@
 """The per-host agent: desired state from MQTT -> engine instances on this host's GPUs.
 
-Level-triggered: the agent keeps the last accepted :class:`~controller.protocol.DesiredState`
+Level-triggered: the agent keeps the last accepted :class:`~fleetplan.controller.protocol.DesiredState`
 (persisted in its state directory) and every second makes the host match it — starts missing
 replicas from its OWN launch templates (pinned with CUDA_VISIBLE_DEVICES to the given GPU indices
 and a port), health-waits before reporting them ready, stops replicas that left the desired state
@@ -35,7 +35,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from controller.actuators import (
+from fleetplan.controller.actuators import (
     Actuator,
     Exited,
     Handle,
@@ -44,9 +44,8 @@ from controller.actuators import (
     StartError,
     SystemdActuator,
 )
-from controller.atomic import atomic_write_text
-from controller.mqtt import Backoff, MqttSettings, client_kwargs
-from controller.protocol import (
+from fleetplan.controller.mqtt import Backoff, MqttSettings, client_kwargs
+from fleetplan.controller.protocol import (
     HOST_PATTERN,
     MAX_NAME,
     TEMPLATE_PATTERN,
@@ -71,7 +70,7 @@ from controller.protocol import (
     status_topic,
     to_payload,
 )
-from models.names import (
+from fleetplan.models.names import (
     Engine,
     GpuType,
     Precision,
@@ -79,6 +78,7 @@ from models.names import (
     parse_engine,
     parse_gpu,
 )
+from fleetplan.shared.atomic import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +262,7 @@ def sim_agent_config(
     py = python or sys.executable
 
     def engine(persona: str) -> dict[str, Any]:
-        argv = [py, "-m", "controller.cli", "sim-engine", "--persona", persona, "--model", "{model}",
+        argv = [py, "-m", "fleetplan", "sim-engine", "--persona", persona, "--model", "{model}",
                 "--gpu", "{gpu}", "--tp", "{tp}", "--precision", "{precision}", "--port", "{port}",
                 "--replica-id", "{replica_id}", "--gpu-indices", "{gpu_indices}", "--time-scale", str(time_scale)]
         if startup_s is not None:

@@ -26,7 +26,7 @@ def run_agent(args: argparse.Namespace) -> int:
     import logging
     import signal
 
-    from controller.agent import Agent, AgentConfigError, load_agent_config
+    from fleetplan.controller.agent import Agent, AgentConfigError, load_agent_config
 
     try:
         config = load_agent_config(args.config)

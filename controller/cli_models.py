@@ -67,11 +67,17 @@ def _fmt_pct(v: float | None) -> str:
 
 
 def _fit(args: argparse.Namespace) -> int:
-    from controller.benchfiles import load_aliases, read_benchmark_paths, save_profiles
-    from models.bench import Metadata
-    from models.fit import FitFailure, fit_profile, group_points
-    from models.names import ModelAliases, UnknownNameError, parse_engine, parse_gpu, parse_precision
-    from models.profile import ProfileSet
+    from fleetplan.models.bench import Metadata
+    from fleetplan.models.fit import FitFailure, fit_profile, group_points
+    from fleetplan.models.names import (
+        ModelAliases,
+        UnknownNameError,
+        parse_engine,
+        parse_gpu,
+        parse_precision,
+    )
+    from fleetplan.models.profile import ProfileSet
+    from fleetplan.shared.benchfiles import load_aliases, read_benchmark_paths, save_profiles
 
     try:
         meta = Metadata(
@@ -121,9 +127,9 @@ def _fit(args: argparse.Namespace) -> int:
 
 
 def _lookup(args: argparse.Namespace) -> tuple[Any, int]:
-    from controller.benchfiles import ProfilesFileError, load_profiles
-    from models.names import UnknownNameError, parse_engine, parse_gpu, parse_precision
-    from models.profile import ProfileKey, Workload, roofline_profile
+    from fleetplan.models.names import UnknownNameError, parse_engine, parse_gpu, parse_precision
+    from fleetplan.models.profile import ProfileKey, Workload, roofline_profile
+    from fleetplan.shared.benchfiles import ProfilesFileError, load_profiles
 
     try:
         engine, gpu = parse_engine(args.engine), parse_gpu(args.gpu)
@@ -153,7 +159,7 @@ def _lookup(args: argparse.Namespace) -> tuple[Any, int]:
 
 
 def _default_precision(gpu: Any) -> Any:
-    from models.names import GpuType, Precision
+    from fleetplan.models.names import GpuType, Precision
 
     return Precision.BF16 if gpu in (GpuType.A100, GpuType.RTX4090) else Precision.FP8
 
@@ -163,7 +169,7 @@ def _num(v: float) -> float | None:
 
 
 def _predict(args: argparse.Namespace) -> int:
-    from models.profile import predict
+    from fleetplan.models.profile import predict
 
     found, code = _lookup(args)
     if found is None:
@@ -200,7 +206,7 @@ def _predict(args: argparse.Namespace) -> int:
 
 
 def _capacity(args: argparse.Namespace) -> int:
-    from models.profile import capacity
+    from fleetplan.models.profile import capacity
 
     if not (args.ttft_p99_ms > 0 and args.itl_p99_ms > 0):
         return _err(f"--ttft-p99-ms and --itl-p99-ms must be > 0, got {args.ttft_p99_ms}, {args.itl_p99_ms}")

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from controller.cli_daemon import DEFAULT_REPORT
+DEFAULT_REPORT = "http://127.0.0.1:9470"  # the report API of a controller on this machine
 
 
 def _api_args(p: argparse.ArgumentParser) -> None:
@@ -44,7 +44,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _pause(args: argparse.Namespace) -> int:
-    from controller.report import post
+    from fleetplan.controller.report import post
 
     url = args.url or os.environ.get("FLEETPLAN_REPORT_URL") or DEFAULT_REPORT
     token = args.token or os.environ.get("FLEETPLAN_REPORT_TOKEN")
@@ -87,7 +87,7 @@ def render_history(decisions: Sequence[Mapping[str, Any]], actions: Sequence[Map
                    model: str | None = None, changes_only: bool = True) -> str:
     """A readable timeline: per decision, what changed per model, the actions (with their final
     status), what was held back and why; housekeeping actions (no decision) in time order."""
-    from planner.audit import timeline
+    from fleetplan.planner.audit import timeline
 
     entries: list[tuple[float, int, list[str]]] = []
     for rec in timeline(decisions, actions, model=model, changes_only=changes_only):
@@ -128,7 +128,7 @@ def render_history(decisions: Sequence[Mapping[str, Any]], actions: Sequence[Map
 
 
 def _history(args: argparse.Namespace) -> int:
-    from controller.state import read_history
+    from fleetplan.controller.state import read_history
 
     try:
         since = time.time() - parse_duration_s(args.since)

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from controller.report import config_lines
+from fleetplan.controller.report import config_lines
 
 
 def register(subparsers: Any) -> None:
@@ -56,7 +56,7 @@ def _load_yaml_or_json(text: str, path: str) -> Any:
 
 
 def cmd_policy_check(args: argparse.Namespace) -> int:
-    from planner.policy import PolicyError, effective, load_policy_text
+    from fleetplan.planner.policy import PolicyError, effective, load_policy_text
 
     text = _read(args.file, "policy")
     if text is None:
@@ -92,7 +92,7 @@ def cmd_policy_check(args: argparse.Namespace) -> int:
     active = effective(policy, time.time()).active_schedules
     print("  active now: " + (", ".join(active) if active else "none"))
     if getattr(args, "controller", None):
-        from controller.cli_whatif import run_whatif
+        from fleetplan.controller.cli_whatif import run_whatif
 
         print("")
         sys.stdout.flush()
@@ -101,12 +101,12 @@ def cmd_policy_check(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from controller.benchfiles import load_profiles
-    from models.profile import ProfileSet
-    from planner.core import plan, plan_to_dict
-    from planner.policy import PolicyError, load_policy_text
-    from planner.serde import fleet_from_dict, observation_from_dict
-    from planner.types import Fleet, PlannerState
+    from fleetplan.models.profile import ProfileSet
+    from fleetplan.planner.core import plan, plan_to_dict
+    from fleetplan.planner.policy import PolicyError, load_policy_text
+    from fleetplan.planner.serde import fleet_from_dict, observation_from_dict
+    from fleetplan.planner.types import Fleet, PlannerState
+    from fleetplan.shared.benchfiles import load_profiles
 
     ptext = _read(args.policy, "policy")
     dtext = _read(args.demand, "demand")
@@ -168,7 +168,7 @@ def render_plan(doc: dict[str, Any]) -> str:
             out.append(f"  {m['model']}: length mix: {m['length_mix']}")
         for note in m["notes"]:
             out.append(f"  {m['model']}: {note}")
-    from controller.report import render_alternatives, render_relaxations
+    from fleetplan.controller.report import render_alternatives, render_relaxations
 
     out.append("")
     out.append("ALTERNATIVES (each allowed config not chosen, alone; why it lost; the load where it would win)")

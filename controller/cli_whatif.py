@@ -11,7 +11,7 @@ come from the running controller (GET /api/state, same bearer token as the repor
 given on the command line win. Exit 0: no change; 1: a change; 2: a bad file (the message names
 the file, the field and the value) or the controller unreachable.
 
-The diff itself is planner.whatif.plan_diff (pure); this module reads files and renders.
+The diff itself is fleetplan.planner.whatif.plan_diff (pure); this module reads files and renders.
 """
 
 from __future__ import annotations
@@ -60,18 +60,18 @@ def run_whatif(
     now: float | None = None,
     as_json: bool = False,
 ) -> int:
-    from controller.benchfiles import load_profiles
-    from controller.cli_plan import _load_yaml_or_json, _read
-    from models.profile import ProfileError, ProfileSet
-    from planner.core import plan
-    from planner.policy import PolicyError, load_policy_dict, load_policy_text
-    from planner.serde import fleet_from_dict, observation_from_dict
-    from planner.types import Fleet, PlannerState
-    from planner.whatif import diff_to_dict, plan_diff
+    from fleetplan.controller.cli_plan import _load_yaml_or_json, _read
+    from fleetplan.models.profile import ProfileError, ProfileSet
+    from fleetplan.planner.core import plan
+    from fleetplan.planner.policy import PolicyError, load_policy_dict, load_policy_text
+    from fleetplan.planner.serde import fleet_from_dict, observation_from_dict
+    from fleetplan.planner.types import Fleet, PlannerState
+    from fleetplan.planner.whatif import diff_to_dict, plan_diff
+    from fleetplan.shared.benchfiles import load_profiles
 
     state_doc: dict[str, Any] = {}
     if controller is not None:
-        from controller.report import fetch
+        from fleetplan.controller.report import fetch
 
         try:
             state_doc = fetch(controller, "/api/state", token or os.environ.get("FLEETPLAN_REPORT_TOKEN"))

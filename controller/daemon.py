@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -46,9 +47,9 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from controller.metrics import ControllerMetrics
-from controller.mqtt import Backoff, MqttSettings, client_kwargs
-from controller.observe import (
+from fleetplan.controller.metrics import ControllerMetrics
+from fleetplan.controller.mqtt import Backoff, MqttSettings, client_kwargs
+from fleetplan.controller.observe import (
     _RUNNING,
     _WAITING,
     Observer,
@@ -58,7 +59,7 @@ from controller.observe import (
     Snapshot,
     to_observation,
 )
-from controller.protocol import (
+from fleetplan.controller.protocol import (
     ACK_WILDCARD,
     DESIRED_WILDCARD,
     STATUS_WILDCARD,
@@ -71,9 +72,9 @@ from controller.protocol import (
     parse_desired,
     parse_status,
 )
-from controller.state import ActionStatus, Phase, ReplicaRow, StateStore
-from planner import act
-from planner.act import (
+from fleetplan.controller.state import ActionStatus, Phase, ReplicaRow, StateStore
+from fleetplan.planner import act
+from fleetplan.planner.act import (
     ActDecision,
     ActSettings,
     ActView,
@@ -143,29 +144,6 @@ def load_settings(path: str | Path | None) -> ControllerSettings:
         err = exc.errors()[0]
         loc = ".".join(str(x) for x in err["loc"])
         raise SystemExit(f"{p}: {loc} = {err.get('input')!r}: {err['msg']}") from None
-
-
-def settings_from_lab(settings: ControllerSettings) -> tuple[ControllerSettings, Callable[[], None] | None]:
-    """Fill Prometheus/MQTT/routing from lab.json when `lab_dir` is set; returns the nginx reloader."""
-    if settings.lab_dir is None:
-        return settings, None
-    from sim.lab import Lab
-
-    lab = Lab.attach(settings.lab_dir)
-    routing = RoutingSettings(
-        nginx_upstreams_path=lab.nginx_upstreams_path,
-        endpoints_path=lab.endpoints_path,
-        file_sd_path=lab.prometheus_file_sd_dir / "engines.json",
-    )
-    mqtt = MqttSettings(
-        host=lab.mqtt_host, port=lab.mqtt_port, username=lab.controller_user,
-        password=lab.controller_password, keepalive_s=5, backoff_initial_s=0.2, backoff_max_s=2.0,
-    )
-    new = settings.model_copy(update={
-        "prometheus_url": lab.prometheus_url, "mqtt": mqtt, "routing": routing,
-        "default_host_address": settings.default_host_address or "127.0.0.1",
-    })
-    return new, lab.reload_nginx
 
 
 # ---------------------------------------------------------------------------------------------
@@ -361,7 +339,7 @@ class MqttLink:
 
 def retained_replica(d: Any) -> ReportedReplica:
     """A replica a retained desired state names (what this controller once asked for)."""
-    from planner.types import ReplicaState
+    from fleetplan.planner.types import ReplicaState
 
     return ReportedReplica(d.replica_id, ReplicaState.STARTING, d.model, d.engine.value,
                            d.gpu.value if d.gpu is not None else None, d.tp, d.precision.value,
@@ -370,7 +348,7 @@ def retained_replica(d: Any) -> ReportedReplica:
 
 def host_report(st: HostStatus) -> HostReport:
     """The act core's view of one agent status (protocol types stay at the edge)."""
-    from planner.types import ReplicaState
+    from fleetplan.planner.types import ReplicaState
 
     return HostReport(
         st.host, st.online, st.gpu.value if st.gpu is not None else None, st.gpu_count,
@@ -441,7 +419,7 @@ class Controller:
         self._progress_wall = time.time()  # last finished cycle (or the start)
         self._routing_lock = asyncio.Lock()
         self._routing_task: asyncio.Task[None] | None = None
-        from controller.actuation import PauseState
+        from fleetplan.controller.actuation import PauseState
 
         self.pause = PauseState(False)  # loaded from the store at start
         self._watchdog_period_s: float | None = None
@@ -451,7 +429,7 @@ class Controller:
     def _read_policy(self) -> Any:
         """Read + parse + validate the policy file (no controller state touched: runs in a thread).
         Raises PolicyError naming the file, the field and the value."""
-        from planner.policy import MAX_POLICY_BYTES, PolicyError, load_policy_text
+        from fleetplan.planner.policy import MAX_POLICY_BYTES, PolicyError, load_policy_text
 
         try:
             with self.policy_path.open("rb") as f:
@@ -466,7 +444,7 @@ class Controller:
 
     def load_policy(self, *, initial: bool) -> bool:
         """Read + validate the policy file; on error keep the old policy (or fail at start)."""
-        from planner.policy import PolicyError
+        from fleetplan.planner.policy import PolicyError
 
         try:
             policy = self._read_policy()
@@ -478,7 +456,7 @@ class Controller:
     async def reload_policy(self) -> bool:
         """SIGHUP: parse the policy off the event loop (a huge or hostile file must not stall MQTT and
         the cycle); the last good policy stays on any error."""
-        from planner.policy import PolicyError
+        from fleetplan.planner.policy import PolicyError
 
         async with self._reload_lock:
             try:
@@ -512,12 +490,12 @@ class Controller:
         log.info("policy loaded from %s (%d models)", self.policy_path, len(policy.models))
 
     def load_profiles(self) -> None:
-        from models.profile import ProfileSet
+        from fleetplan.models.profile import ProfileSet
 
         if self.profiles_path is None:
             self.profiles = ProfileSet()
             return
-        from controller.benchfiles import load_profiles
+        from fleetplan.shared.benchfiles import load_profiles
 
         try:
             self.profiles = load_profiles(self.profiles_path)
@@ -626,15 +604,15 @@ class Controller:
             self.clock.origin_wall = float(origin["wall"])
             self.clock.origin_sim = float(origin["sim"])
         self.planner_state = self._load_planner_state()
-        from controller.actuation import load_pause
+        from fleetplan.controller.actuation import load_pause
 
         self.pause = load_pause(self.store)
         if self.settings.routing.nginx_upstreams_path is not None and self.nginx_reload is not None:
-            from controller.routing import NginxRouter
+            from fleetplan.controller.routing import NginxRouter
 
             self.router = NginxRouter(self.settings.routing.nginx_upstreams_path, self.nginx_reload)
         self._tasks.append(asyncio.create_task(self.link.run(), name="mqtt"))
-        from controller.report import start_report_server
+        from fleetplan.controller.report import start_report_server
 
         self.report_runner, self.report_url = await start_report_server(
             self, self.report_listen, self.report_token
@@ -701,9 +679,9 @@ class Controller:
 
     # ---- planner state persistence ---------------------------------------------------------
     def _load_planner_state(self) -> Any:
-        from planner.policy import PolicyError
-        from planner.serde import state_from_dict
-        from planner.types import PlannerState
+        from fleetplan.planner.policy import PolicyError
+        from fleetplan.planner.serde import state_from_dict
+        from fleetplan.planner.types import PlannerState
 
         d = self.store.get_kv("planner_state")
         if not d:
@@ -733,8 +711,15 @@ class Controller:
         return out
 
     def build_fleet(self) -> Any:
-        from models.names import parse_engine, parse_gpu, parse_precision
-        from planner.types import ConfigKey, EngineBuild, Fleet, HostInventory, Replica, ReplicaState
+        from fleetplan.models.names import parse_engine, parse_gpu, parse_precision
+        from fleetplan.planner.types import (
+            ConfigKey,
+            EngineBuild,
+            Fleet,
+            HostInventory,
+            Replica,
+            ReplicaState,
+        )
 
         hosts = []
         view = self.act_view()
@@ -792,7 +777,7 @@ class Controller:
             await self._update_routing()
 
     async def _update_routing(self) -> None:
-        from controller.routing import ScrapeTarget, write_endpoints_json, write_file_sd
+        from fleetplan.controller.routing import ScrapeTarget, write_endpoints_json, write_file_sd
 
         rep = self.reported()
         endpoints: dict[str, list[str]] = {m: [] for m in self.model_names()}
@@ -990,7 +975,7 @@ class Controller:
             return await self._cycle()
 
     async def _cycle(self) -> dict[str, Any]:
-        from planner.core import plan, plan_to_dict
+        from fleetplan.planner.core import plan, plan_to_dict
 
         now_s = self.clock.now()
         self.store.set_kv("clock_last", {"wall": time.time(), "sim": now_s})
@@ -1124,7 +1109,7 @@ class Controller:
     def _update_correction_metrics(self, doc: Mapping[str, Any]) -> None:
         """fleetplan_profile_correction_ratio{model,config}: the plan's capacity factor per config
         (1.0: the profile is trusted); a config that left the plan loses its label set."""
-        from controller.metrics import correction_series
+        from fleetplan.controller.metrics import correction_series
 
         series = correction_series(doc)
         gauge = self.metrics.profile_correction_ratio
@@ -1137,13 +1122,13 @@ class Controller:
 
     # ---- brakes (planner/brakes.py decides; controller/actuation.py reads the store) -------------
     def advisory(self) -> bool:
-        from planner.brakes import Mode
+        from fleetplan.planner.brakes import Mode
 
         return self.policy.policy is not None and self.policy.policy.mode is Mode.ADVISORY
 
     def _brakes(self, result: Any, fleet: Any, doc: dict[str, Any], now_s: float) -> Any:
-        from controller.actuation import brakes_for, history
-        from planner.brakes import Limit, brakes_to_dict
+        from fleetplan.controller.actuation import brakes_for, history
+        from fleetplan.planner.brakes import Limit, brakes_to_dict
 
         policy = self.policy.policy
         past = history(self.store, self.clock.to_sim, time.time(), self.time_scale)
@@ -1160,7 +1145,7 @@ class Controller:
     def _audit(self, cid: int, now_s: float, doc: dict[str, Any], snap: Snapshot, fleet: Any,
                issued: Any) -> str:
         """The cycle's decision record (planner/audit.py): stored, and one JSON line to the journal."""
-        from planner.audit import decision_record, fleet_view, inputs_digest
+        from fleetplan.planner.audit import decision_record, fleet_view, inputs_digest
 
         digest = inputs_digest({"observation": snap.to_json(), "fleet": fleet_view(fleet),
                                 "policy": self.policy.policy.model_dump(mode="json")})
@@ -1171,7 +1156,7 @@ class Controller:
 
     def set_paused(self, paused: bool, reason: str = "") -> dict[str, Any]:
         """Pause/resume actuation (persisted first); the next cycle's act step obeys it."""
-        from controller.actuation import save_pause
+        from fleetplan.controller.actuation import save_pause
 
         self.pause = save_pause(self.store, paused, reason)
         self.metrics.actuating.set(0.0 if self.advisory() or paused else 1.0)
@@ -1187,7 +1172,7 @@ class Controller:
         """The planner's inputs as the controller holds them (GET /api/state, for `fleetplan what-if`):
         the loaded policy, the fleet + planner state (a CURRENT document), the last observation (a DEMAND
         document) and the profiles."""
-        from planner.serde import fleet_to_dict, observation_to_dict
+        from fleetplan.planner.serde import fleet_to_dict, observation_to_dict
 
         policy = self.policy.policy
         snap = self.last_snapshot
@@ -1345,7 +1330,16 @@ def _parse_listen(text: str) -> tuple[str, int]:
 DEFAULT_CONFIG = Path("/etc/fleetplan/controller.yaml")
 
 
-def run_from_args(args: argparse.Namespace) -> int:
+# Fills in settings from outside the controller (the lab harness passes its lab.json reader) and
+# returns the nginx reloader to use, or None for the settings' own nginx_reload_command.
+SettingsHook = Callable[[ControllerSettings], tuple[ControllerSettings, Callable[[], None] | None]]
+
+
+def _run_reload(argv: list[str]) -> None:
+    subprocess.run(argv, check=True, capture_output=True, timeout=30)
+
+
+def run_from_args(args: argparse.Namespace, prepare: SettingsHook | None = None) -> int:
     for noisy in ("httpx", "apscheduler", "aiohttp.access"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if not audit_log.handlers:  # the decision lines reach the journal whatever the verbosity
@@ -1356,12 +1350,11 @@ def run_from_args(args: argparse.Namespace) -> int:
         audit_log.propagate = False
     config = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
     settings = load_settings(config)
-    settings, reload = settings_from_lab(settings)
+    reload: Callable[[], None] | None = None
+    if prepare is not None:
+        settings, reload = prepare(settings)
     if reload is None and settings.routing.nginx_reload_command:
-        argv = list(settings.routing.nginx_reload_command)
-
-        def reload() -> None:
-            subprocess.run(argv, check=True, capture_output=True, timeout=30)
+        reload = functools.partial(_run_reload, list(settings.routing.nginx_reload_command))
 
     token = None
     token_file = args.report_token_file or settings.report_token_file

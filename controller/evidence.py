@@ -3,7 +3,7 @@
 Two kinds of evidence feed the planner's mix-aware capacity and online correction (models/mix.py,
 planner/correction.py), both read from Prometheus over the same window as the request rate:
 
-- the LENGTH MIX per model: quantiles (models.mix.QUANTILE_LEVELS) of the engines' prompt and
+- the LENGTH MIX per model: quantiles (fleetplan.models.mix.QUANTILE_LEVELS) of the engines' prompt and
   generation length histograms, `vllm:request_prompt_tokens` / `vllm:request_generation_tokens`
   (histograms with `build_1_2_5_buckets(max_model_len)` edges, vllm/v1/metrics/loggers.py).
   TensorRT-LLM's MetricsCollector (tensorrt_llm/metrics/collector.py) exports no per-request length
@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Protocol
 
-from models.mix import QUANTILE_LEVELS
-from planner.types import ConfigKey, ConfigObservation, Replica, ReplicaState
+from fleetplan.models.mix import QUANTILE_LEVELS
+from fleetplan.planner.types import ConfigKey, ConfigObservation, Replica, ReplicaState
 
 # metric names (regexes over __name__), both vLLM spellings where vLLM has them
 PROMPT_LEN_BUCKET = r"vllm[:_]request_prompt_tokens_bucket"

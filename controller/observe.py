@@ -28,7 +28,7 @@ from typing import Any
 
 import httpx
 
-from controller import evidence as ev
+from fleetplan.controller import evidence as ev
 
 log = logging.getLogger(__name__)
 
@@ -478,9 +478,9 @@ def to_observation(snapshot: Snapshot, models: Sequence[str] | None = None,
                    replicas: Sequence[Any] | None = None) -> Any:
     """The planner's Observation for `models` (default: every model in the snapshot).
 
-    `replicas`: the fleet's planner.types.Replica list; with it, each model also carries its length
+    `replicas`: the fleet's fleetplan.planner.types.Replica list; with it, each model also carries its length
     quantiles and per-config evidence (controller/evidence.py), else only the per-model numbers."""
-    from planner.types import ModelObservation, Observation
+    from fleetplan.planner.types import ModelObservation, Observation
 
     names = list(models) if models is not None else list(snapshot.models)
     obs: dict[str, Any] = {}

@@ -42,7 +42,7 @@ from pydantic import (
     model_validator,
 )
 
-from models.names import (
+from fleetplan.models.names import (
     Engine,
     GpuType,
     Precision,
@@ -98,7 +98,7 @@ def _clip_errors(value: Any) -> Any:
 
 
 class ReplicaPhase(StrEnum):
-    """Replica states as the agent reports them (same values as planner.types.ReplicaState)."""
+    """Replica states as the agent reports them (same values as fleetplan.planner.types.ReplicaState)."""
 
     STARTING = "starting"
     READY = "ready"
@@ -136,7 +136,7 @@ class _Strict(BaseModel):
 
 
 class _EngineConfigMixin(_Strict):
-    """Shared normalisation: engine/GPU/precision spellings are parsed with models.names."""
+    """Shared normalisation: engine/GPU/precision spellings are parsed with fleetplan.models.names."""
 
     @field_validator("engine", "gpu", "precision", mode="before", check_fields=False)
     @classmethod

@@ -13,7 +13,7 @@ Endpoints (loopback by default; a bearer token is required when bound elsewhere)
   POST /api/resume         act again from the next cycle on
 
 The plan and its explanation are rendered from the plan dict stored by the cycle that made it
-(planner.core.plan_to_dict), never recomputed.
+(fleetplan.planner.core.plan_to_dict), never recomputed.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ async def start_report_server(ctrl: Any, listen: str, token: str | None) -> tupl
         return web.json_response(ctrl.state(), dumps=lambda d: json.dumps(d, default=str))
 
     async def metrics(_: web.Request) -> web.Response:
-        from controller.metrics import CONTENT_TYPE_LATEST
+        from fleetplan.controller.metrics import CONTENT_TYPE_LATEST
 
         resp = web.Response(body=ctrl.metrics.render())
         resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
@@ -79,7 +79,7 @@ async def start_report_server(ctrl: Any, listen: str, token: str | None) -> tupl
         return web.json_response(ctrl.set_paused(request.path.endswith("/pause"), reason))
 
     async def plan_page(_: web.Request) -> web.Response:
-        from controller.page import plan_page as render
+        from fleetplan.controller.page import plan_page as render
 
         return web.Response(text=render(ctrl), content_type="text/html", charset="utf-8",
                             headers={"Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; "

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from controller.atomic import atomic_write_text
+from fleetplan.shared.atomic import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -347,7 +347,7 @@ class ScrapeTarget:
 
     address: str
     model: str
-    engine: str  # models.names.Engine value ("vllm" | "trtllm")
+    engine: str  # fleetplan.models.names.Engine value ("vllm" | "trtllm")
     host: str
     replica: str
     metrics_path: str | None = None  # None: /metrics for vllm, /prometheus/metrics for trtllm

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 # the records' types are the act core's (planner/act.py decides on them; this module persists them)
-from planner.act import (
+from fleetplan.planner.act import (
     ActionStatus,
     BuildRow,
     DesiredRow,
@@ -55,7 +55,7 @@ from planner.act import (
 __all__ = ["ActionStatus", "BuildRow", "DesiredRow", "Phase", "ReplicaRow", "StateStore", "read_history"]
 
 SCHEMA_VERSION = 1
-MAX_VERSION = 2**53 - 1  # desired versions stay exact integers (controller.protocol.MAX_WIRE_INT)
+MAX_VERSION = 2**53 - 1  # desired versions stay exact integers (fleetplan.controller.protocol.MAX_WIRE_INT)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);

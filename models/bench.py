@@ -6,8 +6,8 @@ import math
 from dataclasses import dataclass
 from enum import StrEnum
 
-from models.names import Engine, GpuType, Precision
-from models.profile import ProfileKey
+from fleetplan.models.names import Engine, GpuType, Precision
+from fleetplan.models.profile import ProfileKey
 
 
 class LoadKind(StrEnum):

@@ -3,7 +3,7 @@
 Every point contributes log(predicted / observed) for each statistic it reports (TTFT and ITL
 mean/p50/p99; output throughput for closed-loop and saturation points). The parameters are fitted
 in log space (all positive) with scipy's trust-region least squares; a weak pull towards the prior
-(the roofline parameters of models.hardware when the architecture is known, else a guess from the
+(the roofline parameters of fleetplan.models.hardware when the architecture is known, else a guess from the
 data) keeps parameters the data cannot see at physical values. Its weight is fixed, so it matters
 where data are thin and fades as points are added.
 
@@ -21,8 +21,8 @@ import numpy as np
 from numpy.typing import NDArray
 from scipy.optimize import least_squares, nnls
 
-from models.bench import BenchmarkPoint, LoadKind
-from models.profile import (
+from fleetplan.models.bench import BenchmarkPoint, LoadKind
+from fleetplan.models.profile import (
     DataRange,
     FitError,
     PerfParams,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from models.names import GpuType, Precision, model_key
+from fleetplan.models.names import GpuType, Precision, model_key
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ p99 TTFT is set by the long prompts and by the wait behind them, not by the mean
   the 1% tail of the mixture: each class's TTFT is a shifted exponential through that class's
   profile p50 and p99, and the mixture's p99 solves sum_i w_i P(TTFT_i > T) = 1%.
 
-With one class this is exactly `models.profile.predict` / `capacity` (tests hold it).
+With one class this is exactly `fleetplan.models.profile.predict` / `capacity` (tests hold it).
 
 A heavier tail needs more replicas: a 12k-token mean with a 60k-token p99 prompt has a p99 TTFT of the
 60k prompt's prefill plus the wait, which a mean-length prediction misses by 5x.
@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from models.profile import (
+from fleetplan.models.profile import (
     PerfParams,
     PerfProfile,
     Workload,
@@ -43,7 +43,7 @@ from models.profile import (
 
 _LN2 = math.log(2.0)
 _LN50 = math.log(50.0)
-_STALL_THRESHOLDS = (0.01005, 0.1486, 0.4360, 0.8232)  # as models.profile.itl_p99_gap
+_STALL_THRESHOLDS = (0.01005, 0.1486, 0.4360, 0.8232)  # as fleetplan.models.profile.itl_p99_gap
 _STALL_SHARPNESS = 12.0
 
 # Probability bins of the prompt-length distribution: finest in the tail, which sets the p99 TTFT.

@@ -38,8 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from models.hardware import GPU_SPECS, llm_spec
-from models.names import (
+from fleetplan.models.hardware import GPU_SPECS, llm_spec
+from fleetplan.models.names import (
     Engine,
     GpuType,
     Precision,

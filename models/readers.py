@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from models.bench import (
+from fleetplan.models.bench import (
     BenchmarkFormatError,
     BenchmarkPoint,
     LoadKind,
@@ -36,7 +36,7 @@ from models.bench import (
     check_value,
     require_value,
 )
-from models.names import (
+from fleetplan.models.names import (
     Engine,
     GpuType,
     ModelAliases,

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
-from planner.types import Action, ActionKind, ReplicaState
+from fleetplan.planner.types import Action, ActionKind, ReplicaState
 
 
 class Phase(StrEnum):

@@ -14,7 +14,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from planner.types import Action, Fleet
+from fleetplan.planner.types import Action, Fleet
 
 
 def inputs_digest(parts: Mapping[str, Any]) -> str:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from planner.types import Action, ActionKind, ConfigKey, Replica, ReplicaState
+from fleetplan.planner.types import Action, ActionKind, ConfigKey, Replica, ReplicaState
 
 HOUR_S = 3600.0
 _EPS = 1e-9

@@ -1,6 +1,6 @@
 """The capacity table: max rps of one replica of each candidate config at its model's SLO.
 
-The solver only needs this table; `plan()` builds it from the fitted profiles (models.profile), and
+The solver only needs this table; `plan()` builds it from the fitted profiles (fleetplan.models.profile), and
 tests/benchmarks can pass a synthetic one to `plan_with_capacities()`.
 """
 
@@ -10,11 +10,11 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from models import profile as mp
-from models.mix import LengthMix, capacity_mix, predict_mix, scaled
-from models.names import Engine, GpuType
-from planner.policy import ModelPolicy, Policy
-from planner.types import ConfigKey
+from fleetplan.models import profile as mp
+from fleetplan.models.mix import LengthMix, capacity_mix, predict_mix, scaled
+from fleetplan.models.names import Engine, GpuType
+from fleetplan.planner.policy import ModelPolicy, Policy
+from fleetplan.planner.types import ConfigKey
 
 
 @dataclass(frozen=True)
@@ -105,8 +105,8 @@ SPREAD_EXTRAPOLATION_FACTOR = 2.0
 def extrapolation(profile: mp.PerfProfile, mix: LengthMix) -> tuple[str, ...]:
     """Why the profile answers outside what its benchmark data covered (empty: inside).
 
-    >>> from models.profile import DataRange, PerfParams, PerfProfile, ProfileKey
-    >>> from models.names import Engine, GpuType, Precision
+    >>> from fleetplan.models.profile import DataRange, PerfParams, PerfProfile, ProfileKey
+    >>> from fleetplan.models.names import Engine, GpuType, Precision
     >>> k = ProfileKey("m", Engine.VLLM, GpuType("h100"), 1, Precision.BF16)
     >>> prof = PerfProfile(k, PerfParams(10, 0.1, 0, 1, 0.1, 0, 1), data_range=DataRange((128, 2048), (128, 512), None, None, 5))
     >>> extrapolation(prof, LengthMix.single(1000, 200))

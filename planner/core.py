@@ -23,10 +23,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from models.mix import mix_from_quantiles
-from models.names import GpuType
-from models.profile import ProfileSet
-from planner.capacity import (
+from fleetplan.models.mix import mix_from_quantiles
+from fleetplan.models.names import GpuType
+from fleetplan.models.profile import ProfileSet
+from fleetplan.planner.capacity import (
     CapacityInfo,
     MixedWorkload,
     Predictor,
@@ -36,20 +36,27 @@ from planner.capacity import (
     mix_for,
     resolve_profiles,
 )
-from planner.correction import applied_speeds, corrections_tuple, forget, update_corrections
-from planner.counterfactual import (
+from fleetplan.planner.correction import applied_speeds, corrections_tuple, forget, update_corrections
+from fleetplan.planner.counterfactual import (
     MANY_MODELS,
     add_counterfactuals,
     alternative_to_dict,
     relaxation_to_dict,
     slo_relaxed_capacities,
 )
-from planner.counts import UNMET_TOL_RPS, Candidate, CountProblem, CountSolution, ModelDemand, solve_counts
-from planner.forecast import forecast_rate, recent_level_max
-from planner.placement import LIVE_STATES, Placement, place, safe_id, slots_by_gpu
-from planner.policy import Effective, ModelPolicy, Policy, effective
-from planner.serde import state_to_dict
-from planner.types import (
+from fleetplan.planner.counts import (
+    UNMET_TOL_RPS,
+    Candidate,
+    CountProblem,
+    CountSolution,
+    ModelDemand,
+    solve_counts,
+)
+from fleetplan.planner.forecast import forecast_rate, recent_level_max
+from fleetplan.planner.placement import LIVE_STATES, Placement, place, safe_id, slots_by_gpu
+from fleetplan.planner.policy import Effective, ModelPolicy, Policy, effective
+from fleetplan.planner.serde import state_to_dict
+from fleetplan.planner.types import (
     Action,
     ActionKind,
     ConfigCount,

@@ -3,7 +3,7 @@
 A plan is a hypothesis; the fleet's latency is the evidence. Each cycle, for every serving config
 that served requests in the window, the observed TTFT p99 and per-request ITL p99 at the observed
 load per replica are compared with what the profile predicts at that load and length mix. What is
-estimated is the engine's SPEED relative to the profile (models.mix.speed_from_latency): the time
+estimated is the engine's SPEED relative to the profile (fleetplan.models.mix.speed_from_latency): the time
 scale s at which the profile reproduces the observation. s = 0.7 means every duration is 1/0.7
 longer than the profile says (another engine version, a heavier mix than the benchmark, prompts
 longer than any benchmark); the capacity at the SLO then falls by more than 30%, since the SLO does
@@ -38,10 +38,10 @@ import math
 from collections.abc import Mapping
 from dataclasses import replace
 
-from models.mix import LengthMix, speed_from_latency
-from models.profile import PerfProfile
-from planner.capacity import MixedWorkload, Speeds, mix_for
-from planner.types import ConfigKey, Correction, ModelObservation
+from fleetplan.models.mix import LengthMix, speed_from_latency
+from fleetplan.models.profile import PerfProfile
+from fleetplan.planner.capacity import MixedWorkload, Speeds, mix_for
+from fleetplan.planner.types import ConfigKey, Correction, ModelObservation
 
 PRIOR_SD = 0.25
 PRIOR_SD_EXTRAPOLATING = 0.7

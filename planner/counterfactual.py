@@ -1,7 +1,7 @@
 """Counterfactuals of a plan, from the solver's own inputs: what else was allowed, why it lost, when
 the choice would flip, and what relaxing a binding constraint one step would save or cost.
 
-Pure (no I/O, no clock). Called once per plan by planner.core.plan_with_capacities; the reports
+Pure (no I/O, no clock). Called once per plan by fleetplan.planner.core.plan_with_capacities; the reports
 render what is stored with the plan and never recompute it.
 
 - Alternatives (per model, per allowed engine x GPU type x TP not in the plan): that config alone,
@@ -30,10 +30,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from models.names import GpuType
-from models.profile import PerfProfile, ProfileSet
-from planner.capacity import CapacityInfo, MixedWorkload, Speeds, capacity_table
-from planner.counts import (
+from fleetplan.models.names import GpuType
+from fleetplan.models.profile import PerfProfile, ProfileSet
+from fleetplan.planner.capacity import CapacityInfo, MixedWorkload, Speeds, capacity_table
+from fleetplan.planner.counts import (
     CAPACITY_TIEBREAK_USD_H_PER_RPS,
     UNMET_TOL_RPS,
     CountProblem,
@@ -41,8 +41,8 @@ from planner.counts import (
     solve_counts,
     tp_slots,
 )
-from planner.policy import Effective, Policy, Slo
-from planner.types import (
+from fleetplan.planner.policy import Effective, Policy, Slo
+from fleetplan.planner.types import (
     Alternative,
     ConfigKey,
     Explanation,

@@ -20,8 +20,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from models.names import GpuType
-from planner.types import ConfigKey, SolverReport
+from fleetplan.models.names import GpuType
+from fleetplan.planner.types import ConfigKey, SolverReport
 
 _RPS_SCALE = 1000  # milli-rps
 _USD_SCALE = 1000  # milli-$/h

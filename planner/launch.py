@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from planner.policy import Policy, PolicyError
-from planner.types import ConfigKey
+from fleetplan.planner.policy import Policy, PolicyError
+from fleetplan.planner.types import ConfigKey
 
 
 @dataclass(frozen=True)

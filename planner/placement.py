@@ -18,8 +18,8 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from models.names import GpuType
-from planner.types import ConfigKey, HostInventory, Replica, ReplicaState
+from fleetplan.models.names import GpuType
+from fleetplan.planner.types import ConfigKey, HostInventory, Replica, ReplicaState
 
 LIVE_STATES = (ReplicaState.STARTING, ReplicaState.READY)
 

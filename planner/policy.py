@@ -30,7 +30,7 @@ from pydantic import (
     model_validator,
 )
 
-from models.names import (
+from fleetplan.models.names import (
     Engine,
     GpuType,
     ModelAliases,
@@ -40,8 +40,8 @@ from models.names import (
     parse_gpu,
     parse_precision,
 )
-from planner.brakes import BrakeLimits, Mode
-from planner.types import ConfigKey, HostInventory
+from fleetplan.planner.brakes import BrakeLimits, Mode
+from fleetplan.planner.types import ConfigKey, HostInventory
 
 
 class PolicyError(ValueError):

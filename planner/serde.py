@@ -14,9 +14,9 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from models.names import Engine, GpuType, Precision, parse_engine, parse_gpu, parse_precision
-from planner.policy import PolicyError, format_loc, short_repr
-from planner.types import (
+from fleetplan.models.names import Engine, GpuType, Precision, parse_engine, parse_gpu, parse_precision
+from fleetplan.planner.policy import PolicyError, format_loc, short_repr
+from fleetplan.planner.types import (
     ConfigKey,
     Correction,
     EngineBuild,

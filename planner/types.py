@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
 
-from models.names import Engine, GpuType, Precision
+from fleetplan.models.names import Engine, GpuType, Precision
 
 
 class ReplicaState(StrEnum):

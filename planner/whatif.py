@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from planner.counts import UNMET_TOL_RPS
-from planner.types import Action, ConfigKey, Plan, PlanResult
+from fleetplan.planner.counts import UNMET_TOL_RPS
+from fleetplan.planner.types import Action, ConfigKey, Plan, PlanResult
 
 __all__ = ["ConfigChange", "PlanDiff", "SloRisk", "diff_to_dict", "plan_diff"]
 

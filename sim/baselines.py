@@ -30,15 +30,15 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from models import profile as mp
-from models.names import Engine
-from models.profile import ProfileSet
-from planner.capacity import MixedWorkload, capacity_table
-from planner.core import plan
-from planner.policy import Policy
-from planner.types import ConfigKey, HostInventory, Observation, PlannerState
-from sim.des import ControllerView, Decision
-from sim.traces import Trace, iter_rates
+from fleetplan.models import profile as mp
+from fleetplan.models.names import Engine
+from fleetplan.models.profile import ProfileSet
+from fleetplan.planner.capacity import MixedWorkload, capacity_table
+from fleetplan.planner.core import plan
+from fleetplan.planner.policy import Policy
+from fleetplan.planner.types import ConfigKey, HostInventory, Observation, PlannerState
+from fleetplan.sim.des import ControllerView, Decision
+from fleetplan.sim.traces import Trace, iter_rates
 
 POLICY_NAMES: tuple[str, ...] = (
     "fleetplan", "fleetplan-vllm-only", "fleetplan-trtllm-only", "static-peak", "static-mean", "hpa", "oracle",

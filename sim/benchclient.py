@@ -3,7 +3,7 @@
 For each concurrency c: `num_prompts` requests of exactly `isl` prompt / `osl` output tokens, all
 ready at t=0 (request rate inf) and at most c in flight (`--max-concurrency c` of vllm bench serve).
 Every `*_ms` field and the duration are SIMULATED: read from a simulated engine's own clock when
-it reports it (see sim.replay), else wall measurements x `--time-scale` (the engine's). One file per concurrency, named so that `fleetplan models fit` finds the
+it reports it (see fleetplan.sim.replay), else wall measurements x `--time-scale` (the engine's). One file per concurrency, named so that `fleetplan models fit` finds the
 metadata the JSON lacks (engine, GPU, TP, precision) in the name:
 `<model>_<engine>_<gpu>_tp<N>_<precision>_isl<I>_osl<O>_conc<c>.json`. Engine, GPU, TP and
 precision come from the simulator's `/sim/state` when the target is a sim engine, else from flags.
@@ -25,7 +25,7 @@ from typing import Any
 
 import aiohttp
 
-from sim.replay import RequestResult, TargetError, check_target, run_load
+from fleetplan.sim.replay import RequestResult, TargetError, check_target, run_load
 
 
 def _pct(xs: Sequence[float], q: float) -> float:
@@ -106,7 +106,7 @@ def result_json(
 
 
 def file_name(model: str, meta: dict[str, Any], isl: int, osl: int, concurrency: int) -> str:
-    from models.names import model_key
+    from fleetplan.models.names import model_key
 
     parts = [model_key(model) or "model"]
     for key, fmt in (("engine", "{}"), ("gpu", "{}"), ("tp", "tp{}"), ("precision", "{}")):
@@ -172,7 +172,7 @@ async def sweep(
 
 
 def bench_main(args: argparse.Namespace) -> int:
-    from controller.atomic import atomic_write_text
+    from fleetplan.shared.atomic import atomic_write_text
 
     try:
         concs = [int(x) for x in str(args.concurrency).split(",") if x.strip()]

@@ -105,8 +105,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def _sim_engine(args: argparse.Namespace) -> int:
-    from models.names import UnknownNameError, parse_engine, parse_gpu, parse_precision
-    from sim.engine import EngineConfig, run_engine
+    from fleetplan.models.names import UnknownNameError, parse_engine, parse_gpu, parse_precision
+    from fleetplan.sim.engine import EngineConfig, run_engine
 
     try:
         cfg = EngineConfig(
@@ -133,12 +133,12 @@ def _sim_engine(args: argparse.Namespace) -> int:
 
 
 def _replay_load(args: argparse.Namespace) -> int:
-    from sim.replay import replay_main
+    from fleetplan.sim.replay import replay_main
 
     return replay_main(args)
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
-    from sim.benchclient import bench_main
+    from fleetplan.sim.benchclient import bench_main
 
     return bench_main(args)

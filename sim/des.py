@@ -2,8 +2,8 @@
 
 Requests from a trace reach READY replicas through a least-loaded router (fewest requests in the
 replica: running + waiting; ties to the oldest replica). Each replica runs the simulator's ground
-truth (sim.groundtruth: the step-time model and the continuous-batching rules of BatchCore). A
-controller (sim.baselines) runs every `period_s` simulated seconds and sees only what production
+truth (fleetplan.sim.groundtruth: the step-time model and the continuous-batching rules of BatchCore). A
+controller (fleetplan.sim.baselines) runs every `period_s` simulated seconds and sees only what production
 sees: Prometheus-like windowed rates and histogram quantiles, scraped every `scrape_s` and visible
 `scrape_delay_s` later, never the trace's future or the requests' true output lengths.
 
@@ -33,10 +33,10 @@ from typing import Protocol, cast
 
 import numpy as np
 
-from models.mix import QUANTILE_LEVELS
-from models.names import parse_engine, parse_gpu, parse_precision
-from planner import act
-from planner.types import (
+from fleetplan.models.mix import QUANTILE_LEVELS
+from fleetplan.models.names import parse_engine, parse_gpu, parse_precision
+from fleetplan.planner import act
+from fleetplan.planner.types import (
     Action,
     ActionKind,
     ConfigKey,
@@ -49,8 +49,8 @@ from planner.types import (
     Replica,
     ReplicaState,
 )
-from sim.groundtruth import EngineParams, RequestTooLongError, step_time_s
-from sim.traces import Trace
+from fleetplan.sim.groundtruth import EngineParams, RequestTooLongError, step_time_s
+from fleetplan.sim.traces import Trace
 
 # vLLM bucket edges (vllm/v1/metrics/loggers.py), seconds
 TTFT_BUCKETS_S: tuple[float, ...] = (

@@ -19,7 +19,7 @@ in `/sim/state` as lag events). A request is never admitted before its arrival.
 Each SSE chunk carries `sim_time_s`, the engine's simulated time of its last token (the first
 chunk also `sim_first_token_s`; a chunk of several tokens `sim_token_times_s`, one per token), and
 the response header `X-Sim-Arrival-S` the request's simulated arrival: clients can measure in exact
-simulated time (sim.replay does when they are present) instead of wall time x time scale.
+simulated time (fleetplan.sim.replay does when they are present) instead of wall time x time scale.
 
 Prompt length: the request's `prompt_tokens` field when present (an extension; also accepted
 inside `"fleetplan": {...}`), else the length of a token-id list prompt, else one token per
@@ -51,8 +51,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from models.names import Engine, GpuType, Precision, model_key
-from sim.groundtruth import BatchCore, EngineParams, StepResult, build_params
+from fleetplan.models.names import Engine, GpuType, Precision, model_key
+from fleetplan.sim.groundtruth import BatchCore, EngineParams, StepResult, build_params
 
 log = logging.getLogger(__name__)
 

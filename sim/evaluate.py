@@ -1,7 +1,7 @@
 """Replay evaluation: every policy on the same trace, side by side, plus the oracle bound.
 
-`evaluate()` runs one FleetSim (sim.des) per policy (sim.baselines) in worker processes, computes
-the ground-truth capacity of every candidate config (sim.groundtruth.max_rate_at_slo at the trace's
+`evaluate()` runs one FleetSim (fleetplan.sim.des) per policy (fleetplan.sim.baselines) in worker processes, computes
+the ground-truth capacity of every candidate config (fleetplan.sim.groundtruth.max_rate_at_slo at the trace's
 mean ISL/OSL) for the oracle and the charts, and returns an `Evaluation`; `to_json()`,
 `render_table()` and `write_charts()` present it. See docs/evaluate.md for every definition.
 """
@@ -23,13 +23,13 @@ from typing import Any
 
 import numpy as np
 
-from models.mix import QUANTILE_LEVELS, mix_from_quantiles
-from models.names import Engine
-from models.profile import ProfileSet
-from planner.capacity import MixedWorkload, candidate_configs, capacity_table
-from planner.policy import Policy
-from planner.types import ConfigKey
-from sim.baselines import (
+from fleetplan.models.mix import QUANTILE_LEVELS, mix_from_quantiles
+from fleetplan.models.names import Engine
+from fleetplan.models.profile import ProfileSet
+from fleetplan.planner.capacity import MixedWorkload, candidate_configs, capacity_table
+from fleetplan.planner.policy import Policy
+from fleetplan.planner.types import ConfigKey
+from fleetplan.sim.baselines import (
     EXTRA_POLICY_NAMES,
     POLICY_NAMES,
     FleetplanController,
@@ -44,9 +44,17 @@ from sim.baselines import (
     static_targets,
     trace_mix,
 )
-from sim.des import Controller, Environment, FleetSim, SimResult, SimSettings, capacity_at_slo, replay_on_core
-from sim.groundtruth import EngineParams, build_params
-from sim.traces import Trace, TraceRequest
+from fleetplan.sim.des import (
+    Controller,
+    Environment,
+    FleetSim,
+    SimResult,
+    SimSettings,
+    capacity_at_slo,
+    replay_on_core,
+)
+from fleetplan.sim.groundtruth import EngineParams, build_params
+from fleetplan.sim.traces import Trace, TraceRequest
 
 SIMULATED = tuple(p for p in (*POLICY_NAMES, *EXTRA_POLICY_NAMES) if p != "oracle")
 KNOWN = (*POLICY_NAMES, *EXTRA_POLICY_NAMES)
@@ -286,7 +294,7 @@ def simulate_policy(name: str, trace: Trace, policy: Policy, profiles: ProfileSe
 
 def ground_truth_capacity(c: ConfigKey, lengths: Sequence[tuple[int, int]], ttft_ms: float, itl_ms: float,
                           seed: int = 0, n: int = 2000, repeats: int = 3) -> float:
-    """sim.des.capacity_at_slo on the config's ground-truth engine with the trace's own length mix."""
+    """fleetplan.sim.des.capacity_at_slo on the config's ground-truth engine with the trace's own length mix."""
     try:
         params = _params(c)
     except ValueError:  # does not fit
@@ -300,10 +308,10 @@ def profiles_from_ground_truth(configs: Sequence[ConfigKey], lengths: Sequence[t
                                capacities: Mapping[ConfigKey, float] | None = None) -> ProfileSet:
     """What a team would measure: a rate sweep per config on the simulator's ground truth (requests
     drawn from the trace's length mix, like `vllm bench serve` on a custom dataset), fitted with
-    models.fit. The sweep spans 15%..115% of the config's ground-truth capacity."""
-    from models.bench import BenchmarkPoint, LoadKind
-    from models.fit import FitFailure, fit_profile
-    from models.profile import ProfileKey
+    fleetplan.models.fit. The sweep spans 15%..115% of the config's ground-truth capacity."""
+    from fleetplan.models.bench import BenchmarkPoint, LoadKind
+    from fleetplan.models.fit import FitFailure, fit_profile
+    from fleetplan.models.profile import ProfileKey
 
     profiles = []
     rng = random.Random(seed)
@@ -374,7 +382,7 @@ def evaluate(trace: Trace, policy: Policy, profiles: ProfileSet, options: Evalua
              *, trace_info: Mapping[str, Any] | None = None,
              capacities: Mapping[ConfigKey, float] | None = None) -> Evaluation:
     """Every policy of `options.policies` on `trace`; `capacities`: ground-truth capacities already
-    computed (sim.des.capacity_at_slo with the trace's mix), the rest are computed here."""
+    computed (fleetplan.sim.des.capacity_at_slo with the trace's mix), the rest are computed here."""
     opts = options or EvaluateOptions()
     t_start = time.perf_counter()
     unknown = [p for p in opts.policies if p not in KNOWN]
@@ -516,7 +524,7 @@ def profile_capacities(trace: Trace, policy: Policy, profiles: ProfileSet,
 
 
 def _window_rates(trace: Trace, window_s: float, duration_s: float) -> np.ndarray:
-    from sim.traces import iter_rates
+    from fleetplan.sim.traces import iter_rates
 
     rates = iter_rates(trace.requests, window_s, duration_s)
     last_span = duration_s - (len(rates) - 1) * window_s
@@ -618,7 +626,7 @@ def write_charts(ev: Evaluation, out_dir: Path) -> tuple[Path, Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from controller.atomic import atomic_write_text
+    from fleetplan.shared.atomic import atomic_write_text
 
     out_dir.mkdir(parents=True, exist_ok=True)
     names = list(ev.policies)

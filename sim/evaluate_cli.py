@@ -42,11 +42,11 @@ def register(subparsers: Any) -> None:
 
 
 def _handle(args: argparse.Namespace) -> int:
-    from controller.atomic import atomic_write_text
-    from controller.benchfiles import load_profiles
-    from planner.policy import PolicyError, load_policy_text
-    from sim.des import SimSettings
-    from sim.evaluate import (
+    from fleetplan.planner.policy import PolicyError, load_policy_text
+    from fleetplan.shared.atomic import atomic_write_text
+    from fleetplan.shared.benchfiles import load_profiles
+    from fleetplan.sim.des import SimSettings
+    from fleetplan.sim.evaluate import (
         EvaluateError,
         EvaluateOptions,
         evaluate,
@@ -54,7 +54,7 @@ def _handle(args: argparse.Namespace) -> int:
         render_table,
         write_charts,
     )
-    from sim.traces import TraceError, read_trace, reshape, shape_day
+    from fleetplan.sim.traces import TraceError, read_trace, reshape, shape_day
 
     try:
         policies = parse_policy_list(args.policies)

@@ -1,6 +1,6 @@
 """Ground truth of the simulator: a clock-free continuous-batching core and a step-time model.
 
-The step time comes from the LLM's architecture (models.hardware.llm_spec: parameters, layers,
+The step time comes from the LLM's architecture (fleetplan.models.hardware.llm_spec: parameters, layers,
 KV heads, head dim) and the GPU's datasheet (HBM bandwidth, FLOP/s), with per-persona efficiency
 factors and seeded noise. It deliberately does NOT use the fitted performance models of models/,
 so that fitting a simulated engine's benchmarks tests the fitting honestly.
@@ -28,8 +28,8 @@ import random
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from models.hardware import GPU_SPECS, LlmSpec, bytes_per_param, llm_spec
-from models.names import Engine, GpuType, Precision
+from fleetplan.models.hardware import GPU_SPECS, LlmSpec, bytes_per_param, llm_spec
+from fleetplan.models.names import Engine, GpuType, Precision
 
 WEIGHT_OVERHEAD = 1.03  # weights + runtime buffers
 ACTIVATION_BYTES_PER_GPU = 1.5e9  # activations, CUDA graphs, workspace
@@ -148,7 +148,7 @@ def build_params(
         raise ValueError(f"tp must be >= 1, got {tp}")
     arch = spec or llm_spec(model)
     if arch is None:
-        raise ValueError(f"unknown model {model!r}: no architecture numbers in models.hardware.LLM_SPECS")
+        raise ValueError(f"unknown model {model!r}: no architecture numbers in fleetplan.models.hardware.LLM_SPECS")
     gspec = GPU_SPECS[gpu]
     factors = PERSONAS[persona]
     factor_fields = {k: v for k, v in overrides.items() if hasattr(factors, k)}

@@ -130,7 +130,7 @@ def _as_load_request(item: Any) -> LoadRequest:
         t, isl, osl = item[0], item[1], item[2]
         model = item[3] if len(item) > 3 else None
         return LoadRequest(float(t), int(isl), int(osl), model)
-    # sim.traces.TraceRequest or anything with those attributes
+    # fleetplan.sim.traces.TraceRequest or anything with those attributes
     return LoadRequest(float(item.t_s), int(item.prompt_tokens), int(item.output_tokens), getattr(item, "model", None))
 
 
@@ -440,8 +440,8 @@ async def _first_model(base: str) -> str | None:
 
 
 def replay_main(args: argparse.Namespace) -> int:
-    from controller.atomic import atomic_write_text
-    from sim.traces import TraceError, read_trace
+    from fleetplan.shared.atomic import atomic_write_text
+    from fleetplan.sim.traces import TraceError, read_trace
 
     try:
         base = check_target(args.target, args.allow_remote)

@@ -29,7 +29,7 @@ import httpx
 import pytest
 import yaml
 
-from controller.demo import EngineOptions, Rig, demo_policy
+from fleetplan.harness.demo import EngineOptions, Rig, demo_policy
 
 REPO = Path(__file__).resolve().parents[2]
 PROFILES = Path(__file__).resolve().parent / "data" / "profiles-sim.json"
@@ -95,7 +95,7 @@ class ControllerProc:
     def start(self, env: dict[str, str] | None = None) -> ControllerProc:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "controller.cli", "-v", "controller", "--policy", str(self.policy_path),
+            [sys.executable, "-m", "fleetplan", "-v", "controller", "--policy", str(self.policy_path),
              *(["--profiles", str(self.profiles)] if self.profiles else []),
              "--state-db", str(self.state_db), "--report-listen",
              f"127.0.0.1:{self.port}", "--time-scale", f"{self.time_scale:g}", "--config", str(self.config)],
@@ -172,7 +172,7 @@ async def wait_until(
 
 def describe(ctrl: ControllerProc) -> Callable[[], str]:
     def text() -> str:
-        from controller.report import render_report
+        from fleetplan.controller.report import render_report
 
         return render_report(ctrl.report(), actions=30) + "\n--- controller log ---\n" + ctrl.log_tail(30)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import aiohttp
 
-from sim.replay import RequestResult, run_load
+from fleetplan.sim.replay import RequestResult, run_load
 
 
 class Load:

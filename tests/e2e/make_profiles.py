@@ -9,7 +9,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from controller.demo import EngineOptions, bench_and_fit
+from fleetplan.harness.demo import EngineOptions, bench_and_fit
 from tests.e2e.conftest import ISL, MAX_NUM_SEQS, MODEL, OSL, PROFILES, K
 
 

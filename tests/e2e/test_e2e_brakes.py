@@ -16,7 +16,7 @@ from typing import Any
 import aiomqtt
 import httpx
 
-from controller.protocol import DESIRED_WILDCARD
+from fleetplan.controller.protocol import DESIRED_WILDCARD
 from tests.e2e.conftest import MODEL, REPO, describe, policy_doc, ready_replicas, wait_until
 
 
@@ -62,7 +62,7 @@ def metrics_text(url: str) -> str:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "controller.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "fleetplan", *args], capture_output=True, text=True,
                           cwd=str(REPO), timeout=60, check=False)
 
 

@@ -2,7 +2,7 @@
 keeps the correction across a restart (state store), and report / explain / metrics show it.
 
 The profiles handed to the controller are the lab's fitted profiles (tests/e2e/data/profiles-sim.json)
-scaled 1.6x faster (models.mix.scaled): alone they would size the model for 1.6x the capacity the
+scaled 1.6x faster (fleetplan.models.mix.scaled): alone they would size the model for 1.6x the capacity the
 simulated engines really have. Under steady load the observed TTFT / per-request ITL per config
 (controller/evidence.py) say the engines are slower; the plan's capacity factor for the serving config
 falls and the plan grows beyond what the optimistic profile alone would plan.
@@ -21,8 +21,8 @@ from typing import Any
 
 import httpx
 
-from models.mix import scaled
-from models.profile import ProfileSet
+from fleetplan.models.mix import scaled
+from fleetplan.models.profile import ProfileSet
 from tests.e2e.conftest import (
     ISL,
     MODEL,
@@ -85,7 +85,7 @@ def _shown(url: str) -> None:
     """`fleetplan report --json`, `fleetplan report`, `fleetplan explain MODEL` and /metrics show it."""
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "controller.cli", *args, "--url", url],
+        return subprocess.run([sys.executable, "-m", "fleetplan", *args, "--url", url],
                               capture_output=True, text=True, cwd=str(REPO), timeout=60)
 
     out = cli("report", "--json")

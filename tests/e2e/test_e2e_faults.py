@@ -170,7 +170,7 @@ def test_report_explain_metrics_cli_on_a_running_controller(rig, controller_fact
     assert len(ready_replicas(ctrl.report())) == 1
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "controller.cli", *args], capture_output=True, text=True,
+        return subprocess.run([sys.executable, "-m", "fleetplan", *args], capture_output=True, text=True,
                               cwd=str(REPO), timeout=60)
 
     out = cli("report", "--url", ctrl.url)

@@ -18,8 +18,8 @@ from pathlib import Path
 import aiomqtt
 import pytest
 
-from controller.demo import Rig
-from controller.protocol import desired_topic
+from fleetplan.controller.protocol import desired_topic
+from fleetplan.harness.demo import Rig
 from tests.e2e.conftest import wait_until
 
 pytestmark = pytest.mark.e2e

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from controller.demo import Rig
-from sim.replay import PromptStyle, run_load
+from fleetplan.harness.demo import Rig
+from fleetplan.sim.replay import PromptStyle, run_load
 from tests.e2e.conftest import ControllerProc, describe, policy_doc, ready_replicas, wait_until
 
 pytestmark = [pytest.mark.slow_vllm, pytest.mark.e2e]
@@ -92,7 +92,7 @@ async def test_real_vllm_launched_by_agent_observed_by_controller(vllm_dir: Path
         assert obs["isl"] and obs["osl"] and obs["itl_p99_ms"] is not None
         out = await asyncio.to_thread(
             subprocess.run,
-            [".venv/bin/python", "-m", "controller.cli", "observe", "--prometheus", rig.lab.prometheus_url,
+            [".venv/bin/python", "-m", "fleetplan", "observe", "--prometheus", rig.lab.prometheus_url,
              "--window", "60"], capture_output=True, text=True, cwd=str(REPO), timeout=60,
         )
         assert MODEL in out.stdout and "ok" in out.stdout, out.stdout + out.stderr

@@ -20,7 +20,7 @@ from typing import Any, Protocol, TypeVar
 
 import pytest
 
-from sim.lab import Lab, MosquittoServer, NginxServer, PrometheusServer, group_pids
+from fleetplan.harness.lab import Lab, MosquittoServer, NginxServer, PrometheusServer, group_pids
 
 
 class _Startable(Protocol):

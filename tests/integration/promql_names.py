@@ -16,7 +16,7 @@ _NAME = re.compile(r"(?<![A-Za-z0-9_:])fleetplan_[A-Za-z0-9_]+")
 
 def controller_metric_names() -> set[str]:
     """Every sample name the controller's registry can expose, labelled children or not."""
-    from controller.metrics import ControllerMetrics
+    from fleetplan.controller.metrics import ControllerMetrics
 
     out: set[str] = set()
     for family in ControllerMetrics().registry.collect():

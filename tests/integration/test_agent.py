@@ -25,7 +25,7 @@ import httpx
 import pytest
 import yaml
 
-from controller.protocol import (
+from fleetplan.controller.protocol import (
     Ack,
     HostStatus,
     ack_topic,
@@ -34,7 +34,7 @@ from controller.protocol import (
     parse_status,
     status_topic,
 )
-from sim.lab import MosquittoServer, allocate_port_ranges
+from fleetplan.harness.lab import MosquittoServer, allocate_port_ranges
 
 REPO = Path(__file__).resolve().parents[2]
 HOSTS = ("h-basic", "h-bad", "h-broker", "h-restart", "h-crash", "h-build", "h-kill9", "h-systemd", "h-hostile")
@@ -74,7 +74,7 @@ open(os.path.join(out, "rank0.engine"), "w").write("engine")
 
 # A stand-in for systemctl that behaves like systemd for fleetplan-engine@<id>.service: `start`
 # reads the instance's EnvironmentFile (systemd quoting) and runs the unit's ExecStart
-# (`python -m controller.actuators exec`) detached; is-active/show/stop act on that process.
+# (`python -m fleetplan.controller.actuators exec`) detached; is-active/show/stop act on that process.
 FAKE_SYSTEMCTL = r'''#!{python}
 import json, os, re, signal, subprocess, sys, time, pathlib
 env_dir, state = pathlib.Path({env_dir!r}), pathlib.Path({state!r})
@@ -101,7 +101,7 @@ def parse_env(text):
     return env
 if args[0] == "start":
     env = {{**os.environ, **parse_env((env_dir / (instance + ".env")).read_text())}}
-    proc = subprocess.Popen([sys.executable, "-m", "controller.actuators", "exec"], env=env, cwd={repo!r},
+    proc = subprocess.Popen([sys.executable, "-m", "fleetplan.controller.actuators", "exec"], env=env, cwd={repo!r},
                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     pidfile.write_text(str(proc.pid))
 elif args[0] == "stop":
@@ -187,7 +187,7 @@ class AgentProcess:
     def start(self) -> None:
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "controller.cli", "-v", "agent", "--config", str(self.config_path)],
+                [sys.executable, "-m", "fleetplan", "-v", "agent", "--config", str(self.config_path)],
                 cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             )
 
@@ -583,7 +583,7 @@ async def test_systemd_actuator_runs_engines_through_the_unit_exec_path(
             ready = await ctl.wait_status(all_ready("r1", "r2"), "both ready")
             assert {r.replica_id: r.unit for r in ready.replicas} == {
                 "r1": "fleetplan-engine@r1.service", "r2": "fleetplan-engine@r2.service"}
-            # The env file round trip, then `python -m controller.actuators exec` (no shell):
+            # The env file round trip, then `python -m fleetplan.controller.actuators exec` (no shell):
             env = await get_json(p[0], "/env")
             assert env["cuda"] == "1,2" and env["tp"] == "2"
             assert (await get_json(p[1], "/env"))["argv"][4] == "org/model:v2"

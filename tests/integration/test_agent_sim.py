@@ -1,4 +1,4 @@
-"""The agent with the lab's launch templates (controller.agent.sim_agent_config): real simulated
+"""The agent with the lab's launch templates (fleetplan.controller.agent.sim_agent_config): real simulated
 engines (`fleetplan sim-engine`) started from MQTT desired state, serving the OpenAI API."""
 
 from __future__ import annotations
@@ -17,10 +17,17 @@ import httpx
 import pytest
 import yaml
 
-from controller.agent import sim_agent_config
-from controller.demo import stop_launched
-from controller.protocol import HostStatus, ack_topic, desired_topic, parse_ack, parse_status, status_topic
-from sim.lab import MosquittoServer, allocate_port_ranges
+from fleetplan.controller.agent import sim_agent_config
+from fleetplan.controller.protocol import (
+    HostStatus,
+    ack_topic,
+    desired_topic,
+    parse_ack,
+    parse_status,
+    status_topic,
+)
+from fleetplan.harness.demo import stop_launched
+from fleetplan.harness.lab import MosquittoServer, allocate_port_ranges
 
 REPO = Path(__file__).resolve().parents[2]
 HOST = "sim-host"
@@ -40,7 +47,7 @@ def setup() -> Iterator[tuple[MosquittoServer, Path, tuple[int, int]]]:
         )
         (root / "agent.yaml").write_text(yaml.safe_dump(config))
         with (root / "agent.log").open("ab") as log:
-            agent = subprocess.Popen([sys.executable, "-m", "controller.cli", "-v", "agent", "--config",
+            agent = subprocess.Popen([sys.executable, "-m", "fleetplan", "-v", "agent", "--config",
                                       str(root / "agent.yaml")], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         try:
             yield broker, root, ports

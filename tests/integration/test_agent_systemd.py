@@ -85,5 +85,5 @@ def test_controller_unit_contract() -> None:
 def test_engine_template_reads_the_per_instance_environment_file() -> None:
     text = (UNITS_DIR / "fleetplan-engine@.service").read_text()
     assert "\nEnvironmentFile=/etc/fleetplan/engines/%i.env\n" in text
-    assert "\nExecStart=/opt/fleetplan/venv/bin/python -m controller.actuators exec\n" in text
+    assert "\nExecStart=/opt/fleetplan/venv/bin/python -m fleetplan.controller.actuators exec\n" in text
     assert "\nRestart=no\n" in text

@@ -19,9 +19,9 @@ from pathlib import Path
 import aiomqtt
 import pytest
 
-from controller.agent import Agent, AgentConfig, sim_agent_config
-from controller.protocol import parse_status, status_topic
-from sim.lab import free_port
+from fleetplan.controller.agent import Agent, AgentConfig, sim_agent_config
+from fleetplan.controller.protocol import parse_status, status_topic
+from fleetplan.harness.lab import free_port
 
 OPENSSL = shutil.which("openssl")
 MOSQUITTO = "/usr/sbin/mosquitto"
@@ -120,6 +120,6 @@ async def test_agent_refuses_a_broker_certificate_from_another_ca(
     tls_broker: tuple[Path, int], caplog: pytest.LogCaptureFixture
 ) -> None:
     d, port = tls_broker
-    with caplog.at_level(logging.WARNING, logger="controller.agent"):
+    with caplog.at_level(logging.WARNING, logger="fleetplan.controller.agent"):
         assert await _run_agent(_config(d, port, "other"), d, port, timeout_s=2.5) is None
     assert "certificate verify failed" in caplog.text.lower()

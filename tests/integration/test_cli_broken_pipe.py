@@ -67,7 +67,7 @@ def _run_into_closed_pipe(*args: str) -> tuple[int, str]:
     read_fd, write_fd = os.pipe()
     os.close(read_fd)  # the reader is gone before the command writes anything
     try:
-        proc = subprocess.run([sys.executable, "-m", "controller.cli", *args], stdout=write_fd,
+        proc = subprocess.run([sys.executable, "-m", "fleetplan", *args], stdout=write_fd,
                               stderr=subprocess.PIPE, cwd=REPO, timeout=60, check=False)
     finally:
         os.close(write_fd)
@@ -82,7 +82,7 @@ def test_explain_into_a_closed_pipe_exits_quietly(report_url: str, json_flag: tu
 
 
 def test_explain_into_an_open_pipe_prints_everything(report_url: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", "controller.cli", "explain", MODEL, "--url", report_url],
+    proc = subprocess.run([sys.executable, "-m", "fleetplan", "explain", MODEL, "--url", report_url],
                           capture_output=True, text=True, cwd=REPO, timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"{MODEL}: 2 replicas (cycle 7)")

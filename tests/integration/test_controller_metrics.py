@@ -10,10 +10,10 @@ import re
 import time
 from pathlib import Path
 
-from controller.daemon import Controller, ControllerSettings
-from controller.mqtt import MqttSettings
-from controller.state import StateStore
-from sim.lab import MosquittoServer
+from fleetplan.controller.daemon import Controller, ControllerSettings
+from fleetplan.controller.mqtt import MqttSettings
+from fleetplan.controller.state import StateStore
+from fleetplan.harness.lab import MosquittoServer
 
 
 def _gauge(ctrl: Controller, name: str) -> float:

@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from controller.daemon import inflight_from_metrics, sd_notify
-from controller.state import Phase, ReplicaRow, StateStore
+from fleetplan.controller.daemon import inflight_from_metrics, sd_notify
+from fleetplan.controller.state import Phase, ReplicaRow, StateStore
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -137,7 +137,7 @@ class _FakeCtrl:
     cycle_count = 3
 
     def __init__(self) -> None:
-        from controller.metrics import ControllerMetrics
+        from fleetplan.controller.metrics import ControllerMetrics
 
         self.metrics = ControllerMetrics()
         self.metrics.planned_replicas.labels("m").set(2)
@@ -152,7 +152,7 @@ class _FakeCtrl:
 
 
 async def test_report_api_requires_token_off_loopback() -> None:
-    from controller.report import render_report, start_report_server
+    from fleetplan.controller.report import render_report, start_report_server
 
     runner, url = await start_report_server(_FakeCtrl(), "0.0.0.0:0", "s3cret")
     try:
@@ -182,12 +182,12 @@ async def test_state_api_feeds_policy_check_and_explain_renders_the_stored_count
 
     import yaml
 
-    from controller.cli import main
-    from controller.daemon import Controller, ControllerSettings
-    from controller.observe import ModelMetrics, Snapshot
-    from controller.report import render_explain, start_report_server
-    from planner.core import plan, plan_to_dict
-    from planner.types import PlannerState
+    from fleetplan.controller.daemon import Controller, ControllerSettings
+    from fleetplan.controller.observe import ModelMetrics, Snapshot
+    from fleetplan.controller.report import render_explain, start_report_server
+    from fleetplan.harness.cli import main
+    from fleetplan.planner.core import plan, plan_to_dict
+    from fleetplan.planner.types import PlannerState
 
     root = ROOT
     now_s = 1731574800.0  # config/example-demand.yaml's time_s (business hours)
@@ -207,7 +207,7 @@ async def test_state_api_feeds_policy_check_and_explain_renders_the_stored_count
              "llama-3-70b": ModelMetrics("llama-3-70b", 12.0, 820.0, 200.0, stale=False)},
             {}, (), True, time.time(), now_s)
         # the cycle's way: plan, plan_to_dict, save_plan (reports render it, never recompute)
-        from controller.observe import to_observation
+        from fleetplan.controller.observe import to_observation
 
         result = plan(to_observation(ctrl.last_snapshot, ctrl.model_names()), ctrl.build_fleet(),
                       ctrl.policy.policy, ctrl.profiles, ctrl.planner_state, now_s)

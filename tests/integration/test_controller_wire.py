@@ -17,10 +17,10 @@ import aiomqtt
 import httpx
 import pytest
 
-from controller.daemon import Controller, ControllerSettings
-from controller.mqtt import MqttSettings
-from controller.state import StateStore
-from sim.lab import MosquittoServer
+from fleetplan.controller.daemon import Controller, ControllerSettings
+from fleetplan.controller.mqtt import MqttSettings
+from fleetplan.controller.state import StateStore
+from fleetplan.harness.lab import MosquittoServer
 
 REPO = Path(__file__).resolve().parents[2]
 HOST = "host-a"
@@ -112,7 +112,7 @@ async def test_bad_messages_are_rejected_and_the_loop_reads_the_next_one(
 
 
 async def test_health_follows_the_mqtt_task_and_healthz_says_why(ctrl: Controller) -> None:
-    from controller.report import start_report_server
+    from fleetplan.controller.report import start_report_server
 
     runner, url = await start_report_server(ctrl, "127.0.0.1:0", None)
     try:

@@ -2,7 +2,7 @@
 
 A fit of a simulated engine's concurrency sweep (1, 4, 16, 64) predicts its throughput at an
 unseen concurrency (32) within 15%. The simulator's step time comes from the architecture and
-datasheet numbers (sim.groundtruth), not from models/, so this tests the fitting honestly.
+datasheet numbers (fleetplan.sim.groundtruth), not from models/, so this tests the fitting honestly.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from controller.cli import main as cli_main
-from models.names import Engine, GpuType
-from sim.benchclient import file_name, sweep
-from sim.engine import EngineConfig, SimEngine
+from fleetplan.harness.cli import main as cli_main
+from fleetplan.models.names import Engine, GpuType
+from fleetplan.sim.benchclient import file_name, sweep
+from fleetplan.sim.engine import EngineConfig, SimEngine
 
 ISL, OSL = 467, 128
 TRAIN = (1, 4, 16, 64)
@@ -26,8 +26,8 @@ K = 5.0  # low enough that client turnaround (wall ms x K) is negligible in simu
 
 @pytest.mark.parametrize("persona", [Engine.VLLM])
 async def test_fit_on_simulator_predicts_unseen_concurrency(persona: Engine, tmp_path: Path) -> None:
-    benchfiles = pytest.importorskip("controller.benchfiles")
-    profile_mod = pytest.importorskip("models.profile")
+    benchfiles = pytest.importorskip("fleetplan.shared.benchfiles")
+    profile_mod = pytest.importorskip("fleetplan.models.profile")
     engine = SimEngine(EngineConfig(persona, "llama-3.1-8b", GpuType.H100, 1, time_scale=K, startup_s=0.0,
                                     min_chunk_interval_ms=10.0, seed=3))
     await engine.start("127.0.0.1", 0)

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sim.lab import LAB_JSON, Lab, LabError, PrometheusServer, group_pids
+from fleetplan.harness.lab import LAB_JSON, Lab, LabError, PrometheusServer, group_pids
 
 
 def _tcp_open(port: int) -> bool:
@@ -53,7 +53,7 @@ def test_lab_starts_everything_and_stops_with_no_orphans() -> None:
 
 def test_cli_lab_up_runs_in_background_until_down(tmp_path: Path) -> None:
     lab_dir = tmp_path / "lab"
-    cli = [sys.executable, "-m", "controller.cli", "lab"]
+    cli = [sys.executable, "-m", "fleetplan", "lab"]
     up = subprocess.run(
         [*cli, "up", "--dir", str(lab_dir), "--hosts", "2", "--gpus-per-host", "8", "--gpu", "h100"],
         capture_output=True, text=True, timeout=90,
@@ -114,7 +114,7 @@ async def test_cli_lab_up_on_a_stopped_labs_dir_starts_a_new_lab(tmp_path: Path)
     import asyncio
 
     lab_dir = tmp_path / "lab"
-    cli = [sys.executable, "-m", "controller.cli", "lab"]
+    cli = [sys.executable, "-m", "fleetplan", "lab"]
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([*cli, *args, "--dir", str(lab_dir)], capture_output=True, text=True, timeout=120)

@@ -14,8 +14,8 @@ import httpx
 import pytest
 from aiohttp import web
 
-from controller.routing import NginxReloadError, NginxRouter, read_generation
-from sim.lab import NginxServer
+from fleetplan.controller.routing import NginxReloadError, NginxRouter, read_generation
+from fleetplan.harness.lab import NginxServer
 
 Backend = tuple[str, list[str]]  # (host:port, paths it received)
 

@@ -24,10 +24,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from controller.routing import ScrapeTarget, write_file_sd
-from sim.lab import Lab, ManagedProcess
+from fleetplan.controller.routing import ScrapeTarget, write_file_sd
+from fleetplan.harness.lab import Lab, ManagedProcess
 
-pytest.importorskip("sim.engine", reason="the simulated engine (sim/engine.py) has not landed")
+pytest.importorskip("fleetplan.sim.engine", reason="the simulated engine (sim/engine.py) has not landed")
 
 MODEL = "llama-3.1-8b"
 
@@ -85,7 +85,7 @@ def engine_lab() -> Iterator[tuple[Lab, dict[str, RunningEngine]]]:
                 port = host.port_range[0] + i
                 replica = f"{host.name}-{name}-0"
                 argv = [
-                    sys.executable, "-m", "controller.cli", "sim-engine",
+                    sys.executable, "-m", "fleetplan", "sim-engine",
                     "--persona", name, "--model", MODEL, "--gpu", host.gpu.value, "--tp", "1",
                     "--port", str(port), "--time-scale", "1", "--startup-s", "0",
                     "--replica-id", replica, "--seed", str(i),
@@ -260,11 +260,11 @@ async def test_promql_rate_and_histogram_quantile_match_the_engine(
 
 def test_engine_processes_stop_cleanly(tmp_path: Path) -> None:
     """A ManagedProcess engine leaves no process behind (the same helper the fixture uses)."""
-    from sim.lab import free_port, group_pids
+    from fleetplan.harness.lab import free_port, group_pids
 
     port = free_port()
     argv = [
-        sys.executable, "-m", "controller.cli", "sim-engine", "--persona", "vllm", "--model", MODEL,
+        sys.executable, "-m", "fleetplan", "sim-engine", "--persona", "vllm", "--model", MODEL,
         "--gpu", "h100", "--port", str(port), "--startup-s", "0",
     ]  # fmt: skip
     proc = ManagedProcess("sim-engine", argv, tmp_path / "engine.log")

@@ -10,12 +10,12 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from controller.observe import Observer, ObserverConfig, PromClient, to_observation
-from controller.routing import ScrapeTarget, write_file_sd
-from models.names import Engine, GpuType, Precision
-from planner.types import ConfigKey, Replica, ReplicaState
-from sim.engine import EngineConfig, SimEngine
-from sim.replay import run_load
+from fleetplan.controller.observe import Observer, ObserverConfig, PromClient, to_observation
+from fleetplan.controller.routing import ScrapeTarget, write_file_sd
+from fleetplan.models.names import Engine, GpuType, Precision
+from fleetplan.planner.types import ConfigKey, Replica, ReplicaState
+from fleetplan.sim.engine import EngineConfig, SimEngine
+from fleetplan.sim.replay import run_load
 
 pytestmark = pytest.mark.integration
 

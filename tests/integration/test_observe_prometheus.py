@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from controller.observe import Observer, ObserverConfig, PromClient, render_snapshot
+from fleetplan.controller.observe import Observer, ObserverConfig, PromClient, render_snapshot
 
 pytestmark = pytest.mark.integration
 
@@ -170,7 +170,7 @@ async def wait_for(pred: Callable[[], object], timeout_s: float) -> None:
 async def test_observe_both_spellings_and_trtllm_then_fail_static(prom_lab) -> None:  # type: ignore[no-untyped-def]
     url, exps, proc = prom_lab
     canon = {"llama318binstruct": "llama-3.1-8b"}
-    from models.names import model_key
+    from fleetplan.models.names import model_key
 
     async with PromClient(url) as client:
         obs = Observer(
@@ -240,7 +240,7 @@ def sim_engines() -> Iterator[dict[str, tuple[str, int]]]:
         for persona, model, tp in (("vllm", "llama-3.1-8b", "1"), ("trtllm", "llama-3.3-70b", "4")):
             port = free_port()
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "controller.cli", "sim-engine", "--persona", persona, "--model", model,
+                [sys.executable, "-m", "fleetplan", "sim-engine", "--persona", persona, "--model", model,
                  "--gpu", "h100", "--tp", tp, "--port", str(port), "--time-scale", "20", "--startup-s", "0",
                  "--replica-id", f"r-{persona}", "--min-chunk-interval-ms", "100"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
@@ -265,8 +265,8 @@ def sim_engines() -> Iterator[dict[str, tuple[str, int]]]:
 async def test_observe_sim_engines_vllm_and_trtllm_personas(prometheus, sim_engines) -> None:  # type: ignore[no-untyped-def]
     """D's Prometheus fixture scraping two simulated engines (vLLM persona on /metrics, TRT-LLM persona on
     /prometheus/metrics via the file_sd `__metrics_path__` written by controller/routing.py)."""
-    from controller.routing import ScrapeTarget, write_file_sd
-    from sim.replay import run_load
+    from fleetplan.controller.routing import ScrapeTarget, write_file_sd
+    from fleetplan.sim.replay import run_load
 
     k = 20.0
     sd = prometheus.file_sd_dir / "observe-test.json"

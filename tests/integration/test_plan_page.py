@@ -20,15 +20,15 @@ import numpy as np
 import pytest
 import yaml
 
-from controller.benchfiles import load_profiles
-from controller.daemon import Controller, ControllerSettings
-from controller.demo import demo_policy
-from controller.report import start_report_server
-from controller.state import ActionStatus, StateStore
-from planner.audit import decision_record, inputs_digest
-from planner.core import plan, plan_to_dict
-from planner.policy import load_policy_dict
-from planner.types import Fleet, HostInventory, ModelObservation, Observation, PlannerState
+from fleetplan.controller.daemon import Controller, ControllerSettings
+from fleetplan.controller.report import start_report_server
+from fleetplan.controller.state import ActionStatus, StateStore
+from fleetplan.harness.demo import demo_policy
+from fleetplan.planner.audit import decision_record, inputs_digest
+from fleetplan.planner.core import plan, plan_to_dict
+from fleetplan.planner.policy import load_policy_dict
+from fleetplan.planner.types import Fleet, HostInventory, ModelObservation, Observation, PlannerState
+from fleetplan.shared.benchfiles import load_profiles
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""sim.replay against servers that behave like the real ones, not like fleetplan's sim-engine.
+"""fleetplan.sim.replay against servers that behave like the real ones, not like fleetplan's sim-engine.
 
 A real vLLM streams several tokens in one SSE chunk (the tokens of one engine step, or of several
 when the client reads slowly) and marks none of them with a count: the number of output tokens is
@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from sim.replay import PromptStyle, run_load
+from fleetplan.sim.replay import PromptStyle, run_load
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -173,7 +173,7 @@ def test_replay_load_sends_the_traces_prompt_and_output_lengths(strict_server: O
     trace.write_text("\n".join(rows) + "\n")
     out = tmp_path / "results.jsonl"
     run = subprocess.run(
-        [sys.executable, "-m", "controller.cli", "replay-load", "--trace", str(trace), "--target", strict_server.url,
+        [sys.executable, "-m", "fleetplan", "replay-load", "--trace", str(trace), "--target", strict_server.url,
          "--speed", "20", "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=60,
     )

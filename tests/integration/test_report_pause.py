@@ -7,10 +7,10 @@ from pathlib import Path
 
 import httpx
 
-from controller.actuation import load_pause
-from controller.daemon import Controller, ControllerSettings
-from controller.report import start_report_server
-from controller.state import StateStore
+from fleetplan.controller.actuation import load_pause
+from fleetplan.controller.daemon import Controller, ControllerSettings
+from fleetplan.controller.report import start_report_server
+from fleetplan.controller.state import StateStore
 
 
 async def test_pause_resume_need_the_token_and_persist(tmp_path: Path) -> None:

@@ -16,8 +16,8 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from models.names import Engine, GpuType
-from sim.engine import (
+from fleetplan.models.names import Engine, GpuType
+from fleetplan.sim.engine import (
     ITL_BUCKETS,
     REQUEST_LATENCY_BUCKETS,
     TTFT_BUCKETS,
@@ -25,7 +25,7 @@ from sim.engine import (
     SimEngine,
     buckets_1_2_5,
 )
-from sim.replay import run_load, summarize
+from fleetplan.sim.replay import run_load, summarize
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -294,7 +294,7 @@ def test_sigterm_drains_in_flight_requests_then_exits(tmp_path: Path) -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "controller.cli", "sim-engine", "--persona", "vllm", "--model", "llama-3.1-8b",
+        [sys.executable, "-m", "fleetplan", "sim-engine", "--persona", "vllm", "--model", "llama-3.1-8b",
          "--gpu", "h100", "--port", str(port), "--time-scale", "10", "--startup-s", "0", "--replica-id", "r1"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from models.names import Engine, GpuType
-from models.readers import read_benchmark
+from fleetplan.models.names import Engine, GpuType
+from fleetplan.models.readers import read_benchmark
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "controller.cli", *args]
+    return [sys.executable, "-m", "fleetplan", *args]
 
 
 def _free_port() -> int:

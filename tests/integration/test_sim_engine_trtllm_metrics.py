@@ -21,9 +21,9 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from models.names import Engine, GpuType
-from sim.engine import EngineConfig, SimEngine
-from sim.replay import run_load
+from fleetplan.models.names import Engine, GpuType
+from fleetplan.sim.engine import EngineConfig, SimEngine
+from fleetplan.sim.replay import run_load
 
 LABELS = ("engine_type", "model_name")  # the labels trtllm-serve gives its MetricsCollector
 GAUGE_LABELS = (*LABELS, "pid")  # multiprocess mode "all"

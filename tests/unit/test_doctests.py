@@ -9,8 +9,7 @@ import pkgutil
 
 import pytest
 
-import models
-import planner
+from fleetplan import models, planner
 
 MODULES = sorted(f"{pkg.__name__}.{m.name}" for pkg in (planner, models)
                  for m in pkgutil.iter_modules(pkg.__path__))

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.actuators import (
+from fleetplan.controller.actuators import (
     ARGV_ENV,
     Handle,
     LaunchSpec,
@@ -24,8 +24,14 @@ from controller.actuators import (
     pid_alive,
     render_env_file,
 )
-from controller.agent import Agent, AgentConfig, AgentConfigError, load_agent_config, sim_agent_config
-from controller.protocol import (
+from fleetplan.controller.agent import (
+    Agent,
+    AgentConfig,
+    AgentConfigError,
+    load_agent_config,
+    sim_agent_config,
+)
+from fleetplan.controller.protocol import (
     DesiredReplica,
     check_desired,
     limits_from_status,
@@ -167,7 +173,7 @@ def test_unit_exec_helper_execs_the_argv_without_a_shell(tmp_path: Path) -> None
     code = "import os, sys; print(repr(sys.argv[1:]), os.environ.get('FLEETPLAN_ENGINE_ARGV'), os.getcwd())"
     env = {**os.environ, ARGV_ENV: json.dumps([sys.executable, "-c", code, "a b", "$(id)"]),
            "FLEETPLAN_ENGINE_CWD": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-m", "controller.actuators", "exec"], env=env, cwd=REPO,
+    out = subprocess.run([sys.executable, "-m", "fleetplan.controller.actuators", "exec"], env=env, cwd=REPO,
                          capture_output=True, text=True, timeout=30, check=True).stdout
     assert out.strip() == f"['a b', '$(id)'] None {tmp_path}"
 
@@ -231,13 +237,13 @@ def test_shipped_configs_load(name: str) -> None:
 
 
 def test_agent_cli_check(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "controller.cli", "agent", "--config",
+    out = subprocess.run([sys.executable, "-m", "fleetplan", "agent", "--config",
                           str(REPO / "config" / "agent.example.yaml"), "--check"], cwd=REPO,
                          capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0 and "OK (host gpu-node-01" in out.stdout
     bad = tmp_path / "bad.yaml"
     bad.write_text("host: [")
-    out = subprocess.run([sys.executable, "-m", "controller.cli", "agent", "--config", str(bad), "--check"],
+    out = subprocess.run([sys.executable, "-m", "fleetplan", "agent", "--config", str(bad), "--check"],
                          cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 2 and f"{bad}: not valid YAML" in out.stderr
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from controller.daemon import Signals, _cycle_loop
+from fleetplan.controller.daemon import Signals, _cycle_loop
 
 
 class Recorder:

@@ -8,7 +8,7 @@ from types import MappingProxyType
 
 import pytest
 
-from controller.evidence import (
+from fleetplan.controller.evidence import (
     MIN_LENGTH_SAMPLES,
     MIN_P99_SAMPLES,
     Evidence,
@@ -18,9 +18,9 @@ from controller.evidence import (
     interpret,
     length_quantiles,
 )
-from models.mix import QUANTILE_LEVELS, mix_from_quantiles
-from models.names import Engine, GpuType, Precision
-from planner.types import ConfigKey, Replica, ReplicaState
+from fleetplan.models.mix import QUANTILE_LEVELS, mix_from_quantiles
+from fleetplan.models.names import Engine, GpuType, Precision
+from fleetplan.planner.types import ConfigKey, Replica, ReplicaState
 
 INF = math.inf
 M = "llama-3.1-70b"

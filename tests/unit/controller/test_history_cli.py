@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from controller.cli import main
-from controller.cli_ops import parse_duration_s
-from controller.state import ActionStatus, StateStore
-from planner.audit import decision_record
+from fleetplan.controller.cli_ops import parse_duration_s
+from fleetplan.controller.state import ActionStatus, StateStore
+from fleetplan.harness.cli import main
+from fleetplan.planner.audit import decision_record
 from tests.unit.planner.test_audit import plan_doc
 
 

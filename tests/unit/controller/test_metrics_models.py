@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from controller.metrics import ControllerMetrics
+from fleetplan.controller.metrics import ControllerMetrics
 
 
 def test_a_model_that_left_the_policy_is_no_longer_exported() -> None:

@@ -3,7 +3,7 @@ trtllm-serve's placeholder "undefined"."""
 
 from __future__ import annotations
 
-from controller.observe import Observer, PromClient, Sample
+from fleetplan.controller.observe import Observer, PromClient, Sample
 
 
 async def test_model_label_precedence_and_trtllm_placeholder() -> None:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from controller.protocol import (
+from fleetplan.controller.protocol import (
     Ack,
     DesiredState,
     HostLimits,
@@ -25,7 +25,7 @@ from controller.protocol import (
     status_topic,
     to_payload,
 )
-from models.names import Engine, GpuType, Precision
+from fleetplan.models.names import Engine, GpuType, Precision
 
 LIMITS = HostLimits(
     host="h1",

@@ -9,8 +9,8 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.mqtt import Backoff
-from controller.protocol import ProtocolError, parse_desired
+from fleetplan.controller.mqtt import Backoff
+from fleetplan.controller.protocol import ProtocolError, parse_desired
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),

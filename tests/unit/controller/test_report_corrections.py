@@ -1,7 +1,7 @@
 """The correction on the controller side: rendered from the stored plan document (report, explain) and
 exported as fleetplan_profile_correction_ratio{model,config}.
 
-The plan documents come from the real planner: profiles 1.6x optimistic (models.mix.scaled), a fleet
+The plan documents come from the real planner: profiles 1.6x optimistic (fleetplan.models.mix.scaled), a fleet
 whose observed latency is what the true profiles predict, three cycles with the state carried."""
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ from typing import Any
 
 import pytest
 
-from controller.demo import demo_policy
-from controller.metrics import ControllerMetrics, correction_series
-from controller.report import explanation_for, render_explain, render_report
-from models.mix import LengthMix, predict_mix, scaled
-from models.names import Engine, GpuType, Precision
-from models.profile import ProfileSet
-from planner.core import plan, plan_to_dict
-from planner.policy import load_policy_dict
-from planner.serde import state_from_dict
-from planner.types import (
+from fleetplan.controller.metrics import ControllerMetrics, correction_series
+from fleetplan.controller.report import explanation_for, render_explain, render_report
+from fleetplan.harness.demo import demo_policy
+from fleetplan.models.mix import LengthMix, predict_mix, scaled
+from fleetplan.models.names import Engine, GpuType, Precision
+from fleetplan.models.profile import ProfileSet
+from fleetplan.planner.core import plan, plan_to_dict
+from fleetplan.planner.policy import load_policy_dict
+from fleetplan.planner.serde import state_from_dict
+from fleetplan.planner.types import (
     ConfigKey,
     ConfigObservation,
     Fleet,
@@ -137,7 +137,7 @@ def test_correction_gauge_follows_the_plan_and_drops_configs_that_left_it() -> N
 def test_daemon_removes_the_label_set_of_a_config_that_left_the_plan() -> None:
     from types import SimpleNamespace
 
-    from controller.daemon import Controller
+    from fleetplan.controller.daemon import Controller
 
     fake = SimpleNamespace(metrics=ControllerMetrics(), _correction_labels=set())
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.routing import (
+from fleetplan.controller.routing import (
     NginxReloadError,
     NginxRouter,
     RoutingError,

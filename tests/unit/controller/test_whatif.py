@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import yaml
 
-from controller.cli import main
-from models.profile import ProfileSet
+from fleetplan.harness.cli import main
+from fleetplan.models.profile import ProfileSet
 
 ROOT = Path(__file__).resolve().parents[3]
 BASE = yaml.safe_load((ROOT / "config/example-policy.yaml").read_text())
@@ -27,8 +27,8 @@ def _trusted_priors() -> ProfileSet:
     workload (so the extrapolation guard leaves them as they are: these tests are about the diff)."""
     from dataclasses import replace
 
-    from models import profile as mp
-    from models.names import Engine, GpuType, Precision
+    from fleetplan.models import profile as mp
+    from fleetplan.models.names import Engine, GpuType, Precision
 
     out = []
     for model, tps in (("llama-3-8b", (1, 2)), ("llama-3-70b", (4, 8))):

@@ -27,9 +27,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from controller.daemon import MqttLink
-from controller.mqtt import MqttSettings
-from controller.protocol import (
+from fleetplan.controller.daemon import MqttLink
+from fleetplan.controller.mqtt import MqttSettings
+from fleetplan.controller.protocol import (
     MAX_WIRE_INT,
     HostStatus,
     ProtocolError,
@@ -37,7 +37,7 @@ from controller.protocol import (
     parse_desired,
     parse_status,
 )
-from planner.policy import Policy, PolicyError, load_policy_text
+from fleetplan.planner.policy import Policy, PolicyError, load_policy_text
 
 HOST = "host-a"
 REPO = Path(__file__).resolve().parents[3]

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from models import profile as mp
-from models.mix import (
+from fleetplan.models import profile as mp
+from fleetplan.models.mix import (
     LengthMix,
     capacity_mix,
     mix_from_quantiles,
@@ -16,7 +16,7 @@ from models.mix import (
     scaled,
     speed_from_latency,
 )
-from models.names import Engine, GpuType, Precision
+from fleetplan.models.names import Engine, GpuType, Precision
 
 KEY = mp.ProfileKey("m8", Engine.VLLM, GpuType("h100"), 1, Precision.BF16)
 PARAMS = mp.PerfParams(s0_ms=9.0, s1_ms=0.05, s2_ms=0.0002, p0_ms=5.0, p1_ms=0.06, p2_ms=2e-7, q=1.0,

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from controller.benchfiles import ProfilesFileError, load_profiles
-from controller.cli import main
+from fleetplan.harness.cli import main
+from fleetplan.shared.benchfiles import ProfilesFileError, load_profiles
 
 ONLINE = "trtllm_v0.14_online_serving_triton_bf16.csv"
 

@@ -6,10 +6,10 @@ from dataclasses import replace
 
 import pytest
 
-from models.bench import BenchmarkPoint, LoadKind
-from models.fit import FitFailure, fit_profile, holdout_errors, saturation_flags
-from models.names import Engine, GpuType, Precision
-from models.profile import PerfProfile, ProfileKey, Workload, predict, roofline_profile
+from fleetplan.models.bench import BenchmarkPoint, LoadKind
+from fleetplan.models.fit import FitFailure, fit_profile, holdout_errors, saturation_flags
+from fleetplan.models.names import Engine, GpuType, Precision
+from fleetplan.models.profile import PerfProfile, ProfileKey, Workload, predict, roofline_profile
 
 KEY = ProfileKey("some-new-model", Engine.VLLM, GpuType.H100, 2, Precision.FP8)
 

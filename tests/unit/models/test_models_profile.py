@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from models.names import Engine, GpuType, Precision
-from models.profile import (
+from fleetplan.models.names import Engine, GpuType, Precision
+from fleetplan.models.profile import (
     Binding,
     PerfProfile,
     ProfileError,
@@ -168,9 +168,9 @@ def test_capacity_never_rises_as_the_slo_tightens(shape: tuple[float, float], tt
 
 @functools.cache
 def _fitted() -> tuple[PerfProfile, ...]:
-    from models.bench import Metadata
-    from models.fit import fit_profile, group_points
-    from models.readers import read_benchmark
+    from fleetplan.models.bench import Metadata
+    from fleetplan.models.fit import fit_profile, group_points
+    from fleetplan.models.readers import read_benchmark
 
     root = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "benchmarks"
     if not root.is_dir():
@@ -354,7 +354,7 @@ def test_tail_latency_rises_with_rate_and_capacity_falls_as_the_slo_tightens(
 
 
 def test_profiles_written_before_the_new_parameters_load_and_predict_as_before() -> None:
-    from models.profile import profile_to_dict
+    from fleetplan.models.profile import profile_to_dict
 
     p = _prior()
     d = profile_to_dict(p)

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from models.bench import BenchmarkFormatError, LoadKind, Metadata
-from models.names import Engine, GpuType, ModelAliases, Precision
-from models.readers import file_hints, read_benchmark
+from fleetplan.models.bench import BenchmarkFormatError, LoadKind, Metadata
+from fleetplan.models.names import Engine, GpuType, ModelAliases, Precision
+from fleetplan.models.readers import file_hints, read_benchmark
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "bench"
 H100_BF16_TP1 = Metadata(gpu=GpuType.H100, precision=Precision.BF16, tp=1)

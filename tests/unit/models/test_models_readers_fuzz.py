@@ -10,9 +10,9 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from models.bench import BenchmarkFormatError, Metadata
-from models.names import Engine, GpuType, Precision
-from models.readers import read_benchmark
+from fleetplan.models.bench import BenchmarkFormatError, Metadata
+from fleetplan.models.names import Engine, GpuType, Precision
+from fleetplan.models.readers import read_benchmark
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "bench"
 META = Metadata(model="m", engine=Engine.VLLM, gpu=GpuType.H100, tp=1, precision=Precision.BF16)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from models.names import Engine, GpuType, Precision
-from planner.capacity import CapacityInfo
-from planner.policy import Policy, load_policy_dict
-from planner.types import ConfigKey, HostInventory, ModelObservation, Observation
+from fleetplan.models.names import Engine, GpuType, Precision
+from fleetplan.planner.capacity import CapacityInfo
+from fleetplan.planner.policy import Policy, load_policy_dict
+from fleetplan.planner.types import ConfigKey, HostInventory, ModelObservation, Observation
 
 H100 = GpuType.H100
 A100 = GpuType.A100

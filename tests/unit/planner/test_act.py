@@ -4,8 +4,8 @@ make-before-break, host loss, MQTT down, statuses missing after a restart)."""
 
 from __future__ import annotations
 
-from planner import act
-from planner.act import (
+from fleetplan.planner import act
+from fleetplan.planner.act import (
     ActionStatus,
     ActView,
     BuildRow,
@@ -23,7 +23,7 @@ from planner.act import (
     ReportedReplica,
     SetPhase,
 )
-from planner.types import Action, ActionKind, ConfigKey, Replica, ReplicaState
+from fleetplan.planner.types import Action, ActionKind, ConfigKey, Replica, ReplicaState
 from tests.unit.planner.planner_helpers import BF16, H100, VLLM
 
 NOW = 10_000.0
@@ -232,8 +232,8 @@ def test_drain_ends_when_in_flight_reaches_zero_twice_or_at_the_timeout() -> Non
 
 
 def test_the_planner_places_new_replicas_off_held_gpus() -> None:
-    from planner.placement import place
-    from planner.types import HostInventory
+    from fleetplan.planner.placement import place
+    from fleetplan.planner.types import HostInventory
 
     h = HostInventory("gpu-01", H100, 2, (), True, held_gpus=(0,))
     p = place({CFG: 1}, [h])

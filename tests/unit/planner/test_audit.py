@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from planner.audit import decision_id, decision_record, inputs_digest, timeline
-from planner.types import Action, ActionKind, Replica, ReplicaState
+from fleetplan.planner.audit import decision_id, decision_record, inputs_digest, timeline
+from fleetplan.planner.types import Action, ActionKind, Replica, ReplicaState
 from tests.unit.planner.planner_helpers import key
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from planner.brakes import (
+from fleetplan.planner.brakes import (
     HOUR_S,
     BrakeLimits,
     Direction,
@@ -14,8 +14,8 @@ from planner.brakes import (
     apply_brakes,
     brakes_to_dict,
 )
-from planner.policy import PolicyError
-from planner.types import Action, ActionKind, Replica, ReplicaState
+from fleetplan.planner.policy import PolicyError
+from fleetplan.planner.types import Action, ActionKind, Replica, ReplicaState
 from tests.unit.planner.planner_helpers import key, policy, policy_dict
 
 NOW = 1_000_000.0
@@ -166,7 +166,7 @@ def test_policy_mode_and_limits_parse_and_bad_values_name_the_field() -> None:
     assert p.mode is Mode.ACTIVE and p.scaling.brake_limits() == BrakeLimits()
     d = policy_dict(models=("m70",), scaling={"max_gpus_stopped_per_hour": 8, "min_ready_capacity_fraction": 0.5})
     d["mode"] = "advisory"
-    from planner.policy import load_policy_dict
+    from fleetplan.planner.policy import load_policy_dict
 
     p2 = load_policy_dict(d, "p.yaml")
     assert p2.mode is Mode.ADVISORY

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from controller.cli import main
-from controller.protocol import ID_PATTERN
-from models.profile import ProfileSet
+from fleetplan.controller.protocol import ID_PATTERN
+from fleetplan.harness.cli import main
+from fleetplan.models.profile import ProfileSet
 
 ROOT = Path(__file__).resolve().parents[3]
 DEMAND = """
@@ -90,7 +90,7 @@ def test_plan_errors_exit_2(files: dict[str, str], tmp_path: Path, capsys: pytes
 
 
 def test_fleet_document_round_trip(files: dict[str, str]) -> None:
-    from planner.serde import fleet_from_dict, fleet_to_dict, state_from_dict, state_to_dict
+    from fleetplan.planner.serde import fleet_from_dict, fleet_to_dict, state_from_dict, state_to_dict
 
     fleet, state = fleet_from_dict(json.loads(Path(files["fleet"]).read_text()), "current.json")
     assert fleet.hosts[0].gpu.value == "h100" and fleet.replicas[0].state.value == "ready"

@@ -9,12 +9,12 @@ import random
 
 import pytest
 
-from models import profile as mp
-from models.mix import LengthMix, capacity_mix, predict_mix, scaled
-from planner.capacity import MixedWorkload, capacity_table
-from planner.correction import MIN_REQUESTS, applied_speeds, update_corrections
-from planner.serde import state_from_dict, state_to_dict
-from planner.types import ConfigKey, ConfigObservation, Correction, ModelObservation, PlannerState
+from fleetplan.models import profile as mp
+from fleetplan.models.mix import LengthMix, capacity_mix, predict_mix, scaled
+from fleetplan.planner.capacity import MixedWorkload, capacity_table
+from fleetplan.planner.correction import MIN_REQUESTS, applied_speeds, update_corrections
+from fleetplan.planner.serde import state_from_dict, state_to_dict
+from fleetplan.planner.types import ConfigKey, ConfigObservation, Correction, ModelObservation, PlannerState
 from tests.unit.planner.planner_helpers import BF16, H100, VLLM, policy
 
 KEY = ConfigKey("m8", VLLM, H100, 1, BF16)

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from planner_helpers import TRT, VLLM, caps, hosts, key, observe, policy
 
-from models.profile import ProfileSet
-from planner.core import plan_to_dict, plan_with_capacities
-from planner.counterfactual import MANY_MODELS, flip_range
-from planner.types import Fleet, LossReason, PlannerState, Replica, ReplicaState
+from fleetplan.models.profile import ProfileSet
+from fleetplan.planner.core import plan_to_dict, plan_with_capacities
+from fleetplan.planner.counterfactual import MANY_MODELS, flip_range
+from fleetplan.planner.types import Fleet, LossReason, PlannerState, Replica, ReplicaState
 
 ROOT = Path(__file__).resolve().parents[3]
 NOW = 1_700_000_000.0
@@ -121,7 +121,7 @@ def test_many_models_skip_the_re_solves_and_say_so() -> None:
 
 def test_plan_command_on_the_example_policy_shows_alternatives_and_a_flip_load(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from controller.cli import main
+    from fleetplan.harness.cli import main
 
     profiles = tmp_path / "profiles.json"
     profiles.write_text(json.dumps(ProfileSet().to_json_dict()))  # no data: roofline priors
@@ -168,11 +168,11 @@ def test_plan_command_on_the_example_policy_shows_alternatives_and_a_flip_load(
 def test_slo_relaxed_capacities_are_larger_and_the_demand_document_round_trips() -> None:
     import yaml
 
-    from planner.capacity import MixedWorkload, capacity_table
-    from planner.counterfactual import slo_relaxed_capacities
-    from planner.policy import load_policy_text
-    from planner.serde import observation_from_dict, observation_to_dict
-    from planner.types import ModelObservation, Observation
+    from fleetplan.planner.capacity import MixedWorkload, capacity_table
+    from fleetplan.planner.counterfactual import slo_relaxed_capacities
+    from fleetplan.planner.policy import load_policy_text
+    from fleetplan.planner.serde import observation_from_dict, observation_to_dict
+    from fleetplan.planner.types import ModelObservation, Observation
 
     p = load_policy_text((ROOT / "config/example-policy.yaml").read_text(), "example-policy.yaml")
     w = {m.name: MixedWorkload(820.0, 200.0) for m in p.models}

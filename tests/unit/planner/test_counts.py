@@ -8,9 +8,9 @@ import math
 import pytest
 from planner_helpers import H100, TRT, VLLM, key, observe, policy
 
-from planner.core import plan_with_capacities
-from planner.counts import Candidate, CountProblem, ModelDemand, prune_dominated, solve_counts
-from planner.types import Fleet, PlannerState
+from fleetplan.planner.core import plan_with_capacities
+from fleetplan.planner.counts import Candidate, CountProblem, ModelDemand, prune_dominated, solve_counts
+from fleetplan.planner.types import Fleet, PlannerState
 
 CANDS = (
     Candidate(key("a", VLLM, H100, 1), 10.0, 3.0, 60.0),

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from planner.forecast import DAY_S, forecast_rate
+from fleetplan.planner.forecast import DAY_S, forecast_rate
 
 NOW = 1_731_500_000.0
 

@@ -7,8 +7,8 @@ from dataclasses import replace
 
 from planner_helpers import A100, TRT, VLLM, caps, hosts, key, observe, policy
 
-from planner.core import plan_to_dict, plan_with_capacities
-from planner.types import ActionKind, Fleet, PlannerState, Replica, ReplicaState
+from fleetplan.planner.core import plan_to_dict, plan_with_capacities
+from fleetplan.planner.types import ActionKind, Fleet, PlannerState, Replica, ReplicaState
 
 NOW = 1_700_000_000.0
 CAPS = caps({key("m8", VLLM, tp=1): 10.0, key("m8", TRT, tp=1): 14.0, key("m8", VLLM, tp=2): 18.0,
@@ -48,7 +48,7 @@ def test_uncached_trtllm_serves_on_vllm_now_and_builds() -> None:
 
 
 def test_build_in_progress_is_not_restarted_and_ready_build_is_used() -> None:
-    from planner.types import EngineBuild
+    from fleetplan.planner.types import EngineBuild
 
     p = policy(tps={"m8": [1], "m70": [4]})
     running = EngineBuild("m8", TRT, key("m8").gpu, 1, key("m8").precision, "h00", False, NOW + 100)
@@ -234,7 +234,7 @@ def test_fragmented_hosts_are_repaired_with_few_moves_when_new_tp_groups_do_not_
 
 
 def test_long_names_give_valid_protocol_ids() -> None:
-    from planner.placement import new_replica_id
+    from fleetplan.planner.placement import new_replica_id
 
     long = key("x" * 80)
     a = new_replica_id(long, "host.example.com", (0, 1))
@@ -243,7 +243,7 @@ def test_long_names_give_valid_protocol_ids() -> None:
 
 
 def test_gpus_of_a_running_build_stay_free_and_max_replicas_is_reported_binding() -> None:
-    from planner.types import EngineBuild
+    from fleetplan.planner.types import EngineBuild
 
     p = policy(tps={"m8": [1], "m70": [4]}, cached=[("m8", "h100", 1)],
                model_extra={"m8": {"max_replicas": 4}})
@@ -270,7 +270,7 @@ def test_scale_down_delay_holds_configs_that_were_never_surplus_too() -> None:
 
 
 def test_scale_down_delay_with_history_holds_the_recent_demand_and_steps_down() -> None:
-    from planner.types import ModelObservation, Observation
+    from fleetplan.planner.types import ModelObservation, Observation
 
     p = policy(tps={"m8": [1], "m70": [4]}, cached=[("m8", "h100", 1)], scaling={"scale_down_delay_s": 300})
     current = tuple(_running("m8", TRT, 1, "h00", i) for i in range(4))  # 4 x 14 rps

@@ -7,13 +7,20 @@ import json
 
 from planner_helpers import H100, VLLM, hosts, policy, policy_dict
 
-from models import profile as mp
-from models.mix import LengthMix, predict_mix, scaled
-from planner.capacity import MixedWorkload
-from planner.core import plan, plan_to_dict, workloads_from
-from planner.policy import load_policy_dict
-from planner.serde import state_from_dict
-from planner.types import ConfigKey, ConfigObservation, Fleet, ModelObservation, Observation, PlannerState
+from fleetplan.models import profile as mp
+from fleetplan.models.mix import LengthMix, predict_mix, scaled
+from fleetplan.planner.capacity import MixedWorkload
+from fleetplan.planner.core import plan, plan_to_dict, workloads_from
+from fleetplan.planner.policy import load_policy_dict
+from fleetplan.planner.serde import state_from_dict
+from fleetplan.planner.types import (
+    ConfigKey,
+    ConfigObservation,
+    Fleet,
+    ModelObservation,
+    Observation,
+    PlannerState,
+)
 
 NOW = 1_700_000_000.0
 KEY = ConfigKey("m8", VLLM, H100, 1, mp.Precision.BF16)

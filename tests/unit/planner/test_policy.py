@@ -8,8 +8,14 @@ from pathlib import Path
 import pytest
 from planner_helpers import policy_dict
 
-from controller.cli import main
-from planner.policy import PolicyError, effective, load_policy_dict, load_policy_text, schedule_active
+from fleetplan.harness.cli import main
+from fleetplan.planner.policy import (
+    PolicyError,
+    effective,
+    load_policy_dict,
+    load_policy_text,
+    schedule_active,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = ("config/example-policy.yaml", "config/example-policy-mixed.yaml")
@@ -95,9 +101,9 @@ def test_cli_policy_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_launch_templates_render_per_replica() -> None:
-    from models.names import Engine, GpuType, Precision
-    from planner.launch import render_launch
-    from planner.types import ConfigKey
+    from fleetplan.models.names import Engine, GpuType, Precision
+    from fleetplan.planner.launch import render_launch
+    from fleetplan.planner.types import ConfigKey
 
     p = load_policy_text((ROOT / EXAMPLES[0]).read_text(), "x")
     trt = render_launch(p, ConfigKey("llama-3-70b", Engine.TRTLLM, GpuType.H100, 8, Precision.BF16), 8001,

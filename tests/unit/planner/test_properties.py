@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from planner_helpers import A100, H100, TRT, VLLM, caps, key, observe, policy
 
-from planner.core import plan_with_capacities
-from planner.types import ActionKind, Fleet, HostInventory, PlannerState, Replica, ReplicaState
+from fleetplan.planner.core import plan_with_capacities
+from fleetplan.planner.types import ActionKind, Fleet, HostInventory, PlannerState, Replica, ReplicaState
 
 NOW = 1_700_000_000.0
 MODELS = ("m8", "m70")

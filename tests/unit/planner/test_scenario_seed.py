@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from models.names import Engine, parse_engine, parse_gpu, parse_precision
-from planner.capacity import CapacityInfo
-from planner.core import plan_with_capacities
-from planner.policy import Policy, load_policy_dict
-from planner.types import (
+from fleetplan.models.names import Engine, parse_engine, parse_gpu, parse_precision
+from fleetplan.planner.capacity import CapacityInfo
+from fleetplan.planner.core import plan_with_capacities
+from fleetplan.planner.policy import Policy, load_policy_dict
+from fleetplan.planner.types import (
     ActionKind,
     ConfigKey,
     Fleet,

@@ -7,9 +7,9 @@ import random
 import numpy as np
 import pytest
 
-from models.names import Engine, GpuType
-from sim.des import ITL_BUCKETS_S, FastCore, histogram_quantile, replay_on_core
-from sim.groundtruth import build_params, simulate
+from fleetplan.models.names import Engine, GpuType
+from fleetplan.sim.des import ITL_BUCKETS_S, FastCore, histogram_quantile, replay_on_core
+from fleetplan.sim.groundtruth import build_params, simulate
 
 
 def _arrivals(rate: float, n: int, seed: int = 3) -> list[tuple[float, int, int]]:
@@ -82,12 +82,12 @@ def test_lifecycle_goes_through_the_act_core_make_before_break_and_gpu_hours() -
     """The replay applies the controller's actions through the shipped act core (planner/act.py):
     a start on GPUs still in use moves to free ones, a drain waits while a replacement starts (no request
     is rejected for lack of a READY replica), GPU-hours run from launch to stop."""
-    from models.names import Precision
-    from planner.policy import load_policy_text
-    from planner.types import Action, ActionKind, ConfigKey, Replica, ReplicaState
-    from sim.des import ControllerView, Decision, FleetSim, SimSettings
-    from sim.evaluate import make_environment
-    from sim.traces import Trace, TraceFormat, TraceRequest
+    from fleetplan.models.names import Precision
+    from fleetplan.planner.policy import load_policy_text
+    from fleetplan.planner.types import Action, ActionKind, ConfigKey, Replica, ReplicaState
+    from fleetplan.sim.des import ControllerView, Decision, FleetSim, SimSettings
+    from fleetplan.sim.evaluate import make_environment
+    from fleetplan.sim.traces import Trace, TraceFormat, TraceRequest
 
     policy = load_policy_text(
         """

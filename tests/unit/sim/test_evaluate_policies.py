@@ -1,4 +1,4 @@
-"""Replay evaluation invariants on short synthetic traces (sim.des + sim.baselines + sim.evaluate)."""
+"""Replay evaluation invariants on short synthetic traces (fleetplan.sim.des + fleetplan.sim.baselines + fleetplan.sim.evaluate)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from controller.cli import main as cli_main
-from planner.policy import Policy, load_policy_text
-from planner.types import ConfigKey
-from sim.des import SimSettings
-from sim.evaluate import (
+from fleetplan.harness.cli import main as cli_main
+from fleetplan.planner.policy import Policy, load_policy_text
+from fleetplan.planner.types import ConfigKey
+from fleetplan.sim.des import SimSettings
+from fleetplan.sim.evaluate import (
     EvaluateOptions,
     Evaluation,
     candidates_for,
@@ -21,7 +21,7 @@ from sim.evaluate import (
     prepare_trace,
     profiles_from_ground_truth,
 )
-from sim.traces import Trace, TraceFormat, TraceRequest
+from fleetplan.sim.traces import Trace, TraceFormat, TraceRequest
 
 MODEL = "llama-3-8b"
 TTFT_MS, ITL_MS = 500.0, 50.0
@@ -161,7 +161,7 @@ def test_cli_json_shape_and_charts(world: tuple[Policy, object, dict[ConfigKey, 
 def test_trace_with_model_column_needs_a_policy_model(world: tuple[Policy, object, dict[ConfigKey, float]]) -> None:
     policy, _profiles, _caps = world
     trace = Trace("b.csv", TraceFormat.BURSTGPT, (TraceRequest(0.0, 10, 5, "ChatGPT"),))
-    from sim.evaluate import EvaluateError
+    from fleetplan.sim.evaluate import EvaluateError
 
     with pytest.raises(EvaluateError, match="model 'ChatGPT' of the trace is not in the policy"):
         prepare_trace(trace, policy, None)
@@ -169,8 +169,8 @@ def test_trace_with_model_column_needs_a_policy_model(world: tuple[Policy, objec
 
 
 def test_oracle_bulk_on_cheapest_per_unit_remainder_on_cheapest_cover() -> None:
-    from models.names import Engine, GpuType, Precision
-    from sim.baselines import oracle
+    from fleetplan.models.names import Engine, GpuType, Precision
+    from fleetplan.sim.baselines import oracle
 
     tp1 = ConfigKey(MODEL, Engine.TRTLLM, GpuType.H100, 1, Precision.BF16)
     tp2 = ConfigKey(MODEL, Engine.TRTLLM, GpuType.H100, 2, Precision.BF16)
@@ -191,9 +191,9 @@ def test_hpa_target_stays_finite_when_the_profile_saturates() -> None:
     # a profile that saturates below the target rate (long prompts, small KV) once gave the HPA an
     # infinite concurrency target: it never scaled up (mooncake-long: 1 replica, 1.3% attainment).
     # Little's law on the SLO's latency budget is what a team would set instead.
-    from models import profile as mp
-    from models.profile import ProfileSet
-    from sim.baselines import _concurrency
+    from fleetplan.models import profile as mp
+    from fleetplan.models.profile import ProfileSet
+    from fleetplan.sim.baselines import _concurrency
     from tests.unit.planner.planner_helpers import BF16, H100, VLLM, policy
 
     small_kv = mp.PerfProfile(mp.ProfileKey("m8", VLLM, H100, 1, BF16),

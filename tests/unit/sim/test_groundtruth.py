@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from models.names import Engine, GpuType, Precision
-from sim.groundtruth import (
+from fleetplan.models.names import Engine, GpuType, Precision
+from fleetplan.sim.groundtruth import (
     BatchCore,
     RequestTooLongError,
     build_params,

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from sim.benchclient import file_name, result_json
-from sim.engine import Hist, RequestError, buckets_1_2_5, prompt_length
-from sim.replay import (
+from fleetplan.sim.benchclient import file_name, result_json
+from fleetplan.sim.engine import Hist, RequestError, buckets_1_2_5, prompt_length
+from fleetplan.sim.replay import (
     PROMPT_TOKEN_IDS,
     LoadRequest,
     PromptStyle,
@@ -20,7 +20,7 @@ from sim.replay import (
     request_body,
     summarize,
 )
-from sim.traces import TraceRequest
+from fleetplan.sim.traces import TraceRequest
 
 
 @pytest.mark.parametrize("url", ["http://127.0.0.1:8000", "http://localhost:1/", "http://[::1]:80/m/x",
@@ -106,8 +106,8 @@ def test_bench_result_has_the_vllm_bench_serve_fields(shared_data: Path) -> None
 
 
 def test_bench_file_name_carries_the_metadata() -> None:
-    from models.names import Engine, GpuType, Precision
-    from models.readers import file_hints
+    from fleetplan.models.names import Engine, GpuType, Precision
+    from fleetplan.models.readers import file_hints
 
     name = file_name("llama-3.1-8b", {"engine": "trtllm", "gpu": "h100", "tp": 2, "precision": "fp8"}, 467, 128, 16)
     hints = file_hints("/x/" + name)
@@ -116,7 +116,7 @@ def test_bench_file_name_carries_the_metadata() -> None:
 
 
 def test_model_placeholder_in_the_target_routes_each_request() -> None:
-    from sim.replay import request_url
+    from fleetplan.sim.replay import request_url
 
     assert request_url("http://127.0.0.1:8080/m/{model}", "/v1/completions", "llama 3/8b") == (
         "http://127.0.0.1:8080/m/llama%203%2F8b/v1/completions")

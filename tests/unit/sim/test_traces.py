@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sim.traces import (
+from fleetplan.sim.traces import (
     Trace,
     TraceError,
     TraceFormat,

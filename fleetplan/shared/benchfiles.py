@@ -9,11 +9,11 @@ from pathlib import Path
 
 import yaml
 
-from controller.atomic import atomic_write_text
-from models.bench import BenchmarkFormatError, BenchmarkPoint, Metadata
-from models.names import ModelAliases
-from models.profile import ProfileError, ProfileSet
-from models.readers import read_benchmark
+from fleetplan.models.bench import BenchmarkFormatError, BenchmarkPoint, Metadata
+from fleetplan.models.names import ModelAliases
+from fleetplan.models.profile import ProfileError, ProfileSet
+from fleetplan.models.readers import read_benchmark
+from fleetplan.shared.atomic import atomic_write_text
 
 BENCHMARK_SUFFIXES = (".json", ".csv")
 

@@ -68,7 +68,7 @@ class EngineOptions:
 
     def argv(self, persona: str) -> list[str]:
         return [
-            sys.executable, "-m", "controller.cli", "sim-engine", "--persona", persona,
+            sys.executable, "-m", "fleetplan", "sim-engine", "--persona", persona,
             "--model", "{model}", "--gpu", "{gpu}", "--tp", "{tp}", "--precision", "{precision}",
             "--port", "{port}", "--replica-id", "{replica_id}", "--gpu-indices", "{gpu_indices}",
             "--time-scale", f"{self.time_scale:g}", "--startup-s", f"{self.startup_s:g}",
@@ -163,7 +163,7 @@ class Rig:
     tag: str = field(default_factory=lambda: f"rig-{uuid.uuid4().hex}")
 
     def start(self) -> Rig:
-        from sim.lab import Lab
+        from fleetplan.harness.lab import Lab
 
         self.dir.mkdir(parents=True, exist_ok=True)
         self.lab = Lab(self.dir / "lab", hosts=self.hosts, gpus_per_host=self.gpus_per_host, gpu=self.gpu)
@@ -211,7 +211,7 @@ class Rig:
         log = open(self.dir / "agents" / f"{host}.log", "ab")
         env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", **{RIG_ENV: self.tag})
         self.agents[host] = subprocess.Popen(
-            [sys.executable, "-m", "controller.cli", "-v", "agent", "--config", str(self.agent_config_path(host))],
+            [sys.executable, "-m", "fleetplan", "-v", "agent", "--config", str(self.agent_config_path(host))],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=str(REPO), env=env,
         )
         log.close()
@@ -258,7 +258,7 @@ class Rig:
         return out
 
     def controller_settings(self, **over: Any) -> Any:
-        from controller.daemon import ControllerSettings
+        from fleetplan.controller.daemon import ControllerSettings
 
         base: dict[str, Any] = {
             "lab_dir": str(self.lab.dir), "ack_timeout_s": 5.0, "ready_timeout_s": 60.0,
@@ -305,7 +305,7 @@ def launched_processes(state_dirs: Sequence[Path], tag: str | None = None) -> se
     group an agent recorded (an instance leads its own group), and, with `tag`, every process whose
     environment has RIG_ENV=tag (inherited from the agent: an engine whose record was not written
     yet, workers that left their group)."""
-    from sim.lab import group_pids
+    from fleetplan.harness.lab import group_pids
 
     pids: set[int] = set()
     for handle in _recorded_handles(state_dirs):
@@ -431,7 +431,7 @@ def bench_and_fit(engine_opts: EngineOptions, out_dir: Path, models: Sequence[st
                   num_prompts: int = 32, gpu: str = "h100", log: Any = print) -> Path:
     """Start one simulated engine per (model, engine), sweep it with `fleetplan bench-engine`, and fit
     PROFILES.json with `fleetplan models fit`."""
-    from sim.lab import free_port
+    from fleetplan.harness.lab import free_port
 
     bench_dir = out_dir / "bench"
     bench_dir.mkdir(parents=True, exist_ok=True)
@@ -463,7 +463,7 @@ def bench_and_fit(engine_opts: EngineOptions, out_dir: Path, models: Sequence[st
         conc = ",".join(str(c) for c in concurrency)
         for m, e, port in jobs:
             t0 = time.monotonic()
-            cmd = [sys.executable, "-m", "controller.cli", "bench-engine", "--target", f"http://127.0.0.1:{port}",
+            cmd = [sys.executable, "-m", "fleetplan", "bench-engine", "--target", f"http://127.0.0.1:{port}",
                    "--isl", str(isl), "--osl", str(osl), "--concurrency", conc, "--num-prompts", str(num_prompts),
                    "--time-scale", f"{k:g}", "--model", m, "--out", str(bench_dir / f"{m}-{e}"),
                    "--label", f"{e}-{gpu}-tp{tp}"]
@@ -478,7 +478,7 @@ def bench_and_fit(engine_opts: EngineOptions, out_dir: Path, models: Sequence[st
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(10)
     profiles = out_dir / "PROFILES.json"
-    fit_cmd = [sys.executable, "-m", "controller.cli", "models", "fit"]
+    fit_cmd = [sys.executable, "-m", "fleetplan", "models", "fit"]
     for m in models:
         for e in engines:
             fit_cmd += [str(bench_dir / f"{m}-{e}")]
@@ -526,10 +526,11 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 async def _demo(args: argparse.Namespace, work: Path) -> int:
-    from controller.daemon import Controller, settings_from_lab
-    from controller.report import render_explain, render_report
-    from controller.state import StateStore
-    from sim.replay import run_load
+    from fleetplan.controller.daemon import Controller
+    from fleetplan.controller.report import render_explain, render_report
+    from fleetplan.controller.state import StateStore
+    from fleetplan.harness.lab import settings_from_lab
+    from fleetplan.sim.replay import run_load
 
     k = float(args.speed)
     engines = ("vllm", "trtllm")
@@ -574,7 +575,7 @@ async def _demo(args: argparse.Namespace, work: Path) -> int:
             await asyncio.sleep(0.3)
         sim_duration = args.minutes * 60.0 * k
         if args.trace:
-            from sim.traces import read_trace, shape_day
+            from fleetplan.sim.traces import read_trace, shape_day
 
             tr = shape_day(read_trace(args.trace).as_single_model(model), sim_duration, rate_scale=0.05)
             reqs: list[Any] = [(r.t_s, r.prompt_tokens, r.output_tokens, model) for r in tr.requests]

@@ -40,9 +40,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from models.names import GpuType, parse_gpu
+from fleetplan.models.names import GpuType, parse_gpu
+
+if TYPE_CHECKING:
+    from fleetplan.controller.daemon import ControllerSettings
 
 LOOPBACK = "127.0.0.1"
 LAB_JSON = "lab.json"
@@ -328,7 +331,7 @@ class MosquittoServer:
 
     def write_config(self) -> None:
         """(Re)write passwd, acl and mosquitto.conf from this object's port and users, each atomically."""
-        from controller.atomic import atomic_write_text
+        from fleetplan.shared.atomic import atomic_write_text
 
         self.workdir.mkdir(parents=True, exist_ok=True)
         users = [self.controller, self.observer, *self.agents.values()]
@@ -444,7 +447,7 @@ class PrometheusServer:
             ],
         }
         # JSON is YAML.
-        from controller.atomic import atomic_write_text
+        from fleetplan.shared.atomic import atomic_write_text
 
         atomic_write_text(self.conf_path, json.dumps(conf, indent=2) + "\n")
 
@@ -530,8 +533,8 @@ class NginxServer:
     def write_config(self, *, reset_routes: bool = False) -> None:
         """(Re)write nginx.conf atomically; the routing table (upstreams) only when missing or
         `reset_routes` (a new lab has no engines: a previous lab's routes point at dead ports)."""
-        from controller.atomic import atomic_write_text
-        from controller.routing import render_nginx_front_server, render_nginx_upstreams
+        from fleetplan.controller.routing import render_nginx_front_server, render_nginx_upstreams
+        from fleetplan.shared.atomic import atomic_write_text
 
         tmp = self.workdir / "tmp"
         for sub in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
@@ -575,7 +578,7 @@ http {{
         ]
 
     def test_config(self) -> None:
-        from controller.routing import NginxReloadError
+        from fleetplan.controller.routing import NginxReloadError
 
         proc = subprocess.run(self._argv("-t", "-q"), capture_output=True, text=True, timeout=30, check=False)
         if proc.returncode != 0:
@@ -594,7 +597,7 @@ http {{
     def serving_generation(self) -> str | None:
         import httpx
 
-        from controller.routing import ROUTING_STATUS_PATH
+        from fleetplan.controller.routing import ROUTING_STATUS_PATH
 
         # A fresh connection each time: after a reload only new workers accept connections.
         resp = httpx.get(f"{self.url}{ROUTING_STATUS_PATH}", timeout=1.0, headers={"Connection": "close"})
@@ -609,7 +612,7 @@ http {{
             self._reload(timeout_s)
 
     def _reload(self, timeout_s: float) -> None:
-        from controller.routing import NginxReloadError, read_generation
+        from fleetplan.controller.routing import NginxReloadError, read_generation
 
         if self.proc is None or not self.proc.running() or self.proc.pid is None:
             raise NginxReloadError(
@@ -918,7 +921,7 @@ class Lab:
 
     def router(self) -> Any:
         """An NginxRouter on this lab's upstreams file and graceful reload."""
-        from controller.routing import NginxRouter
+        from fleetplan.controller.routing import NginxRouter
 
         return NginxRouter(self.nginx_upstreams_path, self.reload_nginx)
 
@@ -981,7 +984,7 @@ class Lab:
         return doc
 
     def write_json(self) -> Path:
-        from controller.atomic import atomic_write_text
+        from fleetplan.shared.atomic import atomic_write_text
 
         path = self.dir / LAB_JSON
         atomic_write_text(path, json.dumps(self.to_json(), indent=2) + "\n", mode=0o600)
@@ -1126,3 +1129,28 @@ def _cmd_status(args: argparse.Namespace) -> int:
     doc["running"] = {name: bool(group_pids(pgid)) for name, pgid in lab.process_groups().items()}
     print(json.dumps(doc, indent=2))
     return 0 if lab.process_groups() else 1
+
+
+def settings_from_lab(settings: ControllerSettings) -> tuple[ControllerSettings, Callable[[], None] | None]:
+    """Fill a ControllerSettings' Prometheus/MQTT/routing from lab.json when its `lab_dir` is set;
+    returns the settings and the lab's nginx reloader (the daemon's `prepare` hook)."""
+    from fleetplan.controller.daemon import RoutingSettings
+    from fleetplan.controller.mqtt import MqttSettings
+
+    if settings.lab_dir is None:
+        return settings, None
+    lab = Lab.attach(settings.lab_dir)
+    routing = RoutingSettings(
+        nginx_upstreams_path=lab.nginx_upstreams_path,
+        endpoints_path=lab.endpoints_path,
+        file_sd_path=lab.prometheus_file_sd_dir / "engines.json",
+    )
+    mqtt = MqttSettings(
+        host=lab.mqtt_host, port=lab.mqtt_port, username=lab.controller_user,
+        password=lab.controller_password, keepalive_s=5, backoff_initial_s=0.2, backoff_max_s=2.0,
+    )
+    new = settings.model_copy(update={
+        "prometheus_url": lab.prometheus_url, "mqtt": mqtt, "routing": routing,
+        "default_host_address": settings.default_host_address or "127.0.0.1",
+    })
+    return new, lab.reload_nginx

@@ -18,15 +18,15 @@ from collections.abc import Callable, Sequence
 
 # Modules that contribute commands, in help order.
 COMMAND_MODULES: tuple[str, ...] = (
-    "controller.cli_models",  # models fit | predict | capacity
-    "controller.cli_plan",  # policy check, plan
-    "controller.cli_whatif",  # what-if
-    "sim.cli",  # sim-engine, replay-load, bench-engine
-    "sim.lab",  # lab up | down
-    "controller.cli_agent",  # agent
-    "controller.cli_daemon",  # controller, report, explain, observe, demo
-    "controller.cli_ops",  # pause, resume, history
-    "sim.evaluate_cli",  # evaluate
+    "fleetplan.controller.cli_models",  # models fit | predict | capacity
+    "fleetplan.controller.cli_plan",  # policy check, plan
+    "fleetplan.controller.cli_whatif",  # what-if
+    "fleetplan.sim.cli",  # sim-engine, replay-load, bench-engine
+    "fleetplan.harness.lab",  # lab up | down
+    "fleetplan.controller.cli_agent",  # agent
+    "fleetplan.harness.cli_daemon",  # controller, report, explain, observe, demo
+    "fleetplan.controller.cli_ops",  # pause, resume, history
+    "fleetplan.sim.evaluate_cli",  # evaluate
 )
 
 Handler = Callable[[argparse.Namespace], int]

@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-DEFAULT_REPORT = "http://127.0.0.1:9470"
+from fleetplan.controller.cli_ops import DEFAULT_REPORT
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -65,7 +65,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _observe(args: argparse.Namespace) -> int:
-    from controller.observe import Observer, ObserverConfig, PromClient, render_snapshot
+    from fleetplan.controller.observe import Observer, ObserverConfig, PromClient, render_snapshot
 
     async def run() -> int:
         async with PromClient(args.prometheus) as client:
@@ -81,9 +81,10 @@ def _observe(args: argparse.Namespace) -> int:
 
 
 def _controller(args: argparse.Namespace) -> int:
-    from controller.daemon import run_from_args
+    from fleetplan.controller.daemon import run_from_args
+    from fleetplan.harness.lab import settings_from_lab
 
-    return int(run_from_args(args))
+    return int(run_from_args(args, prepare=settings_from_lab))
 
 
 def _report_api(args: argparse.Namespace) -> tuple[str, str, str | None]:
@@ -94,7 +95,7 @@ def _report_api(args: argparse.Namespace) -> tuple[str, str, str | None]:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from controller.report import fetch, render_report
+    from fleetplan.controller.report import fetch, render_report
 
     try:
         data = fetch(*_report_api(args))
@@ -106,7 +107,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _explain(args: argparse.Namespace) -> int:
-    from controller.report import fetch, render_explain
+    from fleetplan.controller.report import fetch, render_explain
 
     try:
         data = fetch(*_report_api(args))
@@ -122,6 +123,6 @@ def _explain(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from controller.demo import run_demo
+    from fleetplan.harness.demo import run_demo
 
     return int(run_demo(args))

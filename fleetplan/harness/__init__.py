@@ -1,0 +1,1 @@
+"""Above the controller and the simulator: the command line, the lab servers, the demo."""

@@ -1,0 +1,1 @@
+"""File utilities shared by the controller and the simulator: atomic writes, benchmark files."""
