@@ -66,7 +66,7 @@ def main() -> int:
     args = ap.parse_args()
     # each rejection is logged by the controller's MQTT link: keep the output to the figures (a handler
     # bug would still show: it is logged as an error)
-    logging.getLogger("fleetplan.controller.daemon").setLevel(logging.ERROR)
+    logging.getLogger("fleetplan.controller.link").setLevel(logging.ERROR)
     m = _load_properties()
 
     def status(p: bytes) -> bool:

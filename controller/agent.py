@@ -44,7 +44,7 @@ from fleetplan.controller.actuators import (
     StartError,
     SystemdActuator,
 )
-from fleetplan.controller.mqtt import Backoff, MqttSettings, client_kwargs
+from fleetplan.controller.mqtt import MqttSettings, session_loop
 from fleetplan.controller.protocol import (
     HOST_PATTERN,
     MAX_NAME,
@@ -810,36 +810,24 @@ class Agent:
 
     # ---- MQTT ----
     async def mqtt_loop(self) -> None:
+        """The MQTT session (controller.mqtt.session_loop reconnects): last will = offline, the
+        desired-state subscription, statuses published on change. Engines keep running without it."""
         import aiomqtt
 
-        settings = self.config.mqtt
-        if settings.client_id is None:
-            settings = settings.model_copy(update={"client_id": f"fleetplan-agent-{self.config.host}"})
-        backoff = Backoff(settings.backoff_initial_s, settings.backoff_max_s)
         offline = json.dumps({"host": self.config.host, "online": False}).encode()
-        while True:
-            connected_at: float | None = None
-            try:
-                kwargs = client_kwargs(settings)
-                will = aiomqtt.Will(status_topic(self.config.host), offline, qos=1, retain=True)
-                async with aiomqtt.Client(**kwargs, will=will) as client:
-                    connected_at = time.monotonic()
-                    await client.subscribe(desired_topic(self.config.host), qos=1)
-                    self._client, self.connected = client, True
-                    log.info("connected to MQTT %s:%s as %s", settings.host, settings.port, settings.username)
-                    async with asyncio.TaskGroup() as group:
-                        group.create_task(self._receive(client))
-                        group.create_task(self._publish_loop(client))
-            except* aiomqtt.MqttError as errors:
-                log.warning("MQTT %s:%s: %s; engines keep running, reconnecting", settings.host, settings.port,
-                            errors.exceptions[0])
-            except* OSError as errors:
-                log.warning("MQTT setup failed: %s", errors.exceptions[0])
-            finally:
-                self._client, self.connected = None, False
-            if connected_at is not None and time.monotonic() - connected_at > 10.0:
-                backoff.reset()
-            await asyncio.sleep(backoff.next_delay_s())
+        will = aiomqtt.Will(status_topic(self.config.host), offline, qos=1, retain=True)
+        await session_loop(self.config.mqtt, self._session, identifier=f"fleetplan-agent-{self.config.host}",
+                           will=will, on_down=self._down)
+
+    async def _session(self, client: Any) -> None:
+        await client.subscribe(desired_topic(self.config.host), qos=1)
+        self._client, self.connected = client, True
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self._receive(client))
+            group.create_task(self._publish_loop(client))
+
+    def _down(self, error: str) -> None:
+        self._client, self.connected = None, False
 
     async def _receive(self, client: Any) -> None:
         async for message in client.messages:

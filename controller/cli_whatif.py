@@ -48,6 +48,77 @@ def cmd_whatif(args: argparse.Namespace) -> int:
                       as_json=args.json)
 
 
+class _Stop(Exception):
+    """An input is missing or unreadable; the message is printed, the command exits EXIT_ERROR."""
+
+
+def _from_file_or_controller(path: str | None, kind: str, state_doc: dict[str, Any], key: str,
+                             controller: str | None, parse: Any) -> Any:
+    """`parse(doc, where)` of the file at `path`, else of the controller's copy (`state_doc[key]`),
+    else None. The one rule for every input `what-if` takes from a file or a running controller."""
+    from fleetplan.controller.cli_plan import _load_yaml_or_json, _read
+
+    if path is not None:
+        text = _read(path, kind)
+        if text is None:
+            raise _Stop("")
+        return parse(_load_yaml_or_json(text, path), path)
+    if state_doc.get(key) is not None:
+        return parse(state_doc[key], f"{controller} ({key})")
+    return None
+
+
+def _inputs(policy: str, against: str | None, controller: str | None, token: str | None,
+            profiles: str | None, demand: str | None, fleet: str | None) -> dict[str, Any]:
+    from fleetplan.controller.cli_plan import _read
+    from fleetplan.models.profile import ProfileError, ProfileSet
+    from fleetplan.planner.policy import load_policy_dict, load_policy_text
+    from fleetplan.planner.serde import fleet_from_dict, observation_from_dict
+    from fleetplan.planner.types import Fleet, PlannerState
+    from fleetplan.shared.benchfiles import load_profiles
+
+    state_doc: dict[str, Any] = {}
+    if controller is not None:
+        from fleetplan.controller.report import fetch
+
+        try:
+            state_doc = fetch(controller, "/api/state", token or os.environ.get("FLEETPLAN_REPORT_TOKEN"))
+        except RuntimeError as exc:
+            raise _Stop(f"fleetplan what-if: {exc}") from None
+    ptext = _read(policy, "policy")
+    if ptext is None:
+        raise _Stop("")
+    new = load_policy_text(ptext, policy)
+    if against is not None:
+        otext = _read(against, "policy")
+        if otext is None:
+            raise _Stop("")
+        old, old_name = load_policy_text(otext, against), against
+    elif not state_doc.get("policy"):
+        raise _Stop(f"fleetplan what-if: {controller}: the controller has no policy loaded")
+    else:
+        old_name = f"{controller} (policy {state_doc.get('policy_path')})"
+        old = load_policy_dict(state_doc["policy"], old_name)
+    obs = _from_file_or_controller(demand, "demand", state_doc, "demand", controller, observation_from_dict)
+    if obs is None:
+        raise _Stop("fleetplan what-if: --demand is required"
+                    + (f" ({controller} has no observation yet)" if controller else ""))
+    fl = _from_file_or_controller(fleet, "fleet", state_doc, "fleet", controller, fleet_from_dict)
+
+    def parse_profiles(doc: Any, where: str) -> ProfileSet:
+        try:
+            return ProfileSet.from_json_dict(doc)
+        except ProfileError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+
+    profs = load_profiles(profiles) if profiles is not None else \
+        _from_file_or_controller(None, "profiles", state_doc, "profiles", controller, parse_profiles)
+    if profs is None:
+        raise _Stop("fleetplan what-if: --profiles is required")
+    return {"old": old, "old_name": old_name, "new": new, "observation": obs[0], "time_s": obs[1],
+            "fleet": fl or (Fleet(), PlannerState.initial()), "profiles": profs, "state_doc": state_doc}
+
+
 def run_whatif(
     policy: str,
     *,
@@ -60,86 +131,27 @@ def run_whatif(
     now: float | None = None,
     as_json: bool = False,
 ) -> int:
-    from fleetplan.controller.cli_plan import _load_yaml_or_json, _read
-    from fleetplan.models.profile import ProfileError, ProfileSet
     from fleetplan.planner.core import plan
-    from fleetplan.planner.policy import PolicyError, load_policy_dict, load_policy_text
-    from fleetplan.planner.serde import fleet_from_dict, observation_from_dict
-    from fleetplan.planner.types import Fleet, PlannerState
+    from fleetplan.planner.policy import PolicyError
     from fleetplan.planner.whatif import diff_to_dict, plan_diff
-    from fleetplan.shared.benchfiles import load_profiles
 
-    state_doc: dict[str, Any] = {}
-    if controller is not None:
-        from fleetplan.controller.report import fetch
-
-        try:
-            state_doc = fetch(controller, "/api/state", token or os.environ.get("FLEETPLAN_REPORT_TOKEN"))
-        except RuntimeError as exc:
-            print(f"fleetplan what-if: {exc}", file=sys.stderr)
-            return EXIT_ERROR
     try:
-        ptext = _read(policy, "policy")
-        if ptext is None:
-            return EXIT_ERROR
-        new = load_policy_text(ptext, policy)
-        if against is not None:
-            otext = _read(against, "policy")
-            if otext is None:
-                return EXIT_ERROR
-            old = load_policy_text(otext, against)
-            old_name = against
-        else:
-            if not state_doc.get("policy"):
-                print(f"fleetplan what-if: {controller}: the controller has no policy loaded", file=sys.stderr)
-                return EXIT_ERROR
-            old_name = f"{controller} (policy {state_doc.get('policy_path')})"
-            old = load_policy_dict(state_doc["policy"], old_name)
-
-        if demand is not None:
-            dtext = _read(demand, "demand")
-            if dtext is None:
-                return EXIT_ERROR
-            observation, time_s = observation_from_dict(_load_yaml_or_json(dtext, demand), demand)
-        elif state_doc.get("demand") is not None:
-            observation, time_s = observation_from_dict(state_doc["demand"], f"{controller} (last observation)")
-        else:
-            print("fleetplan what-if: --demand is required" + (
-                f" ({controller} has no observation yet)" if controller else ""), file=sys.stderr)
-            return EXIT_ERROR
-
-        fl, pstate = Fleet(), PlannerState.initial()
-        if fleet is not None:
-            ftext = _read(fleet, "fleet")
-            if ftext is None:
-                return EXIT_ERROR
-            fl, pstate = fleet_from_dict(_load_yaml_or_json(ftext, fleet), fleet)
-        elif state_doc.get("fleet") is not None:
-            fl, pstate = fleet_from_dict(state_doc["fleet"], f"{controller} (fleet)")
-
-        if profiles is not None:
-            profs: ProfileSet = load_profiles(profiles)
-        elif state_doc.get("profiles") is not None:
-            try:
-                profs = ProfileSet.from_json_dict(state_doc["profiles"])
-            except ProfileError as exc:
-                raise ValueError(f"{controller} (profiles): {exc}") from None
-        else:
-            print("fleetplan what-if: --profiles is required", file=sys.stderr)
-            return EXIT_ERROR
+        i = _inputs(policy, against, controller, token, profiles, demand, fleet)
+    except _Stop as exc:
+        if str(exc):
+            print(str(exc), file=sys.stderr)
+        return EXIT_ERROR
     except (PolicyError, ValueError) as exc:  # ProfilesFileError is a ValueError
         print(str(exc), file=sys.stderr)
         return EXIT_ERROR
-
-    now_s = now if now is not None else time_s if time_s is not None else \
-        float(state_doc.get("now_s") or time.time())
-    before = plan(observation, fl, old, profs, pstate, now_s, counterfactuals=False)
-    after = plan(observation, fl, new, profs, pstate, now_s, counterfactuals=False)
+    old, new, (fl, pstate) = i["old"], i["new"], i["fleet"]
+    now_s = now if now is not None else i["time_s"] if i["time_s"] is not None else \
+        float(i["state_doc"].get("now_s") or time.time())
+    before = plan(i["observation"], fl, old, i["profiles"], pstate, now_s, counterfactuals=False)
+    after = plan(i["observation"], fl, new, i["profiles"], pstate, now_s, counterfactuals=False)
     d = plan_diff(before, after)
     doc = diff_to_dict(d)
-    doc["policy"] = policy
-    doc["against"] = old_name
-    doc["now_s"] = now_s
+    doc.update(policy=policy, against=i["old_name"], now_s=now_s)
     notes = []
     if fl.hosts and {h.name for h in old.hosts} != {h.name for h in new.hosts}:
         notes.append(f"the fleet reports its own hosts ({len(fl.hosts)}); the policy's `hosts` list is used only "

@@ -1,16 +1,21 @@
-"""MQTT connection settings and reconnect backoff shared by the agent and the controller.
-
-Only settings and small helpers live here; each side owns its own aiomqtt session loop.
+"""MQTT for the agent and the controller: connection settings, the reconnect backoff and the one
+reconnect loop (`session_loop`) both run; each side only says what a session does.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import random
 import ssl
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+log = logging.getLogger(__name__)
 
 
 class MqttTls(BaseModel):
@@ -92,3 +97,48 @@ class Backoff:
 
     def reset(self) -> None:
         self.attempt = 0
+
+
+# A session must last this long before the backoff starts again from its first step: a broker that
+# accepts and then drops us at once (a client id taken over, an ACL refusal) is not hammered.
+STABLE_SESSION_S = 10.0
+
+
+async def session_loop(
+    settings: MqttSettings,
+    session: Callable[[Any], Awaitable[None]],
+    *,
+    identifier: str,
+    will: Any = None,
+    on_down: Callable[[str], None] | None = None,
+    stable_s: float = STABLE_SESSION_S,
+) -> None:
+    """Connect, run `session(client)` until the connection ends, back off (capped, jittered) and
+    connect again; forever (only cancellation ends it). The one reconnect loop of the agent and the
+    controller. `on_down(error)` hears why a session ended; a bug in `session` is logged with its
+    traceback and treated like a lost connection, so it never ends the loop."""
+    import aiomqtt
+
+    backoff = Backoff(settings.backoff_initial_s, settings.backoff_max_s)
+    kwargs = {**client_kwargs(settings), "identifier": settings.client_id or identifier}
+    if will is not None:
+        kwargs["will"] = will
+    while True:
+        connected_at: float | None = None
+        error = "session ended"
+        try:
+            async with aiomqtt.Client(**kwargs) as client:
+                connected_at = time.monotonic()
+                log.info("MQTT connected to %s:%s as %s", settings.host, settings.port, settings.username)
+                await session(client)
+        except* aiomqtt.MqttError as group:
+            error = f"MQTT broker {settings.host}:{settings.port}: {group.exceptions[0]}"
+            log.warning("%s; reconnecting", error)
+        except* Exception as group:  # OSError from TLS files, or a bug in `session`
+            error = f"MQTT session failed: {type(group.exceptions[0]).__name__}: {group.exceptions[0]}"
+            log.error("%s; reconnecting", error, exc_info=group.exceptions[0])
+        if on_down is not None:
+            on_down(error)
+        if connected_at is not None and time.monotonic() - connected_at >= stable_s:
+            backoff.reset()
+        await asyncio.sleep(backoff.next_delay_s())

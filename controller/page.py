@@ -138,11 +138,56 @@ def _legend() -> str:
         f'<span><i style="background:{c}"></i>{_e(label)}</span>' for _, label, c, _ in SERIES) + "</div>"
 
 
+def _plan_html(plan: Mapping[str, Any]) -> list[str]:
+    """The current plan: per model table, why (binding constraints, notes, alternatives), held actions."""
+    e = plan.get("explanation") or {}
+    p = plan.get("plan") or {}
+    h = ["<h2>Current plan</h2>"]
+    if not plan:
+        return [*h, '<p class="muted">no plan yet (no cycle finished)</p>']
+    h.append(f'<p id="plan-summary"><b>{len(p.get("replicas", []))}</b> replicas, <b>{_e(p.get("gpus"))}</b> GPUs, '
+             f'<b>${_n(p.get("usd_h"))}/h</b> (target ${_n(e.get("target_usd_h"))}/h); solve '
+             f'{_n(e.get("solve_s"))} s</p>')
+    h.append("<table id=\"models\"><tr><th>model</th><th>observed rps</th><th>forecast rps</th>"
+             "<th>required rps</th><th>capacity rps</th><th>unmet rps</th><th>replicas</th><th>configs</th>"
+             "<th>$/h</th></tr>")
+    for m in e.get("models", []):
+        n = sum(c["replicas"] for c in m.get("configs", []))
+        cfgs = "<br>".join(
+            f"{c['replicas']} × {_e(c['engine'])} {_e(c['gpu'])} tp{c['tp']} "
+            f"({c['capacity_per_replica_rps']:.2f} rps each, bound by {_e(c.get('binding') or '?')})"
+            for c in m.get("configs", []))
+        h.append(f"<tr><td>{_e(m['model'])}</td><td class=num>{_n(m.get('observed_rps'))}</td>"
+                 f"<td class=num>{_n(m.get('forecast_rps'))}</td><td class=num>{_n(m.get('required_rps'))}</td>"
+                 f"<td class=num>{_n(m.get('capacity_rps'))}</td><td class=num>{_n(m.get('unmet_rps'))}</td>"
+                 f"<td class=num>{n}</td><td>{cfgs}</td><td class=num>{_n(m.get('usd_h'))}</td></tr>")
+    h.append("</table>")
+    h.append("<h2>Why</h2><ul>")
+    for b in e.get("binding_constraints", []):
+        h.append(f"<li>binding: {_e(b)}</li>")
+    for m in e.get("models", []):
+        for note in m.get("notes", []):
+            h.append(f"<li>{_e(m['model'])}: {_e(note)}</li>")
+        for alt in m.get("alternatives", []) or []:
+            h.append(f"<li>{_e(m['model'])}: alternative {_e(alt.get('engine'))} {_e(alt.get('gpu'))} "
+                     f"tp{_e(alt.get('tp'))} ${_n(alt.get('usd_h'))}/h — {_e(alt.get('reason'))}</li>")
+    for note in e.get("notes", []):
+        h.append(f"<li>{_e(note)}</li>")
+    h.append("</ul>")
+    held = (plan.get("brakes") or {}).get("held") or []
+    if held:
+        h.append(f"<h2>Held back this cycle ({len(held)})</h2><ul>")
+        for x in held:
+            h.append(f'<li class="held">{_e(x["kind"])} {_e(x["replica_id"])} ({_e(x["model"])}): held back by '
+                     f'<b>{_e(x["limit"])}</b>: {_e(x["detail"])}</li>')
+        h.append("</ul>")
+
+    return h
+
+
 def render_page(data: Mapping[str, Any], series: Mapping[str, Mapping[str, Sequence[tuple[float, float]]]],
                 now_s: float) -> str:
     plan = data.get("plan") or {}
-    e = plan.get("explanation") or {}
-    p = plan.get("plan") or {}
     act = data.get("actuation") or {}
     h: list[str] = ['<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">',
                     '<meta name="viewport" content="width=device-width, initial-scale=1">',
@@ -167,46 +212,7 @@ def render_page(data: Mapping[str, Any], series: Mapping[str, Mapping[str, Seque
     h.append("<ul>" + "".join(f'<li class="alert">{_e(a)}</li>' for a in alerts) + "</ul>" if alerts
              else '<p class="muted">none</p>')
 
-    h.append("<h2>Current plan</h2>")
-    if not plan:
-        h.append('<p class="muted">no plan yet (no cycle finished)</p>')
-    else:
-        h.append(f'<p id="plan-summary"><b>{len(p.get("replicas", []))}</b> replicas, <b>{_e(p.get("gpus"))}</b> GPUs, '
-                 f'<b>${_n(p.get("usd_h"))}/h</b> (target ${_n(e.get("target_usd_h"))}/h); solve '
-                 f'{_n(e.get("solve_s"))} s</p>')
-        h.append("<table id=\"models\"><tr><th>model</th><th>observed rps</th><th>forecast rps</th>"
-                 "<th>required rps</th><th>capacity rps</th><th>unmet rps</th><th>replicas</th><th>configs</th>"
-                 "<th>$/h</th></tr>")
-        for m in e.get("models", []):
-            n = sum(c["replicas"] for c in m.get("configs", []))
-            cfgs = "<br>".join(
-                f"{c['replicas']} × {_e(c['engine'])} {_e(c['gpu'])} tp{c['tp']} "
-                f"({c['capacity_per_replica_rps']:.2f} rps each, bound by {_e(c.get('binding') or '?')})"
-                for c in m.get("configs", []))
-            h.append(f"<tr><td>{_e(m['model'])}</td><td class=num>{_n(m.get('observed_rps'))}</td>"
-                     f"<td class=num>{_n(m.get('forecast_rps'))}</td><td class=num>{_n(m.get('required_rps'))}</td>"
-                     f"<td class=num>{_n(m.get('capacity_rps'))}</td><td class=num>{_n(m.get('unmet_rps'))}</td>"
-                     f"<td class=num>{n}</td><td>{cfgs}</td><td class=num>{_n(m.get('usd_h'))}</td></tr>")
-        h.append("</table>")
-        h.append("<h2>Why</h2><ul>")
-        for b in e.get("binding_constraints", []):
-            h.append(f"<li>binding: {_e(b)}</li>")
-        for m in e.get("models", []):
-            for note in m.get("notes", []):
-                h.append(f"<li>{_e(m['model'])}: {_e(note)}</li>")
-            for alt in m.get("alternatives", []) or []:
-                h.append(f"<li>{_e(m['model'])}: alternative {_e(alt.get('engine'))} {_e(alt.get('gpu'))} "
-                         f"tp{_e(alt.get('tp'))} ${_n(alt.get('usd_h'))}/h — {_e(alt.get('reason'))}</li>")
-        for note in e.get("notes", []):
-            h.append(f"<li>{_e(note)}</li>")
-        h.append("</ul>")
-        held = (plan.get("brakes") or {}).get("held") or []
-        if held:
-            h.append(f"<h2>Held back this cycle ({len(held)})</h2><ul>")
-            for x in held:
-                h.append(f'<li class="held">{_e(x["kind"])} {_e(x["replica_id"])} ({_e(x["model"])}): held back by '
-                         f'<b>{_e(x["limit"])}</b>: {_e(x["detail"])}</li>')
-            h.append("</ul>")
+    h.extend(_plan_html(plan))
 
     h.append("<h2>Demand vs forecast vs capacity, last 24 h</h2>")
     if not series:

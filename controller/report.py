@@ -29,12 +29,28 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
 async def start_report_server(ctrl: Any, listen: str, token: str | None) -> tuple[Any, str]:
+    """Serve the report API on `listen` (HOST:PORT); a bearer token is required off loopback.
+    Returns the aiohttp runner (cleanup() stops it) and the URL it listens on."""
     from aiohttp import web
 
     host, _, port_s = listen.rpartition(":")
     host = host.strip("[]") or "127.0.0.1"
     if host not in LOOPBACK and not token:
         raise SystemExit(f"report API on {listen}: a bearer token is required when not bound to loopback")
+    runner = web.AppRunner(_app(ctrl, token), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, int(port_s))
+    await site.start()
+    actual = port_s
+    server = getattr(site, "_server", None)
+    if server is not None and server.sockets:
+        actual = str(server.sockets[0].getsockname()[1])
+    return runner, f"http://{host}:{actual}"
+
+
+def _app(ctrl: Any, token: str | None) -> Any:
+    """The report API's routes over the controller (read-only but for pause/resume)."""
+    from aiohttp import web
 
     @web.middleware
     async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
@@ -100,15 +116,7 @@ async def start_report_server(ctrl: Any, listen: str, token: str | None) -> tupl
     app.router.add_get("/plan", plan_page)
     app.router.add_post("/api/pause", pause)
     app.router.add_post("/api/resume", pause)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, int(port_s))
-    await site.start()
-    actual = port_s
-    server = getattr(site, "_server", None)
-    if server is not None and server.sockets:
-        actual = str(server.sockets[0].getsockname()[1])
-    return runner, f"http://{host}:{actual}"
+    return app
 
 
 def _call(method: str, url: str, path: str, token: str | None, timeout_s: float,
@@ -261,56 +269,7 @@ def render_report(data: Mapping[str, Any], *, actions: int = 12) -> str:
     lines.append(f"ALERTS ({len(alerts)})" if alerts else "alerts: none")
     for a in alerts:
         lines.append(f"  ! {a}")
-    plan = data.get("plan")
-    if plan:
-        e = plan["explanation"]
-        lines.append("")
-        lines.append(
-            f"plan: {len(plan['plan']['replicas'])} replicas, {plan['plan']['gpus']} GPUs, "
-            f"${plan['plan']['usd_h']:.2f}/h (target ${e['target_usd_h']:.2f}/h); solve {e['solve_s']:.2f} s"
-        )
-        lines.append(f"{'model':<22} {'obs rps':>8} {'fcst':>7} {'need':>7} {'cap':>7} {'unmet':>6} "
-                     f"{'TTFT p99 obs/pred/slo ms':>26} {'replicas':>9}")
-        obs = plan.get("observation") or {}
-        for m in e["models"]:
-            o = obs.get(m["model"]) or {}
-            pred = [c["predicted_ttft_p99_ms"] for c in m["configs"] if c["predicted_ttft_p99_ms"] is not None]
-            ttft = f"{_f(o.get('ttft_p99_ms'), '{:.0f}')}/{_f(max(pred) if pred else None, '{:.0f}')}/" \
-                   f"{m['slo_ttft_p99_ms']:.0f}"
-            n = sum(c["replicas"] for c in m["configs"])
-            stale = " STALE" if o.get("stale") else ""
-            lines.append(
-                f"{m['model']:<22} {_f(m['observed_rps']):>8} {_f(m['forecast_rps']):>7} "
-                f"{m['required_rps']:>7.2f} {m['capacity_rps']:>7.2f} {m['unmet_rps']:>6.2f} {ttft:>26} "
-                f"{n:>9}{stale}"
-            )
-        for m in e["models"]:
-            alts = sorted((a for a in m.get("alternatives") or [] if a.get("usd_h") is not None),
-                          key=lambda a: (a["usd_h"], a["engine"], a["tp"]))[:3]
-            if alts:
-                lines.append(f"  {m['model']}: not chosen: " + "; ".join(
-                    f"{a['engine']} {a['gpu']} tp{a['tp']} ${a['usd_h']:.2f}/h {a['reason']}"
-                    + (f" ({_flip_text(a)})" if _flip_text(a) != "-" else "") for a in alts)
-                    + f"  (fleetplan explain {m['model']})")
-        lines.append("per config: profile vs the fleet's latency")
-        for m in e["models"]:
-            if m.get("length_mix"):
-                lines.append(f"  {m['model']}: length mix {m['length_mix']}")
-            else:
-                lines.append(f"  {m['model']}:")
-            for c in m["configs"]:
-                lines.extend(config_lines(m, c, plan))
-        for b in e.get("binding_constraints", []):
-            lines.append(f"  binding: {b}")
-        for n in e.get("notes", []):
-            lines.append(f"  note: {n}")
-        held = held_lines(plan)
-        if held:
-            lines.append(f"held back this cycle ({len(held)}):")
-            lines.extend(held)
-    else:
-        lines.append("")
-        lines.append("plan: none yet (no cycle finished)")
+    lines.extend(_plan_lines(data))
     fleet = data.get("fleet") or []
     lines.append("")
     lines.append(f"fleet ({len(fleet)} replicas in desired state):")
@@ -336,6 +295,61 @@ def render_report(data: Mapping[str, Any], *, actions: int = 12) -> str:
     if not acts:
         lines.append("  (none)")
     return "\n".join(lines)
+
+
+def _plan_lines(data: Mapping[str, Any]) -> list[str]:
+    """The plan part of the report: per model demand, capacity and latency, alternatives not chosen,
+    per-config evidence, binding constraints and actions the brakes held."""
+    plan = data.get("plan")
+    if not plan:
+        return ["", "plan: none yet (no cycle finished)"]
+    lines: list[str] = []
+    e = plan["explanation"]
+    lines.append("")
+    lines.append(
+        f"plan: {len(plan['plan']['replicas'])} replicas, {plan['plan']['gpus']} GPUs, "
+        f"${plan['plan']['usd_h']:.2f}/h (target ${e['target_usd_h']:.2f}/h); solve {e['solve_s']:.2f} s"
+    )
+    lines.append(f"{'model':<22} {'obs rps':>8} {'fcst':>7} {'need':>7} {'cap':>7} {'unmet':>6} "
+                 f"{'TTFT p99 obs/pred/slo ms':>26} {'replicas':>9}")
+    obs = plan.get("observation") or {}
+    for m in e["models"]:
+        o = obs.get(m["model"]) or {}
+        pred = [c["predicted_ttft_p99_ms"] for c in m["configs"] if c["predicted_ttft_p99_ms"] is not None]
+        ttft = f"{_f(o.get('ttft_p99_ms'), '{:.0f}')}/{_f(max(pred) if pred else None, '{:.0f}')}/" \
+               f"{m['slo_ttft_p99_ms']:.0f}"
+        n = sum(c["replicas"] for c in m["configs"])
+        stale = " STALE" if o.get("stale") else ""
+        lines.append(
+            f"{m['model']:<22} {_f(m['observed_rps']):>8} {_f(m['forecast_rps']):>7} "
+            f"{m['required_rps']:>7.2f} {m['capacity_rps']:>7.2f} {m['unmet_rps']:>6.2f} {ttft:>26} "
+            f"{n:>9}{stale}"
+        )
+    for m in e["models"]:
+        alts = sorted((a for a in m.get("alternatives") or [] if a.get("usd_h") is not None),
+                      key=lambda a: (a["usd_h"], a["engine"], a["tp"]))[:3]
+        if alts:
+            lines.append(f"  {m['model']}: not chosen: " + "; ".join(
+                f"{a['engine']} {a['gpu']} tp{a['tp']} ${a['usd_h']:.2f}/h {a['reason']}"
+                + (f" ({_flip_text(a)})" if _flip_text(a) != "-" else "") for a in alts)
+                + f"  (fleetplan explain {m['model']})")
+    lines.append("per config: profile vs the fleet's latency")
+    for m in e["models"]:
+        if m.get("length_mix"):
+            lines.append(f"  {m['model']}: length mix {m['length_mix']}")
+        else:
+            lines.append(f"  {m['model']}:")
+        for c in m["configs"]:
+            lines.extend(config_lines(m, c, plan))
+    for b in e.get("binding_constraints", []):
+        lines.append(f"  binding: {b}")
+    for n in e.get("notes", []):
+        lines.append(f"  note: {n}")
+    held = held_lines(plan)
+    if held:
+        lines.append(f"held back this cycle ({len(held)}):")
+        lines.extend(held)
+    return lines
 
 
 def _flip_text(a: Mapping[str, Any]) -> str:

@@ -530,12 +530,16 @@ class StateStore:
         return [{**dict(r), "errors": json.loads(r["errors"])} for r in rows]
 
     # -- host status ----------------------------------------------------------------------------
-    def save_host_status(self, host: str, payload: Mapping[str, Any]) -> None:
+    def save_host_statuses(self, payloads: Mapping[str, Mapping[str, Any]]) -> None:
+        """The hosts' last statuses (one transaction for a batch)."""
+        if not payloads:
+            return
+        now = self._clock()
         with self.tx() as c:
-            c.execute(
+            c.executemany(
                 "INSERT INTO host_status(host, payload, received_s) VALUES (?, ?, ?) ON CONFLICT(host) DO "
                 "UPDATE SET payload=excluded.payload, received_s=excluded.received_s",
-                (host, json.dumps(payload, default=str), self._clock()),
+                [(host, json.dumps(p, default=str), now) for host, p in payloads.items()],
             )
 
     def host_statuses(self) -> dict[str, tuple[dict[str, Any], float]]:

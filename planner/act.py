@@ -77,6 +77,8 @@ class AlertKind(StrEnum):
     BUILD_FAILED = "build"
     ORPHAN = "orphan"
     DRAIN_TIMEOUT = "drain"
+    ACK_TIMEOUT = "ack"
+    REJECTED = "rejected"
 
 
 def alert_key(kind: AlertKind, subject: str = "") -> str:
@@ -356,12 +358,26 @@ def reconcile(view: ActView) -> ActDecision:
             f"replica {row.replica_id} ({row.model} on {row.host}) not ready after {timeout:.0f} s; removed"
         )
         changed.add(row.host)
+    cleared: set[str] = set()
     for host_name, d in view.desired.items():
+        if d.acked_version == d.version and d.ack_accepted is False:
+            # the agent refused this version: its offending replicas leave it (acks are never awaited
+            # inside a cycle; the refusal is acted on here, once, since the new version is unacked)
+            refused = rejected(view, host_name, d.version, d.ack_errors)
+            effects += refused.effects
+            alerts.update(refused.alerts)
+            changed |= refused.publish
+        key = alert_key(AlertKind.ACK_TIMEOUT, host_name)
         unacked = d.acked_version != d.version and d.published_s is not None and \
             view.now_s - d.published_s > view.settings.ack_timeout_s
+        if unacked:
+            alerts[key] = (f"host {host_name} did not ack desired v{d.version} within "
+                           f"{view.settings.ack_timeout_s:.0f} s (published again)")
+        elif d.acked_version == d.version:
+            cleared.add(key)
         if view.republish_all or d.published_s is None or unacked:
             changed.add(host_name)
-    return ActDecision(tuple(effects), publish=frozenset(changed), alerts=alerts)
+    return ActDecision(tuple(effects), publish=frozenset(changed), alerts=alerts, cleared=frozenset(cleared))
 
 
 def adopt(view: ActView) -> ActDecision:
@@ -449,7 +465,7 @@ def rejected(view: ActView, host: str, version: int, errors: Sequence[str]) -> A
     named = {m.group(1) for e in errors for m in _RID_IN_ERROR.finditer(e)}
     rows = [r for r in view.replicas if r.host == host]
     bad = [r for r in rows if r.replica_id in named] or [r for r in rows if r.ready_s is None]
-    alerts = {f"rejected/{host}": f"host {host} rejected desired v{version}: {text}"}
+    alerts = {alert_key(AlertKind.REJECTED, host): f"host {host} rejected desired v{version}: {text}"}
     effects = tuple(SetPhase(r.replica_id, Phase.REMOVED, Note("start", ActionStatus.FAILED, "rejected by agent",
                                                                text, r.replica_id, host, r.model)) for r in bad)
     return ActDecision(effects, publish=frozenset({host}) if bad else frozenset(), alerts=alerts)
@@ -513,7 +529,7 @@ def execute(view: ActView, actions: Sequence[Action]) -> ActDecision:
         return _defer_all(actions, "MQTT down", {alert_key(AlertKind.MQTT): "not connected to MQTT; not acting"})
     # after a (re)connect, act only on a complete view: every host we have a desired state for must
     # have reported (retained statuses arrive right after subscribing; the grace covers dead agents)
-    missing = sorted(set(view.desired) - set(view.hosts))
+    missing = sorted((set(view.desired) | {r.host for r in view.replicas}) - set(view.hosts))
     if missing and view.now_s - view.connected_since_s < view.settings.host_offline_grace_s:
         return _defer_all(actions, f"waiting for status from {', '.join(missing)}", {})
     effects: list[Effect] = []

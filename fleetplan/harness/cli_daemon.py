@@ -81,7 +81,7 @@ def _observe(args: argparse.Namespace) -> int:
 
 
 def _controller(args: argparse.Namespace) -> int:
-    from fleetplan.controller.daemon import run_from_args
+    from fleetplan.controller.runner import run_from_args
     from fleetplan.harness.lab import settings_from_lab
 
     return int(run_from_args(args, prepare=settings_from_lab))

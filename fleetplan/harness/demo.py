@@ -497,7 +497,7 @@ def bench_and_fit(engine_opts: EngineOptions, out_dir: Path, models: Sequence[st
 def _short_cycle_line(ctrl: Any, summary: dict[str, Any], t_wall: float, sent: int, failed: int) -> str:
     snap = ctrl.last_snapshot
     parts = []
-    rep = ctrl.reported()
+    rep = ctrl.hosts.reported()
     for m in ctrl.model_names():
         mm = snap.models.get(m) if snap else None
         ready = sum(1 for r in ctrl.store.active_replicas()
@@ -586,7 +586,7 @@ async def _demo(args: argparse.Namespace, work: Path) -> int:
         # place the minimum before traffic starts
         await ctrl.cycle()
         for _ in range(100):
-            if ctrl.routed:
+            if ctrl.executor.routed:
                 break
             await asyncio.sleep(0.2)
         print(f"== replaying {what}: {len(reqs)} requests over {sim_duration / 3600:.1f} simulated hours "

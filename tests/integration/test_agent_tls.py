@@ -120,6 +120,6 @@ async def test_agent_refuses_a_broker_certificate_from_another_ca(
     tls_broker: tuple[Path, int], caplog: pytest.LogCaptureFixture
 ) -> None:
     d, port = tls_broker
-    with caplog.at_level(logging.WARNING, logger="fleetplan.controller.agent"):
+    with caplog.at_level(logging.WARNING, logger="fleetplan.controller"):
         assert await _run_agent(_config(d, port, "other"), d, port, timeout_s=2.5) is None
     assert "certificate verify failed" in caplog.text.lower()

@@ -13,7 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from fleetplan.controller.daemon import inflight_from_metrics, sd_notify
+from fleetplan.controller.executor import inflight_from_metrics
+from fleetplan.controller.runner import sd_notify
 from fleetplan.controller.state import Phase, ReplicaRow, StateStore
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -196,7 +197,7 @@ async def test_state_api_feeds_policy_check_and_explain_renders_the_stored_count
     runner = None
     try:
         assert ctrl.load_policy(initial=True)
-        ctrl.load_profiles()  # no profiles file: roofline priors
+        ctrl.policy.load_profiles()  # no profiles file: roofline priors
         ctrl.planner_state = PlannerState.initial()
         with store.tx() as c:
             store.insert_replica(c, ReplicaRow("r00001", "gpu-04", "llama-3-70b", "vllm", "h100", 8, "bf16",

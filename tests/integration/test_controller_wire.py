@@ -98,17 +98,17 @@ async def test_bad_messages_are_rejected_and_the_loop_reads_the_next_one(
         await agent.publish(f"fleetplan/hosts/{HOST}/status", json.dumps(status(desired_version=3)).encode(), qos=1)
         await wait_for(lambda: HOST in ctrl.statuses, "the good status after the burst")
     assert ctrl.statuses[HOST].desired_version == 3
-    assert ctrl.rejected_messages[HOST] == len(bad)
+    assert ctrl.hosts.rejected_messages[HOST] == len(bad)
     assert ctrl.link.connected.is_set() and ctrl.health() == []
     alert = ctrl.runtime_alerts[f"wire/{HOST}"]
     assert f"{len(bad)} malformed" in alert and "host status from host-a" in alert, alert
     # nothing absurd reached the database: the version floor is the good status's
-    await ctrl.reconcile()
+    await ctrl.executor.reconcile()
     assert ctrl.store.get_kv(f"version_floor/{HOST}") == 3
     # a good status after a quiet period clears the alert
-    ctrl._rejected_wall[HOST] -= ctrl.WIRE_ALERT_QUIET_S + 1
+    ctrl.hosts.rejected_wall[HOST] -= ctrl.hosts.WIRE_ALERT_QUIET_S + 1
     ctrl._on_status(HOST, ctrl.statuses[HOST])
-    assert f"wire/{HOST}" not in ctrl.runtime_alerts and HOST not in ctrl.rejected_messages
+    assert f"wire/{HOST}" not in ctrl.runtime_alerts and HOST not in ctrl.hosts.rejected_messages
 
 
 async def test_health_follows_the_mqtt_task_and_healthz_says_why(ctrl: Controller) -> None:
@@ -137,19 +137,19 @@ async def test_a_replica_no_desired_state_names_is_not_adopted(mosquitto: Mosqui
         await agent.publish(f"fleetplan/hosts/{HOST}/status", json.dumps(status(replicas=[invented])).encode(),
                             qos=1, retain=True)
         await wait_for(lambda: HOST in ctrl.statuses, "the status")
-    assert ctrl.adopt_orphans() == set()
+    assert ctrl.executor.adopt_orphans() == set()
     assert ctrl.store.known_ids() == set()
     assert "matches no desired state" in ctrl.runtime_alerts["orphan/r00042"]
     # a desired state this controller published (retained) names it with other GPUs: still not adopted
     assert await ctrl.link.publish(f"fleetplan/hosts/{HOST}/desired",
                                    json.dumps({"version": 9, "replicas": [{**REPLICA, "gpu_indices": [1]}]}).encode())
-    await wait_for(lambda: ctrl.retained_desired.get(HOST), "our own desired state back")
-    assert ctrl.adopt_orphans() == set()
+    await wait_for(lambda: ctrl.hosts.retained_desired.get(HOST), "our own desired state back")
+    assert ctrl.executor.adopt_orphans() == set()
     # ... and the same replica: adopted (a lost database)
     assert await ctrl.link.publish(f"fleetplan/hosts/{HOST}/desired",
                                    json.dumps({"version": 10, "replicas": [REPLICA]}).encode())
-    await wait_for(lambda: ctrl.retained_desired[HOST].version == 10, "the new desired state")
-    assert ctrl.adopt_orphans() == {HOST}
+    await wait_for(lambda: ctrl.hosts.retained_desired[HOST].version == 10, "the new desired state")
+    assert ctrl.executor.adopt_orphans() == {HOST}
     row = ctrl.store.get_replica("r00042")
     assert row is not None and row.origin == "adopted" and row.gpu_indices == (0,)
 
@@ -160,15 +160,15 @@ async def test_a_flapping_host_is_alerted(mosquitto: MosquittoServer, ctrl: Cont
         for i in range(3):  # 3 transitions (on, off, on, off -> the first has no previous state)
             await agent.publish(f"fleetplan/hosts/{HOST}/status",
                                 json.dumps(status() if i % 2 == 0 else {"host": HOST, "online": False}).encode(), qos=1)
-        await wait_for(lambda: len(ctrl.flaps.get(HOST, [])) == 2, "2 transitions")
+        await wait_for(lambda: len(ctrl.hosts.flaps.get(HOST, [])) == 2, "2 transitions")
         assert f"flap/{HOST}" not in ctrl.runtime_alerts
         for i in range(3):
             await agent.publish(f"fleetplan/hosts/{HOST}/status",
                                 json.dumps({"host": HOST, "online": False} if i % 2 == 0 else status()).encode(), qos=1)
-        await wait_for(lambda: len(ctrl.flaps.get(HOST, [])) == 5, "5 transitions")
+        await wait_for(lambda: len(ctrl.hosts.flaps.get(HOST, [])) == 5, "5 transitions")
     assert "5 online/offline transitions in 60 s" in ctrl.runtime_alerts[f"flap/{HOST}"]
     # an hour later the window is empty: the next status clears the alert
-    ctrl.flaps[HOST] = [t - 3600 for t in ctrl.flaps[HOST]]
+    ctrl.hosts.flaps[HOST] = [t - 3600 for t in ctrl.hosts.flaps[HOST]]
     ctrl._on_status(HOST, ctrl.statuses[HOST])
     assert f"flap/{HOST}" not in ctrl.runtime_alerts
 

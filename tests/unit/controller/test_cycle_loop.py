@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from fleetplan.controller.daemon import Signals, _cycle_loop
+from fleetplan.controller.runner import Signals, _cycle_loop
 
 
 class Recorder:
@@ -42,12 +42,12 @@ class Recorder:
 async def test_a_reload_during_a_cycle_is_applied_right_after_it() -> None:
     sig = Signals()
     ctrl = Recorder(sig, reload_at=0, stop_at=1)
-    await asyncio.wait_for(_cycle_loop(ctrl, sig, 0.05), 5.0)  # type: ignore[arg-type]
+    await asyncio.wait_for(_cycle_loop(ctrl, sig, lambda: 0.05), 5.0)  # type: ignore[arg-type]
     assert ctrl.events == ["cycle0 start", "cycle0 end", "reload", "cycle1 start", "cycle1 end"]
 
 
 async def test_a_stop_lets_the_current_cycle_finish_and_no_other_starts() -> None:
     sig = Signals()
     ctrl = Recorder(sig, stop_at=2)
-    await asyncio.wait_for(_cycle_loop(ctrl, sig, 0.02), 5.0)  # type: ignore[arg-type]
+    await asyncio.wait_for(_cycle_loop(ctrl, sig, lambda: 0.02), 5.0)  # type: ignore[arg-type]
     assert ctrl.events[-2:] == ["cycle2 start", "cycle2 end"] and len(ctrl.events) == 6

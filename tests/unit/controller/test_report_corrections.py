@@ -137,18 +137,18 @@ def test_correction_gauge_follows_the_plan_and_drops_configs_that_left_it() -> N
 def test_daemon_removes_the_label_set_of_a_config_that_left_the_plan() -> None:
     from types import SimpleNamespace
 
-    from fleetplan.controller.daemon import Controller
+    from fleetplan.controller.reporting import update_correction_metrics
 
-    fake = SimpleNamespace(metrics=ControllerMetrics(), _correction_labels=set())
+    fake = SimpleNamespace(metrics=ControllerMetrics(), correction_labels=set())
 
     def doc(*configs: tuple[str, float]) -> dict[str, Any]:
         return {"explanation": {"models": [{"model": M, "configs": [
             {"engine": e, "gpu": "h100", "tp": 4, "precision": "bf16", "capacity_factor": f} for e, f in configs]}]}}
 
-    Controller._update_correction_metrics(fake, doc(("vllm", 0.7), ("trtllm", 1.0)))  # type: ignore[arg-type]
+    update_correction_metrics(fake, doc(("vllm", 0.7), ("trtllm", 1.0)))  # type: ignore[arg-type]
     text = fake.metrics.render().decode()
     assert 'config="vllm/h100x4/bf16"' in text and 'config="trtllm/h100x4/bf16"' in text
-    Controller._update_correction_metrics(fake, doc(("vllm", 0.65)))  # type: ignore[arg-type]
+    update_correction_metrics(fake, doc(("vllm", 0.65)))  # type: ignore[arg-type]
     text = fake.metrics.render().decode()
     assert f'fleetplan_profile_correction_ratio{{config="vllm/h100x4/bf16",model="{M}"}} 0.65' in text
     assert 'config="trtllm/h100x4/bf16"' not in text

@@ -27,7 +27,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fleetplan.controller.daemon import MqttLink
+from fleetplan.controller.link import MqttLink
 from fleetplan.controller.mqtt import MqttSettings
 from fleetplan.controller.protocol import (
     MAX_WIRE_INT,

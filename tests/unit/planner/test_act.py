@@ -114,6 +114,29 @@ def test_an_unacked_desired_state_is_published_again_after_the_ack_timeout() -> 
     assert act.reconcile(view(host(), desired=never)).publish == {"gpu-01"}
 
 
+def test_the_ack_timeout_raises_an_alert_that_the_ack_clears() -> None:
+    late = {"gpu-01": DesiredRow("gpu-01", 4, {}, NOW - 30, 3, True, ())}
+    d = act.reconcile(view(host(), desired=late))
+    assert "did not ack desired v4" in d.alerts["ack/gpu-01"] and "ack/gpu-01" not in d.cleared
+    acked = {"gpu-01": DesiredRow("gpu-01", 4, {}, NOW - 30, 4, True, ())}
+    d = act.reconcile(view(host(), desired=acked))
+    assert "ack/gpu-01" not in d.alerts and "ack/gpu-01" in d.cleared and not d.publish
+
+
+def test_a_refused_desired_state_is_acted_on_once_by_reconcile() -> None:
+    """Acks are not awaited in a cycle: the refusal recorded in the store is acted on here, and the
+    republished version (unacked) does not repeat it."""
+    rows = (row("r00001"), row("r00002", gpus=(1,), port=8001, ready=False))
+    refused = {"gpu-01": DesiredRow("gpu-01", 5, {}, NOW - 1, 5, False, ("replica r00002: template 'x' not offered",))}
+    d = act.reconcile(view(host("gpu-01", reported("r00001")), rows=rows, desired=refused))
+    gone = [e for e in d.effects if isinstance(e, SetPhase)]
+    assert [e.replica_id for e in gone] == ["r00002"] and d.publish == {"gpu-01"}
+    assert "template 'x' not offered" in d.alerts["rejected/gpu-01"]
+    republished = {"gpu-01": DesiredRow("gpu-01", 6, {}, NOW - 1, 5, False, ("replica r00002: ...",))}
+    d = act.reconcile(view(host("gpu-01", reported("r00001")), rows=rows, desired=republished))
+    assert not [e for e in d.effects if isinstance(e, SetPhase)]
+
+
 def test_builds_done_and_failed_leave_the_desired_state_failed_alerts() -> None:
     b1 = BuildRow("b00001", "gpu-01", "llama", "trtllm", "h100", 1, "bf16", (2,), "trtllm-build",
                   Phase.DESIRED, NOW, NOW, None)
@@ -197,6 +220,10 @@ def test_after_a_restart_nothing_acts_until_every_known_host_reported() -> None:
     # the grace passed: a host that never reported does not block the others
     d = act.execute(view(host("gpu-01"), desired=desired, connected_since_s=NOW - 3600), acts)
     assert isinstance(d.effects[0], NewReplica)
+    # a host known only from this controller's replica records counts too
+    rows = (row("r00009", host="gpu-03"),)
+    d = act.execute(view(host("gpu-01"), rows=rows, connected_since_s=NOW - 5), acts)
+    assert isinstance(d.effects[0], Record) and "gpu-03" in d.effects[0].note.detail
 
 
 def test_host_loss_defers_starts_there_and_removes_nothing() -> None:

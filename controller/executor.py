@@ -1,0 +1,261 @@
+"""The controller's hands: it carries out what the act core (planner/act.py) decides.
+
+Inputs to the core: `view()` (the hosts' last reports + this controller's records). Effects of
+its decisions: rows committed in one transaction (`apply`), then desired states published
+(`publish_hosts`: staged version+1 committed before the MQTT publish; acks are never awaited
+here: the next reconcile republishes what stays unacked and acts on refusals), routing files
+written (`update_routing`), drains run (`drain`: out of the upstream, wait for in-flight requests
+to reach 0 or the drain deadline, then out of the desired state).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import time
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleetplan.controller.hosts import HostBook, retained_replica
+from fleetplan.controller.link import MqttLink
+from fleetplan.controller.metrics import ControllerMetrics
+from fleetplan.controller.observe import _RUNNING, _WAITING, PromClient, PrometheusError
+from fleetplan.controller.protocol import desired_topic
+from fleetplan.controller.settings import ControllerSettings
+from fleetplan.controller.state import ActionStatus, Phase, ReplicaRow, StateStore
+from fleetplan.planner import act
+from fleetplan.planner.act import ActDecision, ActSettings, ActView
+
+log = logging.getLogger(__name__)
+
+
+def _engine_metrics_path(engine: str) -> str:
+    return "/prometheus/metrics" if engine == "trtllm" else "/metrics"
+
+
+_INFLIGHT_RE = re.compile(rf"^({_RUNNING}|{_WAITING})(\{{[^}}]*\}})?\s+([0-9.eE+-]+|NaN)\s*$")
+
+
+def inflight_from_metrics(text: str) -> float | None:
+    """running + waiting requests from an engine's /metrics exposition; None if not exported."""
+    total = 0.0
+    seen = False
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        m = _INFLIGHT_RE.match(line)
+        if m:
+            seen = True
+            with contextlib.suppress(ValueError):
+                total += float(m.group(m.lastindex or 1))
+    return total if seen else None
+
+
+@dataclass
+class Executor:
+    settings: ControllerSettings
+    store: StateStore
+    link: MqttLink
+    hosts: HostBook
+    alerts: MutableMapping[str, str]
+    metrics: ControllerMetrics
+    prom: PromClient
+    lock: asyncio.Lock  # the cycle's lock: a finished drain changes the records between cycles
+    model_names: Callable[[], list[str]]
+    advisory: Callable[[], bool]  # advisory mode publishes and routes nothing
+    router: Any = None
+    routed: set[str] = field(default_factory=set)  # replica ids in the nginx upstreams right now
+    republish_all: bool = False
+    connected_wall: float = field(default_factory=time.time)
+    noted: set[tuple[str, str]] = field(default_factory=set)
+    pending_publish: set[str] = field(default_factory=set)
+    drains: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    _routing_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def address(self, host: str) -> str:
+        return self.settings.host_addresses.get(host) or self.settings.default_host_address or host
+
+    def endpoint(self, row: ReplicaRow) -> str:
+        return f"{self.address(row.host)}:{row.port}"
+
+    # ---- routing -----------------------------------------------------------------------------
+    async def update_routing(self) -> None:
+        """nginx upstreams + endpoints JSON: ready, non-draining replicas; file_sd: ready or draining."""
+        if self.advisory():
+            return
+        async with self._routing_lock:
+            await self._update_routing()
+
+    async def _update_routing(self) -> None:
+        from fleetplan.controller.routing import ScrapeTarget, write_endpoints_json, write_file_sd
+
+        rep = self.hosts.reported()
+        endpoints: dict[str, list[str]] = {m: [] for m in self.model_names()}
+        routed: set[str] = set()
+        targets = []
+        for row in self.store.active_replicas():
+            rs = rep.get(row.replica_id)
+            ready = rs is not None and rs[1].state.value == "ready"
+            if row.phase == Phase.DESIRED and ready and self.hosts.online(row.host):
+                endpoints.setdefault(row.model, []).append(self.endpoint(row))
+                routed.add(row.replica_id)
+            if ready or row.phase == Phase.DRAINING:
+                targets.append(ScrapeTarget(self.endpoint(row), row.model, row.engine, row.host, row.replica_id))
+        r = self.settings.routing
+        try:
+            if r.file_sd_path is not None:
+                await asyncio.to_thread(write_file_sd, r.file_sd_path, targets)
+            if r.endpoints_path is not None:
+                await asyncio.to_thread(write_endpoints_json, r.endpoints_path, endpoints)
+            if self.router is not None:
+                await asyncio.to_thread(self.router.apply, endpoints)
+            self.routed = routed
+            self.alerts.pop("routing", None)
+        except Exception as exc:
+            self.alerts["routing"] = f"routing update failed: {exc}"
+            log.error("routing update failed: %s", exc)
+
+    # ---- desired state publishing ------------------------------------------------------------
+    async def publish_hosts(self, hosts: set[str]) -> None:
+        """Stage (version+1, committed) and publish each host's desired state; acks arrive later."""
+        if not hosts or self.advisory():
+            return  # advisory mode publishes nothing (a staged state is published once active)
+        with self.store.tx() as c:
+            payloads = {h: self.store.stage_desired(c, h) for h in sorted(hosts)}
+        published = await asyncio.gather(*(self.link.publish(desired_topic(h), json.dumps(p).encode())
+                                           for h, p in payloads.items()))
+        for (host, payload), ok in zip(payloads.items(), published, strict=True):
+            key = f"publish/{host}"
+            if ok:
+                self.store.mark_published(host, int(payload["version"]))
+                self.alerts.pop(key, None)
+            else:
+                self.alerts[key] = f"desired v{payload['version']} for {host} not published (MQTT down)"
+
+    # ---- acting: inputs to the act core and its effects ------------------------------------------
+    def view(self) -> ActView:
+        """What the act core decides on: the hosts' last reports and this controller's records."""
+        s = self.settings
+        return ActView(
+            now_s=time.time(), hosts=self.hosts.reports(),
+            replicas=tuple(self.store.active_replicas()), builds=tuple(self.store.builds((Phase.DESIRED,))),
+            desired=self.store.desired_rows(), known_ids=frozenset(self.store.known_ids()),
+            settings=ActSettings(s.ready_timeout_s, s.ack_timeout_s, s.host_offline_grace_s,
+                                 s.default_port_range, dict(s.templates)),
+            retained={h: tuple(retained_replica(r) for r in d.replicas)
+                      for h, d in self.hosts.retained_desired.items()},
+            connected_since_s=self.connected_wall if self.link.connected.is_set() else None,
+            republish_all=self.republish_all, noted=frozenset(self.noted),
+        )
+
+    def apply(self, d: ActDecision, cycle_id: int | None) -> None:
+        """Persist the decision's effects (one transaction), count its actions, raise/clear alerts."""
+        for note in self.store.apply(d.effects, cycle_id):
+            self.metrics.actions.labels(note.kind, note.status).inc()
+        for key, text in d.alerts.items():
+            if key.startswith(("orphan/", "rejected/")) and self.alerts.get(key) != text:
+                log.warning("%s", text)
+            self.alerts[key] = text
+        for key in d.cleared:
+            self.alerts.pop(key, None)
+        self.noted |= set(d.noted)
+
+    async def reconcile(self) -> None:
+        """Bring the records in line with what the agents report (before planning)."""
+        for host, st in self.hosts.statuses.items():
+            if st.online:
+                self.store.note_version_floor(host, st.desired_version)
+        d = act.reconcile(self.view())
+        self.apply(d, None)
+        changed = set(d.publish) | self.pending_publish
+        self.pending_publish.clear()
+        self.republish_all = False
+        if changed and self.link.connected.is_set():
+            await self.publish_hosts(changed)
+
+    def adopt_orphans(self) -> set[str]:
+        """Adopt engines the agents run that this database never allocated (act.adopt); returns the
+        hosts whose desired state changed (published by the next reconcile)."""
+        d = act.adopt(self.view())
+        self.apply(d, None)
+        self.pending_publish.update(d.publish)
+        return set(d.publish)
+
+    async def execute(self, cycle_id: int, actions: Any) -> dict[str, int]:
+        """The act core's effects of the plan's actions: rows committed, then published, then drains."""
+        d = act.execute(self.view(), actions)
+        self.apply(d, cycle_id)
+        if d.publish_first or d.publish:
+            await self.publish_hosts(set(d.publish_first | d.publish))
+        if d.drains:
+            await self.update_routing()  # out of the upstream (nginx reloaded) before waiting
+            for rid in d.drains:
+                self.start_drain(rid)
+        return dict(d.counts)
+
+    # ---- draining ------------------------------------------------------------------------------
+    def start_drain(self, rid: str) -> None:
+        if rid in self.drains and not self.drains[rid].done():
+            return
+        self.drains[rid] = asyncio.create_task(self.drain(rid), name=f"drain-{rid}")
+
+    async def inflight(self, row: ReplicaRow) -> float | None:
+        """The replica's running + waiting requests: its own /metrics, else Prometheus, else unknown."""
+        import httpx
+
+        url = f"http://{self.endpoint(row)}{_engine_metrics_path(row.engine)}"
+        try:
+            async with httpx.AsyncClient(timeout=2.0) as client:
+                resp = await client.get(url)
+            if resp.status_code == 200:
+                return inflight_from_metrics(resp.text)
+        except httpx.HTTPError:
+            pass
+        try:
+            sel = f'{{__name__=~"{_RUNNING}|{_WAITING}",replica="{row.replica_id}"}}'
+            res = await self.prom.query(f"sum({sel})")
+            return res[0].value if res else None
+        except PrometheusError:
+            return None
+
+    async def drain(self, rid: str) -> None:
+        row = self.store.get_replica(rid)
+        if row is None or row.phase != Phase.DRAINING:
+            return
+        progress = act.DrainProgress(row.drain_started_s or time.time())
+        await asyncio.sleep(self.settings.drain_settle_s)
+        while True:
+            step, progress = act.drain_step(progress, await self.inflight(row), time.time(),
+                                            self.settings.drain_timeout_s)
+            if step != act.DrainStep.WAIT:
+                break
+            await asyncio.sleep(self.settings.drain_poll_s)
+        reason = "in-flight requests reached 0" if step == act.DrainStep.DONE else "timeout"
+        if step == act.DrainStep.TIMEOUT:
+            self.alerts[act.alert_key(act.AlertKind.DRAIN_TIMEOUT, rid)] = (
+                f"replica {rid} still had requests after {self.settings.drain_timeout_s:.0f} s of draining; stopped"
+            )
+        async with self.lock:
+            self._drained(row, reason)
+            self.metrics.actions.labels("stop", ActionStatus.DONE).inc()
+            await self.update_routing()
+            await self.publish_hosts({row.host})
+        log.info("replica %s drained (%s) and removed", rid, reason)
+
+    def _drained(self, row: ReplicaRow, reason: str) -> None:
+        rid = row.replica_id
+        with self.store.tx() as c:
+            self.store.set_phase(c, rid, Phase.REMOVED)
+            c.execute(
+                "UPDATE actions SET status=?, updated_s=?, detail=? WHERE replica_id=? AND kind='drain' "
+                "AND status=?",
+                (ActionStatus.DONE, time.time(), f"drained ({reason})", rid, ActionStatus.PUBLISHED),
+            )
+            by = c.execute("SELECT cycle_id FROM actions WHERE replica_id=? AND kind='drain' "
+                           "ORDER BY action_id DESC LIMIT 1", (rid,)).fetchone()  # the decision that drained it
+            self.store.add_action(c, cycle_id=by[0] if by else None, kind="stop", replica_id=rid, host=row.host,
+                                  model=row.model, status=ActionStatus.DONE, reason=f"drained: {reason}")

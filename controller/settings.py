@@ -1,0 +1,64 @@
+"""The controller's own settings file (`--config`, YAML; the policy is a separate file)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from fleetplan.controller.mqtt import MqttSettings
+
+
+class RoutingSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    nginx_upstreams_path: Path | None = None
+    nginx_reload_command: tuple[str, ...] | None = None  # argv, e.g. ["nginx", "-s", "reload"]
+    endpoints_path: Path | None = None
+    file_sd_path: Path | None = None
+
+
+class ControllerSettings(BaseModel):
+    """The controller's own config (YAML, `--config`); the policy is a separate file."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prometheus_url: str = "http://127.0.0.1:9090"
+    mqtt: MqttSettings = MqttSettings()
+    routing: RoutingSettings = RoutingSettings()
+    lab_dir: Path | None = None  # take Prometheus, MQTT, nginx and paths from a lab's lab.json
+    host_addresses: dict[str, str] = Field(default_factory=dict)  # host -> address engines listen on
+    default_host_address: str | None = None  # None: the host name itself
+    templates: dict[str, str] = Field(default_factory=dict)  # engine -> launch template name
+    default_port_range: tuple[int, int] = (8100, 8199)
+    ack_timeout_s: float = Field(default=10.0, gt=0)  # wall seconds
+    ready_timeout_s: float = Field(default=600.0, gt=0)  # wall seconds
+    drain_timeout_s: float = Field(default=120.0, gt=0)  # wall seconds
+    stop_deadline_s: float = Field(default=30.0, gt=0)  # SIGTERM: the current step finishes within this
+    drain_settle_s: float = Field(default=1.0, ge=0)  # after the reload, before trusting "0 running"
+    drain_poll_s: float = Field(default=0.5, gt=0)
+    host_offline_grace_s: float = Field(default=60.0, ge=0)  # wall; an agent gone longer = host offline
+    observe_window_s: float = Field(default=60.0, gt=0)  # wall seconds of rate() windows
+    # request-rate history for the forecast (wall seconds): 8 days lets the planner fit daily
+    # seasonality (it needs >= 2 days); 5-minute steps keep the range query at ~2300 points
+    history_s: float = Field(default=8 * 86400.0, gt=0)
+    history_step_s: float = Field(default=300.0, gt=0)
+    cycle_s: float | None = None  # override the policy's scaling.cycle_s (simulated seconds)
+    report_token_file: Path | None = None
+
+
+def load_settings(path: str | Path | None) -> ControllerSettings:
+    if path is None:
+        return ControllerSettings()
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise SystemExit(f"{p}: cannot read controller config: {exc}") from None
+    try:
+        return ControllerSettings.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        raise SystemExit(f"{p}: {loc} = {err.get('input')!r}: {err['msg']}") from None
