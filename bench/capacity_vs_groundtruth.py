@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 from fleetplan.models.bench import BenchmarkPoint, LoadKind  # noqa: E402
 from fleetplan.models.fit import fit_profile  # noqa: E402
 from fleetplan.models.names import Engine, GpuType, Precision  # noqa: E402
-from fleetplan.models.profile import ProfileKey, Workload, capacity, predict  # noqa: E402
+from fleetplan.models.profile import ConfigKey, Workload, capacity, predict  # noqa: E402
 from fleetplan.sim.groundtruth import EngineParams, build_params, max_rate_at_slo, simulate  # noqa: E402
 
 
@@ -97,7 +97,7 @@ def run_fixed(cases: Sequence[Case], n: int) -> list[float]:
         params = build_params(case.engine, case.model, case.gpu, case.tp, case.precision)
         true = max_rate_at_slo(params, case.isl, case.osl, case.ttft_ms, case.itl_ms)
         points = [sweep_point(params, case, true * f, n, seed=7 + i) for i, f in enumerate(FRACTIONS)]
-        key = ProfileKey(case.model, case.engine, case.gpu, case.tp, case.precision)
+        key = ConfigKey(case.model, case.engine, case.gpu, case.tp, case.precision)
         prof = fit_profile(key, points, loo=False).profile
         w = Workload(case.isl, case.osl)
         cap = capacity(prof, w, ttft_p99_ms=case.ttft_ms, itl_p99_ms=case.itl_ms)

@@ -128,7 +128,7 @@ def _fit(args: argparse.Namespace) -> int:
 
 def _lookup(args: argparse.Namespace) -> tuple[Any, int]:
     from fleetplan.models.names import UnknownNameError, parse_engine, parse_gpu, parse_precision
-    from fleetplan.models.profile import ProfileKey, Workload, roofline_profile
+    from fleetplan.models.profile import ConfigKey, Workload, roofline_profile
     from fleetplan.shared.benchfiles import ProfilesFileError, load_profiles
 
     try:
@@ -147,10 +147,10 @@ def _lookup(args: argparse.Namespace) -> tuple[Any, int]:
     profile = profiles.get(args.model, engine, gpu, args.tp, precision)
     extra: list[str] = []
     if profile is None:
-        prior = roofline_profile(ProfileKey(args.model, engine, gpu, args.tp, precision or _default_precision(gpu)))
+        prior = roofline_profile(ConfigKey(args.model, engine, gpu, args.tp, precision or _default_precision(gpu)))
         if prior is None:
             known = ", ".join(k.label() for k in profiles.keys()) or "none"
-            return None, _err(f"{args.profiles}: no profile for {args.model}/{engine.value}/{gpu.value}/tp{args.tp}"
+            return None, _err(f"{args.profiles}: no profile for {args.model}/{engine.value}/{gpu.value}x{args.tp}"
                               f"{'/' + precision.value if precision else ''} and no roofline prior "
                               f"(unknown architecture); profiles: {known}")
         profile = prior

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from fleetplan.models.names import Engine, GpuType, Precision
-from fleetplan.models.profile import ProfileKey
+from fleetplan.models.profile import ConfigKey
 
 
 class LoadKind(StrEnum):
@@ -61,9 +61,9 @@ class BenchmarkPoint:
     series: str = ""  # the sweep this point belongs to (for leave-one-series-out evaluation)
 
     @property
-    def key(self) -> ProfileKey:
+    def key(self) -> ConfigKey:
         model = self.model if not self.variant else f"{self.model}+{self.variant}"
-        return ProfileKey(model, self.engine, self.gpu, self.tp, self.precision)
+        return ConfigKey(model, self.engine, self.gpu, self.tp, self.precision)
 
     # ITL where reported, else TPOT (per-request mean time per output token) as its stand-in
     @property

@@ -23,11 +23,11 @@ from scipy.optimize import least_squares, nnls
 
 from fleetplan.models.bench import BenchmarkPoint, LoadKind
 from fleetplan.models.profile import (
+    ConfigKey,
     DataRange,
     FitError,
     PerfParams,
     PerfProfile,
-    ProfileKey,
     closed_loop_capped,
     closed_loop_shift,
     itl_p99_gap,
@@ -374,7 +374,7 @@ class _Prior:
     note: str
 
 
-def _prior_for(key: ProfileKey, points: Sequence[BenchmarkPoint], d: _Data) -> _Prior:
+def _prior_for(key: ConfigKey, points: Sequence[BenchmarkPoint], d: _Data) -> _Prior:
     params = roofline_params(key)
     kv = kv_capacity_tokens(key)
     if params is not None and kv is not None and kv > 0:
@@ -400,7 +400,7 @@ def _prior_for(key: ProfileKey, points: Sequence[BenchmarkPoint], d: _Data) -> _
     return _Prior(phi, weight, start, note)
 
 
-def fit_profile(key: ProfileKey, points: Sequence[BenchmarkPoint], *, loo: bool = True) -> FitReport:
+def fit_profile(key: ConfigKey, points: Sequence[BenchmarkPoint], *, loo: bool = True) -> FitReport:
     """Fit one profile to the points of one configuration; LOO error unless loo=False."""
     if not points:
         raise FitFailure(f"{key.label()}: no points")
@@ -448,7 +448,7 @@ def _collect(test: _Data, fitted: tuple[PerfParams, float], ttft_err: list[float
 HOLDOUT_METRICS = ("ttft", "ttft_p99", "itl", "itl_p99", "throughput", "saturation_throughput")
 
 
-def holdout_errors(key: ProfileKey, train: Sequence[BenchmarkPoint], test: Sequence[BenchmarkPoint],
+def holdout_errors(key: ConfigKey, train: Sequence[BenchmarkPoint], test: Sequence[BenchmarkPoint],
                    test_saturated: Sequence[bool] | None = None) -> dict[str, list[float]]:
     """Fit on `train`, predict `test`: absolute percentage errors per metric (HOLDOUT_METRICS).
 
@@ -479,8 +479,8 @@ def holdout_errors(key: ProfileKey, train: Sequence[BenchmarkPoint], test: Seque
     return out
 
 
-def group_points(points: Iterable[BenchmarkPoint]) -> dict[ProfileKey, list[BenchmarkPoint]]:
-    groups: dict[ProfileKey, list[BenchmarkPoint]] = {}
+def group_points(points: Iterable[BenchmarkPoint]) -> dict[ConfigKey, list[BenchmarkPoint]]:
+    groups: dict[ConfigKey, list[BenchmarkPoint]] = {}
     for p in points:
         groups.setdefault(p.key, []).append(p)
     return groups

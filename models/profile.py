@@ -58,8 +58,12 @@ class ProfileError(ValueError):
     """A PROFILES.json document that cannot be read; the message names the field and value."""
 
 
-@dataclass(frozen=True)
-class ProfileKey:
+@dataclass(frozen=True, order=True)
+class ConfigKey:
+    """One serving configuration of one model: engine, GPU type, TP size and precision. The one
+    identity of a configuration everywhere: a fitted profile's key, the planner's config, a
+    replica's (planner.types re-exports it)."""
+
     model: str
     engine: Engine
     gpu: GpuType
@@ -67,7 +71,7 @@ class ProfileKey:
     precision: Precision
 
     def label(self) -> str:
-        return f"{self.model}/{self.engine.value}/{self.gpu.value}/tp{self.tp}/{self.precision.value}"
+        return f"{self.model}/{self.engine.value}/{self.gpu.value}x{self.tp}/{self.precision.value}"
 
 
 @dataclass(frozen=True)
@@ -179,7 +183,7 @@ class DataRange:
 
 @dataclass(frozen=True)
 class PerfProfile:
-    key: ProfileKey
+    key: ConfigKey
     params: PerfParams
     kv_tokens: float | None = None  # KV-cache capacity in tokens (None: unknown, no memory limit)
     source: str = "fit"  # "fit" (from benchmark points) or "roofline" (prior only)
@@ -492,7 +496,7 @@ def _engine_factor(engine: Engine) -> float:
     return 0.9 if engine is Engine.TRTLLM else 1.0
 
 
-def roofline_params(key: ProfileKey) -> PerfParams | None:
+def roofline_params(key: ConfigKey) -> PerfParams | None:
     """Prior parameters from published hardware numbers and the model architecture (None: unknown)."""
     spec = llm_spec(key.model)
     gpu = GPU_SPECS.get(key.gpu)
@@ -518,7 +522,7 @@ def roofline_params(key: ProfileKey) -> PerfParams | None:
     )
 
 
-def kv_capacity_tokens(key: ProfileKey) -> float | None:
+def kv_capacity_tokens(key: ConfigKey) -> float | None:
     """Tokens of KV cache one replica holds (90% of HBM minus weights), None when unknown."""
     spec = llm_spec(key.model)
     gpu = GPU_SPECS.get(key.gpu)
@@ -528,7 +532,7 @@ def kv_capacity_tokens(key: ProfileKey) -> float | None:
     return max(free, 0.0) / spec.kv_bytes_per_token(key.precision)
 
 
-def roofline_profile(key: ProfileKey) -> PerfProfile | None:
+def roofline_profile(key: ConfigKey) -> PerfProfile | None:
     """A prior-only profile when no benchmark data exist (None: architecture or GPU unknown)."""
     params = roofline_params(key)
     if params is None:
@@ -541,7 +545,7 @@ def roofline_profile(key: ProfileKey) -> PerfProfile | None:
 # ProfileSet and its JSON form
 
 
-def _key_to_dict(k: ProfileKey) -> dict[str, Any]:
+def _key_to_dict(k: ConfigKey) -> dict[str, Any]:
     return {"model": k.model, "engine": k.engine.value, "gpu": k.gpu.value, "tp": k.tp,
             "precision": k.precision.value}
 
@@ -605,7 +609,7 @@ def profile_from_dict(d: Mapping[str, Any], where: str = "profile") -> PerfProfi
         tp_raw = _field(kd, "tp", kw)
         if isinstance(tp_raw, bool) or not isinstance(tp_raw, int) or tp_raw < 1:
             raise ProfileError(f"{kw}.tp: expected a positive integer, got {tp_raw!r}")
-        key = ProfileKey(
+        key = ConfigKey(
             model=str(_field(kd, "model", kw)),
             engine=parse_engine(str(_field(kd, "engine", kw))),
             gpu=parse_gpu(str(_field(kd, "gpu", kw))),
@@ -675,7 +679,7 @@ class ProfileSet:
         matches.sort(key=lambda p: (p.source != "fit", -(p.fit_error.points if p.fit_error else 0)))
         return matches[0]
 
-    def keys(self) -> tuple[ProfileKey, ...]:
+    def keys(self) -> tuple[ConfigKey, ...]:
         return tuple(p.key for p in self.profiles)
 
     def with_profile(self, profile: PerfProfile) -> ProfileSet:

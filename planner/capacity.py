@@ -89,7 +89,7 @@ def resolve_profiles(policy: Policy, profiles: mp.ProfileSet, gpus: Iterable[Gpu
         assert m is not None
         prof = _profile_for(profiles, m, key.engine, key.gpu, key.tp)
         if prof is None and use_prior:
-            prof = mp.roofline_profile(mp.ProfileKey(key.model, key.engine, key.gpu, key.tp, key.precision))
+            prof = mp.roofline_profile(key)
         if prof is not None:
             out[key] = prof
     return out
@@ -105,9 +105,9 @@ SPREAD_EXTRAPOLATION_FACTOR = 2.0
 def extrapolation(profile: mp.PerfProfile, mix: LengthMix) -> tuple[str, ...]:
     """Why the profile answers outside what its benchmark data covered (empty: inside).
 
-    >>> from fleetplan.models.profile import DataRange, PerfParams, PerfProfile, ProfileKey
+    >>> from fleetplan.models.profile import DataRange, PerfParams, PerfProfile, ConfigKey
     >>> from fleetplan.models.names import Engine, GpuType, Precision
-    >>> k = ProfileKey("m", Engine.VLLM, GpuType("h100"), 1, Precision.BF16)
+    >>> k = ConfigKey("m", Engine.VLLM, GpuType("h100"), 1, Precision.BF16)
     >>> prof = PerfProfile(k, PerfParams(10, 0.1, 0, 1, 0.1, 0, 1), data_range=DataRange((128, 2048), (128, 512), None, None, 5))
     >>> extrapolation(prof, LengthMix.single(1000, 200))
     ()

@@ -12,6 +12,7 @@ from enum import StrEnum
 from types import MappingProxyType
 
 from fleetplan.models.names import Engine, GpuType, Precision
+from fleetplan.models.profile import ConfigKey as ConfigKey  # the one configuration identity
 
 
 class ReplicaState(StrEnum):
@@ -27,20 +28,6 @@ class ActionKind(StrEnum):
     START = "start"  # launch a replica on host/gpu_indices
     DRAIN = "drain"  # stop routing new requests to a replica; it finishes in-flight work
     STOP = "stop"  # terminate a (drained) replica
-
-
-@dataclass(frozen=True, order=True)
-class ConfigKey:
-    """One serving configuration of one model: engine, GPU type, TP size and precision."""
-
-    model: str
-    engine: Engine
-    gpu: GpuType
-    tp: int
-    precision: Precision
-
-    def label(self) -> str:
-        return f"{self.model}/{self.engine.value}/{self.gpu.value}x{self.tp}/{self.precision.value}"
 
 
 @dataclass(frozen=True)

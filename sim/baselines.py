@@ -199,8 +199,7 @@ def baseline_config(policy: Policy, profiles: ProfileSet, model: str, isl: float
 
 
 def _concurrency(profiles: ProfileSet, policy: Policy, c: ConfigKey, isl: float, osl: float, rate: float) -> float:
-    prof = profiles.get(c.model, c.engine, c.gpu, c.tp, c.precision) or mp.roofline_profile(
-        mp.ProfileKey(c.model, c.engine, c.gpu, c.tp, c.precision))
+    prof = profiles.get(c.model, c.engine, c.gpu, c.tp, c.precision) or mp.roofline_profile(c)
     if prof is None:
         return 1.0
     try:

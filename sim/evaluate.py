@@ -311,7 +311,6 @@ def profiles_from_ground_truth(configs: Sequence[ConfigKey], lengths: Sequence[t
     fleetplan.models.fit. The sweep spans 15%..115% of the config's ground-truth capacity."""
     from fleetplan.models.bench import BenchmarkPoint, LoadKind
     from fleetplan.models.fit import FitFailure, fit_profile
-    from fleetplan.models.profile import ProfileKey
 
     profiles = []
     rng = random.Random(seed)
@@ -353,7 +352,7 @@ def profiles_from_ground_truth(configs: Sequence[ConfigKey], lengths: Sequence[t
                 tpot_mean_ms=float(tp.mean()), tpot_p50_ms=float(np.quantile(tp, 0.5)),
                 tpot_p99_ms=float(np.quantile(tp, 0.99)), series="gt-sweep",
             ))
-        key = ProfileKey(c.model, c.engine, c.gpu, c.tp, c.precision)
+        key = c
         try:
             prof = fit_profile(key, points, loo=False).profile
         except FitFailure:

@@ -34,7 +34,7 @@ def _trusted_priors() -> ProfileSet:
     for model, tps in (("llama-3-8b", (1, 2)), ("llama-3-70b", (4, 8))):
         for engine in (Engine.VLLM, Engine.TRTLLM):
             for tp in tps:
-                prior = mp.roofline_profile(mp.ProfileKey(model, engine, GpuType.H100, tp, Precision.BF16))
+                prior = mp.roofline_profile(mp.ConfigKey(model, engine, GpuType.H100, tp, Precision.BF16))
                 assert prior is not None
                 out.append(replace(prior, source="fit", data_range=mp.DataRange(
                     (100.0, 10000.0), (10.0, 2000.0), (0.1, 100.0), None, 10)))

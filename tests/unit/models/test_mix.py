@@ -18,7 +18,7 @@ from fleetplan.models.mix import (
 )
 from fleetplan.models.names import Engine, GpuType, Precision
 
-KEY = mp.ProfileKey("m8", Engine.VLLM, GpuType("h100"), 1, Precision.BF16)
+KEY = mp.ConfigKey("m8", Engine.VLLM, GpuType("h100"), 1, Precision.BF16)
 PARAMS = mp.PerfParams(s0_ms=9.0, s1_ms=0.05, s2_ms=0.0002, p0_ms=5.0, p1_ms=0.06, p2_ms=2e-7, q=1.0,
                        queue_tail=0.5)
 PROFILE = mp.PerfProfile(KEY, PARAMS, kv_tokens=400_000.0,

@@ -30,7 +30,7 @@ def test_fit_writes_profiles_and_prints_loo_errors(profiles_file: Path, shared_d
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     profiles = load_profiles(profiles_file)
     labels = {k.label() for k in profiles.keys()}
-    assert "LLaMA 3.1 8B/trtllm/h100/tp1/bf16" in labels and "GLM-5-FP8/vllm/h200/tp8/fp8" in labels
+    assert "LLaMA 3.1 8B/trtllm/h100x1/bf16" in labels and "GLM-5-FP8/vllm/h200x8/fp8" in labels
     glm = next(p for p in profiles.profiles if p.key.model == "GLM-5-FP8")
     assert glm.fit_error is not None and glm.fit_error.points == 12
     assert glm.data_range is not None and glm.data_range.isl == (1024, 8192)
@@ -38,7 +38,7 @@ def test_fit_writes_profiles_and_prints_loo_errors(profiles_file: Path, shared_d
     files = _inferencex(shared_data, "1024")
     assert main(["models", "fit", *files, "--gpu", "h200", "--out", str(profiles_file.parent / "p2.json")]) == 0
     out = capsys.readouterr().out
-    line = next(x for x in out.splitlines() if x.startswith("GLM-5-FP8/vllm/h200/tp8/fp8"))
+    line = next(x for x in out.splitlines() if x.startswith("GLM-5-FP8/vllm/h200x8/fp8"))
     cols = line.split()
     assert cols[1] == "6" and all(c.endswith("%") for c in cols[3:6])
 
@@ -110,7 +110,7 @@ def test_query_errors(profiles_file: Path, tmp_path: Path, capsys: pytest.Captur
     args = ["models", "capacity", "--model", "nope", "--engine", "vllm", "--gpu", "h100", "--tp", "1",
             "--isl", "100", "--osl", "100", "--ttft-p99-ms", "100", "--itl-p99-ms", "10", "--json"]
     assert main([*args, "--profiles", str(profiles_file)]) == 2
-    assert "no profile for nope/vllm/h100/tp1" in capsys.readouterr().err
+    assert "no profile for nope/vllm/h100x1" in capsys.readouterr().err
     (tmp_path / "bad.json").write_text("{")
     assert main([*args, "--profiles", str(tmp_path / "bad.json")]) == 2
     assert "bad.json: invalid JSON" in capsys.readouterr().err

@@ -9,13 +9,13 @@ import pytest
 from fleetplan.models.bench import BenchmarkPoint, LoadKind
 from fleetplan.models.fit import FitFailure, fit_profile, holdout_errors, saturation_flags
 from fleetplan.models.names import Engine, GpuType, Precision
-from fleetplan.models.profile import PerfProfile, ProfileKey, Workload, predict, roofline_profile
+from fleetplan.models.profile import ConfigKey, PerfProfile, Workload, predict, roofline_profile
 
-KEY = ProfileKey("some-new-model", Engine.VLLM, GpuType.H100, 2, Precision.FP8)
+KEY = ConfigKey("some-new-model", Engine.VLLM, GpuType.H100, 2, Precision.FP8)
 
 
 def _truth() -> PerfProfile:
-    prior = roofline_profile(ProfileKey("llama-3.1-70b", Engine.VLLM, GpuType.H100, 2, Precision.FP8))
+    prior = roofline_profile(ConfigKey("llama-3.1-70b", Engine.VLLM, GpuType.H100, 2, Precision.FP8))
     assert prior is not None
     params = replace(prior.params, s0_ms=prior.params.s0_ms * 1.3, p1_ms=prior.params.p1_ms * 0.8,
                      ttft_fixed_ms=15.0, q=2.0)

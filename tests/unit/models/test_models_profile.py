@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from fleetplan.models.names import Engine, GpuType, Precision
 from fleetplan.models.profile import (
     Binding,
+    ConfigKey,
     PerfProfile,
     ProfileError,
-    ProfileKey,
     ProfileSet,
     Workload,
     capacity,
@@ -24,11 +24,11 @@ from fleetplan.models.profile import (
     saturation_rps,
 )
 
-KEY_8B = ProfileKey("llama-3.1-8b", Engine.TRTLLM, GpuType.H100, 1, Precision.BF16)
-KEY_70B = ProfileKey("llama-3.1-70b", Engine.VLLM, GpuType.H100, 4, Precision.BF16)
+KEY_8B = ConfigKey("llama-3.1-8b", Engine.TRTLLM, GpuType.H100, 1, Precision.BF16)
+KEY_70B = ConfigKey("llama-3.1-70b", Engine.VLLM, GpuType.H100, 4, Precision.BF16)
 
 
-def _prior(key: ProfileKey = KEY_8B) -> PerfProfile:
+def _prior(key: ConfigKey = KEY_8B) -> PerfProfile:
     p = roofline_profile(key)
     assert p is not None
     return p
@@ -36,9 +36,9 @@ def _prior(key: ProfileKey = KEY_8B) -> PerfProfile:
 
 def test_roofline_prior_scales_with_weights_and_bandwidth() -> None:
     small = _prior(KEY_8B)
-    big = _prior(ProfileKey("llama-3.1-70b", Engine.TRTLLM, GpuType.H100, 1, Precision.BF16))
-    h200 = _prior(ProfileKey("llama-3.1-8b", Engine.TRTLLM, GpuType.H200, 1, Precision.BF16))
-    fp8 = _prior(ProfileKey("llama-3.1-8b", Engine.TRTLLM, GpuType.H100, 1, Precision.FP8))
+    big = _prior(ConfigKey("llama-3.1-70b", Engine.TRTLLM, GpuType.H100, 1, Precision.BF16))
+    h200 = _prior(ConfigKey("llama-3.1-8b", Engine.TRTLLM, GpuType.H200, 1, Precision.BF16))
+    fp8 = _prior(ConfigKey("llama-3.1-8b", Engine.TRTLLM, GpuType.H100, 1, Precision.FP8))
     assert big.params.s0_ms > 5 * small.params.s0_ms
     assert h200.params.s0_ms < small.params.s0_ms
     assert fp8.params.s0_ms < small.params.s0_ms
@@ -47,7 +47,7 @@ def test_roofline_prior_scales_with_weights_and_bandwidth() -> None:
 
 
 def test_roofline_unknown_model_is_none() -> None:
-    assert roofline_profile(ProfileKey("no-such-model", Engine.VLLM, GpuType.H100, 1, Precision.BF16)) is None
+    assert roofline_profile(ConfigKey("no-such-model", Engine.VLLM, GpuType.H100, 1, Precision.BF16)) is None
 
 
 def test_latency_rises_to_saturation_and_rate_beyond_is_infinite() -> None:

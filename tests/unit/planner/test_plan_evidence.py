@@ -24,7 +24,7 @@ from fleetplan.planner.types import (
 
 NOW = 1_700_000_000.0
 KEY = ConfigKey("m8", VLLM, H100, 1, mp.Precision.BF16)
-TRUE = mp.PerfProfile(mp.ProfileKey("m8", VLLM, H100, 1, mp.Precision.BF16),
+TRUE = mp.PerfProfile(mp.ConfigKey("m8", VLLM, H100, 1, mp.Precision.BF16),
                       mp.PerfParams(s0_ms=9.0, s1_ms=0.05, s2_ms=0.0002, p0_ms=5.0, p1_ms=0.06, p2_ms=2e-7, q=1.0),
                       kv_tokens=400_000.0,
                       data_range=mp.DataRange((128.0, 4096.0), (64.0, 1024.0), (0.5, 20.0), None, 8))

@@ -196,7 +196,7 @@ def test_hpa_target_stays_finite_when_the_profile_saturates() -> None:
     from fleetplan.sim.baselines import _concurrency
     from tests.unit.planner.planner_helpers import BF16, H100, VLLM, policy
 
-    small_kv = mp.PerfProfile(mp.ProfileKey("m8", VLLM, H100, 1, BF16),
+    small_kv = mp.PerfProfile(mp.ConfigKey("m8", VLLM, H100, 1, BF16),
                               mp.PerfParams(s0_ms=9.0, s1_ms=0.05, s2_ms=0.0002, p0_ms=5.0, p1_ms=0.06,
                                             p2_ms=2e-7, q=1.0), kv_tokens=1000.0)
     pol = policy(models=("m8",), tps={"m8": [1]})
