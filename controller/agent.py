@@ -253,8 +253,8 @@ def sim_agent_config(
 ) -> dict[str, Any]:
     """An agent config (as a dict, dump it to YAML) for a lab host running simulated engines.
 
-    Launch templates ``sim-vllm`` and ``sim-trtllm`` start `fleetplan sim-engine` with the replica's
-    model/GPU/TP/precision/port; ``sim-trtllm-build`` is a build template that takes `build_wall_s`.
+    Launch templates ``vllm`` and ``trtllm`` start `fleetplan sim-engine` with the replica's
+    model/GPU/TP/precision/port; ``trtllm-build`` is a build template that takes `build_wall_s`.
     `startup_s` is the engine's SIMULATED startup delay (None: the persona's default).
     """
     import sys
@@ -277,8 +277,8 @@ def sim_agent_config(
                  "keepalive_s": 10, "backoff_initial_s": 0.2, "backoff_max_s": 5.0},
         "port_range": list(port_range), "state_dir": str(state_dir), "status_interval_s": status_interval_s,
         "actuator": {"kind": "process"},
-        "launch_templates": {"sim-vllm": engine("vllm"), "sim-trtllm": engine("trtllm")},
-        "build_templates": {"sim-trtllm-build": {
+        "launch_templates": {"vllm": engine("vllm"), "trtllm": engine("trtllm")},
+        "build_templates": {"trtllm-build": {
             "argv": [py, "-c", _SIM_BUILD_SCRIPT, "{engine_dir}", "{progress_file}", str(build_wall_s)],
             "timeout_s": max(60.0, build_wall_s * 10)}},
     }

@@ -108,7 +108,7 @@ class Controller:
         self.prom = PromClient(self.settings.prometheus_url)
         self._lock = asyncio.Lock()
         self.executor = Executor(self.settings, self.store, self.link, self.hosts, self.runtime_alerts,
-                                 self.metrics, self.prom, self._lock, self.model_names, self.advisory)
+                                 self.metrics, self.prom, self._lock, self.policy)
         self._stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
         self.planner_state: Any = None

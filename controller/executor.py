@@ -16,7 +16,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable, MutableMapping
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +24,7 @@ from fleetplan.controller.hosts import HostBook, retained_replica
 from fleetplan.controller.link import MqttLink
 from fleetplan.controller.metrics import ControllerMetrics
 from fleetplan.controller.observe import _RUNNING, _WAITING, PromClient, PrometheusError
+from fleetplan.controller.policy_source import PolicySource
 from fleetplan.controller.protocol import desired_topic
 from fleetplan.controller.settings import ControllerSettings
 from fleetplan.controller.state import ActionStatus, Phase, ReplicaRow, StateStore
@@ -65,8 +66,7 @@ class Executor:
     metrics: ControllerMetrics
     prom: PromClient
     lock: asyncio.Lock  # the cycle's lock: a finished drain changes the records between cycles
-    model_names: Callable[[], list[str]]
-    advisory: Callable[[], bool]  # advisory mode publishes and routes nothing
+    policy: PolicySource  # model names, advisory mode (publishes and routes nothing), agent templates
     router: Any = None
     routed: set[str] = field(default_factory=set)  # replica ids in the nginx upstreams right now
     republish_all: bool = False
@@ -85,7 +85,7 @@ class Executor:
     # ---- routing -----------------------------------------------------------------------------
     async def update_routing(self) -> None:
         """nginx upstreams + endpoints JSON: ready, non-draining replicas; file_sd: ready or draining."""
-        if self.advisory():
+        if self.policy.advisory():
             return
         async with self._routing_lock:
             await self._update_routing()
@@ -94,7 +94,7 @@ class Executor:
         from fleetplan.controller.routing import ScrapeTarget, write_endpoints_json, write_file_sd
 
         rep = self.hosts.reported()
-        endpoints: dict[str, list[str]] = {m: [] for m in self.model_names()}
+        endpoints: dict[str, list[str]] = {m: [] for m in self.policy.model_names()}
         routed: set[str] = set()
         targets = []
         for row in self.store.active_replicas():
@@ -122,7 +122,7 @@ class Executor:
     # ---- desired state publishing ------------------------------------------------------------
     async def publish_hosts(self, hosts: set[str]) -> None:
         """Stage (version+1, committed) and publish each host's desired state; acks arrive later."""
-        if not hosts or self.advisory():
+        if not hosts or self.policy.advisory():
             return  # advisory mode publishes nothing (a staged state is published once active)
         with self.store.tx() as c:
             payloads = {h: self.store.stage_desired(c, h) for h in sorted(hosts)}
@@ -139,13 +139,13 @@ class Executor:
     # ---- acting: inputs to the act core and its effects ------------------------------------------
     def view(self) -> ActView:
         """What the act core decides on: the hosts' last reports and this controller's records."""
-        s = self.settings
+        s, pol = self.settings, self.policy.policy
         return ActView(
             now_s=time.time(), hosts=self.hosts.reports(),
             replicas=tuple(self.store.active_replicas()), builds=tuple(self.store.builds((Phase.DESIRED,))),
             desired=self.store.desired_rows(), known_ids=frozenset(self.store.known_ids()),
-            settings=ActSettings(s.ready_timeout_s, s.ack_timeout_s, s.host_offline_grace_s,
-                                 s.default_port_range, dict(s.templates)),
+            settings=ActSettings(s.ready_timeout_s, s.ack_timeout_s, s.host_offline_grace_s, s.default_port_range,
+                                 pol.agent_templates(), pol.agent_templates(build=True)),
             retained={h: tuple(retained_replica(r) for r in d.replicas)
                       for h, d in self.hosts.retained_desired.items()},
             connected_since_s=self.connected_wall if self.link.connected.is_set() else None,

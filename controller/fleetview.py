@@ -8,10 +8,9 @@ from typing import Any
 
 from fleetplan.controller.hosts import HostBook
 from fleetplan.controller.state import Phase, StateStore
-from fleetplan.models.names import parse_engine, parse_gpu, parse_precision
 from fleetplan.planner import act
 from fleetplan.planner.act import ActView
-from fleetplan.planner.types import ConfigKey, EngineBuild, Fleet, HostInventory, Replica, ReplicaState
+from fleetplan.planner.types import EngineBuild, Fleet, HostInventory, Replica, ReplicaState
 
 
 def fleet_from(hosts: HostBook, store: StateStore, view: ActView, to_sim: Callable[[float], float],
@@ -36,15 +35,13 @@ def fleet_from(hosts: HostBook, store: StateStore, view: ActView, to_sim: Callab
             if state == ReplicaState.DRAINING:  # agent stopping it: not serving
                 state = ReplicaState.STOPPED
             since = rs.since_s or since
-        config = ConfigKey(row.model, parse_engine(row.engine), parse_gpu(row.gpu), row.tp,
-                           parse_precision(row.precision))
-        replicas.append(Replica(row.replica_id, config, row.host, row.gpu_indices, state, row.port, to_sim(since)))
+        replicas.append(Replica(row.replica_id, row.config, row.host, row.gpu_indices, state, row.port, to_sim(since)))
     builds = []
     for host, st in hosts.statuses.items():
         for ce in st.engines_cached:
             builds.append(EngineBuild(canonical(ce.model), ce.engine, ce.gpu, ce.tp, ce.precision, host, True, None))
     for b in store.builds((Phase.DESIRED,)):  # in progress: the planner must not order it again
-        config = ConfigKey(b.model, parse_engine(b.engine), parse_gpu(b.gpu), b.tp, parse_precision(b.precision))
+        config = b.config
         build_s = policy.build_s(config)
         eta = to_sim(b.created_s) + build_s if build_s is not None else None
         builds.append(EngineBuild(b.model, config.engine, config.gpu, b.tp, config.precision, b.host, False, eta))

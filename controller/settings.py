@@ -30,7 +30,6 @@ class ControllerSettings(BaseModel):
     lab_dir: Path | None = None  # take Prometheus, MQTT, nginx and paths from a lab's lab.json
     host_addresses: dict[str, str] = Field(default_factory=dict)  # host -> address engines listen on
     default_host_address: str | None = None  # None: the host name itself
-    templates: dict[str, str] = Field(default_factory=dict)  # engine -> launch template name
     default_port_range: tuple[int, int] = (8100, 8199)
     ack_timeout_s: float = Field(default=10.0, gt=0)  # wall seconds
     ready_timeout_s: float = Field(default=600.0, gt=0)  # wall seconds

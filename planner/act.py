@@ -39,7 +39,8 @@ from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
-from fleetplan.planner.types import Action, ActionKind, ReplicaState
+from fleetplan.models.names import parse_engine, parse_gpu, parse_precision
+from fleetplan.planner.types import Action, ActionKind, ConfigKey, ReplicaState
 
 
 class Phase(StrEnum):
@@ -111,6 +112,12 @@ class ReplicaRow:
         d["gpu_indices"] = list(self.gpu_indices)
         return d
 
+    @property
+    def config(self) -> ConfigKey:
+        """The configuration (the row keeps its fields as the state store's strings)."""
+        return ConfigKey(self.model, parse_engine(self.engine), parse_gpu(self.gpu), self.tp,
+                         parse_precision(self.precision))
+
     def desired_entry(self) -> dict[str, Any]:
         """The entry of this replica in its host's desired state (controller/protocol.py)."""
         return {
@@ -143,6 +150,12 @@ class BuildRow:
     created_s: float
     updated_s: float
     result: str | None  # done | failed: ... | None while running
+
+    @property
+    def config(self) -> ConfigKey:
+        """The configuration (the row keeps its fields as the state store's strings)."""
+        return ConfigKey(self.model, parse_engine(self.engine), parse_gpu(self.gpu), self.tp,
+                         parse_precision(self.precision))
 
     def desired_entry(self) -> dict[str, Any]:
         return {
@@ -216,7 +229,10 @@ class ActSettings:
     ack_timeout_s: float = 10.0
     host_offline_grace_s: float = 60.0
     default_port_range: tuple[int, int] = (8000, 8999)
-    templates: Mapping[str, str] = field(default_factory=dict)  # engine -> launch template (settings)
+    # engine -> the agent template to ask for (Policy.agent_template); absent: the engine's name
+    # ("vllm", "trtllm") for launches and "<engine>-build" for builds
+    launch_templates: Mapping[str, str] = field(default_factory=dict)
+    build_templates: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -415,7 +431,7 @@ def adopt(view: ActView) -> ActDecision:
                 continue
             row = ReplicaRow(
                 rs.replica_id, host.name, rs.model, rs.engine, rs.gpu or host.gpu or "", rs.tp, rs.precision,
-                rs.gpu_indices, rs.port, rs.template or template_for(view, host.name, rs.engine), Phase.DESIRED,
+                rs.gpu_indices, rs.port, rs.template or template_for(view, rs.engine), Phase.DESIRED,
                 "adopted", view.now_s, view.now_s, None, view.now_s if rs.state == ReplicaState.READY else None,
             )
             effects.append(NewReplica(row, Note("adopt", ActionStatus.DONE,
@@ -427,32 +443,24 @@ def adopt(view: ActView) -> ActDecision:
     return ActDecision(tuple(effects), publish=frozenset(changed), alerts=alerts)
 
 
-def template_for(view: ActView, host: str, engine: str) -> str:
-    """The launch template for `engine` on `host`: the settings' choice, else the agent's template
-    named after the engine (exact, then prefix, then substring), else the engine's name."""
-    if engine in view.settings.templates:
-        return view.settings.templates[engine]
+def template_for(view: ActView, engine: str, *, build: bool = False) -> str:
+    """The agent template for `engine`: the policy's choice (`engines.<engine>.agent_template` /
+    `agent_build_template`), else the engine's name, else "<engine>-build" for a build."""
+    if build:
+        return view.settings.build_templates.get(engine, f"{engine}-build")
+    return view.settings.launch_templates.get(engine, engine)
+
+
+def _unoffered(view: ActView, host: str, template: str, *, build: bool = False) -> str | None:
+    """Why `host` cannot run `template` (its agent lists others), or None. An agent that lists
+    nothing is not second-guessed: it accepts or rejects the desired state itself."""
     h = view.hosts.get(host)
-    return _pick(h.templates if h is not None else (), engine) or engine
-
-
-def build_template_for(view: ActView, host: str, engine: str) -> str | None:
-    h = view.hosts.get(host)
-    names = h.build_templates if h is not None else ()
-    return _pick(names, engine) or (names[0] if names else None)
-
-
-def _pick(names: Sequence[str], engine: str) -> str | None:
-    for n in names:
-        if n == engine:
-            return n
-    for n in names:
-        if n.startswith(engine):
-            return n
-    for n in names:
-        if engine in n:
-            return n
-    return None
+    offered = (h.build_templates if build else h.templates) if h is not None else ()
+    if not offered or template in offered:
+        return None
+    kind = "build" if build else "launch"
+    return (f"host {host} offers no {kind} template {template!r} (it has: {', '.join(sorted(offered))}); "
+            f"name one in the policy's engines.<engine>.agent_{'build_' if build else ''}template")
 
 
 def rejected(view: ActView, host: str, version: int, errors: Sequence[str]) -> ActDecision:
@@ -599,8 +607,12 @@ def _start(view: ActView, a: Action, rows: Sequence[ReplicaRow]) -> NewReplica |
     if port is None:
         return Record(_note(a, ActionStatus.DEFERRED, f"no free port in {lo}-{hi} on {where}"))
     c = r.config
+    template = template_for(view, c.engine.value)
+    why_not = _unoffered(view, where, template)
+    if why_not is not None:
+        return Record(_note(a, ActionStatus.DEFERRED, why_not))
     row = ReplicaRow("", where, c.model, c.engine.value, c.gpu.value, c.tp, c.precision.value,
-                     gpus, port, template_for(view, where, c.engine.value), Phase.DESIRED,
+                     gpus, port, template, Phase.DESIRED,
                      "planned", view.now_s, view.now_s, None, None)
     return NewReplica(row, Note("start", ActionStatus.PUBLISHED, a.reason,
                                 f"{where} port {port}, GPUs {list(gpus)}{moved}", "", where, c.model))
@@ -641,9 +653,10 @@ def _build(view: ActView, a: Action, rows: Sequence[ReplicaRow],
     host = view.hosts.get(r.host)
     if not r.host or not r.gpu_indices or host is None or not host.online:
         return defer("no free GPUs on an online host to build on yet")
-    template = build_template_for(view, r.host, c.engine.value)
-    if template is None:
-        return defer(f"host {r.host} offers no build template")
+    template = template_for(view, c.engine.value, build=True)
+    why_not = _unoffered(view, r.host, template, build=True)
+    if why_not is not None:
+        return defer(why_not)
     busy, _ = _busy(view, r.host, rows)
     clash = sorted(busy & set(r.gpu_indices))
     if clash:
@@ -739,6 +752,6 @@ __all__ = [
     "ActDecision", "ActSettings", "ActView", "ActionStatus", "AlertKind", "BuildRow", "BuildState",
     "DesiredRow", "DrainProgress", "DrainStep", "FinishBuild", "HostReport", "MarkReady", "NewBuild",
     "NewReplica", "Note", "Phase", "Record", "ReplicaRow", "ReportedBuild", "ReportedReplica", "SetPhase",
-    "adopt", "alert_key", "build_template_for", "drain_step", "execute", "held_gpus", "reconcile", "rejected",
+    "adopt", "alert_key", "drain_step", "execute", "held_gpus", "reconcile", "rejected",
     "template_for",
 ]

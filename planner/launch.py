@@ -6,7 +6,7 @@ Placeholders in `engines.<engine>.launch.command/args/env` of the policy:
 {engine_dir} (the engine's `engine_dir` template, itself formatted with the same fields),
 {replica_id}, {host}. The agent executes only its own allowlisted templates (config/agent*.yaml);
 these policy templates document the command line and serve tools that need it; the controller
-names the agent template with `Policy.agent_template(config)`.
+names the agent template with `Policy.agent_templates()`.
 """
 
 from __future__ import annotations

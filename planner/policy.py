@@ -376,12 +376,16 @@ class Policy(_Strict):
             return None
         return e.build.lookup(config.model, config.gpu, config.tp)
 
-    def agent_template(self, config: ConfigKey, build: bool = False) -> str:
-        """The agent template name the controller puts in a desired replica/build."""
-        e = self.engines.get(config.engine)
-        if build:
-            return (e.agent_build_template if e is not None else None) or f"{config.engine.value}-build"
-        return (e.agent_template if e is not None else None) or config.engine.value
+    def agent_templates(self, *, build: bool = False) -> dict[str, str]:
+        """Engine -> the agent template the controller names in a desired replica (or build): the
+        policy's `agent_template` / `agent_build_template`; engines without one are absent (the act
+        core then uses the engine's name, or "<engine>-build")."""
+        out = {}
+        for engine, e in self.engines.items():
+            name = e.agent_build_template if build else e.agent_template
+            if name is not None:
+                out[engine.value] = name
+        return out
 
     def needs_build(self, config: ConfigKey) -> bool:
         e = self.engines.get(config.engine)

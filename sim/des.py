@@ -961,7 +961,7 @@ class FleetSim:
             reported.setdefault(r.host, []).append(act.ReportedReplica(
                 r.rid, r.state, c.model, c.engine.value, c.gpu.value, c.tp, c.precision.value, r.gpus, port))
         hosts = {h.name: act.HostReport(h.name, h.online, h.gpu.value, h.gpu_count, h.nvlink_groups, None, (),
-                                        ("build",), tuple(reported.get(h.name, ())))
+                                        (), tuple(reported.get(h.name, ())))
                  for h in self.env.hosts}
         return act.ActView(t, hosts, tuple(rows), (), {}, frozenset(r.rid for r in self.replicas),
                            connected_since_s=-math.inf)

@@ -67,7 +67,7 @@ async def test_sim_engines_from_desired_state(setup: tuple[MosquittoServer, Path
         await client.subscribe(status_topic(HOST), qos=1)
         await client.subscribe(ack_topic(HOST), qos=1)
         desired = {"version": 1, "replicas": [{
-            "replica_id": "llama-a", "template": "sim-vllm", "model": "llama-3.1-8b", "engine": "vllm",
+            "replica_id": "llama-a", "template": "vllm", "model": "llama-3.1-8b", "engine": "vllm",
             "gpu": "h100", "tp": 2, "precision": "bf16", "gpu_indices": [4, 5], "port": port}]}
         await client.publish(desired_topic(HOST), json.dumps(desired), qos=1, retain=True)
 

@@ -191,7 +191,7 @@ def _config(tmp_path: Path, **over: object) -> AgentConfig:
 
 def test_launch_spec_substitutes_placeholders_as_single_argv_items(tmp_path: Path) -> None:
     agent = Agent(_config(tmp_path), actuator=ProcessActuator(tmp_path))
-    replica = DesiredReplica(replica_id="r-7", template="sim-vllm", model="org/model:v1", engine="vllm",
+    replica = DesiredReplica(replica_id="r-7", template="vllm", model="org/model:v1", engine="vllm",
                              gpu="h100", tp=2, precision="bf16", gpu_indices=(2, 3), port=18004)
     spec = agent.launch_spec(replica)
     argv = list(spec.argv)
@@ -251,7 +251,7 @@ def test_agent_cli_check(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- the agent without MQTT
 
 
-def _desired(version: int, template: str = "sim-vllm") -> bytes:
+def _desired(version: int, template: str = "vllm") -> bytes:
     return json.dumps({"version": version, "replicas": [{
         "replica_id": "r1", "template": template, "model": "m", "engine": "vllm", "gpu": "h100", "tp": 1,
         "precision": "bf16", "gpu_indices": [0], "port": 18001}]}).encode()
@@ -274,11 +274,11 @@ async def test_restart_with_a_config_that_lost_the_template_keeps_instances_and_
     first = Agent(_config(tmp_path), actuator=ProcessActuator(tmp_path))
     assert first.handle_desired(_desired(1)) is not None
     config = _config(tmp_path)
-    smaller = config.model_copy(update={"launch_templates": {"sim-trtllm": config.launch_templates["sim-trtllm"]}})
+    smaller = config.model_copy(update={"launch_templates": {"trtllm": config.launch_templates["trtllm"]}})
     second = Agent(smaller, actuator=ProcessActuator(tmp_path))
     await second.restore()
     assert second.desired is None
-    assert any("no longer fits this config" in e and "unknown template 'sim-vllm'" in e
+    assert any("no longer fits this config" in e and "unknown template 'vllm'" in e
                for e in second.status().errors)
     await second.reconcile_once()  # nothing to start, nothing crashes
     assert second.instances == {}

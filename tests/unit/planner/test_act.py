@@ -24,7 +24,7 @@ from fleetplan.planner.act import (
     SetPhase,
 )
 from fleetplan.planner.types import Action, ActionKind, ConfigKey, Replica, ReplicaState
-from tests.unit.planner.planner_helpers import BF16, H100, VLLM
+from tests.unit.planner.planner_helpers import BF16, H100, TRT, VLLM
 
 NOW = 10_000.0
 CFG = ConfigKey("llama", VLLM, H100, 1, BF16)
@@ -174,6 +174,21 @@ def test_a_start_takes_the_planned_gpus_and_the_first_free_port() -> None:
     assert d.publish_first == {"gpu-01"} and d.counts["start"] == 1
 
 
+def test_the_policy_names_the_agent_template_and_a_host_without_it_waits() -> None:
+    """One template mechanism: the policy's engines.<engine>.agent_template (default: the engine's
+    name); a host whose agent lists other templates gets no desired state it would reject."""
+    from fleetplan.planner.act import ActSettings
+
+    d = act.execute(view(host()), [action(ActionKind.START)])
+    assert isinstance(d.effects[0], NewReplica) and d.effects[0].row.template == "vllm"
+    named = ActSettings(launch_templates={"vllm": "vllm-site"})
+    d = act.execute(view(host(), settings=named), [action(ActionKind.START)])
+    (eff,) = d.effects
+    assert isinstance(eff, Record) and eff.note.status == ActionStatus.DEFERRED
+    assert "offers no launch template 'vllm-site' (it has: vllm)" in eff.note.detail
+    assert "agent_template" in eff.note.detail
+
+
 def test_a_start_on_gpus_still_in_use_moves_to_free_gpus_or_waits() -> None:
     # an engine the agent still runs that no record names (stopping) holds GPU 1
     stopping = reported("r00009", ReplicaState.DRAINING, gpus=(1,), port=8005)
@@ -236,7 +251,7 @@ def test_host_loss_defers_starts_there_and_removes_nothing() -> None:
 
 
 def test_a_build_is_staged_once_and_a_repeated_deferral_is_noted_once() -> None:
-    b = Action(ActionKind.BUILD, Replica("b", ConfigKey("llama", VLLM, H100, 2, BF16), "gpu-01", (4, 5),
+    b = Action(ActionKind.BUILD, Replica("b", ConfigKey("llama", TRT, H100, 2, BF16), "gpu-01", (4, 5),
                                          ReplicaState.STARTING), "TRT-LLM is cheaper")
     d = act.execute(view(host()), [b])
     assert isinstance(d.effects[0], NewBuild) and d.effects[0].row.template == "trtllm-build"
