@@ -28,22 +28,22 @@ class ControllerMetrics:
             "fleetplan_solve_seconds", "wall seconds of plan() per cycle", registry=r,
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
         )
-        self.predicted_ttft_p99_ms = Gauge(
-            "fleetplan_predicted_ttft_p99_ms", "plan's predicted p99 TTFT (worst config)", ["model"], registry=r
+        self.predicted_ttft_p99_seconds = Gauge(
+            "fleetplan_predicted_ttft_p99_seconds", "plan's predicted p99 TTFT (worst config)", ["model"], registry=r
         )
-        self.observed_ttft_p99_ms = Gauge(
-            "fleetplan_observed_ttft_p99_ms", "observed p99 TTFT", ["model"], registry=r
+        self.observed_ttft_p99_seconds = Gauge(
+            "fleetplan_observed_ttft_p99_seconds", "observed p99 TTFT", ["model"], registry=r
         )
-        self.predicted_itl_p99_ms = Gauge(
-            "fleetplan_predicted_itl_p99_ms", "plan's predicted p99 ITL (worst config)", ["model"], registry=r
+        self.predicted_itl_p99_seconds = Gauge(
+            "fleetplan_predicted_itl_p99_seconds", "plan's predicted p99 ITL (worst config)", ["model"], registry=r
         )
-        self.observed_itl_p99_ms = Gauge("fleetplan_observed_itl_p99_ms", "observed p99 ITL", ["model"], registry=r)
+        self.observed_itl_p99_seconds = Gauge("fleetplan_observed_itl_p99_seconds", "observed p99 ITL", ["model"], registry=r)
         self.demand_rps = Gauge("fleetplan_demand_rps", "demand the plan serves", ["model"], registry=r)
         self.capacity_rps = Gauge(
             "fleetplan_capacity_rps", "capacity of the replicas in the current plan", ["model"], registry=r
         )
-        self.slo_ttft_p99_ms = Gauge("fleetplan_slo_ttft_p99_ms", "the policy's p99 TTFT SLO", ["model"], registry=r)
-        self.slo_itl_p99_ms = Gauge("fleetplan_slo_itl_p99_ms", "the policy's p99 ITL SLO", ["model"], registry=r)
+        self.slo_ttft_p99_seconds = Gauge("fleetplan_slo_ttft_p99_seconds", "the policy's p99 TTFT SLO", ["model"], registry=r)
+        self.slo_itl_p99_seconds = Gauge("fleetplan_slo_itl_p99_seconds", "the policy's p99 ITL SLO", ["model"], registry=r)
         self.unmet_demand_rps = Gauge(
             "fleetplan_unmet_demand_rps", "required rps the plan cannot serve", ["model"], registry=r
         )
@@ -76,9 +76,9 @@ class ControllerMetrics:
 
     def per_model(self) -> tuple[Gauge, ...]:
         """The gauges labelled by model alone."""
-        return (self.planned_replicas, self.running_replicas, self.desired_replicas, self.predicted_ttft_p99_ms,
-                self.observed_ttft_p99_ms, self.predicted_itl_p99_ms, self.observed_itl_p99_ms, self.demand_rps,
-                self.capacity_rps, self.slo_ttft_p99_ms, self.slo_itl_p99_ms, self.unmet_demand_rps)
+        return (self.planned_replicas, self.running_replicas, self.desired_replicas, self.predicted_ttft_p99_seconds,
+                self.observed_ttft_p99_seconds, self.predicted_itl_p99_seconds, self.observed_itl_p99_seconds, self.demand_rps,
+                self.capacity_rps, self.slo_ttft_p99_seconds, self.slo_itl_p99_seconds, self.unmet_demand_rps)
 
     def keep_models(self, models: set[str]) -> None:
         """Remove the series of models that left the policy (a stale gauge would keep alerting)."""

@@ -63,20 +63,20 @@ def update_metrics(ctrl: Controller, doc: Mapping[str, Any], snap: Snapshot) -> 
         name = me["model"]
         m.demand_rps.labels(name).set(me["demand_rps"])
         m.capacity_rps.labels(name).set(me["capacity_rps"])
-        m.slo_ttft_p99_ms.labels(name).set(me["slo_ttft_p99_ms"])
-        m.slo_itl_p99_ms.labels(name).set(me["slo_itl_p99_ms"])
+        m.slo_ttft_p99_seconds.labels(name).set(me["slo_ttft_p99_ms"] / 1000)
+        m.slo_itl_p99_seconds.labels(name).set(me["slo_itl_p99_ms"] / 1000)
         m.unmet_demand_rps.labels(name).set(me["unmet_rps"])
         ttfts = [c["predicted_ttft_p99_ms"] for c in me["configs"] if c["predicted_ttft_p99_ms"] is not None]
         itls = [c["predicted_itl_p99_ms"] for c in me["configs"] if c["predicted_itl_p99_ms"] is not None]
         if ttfts:
-            m.predicted_ttft_p99_ms.labels(name).set(max(ttfts))
+            m.predicted_ttft_p99_seconds.labels(name).set(max(ttfts) / 1000)
         if itls:
-            m.predicted_itl_p99_ms.labels(name).set(max(itls))
+            m.predicted_itl_p99_seconds.labels(name).set(max(itls) / 1000)
         o = snap.models.get(name)
         if o is not None and o.ttft_p99_ms is not None:
-            m.observed_ttft_p99_ms.labels(name).set(o.ttft_p99_ms)
+            m.observed_ttft_p99_seconds.labels(name).set(o.ttft_p99_ms / 1000)
         if o is not None and o.itl_p99_ms is not None:
-            m.observed_itl_p99_ms.labels(name).set(o.itl_p99_ms)
+            m.observed_itl_p99_seconds.labels(name).set(o.itl_p99_ms / 1000)
     update_correction_metrics(ctrl, doc)
     m.plan_usd_h.set(doc["plan"]["usd_h"])
     m.stale_models.set(sum(1 for name, o in snap.models.items() if o.stale and name in desired))

@@ -199,5 +199,5 @@ def test_report_explain_metrics_cli_on_a_running_controller(rig, controller_fact
     assert "fleetplan_solve_seconds_count" in metrics and 'fleetplan_actions_total{kind="start"' in metrics
     # what config/prometheus/fleetplan-alerts.yml and the Grafana dashboard read
     assert "fleetplan_mqtt_connected 1.0" in metrics
-    for name in ("fleetplan_capacity_rps", "fleetplan_slo_ttft_p99_ms", "fleetplan_slo_itl_p99_ms"):
+    for name in ("fleetplan_capacity_rps", "fleetplan_slo_ttft_p99_seconds", "fleetplan_slo_itl_p99_seconds"):
         assert f'{name}{{model="{MODEL}"}}' in metrics, name

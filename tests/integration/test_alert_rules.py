@@ -88,7 +88,7 @@ def test_rules_read_only_metrics_the_controller_exports() -> None:
     assert used, "no fleetplan_ metric in the rules"
     unknown = used - exported - PENDING_METRICS
     assert not unknown, f"rules read metrics controller/metrics.py does not export: {sorted(unknown)}"
-    for name in ("fleetplan_slo_ttft_p99_ms", "fleetplan_slo_itl_p99_ms", "fleetplan_mqtt_connected",
+    for name in ("fleetplan_slo_ttft_p99_seconds", "fleetplan_slo_itl_p99_seconds", "fleetplan_mqtt_connected",
                  "fleetplan_last_cycle_timestamp_seconds", "fleetplan_unmet_demand_rps"):
         assert name in used, name
 
