@@ -222,23 +222,35 @@ class Executor:
         except PrometheusError:
             return None
 
+    def drain_deadline_s(self, model: str) -> float:
+        """The drain deadline for `model` from the policy (act.drain_deadline_s); the controller's
+        drain_timeout_s setting is the floor and the default."""
+        pol = self.policy.policy
+        m = next((m for m in pol.models if m.name == model), None) if pol is not None else None
+        if m is None:
+            return self.settings.drain_timeout_s
+        return act.drain_deadline_s(slo_ttft_s=m.slo.ttft_p99_ms / 1000, slo_itl_s=m.slo.itl_p99_ms / 1000,
+                                    max_output_tokens=m.max_output_tokens, explicit_s=m.drain_timeout_s,
+                                    floor_s=self.settings.drain_timeout_s)
+
     async def drain(self, rid: str) -> None:
         row = self.store.get_replica(rid)
         if row is None or row.phase != Phase.DRAINING:
             return
         progress = act.DrainProgress(row.drain_started_s or time.time())
+        deadline_s = self.drain_deadline_s(row.model)
         await asyncio.sleep(self.settings.drain_settle_s)
         while True:
-            step, progress = act.drain_step(progress, await self.inflight(row), time.time(),
-                                            self.settings.drain_timeout_s)
+            step, progress = act.drain_step(progress, await self.inflight(row), time.time(), deadline_s)
             if step != act.DrainStep.WAIT:
                 break
             await asyncio.sleep(self.settings.drain_poll_s)
-        reason = "in-flight requests reached 0" if step == act.DrainStep.DONE else "timeout"
+        reason = "in-flight requests reached 0"
         if step == act.DrainStep.TIMEOUT:
-            self.alerts[act.alert_key(act.AlertKind.DRAIN_TIMEOUT, rid)] = (
-                f"replica {rid} still had requests after {self.settings.drain_timeout_s:.0f} s of draining; stopped"
-            )
+            left = progress.last_inflight
+            cut = f"{left:.0f} request(s) in flight cut" if left is not None else "requests in flight unknown"
+            reason = f"drain deadline {deadline_s:.0f} s passed: stopped with {cut}"
+            self.alerts[act.alert_key(act.AlertKind.DRAIN_TIMEOUT, rid)] = f"replica {rid} ({row.model}): {reason}"
         async with self.lock:
             self._drained(row, reason)
             self.metrics.actions.labels("stop", ActionStatus.DONE).inc()

@@ -721,6 +721,7 @@ class DrainProgress:
 
     started_s: float
     zeros: int = 0  # consecutive polls that saw no request in flight
+    last_inflight: float | None = None  # what the last poll saw (None: unknown)
 
 
 class DrainStep(StrEnum):
@@ -735,7 +736,7 @@ def drain_step(progress: DrainProgress, inflight: float | None, now_s: float,
 
     >>> p = DrainProgress(started_s=0.0)
     >>> drain_step(p, 0.0, 5.0, 120.0)
-    (<DrainStep.WAIT: 'wait'>, DrainProgress(started_s=0.0, zeros=1))
+    (<DrainStep.WAIT: 'wait'>, DrainProgress(started_s=0.0, zeros=1, last_inflight=0.0))
     >>> drain_step(DrainProgress(0.0, 1), 0.0, 10.0, 120.0)[0]
     <DrainStep.DONE: 'done'>
     >>> drain_step(DrainProgress(0.0, 1), None, 130.0, 120.0)[0]
@@ -744,14 +745,39 @@ def drain_step(progress: DrainProgress, inflight: float | None, now_s: float,
     if now_s - progress.started_s >= timeout_s:
         return DrainStep.TIMEOUT, progress
     zeros = progress.zeros + 1 if inflight is not None and inflight <= 0 else 0
-    nxt = replace(progress, zeros=zeros)
+    nxt = replace(progress, zeros=zeros, last_inflight=inflight)
     return (DrainStep.DONE if zeros >= 2 else DrainStep.WAIT), nxt
+
+
+# A draining replica may serve its last requests slower than the SLO's pace (it may be the one
+# that was overloaded): its longest request gets twice the SLO's time per token.
+DRAIN_PACE_ALLOWANCE = 2.0
+
+
+def drain_deadline_s(*, slo_ttft_s: float, slo_itl_s: float, max_output_tokens: float | None,
+                     explicit_s: float | None, floor_s: float) -> float:
+    """How long a drain waits for in-flight requests before the replica is stopped anyway: the
+    policy's explicit `drain_timeout_s`, else the longest request at the SLO's pace (prefill plus
+    `max_output_tokens` x p99 ITL, x DRAIN_PACE_ALLOWANCE), never below `floor_s`.
+
+    >>> drain_deadline_s(slo_ttft_s=2.0, slo_itl_s=0.05, max_output_tokens=2000, explicit_s=None, floor_s=120.0)
+    204.0
+    >>> drain_deadline_s(slo_ttft_s=2.0, slo_itl_s=0.05, max_output_tokens=100, explicit_s=None, floor_s=120.0)
+    120.0
+    >>> drain_deadline_s(slo_ttft_s=2.0, slo_itl_s=0.05, max_output_tokens=2000, explicit_s=30.0, floor_s=120.0)
+    30.0
+    """
+    if explicit_s is not None:
+        return explicit_s
+    if max_output_tokens is None:
+        return floor_s
+    return max(floor_s, DRAIN_PACE_ALLOWANCE * (slo_ttft_s + max_output_tokens * slo_itl_s))
 
 
 __all__ = [
     "ActDecision", "ActSettings", "ActView", "ActionStatus", "AlertKind", "BuildRow", "BuildState",
     "DesiredRow", "DrainProgress", "DrainStep", "FinishBuild", "HostReport", "MarkReady", "NewBuild",
     "NewReplica", "Note", "Phase", "Record", "ReplicaRow", "ReportedBuild", "ReportedReplica", "SetPhase",
-    "adopt", "alert_key", "drain_step", "execute", "held_gpus", "reconcile", "rejected",
+    "adopt", "alert_key", "drain_deadline_s", "drain_step", "execute", "held_gpus", "reconcile", "rejected",
     "template_for",
 ]

@@ -150,6 +150,11 @@ class ModelPolicy(_Strict):
     precision: PrecisionName = Precision.BF16
     headroom: float = Field(default=0.2, ge=0, le=10)
     workload: WorkloadMix  # default ISL/OSL mix when the observation does not report one
+    # draining: the longest request a replica may still be serving (the engines' max output
+    # tokens); the drain waits for it at the SLO's pace (planner.act.drain_deadline_s).
+    # drain_timeout_s overrides that; neither: the controller's drain_timeout_s setting
+    max_output_tokens: int | None = Field(default=None, ge=1, le=10_000_000)
+    drain_timeout_s: float | None = Field(default=None, gt=0, le=86_400)
 
     @model_validator(mode="after")
     def _min_le_max(self) -> ModelPolicy:
