@@ -1,19 +1,17 @@
-"""What the controller sees: per-model load and latency read from Prometheus.
+"""What the controller sees: per-model load and latency read from Prometheus (the fetch).
 
 PromQL instant queries give the current rate, ISL/OSL mix, p50/p99 TTFT and ITL, queue depth,
-KV usage and per-replica `up`; a range query gives the request-rate history for the forecast.
-Both vLLM spellings (`vllm:` and `vllm_`) and TensorRT-LLM (`trtllm_`, as trtllm-serve exports
-them on /prometheus/metrics: tensorrt_llm/metrics/collector.py) are matched with `__name__`
-regexes, so one query covers a mixed fleet. TRT-LLM has no inter-token histogram: its ITL is read
-from `trtllm_time_per_output_token_seconds` (one mean per request, logged when it finishes).
+KV usage, per-replica `up` and how much of the rate window each target's samples cover; a range
+query gives the request-rate history for the forecast. Both vLLM spellings (`vllm:` and `vllm_`)
+and TensorRT-LLM (`trtllm_`, as trtllm-serve exports them on /prometheus/metrics:
+tensorrt_llm/metrics/collector.py) are matched with `__name__` regexes, so one query covers a mixed
+fleet. TRT-LLM has no inter-token histogram: its ITL is read from
+`trtllm_time_per_output_token_seconds` (one mean per request, logged when it finishes).
 
-Fail static: when Prometheus is unreachable, answers NaN, has no series for a model, or one of
-the model's scrape targets is down, that model is `stale` with `None` (unknown) values and an
-alert says why. The planner never scales a stale model down and never plans on invented numbers.
-
-Time scale: in the lab the engines' simulated clock runs K times faster than wall time. Counters
-are then K times higher per wall second, so rates are divided by K; histograms already hold
-simulated seconds. History timestamps are mapped onto the simulated clock.
+This module does the I/O only: `Observer.fetch` returns the raw answers as plain data
+(`fleetplan.planner.observation.Readings`), and the pure `interpret` there holds the fail-static
+rules (a stale model, partial rate windows, the time scale) and builds the per-model numbers.
+`Observer.snapshot` is fetch + interpret + the length/latency evidence (controller/evidence.py).
 """
 
 from __future__ import annotations
@@ -23,22 +21,47 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 from fleetplan.controller import evidence as ev
+from fleetplan.planner.observation import (
+    MODEL_LABELS,
+    REPLICA_LABEL,
+    UNSET_MODEL_NAMES,
+    ModelMetrics,
+    ObserveRules,
+    Query,
+    Readings,
+    ReplicaMetrics,
+    Sample,
+    Series,
+    group,
+    interpret,
+    model_of,
+)
 
 log = logging.getLogger(__name__)
 
-# Labels that may carry the model name: `model` is written by the controller into the file_sd
-# target labels (canonical name); `model_name` is what vLLM / TRT-LLM put on their own series.
-MODEL_LABELS: tuple[str, ...] = ("model", "model_name")
-# trtllm-serve labels every series model_name="undefined" (NVIDIA/TensorRT-LLM tensorrt_llm/serve/
-# openai_server.py): no model name at all, so TRT-LLM replicas are known by the target's `model`.
-UNSET_MODEL_NAMES = frozenset({"undefined"})
-REPLICA_LABEL = "replica"  # file_sd label written by controller/routing.py ScrapeTarget
+# re-exported: the snapshot's parts are imported from here by the daemon, the CLI and the tests
+__all__ = [
+    "MODEL_LABELS",
+    "REPLICA_LABEL",
+    "UNSET_MODEL_NAMES",
+    "ModelMetrics",
+    "Observer",
+    "ObserverConfig",
+    "PromClient",
+    "PrometheusError",
+    "ReplicaMetrics",
+    "Sample",
+    "Series",
+    "Snapshot",
+    "render_snapshot",
+    "to_observation",
+]
 
 _REQ_SUCCESS = r"vllm[:_]request_success_total|trtllm_request_success_total"
 _PROMPT_TOK = r"vllm[:_]prompt_tokens_total|trtllm_prompt_tokens_total"
@@ -55,18 +78,6 @@ _KV_USAGE = r"vllm[:_](gpu_cache_usage_perc|kv_cache_usage_perc)|trtllm_kv_cache
 
 class PrometheusError(RuntimeError):
     """Prometheus unreachable or answered an error."""
-
-
-@dataclass(frozen=True)
-class Sample:
-    labels: Mapping[str, str]
-    value: float
-
-
-@dataclass(frozen=True)
-class Series:
-    labels: Mapping[str, str]
-    points: tuple[tuple[float, float], ...]  # (unix wall seconds, value)
 
 
 class PromClient:
@@ -128,64 +139,6 @@ def _num(text: str) -> float:
         return math.nan
 
 
-def _finite(x: float | None) -> float | None:
-    return x if x is not None and math.isfinite(x) else None
-
-
-@dataclass(frozen=True)
-class ReplicaMetrics:
-    """One scrape target (engine replica)."""
-
-    replica_id: str
-    model: str | None
-    instance: str
-    up: bool
-    running: float | None = None
-    waiting: float | None = None
-
-
-@dataclass(frozen=True)
-class ModelMetrics:
-    """Everything observed for one model; None = unknown."""
-
-    model: str
-    rate_rps: float | None = None
-    isl: float | None = None
-    osl: float | None = None
-    ttft_p50_ms: float | None = None
-    ttft_p99_ms: float | None = None
-    itl_p50_ms: float | None = None
-    itl_p99_ms: float | None = None
-    queue_depth: float | None = None
-    running: float | None = None
-    kv_usage: float | None = None
-    replicas_up: int = 0
-    replicas_down: int = 0
-    history: tuple[tuple[float, float], ...] = ()
-    stale: bool = True
-    reasons: tuple[str, ...] = ()
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "rate_rps": self.rate_rps,
-            "isl": self.isl,
-            "osl": self.osl,
-            "ttft_p50_ms": self.ttft_p50_ms,
-            "ttft_p99_ms": self.ttft_p99_ms,
-            "itl_p50_ms": self.itl_p50_ms,
-            "itl_p99_ms": self.itl_p99_ms,
-            "queue_depth": self.queue_depth,
-            "running": self.running,
-            "kv_usage": self.kv_usage,
-            "replicas_up": self.replicas_up,
-            "replicas_down": self.replicas_down,
-            "history_points": len(self.history),
-            "stale": self.stale,
-            "reasons": list(self.reasons),
-        }
-
-
 @dataclass(frozen=True)
 class Snapshot:
     models: Mapping[str, ModelMetrics]
@@ -206,7 +159,7 @@ class Snapshot:
             "models": {m: mm.to_json() for m, mm in sorted(self.models.items())},
             "replicas": {
                 r: {"model": rm.model, "instance": rm.instance, "up": rm.up, "running": rm.running,
-                    "waiting": rm.waiting}
+                    "waiting": rm.waiting, "window_full": rm.window_full}
                 for r, rm in sorted(self.replicas.items())
             },
         }
@@ -222,6 +175,10 @@ class ObserverConfig:
     # models whose targets must all be up; a down target makes the model stale (fail static)
     require_all_targets_up: bool = True
     extra_selector: str = ""  # e.g. 'job="engines"' to restrict all queries
+
+    def rules(self) -> ObserveRules:
+        return ObserveRules(window_s=self.window_s, time_scale=self.time_scale, model_labels=self.model_labels,
+                            require_all_targets_up=self.require_all_targets_up)
 
 
 @dataclass
@@ -244,50 +201,45 @@ class Observer:
         return f"{max(1, round(self.config.window_s))}s"
 
     def _model_of(self, labels: Mapping[str, str]) -> str | None:
-        for key in self.config.model_labels:
-            val = labels.get(key)
-            if val and val not in UNSET_MODEL_NAMES:
-                return self.canonical(val)
-        return None
+        return model_of(labels, self.config.model_labels, self.canonical)
 
     def _group(self, samples: Iterable[Sample], combine: str = "sum") -> dict[str, float]:
         """Per canonical model; several label groups of one model are summed (or max-ed)."""
-        out: dict[str, float] = {}
-        nan_models: set[str] = set()
-        for s in samples:
-            model = self._model_of(s.labels)
-            if model is None:
-                continue
-            if not math.isfinite(s.value):
-                nan_models.add(model)
-                continue
-            if model in out:
-                out[model] = out[model] + s.value if combine == "sum" else max(out[model], s.value)
-            else:
-                out[model] = s.value
-        for m in nan_models:
-            out.setdefault(m, math.nan)
-        return out
+        return group(samples, self._model_of, take_max=combine == "max")
 
-    def queries(self) -> dict[str, str]:
+    def queries(self) -> dict[Query, str]:
         w = self._window()
         by = self._by()
-        q: dict[str, str] = {
-            "rate": self._arrival_rate_query(),
-            "prompt": f"sum by ({by}) (rate({self._sel(_PROMPT_TOK)}[{w}]))",
-            "gen": f"sum by ({by}) (rate({self._sel(_GEN_TOK)}[{w}]))",
-            "waiting": f"sum by ({by}) ({self._sel(_WAITING)})",
-            "running": f"sum by ({by}) ({self._sel(_RUNNING)})",
-            "kv": f"avg by ({by}) ({self._sel(_KV_USAGE)})",
+        q: dict[Query, str] = {
+            Query.RATE: self._arrival_rate_query(),
+            Query.PROMPT: f"sum by ({by}) (rate({self._sel(_PROMPT_TOK)}[{w}]))",
+            Query.GEN: f"sum by ({by}) (rate({self._sel(_GEN_TOK)}[{w}]))",
+            Query.WAITING: f"sum by ({by}) ({self._sel(_WAITING)})",
+            Query.RUNNING: f"sum by ({by}) ({self._sel(_RUNNING)})",
+            Query.KV: f"avg by ({by}) ({self._sel(_KV_USAGE)})",
         }
-        for name, buckets in (("ttft", (_TTFT_BUCKET,)), ("itl", (_ITL_BUCKET, _ITL_BUCKET_OLD))):
+        quantiles = ((Query.TTFT_P50, Query.TTFT_P99, (_TTFT_BUCKET,)),
+                     (Query.ITL_P50, Query.ITL_P99, (_ITL_BUCKET, _ITL_BUCKET_OLD)))
+        for p50, p99, buckets in quantiles:
             agg = " or ".join(f"sum by ({self._by('le')}) (rate({self._sel(b)}[{w}]))" for b in buckets)
-            q[f"{name}_p50"] = f"histogram_quantile(0.5, {agg})"
-            q[f"{name}_p99"] = f"histogram_quantile(0.99, {agg})"
+            q[p50] = f"histogram_quantile(0.5, {agg})"
+            q[p99] = f"histogram_quantile(0.99, {agg})"
         extra = f",{self.config.extra_selector}" if self.config.extra_selector else ""
-        q["up"] = f'up{{{REPLICA_LABEL}!=""{extra}}}'
-        q["replica_running"] = f"sum by ({REPLICA_LABEL}) ({self._sel(_RUNNING)})"
-        q["replica_waiting"] = f"sum by ({REPLICA_LABEL}) ({self._sel(_WAITING)})"
+        up = f'up{{{REPLICA_LABEL}!=""{extra}}}'
+        q[Query.UP] = up
+        q[Query.REPLICA_RUNNING] = f"sum by ({REPLICA_LABEL}) ({self._sel(_RUNNING)})"
+        q[Query.REPLICA_WAITING] = f"sum by ({REPLICA_LABEL}) ({self._sel(_WAITING)})"
+        # how much of the window each target's samples cover (planner/observation.py window_full).
+        # The first sample in the window: a subquery of the samples' own timestamps, each step
+        # looking back only one step (else the 5 min lookback would find a sample from before a
+        # gap, e.g. before Prometheus restarted, that the rate window does not hold)
+        rules = self.config.rules()
+        step_ms = round(rules.window_step_s * 1000)
+        win_ms = round(self.config.window_s * 1000)
+        q[Query.UP_FIRST_S] = (f"min_over_time((timestamp({up}) >= time() - {rules.window_step_s:g})"
+                               f"[{win_ms}ms:{step_ms}ms])")
+        q[Query.UP_LAST_S] = f"timestamp({up})"
+        q[Query.UP_SAMPLES] = f"count_over_time({up}[{win_ms}ms])"
         return q
 
     def evidence_queries(self) -> dict[str, str]:
@@ -335,6 +287,23 @@ class Observer:
         w = f"{max(1, round(max(self.config.window_s, self.config.history_step_s)))}s"
         return f"sum by ({self._by()}) (rate({self._sel(_REQ_SUCCESS)}[{w}]))"
 
+    async def fetch(self, *, with_history: bool = True) -> Readings:
+        """Every query of one observation, evaluated at one wall time; the raw answers, no rules.
+        A Prometheus failure is returned as `Readings.error`, not raised."""
+        wall = self.clock()
+        queries = self.queries()
+        try:
+            names = list(queries)
+            results = await asyncio.gather(*(self.client.query(queries[n], wall) for n in names))
+            history: list[Series] = []
+            if with_history:
+                history = await self.client.query_range(
+                    self.history_query(), wall - self.config.history_s, wall, self.config.history_step_s
+                )
+        except PrometheusError as exc:
+            return Readings(wall, error=str(exc))
+        return Readings(wall, {n: tuple(r) for n, r in zip(names, results, strict=True)}, tuple(history))
+
     async def snapshot(
         self,
         models: Iterable[str],
@@ -348,130 +317,15 @@ class Observer:
         `expected_replicas`: the replicas the controller runs; a down target outside this set
         (a replica being removed, not yet gone from file_sd) does not make its model stale.
         """
-        expected = set(expected_replicas) if expected_replicas is not None else None
-        wall = self.clock()
-        now = wall if now_s is None else now_s
-        wanted = [self.canonical(m) for m in models]
-        k = self.config.time_scale
-        queries = self.queries()
-        try:
-            names = list(queries)
-            results = await asyncio.gather(*(self.client.query(queries[n], wall) for n in names))
-            res = dict(zip(names, results, strict=True))
-            history: list[Series] = []
-            if with_history:
-                history = await self.client.query_range(
-                    self.history_query(), wall - self.config.history_s, wall, self.config.history_step_s
-                )
-        except PrometheusError as exc:
-            alert = f"fail static: {exc}"
-            log.warning("%s", alert)
-            unknown = {m: ModelMetrics(model=m, stale=True, reasons=(str(exc),)) for m in wanted}
-            return Snapshot(unknown, {}, (alert,), False, wall, now)
-
-        evidence = await self._evidence(wall)
-        replicas: dict[str, ReplicaMetrics] = {}
-        running_by_rep = {s.labels.get(REPLICA_LABEL, ""): s.value for s in res["replica_running"]}
-        waiting_by_rep = {s.labels.get(REPLICA_LABEL, ""): s.value for s in res["replica_waiting"]}
-        for s in res["up"]:
-            rid = s.labels.get(REPLICA_LABEL, "")
-            if not rid:
-                continue
-            up = s.value == 1.0
-            prev = replicas.get(rid)
-            if prev is not None:
-                up = up and prev.up
-            replicas[rid] = ReplicaMetrics(
-                replica_id=rid,
-                model=self._model_of(s.labels),
-                instance=s.labels.get("instance", ""),
-                up=up,
-                running=_finite(running_by_rep.get(rid)) if up else None,
-                waiting=_finite(waiting_by_rep.get(rid)) if up else None,
-            )
-
-        rate = self._group(res["rate"])
-        prompt = self._group(res["prompt"])
-        gen = self._group(res["gen"])
-        waiting = self._group(res["waiting"])
-        running = self._group(res["running"])
-        kv = self._group(res["kv"], combine="max")
-        # several label groups of one model: the worst quantile is the conservative merge
-        quant = {n: self._group(res[n], combine="max") for n in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")}
-
-        hist_by_model: dict[str, dict[float, float]] = {}
-        for series in history:
-            model = self._model_of(series.labels)
-            if model is None:
-                continue
-            acc = hist_by_model.setdefault(model, {})
-            for t, v in series.points:
-                if math.isfinite(v):
-                    acc[t] = acc.get(t, 0.0) + v
-
-        seen = set(rate) | set(running) | {r.model for r in replicas.values() if r.model}
-        all_models = list(dict.fromkeys([*wanted, *sorted(seen)]))
-        alerts: list[str] = []
-        out: dict[str, ModelMetrics] = {}
-        for m in all_models:
-            reasons: list[str] = []
-            reps = [
-                r for r in replicas.values()
-                if r.model == m and (expected is None or r.replica_id in expected)
-            ]
-            up_n = sum(1 for r in reps if r.up)
-            down_n = len(reps) - up_n
-            r_wall = rate.get(m)
-            if r_wall is None and up_n > 0 and down_n == 0:
-                r_wall = 0.0  # targets up, no request ever finished: idle, not unknown
-            if r_wall is None:
-                reasons.append("no request-rate series in Prometheus (no replica scraped)")
-            elif not math.isfinite(r_wall):
-                reasons.append("request rate is NaN")
-            if down_n and self.config.require_all_targets_up:
-                down_ids = ", ".join(sorted(r.replica_id for r in reps if not r.up))
-                reasons.append(f"{down_n} scrape target(s) down: {down_ids}")
-            rate_rps = _finite(r_wall / k) if r_wall is not None else None
-            r_raw = _finite(r_wall)
-            isl = osl = None
-            if r_raw is not None and r_raw > 0:
-                p, g = _finite(prompt.get(m)), _finite(gen.get(m))
-                isl = p / r_raw if p is not None else None
-                osl = g / r_raw if g is not None else None
-
-            def ms(key: str, model: str = m) -> float | None:
-                v = _finite(quant[key].get(model))
-                return v * 1000.0 if v is not None else None
-
-            hist_pts = hist_by_model.get(m, {})
-            hist = tuple(
-                (now - max(0.0, wall - t) * k, v / k) for t, v in sorted(hist_pts.items())
-            )
-            stale = bool(reasons)
-            mm = ModelMetrics(
-                model=m,
-                rate_rps=rate_rps,
-                isl=isl,
-                osl=osl,
-                ttft_p50_ms=ms("ttft_p50"),
-                ttft_p99_ms=ms("ttft_p99"),
-                itl_p50_ms=ms("itl_p50"),
-                itl_p99_ms=ms("itl_p99"),
-                queue_depth=_finite(waiting.get(m)),
-                running=_finite(running.get(m)),
-                kv_usage=_finite(kv.get(m)),
-                replicas_up=up_n,
-                replicas_down=down_n,
-                history=hist,
-                stale=stale,
-                reasons=tuple(reasons),
-            )
-            if stale:
-                alerts.append(f"fail static for {m}: " + "; ".join(reasons))
-                # never plan on partial numbers of a stale model
-                mm = replace(mm, rate_rps=None, isl=None, osl=None)
-            out[m] = mm
-        return Snapshot(out, replicas, tuple(alerts), True, wall, now, evidence)
+        readings = await self.fetch(with_history=with_history)
+        now = readings.wall_s if now_s is None else now_s
+        view = interpret(readings, models, now_s=now, rules=self.config.rules(), canonical=self.canonical,
+                         expected_replicas=frozenset(expected_replicas) if expected_replicas is not None else None)
+        if readings.error is not None:
+            log.warning("fail static: %s", readings.error)
+            return Snapshot(view.models, view.replicas, view.alerts, False, readings.wall_s, now)
+        evidence = await self._evidence(readings.wall_s)
+        return Snapshot(view.models, view.replicas, view.alerts, view.prometheus_ok, readings.wall_s, now, evidence)
 
 
 def to_observation(snapshot: Snapshot, models: Sequence[str] | None = None,

@@ -3,7 +3,9 @@
 Pure. Steps:
 1. the policy at `now_s` (schedules), the usable inventory (online, not drained for maintenance);
 2. demand per model: max(observed, forecast quantile over the lead time); fail static when the
-   observation is stale or unknown (no scale-down for that model, said in the explanation);
+   observation is stale or unknown: no scale-DOWN for that model (its running replicas are floors),
+   while the rate a stale observation still carries is a lower bound that can scale it UP (said in
+   the explanation);
 3. the capacity table (max rps per replica at the SLO) from the profiles;
 4. stage 1 (counts, CP-SAT) for the TARGET (every allowed config, builds included) and, when the
    target needs a TensorRT-LLM engine that is not built yet, for NOW (only ready configs: vLLM
@@ -225,12 +227,21 @@ def _demands(observation: Observation, policy: Policy, now_s: float,
                     for t in m.allowed.tp), default=0.0)
         horizon = lead + policy.scaling.cycle_s
         if not known:
+            # Fail static means no scale-DOWN on missing data, not no scaling: the floors keep every
+            # running replica of this model (plan_with_capacities), and a stale model's rate, when
+            # one was read, is a LOWER BOUND (the targets that are up, a window not yet full:
+            # planner/observation.py) that still raises capacity when it exceeds what runs - a lost
+            # host is replaced on the evidence that remains. No forecast on it: the history of a
+            # window that is filling up ramps towards the true rate and would extrapolate past it.
             why = "no observation" if o is None else ("stale observation" if o.stale else "request rate unknown")
-            notes.append(f"fail static: {why}; no scale-down for this model")
-            last = o.rate_rps if o is not None and o.rate_rps is not None else 0.0
-            demand = max(0.0, last)
-            out[m.name] = _Demand(m.name, o.rate_rps if o is not None else None, None, demand,
-                                  demand * (1 + m.headroom), False, tuple(notes))
+            lower = o.rate_rps if o is not None and o.rate_rps is not None else None
+            if lower is None:
+                notes.append(f"fail static: {why}; no scale-down for this model")
+            else:
+                notes.append(f"fail static: {why}; no scale-down for this model; the {lower:.2f} rps read is a "
+                             "lower bound: it can raise capacity, never lower it")
+            demand = max(0.0, lower or 0.0)
+            out[m.name] = _Demand(m.name, lower, None, demand, demand * (1 + m.headroom), False, tuple(notes))
             continue
         assert o is not None and o.rate_rps is not None
         fc = forecast_rate(o.history, o.rate_rps, now_s, horizon, policy.scaling.forecast_quantile)
@@ -374,7 +385,7 @@ def plan_with_capacities(
     for c, k in current.items():
         d = demands.get(c.model)
         if d is not None and not d.known:
-            floors[c] = k  # fail static
+            floors[c] = k  # fail static: no scale-down; a lower-bound demand may still add replicas
 
     reports: list[SolverReport] = []
     notes: list[str] = []

@@ -107,6 +107,8 @@ class ModelObservation:
     ttft_p99_ms: float | None = None
     itl_p99_ms: float | None = None
     history: tuple[tuple[float, float], ...] = ()  # (t_s, rps) samples, oldest first; may be empty
+    # incomplete reading (a scrape target down, a rate window not yet full, no series): no scale-DOWN
+    # on it; its rate_rps, when given, is a lower bound that can still raise capacity (core._demands)
     stale: bool = False
     # the length distribution: ((q, tokens), ...) from the engines' prompt/generation-length
     # histograms; empty: only the means are known

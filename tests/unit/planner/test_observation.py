@@ -1,0 +1,134 @@
+"""planner/observation.py: the fail-static rules of observation, from raw Prometheus answers, no server.
+
+Partial windows are unknown, never 0 rps (issue 11 item 3); a stale model keeps its rate as a lower
+bound (item 5); Prometheus down leaves everything unknown."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from fleetplan.planner.observation import (
+    ObserveRules,
+    Query,
+    Readings,
+    Sample,
+    Series,
+    interpret,
+    window_full,
+)
+
+WALL = 1_000_000.0
+W = 60.0  # rate window, wall seconds
+RULES = ObserveRules(window_s=W)
+M = "llama"
+
+
+def target(rid: str, *, since_s: float = WALL - 3600, up: bool = True, interval_s: float = 15.0,
+           model: str = M) -> dict[Query, list[Sample]]:
+    """One scrape target scraped every `interval_s` since `since_s`: the answers of the up queries."""
+    labels = {"replica": rid, "model": model, "instance": f"{rid}:8000"}
+    first_in_window = max(since_s, WALL - W + 0.5 * interval_s)  # the sample phase: half an interval in
+    n = math.floor((WALL - first_in_window) / interval_s) + 1
+    last = first_in_window + (n - 1) * interval_s
+    return {Query.UP: [Sample(labels, 1.0 if up else 0.0)], Query.UP_FIRST_S: [Sample(labels, first_in_window)],
+            Query.UP_LAST_S: [Sample(labels, last)], Query.UP_SAMPLES: [Sample(labels, float(n))]}
+
+
+def readings(*targets: dict[Query, list[Sample]], rate: float | None = None, prompt: float | None = None,
+             gen: float | None = None, history: tuple[Series, ...] = (), model: str = M) -> Readings:
+    res: dict[Query, list[Sample]] = {}
+    for t in targets:
+        for q, samples in t.items():
+            res.setdefault(q, []).extend(samples)
+    for q, v in ((Query.RATE, rate), (Query.PROMPT, prompt), (Query.GEN, gen)):
+        if v is not None:
+            res[q] = [Sample({"model_name": model}, v)]
+    return Readings(WALL, {q: tuple(s) for q, s in res.items()}, history)
+
+
+def test_full_window_rate_is_known_and_scaled_to_the_simulated_clock() -> None:
+    r = readings(target("r1"), target("r2"), rate=8.0, prompt=8.0 * 500, gen=8.0 * 100)
+    out = interpret(r, [M], now_s=5000.0, rules=ObserveRules(window_s=W, time_scale=4.0))
+    m = out.models[M]
+    assert not m.stale and m.reasons == () and out.alerts == ()
+    assert m.rate_rps == 2.0 and m.isl == 500.0 and m.osl == 100.0
+    assert m.replicas_up == 2 and out.replicas["r1"].window_full
+
+
+def test_prometheus_restarted_with_empty_data_is_unknown_not_idle() -> None:
+    # scraped again for 10 s: one target has a single sample, rate() has nothing yet
+    r = readings(target("r1", since_s=WALL - 10), target("r2", since_s=WALL - 0.5))
+    m = interpret(r, [M], now_s=WALL, rules=RULES).models[M]
+    assert m.stale and m.rate_rps is None
+    assert any("not yet covered" in x and "r1, r2" in x for x in m.reasons)
+    # the same targets after a whole window: up, no request finished -> idle, known 0 rps
+    idle = interpret(readings(target("r1"), target("r2")), [M], now_s=WALL, rules=RULES).models[M]
+    assert not idle.stale and idle.rate_rps == 0.0
+
+
+def test_partial_window_rate_is_a_lower_bound_and_no_length_means() -> None:
+    # 20 s of samples in a 60 s window: rate() reads about a third of the true 30 rps
+    r = readings(target("r1", since_s=WALL - 20), rate=10.0, prompt=10.0 * 500, gen=10.0 * 100)
+    out = interpret(r, [M], now_s=WALL, rules=RULES)
+    m = out.models[M]
+    assert m.stale and m.rate_rps == 10.0  # kept: it can raise capacity (planner/core.py), never lower it
+    assert m.isl is None and m.osl is None
+    assert out.alerts and "fail static for llama" in out.alerts[0]
+
+
+def test_a_new_replica_in_its_first_window_makes_the_model_stale_until_it_is_covered() -> None:
+    old = [target("r1"), target("r2")]
+    r = readings(*old, target("r3", since_s=WALL - 30), rate=12.0)
+    m = interpret(r, [M], now_s=WALL, rules=RULES).models[M]
+    assert m.stale and m.rate_rps == 12.0 and any("r3" in x for x in m.reasons)
+    later = interpret(readings(*old, target("r3", since_s=WALL - 65), rate=12.0), [M], now_s=WALL,
+                      rules=RULES).models[M]
+    assert not later.stale
+
+
+def test_a_down_target_makes_the_model_stale_unless_it_is_being_removed() -> None:
+    r = readings(target("r1"), target("r2", up=False), rate=6.0)
+    m = interpret(r, [M], now_s=WALL, rules=RULES).models[M]
+    assert m.stale and m.rate_rps == 6.0 and m.replicas_down == 1
+    assert any("1 scrape target(s) down: r2" in x for x in m.reasons)
+    removing = interpret(r, [M], now_s=WALL, rules=RULES, expected_replicas={"r1"}).models[M]
+    assert not removing.stale and removing.replicas_down == 0
+    assert not interpret(r, [M], now_s=WALL, rules=ObserveRules(window_s=W, require_all_targets_up=False)
+                         ).models[M].stale
+
+
+def test_prometheus_error_leaves_every_model_unknown() -> None:
+    out = interpret(Readings(WALL, error="prometheus at x unreachable"), [M, "other"], now_s=WALL, rules=RULES)
+    assert not out.prometheus_ok and out.replicas == {}
+    assert all(m.stale and m.rate_rps is None for m in out.models.values()) and set(out.models) == {M, "other"}
+    assert out.alerts == ("fail static: prometheus at x unreachable",)
+
+
+def test_nan_rate_and_no_series_are_unknown() -> None:
+    nan = interpret(readings(target("r1"), rate=math.nan), [M], now_s=WALL, rules=RULES).models[M]
+    assert nan.stale and nan.rate_rps is None and "request rate is NaN" in nan.reasons
+    absent = interpret(readings(), ["absent"], now_s=WALL, rules=RULES).models["absent"]
+    assert absent.stale and absent.rate_rps is None and absent.replicas_up == 0
+
+
+def test_history_is_summed_per_model_and_mapped_onto_the_controller_clock() -> None:
+    h = (Series({"model_name": M, "finished_reason": "stop"}, ((WALL - 60, 4.0), (WALL, 8.0))),
+         Series({"model_name": M, "finished_reason": "length"}, ((WALL, 2.0), (WALL - 30, math.nan))))
+    r = readings(target("r1"), rate=10.0, history=h)
+    m = interpret(r, [M], now_s=500.0, rules=ObserveRules(window_s=W, time_scale=2.0)).models[M]
+    assert m.history == ((500.0 - 120.0, 2.0), (500.0, 5.0))
+
+
+@pytest.mark.parametrize(("first", "last", "n", "full"), [
+    (WALL - W + 1, WALL, 60, True),  # every second, the whole window
+    (WALL - W + 15, WALL - 15, 3, True),  # every 15 s, the first sample 15 s in: rate() extrapolates
+    (WALL - W + 2.5, WALL, 23, True),  # within one subquery step (3 s) of the start: counted as covered
+    (WALL - W + 20, WALL, 41, False),  # started 40 s ago, scraped every second
+    (WALL - 1, WALL - 1, 1, False),  # one sample: no rate
+    (None, WALL, 5, False),  # unknown: not evidence
+    (WALL - 30, WALL - 40, 3, False),  # inconsistent answers: not evidence
+])
+def test_window_full(first: float | None, last: float, n: float, full: bool) -> None:
+    assert window_full(first, last, n, eval_s=WALL, window_s=W, step_s=RULES.window_step_s) is full
