@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -84,14 +85,76 @@ EngineName = Annotated[Engine, BeforeValidator(_engine)]
 GpuName = Annotated[GpuType, BeforeValidator(_gpu)]
 PrecisionName = Annotated[Precision, BeforeValidator(_precision)]
 
+# Names that reach engines, paths, metric labels and MQTT: a canonical model name is one argv item
+# (e.g. "meta-llama/Llama-3.1-8B-Instruct"), the same pattern the wire protocol accepts
+# (controller/protocol.py MODEL_PATTERN; controller/routing.py also refuses a trailing '/'): no
+# whitespace, shell metacharacters, leading '-', '..' or '//'.
+# fullmatch, not match: "$" also matches before a trailing newline.
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/:+-]{0,199}$"
+# aliases are only looked up (other spellings engines report), so a space is allowed: "Llama 3.1 8B"
+ALIAS_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9 ._/:+-]{0,199}$"
+# host names are MQTT topic levels (controller/protocol.py HOST_PATTERN): no '/', '+', '#'
+HOST_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
+_MODEL_RE = re.compile(MODEL_NAME_PATTERN)
+_ALIAS_RE = re.compile(ALIAS_PATTERN)
+_HOST_RE = re.compile(HOST_NAME_PATTERN)
+_ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+
+# Upper bounds for values no deployment has: they catch a typo (an extra three zeros) or a value a
+# solver or timer cannot represent, before it reaches the planner.
+MAX_REPLICAS = 10_000  # per model
+MAX_GPUS = 1_000_000
+MAX_SLO_TTFT_MS = 3_600_000.0  # 1 h
+MAX_SLO_ITL_MS = 60_000.0  # 1 min per token
+MAX_TOKENS = 10_000_000.0  # mean or quantile prompt/output length
+MAX_DURATION_S = 366 * 86_400.0  # delays, startup/build times, schedule windows
+MAX_USD_H = 1e9
+MAX_PRICE_USD_H = 10_000.0  # per GPU-hour
+
+
+def _model_name(v: str) -> str:
+    if not _MODEL_RE.fullmatch(v) or ".." in v or "//" in v or v.endswith("/"):
+        raise ValueError("a model name is 1-200 characters of A-Z a-z 0-9 . _ / : + -, starts with a letter "
+                         "or digit, has no '..' or '//' and does not end in '/' (it is passed to engines, "
+                         "used in paths and routed by nginx)")
+    return v
+
+
+def _alias(v: str) -> str:
+    if not _ALIAS_RE.fullmatch(v):
+        raise ValueError("an alias is 1-200 characters of A-Z a-z 0-9 space . _ / : + -, starting with a "
+                         "letter or digit")
+    return v
+
+
+def _host_name(v: str) -> str:
+    if not _HOST_RE.fullmatch(v):
+        raise ValueError("a host name is 1-63 characters of A-Z a-z 0-9 _ . -, starting with a letter or digit")
+    return v
+
+
+def _no_control(v: str) -> str:
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in v):
+        raise ValueError("control characters (newline, NUL, ...) are not allowed")
+    return v
+
+
+ModelName = Annotated[str, AfterValidator(_model_name)]
+AliasName = Annotated[str, AfterValidator(_alias)]  # a canonical name or an alias
+HostName = Annotated[str, AfterValidator(_host_name)]
+PlainText = Annotated[str, AfterValidator(_no_control)]
+Seconds = Annotated[float, Field(ge=0, le=MAX_DURATION_S)]
+ReplicaCount = Annotated[int, Field(ge=0, le=MAX_REPLICAS)]
+
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: `.inf` or `.nan` in any number is refused ("Input should be a finite number")
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class Slo(_Strict):
-    ttft_p99_ms: float = Field(gt=0)
-    itl_p99_ms: float = Field(gt=0)
+    ttft_p99_ms: float = Field(gt=0, le=MAX_SLO_TTFT_MS)
+    itl_p99_ms: float = Field(gt=0, le=MAX_SLO_ITL_MS)
 
 
 class AllowedConfigs(_Strict):
@@ -109,8 +172,8 @@ class AllowedConfigs(_Strict):
 
 
 class WorkloadMix(_Strict):
-    isl: float = Field(gt=0)  # mean prompt tokens
-    osl: float = Field(gt=0)  # mean output tokens
+    isl: float = Field(gt=0, le=MAX_TOKENS)  # mean prompt tokens
+    osl: float = Field(gt=0, le=MAX_TOKENS)  # mean output tokens
     # the distribution, as quantiles {q: tokens} (e.g. {0.5: 2400, 0.9: 27000, 0.99: 85000}): p99
     # TTFT is set by the long prompts, so capacity is computed for the mix, not for the mean
     isl_quantiles: dict[float, float] | None = None
@@ -125,8 +188,8 @@ class WorkloadMix(_Strict):
         for q in sorted(v):
             if not 0.0 < q < 1.0:
                 raise ValueError(f"quantile level {q!r} must be between 0 and 1 (exclusive)")
-            if not (math.isfinite(v[q]) and v[q] > 0):
-                raise ValueError(f"quantile {q!r}: tokens {v[q]!r} must be a positive number")
+            if not (math.isfinite(v[q]) and 0 < v[q] <= MAX_TOKENS):
+                raise ValueError(f"quantile {q!r}: tokens {v[q]!r} must be a positive number up to {MAX_TOKENS:g}")
             if v[q] < last:
                 raise ValueError(f"quantile {q!r}: tokens {v[q]!r} below a lower quantile's {last!r}")
             last = v[q]
@@ -140,12 +203,12 @@ class WorkloadMix(_Strict):
 
 
 class ModelPolicy(_Strict):
-    name: str = Field(min_length=1)
-    aliases: tuple[str, ...] = ()
+    name: ModelName
+    aliases: tuple[AliasName, ...] = ()
     slo: Slo
     priority: int = Field(default=1, ge=0, le=100)  # higher = served first when capacity is short
-    min_replicas: int = Field(default=0, ge=0)
-    max_replicas: int | None = Field(default=None, ge=0)
+    min_replicas: ReplicaCount = 0
+    max_replicas: ReplicaCount | None = None
     allowed: AllowedConfigs = AllowedConfigs()
     precision: PrecisionName = Precision.BF16
     headroom: float = Field(default=0.2, ge=0, le=10)
@@ -159,21 +222,29 @@ class ModelPolicy(_Strict):
 
 
 class LaunchTemplate(_Strict):
-    command: str = Field(min_length=1)
+    command: PlainText = Field(min_length=1)
     # placeholders: {model} {hf_model} {tp} {port} {gpu_indices} {precision} {engine_dir}
-    args: tuple[str, ...] = ()
-    env: Mapping[str, str] = Field(default_factory=dict)
+    args: tuple[PlainText, ...] = ()
+    env: Mapping[str, PlainText] = Field(default_factory=dict)
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, v: Mapping[str, str]) -> Mapping[str, str]:
+        for name in v:
+            if not _ENV_KEY_RE.fullmatch(name):
+                raise ValueError(f"environment variable name {name!r} must match [A-Za-z_][A-Za-z0-9_]*")
+        return v
 
 
 class TimeOverride(_Strict):
-    model: str | None = None  # None: any model
+    model: ModelName | None = None  # None: any model
     gpu: GpuName | None = None  # None: any GPU type
-    tp: int | None = None
-    seconds: float = Field(ge=0)
+    tp: int | None = Field(default=None, ge=1, le=64)
+    seconds: Seconds
 
 
 class TimeTable(_Strict):
-    default_s: float = Field(ge=0)
+    default_s: Seconds
     overrides: tuple[TimeOverride, ...] = ()
 
     def lookup(self, model: str, gpu: GpuType, tp: int) -> float:
@@ -192,9 +263,9 @@ class TimeTable(_Strict):
 
 
 class CachedBuild(_Strict):
-    model: str
+    model: ModelName
     gpu: GpuName
-    tp: int = Field(ge=1)
+    tp: int = Field(ge=1, le=64)
     precision: PrecisionName = Precision.BF16
 
 
@@ -203,7 +274,7 @@ class EnginePolicy(_Strict):
     startup: TimeTable  # seconds from launch to ready (weights load, warm-up)
     build: TimeTable | None = None  # TRT-LLM engine build seconds; None: no build step (vLLM)
     cached_builds: tuple[CachedBuild, ...] = ()
-    engine_dir: str = "/var/lib/fleetplan/engines/{model}-{gpu}-tp{tp}-{precision}"  # built engines
+    engine_dir: PlainText = "/var/lib/fleetplan/engines/{model}-{gpu}-tp{tp}-{precision}"  # built engines
     # names of the agent's allowlisted templates (config/agent*.yaml) the controller asks for;
     # None: the engine's name ("vllm", "trtllm") for launch, "<engine>-build" for builds
     agent_template: str | None = None
@@ -221,11 +292,11 @@ class EnginePolicy(_Strict):
 
 
 class GpuTypePolicy(_Strict):
-    price_usd_h: float = Field(ge=0)  # per GPU
+    price_usd_h: float = Field(ge=0, le=MAX_PRICE_USD_H)  # per GPU
 
 
 class HostPolicy(_Strict):
-    name: str = Field(min_length=1)
+    name: HostName
     gpu: GpuName
     gpu_count: int = Field(ge=1, le=64)
     nvlink_groups: tuple[tuple[int, ...], ...] = ()  # empty: all GPUs of the host form one group
@@ -247,16 +318,16 @@ class HostPolicy(_Strict):
 
 
 class Scaling(_Strict):
-    cycle_s: float = Field(default=60.0, gt=0)  # control-loop period
-    scale_down_delay_s: float = Field(default=600.0, ge=0)  # surplus must persist this long
-    max_actions_per_cycle: int = Field(default=8, ge=1)
-    churn_cost_usd_h: float = Field(default=0.5, ge=0)  # objective penalty per replica started/stopped
-    lead_time_cost_usd_h_per_min: float = Field(default=0.02, ge=0)  # per minute of startup of a new replica
+    cycle_s: float = Field(default=60.0, gt=0, le=86_400)  # control-loop period
+    scale_down_delay_s: Seconds = 600.0  # surplus must persist this long
+    max_actions_per_cycle: int = Field(default=8, ge=1, le=MAX_REPLICAS)
+    churn_cost_usd_h: float = Field(default=0.5, ge=0, le=MAX_USD_H)  # objective penalty per replica started/stopped
+    lead_time_cost_usd_h_per_min: float = Field(default=0.02, ge=0, le=MAX_USD_H)  # per minute of startup of a new replica
     forecast_quantile: float = Field(default=0.9, gt=0, lt=1)
     # blast-radius limits (planner/brakes.py; None: no limit): what may change per hour / per cycle
-    max_gpus_started_per_hour: int | None = Field(default=None, ge=0)
-    max_gpus_stopped_per_hour: int | None = Field(default=None, ge=0)
-    max_drains_per_host_per_cycle: int | None = Field(default=None, ge=0)
+    max_gpus_started_per_hour: int | None = Field(default=None, ge=0, le=MAX_GPUS)
+    max_gpus_stopped_per_hour: int | None = Field(default=None, ge=0, le=MAX_GPUS)
+    max_drains_per_host_per_cycle: int | None = Field(default=None, ge=0, le=64)
     min_ready_capacity_fraction: float | None = Field(default=None, ge=0, le=1)  # never drained at once
 
     def brake_limits(self) -> BrakeLimits:
@@ -265,28 +336,28 @@ class Scaling(_Strict):
 
 
 class Budget(_Strict):
-    max_gpus: int | None = Field(default=None, ge=0)
-    max_usd_h: float | None = Field(default=None, ge=0)
+    max_gpus: int | None = Field(default=None, ge=0, le=MAX_GPUS)
+    max_usd_h: float | None = Field(default=None, ge=0, le=MAX_USD_H)
 
 
 class SolverSettings(_Strict):
-    time_limit_s: float = Field(default=10.0, gt=0)
+    time_limit_s: float = Field(default=10.0, gt=0, le=3_600)
     relative_gap: float = Field(default=0.005, ge=0, le=1)
     workers: int = Field(default=1, ge=1, le=64)  # CP-SAT: >1 is faster but not bit-for-bit deterministic
     backend: Literal["SCIP", "cp-sat"] = "SCIP"  # stage-1 solver (placement is always exact packing)
 
 
 class ScheduleOverride(_Strict):
-    min_replicas: Mapping[str, int] = Field(default_factory=dict)
-    max_replicas: Mapping[str, int] = Field(default_factory=dict)
+    min_replicas: Mapping[AliasName, ReplicaCount] = Field(default_factory=dict)
+    max_replicas: Mapping[AliasName, ReplicaCount] = Field(default_factory=dict)
     budget: Budget | None = None
-    drain_hosts: tuple[str, ...] = ()  # maintenance window: plan nothing on these hosts
+    drain_hosts: tuple[HostName, ...] = ()  # maintenance window: plan nothing on these hosts
 
 
 class Schedule(_Strict):
-    name: str = Field(min_length=1)
+    name: PlainText = Field(min_length=1, max_length=200)
     cron: str = Field(min_length=1)  # crontab "min hour day month day_of_week", e.g. "0 8 * * mon-fri"
-    duration_s: float = Field(gt=0)  # the override holds this long after each cron fire time
+    duration_s: float = Field(gt=0, le=MAX_DURATION_S)  # the override holds this long after each cron fire time
     override: ScheduleOverride
 
     @field_validator("cron")
