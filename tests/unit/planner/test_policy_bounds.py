@@ -13,12 +13,14 @@ import pytest
 import yaml
 from planner_helpers import policy_dict
 
+from fleetplan.planner import policy as policy_module
 from fleetplan.planner.policy import (
     HOST_NAME_PATTERN,
     MODEL_NAME_PATTERN,
     PolicyError,
     load_policy_dict,
     load_policy_text,
+    load_policy_yaml,
 )
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -133,3 +135,37 @@ def test_yaml_bombs_are_refused_before_they_are_expanded(text: str, needle: str,
     with pytest.raises(PolicyError) as exc:
         load_policy_text(text, "bomb.yaml")
     assert str(exc.value).startswith("bomb.yaml: line ") and needle in str(exc.value), str(exc.value)
+
+
+HOSTILE = [
+    ("x: " + "[" * 5000 + "]" * 5000, "line 1: YAML refused: nested deeper than 32 levels"),
+    ("".join("  " * i + f"k{i}:\n" for i in range(40)), "line 32: YAML refused: nested deeper than 32 levels"),
+    ("a0: &a0 [x]\n" + "".join(f"a{i}: &a{i} [*a{i - 1}, *a{i - 1}]\n" for i in range(1, 26)),
+     "line 10: YAML refused: expands to more than 1000 values (alias bomb?)"),
+    ("x: [" + ",".join(["1"] * 1_001) + "]\n", "line 1: YAML refused: more than 1000 values"),  # limit lowered
+    ("a: &a [x, *a]\n", "recursive alias"),
+    ("a: \x00", "unacceptable character"),
+    ("a: 1\n  b: [\n", "YAML syntax error at line 2"),
+    ("a: 1\n---\nb: 2\n", "YAML syntax error at line 2"),
+]
+
+
+@pytest.mark.parametrize("libyaml", [True, False], ids=["libyaml", "pure-python"])
+@pytest.mark.parametrize(("text", "needle"), HOSTILE)
+def test_both_composers_apply_the_same_bounds(text: str, needle: str, libyaml: bool,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    if libyaml and not yaml.__with_libyaml__:
+        pytest.skip("PyYAML built without libyaml")
+    monkeypatch.setattr(yaml, "__with_libyaml__", libyaml)
+    monkeypatch.setattr(policy_module, "MAX_YAML_NODES", 1_000)  # the pure-Python composer is slow
+    with pytest.raises(PolicyError) as exc:
+        load_policy_text(text, "h.yaml")
+    assert str(exc.value).startswith("h.yaml: ") and needle in str(exc.value), str(exc.value)
+
+
+@pytest.mark.parametrize("libyaml", [True, False], ids=["libyaml", "pure-python"])
+def test_both_composers_load_the_examples_alike(libyaml: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(yaml, "__with_libyaml__", libyaml and yaml.__with_libyaml__)
+    for path in sorted((ROOT / "config").glob("example-policy*.yaml")):
+        text = path.read_text()
+        assert load_policy_yaml(text, path.name) == yaml.safe_load(text)
