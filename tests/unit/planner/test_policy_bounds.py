@@ -169,3 +169,22 @@ def test_both_composers_load_the_examples_alike(libyaml: bool, monkeypatch: pyte
     for path in sorted((ROOT / "config").glob("example-policy*.yaml")):
         text = path.read_text()
         assert load_policy_yaml(text, path.name) == yaml.safe_load(text)
+
+
+def test_the_planner_may_derive_slos_beyond_the_file_bounds() -> None:
+    """The counterfactual relaxes every SLO by 10%: a policy at the upper bound must still plan."""
+    from fleetplan.models.profile import ProfileSet
+    from fleetplan.planner.capacity import MixedWorkload, capacity_table
+    from fleetplan.planner.counterfactual import slo_relaxed_capacities
+    from fleetplan.planner.policy import MAX_SLO_ITL_MS, MAX_SLO_TTFT_MS
+
+    text = (ROOT / "config/example-policy.yaml").read_text()
+    text = re.sub(r"ttft_p99_ms: \d+", f"ttft_p99_ms: {MAX_SLO_TTFT_MS:.0f}", text)
+    text = re.sub(r"itl_p99_ms: \d+", f"itl_p99_ms: {MAX_SLO_ITL_MS:.0f}", text)
+    p = load_policy_text(text, "p.yaml")
+    assert all(m.slo.ttft_p99_ms == MAX_SLO_TTFT_MS for m in p.models)
+    w = {m.name: MixedWorkload(820.0, 200.0) for m in p.models}
+    gpus = {h.gpu for h in p.hosts}
+    base, _ = capacity_table(p, ProfileSet(), w, gpus)
+    relaxed = slo_relaxed_capacities(p, ProfileSet(), w, gpus)
+    assert base and set(relaxed) == set(base)
