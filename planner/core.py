@@ -78,10 +78,18 @@ from fleetplan.planner.types import (
     SolverReport,
 )
 
-__all__ = ["UNKNOWN_CAPACITY_RPS", "plan", "plan_to_dict", "plan_with_capacities"]
+__all__ = ["MAX_PLAUSIBLE_RPS", "UNKNOWN_CAPACITY_RPS", "plan", "plan_to_dict", "plan_with_capacities"]
 
 # the capacity of a config nothing is known about: a candidate for min_replicas, never for demand
 UNKNOWN_CAPACITY_RPS = 1e-6
+# A rate above this is a broken counter, not demand (no fleet this plans serves a million requests
+# per second of one model), and the count model's numbers break down long before 1e300 (SCIP's
+# infinity is 1e20, CP-SAT counts milli-rps in int64): such a rate is invalid, i.e. unknown.
+MAX_PLAUSIBLE_RPS = 1e6
+
+
+def _valid_rps(rps: float) -> bool:
+    return math.isfinite(rps) and 0.0 <= rps <= MAX_PLAUSIBLE_RPS
 
 
 @dataclass(frozen=True)
@@ -201,8 +209,9 @@ def burst_need_rps(peak_rps: float, window_s: float, ttft_slo_ms: float) -> floa
 def _bursts(o: ModelObservation | None, m: ModelPolicy, state: PlannerState, now_s: float,
             keep_s: float) -> tuple[float, tuple[tuple[float, float], ...]]:
     """(the highest burst need over the last `keep_s`, this model's burst memory for the next state)."""
-    past = tuple((t, v) for name, t, v in state.bursts if name == m.name and now_s - t < keep_s)
-    if o is not None and o.peak_rps is not None and math.isfinite(o.peak_rps) and o.peak_rps > 0 \
+    past = tuple((t, v) for name, t, v in state.bursts if name == m.name and now_s - t < keep_s
+                 and _valid_rps(v))
+    if o is not None and o.peak_rps is not None and _valid_rps(o.peak_rps) and o.peak_rps > 0 \
             and o.peak_window_s > 0:
         past = (*past, (now_s, burst_need_rps(o.peak_rps, o.peak_window_s, m.slo.ttft_p99_ms)))
     return max((v for _, v in past), default=0.0), past
@@ -218,9 +227,18 @@ def _demands(observation: Observation, policy: Policy, now_s: float,
     for m in policy.models:
         o = obs.get(m.name)
         notes: list[str] = []
-        if o is not None and o.rate_rps is not None and not (math.isfinite(o.rate_rps) and o.rate_rps >= 0):
-            notes.append(f"observed rate {o.rate_rps!r} is not a valid rate; treated as unknown")
+        if o is not None and o.rate_rps is not None and not _valid_rps(o.rate_rps):
+            notes.append(f"observed rate {o.rate_rps!r} is not a valid rate (negative, not finite or above "
+                         f"{MAX_PLAUSIBLE_RPS:g} rps); treated as unknown")
             o = replace(o, rate_rps=None)
+        if o is not None and o.peak_rps is not None and not _valid_rps(o.peak_rps):
+            notes.append(f"observed peak rate {o.peak_rps!r} is not a valid rate; ignored")
+            o = replace(o, peak_rps=None)
+        if o is not None and any(not _valid_rps(r) for _, r in o.history):
+            bad = [r for _, r in o.history if not _valid_rps(r)]
+            notes.append(f"{len(bad)} rate sample(s) in the history are not valid rates (e.g. {bad[0]!r}); "
+                         "ignored")
+            o = replace(o, history=tuple((t, r) for t, r in o.history if _valid_rps(r)))
         known = o is not None and not o.stale and o.rate_rps is not None
         lead = max((policy.startup_s(ConfigKey(m.name, e, g, t, m.precision))
                     for e in m.allowed.engines for g in (m.allowed.gpus or tuple(policy.gpu_types))
@@ -283,7 +301,7 @@ def _candidates(
         info = capacities[key]
         m = policy.model(key.model)
         price = policy.price_usd_h(key.gpu)
-        if m is None or price is None or key.gpu not in gpus or not (math.isfinite(info.max_rps)
+        if m is None or price is None or key.gpu not in gpus or not (_valid_rps(info.max_rps)
                                                                          and info.max_rps > 0):
             continue
         if key.engine not in m.allowed.engines or key.tp not in m.allowed.tp:

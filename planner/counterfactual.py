@@ -81,8 +81,9 @@ def slo_relaxed_capacities(
     speeds: Mapping[ConfigKey, Speeds] | None = None,
 ) -> dict[ConfigKey, CapacityInfo]:
     """The capacity table with every model's SLO (TTFT and ITL p99) multiplied by `factor`."""
-    models = [m.model_copy(update={"slo": Slo(ttft_p99_ms=m.slo.ttft_p99_ms * factor,
-                                               itl_p99_ms=m.slo.itl_p99_ms * factor)})
+    # model_construct: a derived SLO, not file input; the file's upper bounds (policy.py) do not apply
+    models = [m.model_copy(update={"slo": Slo.model_construct(ttft_p99_ms=m.slo.ttft_p99_ms * factor,
+                                                              itl_p99_ms=m.slo.itl_p99_ms * factor)})
               for m in policy.models]
     # a fresh Policy (not model_copy): its cached per-name lookups must see the relaxed models
     relaxed = Policy.model_validate({**dict(policy), "models": tuple(models)})

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fleetplan.models.names import GpuType
 from fleetplan.planner.types import ConfigKey, SolverReport
@@ -445,17 +445,24 @@ def solve_counts(problem: CountProblem) -> CountSolution:
     lp = _lp_relaxation(mdl)
     if lp is not None:
         hint = _round(problem, mdl, cands, lp[0])
-    raw = (_solve_cpsat(mdl, problem, hint) if backend == "cp-sat"
-           else _solve_mip(mdl, problem, backend, hint))
+    try:
+        raw = (_solve_cpsat(mdl, problem, hint) if backend == "cp-sat"
+               else _solve_mip(mdl, problem, backend, hint))
+    except (TypeError, OverflowError, ValueError) as exc:
+        # a number the backend cannot represent (CP-SAT bounds are int64): a failed solve, not a crash
+        raw = _Raw(f"ERROR_{type(exc).__name__}", None, None, None, 0.0)
     if raw.values is None and hint is not None:
         # no solution within the time limit: the rounded LP solution is feasible; use it
         obj = sum(c * hint[v] for v, c in mdl.obj.items())
         raw = _Raw(f"{raw.status}+LP_ROUNDING", hint, obj, lp[1] if lp is not None else None, raw.wall_s)
     if raw.values is None:
-        # nothing feasible found at all (should not happen: every constraint has slack): keep the
-        # current fleet where the candidates allow it, never raise
+        # nothing feasible found at all (should not happen: every constraint has slack; numbers the
+        # solvers cannot represent do it): keep the current fleet where the candidates allow it, topped
+        # up to min_replicas where it fits (demand aside: it is what the solver could not handle)
         keep = [float(min(problem.current.get(c.config, 0), int(mdl.ubs[i]))) for i, c in enumerate(cands)]
-        raw = _Raw(f"{raw.status}+KEPT_CURRENT", _complete(mdl, [int(k) for k in keep]) or
+        floors_only = replace(problem, demands=tuple(replace(d, required_rps=0.0) for d in problem.demands))
+        raw = _Raw(f"{raw.status}+KEPT_CURRENT", _round(floors_only, mdl, cands, keep) or
+                   _complete(mdl, [int(k) for k in keep]) or
                    keep + [0.0] * (len(mdl.names) - len(cands)), None, None, raw.wall_s)
     counts: dict[ConfigKey, int] = {}
     unmet: dict[str, float] = {}

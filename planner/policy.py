@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -84,14 +85,76 @@ EngineName = Annotated[Engine, BeforeValidator(_engine)]
 GpuName = Annotated[GpuType, BeforeValidator(_gpu)]
 PrecisionName = Annotated[Precision, BeforeValidator(_precision)]
 
+# Names that reach engines, paths, metric labels and MQTT: a canonical model name is one argv item
+# (e.g. "meta-llama/Llama-3.1-8B-Instruct"), the same pattern the wire protocol accepts
+# (controller/protocol.py MODEL_PATTERN; controller/routing.py also refuses a trailing '/'): no
+# whitespace, shell metacharacters, leading '-', '..' or '//'.
+# fullmatch, not match: "$" also matches before a trailing newline.
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/:+-]{0,199}$"
+# aliases are only looked up (other spellings engines report), so a space is allowed: "Llama 3.1 8B"
+ALIAS_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9 ._/:+-]{0,199}$"
+# host names are MQTT topic levels (controller/protocol.py HOST_PATTERN): no '/', '+', '#'
+HOST_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
+_MODEL_RE = re.compile(MODEL_NAME_PATTERN)
+_ALIAS_RE = re.compile(ALIAS_PATTERN)
+_HOST_RE = re.compile(HOST_NAME_PATTERN)
+_ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+
+# Upper bounds for values no deployment has: they catch a typo (an extra three zeros) or a value a
+# solver or timer cannot represent, before it reaches the planner.
+MAX_REPLICAS = 10_000  # per model
+MAX_GPUS = 1_000_000
+MAX_SLO_TTFT_MS = 3_600_000.0  # 1 h
+MAX_SLO_ITL_MS = 60_000.0  # 1 min per token
+MAX_TOKENS = 10_000_000.0  # mean or quantile prompt/output length
+MAX_DURATION_S = 366 * 86_400.0  # delays, startup/build times, schedule windows
+MAX_USD_H = 1e9
+MAX_PRICE_USD_H = 10_000.0  # per GPU-hour
+
+
+def _model_name(v: str) -> str:
+    if not _MODEL_RE.fullmatch(v) or ".." in v or "//" in v or v.endswith("/"):
+        raise ValueError("a model name is 1-200 characters of A-Z a-z 0-9 . _ / : + -, starts with a letter "
+                         "or digit, has no '..' or '//' and does not end in '/' (it is passed to engines, "
+                         "used in paths and routed by nginx)")
+    return v
+
+
+def _alias(v: str) -> str:
+    if not _ALIAS_RE.fullmatch(v):
+        raise ValueError("an alias is 1-200 characters of A-Z a-z 0-9 space . _ / : + -, starting with a "
+                         "letter or digit")
+    return v
+
+
+def _host_name(v: str) -> str:
+    if not _HOST_RE.fullmatch(v):
+        raise ValueError("a host name is 1-63 characters of A-Z a-z 0-9 _ . -, starting with a letter or digit")
+    return v
+
+
+def _no_control(v: str) -> str:
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in v):
+        raise ValueError("control characters (newline, NUL, ...) are not allowed")
+    return v
+
+
+ModelName = Annotated[str, AfterValidator(_model_name)]
+AliasName = Annotated[str, AfterValidator(_alias)]  # a canonical name or an alias
+HostName = Annotated[str, AfterValidator(_host_name)]
+PlainText = Annotated[str, AfterValidator(_no_control)]
+Seconds = Annotated[float, Field(ge=0, le=MAX_DURATION_S)]
+ReplicaCount = Annotated[int, Field(ge=0, le=MAX_REPLICAS)]
+
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: `.inf` or `.nan` in any number is refused ("Input should be a finite number")
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class Slo(_Strict):
-    ttft_p99_ms: float = Field(gt=0)
-    itl_p99_ms: float = Field(gt=0)
+    ttft_p99_ms: float = Field(gt=0, le=MAX_SLO_TTFT_MS)
+    itl_p99_ms: float = Field(gt=0, le=MAX_SLO_ITL_MS)
 
 
 class AllowedConfigs(_Strict):
@@ -109,8 +172,8 @@ class AllowedConfigs(_Strict):
 
 
 class WorkloadMix(_Strict):
-    isl: float = Field(gt=0)  # mean prompt tokens
-    osl: float = Field(gt=0)  # mean output tokens
+    isl: float = Field(gt=0, le=MAX_TOKENS)  # mean prompt tokens
+    osl: float = Field(gt=0, le=MAX_TOKENS)  # mean output tokens
     # the distribution, as quantiles {q: tokens} (e.g. {0.5: 2400, 0.9: 27000, 0.99: 85000}): p99
     # TTFT is set by the long prompts, so capacity is computed for the mix, not for the mean
     isl_quantiles: dict[float, float] | None = None
@@ -125,8 +188,8 @@ class WorkloadMix(_Strict):
         for q in sorted(v):
             if not 0.0 < q < 1.0:
                 raise ValueError(f"quantile level {q!r} must be between 0 and 1 (exclusive)")
-            if not (math.isfinite(v[q]) and v[q] > 0):
-                raise ValueError(f"quantile {q!r}: tokens {v[q]!r} must be a positive number")
+            if not (math.isfinite(v[q]) and 0 < v[q] <= MAX_TOKENS):
+                raise ValueError(f"quantile {q!r}: tokens {v[q]!r} must be a positive number up to {MAX_TOKENS:g}")
             if v[q] < last:
                 raise ValueError(f"quantile {q!r}: tokens {v[q]!r} below a lower quantile's {last!r}")
             last = v[q]
@@ -140,12 +203,12 @@ class WorkloadMix(_Strict):
 
 
 class ModelPolicy(_Strict):
-    name: str = Field(min_length=1)
-    aliases: tuple[str, ...] = ()
+    name: ModelName
+    aliases: tuple[AliasName, ...] = ()
     slo: Slo
     priority: int = Field(default=1, ge=0, le=100)  # higher = served first when capacity is short
-    min_replicas: int = Field(default=0, ge=0)
-    max_replicas: int | None = Field(default=None, ge=0)
+    min_replicas: ReplicaCount = 0
+    max_replicas: ReplicaCount | None = None
     allowed: AllowedConfigs = AllowedConfigs()
     precision: PrecisionName = Precision.BF16
     headroom: float = Field(default=0.2, ge=0, le=10)
@@ -164,21 +227,29 @@ class ModelPolicy(_Strict):
 
 
 class LaunchTemplate(_Strict):
-    command: str = Field(min_length=1)
+    command: PlainText = Field(min_length=1)
     # placeholders: {model} {hf_model} {tp} {port} {gpu_indices} {precision} {engine_dir}
-    args: tuple[str, ...] = ()
-    env: Mapping[str, str] = Field(default_factory=dict)
+    args: tuple[PlainText, ...] = ()
+    env: Mapping[str, PlainText] = Field(default_factory=dict)
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, v: Mapping[str, str]) -> Mapping[str, str]:
+        for name in v:
+            if not _ENV_KEY_RE.fullmatch(name):
+                raise ValueError(f"environment variable name {name!r} must match [A-Za-z_][A-Za-z0-9_]*")
+        return v
 
 
 class TimeOverride(_Strict):
-    model: str | None = None  # None: any model
+    model: ModelName | None = None  # None: any model
     gpu: GpuName | None = None  # None: any GPU type
-    tp: int | None = None
-    seconds: float = Field(ge=0)
+    tp: int | None = Field(default=None, ge=1, le=64)
+    seconds: Seconds
 
 
 class TimeTable(_Strict):
-    default_s: float = Field(ge=0)
+    default_s: Seconds
     overrides: tuple[TimeOverride, ...] = ()
 
     def lookup(self, model: str, gpu: GpuType, tp: int) -> float:
@@ -197,9 +268,9 @@ class TimeTable(_Strict):
 
 
 class CachedBuild(_Strict):
-    model: str
+    model: ModelName
     gpu: GpuName
-    tp: int = Field(ge=1)
+    tp: int = Field(ge=1, le=64)
     precision: PrecisionName = Precision.BF16
 
 
@@ -208,7 +279,7 @@ class EnginePolicy(_Strict):
     startup: TimeTable  # seconds from launch to ready (weights load, warm-up)
     build: TimeTable | None = None  # TRT-LLM engine build seconds; None: no build step (vLLM)
     cached_builds: tuple[CachedBuild, ...] = ()
-    engine_dir: str = "/var/lib/fleetplan/engines/{model}-{gpu}-tp{tp}-{precision}"  # built engines
+    engine_dir: PlainText = "/var/lib/fleetplan/engines/{model}-{gpu}-tp{tp}-{precision}"  # built engines
     # names of the agent's allowlisted templates (config/agent*.yaml) the controller asks for;
     # None: the engine's name ("vllm", "trtllm") for launch, "<engine>-build" for builds
     agent_template: str | None = None
@@ -226,11 +297,11 @@ class EnginePolicy(_Strict):
 
 
 class GpuTypePolicy(_Strict):
-    price_usd_h: float = Field(ge=0)  # per GPU
+    price_usd_h: float = Field(ge=0, le=MAX_PRICE_USD_H)  # per GPU
 
 
 class HostPolicy(_Strict):
-    name: str = Field(min_length=1)
+    name: HostName
     gpu: GpuName
     gpu_count: int = Field(ge=1, le=64)
     nvlink_groups: tuple[tuple[int, ...], ...] = ()  # empty: all GPUs of the host form one group
@@ -252,16 +323,16 @@ class HostPolicy(_Strict):
 
 
 class Scaling(_Strict):
-    cycle_s: float = Field(default=60.0, gt=0)  # control-loop period
-    scale_down_delay_s: float = Field(default=600.0, ge=0)  # surplus must persist this long
-    max_actions_per_cycle: int = Field(default=8, ge=1)
-    churn_cost_usd_h: float = Field(default=0.5, ge=0)  # objective penalty per replica started/stopped
-    lead_time_cost_usd_h_per_min: float = Field(default=0.02, ge=0)  # per minute of startup of a new replica
+    cycle_s: float = Field(default=60.0, gt=0, le=86_400)  # control-loop period
+    scale_down_delay_s: Seconds = 600.0  # surplus must persist this long
+    max_actions_per_cycle: int = Field(default=8, ge=1, le=MAX_REPLICAS)
+    churn_cost_usd_h: float = Field(default=0.5, ge=0, le=MAX_USD_H)  # objective penalty per replica started/stopped
+    lead_time_cost_usd_h_per_min: float = Field(default=0.02, ge=0, le=MAX_USD_H)  # per minute of startup of a new replica
     forecast_quantile: float = Field(default=0.9, gt=0, lt=1)
     # blast-radius limits (planner/brakes.py; None: no limit): what may change per hour / per cycle
-    max_gpus_started_per_hour: int | None = Field(default=None, ge=0)
-    max_gpus_stopped_per_hour: int | None = Field(default=None, ge=0)
-    max_drains_per_host_per_cycle: int | None = Field(default=None, ge=0)
+    max_gpus_started_per_hour: int | None = Field(default=None, ge=0, le=MAX_GPUS)
+    max_gpus_stopped_per_hour: int | None = Field(default=None, ge=0, le=MAX_GPUS)
+    max_drains_per_host_per_cycle: int | None = Field(default=None, ge=0, le=64)
     min_ready_capacity_fraction: float | None = Field(default=None, ge=0, le=1)  # never drained at once
 
     def brake_limits(self) -> BrakeLimits:
@@ -270,28 +341,28 @@ class Scaling(_Strict):
 
 
 class Budget(_Strict):
-    max_gpus: int | None = Field(default=None, ge=0)
-    max_usd_h: float | None = Field(default=None, ge=0)
+    max_gpus: int | None = Field(default=None, ge=0, le=MAX_GPUS)
+    max_usd_h: float | None = Field(default=None, ge=0, le=MAX_USD_H)
 
 
 class SolverSettings(_Strict):
-    time_limit_s: float = Field(default=10.0, gt=0)
+    time_limit_s: float = Field(default=10.0, gt=0, le=3_600)
     relative_gap: float = Field(default=0.005, ge=0, le=1)
     workers: int = Field(default=1, ge=1, le=64)  # CP-SAT: >1 is faster but not bit-for-bit deterministic
     backend: Literal["SCIP", "cp-sat"] = "SCIP"  # stage-1 solver (placement is always exact packing)
 
 
 class ScheduleOverride(_Strict):
-    min_replicas: Mapping[str, int] = Field(default_factory=dict)
-    max_replicas: Mapping[str, int] = Field(default_factory=dict)
+    min_replicas: Mapping[AliasName, ReplicaCount] = Field(default_factory=dict)
+    max_replicas: Mapping[AliasName, ReplicaCount] = Field(default_factory=dict)
     budget: Budget | None = None
-    drain_hosts: tuple[str, ...] = ()  # maintenance window: plan nothing on these hosts
+    drain_hosts: tuple[HostName, ...] = ()  # maintenance window: plan nothing on these hosts
 
 
 class Schedule(_Strict):
-    name: str = Field(min_length=1)
+    name: PlainText = Field(min_length=1, max_length=200)
     cron: str = Field(min_length=1)  # crontab "min hour day month day_of_week", e.g. "0 8 * * mon-fri"
-    duration_s: float = Field(gt=0)  # the override holds this long after each cron fire time
+    duration_s: float = Field(gt=0, le=MAX_DURATION_S)  # the override holds this long after each cron fire time
     override: ScheduleOverride
 
     @field_validator("cron")
@@ -509,7 +580,7 @@ def load_policy_dict(data: Any, source: str) -> Policy:
 MAX_POLICY_BYTES = 256 * 1024
 MAX_YAML_DEPTH = 32  # nesting levels, counted after alias expansion
 MAX_YAML_ALIASES = 64
-MAX_YAML_NODES = 100_000  # nodes after alias expansion
+MAX_YAML_NODES = 100_000  # values (scalars, lists, mappings) as written and after alias expansion
 
 
 class _YamlLimit(Exception):
@@ -530,6 +601,7 @@ class _BoundedLoader(yaml.SafeLoader):
         super().__init__(stream)
         self._depth = 0
         self._aliases = 0
+        self._nodes = 0
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         event = self.peek_event()  # type: ignore[no-untyped-call]
@@ -541,6 +613,9 @@ class _BoundedLoader(yaml.SafeLoader):
         try:
             if self._depth > MAX_YAML_DEPTH:
                 raise _YamlLimit(_line(event), f"nested deeper than {MAX_YAML_DEPTH} levels")
+            self._nodes += 1
+            if self._nodes > MAX_YAML_NODES:
+                raise _YamlLimit(_line(event), f"more than {MAX_YAML_NODES} values")
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
@@ -583,18 +658,69 @@ def _check_expansion(root: yaml.Node) -> None:
         stack.extend((c, False) for c in _node_children(node) if id(c) not in size)
 
 
+def _prescan(text: str) -> int:
+    """Bounds checked on libyaml's event stream (C: ~0.2 s for the largest file allowed) before any
+    node is built: nesting, aliases and values as written. Same rules and lines as _BoundedLoader.
+    Returns the number of aliases."""
+    parser = yaml.CSafeLoader(text)
+    try:
+        open_collections = aliases = nodes = 0
+        while parser.check_event():
+            event = parser.get_event()
+            if isinstance(event, yaml.CollectionEndEvent):
+                open_collections -= 1
+                continue
+            if not isinstance(event, yaml.NodeEvent):
+                continue  # stream and document start/end
+            if isinstance(event, yaml.AliasEvent):
+                aliases += 1
+                if aliases > MAX_YAML_ALIASES:
+                    raise _YamlLimit(_line(event), f"more than {MAX_YAML_ALIASES} aliases (*name)")
+            if open_collections + 1 > MAX_YAML_DEPTH:
+                raise _YamlLimit(_line(event), f"nested deeper than {MAX_YAML_DEPTH} levels")
+            nodes += 1
+            if nodes > MAX_YAML_NODES:
+                raise _YamlLimit(_line(event), f"more than {MAX_YAML_NODES} values")
+            if isinstance(event, yaml.CollectionStartEvent):
+                open_collections += 1
+        return aliases
+    finally:
+        parser.dispose()
+
+
+def _compose(text: str) -> tuple[yaml.Node | None, Any, bool]:
+    """(the document's node graph, a loader that can construct it, whether it has aliases), bounded as
+    written; with aliases, the expanded document is measured after (_check_expansion). libyaml composes in C once the prescan has bounded the nesting
+    (its composer recurses in C: unbounded input would overflow the C stack); without libyaml the
+    pure-Python composer checks the same bounds as it goes (~30x slower)."""
+    yaml.reader.Reader(text)  # PyYAML's character check, the same for both paths ("unacceptable character")
+    aliases: int | None = None
+    if getattr(yaml, "__with_libyaml__", False):
+        aliases = _prescan(text)
+        loader: Any = yaml.CSafeLoader(text)
+    else:
+        loader = _BoundedLoader(text)
+    try:
+        node = loader.get_single_node()
+        return node, loader, (loader._aliases if aliases is None else aliases) > 0
+    except BaseException:
+        loader.dispose()
+        raise
+
+
 def load_policy_yaml(text: str, source: str) -> Any:
-    """The YAML document of a policy as Python data, with bounds (size, nesting, aliases, expanded
-    size). Raises PolicyError naming the source, the line and the problem; nothing else escapes."""
+    """The YAML document of a policy as Python data, with bounds (size, nesting, aliases, values, as
+    written and after alias expansion). Raises PolicyError naming the source, the line and the problem;
+    nothing else escapes."""
     if len(text) > MAX_POLICY_BYTES:
         raise PolicyError(source, [f"(file) = {len(text)} characters: larger than the {MAX_POLICY_BYTES} limit"])
-    loader: _BoundedLoader | None = None
+    loader: Any = None
     try:
-        loader = _BoundedLoader(text)  # the reader already refuses some characters
-        node = loader.get_single_node()
+        node, loader, has_aliases = _compose(text)
         if node is None:
             return None
-        _check_expansion(node)
+        if has_aliases:  # without, the document as built is the document as written (bounded)
+            _check_expansion(node)
         return loader.construct_document(node)
     except _YamlLimit as exc:
         where = f"line {exc.line}" if exc.line is not None else "(document)"
