@@ -419,7 +419,7 @@ def check_version(applied: int | None, incoming: int) -> str | None:
 
 
 def _host(host: str) -> str:
-    if not _HOST_RE.match(host):
+    if not _HOST_RE.fullmatch(host):
         raise ProtocolError(f"host name {host!r} does not match {HOST_PATTERN}")
     return host
 
@@ -444,7 +444,7 @@ DESIRED_WILDCARD = f"{TOPIC_PREFIX}/hosts/+/desired"
 def host_from_topic(topic: str) -> str | None:
     """'fleetplan/hosts/h1/status' -> 'h1'; None for anything else."""
     parts = topic.split("/")
-    if len(parts) == 4 and parts[0] == TOPIC_PREFIX and parts[1] == "hosts" and _HOST_RE.match(parts[2]):
+    if len(parts) == 4 and parts[0] == TOPIC_PREFIX and parts[1] == "hosts" and _HOST_RE.fullmatch(parts[2]):
         return parts[2]
     return None
 
@@ -624,8 +624,8 @@ def payload_version(payload: bytes | str) -> int | None:
 
 
 def is_valid_id(text: str) -> bool:
-    return bool(_ID_RE.match(text))
+    return bool(_ID_RE.fullmatch(text))
 
 
 def is_valid_model(text: str) -> bool:
-    return bool(_MODEL_RE.match(text)) and ".." not in text
+    return bool(_MODEL_RE.fullmatch(text)) and ".." not in text

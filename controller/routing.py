@@ -61,7 +61,7 @@ class NginxReloadError(RuntimeError):
 
 
 def validate_model_name(model: str) -> str:
-    if not _MODEL_RE.match(model) or ".." in model or "//" in model or model.endswith("/"):
+    if not _MODEL_RE.fullmatch(model) or ".." in model or "//" in model or model.endswith("/"):
         raise RoutingError(
             f"model name {model!r} cannot be routed: use letters, digits and . _ : / + - "
             "(no '..', '//' or trailing '/'), at most 200 characters"
@@ -70,7 +70,7 @@ def validate_model_name(model: str) -> str:
 
 
 def validate_endpoint(endpoint: str) -> str:
-    match = _ENDPOINT_RE.match(endpoint)
+    match = _ENDPOINT_RE.fullmatch(endpoint)
     if not match or not 0 < int(match["port"]) < 65536:
         raise RoutingError(f"endpoint {endpoint!r} is not host:port (e.g. 127.0.0.1:8001)")
     return endpoint

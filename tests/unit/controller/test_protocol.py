@@ -180,3 +180,14 @@ def test_desired_state_is_immutable() -> None:
     d = DesiredState(version=1)
     with pytest.raises(Exception):  # noqa: B017 - pydantic raises ValidationError on frozen models
         d.version = 2  # type: ignore[misc]
+
+
+def test_a_trailing_newline_is_not_a_valid_name() -> None:
+    """`$` in re.match accepts a trailing newline; every wire name is matched whole."""
+    from fleetplan.controller.protocol import is_valid_id, is_valid_model
+    from fleetplan.controller.routing import validate_model_name
+
+    assert is_valid_model("m8") and not is_valid_model("m8\n")
+    assert is_valid_id("r1") and not is_valid_id("r1\n")
+    with pytest.raises(ValueError):
+        validate_model_name("m8\n")
