@@ -197,7 +197,7 @@ class Rig:
                 "trtllm": {"engine": "trtllm", "argv": self.engine.argv("trtllm"), "cwd": str(REPO),
                            "startup_timeout_s": 120, "stop_timeout_s": 10},
             },
-            "build_templates": {"trtllm": {"argv": self.engine.build_argv(), "cwd": str(REPO),
+            "build_templates": {"trtllm-build": {"argv": self.engine.build_argv(), "cwd": str(REPO),
                                            "timeout_s": 600}},
             "status_interval_s": 1.0,
             "reconcile_interval_s": 0.5,
