@@ -94,21 +94,22 @@ class Controller:
     report_listen: str = "127.0.0.1:9470"
     report_token: str | None = None
     metrics: ControllerMetrics = field(default_factory=ControllerMetrics)
+    wall: Callable[[], float] = time.time  # the one clock of the controller and its pieces (wall seconds)
 
     def __post_init__(self) -> None:
         from fleetplan.controller.actuation import PauseState
 
         self.runtime_alerts: dict[str, str] = {}
         self.policy = PolicySource(self.policy_path, self.profiles_path, self.store, self.metrics,
-                                   self.runtime_alerts)
-        self.clock = Clock(self.time_scale)
-        self.hosts = HostBook(self.runtime_alerts, self.settings.host_offline_grace_s)
+                                   self.runtime_alerts, wall=self.wall)
+        self.clock = Clock(self.time_scale, wall=self.wall)
+        self.hosts = HostBook(self.runtime_alerts, self.settings.host_offline_grace_s, wall=self.wall)
         self.link = MqttLink(self.settings.mqtt, self._on_status, self._on_ack, self._on_connect,
                              on_reject=self.hosts.on_reject, on_desired=self.hosts.on_desired)
         self.prom = PromClient(self.settings.prometheus_url)
         self._lock = asyncio.Lock()
         self.executor = Executor(self.settings, self.store, self.link, self.hosts, self.runtime_alerts,
-                                 self.metrics, self.prom, self._lock, self.policy)
+                                 self.metrics, self.prom, self._lock, self.policy, wall=self.wall)
         self._stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
         self.planner_state: Any = None
@@ -118,7 +119,7 @@ class Controller:
         self.report_runner: Any = None
         self.report_url: str | None = None
         self.correction_labels: set[tuple[str, str]] = set()  # label sets of profile_correction_ratio
-        self._progress_wall = time.time()  # last finished cycle (or the start)
+        self._progress_wall = self.wall()  # last finished cycle (or the start)
         self._routing_task: asyncio.Task[None] | None = None
         self.pause = PauseState(False)  # loaded from the store at start
         self._watchdog_period_s: float | None = None
@@ -163,7 +164,7 @@ class Controller:
     def _on_connect(self) -> None:
         # the broker may have lost retained messages (restart without persistence): republish all
         self.executor.republish_all = True
-        self.executor.connected_wall = time.time()
+        self.executor.connected_wall = self.wall()
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -173,7 +174,7 @@ class Controller:
         self.policy.load(initial=True)
         self.policy.load_profiles()
         self.clock.resume(self.store)
-        self.planner_state = self._load_planner_state()
+        self.planner_state = self.store.planner_state()
         self.pause = load_pause(self.store)
         if self.settings.routing.nginx_upstreams_path is not None and self.nginx_reload is not None:
             from fleetplan.controller.routing import NginxRouter
@@ -201,7 +202,7 @@ class Controller:
         elif mqtt.done():
             exc = None if mqtt.cancelled() else mqtt.exception()
             problems.append(f"MQTT task ended ({type(exc).__name__}: {exc})" if exc else "MQTT task ended")
-        stalled = time.time() - self._progress_wall
+        stalled = self.wall() - self._progress_wall
         if self.policy.policy is not None:
             limit = max(3 * self.cycle_s() / self.time_scale, self._watchdog_period_s or 0.0, 60.0)
             if stalled > limit:
@@ -241,20 +242,6 @@ class Controller:
         self.store.save_host_statuses(self.hosts.take_dirty())
         self.store.close()
 
-    def _load_planner_state(self) -> Any:
-        from fleetplan.planner.policy import PolicyError
-        from fleetplan.planner.serde import state_from_dict
-        from fleetplan.planner.types import PlannerState
-
-        d = self.store.get_kv("planner_state")
-        if not d:
-            return PlannerState.initial()
-        try:
-            return state_from_dict(d, "state store: planner_state")
-        except PolicyError as exc:
-            log.warning("stored planner state unreadable (%s); starting fresh", exc)
-            return PlannerState.initial()
-
     def build_fleet(self) -> Any:
         """The planner's Fleet from the hosts' reports and this controller's records."""
         from fleetplan.controller.fleetview import fleet_from
@@ -271,7 +258,7 @@ class Controller:
 
     async def _cycle(self) -> dict[str, Any]:
         now_s = self.clock.now()
-        self.store.set_kv("clock_last", {"wall": time.time(), "sim": now_s})
+        self.store.set_kv("clock_last", {"wall": self.wall(), "sim": now_s})
         self.store.save_host_statuses(self.hosts.take_dirty())
         cid = self.store.begin_cycle(now_s)
         status = "ok"
@@ -292,8 +279,8 @@ class Controller:
         finally:
             self.store.finish_cycle(cid, status, summary)
             self.metrics.cycles.labels(status).inc()
-            self.metrics.last_cycle_timestamp.set(time.time())
-            self._progress_wall = time.time()
+            self.metrics.last_cycle_timestamp.set(self.wall())
+            self._progress_wall = self.wall()
             self.cycle_count += 1
             self._ping_watchdog()
         if status == "ok":
@@ -355,7 +342,7 @@ class Controller:
         from fleetplan.planner.brakes import Limit, brakes_to_dict
 
         policy = self.policy.policy
-        past = history(self.store, self.clock.to_sim, time.time(), self.time_scale)
+        past = history(self.store, self.clock.to_sim, self.wall(), self.time_scale)
         b = brakes_for(result, fleet, doc, policy=policy, paused=self.pause.paused, past=past, now_s=now_s)
         doc["brakes"] = brakes_to_dict(b, policy.scaling.brake_limits())
         self.metrics.actuating.set(0.0 if self.advisory() or self.pause.paused else 1.0)

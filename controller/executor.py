@@ -16,7 +16,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,10 +67,11 @@ class Executor:
     prom: PromClient
     lock: asyncio.Lock  # the cycle's lock: a finished drain changes the records between cycles
     policy: PolicySource  # model names, advisory mode (publishes and routes nothing), agent templates
+    wall: Callable[[], float] = time.time
     router: Any = None
     routed: set[str] = field(default_factory=set)  # replica ids in the nginx upstreams right now
     republish_all: bool = False
-    connected_wall: float = field(default_factory=time.time)
+    connected_wall: float = 0.0  # set on each (re)connect
     noted: set[tuple[str, str]] = field(default_factory=set)
     pending_publish: set[str] = field(default_factory=set)
     drains: dict[str, asyncio.Task[None]] = field(default_factory=dict)
@@ -141,7 +142,7 @@ class Executor:
         """What the act core decides on: the hosts' last reports and this controller's records."""
         s, pol = self.settings, self.policy.policy
         return ActView(
-            now_s=time.time(), hosts=self.hosts.reports(),
+            now_s=self.wall(), hosts=self.hosts.reports(),
             replicas=tuple(self.store.active_replicas()), builds=tuple(self.store.builds((Phase.DESIRED,))),
             desired=self.store.desired_rows(), known_ids=frozenset(self.store.known_ids()),
             settings=ActSettings(s.ready_timeout_s, s.ack_timeout_s, s.host_offline_grace_s, s.default_port_range,
@@ -237,11 +238,11 @@ class Executor:
         row = self.store.get_replica(rid)
         if row is None or row.phase != Phase.DRAINING:
             return
-        progress = act.DrainProgress(row.drain_started_s or time.time())
+        progress = act.DrainProgress(row.drain_started_s or self.wall())
         deadline_s = self.drain_deadline_s(row.model)
         await asyncio.sleep(self.settings.drain_settle_s)
         while True:
-            step, progress = act.drain_step(progress, await self.inflight(row), time.time(), deadline_s)
+            step, progress = act.drain_step(progress, await self.inflight(row), self.wall(), deadline_s)
             if step != act.DrainStep.WAIT:
                 break
             await asyncio.sleep(self.settings.drain_poll_s)
@@ -265,7 +266,7 @@ class Executor:
             c.execute(
                 "UPDATE actions SET status=?, updated_s=?, detail=? WHERE replica_id=? AND kind='drain' "
                 "AND status=?",
-                (ActionStatus.DONE, time.time(), f"drained ({reason})", rid, ActionStatus.PUBLISHED),
+                (ActionStatus.DONE, self.wall(), f"drained ({reason})", rid, ActionStatus.PUBLISHED),
             )
             by = c.execute("SELECT cycle_id FROM actions WHERE replica_id=? AND kind='drain' "
                            "ORDER BY action_id DESC LIMIT 1", (rid,)).fetchone()  # the decision that drained it

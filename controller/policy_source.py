@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ class PolicySource:
     profiles: Any = None  # the last good models.profile.ProfileSet
     loaded_s: float | None = None  # wall
     error: str | None = None
+    wall: Callable[[], float] = time.time
     _reload_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def read(self) -> Any:
@@ -76,7 +77,7 @@ class PolicySource:
 
     def _rejected(self, msg: str, *, initial: bool) -> bool:
         self.error = msg
-        self.store.set_kv("policy_error", {"error": msg, "at_s": time.time()})
+        self.store.set_kv("policy_error", {"error": msg, "at_s": self.wall()})
         self.metrics.policy_reloads.labels("rejected").inc()
         if initial:
             raise SystemExit(msg) from None
@@ -86,7 +87,7 @@ class PolicySource:
 
     def _apply(self, policy: Any, *, initial: bool) -> None:
         self.policy = policy
-        self.loaded_s = time.time()
+        self.loaded_s = self.wall()
         self.error = None
         self.store.set_kv("policy_error", None)
         self.alerts.pop("policy", None)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -121,7 +120,7 @@ def state(ctrl: Controller) -> dict[str, Any]:
     if snap is not None and policy is not None:
         demand = observation_to_dict(to_observation(snap, ctrl.model_names()), snap.now_s)
     return {
-        "generated_s": time.time(),
+        "generated_s": ctrl.wall(),
         "now_s": ctrl.clock.now(),
         "policy_path": str(ctrl.policy_path),
         "policy": policy.model_dump(mode="json") if policy is not None else None,
@@ -149,7 +148,7 @@ def report(ctrl: Controller) -> dict[str, Any]:
         hosts[host] = {
             "online": st.online, "usable": ctrl.hosts.online(host), "gpu": st.gpu.value if st.gpu else None,
             "gpu_count": st.gpu_count, "desired_version": st.desired_version,
-            "replicas": len(st.replicas), "last_status_age_s": round(time.time() - ctrl.hosts.status_wall.get(host, 0), 1),
+            "replicas": len(st.replicas), "last_status_age_s": round(ctrl.wall() - ctrl.hosts.status_wall.get(host, 0), 1),
         }
     desired = {
         h: {"version": d.version, "acked_version": d.acked_version, "ack_accepted": d.ack_accepted,
@@ -161,7 +160,7 @@ def report(ctrl: Controller) -> dict[str, Any]:
         if f"rt/{k}" not in {a["key"] for a in ctrl.store.active_alerts()}:
             alerts.append(v)
     return {
-        "generated_s": time.time(),
+        "generated_s": ctrl.wall(),
         "now_s": ctrl.clock.now(),
         "time_scale": ctrl.time_scale,
         "policy": {"path": str(ctrl.policy_path), "loaded_s": ctrl.policy.loaded_s, "error": ctrl.policy.error},

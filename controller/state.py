@@ -27,6 +27,7 @@ not adopted: the agent is stopping them because they are absent from its desired
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -166,6 +167,8 @@ CREATE TABLE IF NOT EXISTS decisions (
 );
 CREATE INDEX IF NOT EXISTS decisions_created ON decisions(created_s);
 """
+
+log = logging.getLogger(__name__)
 
 
 def read_history(path: str | Path, since_s: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -530,6 +533,22 @@ class StateStore:
         return [{**dict(r), "errors": json.loads(r["errors"])} for r in rows]
 
     # -- host status ----------------------------------------------------------------------------
+    def planner_state(self) -> Any:
+        """The planner's state the last cycle saved (planner.types.PlannerState); unreadable or
+        absent: a fresh one (logged)."""
+        from fleetplan.planner.policy import PolicyError
+        from fleetplan.planner.serde import state_from_dict
+        from fleetplan.planner.types import PlannerState
+
+        d = self.get_kv("planner_state")
+        if not d:
+            return PlannerState.initial()
+        try:
+            return state_from_dict(d, "state store: planner_state")
+        except PolicyError as exc:
+            log.warning("stored planner state unreadable (%s); starting fresh", exc)
+            return PlannerState.initial()
+
     def save_host_statuses(self, payloads: Mapping[str, Mapping[str, Any]]) -> None:
         """The hosts' last statuses (one transaction for a batch)."""
         if not payloads:
