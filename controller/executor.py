@@ -34,6 +34,11 @@ from fleetplan.planner.act import ActDecision, ActSettings, ActView
 log = logging.getLogger(__name__)
 
 
+# Back-pressure: at most this many QoS 1 publishes wait for the broker at once (a rollout to 1,000
+# hosts must not queue 1,000 messages in the client: paho warns and the broker may drop them).
+MAX_PUBLISHES_IN_FLIGHT = 32
+
+
 def _engine_metrics_path(engine: str) -> str:
     return "/prometheus/metrics" if engine == "trtllm" else "/metrics"
 
@@ -127,8 +132,13 @@ class Executor:
             return  # advisory mode publishes nothing (a staged state is published once active)
         with self.store.tx() as c:
             payloads = {h: self.store.stage_desired(c, h) for h in sorted(hosts)}
-        published = await asyncio.gather(*(self.link.publish(desired_topic(h), json.dumps(p).encode())
-                                           for h, p in payloads.items()))
+        gate = asyncio.Semaphore(MAX_PUBLISHES_IN_FLIGHT)
+
+        async def publish(host: str, payload: dict[str, Any]) -> bool:
+            async with gate:
+                return await self.link.publish(desired_topic(host), json.dumps(payload).encode())
+
+        published = await asyncio.gather(*(publish(h, p) for h, p in payloads.items()))
         for (host, payload), ok in zip(payloads.items(), published, strict=True):
             key = f"publish/{host}"
             if ok:
