@@ -109,7 +109,8 @@ class Controller:
         self.prom = PromClient(self.settings.prometheus_url)
         self._lock = asyncio.Lock()
         self.executor = Executor(self.settings, self.store, self.link, self.hosts, self.runtime_alerts,
-                                 self.metrics, self.prom, self._lock, self.policy, wall=self.wall)
+                                 self.metrics, self.prom, self._lock, self.policy, wall=self.wall,
+                                 time_scale=self.time_scale)
         self._stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
         self.planner_state: Any = None

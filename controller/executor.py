@@ -73,6 +73,7 @@ class Executor:
     lock: asyncio.Lock  # the cycle's lock: a finished drain changes the records between cycles
     policy: PolicySource  # model names, advisory mode (publishes and routes nothing), agent templates
     wall: Callable[[], float] = time.time
+    time_scale: float = 1.0  # simulated seconds per wall second (lab); the policy's times are simulated
     router: Any = None
     routed: set[str] = field(default_factory=set)  # replica ids in the nginx upstreams right now
     republish_all: bool = False
@@ -234,14 +235,16 @@ class Executor:
             return None
 
     def drain_deadline_s(self, model: str) -> float:
-        """The drain deadline for `model` from the policy (act.drain_deadline_s); the controller's
-        drain_timeout_s setting is the floor and the default."""
+        """The drain deadline for `model` in wall seconds, from the policy (act.drain_deadline_s); the
+        controller's drain_timeout_s setting (wall) is the floor and the default."""
         pol = self.policy.policy
         m = next((m for m in pol.models if m.name == model), None) if pol is not None else None
         if m is None:
             return self.settings.drain_timeout_s
-        return act.drain_deadline_s(slo_ttft_s=m.slo.ttft_p99_ms / 1000, slo_itl_s=m.slo.itl_p99_ms / 1000,
-                                    max_output_tokens=m.max_output_tokens, explicit_s=m.drain_timeout_s,
+        k = self.time_scale
+        explicit = m.drain_timeout_s / k if m.drain_timeout_s is not None else None
+        return act.drain_deadline_s(slo_ttft_s=m.slo.ttft_p99_ms / 1000 / k, slo_itl_s=m.slo.itl_p99_ms / 1000 / k,
+                                    max_output_tokens=m.max_output_tokens, explicit_s=explicit,
                                     floor_s=self.settings.drain_timeout_s)
 
     async def drain(self, rid: str) -> None:
