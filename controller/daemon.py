@@ -154,10 +154,10 @@ class Controller:
     def _on_status(self, host: str, status: HostStatus) -> None:
         ready = self.hosts.on_status(host, status)
         # a replica became ready: route it now, not at the next cycle
-        new = set(ready) - self.executor.routed
-        if new and not self._stopping.is_set() and (self._routing_task is None or self._routing_task.done()):
-            if new & {r.replica_id for r in self.store.replicas((Phase.DESIRED,))}:
-                self._routing_task = asyncio.get_running_loop().create_task(self.executor.update_routing())
+        # (no store query per message: the ids routing last saw as desired are kept in memory)
+        if (set(ready) - self.executor.routed) & self.executor.desired_ids and not self._stopping.is_set() and (
+                self._routing_task is None or self._routing_task.done()):
+            self._routing_task = asyncio.get_running_loop().create_task(self.executor.update_routing())
 
     def _on_ack(self, host: str, ack: Any) -> None:
         self.store.record_ack(host, ack.version, ack.accepted, ack.errors)

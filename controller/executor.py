@@ -76,6 +76,7 @@ class Executor:
     time_scale: float = 1.0  # simulated seconds per wall second (lab); the policy's times are simulated
     router: Any = None
     routed: set[str] = field(default_factory=set)  # replica ids in the nginx upstreams right now
+    desired_ids: set[str] = field(default_factory=set)  # replica ids in phase desired at the last routing update
     republish_all: bool = False
     connected_wall: float = 0.0  # set on each (re)connect
     noted: set[tuple[str, str]] = field(default_factory=set)
@@ -104,7 +105,9 @@ class Executor:
         endpoints: dict[str, list[str]] = {m: [] for m in self.policy.model_names()}
         routed: set[str] = set()
         targets = []
-        for row in self.store.active_replicas():
+        rows = self.store.active_replicas()
+        self.desired_ids = {row.replica_id for row in rows if row.phase == Phase.DESIRED}
+        for row in rows:
             rs = rep.get(row.replica_id)
             ready = rs is not None and rs[1].state.value == "ready"
             if row.phase == Phase.DESIRED and ready and self.hosts.online(row.host):
