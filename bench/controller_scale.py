@@ -879,7 +879,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         line = bench.report()
         bench.stop_all()
-        if args.workdir is None and not interrupted:
+        if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
     log(line)
     return 1 if bench.errors or interrupted else 0
