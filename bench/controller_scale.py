@@ -508,10 +508,12 @@ def instrumented(ctrl: Any, phases: Phases, inbound: Inbound, plan_prof: PlanPro
     import fleetplan.planner.core as core
     from fleetplan.controller.observe import Observer
 
+    ex = ctrl.executor  # the act core's effects (controller/executor.py)
     for name, step in (("reconcile", "reconcile"), ("act", "execute"), ("publish", "publish_hosts"),
-                       ("routing", "update_routing"), ("cycle", "cycle")):
-        setattr(ctrl, step, phases.wrap_async(name, getattr(ctrl, step)))
-    ctrl.adopt_orphans = phases.wrap_sync("act", ctrl.adopt_orphans)
+                       ("routing", "update_routing")):
+        setattr(ex, step, phases.wrap_async(name, getattr(ex, step)))
+    ctrl.cycle = phases.wrap_async("cycle", ctrl.cycle)
+    ex.adopt_orphans = phases.wrap_sync("act", ex.adopt_orphans)
     ctrl.link._dispatch = inbound.wrap(ctrl.link._dispatch)
     old_snapshot, old_plan = Observer.snapshot, core.plan
     plan_fn = plan_prof.wrap(old_plan) if plan_prof is not None else old_plan
@@ -647,7 +649,7 @@ class Bench:
         """(replicas the controller wants that the agents report ready, replicas it wants)."""
         from fleetplan.controller.state import Phase
 
-        rep = self.ctrl.reported()
+        rep = self.ctrl.hosts.reported()
         rows = self.ctrl.store.replicas((Phase.DESIRED,))
         ready = sum(1 for r in rows if r.replica_id in rep and rep[r.replica_id][1].state.value == "ready")
         return ready, len(rows)
