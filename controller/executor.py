@@ -143,13 +143,15 @@ class Executor:
                 return await self.link.publish(desired_topic(host), json.dumps(payload).encode())
 
         published = await asyncio.gather(*(publish(h, p) for h, p in payloads.items()))
+        done = {}
         for (host, payload), ok in zip(payloads.items(), published, strict=True):
             key = f"publish/{host}"
             if ok:
-                self.store.mark_published(host, int(payload["version"]))
+                done[host] = int(payload["version"])
                 self.alerts.pop(key, None)
             else:
                 self.alerts[key] = f"desired v{payload['version']} for {host} not published (MQTT down)"
+        self.store.mark_published(done)
 
     # ---- acting: inputs to the act core and its effects ------------------------------------------
     def view(self) -> ActView:
@@ -181,9 +183,7 @@ class Executor:
 
     async def reconcile(self) -> None:
         """Bring the records in line with what the agents report (before planning)."""
-        for host, st in self.hosts.statuses.items():
-            if st.online:
-                self.store.note_version_floor(host, st.desired_version)
+        self.store.note_version_floors({h: st.desired_version for h, st in self.hosts.statuses.items() if st.online})
         d = act.reconcile(self.view())
         self.apply(d, None)
         changed = set(d.publish) | self.pending_publish

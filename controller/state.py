@@ -505,16 +505,27 @@ class StateStore:
 
     def note_version_floor(self, host: str, applied_version: int | None) -> None:
         """Agents report the version they applied; our next version must be above it."""
-        if applied_version is None or not 0 <= applied_version < MAX_VERSION:
+        self.note_version_floors({host: applied_version})
+
+    def note_version_floors(self, applied: Mapping[str, int | None]) -> None:
+        """note_version_floor for many hosts in one transaction (one commit per cycle, not per host)."""
+        ok = {h: v for h, v in applied.items() if v is not None and 0 <= v < MAX_VERSION}
+        if not ok:
             return  # never a floor no later version can pass (the protocol already bounds it)
         with self.tx() as c:
-            cur = self.get_kv(f"version_floor/{host}")
-            if not isinstance(cur, int) or not 0 <= cur < MAX_VERSION or cur < applied_version:
-                self.set_kv(f"version_floor/{host}", applied_version, c)
+            for host, version in ok.items():
+                cur = self.get_kv(f"version_floor/{host}")
+                if not isinstance(cur, int) or not 0 <= cur < MAX_VERSION or cur < version:
+                    self.set_kv(f"version_floor/{host}", version, c)
 
-    def mark_published(self, host: str, version: int) -> None:
+    def mark_published(self, published: Mapping[str, int]) -> None:
+        """host -> the desired version just published (one transaction)."""
+        if not published:
+            return
+        now = self._clock()
         with self.tx() as c:
-            c.execute("UPDATE desired SET published_s=? WHERE host=? AND version=?", (self._clock(), host, version))
+            c.executemany("UPDATE desired SET published_s=? WHERE host=? AND version=?",
+                          [(now, host, version) for host, version in published.items()])
 
     def record_ack(self, host: str, version: int | None, accepted: bool, errors: Iterable[str]) -> None:
         errs = list(errors)

@@ -37,6 +37,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
+from functools import cached_property
 from typing import Any
 
 from fleetplan.models.names import parse_engine, parse_gpu, parse_precision
@@ -250,6 +251,11 @@ class ActView:
     connected_since_s: float | None = None  # MQTT connected since (None: not connected)
     republish_all: bool = False  # after a (re)connect: the broker may have lost retained states
     noted: frozenset[tuple[str, str]] = frozenset()  # (config label, why) build deferrals already recorded
+
+    @cached_property
+    def replica_ids(self) -> frozenset[str]:
+        """The ids of `replicas` (computed once per view: asked once per host)."""
+        return frozenset(r.replica_id for r in self.replicas)
 
     def reported(self) -> dict[str, tuple[str, ReportedReplica]]:
         """replica id -> (host, report) from the agents' last statuses."""
@@ -510,11 +516,10 @@ def _busy(view: ActView, host: str, rows: Sequence[ReplicaRow]) -> tuple[set[int
 def held_gpus(view: ActView, host: str) -> tuple[int, ...]:
     """GPUs of `host` busy with something the plan does not place: an engine build, an engine its
     agent still runs that no active record names (stopping). The planner's placement avoids them."""
-    rows = {r.replica_id for r in view.replicas}
     h = view.hosts.get(host)
     out: set[int] = set()
     for rs in h.replicas if h is not None else ():
-        if rs.state != ReplicaState.STOPPED and rs.replica_id not in rows:
+        if rs.state != ReplicaState.STOPPED and rs.replica_id not in view.replica_ids:
             out.update(rs.gpu_indices)
     for b in view.builds:
         if b.host == host:
