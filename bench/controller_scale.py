@@ -96,9 +96,9 @@ def policy_doc(models: list[str], tp: int, max_actions: int) -> dict[str, Any]:
 
 def profiles_for(models: list[str], tp: int) -> Any:
     from fleetplan.models.names import Engine, GpuType, Precision
-    from fleetplan.models.profile import ProfileKey, ProfileSet, roofline_profile
+    from fleetplan.models.profile import ConfigKey, ProfileSet, roofline_profile
 
-    base = roofline_profile(ProfileKey(BASE_MODEL, Engine.VLLM, GpuType.H100, tp, Precision.BF16))
+    base = roofline_profile(ConfigKey(BASE_MODEL, Engine.VLLM, GpuType.H100, tp, Precision.BF16))
     if base is None:
         raise SystemExit(f"no roofline prior for {BASE_MODEL} tp{tp}")
     out = ProfileSet()
