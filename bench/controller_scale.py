@@ -68,7 +68,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 BASE_MODEL = "llama-3.1-70b"  # whose roofline prior every synthetic model gets
 ISL, OSL = 500, 200
-TEMPLATE = "sim-vllm"
+TEMPLATE = "vllm"  # the policy's default agent template for the engine
 PORT_RANGE = (20000, 20099)
 HEADROOM = 0.2
 
