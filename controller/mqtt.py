@@ -23,7 +23,13 @@ class MqttTls(BaseModel):
 
     ca_file: Path | None = None  # None: the system trust store
     cert_file: Path | None = None  # client certificate (optional, mutual TLS)
-    key_file: Path | None = None
+    key_file: Path | None = None  # None: the key is in cert_file
+
+    @model_validator(mode="after")
+    def _key_with_cert(self) -> MqttTls:
+        if self.key_file is not None and self.cert_file is None:
+            raise ValueError("key_file needs cert_file (the client certificate it belongs to)")
+        return self
 
 
 class MqttSettings(BaseModel):
@@ -70,15 +76,28 @@ def client_kwargs(settings: MqttSettings) -> dict[str, Any]:
         "timeout": 10.0,
     }
     if settings.tls is not None:
-        context = ssl.create_default_context(
-            cafile=str(settings.tls.ca_file) if settings.tls.ca_file else None
-        )
-        if settings.tls.cert_file is not None:
-            context.load_cert_chain(
-                str(settings.tls.cert_file), str(settings.tls.key_file) if settings.tls.key_file else None
-            )
-        kwargs["tls_context"] = context
+        kwargs["tls_context"] = tls_context(settings.tls)
     return kwargs
+
+
+class MqttFileError(Exception):
+    """A TLS file of the MQTT settings cannot be used (the message names the setting and the path)."""
+
+
+def tls_context(tls: MqttTls) -> ssl.SSLContext:
+    """The client's TLS context: verify the broker against ca_file (or the system store) and, when
+    cert_file is set, present that client certificate (mutual TLS)."""
+    try:
+        context = ssl.create_default_context(cafile=str(tls.ca_file) if tls.ca_file else None)
+    except OSError as exc:  # ssl.SSLError is an OSError; neither names the file
+        raise MqttFileError(f"mqtt.tls.ca_file {tls.ca_file}: {exc.strerror or exc}") from exc
+    if tls.cert_file is not None:
+        try:
+            context.load_cert_chain(str(tls.cert_file), str(tls.key_file) if tls.key_file else None)
+        except OSError as exc:
+            raise MqttFileError(f"mqtt.tls.cert_file {tls.cert_file} / key_file {tls.key_file}: "
+                                f"{exc.strerror or exc}") from exc
+    return context
 
 
 class Backoff:
@@ -120,13 +139,15 @@ async def session_loop(
     import aiomqtt
 
     backoff = Backoff(settings.backoff_initial_s, settings.backoff_max_s)
-    kwargs = {**client_kwargs(settings), "identifier": settings.client_id or identifier}
-    if will is not None:
-        kwargs["will"] = will
     while True:
         connected_at: float | None = None
         error = "session ended"
         try:
+            # per attempt: a TLS file or password file that is missing is logged and retried, and a
+            # renewed client certificate is used from the next connection on
+            kwargs = {**client_kwargs(settings), "identifier": settings.client_id or identifier}
+            if will is not None:
+                kwargs["will"] = will
             async with aiomqtt.Client(**kwargs) as client:
                 connected_at = time.monotonic()
                 log.info("MQTT connected to %s:%s as %s", settings.host, settings.port, settings.username)
@@ -134,7 +155,10 @@ async def session_loop(
         except* aiomqtt.MqttError as group:
             error = f"MQTT broker {settings.host}:{settings.port}: {group.exceptions[0]}"
             log.warning("%s; reconnecting", error)
-        except* Exception as group:  # OSError from TLS files, or a bug in `session`
+        except* MqttFileError as group:  # a config problem: say which file, no traceback
+            error = str(group.exceptions[0])
+            log.error("%s; retrying", error)
+        except* Exception as group:  # a bug in `session`, or an unreadable password_file
             error = f"MQTT session failed: {type(group.exceptions[0]).__name__}: {group.exceptions[0]}"
             log.error("%s; reconnecting", error, exc_info=group.exceptions[0])
         if on_down is not None:

@@ -516,10 +516,11 @@ class NginxServer:
     connection is served by the new routing generation.
     """
 
-    def __init__(self, workdir: Path, port: int | None = None):
+    def __init__(self, workdir: Path, port: int | None = None, *, extra_http: str = ""):
         self.workdir = workdir
         self.host = LOOPBACK
         self.port = port or free_port()
+        self.extra_http = extra_http  # more of the http {} block (tests: a TLS server in front of an API)
         self.conf_path = workdir / "nginx.conf"
         self.upstreams_path = workdir / "upstreams.conf"
         self.error_log = workdir / "error.log"
@@ -561,6 +562,7 @@ http {{
     scgi_temp_path {tmp}/scgi;
     include {self.upstreams_path};
 {render_nginx_front_server(f"{self.host}:{self.port}")}
+{self.extra_http}
 }}
 """
         atomic_write_text(self.conf_path, conf)
