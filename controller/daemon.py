@@ -115,6 +115,7 @@ class Controller:
         self._tasks: list[asyncio.Task[Any]] = []
         self.planner_state: Any = None
         self.last_snapshot: Snapshot | None = None
+        self._observer: Observer | None = None
         self.cycle_count = 0
         self.metrics.mqtt_connected.set_function(lambda: float(self.link.connected.is_set()))
         self.report_runner: Any = None
@@ -289,15 +290,13 @@ class Controller:
         return summary
 
     async def _observe(self, cid: int, now_s: float) -> Snapshot:
-        s = self.settings
-        observer = Observer(
-            self.prom,
-            ObserverConfig(window_s=s.observe_window_s, history_s=s.history_s, history_step_s=s.history_step_s,
-                           time_scale=self.time_scale),
-            canonical=self.policy.canonical,
-        )
+        if self._observer is None:  # one Observer: it keeps the rate history it has read
+            s = self.settings
+            self._observer = Observer(self.prom, ObserverConfig(
+                window_s=s.observe_window_s, history_s=s.history_s, history_step_s=s.history_step_s,
+                time_scale=self.time_scale), canonical=self.policy.canonical, clock=self.wall)
         expected = {r.replica_id for r in self.store.active_replicas()}
-        snap = await observer.snapshot(self.model_names(), now_s=now_s, expected_replicas=expected)
+        snap = await self._observer.snapshot(self.model_names(), now_s=now_s, expected_replicas=expected)
         self.last_snapshot = snap
         self.store.save_observation(cid, snap.to_json())
         return snap

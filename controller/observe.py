@@ -132,6 +132,23 @@ class PromClient:
         ]
 
 
+def merge_history(old: Iterable[Series], new: Iterable[Series], since_s: float) -> tuple[Series, ...]:
+    """Series of `old` extended by `new` (same labels; a point of `new` replaces the point of `old`
+    at the same time), points before `since_s` dropped, series left empty dropped."""
+    merged: dict[frozenset[tuple[str, str]], dict[float, float]] = {}
+    labels: dict[frozenset[tuple[str, str]], Mapping[str, str]] = {}
+    for s in (*old, *new):
+        key = frozenset(s.labels.items())
+        labels.setdefault(key, s.labels)
+        merged.setdefault(key, {}).update((round(t, 3), v) for t, v in s.points)  # ms: as the query sent it
+    out = []
+    for key, points in merged.items():
+        kept = tuple(sorted((t, v) for t, v in points.items() if t >= since_s))
+        if kept:
+            out.append(Series(labels[key], kept))
+    return tuple(out)
+
+
 def _num(text: str) -> float:
     try:
         return float(text)
@@ -189,6 +206,9 @@ class Observer:
     config: ObserverConfig = field(default_factory=ObserverConfig)
     canonical: Callable[[str], str] = lambda name: name
     clock: Callable[[], float] = time.time  # wall clock (unix seconds)
+    # the request-rate history already read: (query, step, series); each fetch asks Prometheus
+    # only for the steps since (8 days at 300 s steps is ~2,300 points per model otherwise)
+    _history: tuple[str, float, tuple[Series, ...]] | None = None
 
     def _sel(self, name_re: str) -> str:
         extra = f",{self.config.extra_selector}" if self.config.extra_selector else ""
@@ -295,14 +315,28 @@ class Observer:
         try:
             names = list(queries)
             results = await asyncio.gather(*(self.client.query(queries[n], wall) for n in names))
-            history: list[Series] = []
+            history: tuple[Series, ...] = ()
             if with_history:
-                history = await self.client.query_range(
-                    self.history_query(), wall - self.config.history_s, wall, self.config.history_step_s
-                )
+                history = await self._history_until(wall)
         except PrometheusError as exc:
             return Readings(wall, error=str(exc))
         return Readings(wall, {n: tuple(r) for n, r in zip(names, results, strict=True)}, tuple(history))
+
+    async def _history_until(self, wall: float) -> tuple[Series, ...]:
+        """The rate history over `history_s` up to `wall`, at `history_step_s`: what was read before
+        plus the steps since (the last step read is read again: its window may have grown)."""
+        query, step, start = self.history_query(), self.config.history_step_s, wall - self.config.history_s
+        old = self._history
+        if old is not None and old[0] == query and old[1] == step:
+            last = max((pt[0] for s in old[2] for pt in s.points[-1:]), default=None)
+            if last is not None and last >= start:
+                new = await self.client.query_range(query, last, wall, step)
+                merged = merge_history(old[2], new, start)
+                self._history = (query, step, merged)
+                return merged
+        fresh = tuple(await self.client.query_range(query, start, wall, step))
+        self._history = (query, step, fresh)
+        return fresh
 
     async def snapshot(
         self,
