@@ -7,13 +7,14 @@ controller (fleetplan.sim.baselines) runs every `period_s` simulated seconds and
 sees: Prometheus-like windowed rates and histogram quantiles, scraped every `scrape_s` and visible
 `scrape_delay_s` later, never the trace's future or the requests' true output lengths.
 
-Speed: `FastCore` follows BatchCore's scheduling rules step for step, except that a run of
-pure-decode steps (every running request decoding, nothing admissible from the queue, no KV
-pressure) is advanced as ONE macro-step up to the next event (a request finishing, or an arrival
-routed to that replica, which splits the macro-step at the step boundary after the arrival). Step
-times in a macro-step are the noise-free step time interpolated linearly in the context length
-times the mean of the lognormal noise. Per-request TTFT and ITL agree with BatchCore within a few
-percent (tests/unit/sim/test_evaluate_des.py measures it).
+Speed: `FastCore` and BatchCore are both a groundtruth.BatchState: every step is decided by the
+one rule `groundtruth.plan_step`. FastCore advances a run of steps that rule would make pure-decode
+steps (every running request decoding, the queue's head cannot join, no eviction) as ONE macro-step
+up to the next event (a request finishing, the KV pool running out, or an arrival routed to that
+replica, which splits the macro-step at the step boundary after the arrival). Step times in a
+macro-step are the noise-free step time interpolated linearly in the context length times the mean
+of the lognormal noise: without noise a macro-step equals its single steps (to float rounding),
+with it only the per-step noise draws are averaged (tests/unit/sim/test_evaluate_des.py).
 
 Replica lifecycle: STARTING (launch; + TensorRT-LLM engine build when no built engine exists) ->
 READY -> DRAINING (no new requests; stops when idle) -> STOPPED. GPU-hours count from the start
@@ -49,7 +50,14 @@ from fleetplan.planner.types import (
     Replica,
     ReplicaState,
 )
-from fleetplan.sim.groundtruth import EngineParams, RequestTooLongError, step_time_s
+from fleetplan.sim.groundtruth import (
+    BatchState,
+    EngineParams,
+    RequestTooLongError,
+    StepPlan,
+    admission,
+    step_time_s,
+)
 from fleetplan.sim.traces import Trace
 
 # vLLM bucket edges (vllm/v1/metrics/loggers.py), seconds
@@ -108,21 +116,9 @@ def histogram_quantile(q: float, edges: Sequence[float], counts: Sequence[float]
 # ----------------------------------------------------------------------------------------------
 
 
-class _R:
-    __slots__ = ("blocks", "computed", "emitted", "idx", "max_tokens", "prompt", "target")
-
-    def __init__(self, idx: int, prompt: int, max_tokens: int) -> None:
-        self.idx = idx
-        self.prompt = prompt
-        self.max_tokens = max_tokens
-        self.computed = 0
-        self.emitted = 0
-        self.target = prompt
-        self.blocks = 0
-
-
-class FastCore:
-    """BatchCore's scheduling with macro-stepped pure-decode runs (see the module docstring).
+class FastCore(BatchState[int]):
+    """The replay's replica core: BatchState's steps (the one rule, groundtruth.plan_step), with
+    runs of pure-decode steps macro-stepped (see the module docstring).
 
     Protocol: `begin(now)` plans the next (macro-)step and returns its end time (None: idle);
     `split(t)` shortens a macro-step in progress to the first step boundary >= t; `end()` applies
@@ -131,72 +127,23 @@ class FastCore:
     """
 
     def __init__(self, params: EngineParams, seed: int = 0, *, macro: bool = True) -> None:
-        self.params = params
-        self._rng = random.Random(seed)
-        self.waiting: list[_R] = []  # FIFO; head at index self._wh
-        self._wh = 0
-        self.running: list[_R] = []
-        self.free_blocks = params.kv_blocks
+        super().__init__(params, seed)
         self.macro = macro
         self._noise_mean = math.exp(params.noise_sigma**2 / 2.0) if params.noise_sigma > 0 else 1.0
         # step in progress
         self.busy = False
         self.t0 = 0.0
         self.t_end = 0.0
-        self._sched: list[tuple[_R, int]] = []
+        self._plan: StepPlan[int] | None = None  # a single step in progress
         self._k = 0  # macro-step: number of decode steps (0: a single exact step)
         self._a = 0.0
         self._b = 0.0
-        self.steps = 0
-        self.preemptions = 0
         # (steps until the first finish, context tokens) of the running batch when every running
         # request is decoding, as left by the last macro-step; None: unknown, recompute
         self._stats: tuple[int, int] | None = None
 
-    # -- queries
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting) - self._wh
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def kv_usage(self) -> float:
-        return 1.0 - self.free_blocks / self.params.kv_blocks
-
-    def idle(self) -> bool:
-        return not self.running and self.num_waiting == 0
-
-    def check(self, prompt_tokens: int, max_tokens: int) -> None:
-        p = self.params
-        total = prompt_tokens + max_tokens
-        if total > p.max_model_len or -(-total // p.block_size) > p.kv_blocks:
-            raise RequestTooLongError(
-                f"prompt_tokens + max_tokens = {total} exceeds the engine's maximum context length {p.max_model_len}"
-            )
-
     def submit(self, idx: int, prompt_tokens: int, max_tokens: int) -> None:
-        prompt_tokens = max(1, int(prompt_tokens))
-        max_tokens = max(1, int(max_tokens))
-        self.check(prompt_tokens, max_tokens)
-        self.waiting.append(_R(idx, prompt_tokens, max_tokens))
-
-    def _pop_waiting(self) -> _R:
-        r = self.waiting[self._wh]
-        self._wh += 1
-        if self._wh > 64 and self._wh * 2 > len(self.waiting):
-            del self.waiting[: self._wh]
-            self._wh = 0
-        return r
-
-    def _push_front(self, r: _R) -> None:
-        if self._wh > 0:
-            self._wh -= 1
-            self.waiting[self._wh] = r
-        else:
-            self.waiting.insert(0, r)
+        self._enqueue(idx, prompt_tokens, max_tokens)
 
     # -- planning a step
     def begin(self, now: float) -> float | None:
@@ -208,20 +155,15 @@ class FastCore:
         return self._plan_single(now)
 
     def _admissible(self, budget: int) -> bool:
-        """Could the head of the queue be admitted in a step with `budget` tokens left?"""
-        if self.num_waiting == 0 or budget <= 0 or len(self.running) >= self.params.max_num_seqs:
+        """Could the head of the queue join a step with `budget` tokens left (plan_step's admission)?"""
+        if not self.waiting or budget <= 0 or len(self.running) >= self.rule.max_num_seqs:
             return False
-        p = self.params
-        r = self.waiting[self._wh]
-        need = r.target - r.computed
-        n = need if need <= budget else (budget if p.chunked_prefill else 0)
-        if n <= 0:
-            return False
-        bs = p.block_size
-        want = (-(-(r.prompt + r.max_tokens) // bs) if p.factors.reserve_full_kv else -(-(r.computed + n) // bs))
-        return want - r.blocks <= self.free_blocks
+        return admission(self.rule, self.waiting[0], budget, self.free_blocks) is not None
 
     def _plan_macro(self, now: float) -> bool:
+        """A run of steps that plan_step would make pure-decode steps: every running request
+        decodes, the queue's head cannot join, the KV pool holds the growth (no eviction), up to
+        the first request's last token."""
         running = self.running
         nb = len(running)
         if nb == 0:
@@ -240,13 +182,14 @@ class FastCore:
                 if rem < k:
                     k = rem
                 ctx += r.computed
-        if nb > p.max_num_batched_tokens or self._admissible(p.max_num_batched_tokens - nb):
+        budget = self.rule.max_num_batched_tokens
+        if nb > budget or self._admissible(budget - nb):
             return False
-        if not p.factors.reserve_full_kv:
-            bs = p.block_size
+        if not self.rule.reserve_full_kv:
+            bs = self.rule.block_size
 
             def extra(j: int) -> int:
-                return sum(-(-(r.computed + j) // bs) - r.blocks for r in running)
+                return sum(-(-(r.computed + j) // bs) - r.blocks for r in running)  # blocks_for, inlined: hot
 
             if extra(k) > self.free_blocks:
                 lo, hi = 0, k  # extra(lo) fits, extra(hi) does not
@@ -296,99 +239,27 @@ class FastCore:
         return self.t_end
 
     def _plan_single(self, now: float) -> float | None:
-        """One BatchCore step (same admission, chunking, KV allocation and preemption rules)."""
+        """One exact step: BatchState.schedule (plan_step) and its noisy duration, as BatchCore.step."""
         self._stats = None
-        p = self.params
-        budget = p.max_num_batched_tokens
-        bs = p.block_size
-        reserve = p.factors.reserve_full_kv
-        sched: list[tuple[_R, int]] = []
-        prefill_tokens = 0
-        decode_seqs = 0
-        context = 0
-        attn_pairs = 0.0
-        running = self.running
-        i = 0
-        while i < len(running) and budget > 0:
-            r = running[i]
-            need = r.target - r.computed
-            n = need if need <= budget else (budget if p.chunked_prefill else 0)
-            if n <= 0:
-                i += 1
-                continue
-            if not reserve:
-                extra = -(-(r.computed + n) // bs) - r.blocks
-                self_preempted = False
-                while extra > self.free_blocks:
-                    victim = running.pop()
-                    self._preempt(victim)
-                    if victim is r:
-                        self_preempted = True
-                        break
-                if self_preempted:
-                    break
-                if extra > 0:
-                    self.free_blocks -= extra
-                    r.blocks += extra
-            sched.append((r, n))
-            budget -= n
-            if need == 1 and r.emitted > 0:
-                decode_seqs += 1
-                context += r.computed
-            else:
-                prefill_tokens += n
-                attn_pairs += n * (r.computed + n / 2.0)
-            i += 1
-        while self.num_waiting and budget > 0 and len(running) < p.max_num_seqs:
-            r = self.waiting[self._wh]
-            need = r.target - r.computed
-            n = need if need <= budget else (budget if p.chunked_prefill else 0)
-            if n <= 0:
-                break
-            want = (-(-(r.prompt + r.max_tokens) // bs) if reserve else -(-(r.computed + n) // bs)) - r.blocks
-            if want > self.free_blocks:
-                break
-            self._pop_waiting()
-            self.free_blocks -= want
-            r.blocks += want
-            running.append(r)
-            sched.append((r, n))
-            budget -= n
-            prefill_tokens += n
-            attn_pairs += n * (r.computed + n / 2.0)
-        self.steps += 1
-        if not sched:
+        plan = self.schedule()
+        if not plan.chunks:
             return None
-        dur = step_time_s(p, decode_seqs=decode_seqs, prefill_tokens=prefill_tokens,
-                          context_tokens=context, prefill_attn_pairs=attn_pairs)
-        if p.noise_sigma > 0:
-            dur *= math.exp(self._rng.gauss(0.0, p.noise_sigma))
-        self._sched = sched
+        self._plan = plan
         self._k = 0
         self.busy = True
         self.t0 = now
-        self.t_end = now + dur
+        self.t_end = now + self.duration_s(plan)
         return self.t_end
-
-    def _preempt(self, r: _R) -> None:
-        self.preemptions += 1
-        self.free_blocks += r.blocks
-        r.blocks = 0
-        r.computed = 0
-        r.target = r.prompt + r.emitted
-        self._push_front(r)
 
     # -- applying a step
     def end(self) -> tuple[list[int], list[int], float, int]:
         assert self.busy
         self.busy = False
-        first: list[int] = []
-        finished: list[int] = []
         if self._k > 0:
             j = self._k
             self.steps += j
-            reserve = self.params.factors.reserve_full_kv
-            bs = self.params.block_size
+            reserve = self.rule.reserve_full_kv
+            bs = self.rule.block_size
             done = False
             kmin = 1 << 62
             ctx = 0
@@ -399,7 +270,7 @@ class FastCore:
                 r.emitted = e
                 r.target = r.prompt + e
                 if not reserve:
-                    nbk = -(-c // bs)
+                    nbk = -(-c // bs)  # blocks_for, inlined: hot
                     if nbk > r.blocks:
                         self.free_blocks -= nbk - r.blocks
                         r.blocks = nbk
@@ -412,40 +283,17 @@ class FastCore:
                     ctx += c
             gap = (self.t_end - self.t0) / j
             count = j * len(self.running)
-            if done:
-                self._retire(finished)
+            finished = [r.key for r in self.retire()] if done else []
             self._k = 0
             self._stats = (kmin, ctx) if self.running else None
-            return first, finished, gap, count
+            return [], finished, gap, count
         self._stats = None
-        done = False
-        ndec = 0
-        for r, n in self._sched:
-            r.computed += n
-            if r.computed >= r.target:
-                if r.emitted == 0:
-                    first.append(r.idx)
-                else:
-                    ndec += 1
-                r.emitted += 1
-                r.target = r.prompt + r.emitted
-                if r.emitted >= r.max_tokens:
-                    done = True
-        self._sched = []
-        if done:
-            self._retire(finished)
-        return first, finished, self.t_end - self.t0, ndec
-
-    def _retire(self, finished: list[int]) -> None:
-        keep = []
-        for r in self.running:
-            if r.emitted >= r.max_tokens:
-                self.free_blocks += r.blocks
-                r.blocks = 0
-                finished.append(r.idx)
-            else:
-                keep.append(r)
-        self.running = keep
+        plan = self._plan
+        assert plan is not None
+        self._plan = None
+        first, fin, count = self.complete(plan)
+        return ([r.key for r in first] if first else [], [r.key for r in fin] if fin else [], self.t_end - self.t0,
+                count - len(first))
 
 
 # ----------------------------------------------------------------------------------------------
