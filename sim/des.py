@@ -35,7 +35,6 @@ from typing import Protocol, cast
 import numpy as np
 
 from fleetplan.models.mix import QUANTILE_LEVELS
-from fleetplan.models.names import parse_engine, parse_gpu, parse_precision
 from fleetplan.planner import act
 from fleetplan.planner.types import (
     Action,
@@ -821,8 +820,7 @@ class FleetSim:
         for eff in decision.effects:
             if isinstance(eff, act.NewReplica):
                 row = eff.row
-                config = ConfigKey(row.model, parse_engine(row.engine), parse_gpu(row.gpu), row.tp,
-                                   parse_precision(row.precision))
+                config = row.config
                 self._start_replica(t, None, config, row.host, row.gpu_indices)
                 started.add(row.model)
             elif isinstance(eff, act.NewBuild):
@@ -837,7 +835,7 @@ class FleetSim:
                 self.deferred += 1
 
     def _build(self, t: float, row: act.BuildRow) -> None:
-        c = ConfigKey(row.model, parse_engine(row.engine), parse_gpu(row.gpu), row.tp, parse_precision(row.precision))
+        c = row.config
         if self._built(c) or (c in self.builds and not self.builds[c].ready):
             return
         bs = self.env.build_s(c) or 0.0
