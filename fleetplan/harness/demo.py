@@ -34,7 +34,7 @@ from typing import Any
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # fleetplan/harness/demo.py -> the repository
 
 DEMO_MODEL = "llama-3.1-8b"
 DEMO_MODEL_70B = "llama-3.1-70b"
