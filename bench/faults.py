@@ -4,8 +4,8 @@
 
 One lab for the whole run (Mosquitto, Prometheus, nginx, --hosts simulated hosts x 8 H100, one agent
 per host; simulated engines, time 20x), one controller subprocess and its state database, one steady
-Poisson load through nginx (--rps simulated requests/s of llama-3.1-70b, ISL 1024 / OSL 256; 1.6 rps
-needs 2 TP4 replicas). The faults run one after the other, each from a settled fleet; what each does
+Poisson load through nginx (--rps simulated requests/s of llama-3.1-70b, ISL 1024 / OSL 256; the default
+1.0 rps needs 2 TP4 replicas). The faults run one after the other, each from a settled fleet; what each does
 and how it is measured: fleetplan/harness/fault_suite.py and docs/faults.md.
 
 Per fault: requests sent / ok / failed / unexplained (failed and not in flight on a killed process),
@@ -108,7 +108,7 @@ async def run(args: argparse.Namespace, work: Path, names: Sequence[str]) -> int
     t_start = time.monotonic()
     rig = Rig(work / "rig", hosts=args.hosts, gpus_per_host=8,
               engine=EngineOptions(time_scale=K, startup_s=40.0, build_s=200.0, max_num_seqs=MAX_NUM_SEQS))
-    over: dict[str, Any] = {"min_replicas": 1, "max_replicas": 4}
+    over: dict[str, Any] = {"min_replicas": 1, "max_replicas": 2 * args.hosts}  # room for the scale-up
     ctrl_dir = work / "controller"
     ctrl_dir.mkdir(parents=True, exist_ok=True)
     load: Load | None = None
@@ -127,7 +127,8 @@ async def run(args: argparse.Namespace, work: Path, names: Sequence[str]) -> int
                            bad_payloads=bad_payloads(args.generated) if "bad_messages" in names else None,
                            log=lambda s: print(s, flush=True))
         await suite.start()
-        why = await suite.settle(timeout_s=120)
+        # warm-up: the load observed, the fleet sized for it and unchanged past the scale-down delay
+        why = await suite.settle(timeout_s=120, stable_s=8.0)
         print(f"== warmed up in {time.monotonic() - t_start:.0f} s: {suite.fleet_size()} replicas"
               + ("" if why is None else f" (not settled: {why})"), flush=True)
         print(HEADER, flush=True)
@@ -161,7 +162,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--faults", default=",".join(ALL_FAULTS), help=f"comma-separated, of: {', '.join(ALL_FAULTS)}")
     ap.add_argument("--seconds", type=float, default=20.0, help="wall seconds of load after each fault (at least)")
-    ap.add_argument("--rps", type=float, default=1.6, help="simulated requests/s (x20 in wall time)")
+    ap.add_argument("--rps", type=float, default=1.0, help="simulated requests/s (x20 in wall time)")
     ap.add_argument("--hosts", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0, help="load arrivals and the random controller kills")
     ap.add_argument("--generated", type=int, default=200, help="generated bad statuses (half as many acks)")

@@ -11,11 +11,15 @@ stops between faults (a gap would read as a demand drop). Per fault:
   request sent before the kill counts as in flight on it);
 - duplicates: replica ids that had two live engines at once (sampled every 0.5 s all along);
 - orphans: engines that no desired state names, 15 s after recovery (stops take a moment);
-- scale-downs: replicas drained or stopped during the window (the controller's own action
-  records, read from its database), except replicas the fault killed and the drain a fault
-  deliberately interrupts (controller kill mid drain);
-- recover_s: from the fault to the first moment the fleet is settled again with at least the
-  replicas it had (for Prometheus also a fresh observation), None if not within `recover_timeout_s`.
+- scale-downs: how far the desired fleet (replicas in the desired state and not draining; those the
+  fault killed count as kept) fell below what it had before the fault, sampled every 0.5 s from
+  the fault to the end of the window. A replacement (make-before-break: the new replica first)
+  does not dip; a drain the planner decided before a controller kill (mid drain) lowers the floor.
+  The drains and stops in the window are listed from the controller's database for diagnosis;
+- recover_s: from the fault to the first moment the fleet is settled again (a cycle completed
+  after the fault, every replica ready and routed, at least as many replicas as before, desired
+  states acked, engines == desired replicas, hosts reporting, an observation that is not stale and
+  reads at least half the offered load), None if not within `recover_timeout_s`.
 
 The harness plays systemd: a killed controller, agent, Mosquitto or Prometheus is restarted at
 once (an agent after 1 s); a lost host is not.
@@ -87,6 +91,7 @@ class Injection:
     kills_serving: bool = False  # a serving process was killed: requests in flight on it may fail
     notes: list[str] = field(default_factory=list)
     engines_kept: bool = True  # the fault must leave every (other) engine running as it was
+    floor: int | None = None  # replicas the fleet must keep (None: what it had before the fault)
 
 
 class FaultSuite:
@@ -103,6 +108,8 @@ class FaultSuite:
         self.target = 1  # replicas the fleet must have when settled
         self._window_start = time.monotonic()
         self._dups: set[str] = set()
+        self._min_present: int | None = None  # fewest replicas kept in the desired state since the fault
+        self._killed: set[str] = set()  # replicas the running fault killed (count as kept)
         self._sampler: asyncio.Task[None] | None = None
         self._policy_over: dict[str, Any] = dict(policy_over or {})  # what the controller's policy_doc was made with
 
@@ -118,11 +125,17 @@ class FaultSuite:
     def _engines(self) -> Counter[str]:
         return Counter(rid for _, rid in self.rig.engine_processes())
 
-    def health(self, *, need_fresh_observation: bool = True) -> str | None:
-        """None when settled, else what is not (blocking: run in a thread)."""
+    def cycle_id(self) -> int:
+        rep = self._report()
+        return int((rep or {}).get("cycle_id") or 0)
+
+    def health(self, min_cycle: int = 0) -> str | None:
+        """None when settled (from cycle `min_cycle` on), else what is not (blocking: run in a thread)."""
         rep = self._report()
         if rep is None:
             return "controller report API down"
+        if (rep["cycle_id"] or 0) < min_cycle:
+            return "no complete cycle since the fault"
         if not rep["mqtt_connected"]:
             return "controller not connected to MQTT"
         for name in (h.name for h in self.rig.lab.hosts if h.name not in self.lost_hosts):
@@ -140,10 +153,11 @@ class FaultSuite:
         ready = ready_replicas(rep)
         if len(ready) != len(fleet) or len(fleet) < self.target:
             return f"{len(ready)} of {len(fleet)} replicas ready (want >= {self.target})"
-        if need_fresh_observation:
-            obs = ((rep.get("plan") or {}).get("observation") or {}).get(MODEL) or {}
-            if obs.get("stale", True):
-                return "observation stale"
+        obs = ((rep.get("plan") or {}).get("observation") or {}).get(MODEL) or {}
+        if obs.get("stale", True):
+            return "observation stale"
+        if (obs.get("rate_rps") or 0.0) < 0.5 * self.load.rate_rps:  # e.g. an emptied Prometheus refilling
+            return f"observed {obs.get('rate_rps')} rps of {self.load.rate_rps:g}"
         engines = self._engines()
         if any(n > 1 for n in engines.values()):
             return "duplicate engine"
@@ -158,10 +172,20 @@ class FaultSuite:
     def fleet_size(self) -> int:
         return len(self.fleet_ids() or ())
 
-    async def _sample_duplicates(self) -> None:
+    def _kept(self) -> int | None:
+        """Replicas in the desired state and not draining (those the fault killed count as kept)."""
+        rep = self._report()
+        if rep is None:
+            return None
+        return len({r["replica_id"] for r in rep["fleet"] if r["phase"] == "desired"} | self._killed)
+
+    async def _sample(self) -> None:
         while True:
             engines = await asyncio.to_thread(self._engines)
             self._dups.update(rid for rid, n in engines.items() if n > 1)
+            kept = await asyncio.to_thread(self._kept)
+            if kept is not None and self._min_present is not None:
+                self._min_present = min(self._min_present, kept)
             await asyncio.sleep(0.5)
 
     def _action_mark(self) -> int:
@@ -169,13 +193,15 @@ class FaultSuite:
             row = db.execute("SELECT COALESCE(MAX(action_id), 0) FROM actions").fetchone()
             return int(row[0])
 
-    def _removals_since(self, mark: int) -> list[tuple[str, str, str, str]]:
-        """(replica id, kind, status, reason) of the drains and stops after action `mark` that did something."""
+    def _removals_since(self, mark: int, decided: bool = False) -> list[tuple[str, str, str, str]]:
+        """(replica id, kind, status, reason) of the drains and stops after action `mark` that did
+        something (`decided`: also those only planned or deferred)."""
+        skip = ("failed", "cancelled") if decided else ("deferred", "failed", "planned", "cancelled")
         with contextlib.closing(sqlite3.connect(f"file:{self.ctrl.state_db}?mode=ro", uri=True, timeout=10)) as db:
             rows = db.execute(
                 "SELECT replica_id, kind, status, reason FROM actions WHERE action_id > ? AND kind IN "
-                "('drain', 'stop') AND status NOT IN ('deferred', 'failed', 'planned', 'cancelled') "
-                "ORDER BY action_id", (mark,)).fetchall()
+                f"('drain', 'stop') AND status NOT IN ({','.join('?' * len(skip))}) "
+                "ORDER BY action_id", (mark, *skip)).fetchall()
         return [(str(r[0]), str(r[1]), str(r[2]), str(r[3])) for r in rows]
 
     async def wait_for(self, pred: Callable[[], Any], timeout_s: float, poll_s: float = 0.25) -> Any:
@@ -206,7 +232,7 @@ class FaultSuite:
     # running
 
     async def start(self) -> None:
-        self._sampler = asyncio.create_task(self._sample_duplicates())
+        self._sampler = asyncio.create_task(self._sample())
 
     async def close(self) -> None:
         if self._sampler is not None:
@@ -217,7 +243,14 @@ class FaultSuite:
     async def run(self, names: Sequence[str]) -> list[FaultResult]:
         results = []
         for name in names:
-            res = await self.run_one(name)
+            try:
+                res = await self.run_one(name)
+            except Exception as exc:  # the harness failed (e.g. a controller that will not restart): say so, go on
+                res = FaultResult(name, notes=[f"harness error: {type(exc).__name__}: {str(exc)[:2000]}"])
+                self._window_start = time.monotonic()
+                with contextlib.suppress(Exception):
+                    if self.ctrl.proc is None or self.ctrl.proc.poll() is not None:
+                        await asyncio.to_thread(self.ctrl.start)
             self.log(res.line() + ("  " + "; ".join(res.notes) if res.notes else ""))
             results.append(res)
         return results
@@ -229,18 +262,27 @@ class FaultSuite:
         if why is not None:
             res.notes.append(f"not settled before the fault: {why}")
         self.target = await asyncio.to_thread(self.fleet_size)  # what the settled fleet has
+        cycle0 = await asyncio.to_thread(self.cycle_id)
         mark = await asyncio.to_thread(self._action_mark)
         engines_before = {rid: pid for pid, rid in await asyncio.to_thread(self.rig.engine_processes)}
         log_from = self._log_size()
         self._dups.clear()
+        self._killed = set()
+        n_before = self.target
+        self._min_present = n_before
         inject: Callable[[], Awaitable[Injection]] = getattr(self, f"_fault_{name}")
         inj = await inject()
         res.notes += inj.notes
+        if inj.kills_serving:
+            self._killed = set(inj.excused)
+        floor = n_before if inj.floor is None else inj.floor
+        if inj.floor is not None:  # an intended change during the injection: count from here on
+            self._min_present = floor
         t_rec = time.monotonic()
         deadline = inj.t_s + self.recover_timeout_s
         last_why: str | None = "not checked"
         while time.monotonic() < deadline:
-            last_why = await asyncio.to_thread(self.health)
+            last_why = await asyncio.to_thread(self.health, cycle0 + 2)  # a whole cycle after the fault
             if last_why is None:
                 res.recover_s = time.monotonic() - inj.t_s
                 break
@@ -268,10 +310,14 @@ class FaultSuite:
         res.duplicates = len(self._dups)
         if self._dups:
             res.notes.append(f"duplicate engines for {sorted(self._dups)}")
+        kept = await asyncio.to_thread(self._kept)
+        low = min(x for x in (self._min_present, kept, floor) if x is not None)
+        res.scale_downs = max(0, floor - low)
         removals = [r for r in await asyncio.to_thread(self._removals_since, mark) if r[0] not in inj.excused]
-        res.scale_downs = len({r[0] for r in removals})
-        if removals:
-            res.notes.append("scale-downs: " + ", ".join(f"{k} {rid} ({st}: {reason})" for rid, k, st, reason in removals))
+        if removals:  # replacements (make-before-break) and the planner's own changes show here too
+            res.notes.append("removed: " + ", ".join(f"{k} {rid} ({st}: {reason})" for rid, k, st, reason in removals))
+        if res.scale_downs:
+            res.notes.append(f"the desired fleet fell to {low} replicas (floor {floor})")
         # requests: those sent in this window, once they all finished
         t_end = time.monotonic()
         await self.wait_for(lambda: self.load.unfinished_before(t_end) == 0, 30)
@@ -330,13 +376,15 @@ class FaultSuite:
     async def _fault_controller_mid_scale_up(self) -> Injection:
         """min_replicas = fleet + 1 by SIGHUP; kill -9 once the new replica is in the desired state."""
         n = await asyncio.to_thread(self.fleet_size)
+        if n + 1 > self._policy_over.get("max_replicas", 4):
+            raise RuntimeError(f"{n} replicas already: max_replicas leaves no room for a scale-up")
         await self._set_policy(min_replicas=n + 1)
         grown = await self.wait_for(lambda: len(self.fleet_ids() or ()) > n, 30, poll_s=0.1)
         notes = [] if grown else ["no start seen within 30 s: killed anyway"]
         t = await self._kill_controller()
         await self._restart_controller()
         self.target = n + 1
-        return Injection(t, notes=notes)
+        return Injection(t, notes=notes, floor=n)
 
     async def _fault_controller_mid_drain(self) -> Injection:
         """min_replicas back to 1 (the load needs fewer): kill -9 while the surplus replica drains."""
@@ -345,13 +393,17 @@ class FaultSuite:
             return {r["replica_id"] for r in rep["fleet"] if r["phase"] == "draining"} if rep else set()
 
         n = await asyncio.to_thread(self.fleet_size)
+        mark = await asyncio.to_thread(self._action_mark)
         await self._set_policy(min_replicas=1)
         ids = await self.wait_for(draining, 45, poll_s=0.1)
-        notes = [f"killed while {sorted(ids)} drained"] if ids else ["no drain seen within 45 s: killed anyway"]
         t = await self._kill_controller()
+        # what the controller had decided to remove before it died (a drain it had begun, or planned)
+        intended = {r[0] for r in await asyncio.to_thread(self._removals_since, mark, True)} | set(ids)
+        notes = ([f"killed while {sorted(ids)} drained; removals decided before: {sorted(intended)}"] if ids
+                 else ["no drain seen within 45 s: killed anyway"])
         await self._restart_controller()
-        self.target = max(1, n - len(ids))
-        return Injection(t, excused=set(ids), notes=notes)
+        self.target = max(1, n - len(intended))
+        return Injection(t, excused=intended, notes=notes, floor=self.target)
 
     async def _fault_controller_random(self) -> Injection:
         delay = self.rng.uniform(0.0, 3.0)  # a 30 s cycle is 1.5 s wall: any point of two cycles
