@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import re
 import shutil
 import sys
@@ -50,7 +51,29 @@ from fleetplan.harness.rig_tools import (
     wait_until,
 )
 
-LOG_INTEREST = re.compile(r"WARNING|ERROR|Traceback|drain|stop|offline|lost|reject", re.IGNORECASE)
+LOG_INTEREST = re.compile(r"WARNING|ERROR|Traceback|drain|stop|offline|lost|reject|controller running|MQTT connected",
+                          re.IGNORECASE)
+
+
+def log_excerpt(lines: Sequence[str]) -> list[str]:
+    """The controller log lines that explain a missed goal: warnings, errors, drains, stops, restarts,
+    and each decision (a JSON line) that acted or planned no replica, in one short line."""
+    out: list[str] = []
+    for ln in lines:
+        if ln.startswith("{"):
+            try:
+                d = json.loads(ln)
+            except ValueError:
+                continue
+            acts = [a for a in d.get("actions") or [] if not str(a.get("reason", "")).startswith("drain in progress")]
+            planned = (d.get("plan") or {}).get("replicas")
+            if acts or planned == 0:
+                what = ", ".join(f"{a.get('kind')} {a.get('replica_id')} ({a.get('reason')})" for a in acts)
+                out.append(f"decision cycle {d.get('cycle_id')}: plan {planned} replicas; {what or 'no action'}"
+                           f"; why: {'; '.join(d.get('why') or [])}"[:400])
+        elif LOG_INTEREST.search(ln):
+            out.append(ln[:400])
+    return out
 
 
 def _examples(strategy: Any, n: int) -> list[Any]:
@@ -142,10 +165,10 @@ async def run(args: argparse.Namespace, work: Path, names: Sequence[str]) -> int
                 print(f"  {r.name}: " + "; ".join(r.notes))
         missed = [r for r in results if not r.goals_met]
         for r in missed:
-            lines = [ln for ln in r.log_lines if LOG_INTEREST.search(ln)]
-            print(f"\n== controller log during {r.name} ({len(lines)} of {len(r.log_lines)} lines shown):")
-            for ln in lines[-40:]:
-                print("  " + ln[:400])
+            lines = log_excerpt(r.log_lines)
+            print(f"\n== controller log during {r.name} ({len(lines)} lines of interest of {len(r.log_lines)}):")
+            for ln in lines[:60]:
+                print("  " + ln)
         return 1 if missed else 0
     finally:
         if suite is not None:

@@ -212,16 +212,29 @@ class FaultSuite:
                 return got
             await asyncio.sleep(poll_s)
 
+    def content(self) -> str | None:
+        """health(), and the planner wants the fleet as it is (no surplus waiting out the scale-down
+        delay): a fault must not start while the planner is about to scale down on its own."""
+        why = self.health()
+        if why is not None:
+            return why
+        plan = (self._report() or {}).get("plan") or {}
+        surplus = (plan.get("next_state") or {}).get("surplus_since_s")
+        expl = plan.get("explanation") or {}
+        if surplus or (expl.get("target_usd_h") or 0.0) < (expl.get("usd_h") or 0.0) - 1e-6:
+            return "the planner has a surplus (scale-down delay running)"
+        return None
+
     async def settle(self, timeout_s: float = 90.0, stable_s: float = 3.0) -> str | None:
         """Wait for a settled fleet that stays the same for `stable_s`; None or what is not settled."""
         deadline = time.monotonic() + timeout_s
         why: str | None = "not checked"
         while time.monotonic() < deadline:
-            why = await asyncio.to_thread(self.health)
+            why = await asyncio.to_thread(self.content)
             if why is None:
                 ids = await asyncio.to_thread(self.fleet_ids)
                 await asyncio.sleep(stable_s)
-                why = await asyncio.to_thread(self.health)
+                why = await asyncio.to_thread(self.content)
                 if why is None and await asyncio.to_thread(self.fleet_ids) == ids:
                     return None
                 why = why or "fleet changed"
