@@ -221,7 +221,8 @@ class FaultSuite:
         plan = (self._report() or {}).get("plan") or {}
         surplus = (plan.get("next_state") or {}).get("surplus_since_s")
         expl = plan.get("explanation") or {}
-        if surplus or (expl.get("target_usd_h") or 0.0) < (expl.get("usd_h") or 0.0) - 1e-6:
+        if (surplus or (expl.get("target_usd_h") or 0.0) < (expl.get("usd_h") or 0.0) - 1e-6
+                or "scale-down delayed" in json.dumps(expl)):  # also: held for a recent peak
             return "the planner has a surplus (scale-down delay running)"
         return None
 
