@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 from fleetplan.harness.demo import EngineOptions, bench_and_fit
-from tests.e2e.conftest import ISL, MAX_NUM_SEQS, MODEL, OSL, PROFILES, K
+from fleetplan.harness.rig_tools import ISL, MAX_NUM_SEQS, MODEL, OSL, PROFILES, K
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ import aiomqtt
 import httpx
 
 from fleetplan.controller.protocol import DESIRED_WILDCARD
-from tests.e2e.conftest import MODEL, REPO, describe, policy_doc, ready_replicas, wait_until
+from fleetplan.harness.rig_tools import MODEL, REPO, describe, policy_doc, ready_replicas, wait_until
 
 
 class DesiredWatcher:

@@ -4,7 +4,7 @@ and the planner then places TRT-LLM replicas."""
 
 from __future__ import annotations
 
-from tests.e2e.conftest import describe, policy_doc, ready_replicas, wait_until
+from fleetplan.harness.rig_tools import describe, policy_doc, ready_replicas, wait_until
 
 
 async def test_trtllm_build_then_replicas(rig, controller_factory) -> None:  # type: ignore[no-untyped-def]

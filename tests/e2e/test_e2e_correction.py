@@ -21,21 +21,21 @@ from typing import Any
 
 import httpx
 
-from fleetplan.models.mix import scaled
-from fleetplan.models.profile import ProfileSet
-from tests.e2e.conftest import (
+from fleetplan.harness.rig_tools import (
     ISL,
     MODEL,
     OSL,
     PROFILES,
     REPO,
     K,
+    Load,
     describe,
     policy_doc,
     ready_replicas,
     wait_until,
 )
-from tests.e2e.load import Load
+from fleetplan.models.mix import scaled
+from fleetplan.models.profile import ProfileSet
 
 OPTIMISM = 1.6
 LOAD_RPS = 1.5  # simulated: the true profile needs 2 replicas for it (x1.2 headroom), the optimistic one 1

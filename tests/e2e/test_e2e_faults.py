@@ -12,7 +12,7 @@ from collections import Counter
 
 import yaml
 
-from tests.e2e.conftest import policy_doc, ready_replicas, wait_until
+from fleetplan.harness.rig_tools import policy_doc, ready_replicas, wait_until
 
 
 def engines_by_replica(rig) -> Counter[str]:  # type: ignore[no-untyped-def]
@@ -161,7 +161,7 @@ def test_report_explain_metrics_cli_on_a_running_controller(rig, controller_fact
 
     import httpx
 
-    from tests.e2e.conftest import MODEL, REPO
+    from fleetplan.harness.rig_tools import MODEL, REPO
 
     ctrl = controller_factory(policy_doc(min_replicas=1)).start()
     deadline = time.monotonic() + 40

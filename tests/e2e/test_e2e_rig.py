@@ -20,7 +20,7 @@ import pytest
 
 from fleetplan.controller.protocol import desired_topic
 from fleetplan.harness.demo import Rig
-from tests.e2e.conftest import wait_until
+from fleetplan.harness.rig_tools import wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -7,8 +7,17 @@ import asyncio
 import time
 from typing import Any
 
-from tests.e2e.conftest import ISL, MODEL, OSL, SLO_TTFT_MS, K, describe, ready_replicas, wait_until
-from tests.e2e.load import Load
+from fleetplan.harness.rig_tools import (
+    ISL,
+    MODEL,
+    OSL,
+    SLO_TTFT_MS,
+    K,
+    Load,
+    describe,
+    ready_replicas,
+    wait_until,
+)
 
 
 def observed(report: dict[str, Any]) -> dict[str, Any]:

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from fleetplan.harness.demo import Rig
+from fleetplan.harness.rig_tools import ControllerProc, describe, policy_doc, ready_replicas, wait_until
 from fleetplan.sim.replay import PromptStyle, run_load
-from tests.e2e.conftest import ControllerProc, describe, policy_doc, ready_replicas, wait_until
 
 pytestmark = [pytest.mark.slow_vllm, pytest.mark.e2e]
 

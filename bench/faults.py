@@ -1,0 +1,207 @@
+"""The fault suite (issue 11): each fault on the lab with load flowing, one line per fault.
+
+    .venv/bin/python bench/faults.py [--faults NAME,...] [--seconds 20] [--rps 1.6] [--hosts 3]
+
+One lab for the whole run (Mosquitto, Prometheus, nginx, --hosts simulated hosts x 8 H100, one agent
+per host; simulated engines, time 20x), one controller subprocess and its state database, one steady
+Poisson load through nginx (--rps simulated requests/s of llama-3.1-70b, ISL 1024 / OSL 256; the default
+1.0 rps needs 2 TP4 replicas). The faults run one after the other, each from a settled fleet; what each does
+and how it is measured: fleetplan/harness/fault_suite.py and docs/faults.md.
+
+Per fault: requests sent / ok / failed / unexplained (failed and not in flight on a killed process),
+duplicates (two engines for one replica id), orphans (engines no desired state names), scale-downs
+the fault caused, time to recover (s). Then a summary table; exit 1 when a goal is missed (0
+duplicate, 0 orphan, 0 scale-down, 0 unexplained failure, recovered), after printing everything,
+with the controller's log lines of the faults that missed one.
+
+The bad messages are built by the generators of tests/unit/controller/test_wire_fuzz.py (loaded
+like bench/fuzz_wire.py does): the hostile tokens (NaN, Infinity, 1e999, 5,000-digit integers,
+200,000-level nesting) put into the host's real status, huge versions in statuses and acks, a status
+naming another host, and mutated statuses and acks that the parser rejects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fleetplan.harness.demo import EngineOptions, Rig
+from fleetplan.harness.fault_suite import ALL_FAULTS, HEADER, BadPayloads, FaultSuite, summary
+from fleetplan.harness.rig_tools import (
+    ISL,
+    MAX_NUM_SEQS,
+    MODEL,
+    OSL,
+    ControllerProc,
+    K,
+    Load,
+    policy_doc,
+    ready_replicas,
+    wait_until,
+)
+
+LOG_INTEREST = re.compile(r"WARNING|ERROR|Traceback|drain|stop|offline|lost|reject|controller running|MQTT connected",
+                          re.IGNORECASE)
+
+
+def log_excerpt(lines: Sequence[str]) -> list[str]:
+    """The controller log lines that explain a missed goal: warnings, errors, drains, stops, restarts,
+    and each decision (a JSON line) that acted or planned no replica, in one short line."""
+    out: list[str] = []
+    for ln in lines:
+        if ln.startswith("{"):
+            try:
+                d = json.loads(ln)
+            except ValueError:
+                continue
+            acts = [a for a in d.get("actions") or [] if not str(a.get("reason", "")).startswith("drain in progress")]
+            planned = (d.get("plan") or {}).get("replicas")
+            if acts or planned == 0:
+                what = ", ".join(f"{a.get('kind')} {a.get('replica_id')} ({a.get('reason')})" for a in acts)
+                out.append(f"decision cycle {d.get('cycle_id')}: plan {planned} replicas; {what or 'no action'}"
+                           f"; why: {'; '.join(d.get('why') or [])}"[:400])
+        elif LOG_INTEREST.search(ln):
+            out.append(ln[:400])
+    return out
+
+
+def _examples(strategy: Any, n: int) -> list[Any]:
+    """n examples of a hypothesis strategy, the same every run."""
+    from hypothesis import HealthCheck, given, settings
+
+    got: list[Any] = []
+
+    @settings(max_examples=n, database=None, derandomize=True, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def collect(x: Any) -> None:
+        got.append(x)
+
+    collect()
+    return got
+
+
+def bad_payloads(n_generated: int) -> BadPayloads:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from fuzz_wire import _load_properties
+
+    m = _load_properties()
+
+    def rejected(parse: Callable[..., Any], host: str) -> Callable[[bytes], bool]:
+        def check(p: bytes) -> bool:
+            try:
+                parse(p, host=host)
+            except m.ProtocolError:
+                return True
+            return False
+        return check
+
+    def make(status: dict[str, Any]) -> list[tuple[str, bytes]]:
+        host = str(status["host"])
+        ack = {**m.ACK, "host": host}
+        out: list[tuple[str, bytes]] = []
+        for name in ("updated_s", "desired_version", "gpu_count"):
+            out += [("status", m.encode({**status, name: tok})) for tok in m.RAW_TOKENS]
+        for v in (2**63, 2**64, -(2**63)):
+            out.append(("status", m.encode({**status, "desired_version": v})))
+            out.append(("ack", m.encode({**ack, "version": v})))
+        out += [("ack", m.encode({**ack, "version": tok})) for tok in m.RAW_TOKENS]
+        out += [("status", m.encode(tok)) for tok in m.RAW_TOKENS]  # the whole document
+        out.append(("status", m.encode({**status, "host": host + "-other"})))  # not the topic's host
+        is_bad_status, is_bad_ack = rejected(m.parse_status, host), rejected(m.parse_ack, host)
+        out += [("status", p) for p in _examples(m.payloads(status), n_generated) if is_bad_status(p)]
+        out += [("ack", p) for p in _examples(m.payloads(ack), n_generated // 2) if is_bad_ack(p)]
+        return out
+
+    return make
+
+
+async def run(args: argparse.Namespace, work: Path, names: Sequence[str]) -> int:
+    t_start = time.monotonic()
+    rig = Rig(work / "rig", hosts=args.hosts, gpus_per_host=8,
+              engine=EngineOptions(time_scale=K, startup_s=40.0, build_s=200.0, max_num_seqs=MAX_NUM_SEQS))
+    over: dict[str, Any] = {"min_replicas": 1, "max_replicas": 2 * args.hosts}  # room for the scale-up
+    ctrl_dir = work / "controller"
+    ctrl_dir.mkdir(parents=True, exist_ok=True)
+    load: Load | None = None
+    suite: FaultSuite | None = None
+    ctrl: ControllerProc | None = None
+    try:
+        print(f"== lab in {work}: {args.hosts} hosts x 8 H100, simulated engines at {K:g}x", flush=True)
+        await asyncio.to_thread(rig.start)
+        ctrl = ControllerProc(rig, ctrl_dir, policy_doc(**over))
+        await asyncio.to_thread(ctrl.start)
+        print(f"== controller up (log {ctrl.log_path}); load {args.rps:g} simulated rps of {MODEL}", flush=True)
+        await wait_until(lambda: ready_replicas(ctrl.report()), 60, "the first replica ready")
+        load = Load(rig.lab.nginx_url, MODEL, speed=K, isl=ISL, osl=OSL, seed=args.seed)
+        load.start(args.rps)
+        suite = FaultSuite(rig, ctrl, load, seconds=args.seconds, seed=args.seed, policy_over=over,
+                           bad_payloads=bad_payloads(args.generated) if "bad_messages" in names else None,
+                           log=lambda s: print(s, flush=True))
+        await suite.start()
+        # warm-up: the load observed, the fleet sized for it and unchanged past the scale-down delay
+        why = await suite.settle(timeout_s=120, stable_s=8.0)
+        print(f"== warmed up in {time.monotonic() - t_start:.0f} s: {suite.fleet_size()} replicas"
+              + ("" if why is None else f" (not settled: {why})"), flush=True)
+        print(HEADER, flush=True)
+        results = await suite.run(names)
+        print("", flush=True)
+        print(f"== summary ({len(results)} faults, --seconds {args.seconds:g}, --rps {args.rps:g}, "
+              f"seed {args.seed}; wall time {time.monotonic() - t_start:.0f} s)")
+        print(summary(results))
+        for r in results:
+            if r.notes:
+                print(f"  {r.name}: " + "; ".join(r.notes))
+        missed = [r for r in results if not r.goals_met]
+        for r in missed:
+            lines = log_excerpt(r.log_lines)
+            print(f"\n== controller log during {r.name} ({len(lines)} lines of interest of {len(r.log_lines)}):")
+            for ln in lines[:60]:
+                print("  " + ln)
+        return 1 if missed else 0
+    finally:
+        if suite is not None:
+            await suite.close()
+        if load is not None:
+            await load.stop()
+        if ctrl is not None:
+            await asyncio.to_thread(ctrl.stop)
+        await asyncio.to_thread(rig.stop)
+        print(f"== stopped; total wall time {time.monotonic() - t_start:.0f} s", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--faults", default=",".join(ALL_FAULTS), help=f"comma-separated, of: {', '.join(ALL_FAULTS)}")
+    ap.add_argument("--seconds", type=float, default=20.0, help="wall seconds of load after each fault (at least)")
+    ap.add_argument("--rps", type=float, default=1.0, help="simulated requests/s (x20 in wall time)")
+    ap.add_argument("--hosts", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0, help="load arrivals and the random controller kills")
+    ap.add_argument("--generated", type=int, default=200, help="generated bad statuses (half as many acks)")
+    ap.add_argument("--dir", help="work directory (kept); default a temporary one, removed")
+    args = ap.parse_args()
+    names = [n for n in args.faults.split(",") if n]
+    unknown = [n for n in names if n not in ALL_FAULTS]
+    if unknown:
+        ap.error(f"unknown fault(s) {unknown}; known: {', '.join(ALL_FAULTS)}")
+    work = Path(args.dir).resolve() if args.dir else Path(tempfile.mkdtemp(prefix="fleetplan-faults-"))
+    try:
+        return asyncio.run(run(args, work, names))
+    finally:
+        if not args.dir:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

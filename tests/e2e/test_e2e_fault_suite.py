@@ -1,0 +1,30 @@
+"""A fast subset of the fault suite (bench/faults.py runs all of it): an agent kill -9 and a
+Prometheus kill -9 restarted with an empty TSDB, with load flowing. Goals (issue 11): no duplicate
+engine, no orphan, no scale-down caused by the fault, no failed request (neither fault kills a
+process a request runs on), and the fleet settled again."""
+
+from __future__ import annotations
+
+from fleetplan.harness.fault_suite import FaultSuite, summary
+from fleetplan.harness.rig_tools import ISL, MODEL, OSL, K, Load, policy_doc, ready_replicas, wait_until
+
+
+async def test_agent_kill9_and_prometheus_empty_restart_under_load(rig, controller_factory) -> None:  # type: ignore[no-untyped-def]
+    over = {"min_replicas": 1, "max_replicas": 4}
+    ctrl = controller_factory(policy_doc(**over)).start()
+    await wait_until(lambda: ready_replicas(ctrl.report()), 40, "the first replica ready")
+    load = Load(rig.lab.nginx_url, MODEL, speed=K, isl=ISL, osl=OSL)
+    load.start(1.0)  # 1 simulated rps: 2 replicas, so an under-read demand could drain one
+    suite = FaultSuite(rig, ctrl, load, seconds=6.0, recover_timeout_s=30.0, policy_over=over)
+    await suite.start()
+    try:
+        assert await suite.settle(timeout_s=60) is None, "the fleet did not settle under load"
+        results = await suite.run(["agent_kill9", "prometheus_empty"])
+    finally:
+        await suite.close()
+        await load.stop()
+    table = summary(results) + "\n" + "\n".join(f"{r.name}: {'; '.join(r.notes)}" for r in results)
+    for r in results:
+        assert r.sent > 50, table
+        assert r.recover_s is not None, table
+        assert (r.duplicates, r.orphans, r.scale_downs, r.failed) == (0, 0, 0, 0), table
