@@ -150,12 +150,19 @@ async def test_pause_holds_within_a_cycle_survives_restart_and_a_limit_holds_a_l
     rep = await wait_until(limited, 40, "a drain done and the rest held back", describe=describe(ctrl))
     c0 = rep["cycle_id"]
     await wait_until(lambda: (ctrl.report()["cycle_id"] or 0) >= c0 + 4, 30, "4 more cycles")
-    rep = ctrl.report()
+
+    # replicas started less than a rate window ago make the model stale for that window (no
+    # scale-down is planned on a partial window: fail static); once it is covered, the planner wants
+    # the two drains again and the limit holds them back
+    def held_again() -> dict[str, Any] | None:
+        rep = ctrl.report()
+        lim = [h for h in held(rep) if h["limit"] == "max_gpus_stopped_per_hour"]
+        return rep if len({h["replica_id"] for h in lim}) == 2 else None
+
+    rep = await wait_until(held_again, 30, "the two other drains held back by the limit", describe=describe(ctrl))
     drains = [a for a in rep["actions"] if a["kind"] == "drain"]
     assert len(drains) == 1, drains
     assert len([r for r in rep["fleet"] if r["phase"] == "desired"]) == 3
-    lim = [h for h in held(rep) if h["limit"] == "max_gpus_stopped_per_hour"]
-    assert len({h["replica_id"] for h in lim}) == 2, lim
     text = cli("report", "--url", ctrl.url).stdout
     assert "held back by max_gpus_stopped_per_hour" in text, text
     explain = cli("explain", MODEL, "--url", ctrl.url).stdout
