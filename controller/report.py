@@ -58,6 +58,11 @@ def _app(ctrl: Any, token: str | None) -> Any:
             got = request.headers.get("Authorization", "")
             if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
                 return web.json_response({"error": "bearer token required"}, status=401)
+        if not token and request.path != "/healthz" and _proxied(request.headers):
+            # loopback without a token is for this machine: a reverse proxy in front would make it
+            # the network's (docs/controller.md "TLS": give the controller a token)
+            return web.json_response({"error": "request through a proxy: the controller needs a bearer token "
+                                               "(--report-token-file) to be reached this way"}, status=403)
         result: web.StreamResponse = await handler(request)
         return result
 
@@ -117,6 +122,14 @@ def _app(ctrl: Any, token: str | None) -> Any:
     app.router.add_post("/api/pause", pause)
     app.router.add_post("/api/resume", pause)
     return app
+
+
+PROXY_HEADERS = ("Forwarded", "X-Forwarded-For", "X-Real-IP")
+
+
+def _proxied(headers: Mapping[str, str]) -> bool:
+    """Whether a request came through a reverse proxy (one of the headers proxies add)."""
+    return any(h in headers for h in PROXY_HEADERS)
 
 
 def _call(method: str, url: str, path: str, token: str | None, timeout_s: float,

@@ -40,3 +40,23 @@ async def test_pause_resume_need_the_token_and_persist(tmp_path: Path) -> None:
         await runner.cleanup()
         await ctrl.prom.aclose()
         ctrl.store.close()
+
+
+async def test_a_tokenless_loopback_api_refuses_requests_through_a_proxy(tmp_path: Path) -> None:
+    """Loopback without a token is for this machine; a reverse proxy in front (it adds forwarding
+    headers) would hand it to the network: refused until the controller has a token."""
+    ctrl = Controller(settings=ControllerSettings(), policy_path=tmp_path / "policy.yaml", profiles_path=None,
+                      store=StateStore(tmp_path / "state.db"))
+    runner, url = await start_report_server(ctrl, "127.0.0.1:0", None)
+    try:
+        async with httpx.AsyncClient(timeout=5) as c:
+            assert (await c.post(url + "/api/pause", json={})).status_code == 200  # this machine
+            for header in ({"X-Forwarded-For": "203.0.113.7"}, {"Forwarded": "for=203.0.113.7"}):
+                r = await c.post(url + "/api/resume", headers=header)
+                assert r.status_code == 403 and "bearer token" in r.json()["error"]
+            assert load_pause(ctrl.store).paused  # the proxied resume did nothing
+            assert (await c.get(url + "/healthz", headers={"X-Forwarded-For": "203.0.113.7"})).status_code != 403
+    finally:
+        await runner.cleanup()
+        await ctrl.prom.aclose()
+        ctrl.store.close()
