@@ -552,14 +552,17 @@ def execute(view: ActView, actions: Sequence[Action]) -> ActDecision:
     noted = set(view.noted)
     first: set[str] = set()
     blocked: dict[str, set[tuple[str, int]]] = {}  # model -> (host, GPU) its deferred starts wait for
+    unstarted: set[str] = set()  # models with a start deferred for a reason no drain removes
     for a in actions:
         eff: Effect | None
         if a.kind == ActionKind.START:
             eff = _start(cur, a, rows)
             if isinstance(eff, Record):
                 busy, _ = _busy(cur, a.replica.host, rows)
-                blocked.setdefault(a.replica.config.model, set()).update(
-                    (a.replica.host, g) for g in a.replica.gpu_indices if g in busy)
+                waits = {(a.replica.host, g) for g in a.replica.gpu_indices if g in busy}
+                blocked.setdefault(a.replica.config.model, set()).update(waits)
+                if not waits:  # deferred for another reason (host, port, template): nothing frees it
+                    unstarted.add(a.replica.config.model)
         elif a.kind == ActionKind.BUILD:
             eff = _build(cur, a, rows, noted)
         else:
@@ -576,7 +579,7 @@ def execute(view: ActView, actions: Sequence[Action]) -> ActDecision:
             counts["deferred"] += 1
         if eff is not None:
             effects.append(eff)
-    drains, removed_hosts = _stop_or_drain(view, actions, rows, effects, counts, blocked)
+    drains, removed_hosts = _stop_or_drain(view, actions, rows, effects, counts, blocked, unstarted)
     return ActDecision(tuple(effects), publish_first=frozenset(first), publish=frozenset(removed_hosts),
                        drains=tuple(drains), cleared=frozenset({alert_key(AlertKind.MQTT)}), counts=counts,
                        noted=frozenset(noted))
@@ -673,7 +676,8 @@ def _build(view: ActView, a: Action, rows: Sequence[ReplicaRow],
 
 
 def _stop_or_drain(view: ActView, actions: Sequence[Action], rows: Sequence[ReplicaRow], effects: list[Effect],
-                   counts: dict[str, int], blocked: Mapping[str, set[tuple[str, int]]]) -> tuple[list[str], set[str]]:
+                   counts: dict[str, int], blocked: Mapping[str, set[tuple[str, int]]],
+                   unstarted: set[str]) -> tuple[list[str], set[str]]:
     """DRAIN/STOP: a replica that never served is removed at once; a serving one drains unless a
     replica of the same model is still starting, or its replacement could not start yet on GPUs
     this drain does not free (start before stop). A replacement planned on the drained replica's
@@ -698,6 +702,11 @@ def _stop_or_drain(view: ActView, actions: Sequence[Action], rows: Sequence[Repl
         if any(r.model == row.model and r.replica_id != rid for r in starting):
             effects.append(Record(_note(a, ActionStatus.DEFERRED,
                                         "start before stop: a replica of this model is still starting")))
+            counts["deferred"] += 1
+            continue
+        if row.model in unstarted:
+            effects.append(Record(_note(a, ActionStatus.DEFERRED,
+                                        "start before stop: this model's replacement could not start")))
             counts["deferred"] += 1
             continue
         waits = blocked.get(row.model, set())

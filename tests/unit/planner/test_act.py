@@ -214,6 +214,20 @@ def test_make_before_break_defers_the_drain_while_a_replica_of_the_model_starts(
     assert d.drains == ("r00001",) and any(isinstance(e, SetPhase) and e.phase == Phase.DRAINING for e in d.effects)
 
 
+def test_a_drain_waits_when_the_replacement_could_not_start_for_any_reason() -> None:
+    """Make-before-break whatever kept the replacement from starting (here: its host's agent does not
+    offer the template): the serving replica keeps serving."""
+    from fleetplan.planner.act import ActSettings
+
+    rows = (row("r00001", gpus=(0,)),)
+    acts = [action(ActionKind.START, "new", gpus=(1,)),
+            action(ActionKind.DRAIN, "r00001", gpus=(0,), state=ReplicaState.READY)]
+    d = act.execute(view(host("gpu-01", reported("r00001")), rows=rows,
+                         settings=ActSettings(launch_templates={"vllm": "other"})), acts)
+    assert not d.drains and d.counts["drain"] == 0
+    assert any(isinstance(e, Record) and "replacement could not start" in e.note.detail for e in d.effects)
+
+
 def test_a_replica_that_never_served_is_removed_at_once() -> None:
     starting = row("r00001", ready=False, created_s=NOW)
     d = act.execute(view(host(), rows=(starting,)), [action(ActionKind.STOP, "r00001", gpus=(0,))])
