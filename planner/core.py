@@ -618,8 +618,9 @@ def _make_before_break(
     demands: Mapping[str, _Demand],
     hosts: tuple[HostInventory, ...],
 ) -> tuple[list[Action], dict[str, int]]:
-    """Never drain a READY replica while its model's replacement capacity is still starting, unless
-    the READY capacity without it still covers the model's required rate (demand x (1 + headroom)).
+    """Never drain a READY replica while its model's replacement capacity is still starting (or its
+    engine is still being built), unless the READY capacity without it still covers the model's
+    required rate (demand x (1 + headroom)).
 
     A held replica gets no DRAIN/STOP this cycle (the next cycle decides again, with the
     replacements' progress in the fleet); a START waiting for the GPUs of a held replica is dropped
@@ -646,6 +647,9 @@ def _make_before_break(
     for a in actions:
         if a.kind is ActionKind.START and "after the replica there stops" not in a.reason:
             pending.add(a.replica.config.model)
+        if a.kind is ActionKind.BUILD:  # the replacement waits for its engine: it is coming too
+            pending.add(a.replica.config.model)
+    pending.update(b.model for b in fleet.builds if not b.ready)
     if not pending:
         return actions, {}
     ready_cap: dict[str, float] = {}
