@@ -301,9 +301,11 @@ def _candidates(
         info = capacities[key]
         m = policy.model(key.model)
         price = policy.price_usd_h(key.gpu)
-        if m is None or price is None or key.gpu not in gpus or not (_valid_rps(info.max_rps)
-                                                                         and info.max_rps > 0):
+        if m is None or price is None or key.gpu not in gpus or not _valid_rps(info.max_rps):
             continue
+        # capacity 0: the SLO is out of reach for this length mix even unloaded. Still a candidate
+        # for min_replicas (best effort beats an outage), never for demand (as an unknown capacity)
+        max_rps = info.max_rps if info.max_rps > 0 else UNKNOWN_CAPACITY_RPS
         if key.engine not in m.allowed.engines or key.tp not in m.allowed.tp:
             continue
         if m.allowed.gpus is not None and key.gpu not in m.allowed.gpus:
@@ -314,7 +316,7 @@ def _candidates(
             if now_only:
                 continue
             build = policy.build_s(key) or 0.0
-        out.append(Candidate(key, info.max_rps, price * key.tp, lead, info.binding, build))
+        out.append(Candidate(key, max_rps, price * key.tp, lead, info.binding, build))
     return out
 
 
@@ -423,9 +425,12 @@ def plan_with_capacities(
                and all(i.max_rps <= UNKNOWN_CAPACITY_RPS for c, i in capacities.items() if c.model == m.name)}
     for name in sorted(unknown):
         d = demands[name]
-        demands[name] = replace(d, required_rps=0.0, notes=(
-            *d.notes, "no capacity data (no profile, no roofline prior): only min_replicas run; benchmark "
-            "this model (fleetplan models fit) to size it to its demand"))
+        out_of_reach = any(i.max_rps == 0.0 for c, i in capacities.items() if c.model == name)
+        why = ("no allowed config meets the SLO at this length mix, even unloaded: only min_replicas run "
+               "(best effort; relax the SLO or allow larger TP)" if out_of_reach else
+               "no capacity data (no profile, no roofline prior): only min_replicas run; benchmark "
+               "this model (fleetplan models fit) to size it to its demand")
+        demands[name] = replace(d, required_rps=0.0, notes=(*d.notes, why))
 
     target_cands = _candidates(policy, capacities, gpus, ready, now_only=False)
     target_problem = _count_problem(policy, eff, target_cands, demands, slots, current, floors)

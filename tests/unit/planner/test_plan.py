@@ -312,3 +312,18 @@ def test_make_before_break_drains_only_what_ready_capacity_can_spare() -> None:
     r2 = plan_with_capacities(obs, Fleet(hosts(1), (*kept, new)), p, CAPS, r.next_state, NOW + 120)
     assert sorted((a.kind.value, a.replica.replica_id) for a in r2.actions) == sorted(
         [("drain", x.replica_id) for x in kept] + [("stop", x.replica_id) for x in kept])
+
+
+def test_a_model_whose_slo_is_out_of_reach_keeps_its_min_replicas() -> None:
+    """Every allowed config has capacity 0 at the SLO for this length mix: best effort, never an
+    outage: the serving replica stays for min_replicas, and the explanation says why."""
+    p = policy(tps={"m70": [4]}, cached=[("m70", "h100", 4)],
+               model_extra={"m70": {"min_replicas": 1, "allowed": {"tp": [4], "engines": ["vllm"]}}})
+    zero = caps({key("m70", VLLM, tp=4): 0.0})
+    serving = Replica("r1", key("m70", VLLM, tp=4), "h00", (0, 1, 2, 3), ReplicaState.READY, 8000, NOW - 600)
+    r = plan_with_capacities(observe({"m70": 0.5}), Fleet(hosts(1), (serving,)), p, zero,
+                             PlannerState.initial(), NOW)
+    assert [x.replica_id for x in r.plan.replicas] == ["r1"]
+    assert not [a for a in r.actions if a.kind in (ActionKind.DRAIN, ActionKind.STOP)]
+    (m,) = [m for m in r.explanation.models if m.model == "m70"]
+    assert any("meets the SLO at this length mix" in n for n in m.notes)
