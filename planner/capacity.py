@@ -190,8 +190,8 @@ def capacity_table(
                                    itl_p99_ms=m.slo.itl_p99_ms).warnings
         except (ValueError, ArithmeticError):
             continue  # a profile that cannot answer for this mix: not a candidate
-        if not (math.isfinite(rps) and rps > 0):
-            continue
+        if not (math.isfinite(rps) and rps >= 0):
+            continue  # 0 stays: the SLO out of reach at this mix (planner.core keeps min_replicas on it)
         table[key] = CapacityInfo(rps, binding, tuple(warnings), prof.source == "roofline", base_rps, sp.note,
                                   extrapolation(prof, mix_for(prof, w)))
 
