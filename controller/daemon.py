@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import time
@@ -305,6 +304,7 @@ class Controller:
         from fleetplan.planner.core import plan, plan_to_dict
 
         models = self.model_names()
+        planned_on = self.executor.view()  # what the plan sees; checked again when acting on it
         fleet = self.build_fleet()
         obs = to_observation(snap, models, fleet.replicas)  # + length mix and per-config evidence
         t0 = time.perf_counter()
@@ -319,7 +319,7 @@ class Controller:
         brakes = self._brakes(result, fleet, doc, now_s)
         self.store.save_plan(cid, doc, solve_s, doc["next_state"])
         self.planner_state = result.next_state
-        counts = await self.executor.execute(cid, dataclasses.replace(result, actions=brakes.allowed).actions)
+        counts = await self.executor.execute(cid, brakes.allowed, planned_on)
         summary: dict[str, Any] = {"held": len(brakes.held)}
         summary["decision_id"] = reporting.audit(self, cid, now_s, doc, snap, fleet, brakes.allowed)
         await self.executor.update_routing()

@@ -200,9 +200,10 @@ class Executor:
         self.pending_publish.update(d.publish)
         return set(d.publish)
 
-    async def execute(self, cycle_id: int, actions: Any) -> dict[str, int]:
-        """The act core's effects of the plan's actions: rows committed, then published, then drains."""
-        d = act.execute(self.view(), actions)
+    async def execute(self, cycle_id: int, actions: Any, planned_on: ActView | None = None) -> dict[str, int]:
+        """The act core's effects of the plan's actions: rows committed, then published, then drains.
+        `planned_on`: the view the plan was made from (a plan made on an incomplete view does nothing)."""
+        d = act.execute(self.view(), actions, planned_on=planned_on)
         self.apply(d, cycle_id)
         if d.publish_first or d.publish:
             await self.publish_hosts(set(d.publish_first | d.publish))

@@ -536,15 +536,27 @@ def _note(a: Action, status: ActionStatus, detail: str, kind: str | None = None,
                 a.replica.host, a.replica.config.model)
 
 
-def execute(view: ActView, actions: Sequence[Action]) -> ActDecision:
-    """The effects of the plan's actions (see the module docstring)."""
+def incomplete(view: ActView) -> str | None:
+    """Why `view` is not complete enough to act on (None: it is). After a (re)connect every host this
+    controller has a desired state or a replica for must have reported (retained statuses arrive
+    right after subscribing; the offline grace covers dead agents)."""
     if view.connected_since_s is None:
-        return _defer_all(actions, "MQTT down", {alert_key(AlertKind.MQTT): "not connected to MQTT; not acting"})
-    # after a (re)connect, act only on a complete view: every host we have a desired state for must
-    # have reported (retained statuses arrive right after subscribing; the grace covers dead agents)
+        return "MQTT down"
     missing = sorted((set(view.desired) | {r.host for r in view.replicas}) - set(view.hosts))
     if missing and view.now_s - view.connected_since_s < view.settings.host_offline_grace_s:
-        return _defer_all(actions, f"waiting for status from {', '.join(missing)}", {})
+        return f"waiting for status from {', '.join(missing)}"
+    return None
+
+
+def execute(view: ActView, actions: Sequence[Action], *, planned_on: ActView | None = None) -> ActDecision:
+    """The effects of the plan's actions (see the module docstring). `planned_on`: the view the plan
+    was made from; incomplete (statuses still arriving after a restart) -> nothing is done, even if
+    the view is complete by now: a plan made without the hosts' reports stops what it did not see."""
+    if view.connected_since_s is None:
+        return _defer_all(actions, "MQTT down", {alert_key(AlertKind.MQTT): "not connected to MQTT; not acting"})
+    why = incomplete(view) or (incomplete(planned_on) if planned_on is not None else None)
+    if why is not None:
+        return _defer_all(actions, why if planned_on is None or incomplete(view) else f"planned while {why}", {})
     effects: list[Effect] = []
     counts = {"start": 0, "drain": 0, "stop": 0, "deferred": 0}
     rows = list(view.replicas)
@@ -792,6 +804,6 @@ __all__ = [
     "ActDecision", "ActSettings", "ActView", "ActionStatus", "AlertKind", "BuildRow", "BuildState",
     "DesiredRow", "DrainProgress", "DrainStep", "FinishBuild", "HostReport", "MarkReady", "NewBuild",
     "NewReplica", "Note", "Phase", "Record", "ReplicaRow", "ReportedBuild", "ReportedReplica", "SetPhase",
-    "adopt", "alert_key", "drain_deadline_s", "drain_step", "execute", "held_gpus", "reconcile", "rejected",
+    "adopt", "alert_key", "drain_deadline_s", "drain_step", "execute", "held_gpus", "incomplete", "reconcile", "rejected",
     "template_for",
 ]

@@ -255,6 +255,20 @@ def test_after_a_restart_nothing_acts_until_every_known_host_reported() -> None:
     assert isinstance(d.effects[0], Record) and "gpu-03" in d.effects[0].note.detail
 
 
+def test_a_plan_made_before_the_statuses_arrived_does_nothing_even_once_they_have() -> None:
+    """The restart race: the plan saw no host (statuses still arriving) and stops every replica as
+    'host offline'; by the time it is acted on the statuses are in. It must not act."""
+    rows = (row("r00001"),)
+    stop = [action(ActionKind.STOP, "r00001", gpus=(0,), state=ReplicaState.STARTING)]
+    before = view(rows=rows, desired={"gpu-01": DesiredRow("gpu-01", 3, {}, NOW - 30, 3, True, ())},
+                  connected_since_s=NOW - 1)
+    now = view(host("gpu-01", reported("r00001")), rows=rows, connected_since_s=NOW - 1)
+    d = act.execute(now, stop, planned_on=before)
+    assert not [e for e in d.effects if isinstance(e, SetPhase)] and d.counts["deferred"] == 1
+    assert "planned while waiting for status from gpu-01" in d.effects[0].note.detail
+    assert [type(e) for e in act.execute(now, stop).effects] == [SetPhase]  # the same plan on a full view acts
+
+
 def test_host_loss_defers_starts_there_and_removes_nothing() -> None:
     lost = host("gpu-02", online=False)
     rows = (row("r00001", host="gpu-02"),)
