@@ -25,7 +25,7 @@ def retained_replica(d: Any) -> ReportedReplica:
                            tuple(d.gpu_indices), d.port, d.template)
 
 
-def host_report(st: HostStatus) -> HostReport:
+def host_report(st: HostStatus, offline_since_s: float | None = None) -> HostReport:
     """The act core's view of one agent status (protocol types stay at the edge)."""
     return HostReport(
         st.host, st.online, st.gpu.value if st.gpu is not None else None, st.gpu_count,
@@ -36,6 +36,7 @@ def host_report(st: HostStatus) -> HostReport:
                               tuple(r.gpu_indices), r.port, r.template) for r in st.replicas),
         tuple(ReportedBuild(b.build_id, BuildState(b.state.value), tuple(b.gpu_indices), b.error)
               for b in st.builds),
+        offline_since_s,
     )
 
 
@@ -127,7 +128,7 @@ class HostBook:
         return {rs.replica_id: (host, rs) for host, st in self.statuses.items() for rs in st.replicas}
 
     def reports(self) -> dict[str, HostReport]:
-        return {h: host_report(st) for h, st in self.statuses.items()}
+        return {h: host_report(st, self.offline_since.get(h)) for h, st in self.statuses.items()}
 
     def take_dirty(self) -> dict[str, dict[str, Any]]:
         """The statuses that changed since the last call, as JSON for the state store (one commit per

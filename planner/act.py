@@ -222,6 +222,11 @@ class HostReport:
     build_templates: tuple[str, ...] = ()
     replicas: tuple[ReportedReplica, ...] = ()
     builds: tuple[ReportedBuild, ...] = ()
+    offline_since_s: float | None = None  # when it went offline (None: online, or unknown)
+
+    def lost(self, now_s: float, grace_s: float) -> bool:
+        """Offline for longer than the grace: its replicas serve nobody (routing dropped them)."""
+        return not self.online and self.offline_since_s is not None and now_s - self.offline_since_s >= grace_s
 
 
 @dataclass(frozen=True)
@@ -697,19 +702,31 @@ def _stop_or_drain(view: ActView, actions: Sequence[Action], rows: Sequence[Repl
     active = {r.replica_id: r for r in rows}
     starting = [r for r in rows if r.phase == Phase.DESIRED and r.ready_s is None]
     drains: list[str] = []
+    removed: set[str] = set()
     removed_hosts: set[str] = set()
     for a in actions:
         if a.kind not in (ActionKind.DRAIN, ActionKind.STOP):
             continue
         rid = a.replica.replica_id
         row = active.get(rid)
-        if row is None or row.phase == Phase.DRAINING or rid in drains:
+        if row is None or row.phase == Phase.DRAINING or rid in drains or rid in removed:
             continue  # unknown / already removed / drain in progress
+        h = view.hosts.get(row.host)
+        if h is not None and h.lost(view.now_s, view.settings.host_offline_grace_s):
+            # nothing reaches it and its in-flight count is unknowable: a drain would only wait for
+            # its deadline while the host's GPUs and the replica's record stay held
+            effects.append(SetPhase(rid, Phase.REMOVED, _note(a, ActionStatus.DONE, "removed without draining: "
+                                                              "host lost", kind="stop"), cancel_start=True))
+            counts["stop"] += 1
+            removed_hosts.add(row.host)
+            removed.add(rid)
+            continue
         if row.ready_s is None or a.replica.state != ReplicaState.READY:
             effects.append(SetPhase(rid, Phase.REMOVED, _note(a, ActionStatus.DONE, "removed (not serving)",
                                                               kind="stop"), cancel_start=True))
             counts["stop"] += 1
             removed_hosts.add(row.host)
+            removed.add(rid)
             continue
         if any(r.model == row.model and r.replica_id != rid for r in starting):
             effects.append(Record(_note(a, ActionStatus.DEFERRED,

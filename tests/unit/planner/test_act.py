@@ -278,6 +278,21 @@ def test_host_loss_defers_starts_there_and_removes_nothing() -> None:
     assert not any(isinstance(e, SetPhase) for e in r.effects)  # a fault never scales down
 
 
+def test_a_replica_on_a_host_past_its_grace_is_removed_without_draining() -> None:
+    """Nothing reaches a lost host's replica and its in-flight count is unknowable: a drain would only
+    wait for its deadline. Within the grace (an agent restart) it drains as usual."""
+    rows = (row("r00001"),)
+    acts = [action(ActionKind.DRAIN, "r00001", gpus=(0,), state=ReplicaState.READY),
+            action(ActionKind.STOP, "r00001", gpus=(0,), state=ReplicaState.READY)]
+    lost = HostReport("gpu-01", False, "h100", 8, replicas=(reported("r00001"),), offline_since_s=NOW - 120)
+    d = act.execute(view(lost, rows=rows), acts)
+    gone = [e for e in d.effects if isinstance(e, SetPhase)]
+    assert [(e.replica_id, e.phase) for e in gone] == [("r00001", Phase.REMOVED)] and not d.drains
+    assert "host lost" in gone[0].note.detail
+    brief = HostReport("gpu-01", False, "h100", 8, replicas=(reported("r00001"),), offline_since_s=NOW - 5)
+    assert act.execute(view(brief, rows=rows), acts).drains == ("r00001",)
+
+
 def test_a_build_is_staged_once_and_a_repeated_deferral_is_noted_once() -> None:
     b = Action(ActionKind.BUILD, Replica("b", ConfigKey("llama", TRT, H100, 2, BF16), "gpu-01", (4, 5),
                                          ReplicaState.STARTING), "TRT-LLM is cheaper")
