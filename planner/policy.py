@@ -589,9 +589,12 @@ class _YamlLimit(Exception):
         self.line, self.problem = line, problem
 
 
-def _line(node_or_event: Any) -> int | None:
-    mark = getattr(node_or_event, "start_mark", None)
+def _line_of_mark(mark: Any) -> int | None:
     return mark.line + 1 if mark is not None else None
+
+
+def _line(node_or_event: Any) -> int | None:
+    return _line_of_mark(getattr(node_or_event, "start_mark", None))
 
 
 class _BoundedLoader(yaml.SafeLoader):
@@ -658,6 +661,19 @@ def _check_expansion(root: yaml.Node) -> None:
         stack.extend((c, False) for c in _node_children(node) if id(c) not in size)
 
 
+def _next_event_or_limit(parser: Any) -> bool:
+    """parser.check_event(), with libyaml's own nesting limit (its scanner looks ahead and, since the
+    libyaml bundled with PyYAML 6.0.3, refuses ~1,000 open levels before an event reaches us) reported
+    as the same refusal as ours; any other YAMLError goes on to the caller."""
+    try:
+        return bool(parser.check_event())
+    except yaml.YAMLError as exc:
+        if "maximum nesting depth" not in str(getattr(exc, "problem", None) or exc):
+            raise
+        raise _YamlLimit(_line_of_mark(getattr(exc, "problem_mark", None)),
+                         f"nested deeper than {MAX_YAML_DEPTH} levels") from None
+
+
 def _prescan(text: str) -> int:
     """Bounds checked on libyaml's event stream (C: ~0.2 s for the largest file allowed) before any
     node is built: nesting, aliases and values as written. Same rules and lines as _BoundedLoader.
@@ -665,7 +681,7 @@ def _prescan(text: str) -> int:
     parser = yaml.CSafeLoader(text)
     try:
         open_collections = aliases = nodes = 0
-        while parser.check_event():
+        while _next_event_or_limit(parser):
             event = parser.get_event()
             if isinstance(event, yaml.CollectionEndEvent):
                 open_collections -= 1
