@@ -15,13 +15,16 @@ from __future__ import annotations
 import hashlib
 import heapq
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from fleetplan.models.names import GpuType
 from fleetplan.planner.types import ConfigKey, HostInventory, Replica, ReplicaState
 
 LIVE_STATES = (ReplicaState.STARTING, ReplicaState.READY)
+# Spreading looks at this many entries per free-count bucket for a host without the model, so that
+# a model with thousands of replicas still places in linear time.
+SPREAD_SCAN = 256
 
 
 @dataclass(frozen=True)
@@ -60,21 +63,28 @@ class _Segments:
         if k > 0:
             heapq.heappush(self.buckets.setdefault(k, []), i)
 
-    def take(self, tp: int) -> tuple[str, tuple[int, ...]] | None:
+    def take(self, tp: int, avoid: Collection[str] = ()) -> tuple[str, tuple[int, ...]] | None:
+        """`tp` GPUs of one segment: the best fit on a host not in `avoid` (hosts that already run
+        the model), else the best fit anywhere."""
+        if avoid:
+            for k in range(tp, self.max_free + 1):
+                for i in self.buckets.get(k, ())[:SPREAD_SCAN]:
+                    if len(self.segs[i][1]) == k and self.segs[i][0] not in avoid:
+                        return self._cut(i, tp)  # its heap entry is stale from now on
         for k in range(tp, self.max_free + 1):
             heap = self.buckets.get(k)
             while heap:
-                i = heap[0]
-                if len(self.segs[i][1]) != k:  # stale entry
-                    heapq.heappop(heap)
-                    continue
-                heapq.heappop(heap)
-                host, free = self.segs[i]
-                got = tuple(free[:tp])
-                del free[:tp]
-                self._push(i, len(free))
-                return host, got
+                i = heapq.heappop(heap)
+                if len(self.segs[i][1]) == k:  # else a stale entry
+                    return self._cut(i, tp)
         return None
+
+    def _cut(self, i: int, tp: int) -> tuple[str, tuple[int, ...]]:
+        host, free = self.segs[i]
+        got = tuple(free[:tp])
+        del free[:tp]
+        self._push(i, len(free))
+        return host, got
 
 
 def _segments_for(hosts: Sequence[HostInventory], used: Mapping[str, set[int]]) -> list[tuple[str, list[int]]]:
@@ -145,13 +155,13 @@ def place(
         ghosts = [h for h in usable if h.gpu == gpu]
         items = [(c, k) for c, k in todo if c.gpu == gpu]
         placed: list[Replica] = []
-        left = _pack(items, _Segments(_segments_for(ghosts, held)), placed)
+        left = _pack(items, _segments_for(ghosts, held), placed, spread_from=[*kept, *new])
         if left:
             # second pass: GPUs of replicas being removed become usable (start after their stop)
             taken_now: dict[str, set[int]] = {h: set(s) for h, s in used.items()}
             for r in placed:
                 taken_now.setdefault(r.host, set()).update(r.gpu_indices)
-            left = _pack(left, _Segments(_segments_for(ghosts, taken_now)), placed)
+            left = _pack(left, _segments_for(ghosts, taken_now), placed)
         if left:
             # third pass: local repair: move a few small kept replicas out of the way
             taken_now = {h: set(s) for h, s in used.items()}
@@ -172,7 +182,7 @@ def place(
                                key=lambda ck: (-ck[0].tp, ck[0]))
             fresh: list[Replica] = []
             held_only = {h.name: set(h.held_gpus) for h in ghosts if h.held_gpus}
-            if not _pack(all_items, _Segments(_segments_for(ghosts, held_only)), fresh):
+            if not _pack(all_items, _segments_for(ghosts, held_only), fresh):
                 where = {(r.config, r.host, r.gpu_indices): r for r in live if r.config.gpu == gpu}
                 old_kept = [r for r in kept if r.config.gpu == gpu]
                 kept = [r for r in kept if r.config.gpu != gpu]
@@ -267,16 +277,46 @@ def _repair(
     return out, list(back.values())
 
 
-def _pack(items: Sequence[tuple[ConfigKey, int]], segs: _Segments, out: list[Replica]) -> list[tuple[ConfigKey, int]]:
+def _pack(items: Sequence[tuple[ConfigKey, int]], segs: list[tuple[str, list[int]]], out: list[Replica],
+          spread_from: Sequence[Replica] | None = None) -> list[tuple[ConfigKey, int]]:
+    """Best-fit-decreasing of `items` into the free GPUs `segs` (_segments_for), appending to `out`; returns what did not fit.
+
+    With `spread_from` (the replicas already placed), a model's new replica goes to a host that
+    runs none of that model's replicas yet when one has room, so that one lost host does not take
+    all of a model's serving capacity. Spreading can fragment NVLink groups, so it is only a
+    preference: when the spread packing leaves anything unplaced, the plain best fit is used.
+    Example: 3 hosts of 8 GPUs, 2 TP4 replicas of one model: best fit puts both on the first host;
+    spread puts them on two hosts."""
+    if spread_from is not None:
+        trial: list[Replica] = []
+        if not _pack_into(items, _Segments([(h, list(free)) for h, free in segs]), trial,
+                          _hosts_by_model(spread_from)):
+            out += trial
+            return []
+    return _pack_into(items, _Segments(segs), out, None)
+
+
+def _hosts_by_model(replicas: Sequence[Replica]) -> dict[str, set[str]]:
+    by_model: dict[str, set[str]] = {}
+    for r in replicas:
+        by_model.setdefault(r.config.model, set()).add(r.host)
+    return by_model
+
+
+def _pack_into(items: Sequence[tuple[ConfigKey, int]], segs: _Segments, out: list[Replica],
+               model_hosts: dict[str, set[str]] | None) -> list[tuple[ConfigKey, int]]:
     left: list[tuple[ConfigKey, int]] = []
     for c, k in items:
         missing = 0
         for _ in range(k):
-            spot = segs.take(c.tp)
+            avoid = model_hosts.setdefault(c.model, set()) if model_hosts is not None else ()
+            spot = segs.take(c.tp, avoid)
             if spot is None:
                 missing += 1
                 continue
             host, idx = spot
+            if model_hosts is not None:
+                model_hosts[c.model].add(host)
             out.append(Replica(new_replica_id(c, host, idx), c, host, idx, ReplicaState.STARTING, None, None))
         if missing:
             left.append((c, missing))
