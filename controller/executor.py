@@ -100,21 +100,20 @@ class Executor:
 
     async def _update_routing(self) -> None:
         from fleetplan.controller.routing import ScrapeTarget, write_endpoints_json, write_file_sd
+        from fleetplan.planner.act import routes
 
-        rep = self.hosts.reported()
-        endpoints: dict[str, list[str]] = {m: [] for m in self.policy.model_names()}
-        routed: set[str] = set()
-        targets = []
         rows = self.store.active_replicas()
         self.desired_ids = {row.replica_id for row in rows if row.phase == Phase.DESIRED}
-        for row in rows:
-            rs = rep.get(row.replica_id)
-            ready = rs is not None and rs[1].state.value == "ready"
-            if row.phase == Phase.DESIRED and ready and self.hosts.online(row.host):
-                endpoints.setdefault(row.model, []).append(self.endpoint(row))
-                routed.add(row.replica_id)
-            if ready or row.phase == Phase.DRAINING:
-                targets.append(ScrapeTarget(self.endpoint(row), row.model, row.engine, row.host, row.replica_id))
+        connected = self.connected_wall if self.link.connected.is_set() else None
+        decided = routes(rows, self.hosts.reports(), self.policy.model_names(), now_s=self.wall(),
+                         connected_since_s=connected, grace_s=self.settings.host_offline_grace_s)
+        if decided is None:
+            return  # statuses still arriving (or MQTT down): the files written before stay
+        by_id = {row.replica_id: row for row in rows}
+        endpoints = {m: [self.endpoint(by_id[rid]) for rid in ids] for m, ids in decided.serving.items()}
+        routed = {rid for ids in decided.serving.values() for rid in ids}
+        targets = [ScrapeTarget(self.endpoint(row), row.model, row.engine, row.host, row.replica_id)
+                   for row in (by_id[rid] for rid in decided.scraped)]
         r = self.settings.routing
         try:
             if r.file_sd_path is not None:

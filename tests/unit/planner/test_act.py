@@ -343,3 +343,44 @@ def test_a_drain_waits_when_the_replacement_could_not_start() -> None:
     d = act.execute(view(host("gpu-01", reported("r00001"), reported("r00002", gpus=(1,), port=8002), gpus=2),
                          rows=two), swap_in_place)
     assert d.drains == ("r00001",)
+
+
+# ---- routing --------------------------------------------------------------------------------
+
+
+def _routes(*hosts: HostReport, rows: tuple[ReplicaRow, ...], connected_since_s: float | None = NOW - 3600,
+            now_s: float = NOW) -> act.Routes | None:
+    return act.routes(rows, {h.name: h for h in hosts}, ["llama"], now_s=now_s,
+                      connected_since_s=connected_since_s, grace_s=60.0)
+
+
+def test_routing_serves_ready_desired_replicas_and_scrapes_draining_ones() -> None:
+    rows = (row("r1"), row("r2", gpus=(1,), port=8001), row("r3", gpus=(2,), port=8002, phase=Phase.DRAINING),
+            row("r4", gpus=(3,), port=8003, ready=False))
+    h = host("gpu-01", reported("r1"), reported("r2", ReplicaState.STARTING, gpus=(1,)),
+             reported("r3", gpus=(2,)), reported("r4", ReplicaState.STARTING, gpus=(3,)))
+    got = _routes(h, rows=rows)
+    assert got is not None
+    assert got.serving == {"llama": ("r1",)} and got.scraped == ("r1", "r3")
+
+
+def test_routing_is_left_as_it_is_until_every_host_reported_after_a_restart() -> None:
+    # the fault suite's kill -9 mid drain: gpu-01 reported first, gpu-02's status came 0.2 s later;
+    # routing from that view took gpu-02's serving replica out of nginx (503s)
+    rows = (row("r1"), row("r2", host="gpu-02"))
+    first = host("gpu-01", reported("r1"))
+    assert _routes(first, rows=rows, connected_since_s=NOW - 0.2) is None
+    assert _routes(first, rows=rows, connected_since_s=None) is None  # MQTT down: keep the files
+    both = _routes(first, host("gpu-02", reported("r2")), rows=rows, connected_since_s=NOW - 0.2)
+    assert both is not None and both.serving == {"llama": ("r1", "r2")}
+    # a host that never reports within the grace is left out once the grace has passed
+    late = _routes(first, rows=rows, connected_since_s=NOW - 61)
+    assert late is not None and late.serving == {"llama": ("r1",)}
+
+
+def test_routing_drops_a_lost_host_but_keeps_one_whose_agent_restarts() -> None:
+    rows = (row("r1"), row("r2", host="gpu-02"))
+    for offline_s, served in ((NOW - 10, ("r1", "r2")), (NOW - 61, ("r1",))):
+        gone = HostReport("gpu-02", False, "h100", 8, replicas=(reported("r2"),), offline_since_s=offline_s)
+        got = _routes(host("gpu-01", reported("r1")), gone, rows=rows)
+        assert got is not None and got.serving == {"llama": served}
