@@ -301,10 +301,15 @@ class Controller:
         return snap
 
     async def _plan_and_act(self, cid: int, now_s: float, snap: Snapshot) -> dict[str, Any]:
+        from fleetplan.planner.act import plan_deferred
         from fleetplan.planner.core import plan, plan_to_dict
 
         models = self.model_names()
         planned_on = self.executor.view()  # what the plan sees; checked again when acting on it
+        waiting = plan_deferred(planned_on)
+        if waiting is not None:
+            log.info("cycle %s: no plan yet: %s", cid, waiting)
+            return {"deferred": waiting}
         fleet = self.build_fleet()
         obs = to_observation(snap, models, fleet.replicas)  # + length mix and per-config evidence
         t0 = time.perf_counter()

@@ -549,6 +549,16 @@ def incomplete(view: ActView) -> str | None:
                        view.connected_since_s, view.settings.host_offline_grace_s)
 
 
+def plan_deferred(view: ActView) -> str | None:
+    """Why no plan should be made from `view` yet (None: plan). Statuses still arriving after a
+    (re)connect: a plan now would see the hosts that have not reported as gone ("no usable hosts",
+    0 replicas) and store that as the plan on-call reads. With MQTT down the plan is still made
+    (the report shows what would be done); acting on it waits (`execute`)."""
+    if view.connected_since_s is None:
+        return None
+    return incomplete(view)
+
+
 def _unreported(needed: Collection[str], hosts: Mapping[str, HostReport], now_s: float,
                 connected_since_s: float | None, grace_s: float) -> str | None:
     if connected_since_s is None:
@@ -869,5 +879,5 @@ __all__ = [
     "DesiredRow", "DrainProgress", "DrainStep", "FinishBuild", "HostReport", "MarkReady", "NewBuild",
     "NewReplica", "Note", "Phase", "Record", "ReplicaRow", "ReportedBuild", "ReportedReplica", "Routes",
     "SetPhase", "adopt", "alert_key", "drain_deadline_s", "drain_step", "execute", "held_gpus", "incomplete",
-    "reconcile", "rejected", "routes", "template_for",
+    "plan_deferred", "reconcile", "rejected", "routes", "template_for",
 ]
