@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import sys
+from typing import Any
 
 from fleetplan.controller.cli_ops import DEFAULT_REPORT
 
@@ -87,32 +88,35 @@ def _controller(args: argparse.Namespace) -> int:
     return int(run_from_args(args, prepare=settings_from_lab))
 
 
-def _report_api(args: argparse.Namespace) -> tuple[str, str, str | None]:
-    """(url, path, token) of the report API: flags first, then the environment, then the default."""
+def _fetch_report(args: argparse.Namespace, command: str) -> dict[str, Any] | None:
+    """The report API's document (flags first, then the environment, then the default URL), or None
+    after printing why it could not be fetched."""
+    from fleetplan.controller.report import fetch
+
     url = args.url or os.environ.get("FLEETPLAN_REPORT_URL") or DEFAULT_REPORT
     token = args.token or os.environ.get("FLEETPLAN_REPORT_TOKEN")
-    return url, "/api/report", token
+    try:
+        return fetch(url, "/api/report", token)
+    except RuntimeError as exc:
+        print(f"fleetplan {command}: {exc}", file=sys.stderr)
+        return None
 
 
 def _report(args: argparse.Namespace) -> int:
-    from fleetplan.controller.report import fetch, render_report
+    from fleetplan.controller.report import render_report
 
-    try:
-        data = fetch(*_report_api(args))
-    except RuntimeError as exc:
-        print(f"fleetplan report: {exc}", file=sys.stderr)
+    data = _fetch_report(args, "report")
+    if data is None:
         return 1
     print(json.dumps(data, indent=2) if args.json else render_report(data))
     return 0
 
 
 def _explain(args: argparse.Namespace) -> int:
-    from fleetplan.controller.report import fetch, render_explain
+    from fleetplan.controller.report import render_explain
 
-    try:
-        data = fetch(*_report_api(args))
-    except RuntimeError as exc:
-        print(f"fleetplan explain: {exc}", file=sys.stderr)
+    data = _fetch_report(args, "explain")
+    if data is None:
         return 1
     text = render_explain(data, args.model)
     if text is None:
