@@ -545,18 +545,25 @@ def incomplete(view: ActView) -> str | None:
     """Why `view` is not complete enough to act on (None: it is). After a (re)connect every host this
     controller has a desired state or a replica for must have reported (retained statuses arrive
     right after subscribing; the offline grace covers dead agents)."""
-    return _unreported({*view.desired, *(r.host for r in view.replicas)}, view.hosts, view.now_s,
+    return _unreported(_needed_hosts(view), view.hosts, view.now_s,
                        view.connected_since_s, view.settings.host_offline_grace_s)
 
 
 def plan_deferred(view: ActView) -> str | None:
-    """Why no plan should be made from `view` yet (None: plan). Statuses still arriving after a
-    (re)connect: a plan now would see the hosts that have not reported as gone ("no usable hosts",
-    0 replicas) and store that as the plan on-call reads. With MQTT down the plan is still made
-    (the report shows what would be done); acting on it waits (`execute`)."""
+    """Why no plan should be made from `view` yet (None: plan). A host this controller has a
+    desired state or a replica on has not reported since this process started (MQTT not connected
+    yet, or statuses still arriving after a (re)connect, within the offline grace): a plan now
+    would see that host as gone ("no usable hosts", 0 replicas) and store that as the plan on-call
+    reads. With MQTT down but every host's last status known, the plan is still made (the report
+    shows what would be done); acting on it waits (`execute`)."""
     if view.connected_since_s is None:
-        return None
+        missing = sorted(_needed_hosts(view) - set(view.hosts))
+        return f"MQTT not connected and no status yet from {', '.join(missing)}" if missing else None
     return incomplete(view)
+
+
+def _needed_hosts(view: ActView) -> set[str]:
+    return {*view.desired, *(r.host for r in view.replicas)}
 
 
 def _unreported(needed: Collection[str], hosts: Mapping[str, HostReport], now_s: float,

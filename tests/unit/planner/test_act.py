@@ -255,13 +255,16 @@ def test_after_a_restart_nothing_acts_until_every_known_host_reported() -> None:
     assert isinstance(d.effects[0], Record) and "gpu-03" in d.effects[0].note.detail
 
 
-def test_no_plan_is_made_while_statuses_arrive_but_one_is_while_mqtt_is_down() -> None:
+def test_no_plan_is_made_before_every_host_reported_after_a_restart() -> None:
     desired = {h: DesiredRow(h, 3, {}, NOW - 30, 3, True, ()) for h in ("gpu-01", "gpu-02")}
     early = view(host("gpu-01"), desired=desired, connected_since_s=NOW - 1)
     assert act.plan_deferred(early) == "waiting for status from gpu-02"
     assert act.plan_deferred(view(host("gpu-01"), host("gpu-02"), desired=desired, connected_since_s=NOW - 1)) is None
     assert act.plan_deferred(view(host("gpu-01"), desired=desired, connected_since_s=NOW - 61)) is None  # grace over
-    assert act.plan_deferred(view(host("gpu-01"), desired=desired, connected_since_s=None)) is None  # acting waits
+    # MQTT down: a plan from the last statuses is still made (acting waits), but not before any came
+    assert act.plan_deferred(view(host("gpu-01"), host("gpu-02"), desired=desired, connected_since_s=None)) is None
+    assert act.plan_deferred(view(host("gpu-01"), desired=desired, connected_since_s=None)) == (
+        "MQTT not connected and no status yet from gpu-02")
 
 
 def test_a_plan_made_before_the_statuses_arrived_does_nothing_even_once_they_have() -> None:
