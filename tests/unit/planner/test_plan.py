@@ -134,7 +134,8 @@ def test_scale_down_waits_for_the_delay_and_drains_before_stopping() -> None:
 def test_switch_engine_starts_before_stops_and_caps_actions_per_cycle() -> None:
     p = policy(tps={"m8": [1], "m70": [4]}, cached=[("m8", "h100", 1)], scaling={"max_actions_per_cycle": 3})
     current = tuple(_running("m8", VLLM, 1, "h00", i) for i in range(4))
-    r = plan_with_capacities(observe({"m8": 40.0, "m70": 0.0}), Fleet(hosts(1), current), p, CAPS,
+    # 38 rps: 3 TRT-LLM replicas (42) keep the scale-down band's margin (38 + 3.8)
+    r = plan_with_capacities(observe({"m8": 38.0, "m70": 0.0}), Fleet(hosts(1), current), p, CAPS,
                              PlannerState.initial(), NOW)
     assert _counts(r.plan) == {("m8", "trtllm", 1): 3}
     # make-before-break: the vLLM replicas keep serving while their replacements start
@@ -147,7 +148,7 @@ def test_switch_engine_starts_before_stops_and_caps_actions_per_cycle() -> None:
     assert all(not (set(a.replica.gpu_indices) & held) for a in r.actions)
     # once the replacements are READY the old replicas are drained (start before stop, capped)
     new = tuple(replace(a.replica, state=ReplicaState.READY, since_s=NOW + 60) for a in r.actions)
-    r2 = plan_with_capacities(observe({"m8": 40.0, "m70": 0.0}), Fleet(hosts(1), current + new), p, CAPS,
+    r2 = plan_with_capacities(observe({"m8": 38.0, "m70": 0.0}), Fleet(hosts(1), current + new), p, CAPS,
                               r.next_state, NOW + 120)
     order = [a.kind for a in (*r2.actions, *r2.deferred_actions)]
     assert order == [ActionKind.DRAIN] * 4 + [ActionKind.STOP] * 4
@@ -260,13 +261,33 @@ def test_scale_down_delay_holds_configs_that_were_never_surplus_too() -> None:
     p = policy(tps={"m8": [1, 2], "m70": [4]}, cached=[("m8", "h100", 1)], scaling={"scale_down_delay_s": 300})
     current = (_running("m8", VLLM, 2, "h00", 0), _running("m8", VLLM, 2, "h00", 2),
                _running("m8", TRT, 1, "h00", 4), _running("m8", TRT, 1, "h00", 5))
-    r = plan_with_capacities(observe({"m8": 45.0, "m70": 0.0}), Fleet(hosts(1), current), p, CAPS,
+    # 40 rps: one vLLM TP2 and two TRT-LLM TP1 (46) keep the scale-down band's margin (40 + 4)
+    r = plan_with_capacities(observe({"m8": 40.0, "m70": 0.0}), Fleet(hosts(1), current), p, CAPS,
                              PlannerState.initial(), NOW)
     assert not [a for a in r.actions if a.kind in (ActionKind.DRAIN, ActionKind.STOP)]
     assert set(current) <= set(r.plan.replicas)
-    later = plan_with_capacities(observe({"m8": 45.0, "m70": 0.0}), Fleet(hosts(1), current), p, CAPS,
+    later = plan_with_capacities(observe({"m8": 40.0, "m70": 0.0}), Fleet(hosts(1), current), p, CAPS,
                                  r.next_state, NOW + 400)
     assert [a.kind for a in later.actions] == [ActionKind.DRAIN, ActionKind.STOP]
+
+
+def test_a_rate_at_a_replica_boundary_does_not_drain_one_cycle_and_start_the_next() -> None:
+    # 4 TRT-LLM TP1 replicas of 14 rps; the rate wanders 40.5 <-> 41.5 rps around 3 replicas' 42
+    p = policy(tps={"m8": [1], "m70": [4]}, cached=[("m8", "h100", 1)], scaling={"scale_down_delay_s": 0})
+    current = tuple(_running("m8", TRT, 1, "h00", i) for i in range(4))
+    state = PlannerState.initial()
+    for i, rate in enumerate((41.5, 40.5, 41.5, 40.5)):
+        r = plan_with_capacities(observe({"m8": rate, "m70": 0.0}), Fleet(hosts(1), current), p, CAPS, state,
+                                 NOW + 30 * i)
+        state = r.next_state
+        assert _counts(r.plan) == {("m8", "trtllm", 1): 4}, rate  # within the band: no drain
+    r = plan_with_capacities(observe({"m8": 30.0, "m70": 0.0}), Fleet(hosts(1), current), p, CAPS, state, NOW + 150)
+    assert _counts(r.plan) == {("m8", "trtllm", 1): 3}  # clear of the band: one replica goes
+    # the band never adds a replica: 3 running, 41.5 rps -> 3 (42 covers it)
+    three = current[:3]
+    r = plan_with_capacities(observe({"m8": 41.5, "m70": 0.0}), Fleet(hosts(1), three), p, CAPS,
+                             PlannerState.initial(), NOW)
+    assert _counts(r.plan) == {("m8", "trtllm", 1): 3}
 
 
 def test_scale_down_delay_with_history_holds_the_recent_demand_and_steps_down() -> None:
