@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import reprlib
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -79,30 +80,73 @@ class BenchmarkPoint:
         return self.itl_p99_ms if self.itl_p99_ms is not None else self.tpot_p99_ms
 
 
+_SHOW = reprlib.Repr()
+_SHOW.maxstring = _SHOW.maxother = 60
+_SHOW.maxlong = 40
+_SHOW.maxlevel = 2
+_SHOW.maxlist = _SHOW.maxtuple = _SHOW.maxdict = 4
+
+
+def show_value(value: object) -> str:
+    """A value as an error message quotes it: its repr, clipped (a 100 kB string, a 400-digit number
+    or a 900-level list stays a short line).
+
+    >>> show_value(float("nan")), show_value(-5.0), show_value("fast")
+    ('nan', '-5.0', "'fast'")
+    >>> show_value("x" * 100_000)
+    "'xxxxxxxxxxxxxxxxxxxxxxxxxxx...xxxxxxxxxxxxxxxxxxxxxxxxxxxx'"
+    >>> show_value([[[[[1]]]]])
+    '[[[...]]]'
+    """
+    try:
+        return _SHOW.repr(value)
+    except (ValueError, RecursionError):  # an int beyond Python's 4,300 digits for str()
+        return f"<{type(value).__name__}>"
+
+
 def check_value(source: str, name: str, value: object, *, optional: bool = True,
                 positive: bool = False, scale: float = 1.0) -> float | None:
-    """A finite, non-negative number (times `scale`), None when absent and optional; else an error."""
+    """A finite, non-negative number (times `scale`), None when absent and optional; else an error.
+
+    >>> check_value("f.json", "p99_ttft", "0.5", scale=1000.0)
+    500.0
+    >>> check_value("f.json", "p99_ttft", 1e308, scale=1000.0)
+    Traceback (most recent call last):
+    ...
+    fleetplan.models.bench.BenchmarkFormatError: f.json: field 'p99_ttft' must be finite, got 1e+308 (x1000: out of range)
+    >>> check_value("f.json", "completed", 10**400)
+    Traceback (most recent call last):
+    ...
+    fleetplan.models.bench.BenchmarkFormatError: f.json: field 'completed' must be finite, got 100000000000000000...0000000000000000000
+    """
+    shown = show_value(value)
     if value is None or (isinstance(value, str) and value.strip() in ("", "N/A", "n/a", "null", "None")):
         if optional:
             return None
         raise BenchmarkFormatError(f"{source}: field {name!r} is missing")
     if isinstance(value, bool):
-        raise BenchmarkFormatError(f"{source}: field {name!r} must be a number, got {value!r}")
+        raise BenchmarkFormatError(f"{source}: field {name!r} must be a number, got {shown}")
     if isinstance(value, str):
         try:
             number = float(value.replace(",", "").strip())
         except ValueError:
-            raise BenchmarkFormatError(f"{source}: field {name!r} must be a number, got {value!r}") from None
+            raise BenchmarkFormatError(f"{source}: field {name!r} must be a number, got {shown}") from None
     elif isinstance(value, int | float):
-        number = float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # an integer beyond the float range (JSON allows 10**400)
+            raise BenchmarkFormatError(f"{source}: field {name!r} must be finite, got {shown}") from None
     else:
-        raise BenchmarkFormatError(f"{source}: field {name!r} must be a number, got {value!r}")
+        raise BenchmarkFormatError(f"{source}: field {name!r} must be a number, got {shown}")
     if math.isnan(number) or math.isinf(number):
-        raise BenchmarkFormatError(f"{source}: field {name!r} must be finite, got {value!r}")
+        raise BenchmarkFormatError(f"{source}: field {name!r} must be finite, got {shown}")
     if number < 0 or (positive and number == 0):
         kind = "positive" if positive else "non-negative"
-        raise BenchmarkFormatError(f"{source}: field {name!r} must be {kind}, got {value!r}")
-    return number * scale
+        raise BenchmarkFormatError(f"{source}: field {name!r} must be {kind}, got {shown}")
+    scaled = number * scale
+    if math.isinf(scaled):  # seconds to ms of 1e308
+        raise BenchmarkFormatError(f"{source}: field {name!r} must be finite, got {shown} (x{scale:g}: out of range)")
+    return scaled
 
 
 def require_value(source: str, name: str, value: object, *, positive: bool = False,

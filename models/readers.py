@@ -35,6 +35,7 @@ from fleetplan.models.bench import (
     Metadata,
     check_value,
     require_value,
+    show_value,
 )
 from fleetplan.models.names import (
     Engine,
@@ -175,7 +176,7 @@ class _Ctx:
 
     def model(self, raw: object) -> str:
         if raw is not None and not isinstance(raw, str):
-            raise BenchmarkFormatError(f"{self.source}: field 'model' must be a name, got {raw!r}")
+            raise BenchmarkFormatError(f"{self.source}: field 'model' must be a name, got {show_value(raw)}")
         name = raw.strip() if raw else (self.meta.model or self.hints.model)
         if not name:
             raise self._missing("model", "model")
@@ -184,10 +185,16 @@ class _Ctx:
             canonical = self.aliases.canonical(name.split("/")[-1])
         return canonical
 
+    def _name_error(self, name: str, raw: object, exc: UnknownNameError | None = None) -> BenchmarkFormatError:
+        """`field 'gpu': unknown GPU 'x'; known ...` with the value clipped (a 100 kB string stays short)."""
+        if exc is None or not isinstance(raw, str):
+            return BenchmarkFormatError(f"{self.source}: field {name!r} must be a name, got {show_value(raw)}")
+        return BenchmarkFormatError(f"{self.source}: field {name!r}: {str(exc).replace(repr(raw), show_value(raw))}")
+
     def engine(self, raw: object) -> Engine:
-        if raw not in (None, ""):
+        if isinstance(raw, str) and raw:  # anything else (a number, a list) names no engine
             try:
-                return parse_engine(str(raw))
+                return parse_engine(raw)
             except UnknownNameError:
                 pass  # e.g. vllm bench serve's backend "openai": not an engine name
         engine = self.hints.engine or self.meta.engine
@@ -197,10 +204,12 @@ class _Ctx:
 
     def gpu(self, raw: object) -> GpuType:
         if raw not in (None, ""):
+            if not isinstance(raw, str):
+                raise self._name_error("gpu", raw)
             try:
-                return parse_gpu(str(raw))
+                return parse_gpu(raw)
             except UnknownNameError as exc:
-                raise BenchmarkFormatError(f"{self.source}: field 'gpu': {exc}") from None
+                raise self._name_error("gpu", raw, exc) from None
         gpu = self.hints.gpu or self.meta.gpu
         if gpu is None:
             raise self._missing("gpu", "gpu")
@@ -210,7 +219,7 @@ class _Ctx:
         if raw not in (None, ""):
             value = require_value(self.source, "tp", raw, positive=True)
             if value != int(value):
-                raise BenchmarkFormatError(f"{self.source}: field 'tp' must be an integer, got {raw!r}")
+                raise BenchmarkFormatError(f"{self.source}: field 'tp' must be an integer, got {show_value(raw)}")
             return int(value)
         tp = self.hints.tp or self.meta.tp
         if tp is None:
@@ -219,10 +228,12 @@ class _Ctx:
 
     def precision(self, raw: object) -> Precision:
         if raw not in (None, ""):
+            if not isinstance(raw, str):
+                raise self._name_error("precision", raw)
             try:
-                return parse_precision(str(raw))
+                return parse_precision(raw)
             except UnknownNameError as exc:
-                raise BenchmarkFormatError(f"{self.source}: field 'precision': {exc}") from None
+                raise self._name_error("precision", raw, exc) from None
         precision = self.hints.precision or self.meta.precision
         if precision is None:
             raise self._missing("precision", "precision")
@@ -249,6 +260,21 @@ def _first(d: Mapping[str, Any], keys: Sequence[str], source: str, scale: float 
     return None
 
 
+def _derived(source: str, expr: str, value: float, *, positive: bool = False) -> float:
+    """A number computed from the file's fields (`expr` names them with their values): finite and
+    non-negative (positive), else the error names the fields, their values and the result.
+
+    >>> _derived("f.json", "field 'total_input_tokens' / field 'completed' (1e+300 / 1e-300)", 1e300 / 1e-300)
+    Traceback (most recent call last):
+    ...
+    fleetplan.models.bench.BenchmarkFormatError: f.json: field 'total_input_tokens' / field 'completed' (1e+300 / 1e-300) = inf: out of range (must be finite and non-negative)
+    """
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        kind = "positive" if positive else "non-negative"
+        raise BenchmarkFormatError(f"{source}: {expr} = {value!r}: out of range (must be finite and {kind})")
+    return value
+
+
 def _rate_of(value: object, source: str) -> float | None:
     if value is None:
         return None
@@ -262,8 +288,13 @@ def _read_vllm_serve(d: Mapping[str, Any], ctx: _Ctx, *, seconds: bool) -> ReadR
     scale = 1000.0 if seconds else 1.0
     suffix = "" if seconds else "_ms"
     completed = require_value(src, "completed", d.get("completed"), positive=True)
-    isl = require_value(src, "total_input_tokens", d.get("total_input_tokens"), positive=True) / completed
-    osl = require_value(src, "total_output_tokens", d.get("total_output_tokens"), positive=True) / completed
+    # tokens per request: 1e300 tokens / 1e-300 requests overflows, 5e-324 / 10 underflows to 0
+    tokens_in = require_value(src, "total_input_tokens", d.get("total_input_tokens"), positive=True)
+    tokens_out = require_value(src, "total_output_tokens", d.get("total_output_tokens"), positive=True)
+    isl = _derived(src, f"field 'total_input_tokens' / field 'completed' ({tokens_in:g} / {completed:g})",
+                   tokens_in / completed, positive=True)
+    osl = _derived(src, f"field 'total_output_tokens' / field 'completed' ({tokens_out:g} / {completed:g})",
+                   tokens_out / completed, positive=True)
     model = ctx.model(d.get("model_id"))
     engine = ctx.engine(d.get("backend"))
     gpu = ctx.gpu(None)
@@ -327,7 +358,7 @@ def _read_trtllm_bench(d: Mapping[str, Any], ctx: _Ctx) -> ReadResult:
     machine = d.get("machine") if isinstance(d.get("machine"), Mapping) else {}
     assert isinstance(machine, Mapping)
     quant = eng.get("quantization")
-    if quant is None or str(quant).strip().lower() in ("", "none", "no_quant"):
+    if quant is None or (isinstance(quant, str) and quant.strip().lower() in ("", "none", "no_quant")):
         quant = eng.get("dtype")
     output = _first(perf, ("system_output_throughput_tok_s", "output_throughput_tok_s"), src)
     if output is None:
@@ -367,12 +398,13 @@ def _aiperf_metric(metrics: Mapping[str, Any], name: str, src: str) -> dict[str,
     if m is None:
         return {}
     if not isinstance(m, Mapping):
-        raise BenchmarkFormatError(f"{src}: field {name!r} must be an object, got {m!r}")
-    unit = str(m.get("unit", "ms")).strip().lower()
+        raise BenchmarkFormatError(f"{src}: field {name!r} must be an object, got {show_value(m)}")
+    unit_raw = m.get("unit", "ms")
+    unit = unit_raw.strip().lower() if isinstance(unit_raw, str) else unit_raw
     scale = 1.0
     if name in ("time_to_first_token", "inter_token_latency", "request_latency"):
-        if unit not in _TIME_UNITS:
-            raise BenchmarkFormatError(f"{src}: field '{name}.unit' is not a time unit: {unit!r}")
+        if not isinstance(unit, str) or unit not in _TIME_UNITS:
+            raise BenchmarkFormatError(f"{src}: field '{name}.unit' is not a time unit: {show_value(unit_raw)}")
         scale = _TIME_UNITS[unit]
     return {
         "mean": check_value(src, f"{name}.avg", m.get("avg"), scale=scale),
@@ -429,7 +461,7 @@ def _read_aiperf(d: Mapping[str, Any], ctx: _Ctx) -> ReadResult:
     if isl is None:
         raise BenchmarkFormatError(f"{src}: field 'input_sequence_length' is missing")
     if osl is None or osl <= 0:
-        raise BenchmarkFormatError(f"{src}: field 'output_sequence_length' is missing or zero: {osl!r}")
+        raise BenchmarkFormatError(f"{src}: field 'output_sequence_length' is missing or zero: {show_value(osl)}")
     # AIPerf: input_config.loadgen.{concurrency,request_rate}; genai-perf: input_config.{concurrency,...}
     where = "input_config.loadgen" if "loadgen" in cfg else "input_config"
     knobs = loadgen if "loadgen" in cfg else cfg
@@ -470,7 +502,8 @@ def _detect_json(d: Any, src: str) -> Callable[[Mapping[str, Any], _Ctx], ReadRe
     if any(k in d for k in ("median_ttft", "mean_ttft", "p99_ttft", "median_tpot")):
         return lambda dd, ctx: _read_vllm_serve(dd, ctx, seconds=True)
     raise BenchmarkFormatError(
-        f"{src}: unrecognised JSON benchmark format (keys: {', '.join(sorted(d)[:8])}); expected vllm bench "
+        f"{src}: unrecognised JSON benchmark format (keys: {', '.join(show_value(k) for k in sorted(d)[:8])}); "
+        "expected vllm bench "
         "serve, InferenceX, trtllm-bench --report_json or AIPerf profile_export_aiperf.json")
 
 
@@ -478,17 +511,31 @@ def _detect_json(d: Any, src: str) -> Callable[[Mapping[str, Any], _Ctx], ReadRe
 # CSV formats
 
 
-def _rows(text: str) -> list[dict[str, str]]:
-    reader = csv.DictReader(io.StringIO(text))
-    return [{(k or "").strip(): (v or "").strip() for k, v in row.items()} for row in reader]
+def _rows(text: str) -> list[tuple[dict[str, str], int]]:
+    """The data rows as {column: cell} (cells a short row lacks are ""), each with its number of
+    non-empty cells beyond the header's columns (a row that does not fit the header)."""
+    reader = csv.reader(io.StringIO(text))
+    header = [c.strip() for c in next(reader, [])]
+    out: list[tuple[dict[str, str], int]] = []
+    for cells in reader:
+        if not cells:
+            continue  # a blank line, as csv.DictReader skips it
+        row = {h: "" for h in header}
+        row.update(zip(header, (c.strip() for c in cells), strict=False))
+        out.append((row, len(cells) if any(c.strip() for c in cells[len(header):]) else 0))
+    return out
 
 
 def _table(text: str, ctx: _Ctx, build: Callable[[dict[str, str], _Ctx], BenchmarkPoint | None],
            fmt: str) -> ReadResult:
     points: list[BenchmarkPoint] = []
     problems: list[str] = []
-    for i, row in enumerate(_rows(text), start=2):  # line 1 is the header
+    columns = len(next(csv.reader(io.StringIO(text)), []))
+    for i, (row, too_many) in enumerate(_rows(text), start=2):  # line 1 is the header
         row_ctx = _Ctx(f"{ctx.source}:{i}", ctx.meta, ctx.hints, ctx.aliases)
+        if too_many:  # its cells may be shifted: not read as if they were in their columns
+            problems.append(f"{row_ctx.source}: row has {too_many} cells, the header {columns}")
+            continue
         try:
             point = build(row, row_ctx)
         except BenchmarkFormatError as exc:
@@ -549,7 +596,9 @@ def _seed_row(row: dict[str, str], ctx: _Ctx) -> BenchmarkPoint:
     workload = row.get("workload", "")
     isl_m, osl_m = _WORKLOAD_ISL.search(workload), _WORKLOAD_OSL.search(workload)
     if isl_m is None or osl_m is None:
-        raise BenchmarkFormatError(f"{src}: field 'workload' names no ISL and OSL: {workload!r}")
+        raise BenchmarkFormatError(f"{src}: field 'workload' names no ISL and OSL: {show_value(workload)}")
+    isl = require_value(src, "workload ISL", isl_m.group(1), positive=True)
+    osl = require_value(src, "workload OSL", osl_m.group(1), positive=True)
     batch = check_value(src, "batch_or_concurrency", row.get("batch_or_concurrency"), positive=True)
     if batch is None:
         raise BenchmarkFormatError(f"{src}: field 'batch_or_concurrency' is missing")
@@ -560,9 +609,12 @@ def _seed_row(row: dict[str, str], ctx: _Ctx) -> BenchmarkPoint:
     return BenchmarkPoint(
         source=src, model=ctx.model(row.get("model")), engine=ctx.engine(row.get("engine")),
         gpu=ctx.gpu(row.get("gpu")), tp=ctx.tp(row.get("tp")), precision=ctx.precision(row.get("precision")),
-        isl=float(isl_m.group(1)), osl=float(osl_m.group(1)), load=LoadKind.CONCURRENCY, concurrency=batch,
-        output_tok_s=speed * batch if per_request else speed,
-        itl_mean_ms=1000.0 / speed if per_request else None,
+        isl=isl, osl=osl, load=LoadKind.CONCURRENCY, concurrency=batch,
+        # 1e200 tok/s x 1e200 requests overflows; 1000 / 5e-324 tok/s too
+        output_tok_s=_derived(src, f"field 'throughput_tok_s' x field 'batch_or_concurrency' ({speed:g} x {batch:g})",
+                              speed * batch) if per_request else speed,
+        itl_mean_ms=_derived(src, f"1000 / field 'throughput_tok_s' (1000 / {speed:g})", 1000.0 / speed)
+        if per_request else None,
     )
 
 
@@ -628,7 +680,8 @@ def _genai_perf_csv(text: str, ctx: _Ctx) -> ReadResult:
 
 
 def _read_csv(text: str, ctx: _Ctx) -> ReadResult:
-    first = text.lstrip("\ufeff").splitlines()[0] if text.strip() else ""
+    text = text.lstrip("\ufeff")  # a BOM is not part of the first column's name
+    first = text.splitlines()[0] if text.strip() else ""
     cols = {c.strip().lower() for c in first.split(",")}
     if first.lower().startswith("metric,"):
         return _genai_perf_csv(text, ctx)
@@ -657,14 +710,22 @@ def read_benchmark(text: str, filename: str, meta: Metadata | None = None,
         if stripped[0] in "{[":
             try:
                 data = json.loads(stripped)
-            except (json.JSONDecodeError, RecursionError) as exc:
-                where = f" at line {exc.lineno} column {exc.colno}: {exc.msg}" if isinstance(
-                    exc, json.JSONDecodeError) else ": nested too deeply"
+            except (ValueError, RecursionError) as exc:
+                if isinstance(exc, json.JSONDecodeError):
+                    where = f" at line {exc.lineno} column {exc.colno}: {exc.msg}"
+                elif isinstance(exc, RecursionError):
+                    where = ": nested too deeply"
+                else:  # a number of more than 4,300 digits
+                    where = f": {str(exc).split(';')[0]}"
                 raise BenchmarkFormatError(f"{filename}: invalid JSON{where}") from None
             return _detect_json(data, filename)(data, ctx)
         return _read_csv(text, ctx)
-    except (TypeError, AttributeError, KeyError, IndexError, ValueError, csv.Error) as exc:
+    except (TypeError, AttributeError, KeyError, IndexError, ValueError, ArithmeticError, RecursionError,
+            csv.Error) as exc:
         if isinstance(exc, BenchmarkFormatError):
             raise
+        why = " ".join(str(exc).split())[:200]
+        if isinstance(exc, csv.Error):  # e.g. a cell longer than the csv module's 131,072 characters
+            raise BenchmarkFormatError(f"{filename}: unreadable CSV ({why})") from None
         # a shape no reader expects (a list where an object belongs, ...): still one line, no crash
-        raise BenchmarkFormatError(f"{filename}: unexpected content ({type(exc).__name__}: {exc})") from None
+        raise BenchmarkFormatError(f"{filename}: unexpected content ({type(exc).__name__}: {why})") from None
