@@ -1,12 +1,17 @@
-"""Wire-format fuzzing at scale: the properties of tests/unit/controller/test_wire_fuzz.py with
-10,000 generated inputs per format (MQTT host status, ack, desired state, the controller's
-dispatch of all three, the policy YAML), against the real parsers.
+"""Wire-format fuzzing at scale: the properties of tests/unit/controller/test_wire_fuzz.py,
+tests/unit/models/test_bench_fuzz.py and tests/unit/controller/test_metrics_fuzz.py with 10,000
+generated inputs per format (MQTT host status, ack, desired state, the controller's dispatch of
+all three, the policy YAML, the benchmark files, an engine's /metrics text), against the real
+parsers.
 
     .venv/bin/python bench/fuzz_wire.py [--examples 10000] [--only status,ack]
 
 Prints per format: examples run, accepted, rejected (with a clear one-line error), wall seconds;
 exits 1 when a property fails (an exception other than the protocol's own rejection escaped, or a
-rejection that does not name the host or file, the field and the value).
+rejection that does not name the host or file, the field and the value). For "benchmark",
+accepted: read into points whose every number is finite and >= 0, rejected: BenchmarkFormatError
+naming the file; for "metrics" (the in-flight count a drain waits on; it never raises), accepted:
+a finite count >= 0, rejected: None (unknown).
 """
 
 from __future__ import annotations
@@ -27,9 +32,10 @@ from hypothesis import strategies as st
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _load_properties() -> ModuleType:
-    path = REPO / "tests" / "unit" / "controller" / "test_wire_fuzz.py"
-    spec = importlib.util.spec_from_file_location("wire_fuzz_properties", path)
+def _load_properties(relative: str = "tests/unit/controller/test_wire_fuzz.py",
+                     name: str = "wire_fuzz_properties") -> ModuleType:
+    path = REPO / relative
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -62,7 +68,7 @@ def run(name: str, strategy: st.SearchStrategy[Any], check: Callable[[Any], Any]
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--examples", type=int, default=10_000)
-    ap.add_argument("--only", default="status,ack,desired,dispatch,policy")
+    ap.add_argument("--only", default="status,ack,desired,dispatch,policy,benchmark,metrics")
     args = ap.parse_args()
     # each rejection is logged by the controller's MQTT link: keep the output to the figures (a handler
     # bug would still show: it is logged as an error)
@@ -100,12 +106,16 @@ def main() -> int:
         st.tuples(st.just(kind), st.sampled_from([m.HOST, "host-b"]), m.payloads(base))
         for kind, base in (("status", m.STATUS), ("ack", m.ACK), ("desired", m.DESIRED))
     ))
+    bench = _load_properties("tests/unit/models/test_bench_fuzz.py", "bench_fuzz_properties")
+    metrics = _load_properties("tests/unit/controller/test_metrics_fuzz.py", "metrics_fuzz_properties")
     formats: dict[str, tuple[st.SearchStrategy[Any], Callable[[Any], bool]]] = {
         "status": (m.payloads(m.STATUS), status),
         "ack": (m.payloads(m.ACK), parsed(m.parse_ack, f"ack from {m.HOST}")),
         "desired": (m.payloads(m.DESIRED), parsed(m.parse_desired, f"desired state for {m.HOST}")),
         "dispatch": (dispatch_inputs, dispatch),
         "policy": (m.policy_inputs(), policy),
+        "benchmark": (bench.benchmark_inputs(), bench.check_benchmark),
+        "metrics": (metrics.metrics_inputs(), metrics.check_metrics),
     }
     wanted = [f for f in args.only.split(",") if f]
     t0 = time.perf_counter()

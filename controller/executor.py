@@ -11,9 +11,9 @@ to reach 0 or the drain deadline, then out of the desired state).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
+import math
 import re
 import time
 from collections.abc import Callable, MutableMapping
@@ -43,22 +43,46 @@ def _engine_metrics_path(engine: str) -> str:
     return "/prometheus/metrics" if engine == "trtllm" else "/metrics"
 
 
-_INFLIGHT_RE = re.compile(rf"^({_RUNNING}|{_WAITING})(\{{[^}}]*\}})?\s+([0-9.eE+-]+|NaN)\s*$")
+# A sample of the in-flight gauges (text exposition format): the name (a longer name is another
+# metric: vllm:num_requests_waiting_by_reason), labels whose quoted values may hold "}" or \",
+# the value, an optional timestamp. A line with the name that does not parse has no `value`.
+_INFLIGHT_RE = re.compile(
+    rf"[ \t]*(?:{_RUNNING}|{_WAITING})(?=[{{ \t]|$)"
+    r'(?:(?:\{(?:[^"}]|"(?:[^"\\]|\\.)*")*\})?[ \t]+'
+    r"(?:(?P<value>[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)|\S+)(?:[ \t]+-?[0-9]+)?[ \t]*$)?"
+)
 
 
 def inflight_from_metrics(text: str) -> float | None:
-    """running + waiting requests from an engine's /metrics exposition; None if not exported."""
+    r"""running + waiting requests from an engine's /metrics exposition; None if not exported or
+    unknown: a sample that is not a finite, non-negative number (NaN, +Inf, -1, 1e999, a missing or
+    unparsable value) makes the count unknown, not 0 (a drain must not finish on it).
+
+    >>> inflight_from_metrics('vllm:num_requests_running{model_name="m"} 3.0\nvllm:num_requests_waiting 2\n')
+    5.0
+    >>> inflight_from_metrics('trtllm_num_requests_running 0 1712345678000\n')  # with a timestamp
+    0.0
+    >>> inflight_from_metrics('vllm:num_requests_waiting_by_reason{reason="x"} 9\n') is None  # not exported
+    True
+    >>> [inflight_from_metrics(f"vllm:num_requests_running 1\nvllm:num_requests_waiting {v}\n")
+    ...  for v in ("NaN", "+Inf", "-1", "1e999", "", "two")]
+    [None, None, None, None, None, None]
+    """
     total = 0.0
     seen = False
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
         m = _INFLIGHT_RE.match(line)
-        if m:
-            seen = True
-            with contextlib.suppress(ValueError):
-                total += float(m.group(m.lastindex or 1))
-    return total if seen else None
+        if m is None:
+            continue  # another metric
+        raw = m.group("value")  # None: NaN, +Inf, a missing or unparsable value
+        value = float(raw) if raw is not None else math.nan
+        if not (math.isfinite(value) and value >= 0):
+            return None
+        seen = True
+        total += value
+    return total if seen and math.isfinite(total) else None
 
 
 @dataclass
