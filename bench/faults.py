@@ -1,11 +1,12 @@
 """The fault suite (issue 11): each fault on the lab with load flowing, one line per fault.
 
-    .venv/bin/python bench/faults.py [--faults NAME,...] [--seconds 20] [--rps 1.6] [--hosts 3]
+    .venv/bin/python bench/faults.py [--faults NAME,...] [--seconds 20] [--rps 0.8] [--hosts 3]
 
 One lab for the whole run (Mosquitto, Prometheus, nginx, --hosts simulated hosts x 8 H100, one agent
 per host; simulated engines, time 20x), one controller subprocess and its state database, one steady
 Poisson load through nginx (--rps simulated requests/s of llama-3.1-70b, ISL 1024 / OSL 256; the default
-1.0 rps needs 2 TP4 replicas). The faults run one after the other, each from a settled fleet; what each does
+0.8 rps needs 2 TP4 replicas with a margin: a load at a sizing boundary scales down on its own and
+would hide whether a fault caused a scale-down). The faults run one after the other, each from a settled fleet; what each does
 and how it is measured: fleetplan/harness/fault_suite.py and docs/faults.md.
 
 Per fault: requests sent / ok / failed / unexplained (failed and not in flight on a killed process),
@@ -185,7 +186,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--faults", default=",".join(ALL_FAULTS), help=f"comma-separated, of: {', '.join(ALL_FAULTS)}")
     ap.add_argument("--seconds", type=float, default=20.0, help="wall seconds of load after each fault (at least)")
-    ap.add_argument("--rps", type=float, default=1.0, help="simulated requests/s (x20 in wall time)")
+    ap.add_argument("--rps", type=float, default=0.8, help="simulated requests/s (x20 in wall time)")
     ap.add_argument("--hosts", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0, help="load arrivals and the random controller kills")
     ap.add_argument("--generated", type=int, default=200, help="generated bad statuses (half as many acks)")
