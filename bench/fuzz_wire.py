@@ -30,6 +30,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # the properties import tests.fuzz_helpers
+    sys.path.insert(0, str(REPO))
 
 
 def _load_properties(relative: str = "tests/unit/controller/test_wire_fuzz.py",

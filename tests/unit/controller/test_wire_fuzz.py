@@ -38,6 +38,7 @@ from fleetplan.controller.protocol import (
     parse_status,
 )
 from fleetplan.planner.policy import Policy, PolicyError, load_policy_text
+from tests.fuzz_helpers import Raw, raw_json, value_slots
 
 HOST = "host-a"
 REPO = Path(__file__).resolve().parents[3]
@@ -67,16 +68,6 @@ STATUS = {
 }
 
 
-class Raw:
-    """A JSON token that json.dumps cannot write (NaN, 1e999, a 5,000-digit integer, deep nesting)."""
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-    def __repr__(self) -> str:
-        return f"Raw({self.text[:20]!r}...)"
-
-
 RAW_TOKENS = [Raw("NaN"), Raw("Infinity"), Raw("-Infinity"), Raw("1e999"), Raw("-1e999"), Raw("9" * 5000),
               Raw("[" * 200_000 + "]" * 200_000), Raw("[" * 100_000 + "]" * 100_000),
               Raw("{\"a\":" * 30_000 + "1" + "}" * 30_000),
@@ -92,38 +83,16 @@ HOSTILE: st.SearchStrategy[Any] = st.one_of(
 
 def encode(doc: Any) -> bytes:
     """json.dumps with Raw tokens spliced in (surrogates kept as they are: invalid UTF-8 on purpose)."""
-    raws: list[str] = []
-
-    def default(value: Any) -> Any:
-        if isinstance(value, Raw):
-            raws.append(value.text)
-            return f"\x00RAW{len(raws) - 1}\x00"
-        raise TypeError(type(value).__name__)
-
-    text = json.dumps(doc, default=default)
-    for i, raw in enumerate(raws):
-        text = text.replace(json.dumps(f"\x00RAW{i}\x00"), raw, 1)
-    return text.encode("utf-8", "surrogatepass")
+    return raw_json(doc).encode("utf-8", "surrogatepass")
 
 
-def _slots(doc: Any) -> list[tuple[Any, Any]]:
-    """(container, key) of every value inside `doc`."""
-    out: list[tuple[Any, Any]] = []
-    stack = [doc]
-    while stack:
-        c = stack.pop()
-        items = list(c.items()) if isinstance(c, dict) else list(enumerate(c)) if isinstance(c, list) else []
-        for k, v in items:
-            out.append((c, k))
-            stack.append(v)
-    return out
 
 
 @st.composite
 def mutated(draw: st.DrawFn, base: dict[str, Any]) -> bytes:
     doc = copy.deepcopy(base)
     for _ in range(draw(st.integers(1, 3))):
-        slots = _slots(doc)
+        slots = value_slots(doc)
         container, key = draw(st.sampled_from(slots))
         action = draw(st.sampled_from(["replace", "replace", "delete", "extra"]))
         if action == "replace":
@@ -251,7 +220,7 @@ POLICY_DOC = yaml.safe_load(POLICY_TEXT)
 def policy_mutated(draw: st.DrawFn) -> str:
     doc = copy.deepcopy(POLICY_DOC)
     for _ in range(draw(st.integers(1, 3))):
-        container, key = draw(st.sampled_from(_slots(doc)))
+        container, key = draw(st.sampled_from(value_slots(doc)))
         value = draw(HOSTILE.filter(lambda v: not isinstance(v, Raw)) | st.sampled_from(
             [float("nan"), float("inf"), -float("inf"), "x" * 300_000]))
         if draw(st.booleans()):

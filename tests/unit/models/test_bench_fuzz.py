@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import csv
 import io
-import json
 import math
 from dataclasses import fields
 from typing import Any
@@ -32,6 +31,7 @@ from hypothesis import strategies as st
 from fleetplan.models.bench import BenchmarkFormatError, BenchmarkPoint, Metadata
 from fleetplan.models.names import Engine, GpuType, Precision
 from fleetplan.models.readers import read_benchmark
+from tests.fuzz_helpers import Raw, raw_json, value_slots
 
 UNIT_EXAMPLES = 300  # bench/fuzz_wire.py: 10,000
 MAX_MESSAGE = 1_000  # a rejection is one readable line, whatever the file held
@@ -112,30 +112,8 @@ CSV_DOCS: list[tuple[str, Metadata, list[list[str]]]] = [
 ]
 
 
-class Raw:
-    """A JSON token json.dumps cannot write (NaN, 1e999, a 5,000-digit integer, deep nesting)."""
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-    def __repr__(self) -> str:
-        return f"Raw({self.text[:20]!r}...)"
-
-
 def encode(doc: Any) -> str:
-    """json.dumps with Raw tokens spliced in."""
-    raws: list[str] = []
-
-    def default(value: Any) -> Any:
-        if isinstance(value, Raw):
-            raws.append(value.text)
-            return f"\x00RAW{len(raws) - 1}\x00"
-        raise TypeError(type(value).__name__)
-
-    text = json.dumps(doc, default=default)
-    for i, raw in enumerate(raws):
-        text = text.replace(json.dumps(f"\x00RAW{i}\x00"), raw, 1)
-    return text
+    return raw_json(doc)
 
 
 def write_csv(rows: list[list[str]]) -> str:
@@ -168,24 +146,13 @@ HOSTILE_CELL: st.SearchStrategy[str] = st.one_of(
 )
 
 
-def _slots(doc: Any) -> list[tuple[Any, Any]]:
-    """(container, key) of every value inside `doc`."""
-    out: list[tuple[Any, Any]] = []
-    stack = [doc]
-    while stack:
-        c = stack.pop()
-        items = list(c.items()) if isinstance(c, dict) else list(enumerate(c)) if isinstance(c, list) else []
-        for k, v in items:
-            out.append((c, k))
-            stack.append(v)
-    return out
 
 
 @st.composite
 def mutated_json(draw: st.DrawFn, base: dict[str, Any]) -> str:
     doc = copy.deepcopy(base)
     for _ in range(draw(st.integers(1, 3))):
-        slots = _slots(doc)
+        slots = value_slots(doc)
         if not slots:
             break
         container, key = draw(st.sampled_from(slots))
