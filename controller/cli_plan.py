@@ -87,7 +87,8 @@ def cmd_policy_check(args: argparse.Namespace) -> int:
           f"max_usd_h={b.max_usd_h if b.max_usd_h is not None else '-'}")
     s = policy.scaling
     print(f"  scaling: cycle {s.cycle_s:g} s, scale-down delay {s.scale_down_delay_s:g} s, "
-          f"{s.max_actions_per_cycle} actions/cycle, churn ${s.churn_cost_usd_h:g}/h")
+          f"scale-down band {s.scale_down_band:.0%}, {s.max_actions_per_cycle} actions/cycle, "
+          f"churn ${s.churn_cost_usd_h:g}/h")
     print(f"  schedules ({len(policy.schedules)}): " + ", ".join(f"{x.name} [{x.cron}]" for x in policy.schedules))
     active = effective(policy, time.time()).active_schedules
     print("  active now: " + (", ".join(active) if active else "none"))

@@ -82,10 +82,9 @@ __all__ = ["MAX_PLAUSIBLE_RPS", "UNKNOWN_CAPACITY_RPS", "plan", "plan_to_dict", 
 
 # the capacity of a config nothing is known about: a candidate for min_replicas, never for demand
 UNKNOWN_CAPACITY_RPS = 1e-6
-# A model scales down only when the smaller fleet still covers its required rate x (1 + this)
-# (_scale_down_band).
-SCALE_DOWN_BAND = 0.10
-SCALE_DOWN_BAND_REPLICAS = 0.5  # ... and at most half of its smallest running replica's capacity
+# The scale-down band (policy scaling.scale_down_band, _scale_down_band) is at most this fraction of
+# the model's smallest running replica's capacity: a large fleet keeps at most one replica for it.
+SCALE_DOWN_BAND_REPLICAS = 0.5
 # A rate above this is a broken counter, not demand (no fleet this plans serves a million requests
 # per second of one model), and the count model's numbers break down long before 1e300 (SCIP's
 # infinity is 1e20, CP-SAT counts milli-rps in int64): such a rate is invalid, i.e. unknown.
@@ -326,10 +325,10 @@ def _candidates(
 
 
 def _scale_down_band(demands: dict[str, _Demand], current: Mapping[ConfigKey, int],
-                     capacities: Mapping[ConfigKey, CapacityInfo]) -> None:
+                     capacities: Mapping[ConfigKey, CapacityInfo], band: float) -> None:
     """Hysteresis: a model whose running replicas cover its required rate is sized for up to
-    SCALE_DOWN_BAND more (at most half a replica: a large fleet keeps no more than one replica for
-    it), never more than what runs, so it scales down only when the smaller fleet
+    `band` (policy scaling.scale_down_band, default 0.1) more (at most half a replica: a large fleet
+    keeps no more than one replica for it), never more than what runs, so it scales down only when the smaller fleet
     keeps that margin. Without it a rate hovering at a replica boundary drains a replica one cycle
     and starts one the next (the fault suite saw 1.37 -> 1.47 rps against 1.44 rps of two
     replicas). Scale-up is unchanged: the band never asks for more than runs now.
@@ -346,8 +345,8 @@ def _scale_down_band(demands: dict[str, _Demand], current: Mapping[ConfigKey, in
     for name, d in demands.items():
         cap = cap_now.get(name, 0.0)
         if d.known and 0.0 < d.required_rps <= cap:
-            band = min(d.required_rps * SCALE_DOWN_BAND, SCALE_DOWN_BAND_REPLICAS * replica_min[name])
-            demands[name] = replace(d, plan_rps=min(d.required_rps + band, cap))
+            margin = min(d.required_rps * band, SCALE_DOWN_BAND_REPLICAS * replica_min[name])
+            demands[name] = replace(d, plan_rps=min(d.required_rps + margin, cap))
 
 
 def _count_problem(
@@ -463,7 +462,7 @@ def plan_with_capacities(
                "this model (fleetplan models fit) to size it to its demand")
         demands[name] = replace(d, required_rps=0.0, notes=(*d.notes, why))
 
-    _scale_down_band(demands, current, capacities)
+    _scale_down_band(demands, current, capacities, policy.scaling.scale_down_band)
     target_cands = _candidates(policy, capacities, gpus, ready, now_only=False)
     target_problem = _count_problem(policy, eff, target_cands, demands, slots, current, floors)
     target_sol, target_place = _solve_and_place(target_problem, hosts, fleet.replicas, drained, reports)

@@ -288,6 +288,12 @@ def test_a_rate_at_a_replica_boundary_does_not_drain_one_cycle_and_start_the_nex
     r = plan_with_capacities(observe({"m8": 41.5, "m70": 0.0}), Fleet(hosts(1), three), p, CAPS,
                              PlannerState.initial(), NOW)
     assert _counts(r.plan) == {("m8", "trtllm", 1): 3}
+    # scaling.scale_down_band: 0 turns it off: 40.5 rps then drains one at once
+    off = policy(tps={"m8": [1], "m70": [4]}, cached=[("m8", "h100", 1)],
+                 scaling={"scale_down_delay_s": 0, "scale_down_band": 0})
+    r = plan_with_capacities(observe({"m8": 40.5, "m70": 0.0}), Fleet(hosts(1), current), off, CAPS,
+                             PlannerState.initial(), NOW)
+    assert _counts(r.plan) == {("m8", "trtllm", 1): 3}
 
 
 def test_scale_down_delay_with_history_holds_the_recent_demand_and_steps_down() -> None:
