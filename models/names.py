@@ -118,6 +118,35 @@ def parse_precision(text: str) -> Precision:
     raise UnknownNameError(f"unknown precision {text!r}; known: {known}")
 
 
+# Bounds on what a benchmark file may say (models/ imports nothing from planner/ or controller/, so
+# they are stated here): a TP size the rest of the system accepts (controller/protocol.py `Tp` and
+# planner/policy.py `allowed.tp`: 1..64), and a model name that is one line of printable text of
+# bounded length (the policy's canonical names are stricter: 1-200 of A-Z a-z 0-9 . _ / : + -; a
+# file's name may be a spelling such as "LLaMA 3.1 8B" that an alias maps to a canonical name).
+MAX_TP = 64
+MAX_MODEL_NAME_CHARS = 256
+
+
+def model_name_problem(name: str) -> str | None:
+    """Why `name` cannot be a model name read from a benchmark file; None when it can.
+
+    >>> model_name_problem("LLaMA 3.1 8B") is None
+    True
+    >>> model_name_problem("llama\\nx")
+    'holds a non-printable character (a control character or line break)'
+    >>> model_name_problem("m" * 257)
+    'is longer than 256 characters'
+    """
+    if len(name) > MAX_MODEL_NAME_CHARS:
+        return f"is longer than {MAX_MODEL_NAME_CHARS} characters"
+    # str.isprintable: False for control (Cc: \n, \r, \t, \x00, \x7f, \x85), format (Cf: \u200b,
+    # \ufeff), surrogate, private-use and unassigned characters, line/paragraph separators (\u2028)
+    # and spaces other than the ASCII space (\u00a0)
+    if not name.isprintable():
+        return "holds a non-printable character (a control character or line break)"
+    return None
+
+
 def model_key(text: str) -> str:
     """A spelling-insensitive key for a model name: 'LLaMA 3.1 8B' -> 'llama318b'.
 

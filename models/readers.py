@@ -38,11 +38,13 @@ from fleetplan.models.bench import (
     show_value,
 )
 from fleetplan.models.names import (
+    MAX_TP,
     Engine,
     GpuType,
     ModelAliases,
     Precision,
     UnknownNameError,
+    model_name_problem,
     parse_engine,
     parse_gpu,
     parse_precision,
@@ -177,12 +179,22 @@ class _Ctx:
     def model(self, raw: object) -> str:
         if raw is not None and not isinstance(raw, str):
             raise BenchmarkFormatError(f"{self.source}: field 'model' must be a name, got {show_value(raw)}")
-        name = raw.strip() if raw else (self.meta.model or self.hints.model)
+        name: str | None
+        if raw:
+            name, where = raw.strip(), ""
+        elif self.meta.model:
+            name, where = self.meta.model, " (--model)"
+        else:
+            name, where = self.hints.model, " (from the file name)"
         if not name:
             raise self._missing("model", "model")
         canonical = self.aliases.canonical(name)
         if canonical == name and "/" in name:
             canonical = self.aliases.canonical(name.split("/")[-1])
+        for value in dict.fromkeys((name, canonical)):  # the name as read, then what an alias makes of it
+            problem = model_name_problem(value)
+            if problem is not None:  # a 100 kB name, a newline or NUL in it: not a name for paths, labels, logs
+                raise BenchmarkFormatError(f"{self.source}: field 'model'{where} {problem}: {show_value(value)}")
         return canonical
 
     def _name_error(self, name: str, raw: object, exc: UnknownNameError | None = None) -> BenchmarkFormatError:
@@ -215,15 +227,28 @@ class _Ctx:
             raise self._missing("gpu", "gpu")
         return gpu
 
+    def _tp_range(self, raw: object, where: str = "") -> BenchmarkFormatError:
+        return BenchmarkFormatError(f"{self.source}: field 'tp'{where} must be 1..{MAX_TP} (the TP sizes "
+                                    f"fleetplan accepts), got {show_value(raw)}")
+
     def tp(self, raw: object) -> int:
+        """The TP size, 1..MAX_TP whatever says it (`"tp": 1e300` is not a 301-digit TP size)."""
         if raw not in (None, ""):
             value = require_value(self.source, "tp", raw, positive=True)
+            if value > MAX_TP:
+                raise self._tp_range(raw)
             if value != int(value):
                 raise BenchmarkFormatError(f"{self.source}: field 'tp' must be an integer, got {show_value(raw)}")
             return int(value)
-        tp = self.hints.tp or self.meta.tp
+        tp: int | None
+        if self.hints.tp:
+            tp, where = self.hints.tp, " (from the file name)"
+        else:
+            tp, where = self.meta.tp, " (--tp)"
         if tp is None:
             raise self._missing("tp", "tp")
+        if not 1 <= tp <= MAX_TP:
+            raise self._tp_range(tp, where)
         return tp
 
     def precision(self, raw: object) -> Precision:

@@ -3,12 +3,14 @@ JSON (and its InferenceX variant, times in seconds), trtllm-bench --report_json,
 genai-perf CSV and the TensorRT-LLM / seed-articles CSV tables.
 
 Property: whatever the file holds, read_benchmark returns points whose every number is finite and
-non-negative (tp a positive integer), each skipped row named as `<file>:<line>: ...`, or raises
+non-negative (tp an integer 1..64, the TP sizes the policy and the MQTT protocol accept; the model
+name one line of printable text, at most 256 characters), each skipped row named as
+`<file>:<line>: ...`, or raises
 BenchmarkFormatError: one line, starting with the file name, no longer than MAX_MESSAGE; nothing
 else escapes (no OverflowError, RecursionError, AttributeError, ...). Inputs: small valid documents
 of each format (written here from what the reader accepts) mutated 1-3 times (a value replaced by
-NaN, Infinity, 1e308, 1e999, -1, 0, a 400-digit integer, a 5,000-digit number, null, a string, a
-list, a dict, deep nesting; a key dropped or renamed; a CSV cell replaced, a row given too many or
+NaN, Infinity, 1e308, 1e999, -1, 0, 65, 1e300, a 400-digit integer, a 5,000-digit number, null, a
+string (100 kB, holding a newline, NUL or U+2028), a list, a dict, deep nesting; a key dropped or renamed; a CSV cell replaced, a row given too many or
 too few cells, a header renamed), truncated documents, random text, random bytes as text.
 
 The example counts here keep this file to a few seconds; `bench/fuzz_wire.py --only benchmark`
@@ -124,7 +126,7 @@ def write_csv(rows: list[list[str]]) -> str:
 
 # --- hostile values ------------------------------------------------------------------------------
 
-HUGE = [1e308, -1e308, 2**63, 10**400, -(10**400), 5e-324]
+HUGE = [1e308, -1e308, 2**63, 10**400, -(10**400), 5e-324, 1e300, 64, 65, 64.5]
 RAW_TOKENS = [Raw("NaN"), Raw("Infinity"), Raw("-Infinity"), Raw("1e999"), Raw("-1e999"), Raw("9" * 5000),
               Raw("[" * 990 + "]" * 990), Raw("[" * 100_000 + "]" * 100_000),
               Raw('{"a":' * 900 + "1" + "}" * 900)]
@@ -132,14 +134,16 @@ HOSTILE_JSON: st.SearchStrategy[Any] = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.sampled_from([-1, 0, 1, *HUGE]),
     st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=12),
     st.sampled_from(["inf", "-inf", "NaN", "1e999", "-1", "0", "1,000", "1e308", "N/A", "", " ", "9" * 400,
-                     "x" * 100_000, "\u0000", "h100\n", "sec", "ns", "tokens"]),
+                     "x" * 100_000, "\u0000", "h100\n", "sec", "ns", "tokens", "m" * 256, "m" * 257,
+                     "llama\n8b", "llama\r", "a\u0000b", "a\tb", "a\u2028b", "a\u200bb", "a\x7fb", " llama "]),
     st.lists(st.integers(-3, 3), max_size=3), st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
     st.sampled_from(RAW_TOKENS),
 )
 HOSTILE_CELL: st.SearchStrategy[str] = st.one_of(
     st.sampled_from(["", " ", "nan", "NaN", "inf", "INF", "-inf", "Infinity", "-1", "0", "1e308", "1e309",
                      "1e999", "5e-324", "9" * 400, "9" * 5000, "1,5", "1_000", "N/A", "null", "abc", "H999",
-                     "fp7", '"', "\n", "a,b", "\u0000", "\ufeff", "x" * 200_000,
+                     "fp7", '"', "\n", "a,b", "\u0000", "\ufeff", "x" * 200_000, "64", "65", "1e300", "8.0",
+                     "m" * 257, "Llama\x01 8B", "Llama\u2028 8B",
                      "static batch ISL 1e308 OSL 100", "ISL " + "9" * 400 + " OSL 1", "ISL 0 OSL 0",
                      "Time To First Token (fortnights)", "Metric"]),
     st.text(alphabet="0123456789.-+eE,", max_size=8), st.text(max_size=10),
@@ -243,7 +247,8 @@ def check_benchmark(item: tuple[str, str, Metadata]) -> bool:
     assert result.points
     for p in result.points:
         assert p.source.startswith(name), p.source
-        assert isinstance(p.tp, int) and not isinstance(p.tp, bool) and p.tp >= 1, p
+        assert isinstance(p.tp, int) and not isinstance(p.tp, bool) and 1 <= p.tp <= 64, p
+        assert 1 <= len(p.model) <= 256 and p.model.isprintable(), p.model[:300]
         for f in NUMBERS:
             v = getattr(p, f)
             assert v is None or (isinstance(v, float | int) and math.isfinite(v) and v >= 0), (f, v, p)
@@ -273,6 +278,13 @@ _CSV_THROUGHPUT = write_csv(THROUGHPUT)
 @example((encode({**VLLM, "output_throughput": "x" * 100_000}), _V, META))  # 100 kB message
 @example((encode({**VLLM, "model_id": Raw("[" * 990 + "]" * 990)}), _V, META))  # deep value in message
 @example(("\ufeff" + _CSV_THROUGHPUT, "t.csv", NO_META))  # BOM before the header
+@example((encode({**VLLM, "tensor_parallel_size": 1e300}), _V, META))  # read as a 301-digit TP size
+@example((encode({**TRTLLM, "world_info": {"tp_size": 65}}), JSON_DOCS[2][0], NO_META))  # TP 65 accepted
+@example((_CSV_THROUGHPUT.replace(",FP8,1,", ",FP8,1e300,"), "t.csv", NO_META))  # a CSV cell: the same
+@example((encode({**VLLM, "model_id": "m" * 100_000}), _V, META))  # a 100 kB model name accepted
+@example((encode({**VLLM, "model_id": "llama\n8b"}), _V, META))  # a newline in a model name accepted
+@example((encode({**AIPERF, "input_config": {"endpoint": {"model_names": ["a\u0000b"]}, "loadgen": {"concurrency": 8}}}),
+          JSON_DOCS[3][0], META))  # a NUL in a model name accepted
 def test_fuzz_benchmark_files(item: tuple[str, str, Metadata]) -> None:
     check_benchmark(item)
 
@@ -316,3 +328,50 @@ def test_a_row_with_extra_cells_is_a_row_problem_and_the_others_read() -> None:
 def test_a_bom_before_the_header_is_not_part_of_the_first_column() -> None:
     result = read_benchmark("\ufeff" + _CSV_THROUGHPUT, "t.csv")
     assert [p.engine for p in result.points] == [Engine.TRTLLM, Engine.TRTLLM]
+
+
+_NO_TP = {k: v for k, v in VLLM.items() if k != "tensor_parallel_size"}
+
+
+@pytest.mark.parametrize(("text", "name", "meta", "needles"), [
+    # "tp": 1e300 read as a 301-digit TP size; 65 is past the largest TP the policy and MQTT accept
+    (encode({**VLLM, "tensor_parallel_size": 1e300}), _V, META, ["run_vllm.json: field 'tp' must be 1..64", "1e+300"]),
+    (encode({**VLLM, "tensor_parallel_size": 65}), _V, META, ["field 'tp' must be 1..64", "got 65"]),
+    (encode({**TRTLLM, "world_info": {"tp_size": 10**30}}), "trtllm_report.json", NO_META,
+     ["trtllm_report.json: field 'tp' must be 1..64", "got 1000000000000000000000000000000"]),
+    (write_csv([THROUGHPUT[0], [*THROUGHPUT[1][:6], "1e300", *THROUGHPUT[1][7:]]]), "t.csv", NO_META,
+     ["t.csv:2: field 'tp' must be 1..64", "'1e300'"]),
+    (encode(_NO_TP), "run_vllm_tp128.json", META, ["field 'tp' (from the file name) must be 1..64", "got 128"]),
+    (encode(_NO_TP), _V, Metadata(model="m", engine=Engine.VLLM, gpu=GpuType.H100, tp=0, precision=Precision.BF16),
+     ["field 'tp' (--tp) must be 1..64", "got 0"]),
+    # model names: 100 kB, a newline, a NUL, U+2028 (a line break to str.splitlines), a zero-width space
+    (encode({**VLLM, "model_id": "m" * 100_000}), _V, META,
+     ["run_vllm.json: field 'model' is longer than 256 characters: 'mmmm", "...mmmm"]),
+    (encode({**VLLM, "model_id": "llama\n8b"}), _V, META,
+     ["field 'model' holds a non-printable character", r"'llama\n8b'"]),
+    (encode({**VLLM, "model_id": "a\u0000b"}), _V, META, ["field 'model' holds a non-printable", r"'a\x00b'"]),
+    (encode({**VLLM, "model_id": "a\u2028b"}), _V, META, ["field 'model' holds a non-printable", r"'a\u2028b'"]),
+    (encode({**VLLM, "model_id": "a\u200bb"}), _V, META, ["field 'model' holds a non-printable", r"'a\u200bb'"]),
+    (write_csv([THROUGHPUT[0], [*THROUGHPUT[1][:3], "Llama\x01 8B", *THROUGHPUT[1][4:]]]), "t.csv", NO_META,
+     ["t.csv:2: field 'model' holds a non-printable", r"'Llama\x01 8B'"]),
+    (encode({k: v for k, v in VLLM.items() if k != "model_id"}), _V,
+     Metadata(model="a\tb", engine=Engine.VLLM, gpu=GpuType.H100, tp=1, precision=Precision.BF16),
+     ["field 'model' (--model) holds a non-printable", r"'a\tb'"]),
+])
+def test_tp_and_model_name_out_of_bounds_are_named(text: str, name: str, meta: Metadata,
+                                                   needles: list[str]) -> None:
+    with pytest.raises(BenchmarkFormatError) as err:
+        read_benchmark(text, name, meta)
+    message = str(err.value)
+    assert message.startswith(f"{name}") and "\n" not in message and len(message) < 300, message
+    for needle in needles:
+        assert needle in message, (needle, message)
+
+
+def test_tp_and_model_name_at_their_bounds_read() -> None:
+    (p,) = read_benchmark(encode({**VLLM, "tensor_parallel_size": 64.0, "model_id": "m" * 256}), _V, META).points
+    assert (p.tp, p.model) == (64, "m" * 256) and type(p.tp) is int
+    (p,) = read_benchmark(encode({**VLLM, "model_id": " LLaMA 3.1 8B "}), _V, META).points  # spaces: a spelling
+    assert p.model == "LLaMA 3.1 8B"
+    (p,) = read_benchmark(encode(_NO_TP), "run_vllm_tp64.json", META).points
+    assert p.tp == 64
