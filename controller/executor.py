@@ -16,7 +16,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +83,26 @@ def inflight_from_metrics(text: str) -> float | None:
         seen = True
         total += value
     return total if seen and math.isfinite(total) else None
+
+
+def inflight_from_prometheus(values: Sequence[float]) -> float | None:
+    """running + waiting requests from the values of Prometheus' `sum(<in-flight gauges>)`; None
+    ("unknown") unless it answered one finite, non-negative number: no series (not exported), NaN
+    (a gauge exported as NaN, an unparsable value), +Inf, -Inf, -1 or more than one sample are
+    unknown, never 0 (planner/act.py drain_step counts `inflight <= 0` as idle: a drain must not
+    finish on it).
+
+    >>> inflight_from_prometheus([5.0]), inflight_from_prometheus([0.0]), inflight_from_prometheus([-0.0])
+    (5.0, 0.0, 0.0)
+    >>> [inflight_from_prometheus(v) for v in ([], [math.nan], [math.inf], [-math.inf], [-1.0], [1.0, 2.0])]
+    [None, None, None, None, None, None]
+    """
+    if len(values) != 1:
+        return None
+    value = values[0]
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        return None
+    return float(value) + 0.0  # -0.0 -> 0.0
 
 
 @dataclass
@@ -257,7 +277,7 @@ class Executor:
         try:
             sel = f'{{__name__=~"{_RUNNING}|{_WAITING}",replica="{row.replica_id}"}}'
             res = await self.prom.query(f"sum({sel})")
-            return res[0].value if res else None
+            return inflight_from_prometheus([r.value for r in res])
         except PrometheusError:
             return None
 

@@ -10,6 +10,11 @@ vllm_, trtllm_ x running, waiting) with random labels (quoted values holding `}`
 optional timestamps, comments, other metrics (`vllm:num_requests_waiting_by_reason`, histograms),
 hostile values, lines of the gauges that do not parse, huge lines; random text and bytes.
 
+When an engine's own /metrics is unreachable, `Executor.inflight` falls back to Prometheus'
+`sum()` of the same gauges (`inflight_from_prometheus`): whatever values it answers, the count is
+the one finite non-negative value or None (NaN, +Inf, -Inf, -1, no series, several samples); the
+fallback is also run end to end through a PromClient and an engine URL on mock transports.
+
 The example counts here keep this file to a few seconds; `bench/fuzz_wire.py --only metrics` runs
 the same property with 10,000 examples.
 """
@@ -20,12 +25,17 @@ import doctest
 import math
 from typing import Any
 
+import httpx
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from fleetplan.controller import executor
-from fleetplan.controller.executor import inflight_from_metrics
+from fleetplan.controller.executor import Executor, inflight_from_metrics, inflight_from_prometheus
+from fleetplan.controller.observe import PromClient
+from fleetplan.controller.settings import ControllerSettings
+from fleetplan.planner import act
+from fleetplan.planner.act import Phase, ReplicaRow
 
 UNIT_EXAMPLES = 300  # bench/fuzz_wire.py: 10,000
 
@@ -190,9 +200,85 @@ def test_inflight_readings(text: str, expected: float | None) -> None:
     assert inflight_from_metrics(text) == expected
 
 
-def test_docstring_examples_hold() -> None:
+@pytest.mark.parametrize("function", [inflight_from_metrics, inflight_from_prometheus])
+def test_docstring_examples_hold(function: Any) -> None:
     finder = doctest.DocTestFinder()
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
-    (test,) = finder.find(inflight_from_metrics, "inflight_from_metrics", globs=vars(executor))
+    (test,) = finder.find(function, function.__name__, globs=vars(executor))
     runner.run(test)
     assert test.examples and runner.failures == 0
+
+
+# --- the Prometheus fallback ------------------------------------------------------------------------
+
+PROM_VALUE = st.one_of(st.floats(), st.sampled_from([math.nan, math.inf, -math.inf, -1.0, -0.0, 0.0, 1e308,
+                                                     -5e-324, 5e-324]))
+
+
+@settings(max_examples=UNIT_EXAMPLES, deadline=None, database=None)
+@given(st.lists(PROM_VALUE, max_size=3))
+@example([math.nan])  # was nan: a sum over a NaN gauge
+@example([math.inf])  # was inf
+@example([-math.inf])  # was -inf: drain_step counted it idle (inflight <= 0), a drain finished
+@example([-1.0])  # was -1.0: idle too
+@example([-5e-324])  # was -5e-324: idle too
+def test_fuzz_inflight_from_prometheus(values: list[float]) -> None:
+    result = inflight_from_prometheus(values)
+    assert result is None or (isinstance(result, float) and math.isfinite(result) and result >= 0), result
+    one_count = len(values) == 1 and math.isfinite(values[0]) and values[0] >= 0
+    assert result == (values[0] if one_count else None), (values, result)
+    if result is None:  # unknown never finishes a drain
+        progress = act.DrainProgress(0.0, zeros=1)
+        assert act.drain_step(progress, result, 1.0, 120.0)[0] is act.DrainStep.WAIT
+
+
+def _row() -> ReplicaRow:
+    return ReplicaRow("r00001", "gpu-01", "llama", "vllm", "h100", 1, "bf16", (0,), 8000, "vllm", Phase.DRAINING,
+                      "planned", 0.0, 0.0, 0.0, 0.0)
+
+
+def _answer(value: str | None) -> httpx.Response:
+    """Prometheus' answer to the instant query (`value` as the API writes it; None: an empty vector)."""
+    result = [] if value is None else [{"metric": {}, "value": [1712345678.0, value]}]
+    return httpx.Response(200, json={"status": "success", "data": {"resultType": "vector", "result": result}})
+
+
+@pytest.mark.parametrize(("answer", "expected"), [
+    ("NaN", None), ("+Inf", None), ("-Inf", None), ("-1", None), ("-0.5", None), ("nonsense", None),
+    (None, None), ("3", 3.0), ("0", 0.0),
+    ("error", None),  # Prometheus answered an error
+])
+async def test_executor_inflight_prometheus_fallback(monkeypatch: pytest.MonkeyPatch, answer: str | None,
+                                                     expected: float | None) -> None:
+    """Executor.inflight itself: the engine's /metrics refuses the connection, Prometheus answers."""
+    queries: list[str] = []
+
+    def prometheus(request: httpx.Request) -> httpx.Response:
+        queries.append(request.url.params["query"])
+        if answer == "error":
+            return httpx.Response(400, json={"status": "error", "errorType": "bad_data", "error": "x"})
+        return _answer(answer)
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    prom = PromClient("http://prometheus:9090")
+    await prom.aclose()
+    real_client = httpx.AsyncClient
+    prom._client = real_client(base_url=prom.base_url, transport=httpx.MockTransport(prometheus))
+    monkeypatch.setattr(httpx, "AsyncClient",
+                        lambda **kw: real_client(transport=httpx.MockTransport(engine), **kw))
+    ex = Executor(settings=ControllerSettings(), store=None, link=None, hosts=None, alerts={},
+                  metrics=None, prom=prom, lock=None, policy=None)
+    try:
+        result = await ex.inflight(_row())
+    finally:
+        await prom.aclose()
+    assert result == expected and (result is None or math.isfinite(result)), result
+    (query,) = queries
+    assert query.startswith("sum(") and 'replica="r00001"' in query, query
+    # the drain never finishes on it: two polls of an unknown count wait (a known 0 finishes)
+    progress = act.DrainProgress(0.0)
+    for _ in range(2):
+        step, progress = act.drain_step(progress, result, 1.0, 120.0)
+    assert (step is act.DrainStep.DONE) == (expected == 0.0), step
