@@ -79,7 +79,7 @@ class FileHints:
     ambiguous: tuple[str, ...] = field(default_factory=tuple)
 
 
-_TP_RE = re.compile(r"^(tp|tep|dep|etp)(\d+)$")
+_TP_RE = re.compile(r"^(tp|tep|dep|etp)(\d{1,6})$")  # a longer run of digits is no TP (int() refuses > 4,300)
 _ISL_RE = re.compile(r"^(?:isl|in)(\d+)$")
 _OSL_RE = re.compile(r"^(?:osl|out)(\d+)$")
 _CONC_RE = re.compile(r"^(?:conc|concurrency)(\d+)$")

@@ -375,3 +375,11 @@ def test_tp_and_model_name_at_their_bounds_read() -> None:
     assert p.model == "LLaMA 3.1 8B"
     (p,) = read_benchmark(encode(_NO_TP), "run_vllm_tp64.json", META).points
     assert p.tp == 64
+
+
+def test_a_file_name_with_thousands_of_tp_digits_is_no_hint() -> None:
+    # int() refuses more than 4,300 digits: the name's 'tp999...' token is not a TP hint at all
+    from fleetplan.models.readers import file_hints
+
+    assert file_hints("run_tp" + "9" * 5000 + ".json").tp is None
+    assert file_hints("llama_vllm_tp4_h100.json").tp == 4
