@@ -17,13 +17,15 @@ import heapq
 import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 from fleetplan.models.names import GpuType
 from fleetplan.planner.types import ConfigKey, HostInventory, Replica, ReplicaState
 
 LIVE_STATES = (ReplicaState.STARTING, ReplicaState.READY)
-# Spreading looks at this many entries per free-count bucket for a host without the model, so that
-# a model with thousands of replicas still places in linear time.
+# Spreading looks at this many segments per free-count bucket for a host without the model, so that
+# a model with thousands of replicas still places in linear time (a bucket's first segments are the
+# model's own hosts only while it fills them: taken segments leave their bucket).
 SPREAD_SCAN = 256
 
 
@@ -54,7 +56,8 @@ class _Segments:
 
     def __init__(self, segs: list[tuple[str, list[int]]]) -> None:
         self.segs = segs  # (host, sorted free GPU indices)
-        self.buckets: dict[int, list[int]] = {}
+        self.buckets: dict[int, list[int]] = {}  # free count -> heap of segment indices (may be stale)
+        self.members: dict[int, dict[int, None]] = {}  # free count -> the segments with it (ordered set)
         for i, (_, free) in enumerate(segs):
             self._push(i, len(free))
         self.max_free = max((len(f) for _, f in segs), default=0)
@@ -62,14 +65,15 @@ class _Segments:
     def _push(self, i: int, k: int) -> None:
         if k > 0:
             heapq.heappush(self.buckets.setdefault(k, []), i)
+            self.members.setdefault(k, {})[i] = None
 
     def take(self, tp: int, avoid: Collection[str] = ()) -> tuple[str, tuple[int, ...]] | None:
         """`tp` GPUs of one segment: the best fit on a host not in `avoid` (hosts that already run
         the model), else the best fit anywhere."""
         if avoid:
             for k in range(tp, self.max_free + 1):
-                for i in self.buckets.get(k, ())[:SPREAD_SCAN]:
-                    if len(self.segs[i][1]) == k and self.segs[i][0] not in avoid:
+                for i in islice(self.members.get(k, {}), SPREAD_SCAN):
+                    if self.segs[i][0] not in avoid:
                         return self._cut(i, tp)  # its heap entry is stale from now on
         for k in range(tp, self.max_free + 1):
             heap = self.buckets.get(k)
@@ -81,6 +85,7 @@ class _Segments:
 
     def _cut(self, i: int, tp: int) -> tuple[str, tuple[int, ...]]:
         host, free = self.segs[i]
+        del self.members[len(free)][i]
         got = tuple(free[:tp])
         del free[:tp]
         self._push(i, len(free))

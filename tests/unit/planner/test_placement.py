@@ -63,3 +63,10 @@ def test_more_replicas_than_hosts_use_every_host() -> None:
     p = place({key("m", 2): 6}, hosts(3))
     assert not p.unplaced
     assert set(per_host(p.replicas, "m")) == {"h0", "h1", "h2"}
+
+
+def test_spreading_keeps_working_past_the_first_few_hundred_placements() -> None:
+    # taken segments used to stay in the scan window, so spreading stopped after 256 placements
+    p = place({key("m", 4): 600}, hosts(600))
+    assert not p.unplaced
+    assert set(per_host(p.replicas, "m").values()) == {1}
