@@ -662,7 +662,10 @@ def _make_before_break(
     replacements' progress in the fleet); a START waiting for the GPUs of a held replica is dropped
     too (it could not launch before that replica stops). Replacement capacity = STARTING replicas the
     plan keeps (not waiting for another replica's GPUs) + STARTs on free GPUs this cycle. When the
-    only replacement needs the leaving replica's GPUs there is nothing to make first: it is drained.
+    only replacement needs the leaving replica's GPUs there is nothing to make first: the swap
+    rolls, one replica out of service at a time (drained, stopped, its replacement started on its
+    GPUs and READY) while the READY capacity without it is short of the required rate; without
+    that, a full inventory swapping 3 vLLM replicas for TRT-LLM drained all three in one cycle.
     """
     online = {h.name for h in hosts if h.online}
     kept_ids = {id(r) for r in now_place.kept}
@@ -686,7 +689,13 @@ def _make_before_break(
         if a.kind is ActionKind.BUILD:  # the replacement waits for its engine: it is coming too
             pending.add(a.replica.config.model)
     pending.update(b.model for b in fleet.builds if not b.ready)
-    if not pending:
+    # replacements that can only start on the GPUs of replicas leaving (a full inventory): the swap
+    # rolls one replica at a time while READY capacity without it falls short of the required rate
+    rolling = {a.replica.config.model for a in actions
+               if a.kind is ActionKind.START and "after the replica there stops" in a.reason} - pending
+    in_flight = {r.config.model for r in live if r.state == ReplicaState.DRAINING
+                 or (r.state == ReplicaState.STARTING and id(r) in kept_ids)}
+    if not pending and not rolling:
         return actions, {}
     ready_cap: dict[str, float] = {}
     for r in live:
@@ -700,10 +709,15 @@ def _make_before_break(
         m = r.config.model
         d = demands.get(m)
         need = d.required_rps if d is not None else 0.0
-        if m in pending and ready_cap.get(m, 0.0) - cap(r.config) < need - 1e-9:
+        short = ready_cap.get(m, 0.0) - cap(r.config) < need - 1e-9
+        if m in pending and short:
             held.append(r)
+        elif m in rolling and short and m in in_flight:
+            held.append(r)  # one at a time: the previous one's replacement is not READY yet
         else:
             ready_cap[m] = ready_cap.get(m, 0.0) - cap(r.config)
+            if m in rolling and short:
+                in_flight.add(m)
     if not held:
         return actions, {}
     held_ids = {r.replica_id for r in held}

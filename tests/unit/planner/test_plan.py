@@ -155,6 +155,27 @@ def test_switch_engine_starts_before_stops_and_caps_actions_per_cycle() -> None:
     assert len(r2.actions) == 3 and len(r2.deferred_actions) == 5
 
 
+def test_a_swap_on_a_full_host_rolls_one_replica_at_a_time() -> None:
+    # 4 GPUs, all held by vLLM TP1 (4 x 10 rps); 3 TRT-LLM TP1 (42 rps) serve 38 rps on fewer GPUs, but
+    # they can only start on the GPUs the vLLM replicas leave: all four drained at once left nothing
+    p = policy(tps={"m8": [1], "m70": [4]}, cached=[("m8", "h100", 1)])
+    current = tuple(_running("m8", VLLM, 1, "h00", i) for i in range(4))
+    fleet = Fleet(hosts(1, count=4), current)
+    r = plan_with_capacities(observe({"m8": 38.0, "m70": 0.0}), fleet, p, CAPS, PlannerState.initial(), NOW)
+    assert _counts(r.plan) == {("m8", "trtllm", 1): 3}
+    acts = [*r.actions, *r.deferred_actions]
+    drains = [a for a in acts if a.kind is ActionKind.DRAIN]
+    assert len(drains) == 1  # one out of service; 30 rps keep serving
+    starts = [a for a in acts if a.kind is ActionKind.START]
+    assert starts and all(set(a.replica.gpu_indices) <= set(drains[0].replica.gpu_indices) for a in starts)
+    # next cycle: that one is draining, its replacement not READY: no second drain yet
+    draining = replace(drains[0].replica, state=ReplicaState.DRAINING)
+    rest = tuple(x for x in current if x.replica_id != draining.replica_id)
+    r2 = plan_with_capacities(observe({"m8": 38.0, "m70": 0.0}), Fleet(hosts(1, count=4), (*rest, draining)), p,
+                              CAPS, r.next_state, NOW + 60)
+    assert not [a for a in (*r2.actions, *r2.deferred_actions) if a.kind is ActionKind.DRAIN]
+
+
 def test_maintenance_window_drains_host_and_offline_host_is_replaced() -> None:
     sched = [{"name": "m", "cron": "0 * * * *", "duration_s": 3600, "override": {"drain_hosts": ["h00"]}}]
     p = policy(tps={"m8": [1], "m70": [4]}, cached=[("m8", "h100", 1)], schedules=sched)
