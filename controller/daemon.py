@@ -309,7 +309,7 @@ class Controller:
         waiting = plan_deferred(planned_on)
         if waiting is not None:
             log.info("cycle %s: no plan yet: %s", cid, waiting)
-            return {"deferred": waiting}
+            return {"deferred": waiting, "alerts": self._set_alerts(snap, [f"no plan yet: {waiting}"])}
         fleet = self.build_fleet()
         obs = to_observation(snap, models, fleet.replicas)  # + length mix and per-config evidence
         t0 = time.perf_counter()
@@ -333,13 +333,17 @@ class Controller:
                        plan_usd_h=result.plan.usd_h,
                        stale_models=sorted(m for m, mm in snap.models.items() if mm.stale and m in models))
         reporting.update_metrics(self, doc, snap)
+        summary["alerts"] = self._set_alerts(snap, reporting.plan_alerts(doc))
+        return summary
+
+    def _set_alerts(self, snap: Snapshot, plan_alerts: list[str]) -> int:
+        """The cycle's alerts (observation, plan, runtime) replace the stored ones; returns how many."""
         alerts = {f"observe/{i}": a for i, a in enumerate(snap.alerts)}
-        alerts.update({f"plan/{i}": n for i, n in enumerate(reporting.plan_alerts(doc))})
+        alerts.update({f"plan/{i}": n for i, n in enumerate(plan_alerts)})
         alerts.update({f"rt/{k}": v for k, v in self.runtime_alerts.items()})
         self.store.set_alerts("", alerts)
-        summary["alerts"] = len(alerts)
         self.metrics.alerts_active.set(len(alerts))
-        return summary
+        return len(alerts)
 
     # ---- brakes (planner/brakes.py decides; controller/actuation.py reads the store) -------------
     def _brakes(self, result: Any, fleet: Any, doc: dict[str, Any], now_s: float) -> Any:
