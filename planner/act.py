@@ -264,7 +264,12 @@ class ActView:
 
     def reported(self) -> dict[str, tuple[str, ReportedReplica]]:
         """replica id -> (host, report) from the agents' last statuses."""
-        return {r.replica_id: (h.name, r) for h in self.hosts.values() for r in h.replicas}
+        return reported_by_id(self.hosts)
+
+
+def reported_by_id(hosts: Mapping[str, HostReport]) -> dict[str, tuple[str, ReportedReplica]]:
+    """replica id -> (host, report) from the agents' last statuses."""
+    return {r.replica_id: (h.name, r) for h in hosts.values() for r in h.replicas}
 
 
 # ---- effects --------------------------------------------------------------------------------
@@ -604,11 +609,12 @@ def routes(replicas: Sequence[ReplicaRow], hosts: Mapping[str, HostReport], mode
     """
     if _unreported({r.host for r in replicas}, hosts, now_s, connected_since_s, grace_s) is not None:
         return None
-    state = {r.replica_id: (h.name, r.state) for h in hosts.values() for r in h.replicas}
+    reported = reported_by_id(hosts)
     serving: dict[str, list[str]] = {m: [] for m in models}
     scraped: list[str] = []
     for row in replicas:
-        ready = state.get(row.replica_id, (None, None))[1] == ReplicaState.READY
+        rep = reported.get(row.replica_id)
+        ready = rep is not None and rep[1].state == ReplicaState.READY
         host = hosts.get(row.host)
         if row.phase == Phase.DESIRED and ready and host is not None and not host.lost(now_s, grace_s):
             serving.setdefault(row.model, []).append(row.replica_id)
@@ -886,5 +892,5 @@ __all__ = [
     "DesiredRow", "DrainProgress", "DrainStep", "FinishBuild", "HostReport", "MarkReady", "NewBuild",
     "NewReplica", "Note", "Phase", "Record", "ReplicaRow", "ReportedBuild", "ReportedReplica", "Routes",
     "SetPhase", "adopt", "alert_key", "drain_deadline_s", "drain_step", "execute", "held_gpus", "incomplete",
-    "plan_deferred", "reconcile", "rejected", "routes", "template_for",
+    "plan_deferred", "reconcile", "rejected", "reported_by_id", "routes", "template_for",
 ]

@@ -85,6 +85,8 @@ UNKNOWN_CAPACITY_RPS = 1e-6
 # The scale-down band (policy scaling.scale_down_band, _scale_down_band) is at most this fraction of
 # the model's smallest running replica's capacity: a large fleet keeps at most one replica for it.
 SCALE_DOWN_BAND_REPLICAS = 0.5
+# The reason of a START whose GPUs a leaving replica still holds (it launches after that one stops).
+AFTER_STOP = " (after the replica there stops)"
 # A rate above this is a broken counter, not demand (no fleet this plans serves a million requests
 # per second of one model), and the count model's numbers break down long before 1e300 (SCIP's
 # infinity is 1e20, CP-SAT counts milli-rps in int64): such a rate is invalid, i.e. unknown.
@@ -620,7 +622,7 @@ def _actions(
     for r in now_place.new:
         why = f"start {r.config.label()} on {r.host} GPUs {list(r.gpu_indices)}"
         if set(r.gpu_indices) & removed_gpus.get(r.host, set()):
-            starts_after.append(Action(ActionKind.START, r, why + " (after the replica there stops)"))
+            starts_after.append(Action(ActionKind.START, r, why + AFTER_STOP))
         else:
             starts_free.append(Action(ActionKind.START, r, why))
 
@@ -684,7 +686,7 @@ def _make_before_break(
                 r, [o for o in live if o.state != ReplicaState.STARTING]):
             pending.add(r.config.model)
     for a in actions:
-        if a.kind is ActionKind.START and "after the replica there stops" not in a.reason:
+        if a.kind is ActionKind.START and AFTER_STOP not in a.reason:
             pending.add(a.replica.config.model)
         if a.kind is ActionKind.BUILD:  # the replacement waits for its engine: it is coming too
             pending.add(a.replica.config.model)
@@ -692,7 +694,7 @@ def _make_before_break(
     # replacements that can only start on the GPUs of replicas leaving (a full inventory): the swap
     # rolls one replica at a time while READY capacity without it falls short of the required rate
     rolling = {a.replica.config.model for a in actions
-               if a.kind is ActionKind.START and "after the replica there stops" in a.reason} - pending
+               if a.kind is ActionKind.START and AFTER_STOP in a.reason} - pending
     in_flight = {r.config.model for r in live if r.state == ReplicaState.DRAINING
                  or (r.state == ReplicaState.STARTING and id(r) in kept_ids)}
     if not pending and not rolling:

@@ -745,8 +745,8 @@ def load_policy_yaml(text: str, source: str) -> Any:
         where = f"line {exc.line}" if exc.line is not None else "(document)"
         raise PolicyError(source, [f"{where}: YAML refused: {exc.problem}"]) from None
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}" if mark is not None else "?"
+        line = _line_of_mark(getattr(exc, "problem_mark", None))
+        where = f"line {line}" if line is not None else "?"
         problem = " ".join(str(getattr(exc, "problem", None) or exc).split())[:200]  # one line
         raise PolicyError(source, [f"YAML syntax error at {where}: {problem}"]) from None
     except (RecursionError, ValueError, TypeError, OverflowError) as exc:  # e.g. a bad timestamp scalar
