@@ -11,7 +11,7 @@ fleet. TRT-LLM has no inter-token histogram: its ITL is read from
 This module does the I/O only: `Observer.fetch` returns the raw answers as plain data
 (`fleetplan.planner.observation.Readings`), and the pure `interpret` there holds the fail-static
 rules (a stale model, partial rate windows, the time scale) and builds the per-model numbers.
-`Observer.snapshot` is fetch + interpret + the length/latency evidence (controller/evidence.py).
+`Observer.snapshot` is fetch + interpret + the length/latency evidence (planner/evidence.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from fleetplan.controller import evidence as ev
+from fleetplan.planner import evidence as ev
 from fleetplan.planner.observation import (
     MODEL_LABELS,
     REPLICA_LABEL,
@@ -164,7 +164,7 @@ class Snapshot:
     prometheus_ok: bool
     wall_s: float
     now_s: float  # on the (possibly simulated) controller clock
-    # length histograms per model and latency series per replica (controller/evidence.py); None: not read
+    # length histograms per model and latency series per replica (planner/evidence.py); None: not read
     evidence: ev.Evidence | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -367,7 +367,7 @@ def to_observation(snapshot: Snapshot, models: Sequence[str] | None = None,
     """The planner's Observation for `models` (default: every model in the snapshot).
 
     `replicas`: the fleet's fleetplan.planner.types.Replica list; with it, each model also carries its length
-    quantiles and per-config evidence (controller/evidence.py), else only the per-model numbers."""
+    quantiles and per-config evidence (planner/evidence.py), else only the per-model numbers."""
     from fleetplan.planner.types import ModelObservation, Observation
 
     names = list(models) if models is not None else list(snapshot.models)

@@ -185,7 +185,7 @@ class ModelMetrics:
 
 @dataclass(frozen=True)
 class Interpreted:
-    """What one observation says, before the evidence (controller/evidence.py) is added."""
+    """What one observation says, before the evidence (planner/evidence.py) is added."""
 
     models: Mapping[str, ModelMetrics]
     replicas: Mapping[str, ReplicaMetrics]

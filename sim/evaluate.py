@@ -44,14 +44,13 @@ from fleetplan.sim.baselines import (
     static_targets,
     trace_mix,
 )
+from fleetplan.sim.core import capacity_at_slo, replay_on_core
 from fleetplan.sim.des import (
     Controller,
     Environment,
     FleetSim,
     SimResult,
     SimSettings,
-    capacity_at_slo,
-    replay_on_core,
 )
 from fleetplan.sim.groundtruth import EngineParams, build_params
 from fleetplan.sim.traces import Trace, TraceRequest

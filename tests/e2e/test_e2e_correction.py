@@ -4,7 +4,7 @@ keeps the correction across a restart (state store), and report / explain / metr
 The profiles handed to the controller are the lab's fitted profiles (tests/e2e/data/profiles-sim.json)
 scaled 1.6x faster (fleetplan.models.mix.scaled): alone they would size the model for 1.6x the capacity the
 simulated engines really have. Under steady load the observed TTFT / per-request ITL per config
-(controller/evidence.py) say the engines are slower; the plan's capacity factor for the serving config
+(planner/evidence.py) say the engines are slower; the plan's capacity factor for the serving config
 falls and the plan grows beyond what the optimistic profile alone would plan.
 """
 

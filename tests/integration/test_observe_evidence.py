@@ -1,4 +1,4 @@
-"""controller/observe.py + controller/evidence.py against a REAL Prometheus scraping simulated engines:
+"""controller/observe.py + planner/evidence.py against a REAL Prometheus scraping simulated engines:
 the length quantiles per model and the per-config evidence (READY replicas, rate, TTFT p99, per-request
 ITL p99, completions) the planner's correction compares with the profiles."""
 

@@ -201,7 +201,7 @@ async def test_metrics_names_labels_buckets_and_counts(vllm_engine: SimEngine) -
 
 
 async def test_length_and_per_request_tpot_histograms_as_vllm_exports_them(vllm_engine: SimEngine) -> None:
-    """What controller/evidence.py reads: vllm:request_prompt_tokens / request_generation_tokens are
+    """What planner/evidence.py reads: vllm:request_prompt_tokens / request_generation_tokens are
     histograms with build_1_2_5_buckets(max_model_len) edges, vllm:request_time_per_output_token_seconds
     one observation per request (vllm/v1/metrics/loggers.py)."""
     reqs = [(i * 0.05, 400 if i % 4 else 3000, 30) for i in range(20)]

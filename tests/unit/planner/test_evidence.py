@@ -1,4 +1,4 @@
-"""controller/evidence.py: Prometheus' histogram_quantile, the length mix and the per-config evidence rules."""
+"""planner/evidence.py: Prometheus' histogram_quantile, the length mix and the per-config evidence rules."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ from types import MappingProxyType
 
 import pytest
 
-from fleetplan.controller.evidence import (
+from fleetplan.models.mix import QUANTILE_LEVELS, mix_from_quantiles
+from fleetplan.models.names import Engine, GpuType, Precision
+from fleetplan.planner.evidence import (
     MIN_LENGTH_SAMPLES,
     MIN_P99_SAMPLES,
     Evidence,
@@ -18,8 +20,6 @@ from fleetplan.controller.evidence import (
     interpret,
     length_quantiles,
 )
-from fleetplan.models.mix import QUANTILE_LEVELS, mix_from_quantiles
-from fleetplan.models.names import Engine, GpuType, Precision
 from fleetplan.planner.types import ConfigKey, Replica, ReplicaState
 
 INF = math.inf

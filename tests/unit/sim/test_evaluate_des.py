@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from fleetplan.models.names import Engine, GpuType
-from fleetplan.sim.des import ITL_BUCKETS_S, FastCore, histogram_quantile, replay_on_core
+from fleetplan.sim.core import ITL_BUCKETS_S, FastCore, replay_on_core
+from fleetplan.sim.des import histogram_quantile
 from fleetplan.sim.groundtruth import build_params, simulate
 
 
