@@ -73,6 +73,23 @@ class ControllerMetrics:
         )
         # 1 while the controller's MQTT session is up (the controller binds it to its link)
         self.mqtt_connected = Gauge("fleetplan_mqtt_connected", "1 if connected to the MQTT broker", registry=r)
+        # the machine around the controller (issue 19): its state store, the router, the hosts' inventory
+        self.store_writable = Gauge(
+            "fleetplan_store_writable",
+            "1 if the last write to the state store succeeded (0: no actuation until it can be written)", registry=r,
+        )
+        self.router_up = Gauge(
+            "fleetplan_router_up",
+            "1 if the router (nginx) answers its health probe and took the last routing reload", registry=r,
+        )
+        self.router_reload_failures = Counter(
+            "fleetplan_router_reload_failures", "routing reloads the router refused or could not take", registry=r
+        )
+        self.inventory_mismatch = Gauge(
+            "fleetplan_inventory_mismatch",
+            "1 if the host's agent reports GPUs its policy inventory does not have (the planner uses the agreed "
+            "inventory)", ["host"], registry=r,
+        )
 
     def per_model(self) -> tuple[Gauge, ...]:
         """The gauges labelled by model alone."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import sqlite3
 import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -97,7 +98,12 @@ def _app(ctrl: Any, token: str | None) -> Any:
             if not isinstance(body, dict) or not isinstance(body.get("reason", ""), str):
                 return web.json_response({"error": f"body.reason = {body!r}: expected a string"}, status=400)
             reason = body.get("reason", "")[:500]
-        return web.json_response(ctrl.set_paused(request.path.endswith("/pause"), reason))
+        try:
+            return web.json_response(ctrl.set_paused(request.path.endswith("/pause"), reason))
+        except sqlite3.OperationalError as exc:  # not recorded, so not done: a restart would forget it
+            return web.json_response({"error": f"not {'paused' if request.path.endswith('/pause') else 'resumed'}: "
+                                               f"the state store {ctrl.store.path} cannot be written: {exc}"},
+                                     status=503)
 
     async def plan_page(_: web.Request) -> web.Response:
         from fleetplan.controller.page import plan_page as render
@@ -107,10 +113,16 @@ def _app(ctrl: Any, token: str | None) -> Any:
                                      "script-src 'unsafe-inline'; img-src data:"})
 
     async def healthz(_: web.Request) -> web.Response:
-        # 200 only while the controller's loops live (MQTT task running, cycles finishing)
+        # 200 only while the controller's loops live (MQTT task running, cycles finishing); "degraded"
+        # names what it cannot do although it lives (a store it cannot write, a router that is down):
+        # a restart would not fix those, so they are not a 503
+        from fleetplan.controller.failsafe import degraded
+
         problems = ctrl.health()
-        return web.json_response({"ok": not problems, "cycles": ctrl.cycle_count, "problems": problems},
-                                 status=503 if problems else 200)
+        slow = degraded(ctrl)
+        status = "unhealthy" if problems else "degraded" if slow else "ok"
+        return web.json_response({"ok": not problems, "status": status, "cycles": ctrl.cycle_count,
+                                  "problems": problems, "degraded": slow}, status=503 if problems else 200)
 
     app = web.Application(middlewares=[auth])
     app.router.add_get("/api/report", report)

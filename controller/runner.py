@@ -97,10 +97,16 @@ async def _cycle_loop(ctrl: Controller, sig: Signals, interval_s: Callable[[], f
     while not sig.stop:
         if sig.reload:
             sig.reload = False
-            await ctrl.reload_policy()
+            try:  # a reload that cannot record its result (a full disk) must not end the loop
+                await ctrl.reload_policy()
+            except Exception:
+                log.exception("policy reload failed")
         if loop.time() >= next_s:
             next_s = loop.time() + interval_s()  # read each time: a reload may change cycle_s
-            await ctrl.cycle()
+            try:  # the cycle handles its own errors; this is the last line: the loop never dies of one
+                await ctrl.cycle()
+            except Exception:
+                log.exception("cycle raised")
             continue
         sig.wake.clear()
         with contextlib.suppress(TimeoutError):

@@ -26,6 +26,7 @@ not adopted: the agent is stopping them because they are absent from its desired
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sqlite3
@@ -205,6 +206,7 @@ class StateStore:
         if str(self.path) != ":memory:":
             self.path.parent.mkdir(parents=True, exist_ok=True)
         self._clock = clock
+        self.write_error: str | None = None  # the last failed write (what, where); cleared by the next commit
         self._db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -215,18 +217,45 @@ class StateStore:
             c.execute("INSERT OR IGNORE INTO kv(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
 
     def close(self) -> None:
-        self._db.close()
+        with contextlib.suppress(sqlite3.Error):  # a full disk cannot checkpoint: what is committed stays in the WAL
+            self._db.close()
 
     @contextmanager
     def tx(self) -> Iterator[sqlite3.Connection]:
-        """One atomic step: BEGIN IMMEDIATE ... COMMIT (ROLLBACK on any exception)."""
-        self._db.execute("BEGIN IMMEDIATE")
+        """One atomic step: BEGIN IMMEDIATE ... COMMIT (ROLLBACK on any exception).
+
+        A write the database cannot take (sqlite3.OperationalError: "database or disk is full",
+        "attempt to write a readonly database", "disk I/O error", ...) rolls back, sets
+        `write_error` (what and where) and raises; the next commit clears it."""
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            self._write_failed(exc)
+            raise
         try:
             yield self._db
-        except BaseException:
-            self._db.execute("ROLLBACK")
+        except BaseException as exc:
+            self._rollback()
+            if isinstance(exc, sqlite3.OperationalError):
+                self._write_failed(exc)
             raise
-        self._db.execute("COMMIT")
+        try:
+            self._db.execute("COMMIT")
+        except sqlite3.OperationalError as exc:
+            self._rollback()
+            self._write_failed(exc)
+            raise
+        self.write_error = None
+
+    def _rollback(self) -> None:
+        # SQLite may have rolled the transaction back itself (SQLITE_FULL, SQLITE_IOERR): a second
+        # ROLLBACK would raise "no transaction is active" and hide the error that matters
+        if self._db.in_transaction:
+            with contextlib.suppress(sqlite3.Error):
+                self._db.execute("ROLLBACK")
+
+    def _write_failed(self, exc: BaseException) -> None:
+        self.write_error = f"state store {self.path} cannot be written: {type(exc).__name__}: {exc}"
 
     # -- kv ---------------------------------------------------------------------------------
     def get_kv(self, key: str) -> Any:
@@ -240,6 +269,14 @@ class StateStore:
             return
         with self.tx() as c:
             c.execute(sql, (key, json.dumps(value)))
+
+    def probe_write(self, nbytes: int = 256 * 1024) -> None:
+        """Commit (then delete) `nbytes`: after a failed write, whether the store has room for a
+        cycle's records again (a few small writes may fit where a plan document does not)."""
+        with self.tx() as c:
+            self.set_kv("write_probe", "x" * nbytes, c)
+        with self.tx() as c:
+            c.execute("DELETE FROM kv WHERE key='write_probe'")
 
     # -- cycles -----------------------------------------------------------------------------
     def begin_cycle(self, now_s: float) -> int:

@@ -1,0 +1,94 @@
+"""Fail safe when the machine around the controller fails (issue 19): a state store that cannot be
+written, a router that is down or refuses its configuration. The controller never dies of these:
+it stops acting on what it cannot record, says so (a runtime alert, /healthz "degraded", a metric)
+and resumes by itself.
+
+- **The store.** Every cycle starts with store writes (the clock, the hosts' statuses, the cycle
+  row) before anything is acted on; a write the database refuses ("database or disk is full", a
+  read-only directory: `StateStore.write_error`) ends the cycle there: nothing is reconciled,
+  planned, published or routed that could not be recorded. The MQTT session, the report API,
+  /healthz and the watchdog pings go on (a live loop). While the alert stands, each cycle first
+  probes the store with a write of a cycle's size; once it takes it, the drains a failed write
+  interrupted resume and every host's desired state is republished (as a restart does), and the
+  first cycle that records everything clears the alert.
+- **The router.** Each cycle probes the router's health path (`GET /-/healthy` through nginx) when
+  `routing.router_url` is set, and notes the result of the last reload; down or refusing: an alert
+  and `fleetplan_router_up 0`. When it answers again, the routing table is rewritten and reloaded
+  (through the configured reload command, which signals the master named by nginx's pid file).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from fleetplan.controller.state import Phase
+
+if TYPE_CHECKING:
+    from fleetplan.controller.daemon import Controller
+
+log = logging.getLogger(__name__)
+
+STORE_ALERT = "store"  # runtime alert keys
+ROUTER_ALERT = "router"
+ROUTING_ALERT = "routing"  # controller/executor.py: the last routing update failed
+
+
+def save_statuses(ctrl: Controller) -> None:
+    """The hosts' changed statuses into the store; kept for the next cycle when it cannot be written."""
+    dirty = ctrl.hosts.take_dirty()
+    try:
+        ctrl.store.save_host_statuses(dirty)
+    except BaseException:
+        ctrl.hosts.dirty.update(dirty)
+        raise
+
+
+def store_failed(ctrl: Controller, cycle_id: int | None) -> None:
+    """A store write failed (its error is `store.write_error`): alert, metric, one log line per outage."""
+    what = ctrl.store.write_error or f"state store {ctrl.store.path} cannot be written"
+    text = (f"{what} (cycle {cycle_id if cycle_id is not None else '-'}): actuation stopped, nothing is acted on "
+            "that cannot be recorded; engines keep running; resumes by itself once the store takes writes")
+    if STORE_ALERT not in ctrl.runtime_alerts:
+        log.error("%s", text)
+    ctrl.runtime_alerts[STORE_ALERT] = text
+    ctrl.metrics.store_writable.set(0.0)
+
+
+def store_probe(ctrl: Controller) -> None:
+    """During an outage, before acting: the store must take a cycle's worth of records (a probe
+    write; raises when it cannot). Then resume what a failed write interrupted: the drains, and
+    every host's desired state republished (versions bumped), as a restart does."""
+    if STORE_ALERT not in ctrl.runtime_alerts:
+        return
+    ctrl.store.probe_write()
+    ctrl.executor.republish_all = True
+    for row in ctrl.store.replicas((Phase.DRAINING,)):
+        ctrl.executor.start_drain(row.replica_id)
+
+
+def cycle_done(ctrl: Controller, status: str) -> None:
+    """A cycle that wrote all its records ends the outage: alert cleared, metric back to 1."""
+    if status != "ok" or ctrl.store.write_error is not None:
+        return
+    ctrl.metrics.store_writable.set(1.0)
+    if ctrl.runtime_alerts.pop(STORE_ALERT, None) is not None:
+        log.warning("state store %s takes writes again: acting again", ctrl.store.path)
+
+
+def finish_cycle(ctrl: Controller, cycle_id: int, status: str, summary: dict[str, Any]) -> None:
+    """The cycle row's end; a store that cannot take it is alerted, never raised."""
+    try:
+        ctrl.store.finish_cycle(cycle_id, status, summary)
+    except Exception:
+        if ctrl.store.write_error is None:
+            log.exception("cycle %s: finishing the cycle record failed", cycle_id)
+        else:
+            store_failed(ctrl, cycle_id)
+
+
+def degraded(ctrl: Controller) -> list[str]:
+    """What the controller cannot do now although its loops live (/healthz "degraded"): the store
+    cannot be written, the router is down or refuses its configuration."""
+    alerts = getattr(ctrl, "runtime_alerts", None) or {}
+    return [alerts[k] for k in (STORE_ALERT, ROUTER_ALERT, ROUTING_ALERT) if k in alerts]
