@@ -22,7 +22,7 @@ from pathlib import Path
 from fleetplan.models.names import Engine, GpuType, parse_engine, parse_gpu, parse_precision
 from fleetplan.sim.groundtruth import build_params, poisson_arrivals, simulate
 
-BENCH_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "benchmarks"
+BENCH_DIR = Path(__file__).resolve().parents[1] / "data" / "benchmarks"  # the repository's copy (data/SOURCES.md)
 TABLE = BENCH_DIR / "trtllm_v0.14_online_serving_triton_bf16.csv"
 OFFLINE_TABLE = BENCH_DIR / "trtllm_v0.17_perf_overview_throughput.csv"
 MODELS = {"LLaMA 3.1 8B": ("llama-3.1-8b", 1), "LLaMA 3.1 70B": ("llama-3.1-70b", 4)}

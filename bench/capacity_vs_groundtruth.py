@@ -119,7 +119,7 @@ def run_mix(n_sweep: int) -> list[float]:
     from fleetplan.sim.evaluate import ground_truth_capacity, profiles_from_ground_truth, trace_lengths
     from fleetplan.sim.traces import read_trace
 
-    trace = read_trace(ROOT.parent / "shared" / "data" / "traces" / "azure_llm_conv_2023.csv", model="llama-3-70b")
+    trace = read_trace(ROOT / "data" / "traces" / "azure_llm_conv_2023.csv", model="llama-3-70b")
     lengths = trace_lengths(trace, "llama-3-70b")
     isl = sum(p for p, _ in lengths) / len(lengths)
     osl = sum(o for _, o in lengths) / len(lengths)

@@ -1,13 +1,14 @@
-"""Replay evaluation on the real traces in ../shared/data/traces: every policy side by side.
+"""Replay evaluation on the real traces in data/traces: every policy side by side.
 
     .venv/bin/python bench/evaluate_traces.py [--traces azure,mooncake] [--day] [--workers 2] [--out DIR]
+        [--data DIR]     (default: the repository's data/, or $FLEETPLAN_DATA; data/SOURCES.md)
 
 Per trace it builds profiles the way a team would (a rate sweep per config on the simulator's ground
 truth with the trace's own length mix, fitted with fleetplan.models.fit), runs `fleetplan.sim.evaluate.evaluate` for
 all policies, prints the table, the issue's goals and the evaluation wall time (the simulations of
 all policies plus the ground-truth capacities; profile generation is reported separately).
 
-Scenarios (policies are written below, in the repo; only the traces are read from outside):
+Scenarios (policies are written below; the traces are the repository's data/traces):
 - azure: Azure LLM conversation trace, 1 h, 19,366 requests, rate x4 (tiled: 4 copies of the hour
   time-compressed into the hour, fleetplan.sim.traces.reshape), served as Llama-3-70B on 8 hosts x 8 H100,
   SLO TTFT p99 1 s / ITL p99 80 ms; vLLM and TensorRT-LLM at TP 4 or 8 (TRT-LLM engines cached).
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -50,7 +52,8 @@ from fleetplan.sim.evaluate import (  # noqa: E402
 )
 from fleetplan.sim.traces import read_trace, reshape, shape_day  # noqa: E402
 
-TRACES = ROOT.parent / "shared" / "data" / "traces"
+# the public data travels with the repository (data/SOURCES.md); --data or $FLEETPLAN_DATA for other data
+DATA = Path(os.environ.get("FLEETPLAN_DATA") or ROOT / "data")
 
 _COMMON = """
 version: 1
@@ -109,14 +112,13 @@ SCENARIOS = {
     # TP 1/2/4, TRT-LLM TP1/TP2 cached); meant to be run with --profiles benchmarks
     "mooncake-long": ("mooncake_conversation.jsonl", LONG_CONTEXT_POLICY, "llama-3-8b", 1.0),
 }
-BENCHMARKS = ROOT.parent / "shared" / "data" / "benchmarks"
 
 
-def _benchmark_profiles(cache: Path) -> ProfileSet:
+def _benchmark_profiles(benchmarks: Path, cache: Path) -> ProfileSet:
     """The user's workflow: `fleetplan models fit` on the public benchmark files (cached)."""
     if not cache.exists():
-        print(f"fitting profiles from {BENCHMARKS} (fleetplan models fit; a few minutes) -> {cache}", flush=True)
-        subprocess.run([sys.executable, "-m", "fleetplan", "models", "fit", str(BENCHMARKS), "--out",
+        print(f"fitting profiles from {benchmarks} (fleetplan models fit; a few minutes) -> {cache}", flush=True)
+        subprocess.run([sys.executable, "-m", "fleetplan", "models", "fit", str(benchmarks), "--out",
                         str(cache)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     return ProfileSet.from_json_dict(json.loads(cache.read_text()))
 
@@ -134,17 +136,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="write charts per scenario here")
     ap.add_argument("--profiles", default="ground-truth",
                     help="ground-truth (rate sweeps on the simulator with the trace's mix, fitted), "
-                         "benchmarks (fleetplan models fit on ../shared/data/benchmarks: the user's "
+                         "benchmarks (fleetplan models fit on DATA/benchmarks: the user's "
                          "workflow; cached in --profiles-cache), or a PROFILES.json path")
     ap.add_argument("--profiles-cache", type=Path, default=Path("/tmp/fleetplan-benchmark-profiles.json"))
+    ap.add_argument("--data", type=Path, default=DATA,
+                    help="the data folder with traces/ and benchmarks/ (default: the repository's data/, "
+                         "or $FLEETPLAN_DATA)")
     args = ap.parse_args(argv)
-    if not TRACES.is_dir():
-        print(f"traces not found at {TRACES}", file=sys.stderr)
+    traces = args.data / "traces"
+    if not traces.is_dir():
+        print(f"traces not found at {traces}", file=sys.stderr)
         return 2
     for key in [k.strip() for k in args.traces.split(",") if k.strip()]:
         fname, policy_text, model, scale = SCENARIOS[key]
         policy = load_policy_text(policy_text, f"bench:{key}")
-        raw = read_trace(TRACES / fname, model=model)
+        raw = read_trace(traces / fname, model=model)
         hour = raw if scale == 1.0 else reshape(raw, duration_s=raw.duration_s, rate_scale=scale)
         shapes = [("hour", hour, scale)]
         if args.day:
@@ -162,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                 profiles = profiles_from_ground_truth(configs, trace_lengths(tr, model), m.slo.ttft_p99_ms,
                                                       m.slo.itl_p99_ms)
             elif args.profiles == "benchmarks":
-                profiles = _benchmark_profiles(args.profiles_cache)
+                profiles = _benchmark_profiles(args.data / "benchmarks", args.profiles_cache)
             else:
                 profiles = ProfileSet.from_json_dict(json.loads(Path(args.profiles).read_text()))
             t_prof = time.perf_counter() - t0

@@ -1,4 +1,4 @@
-"""Leave-one-series-out accuracy of the performance model on ../shared/data/benchmarks.
+"""Leave-one-series-out accuracy of the performance model on data/benchmarks (the public benchmark files).
 
 For every configuration (model, engine, GPU, TP, precision) in the benchmark files, two hold-outs:
 - series: hold out all points of one ISL/OSL pair, fit on the other pairs, predict the held-out pair;
@@ -14,7 +14,7 @@ only names the profile; the GLM-5 and MiniMax architectures are unknown to fleet
 GPU prior is used for them). The goal of the issue: <= 10% MAPE on TTFT, ITL and throughput below
 saturation.
 
-    .venv/bin/python bench/fit_accuracy.py [--data ../shared/data] [--gpu h200] [--precision fp8]
+    .venv/bin/python bench/fit_accuracy.py [--data data] [--gpu h200] [--precision fp8]
         [--only SUBSTRING] [--scheme series|level] [--no-floor]
 
 --only keeps the data families whose name contains SUBSTRING (e.g. `dep8`, `GLM`, `trtllm_v0.14`);
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from collections import defaultdict
@@ -126,7 +127,8 @@ def fmt(values: list[float]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--data", default=str(REPO.parent / "shared" / "data"))
+    parser.add_argument("--data", default=os.environ.get("FLEETPLAN_DATA") or str(REPO / "data"),
+                        help="data folder with benchmarks/ (default: the repository's data/, or $FLEETPLAN_DATA)")
     parser.add_argument("--gpu", default="h200", help="GPU type for files that do not state one")
     parser.add_argument("--precision", default="fp8", help="precision for files that do not state one")
     parser.add_argument("--only", default=None, help="only data families whose name contains this")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up a fresh Debian machine for fleetplan: the Debian packages it needs (Python with venv, and
 # the real servers the lab and the tests start: mosquitto, prometheus (with promtool), nginx; chromium for
-# the plan page's test), then .venv with
+# the plan page's test; systemd (systemd-analyze) and openssl for the unit-file and TLS tests), then .venv with
 # fleetplan installed. Idempotent: installs only what is missing. Sourced by test.sh and demo.sh.
 # Usage: scripts/setup.sh [EXTRAS]     e.g. scripts/setup.sh dev
 set -euo pipefail
@@ -24,6 +24,10 @@ if ! command -v promtool >/dev/null 2>&1 && [ ! -x /usr/bin/promtool ] && [[ " $
 fi
 # the plan page's test opens it in a real headless browser (Debian's chromium)
 command -v chromium >/dev/null 2>&1 || [ -x /usr/bin/chromium ] || need+=(chromium)
+# the unit files' tests run `systemd-analyze verify/security` (Debian's systemd package; nothing is
+# started, a container without systemd as init is fine); the TLS tests make certificates with openssl
+command -v systemd-analyze >/dev/null 2>&1 || [ -x /usr/bin/systemd-analyze ] || need+=(systemd)
+command -v openssl >/dev/null 2>&1 || [ -x /usr/bin/openssl ] || need+=(openssl)
 if [ ${#need[@]} -gt 0 ]; then
   echo "== installing Debian packages: ${need[*]}"
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"

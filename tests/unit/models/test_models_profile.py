@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import math
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -171,10 +170,9 @@ def _fitted() -> tuple[PerfProfile, ...]:
     from fleetplan.models.bench import Metadata
     from fleetplan.models.fit import fit_profile, group_points
     from fleetplan.models.readers import read_benchmark
+    from tests.conftest import data_dir
 
-    root = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "benchmarks"
-    if not root.is_dir():
-        pytest.skip(f"shared data not found at {root}")
+    root = data_dir() / "benchmarks"  # the repository's data/ (FLEETPLAN_DATA overrides)
     files = [*sorted((root / "vllm-inferencex").glob("glm5_*.json")), root / "trtllm_v0.14_online_serving_triton_bf16.csv"]
     points = [pt for f in files for pt in read_benchmark(f.read_text(), str(f), Metadata(gpu=GpuType.H200)).points]
     groups = group_points(points)

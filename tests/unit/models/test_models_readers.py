@@ -1,5 +1,5 @@
-"""Benchmark readers on the real files of ../shared/data and on fixtures written from the formats'
-public source (tests/fixtures/bench)."""
+"""Benchmark readers on the real files of data/ (the repository's copy of the public data) and on
+fixtures written from the formats' public source (tests/fixtures/bench)."""
 
 from __future__ import annotations
 

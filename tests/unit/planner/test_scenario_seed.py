@@ -1,4 +1,4 @@
-"""Seed scenario from ../shared/data/benchmarks/seed_articles.csv (8x H100, Llama-3 8B and 70B).
+"""Seed scenario from data/benchmarks/seed_articles.csv (8x H100, Llama-3 8B and 70B).
 
 Capacities come straight from the article's throughput figures (tokens/s at batch 64 on 8 GPUs):
 rps per replica = tok/s / replicas per 8 GPUs / mean output tokens. With those figures a steady high
