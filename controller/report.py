@@ -12,6 +12,12 @@ Endpoints (loopback by default; a bearer token is required when bound elsewhere)
                            persisted in the state store, so a restart stays paused
   POST /api/resume         act again from the next cycle on
 
+Without a token (loopback only) the API is this machine's, not every web page's: the Host header must
+name it (a loopback name, or one of the `report_hosts` setting: no DNS rebinding), and a write
+(POST) must carry the X-Fleetplan-Request header or a JSON body and, when the browser sends an
+Origin, come from the API's own origin (a cross-site page cannot pause the fleet). `fleetplan
+pause/resume` send both. With a token, the token is the check.
+
 The plan and its explanation are rendered from the plan dict stored by the cycle that made it
 (fleetplan.planner.core.plan_to_dict), never recomputed.
 """
@@ -53,6 +59,9 @@ def _app(ctrl: Any, token: str | None) -> Any:
     """The report API's routes over the controller (read-only but for pause/resume)."""
     from aiohttp import web
 
+    settings = getattr(ctrl, "settings", None)
+    names = frozenset(n.lower() for n in getattr(settings, "report_hosts", ()) or ())
+
     @web.middleware
     async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
         if token and request.path != "/healthz":
@@ -64,6 +73,10 @@ def _app(ctrl: Any, token: str | None) -> Any:
             # the network's (docs/controller.md "TLS": give the controller a token)
             return web.json_response({"error": "request through a proxy: the controller needs a bearer token "
                                                "(--report-token-file) to be reached this way"}, status=403)
+        if not token and request.path != "/healthz":
+            refused = _refused_without_token(request.method, request.headers, names)
+            if refused is not None:
+                return web.json_response({"error": refused}, status=403)
         result: web.StreamResponse = await handler(request)
         return result
 
@@ -137,6 +150,62 @@ def _app(ctrl: Any, token: str | None) -> Any:
 
 
 PROXY_HEADERS = ("Forwarded", "X-Forwarded-For", "X-Real-IP")
+WRITE_HEADER = "X-Fleetplan-Request"  # a header no cross-site form or simple request can carry
+SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
+
+
+def host_allowed(host: str, names: frozenset[str] = frozenset()) -> bool:
+    """Whether a Host header names this API: a loopback name (localhost, 127.0.0.1, [::1]; any port,
+    so an SSH tunnel's local port works) or a configured name (`report_hosts`: "name" for any port,
+    "name:port" for one). Any other name is DNS rebinding: a page of attacker.example that resolved
+    its name to 127.0.0.1.
+
+    >>> [host_allowed(h) for h in ("127.0.0.1:9470", "localhost:8080", "[::1]:9470", "LOCALHOST")]
+    [True, True, True, True]
+    >>> [host_allowed(h) for h in ("attacker.example:9470", "", "127.0.0.1.evil.example:9470", "[::1")]
+    [False, False, False, False]
+    >>> host_allowed("ctl.internal:9470", frozenset({"ctl.internal"})), host_allowed("c:1", frozenset({"c:2"}))
+    (True, False)
+    """
+    h = host.strip().lower()
+    if not h:
+        return False
+    if h in names:
+        return True
+    if h.startswith("["):
+        name, sep, rest = h[1:].partition("]")
+        if not sep or (rest and not (rest.startswith(":") and rest[1:].isdigit())):
+            return False
+        name = f"[{name}]"
+    else:
+        name, _, port = h.partition(":")
+        if port and not port.isdigit():
+            return False
+    return name in ("localhost", "127.0.0.1", "[::1]") or name in names
+
+
+def _refused_without_token(method: str, headers: Mapping[str, str], names: frozenset[str]) -> str | None:
+    """Why a request to the token-less (loopback) API is refused, or None. Reads: the Host must name
+    this API (no DNS rebinding). Writes (POST ...): also a request no other site's page can make -
+    the X-Fleetplan-Request header or a JSON body (both need a CORS preflight this API never
+    grants), and, when the browser names the page's origin, that origin is this API's own."""
+    host = headers.get("Host", "")
+    if not host_allowed(host, names):
+        return (f"Host {host!r} does not name this controller (loopback names, or the controller setting "
+                "report_hosts)")
+    if method.upper() in SAFE_METHODS:
+        return None
+    ctype = headers.get("Content-Type", "").split(";")[0].strip().lower()
+    if WRITE_HEADER not in headers and ctype != "application/json":
+        return f"a write needs the {WRITE_HEADER} header or a JSON body (cross-site requests are refused)"
+    if headers.get("Sec-Fetch-Site", "").lower() == "cross-site":
+        return "cross-site request refused"
+    origin = headers.get("Origin")
+    if origin is not None:
+        scheme, sep, netloc = origin.partition("://")
+        if not sep or scheme.lower() not in ("http", "https") or netloc.lower() != host.strip().lower():
+            return f"Origin {origin!r} is not this controller ({host}): cross-site request refused"
+    return None
 
 
 def _proxied(headers: Mapping[str, str]) -> bool:
@@ -150,6 +219,8 @@ def _call(method: str, url: str, path: str, token: str | None, timeout_s: float,
     import httpx
 
     headers = {"Authorization": f"Bearer {token}"} if token else {}
+    if method != "GET":
+        headers[WRITE_HEADER] = "1"  # the token-less API takes writes only with it (or a JSON body)
     try:
         resp = httpx.request(method, url.rstrip("/") + path, headers=headers, timeout=timeout_s,
                              json=dict(body) if body is not None else None)

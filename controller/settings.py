@@ -45,6 +45,9 @@ class ControllerSettings(BaseModel):
     history_step_s: float = Field(default=300.0, gt=0)
     cycle_s: float | None = None  # override the policy's scaling.cycle_s (simulated seconds)
     report_token_file: Path | None = None
+    # names the token-less report API answers to besides the loopback ones (the Host header; "name"
+    # for any port, "name:port" for one), e.g. an /etc/hosts alias used through an SSH tunnel
+    report_hosts: tuple[str, ...] = ()
 
 
 def load_settings(path: str | Path | None) -> ControllerSettings:
