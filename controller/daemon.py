@@ -274,6 +274,7 @@ class Controller:
             failsafe.save_statuses(self)
             cid = self.store.begin_cycle(now_s)
             failsafe.store_probe(self)
+            await failsafe.watch_router(self)
             await self.executor.reconcile()
             snap = await self._observe(cid, now_s)
             self.executor.adopt_orphans()  # statuses may have arrived while observing: never plan around an unknown engine

@@ -168,9 +168,13 @@ class Executor:
                 await asyncio.to_thread(self.router.apply, endpoints)
             self.routed = routed
             self.alerts.pop("routing", None)
+            if "router" not in self.alerts:
+                self.metrics.router_up.set(1.0)
         except Exception as exc:
             self.alerts["routing"] = f"routing update failed: {exc}"
             log.error("routing update failed: %s", exc)
+            self.metrics.router_reload_failures.inc()
+            self.metrics.router_up.set(0.0)  # controller/failsafe.py watches it come back
 
     # ---- desired state publishing ------------------------------------------------------------
     async def publish_hosts(self, hosts: set[str]) -> None:

@@ -19,6 +19,7 @@ and resumes by itself.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -92,3 +93,40 @@ def degraded(ctrl: Controller) -> list[str]:
     cannot be written, the router is down or refuses its configuration."""
     alerts = getattr(ctrl, "runtime_alerts", None) or {}
     return [alerts[k] for k in (STORE_ALERT, ROUTER_ALERT, ROUTING_ALERT) if k in alerts]
+
+
+async def watch_router(ctrl: Controller) -> None:
+    """Probe the router (`routing.router_url`) and note the last reload's result: an alert and
+    fleetplan_router_up 0 while it is down or refuses its configuration; when it answers again (or
+    serves another table than the routing file), the routing is re-applied at once."""
+    from fleetplan.controller.routing import probe_router, read_generation
+
+    alerts = ctrl.runtime_alerts
+    url = ctrl.settings.routing.router_url
+    if url is not None:
+        try:
+            served: str | None = await asyncio.to_thread(probe_router, url)
+        except Exception as exc:
+            text = (f"router {url} is down ({type(exc).__name__}: {exc}): requests do not reach the replicas "
+                    "and replicas started meanwhile are not routed; the routing is re-applied when it answers")
+            if ROUTER_ALERT not in alerts:
+                log.error("%s", text)
+            alerts[ROUTER_ALERT] = text
+            ctrl.metrics.router_up.set(0.0)
+            return
+        came_back = alerts.pop(ROUTER_ALERT, None) is not None
+        if came_back:
+            log.warning("router %s answers again: re-applying the routing", url)
+        router = ctrl.executor.router
+        want = read_generation(router.current_text() or "") if router is not None else None
+        if router is not None and not ctrl.advisory() and (
+                came_back or ROUTING_ALERT in alerts or (want is not None and served != want)):
+            if want is not None and served != want:
+                log.warning("router %s serves routing generation %s, the file %s: reloading", url, served, want)
+                try:
+                    await asyncio.to_thread(router.reload_now)
+                except Exception as exc:
+                    alerts[ROUTING_ALERT] = f"routing update failed: {exc}"
+                    ctrl.metrics.router_reload_failures.inc()
+            await ctrl.executor.update_routing()  # what changed while it was down
+    ctrl.metrics.router_up.set(0.0 if ROUTING_ALERT in alerts or ROUTER_ALERT in alerts else 1.0)

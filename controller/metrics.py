@@ -82,6 +82,8 @@ class ControllerMetrics:
             "fleetplan_router_up",
             "1 if the router (nginx) answers its health probe and took the last routing reload", registry=r,
         )
+        self.store_writable.set(1.0)  # until a write fails
+        self.router_up.set(1.0)  # until a probe or a reload fails
         self.router_reload_failures = Counter(
             "fleetplan_router_reload_failures", "routing reloads the router refused or could not take", registry=r
         )

@@ -307,6 +307,30 @@ class NginxRouter:
 
     update = apply
 
+    def reload_now(self) -> None:
+        """Reload the router on the file as it is (a router that came back serving another table)."""
+        with self._lock:
+            try:
+                self._reload()
+            except NginxReloadError:
+                raise
+            except Exception as exc:
+                raise NginxReloadError(f"nginx reload failed for {self.upstreams_path}: {exc}") from exc
+
+
+def probe_router(router_url: str, timeout_s: float = 2.0) -> str:
+    """GET <router_url>/-/fleetplan/routing on a fresh connection: the generation the router serves.
+    Raises (httpx.HTTPError, ValueError) when it does not answer like a fleetplan front."""
+    import httpx
+
+    resp = httpx.get(router_url.rstrip("/") + ROUTING_STATUS_PATH, timeout=timeout_s, headers={"Connection": "close"})
+    if resp.status_code != 200:
+        raise ValueError(f"HTTP {resp.status_code} from {router_url}{ROUTING_STATUS_PATH}")
+    gen = resp.json().get("generation")
+    if not isinstance(gen, str):
+        raise ValueError(f"{router_url}{ROUTING_STATUS_PATH} names no routing generation")
+    return gen
+
 
 def nginx_reloader(
     *,

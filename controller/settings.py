@@ -17,6 +17,9 @@ class RoutingSettings(BaseModel):
     nginx_reload_command: tuple[str, ...] | None = None  # argv, e.g. ["nginx", "-s", "reload"]
     endpoints_path: Path | None = None
     file_sd_path: Path | None = None
+    # the router's front (e.g. http://127.0.0.1:8080): probed every cycle at /-/fleetplan/routing
+    # (down: alert, fleetplan_router_up 0; back: the routing table re-applied)
+    router_url: str | None = None
 
 
 class ControllerSettings(BaseModel):

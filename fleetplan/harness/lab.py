@@ -608,21 +608,40 @@ http {{
         gen = resp.json().get("generation")
         return str(gen) if gen else None
 
+    @property
+    def pid_path(self) -> Path:
+        return self.workdir / "nginx.pid"
+
+    def master_pid(self) -> int | None:
+        """The running master, from nginx's own pid file (as `nginx -s reload` finds it): an nginx
+        restarted by someone else (systemd, an operator, another process) is found as well as the
+        one this object started. None when the file is missing or names no live nginx."""
+        try:
+            pid = int(self.pid_path.read_text().strip())
+        except (OSError, ValueError):
+            return None
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return None
+        return pid if pid_alive(pid) and b"nginx" in cmdline else None
+
     def reload(self, timeout_s: float = 15.0) -> None:
-        """Graceful reload: nginx -t, SIGHUP the master, wait for the new routing generation."""
+        """Graceful reload: nginx -t, SIGHUP the master (nginx's pid file), wait for the new routing generation."""
         with self._reload_lock:
             self._reload(timeout_s)
 
     def _reload(self, timeout_s: float) -> None:
         from fleetplan.controller.routing import NginxReloadError, read_generation
 
-        if self.proc is None or not self.proc.running() or self.proc.pid is None:
+        master = self.master_pid()
+        if master is None:
             raise NginxReloadError(
-                f"nginx is not running (log {self.proc.log_path if self.proc else self.workdir})"
+                f"nginx is not running (no live master in {self.pid_path}; log "
+                f"{self.proc.log_path if self.proc else self.workdir})"
             )
         self.test_config()
         want = read_generation(self.upstreams_path.read_text())
-        master = self.proc.pid
         old_workers = [pid for pid in group_pids(master) if pid != master]
         os.kill(master, signal.SIGHUP)
         deadline = time.monotonic() + timeout_s
@@ -1146,6 +1165,7 @@ def settings_from_lab(settings: ControllerSettings) -> tuple[ControllerSettings,
         nginx_upstreams_path=lab.nginx_upstreams_path,
         endpoints_path=lab.endpoints_path,
         file_sd_path=lab.prometheus_file_sd_dir / "engines.json",
+        router_url=lab.nginx_url,
     )
     mqtt = MqttSettings(
         host=lab.mqtt_host, port=lab.mqtt_port, username=lab.controller_user,
