@@ -7,7 +7,10 @@
 3. starts the controller (in this process) with a demo policy;
 4. replays a day-shaped traffic pattern it generates (or --trace FILE) at 20x for ~3 minutes
    through nginx, printing a short report every cycle;
-5. prints a summary (GPU-hours, SLO attainment, actions) and stops everything.
+5. stops everything, then replays the same day (requests.jsonl), policy (policy.yaml, the lab's hosts
+   listed) and profiles (PROFILES.json) with `fleetplan.sim.evaluate.evaluate` for fleetplan and the
+   baselines, writes summary.json (live and replay figures, the `fleetplan evaluate` command that
+   reproduces the replay; fleetplan/harness/demo_summary.py) and prints the same table.
 
 `Rig` (lab + agents + files) is also what tests/e2e use.
 """
@@ -33,6 +36,22 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from fleetplan.harness.demo_summary import (
+    POLICY_FILE,
+    REPLAY_POLICIES,
+    TRACE_FILE,
+    LiveGpuMeter,
+    build_summary,
+    evaluate_argv,
+    held_gpus,
+    live_figures,
+    progress_printer,
+    render_summary,
+    run_replay,
+    write_summary,
+    write_trace,
+)
 
 REPO = Path(__file__).resolve().parents[2]  # fleetplan/harness/demo.py -> the repository
 
@@ -555,11 +574,14 @@ async def _demo(args: argparse.Namespace, work: Path) -> int:
             concurrency=(1, 4, 16, 32), num_prompts=16,
             log=lambda m: print(m, flush=True),
         )
-        policy_path = work / "policy.yaml"
+        policy_path = work / POLICY_FILE
+        # the lab's hosts are listed so that the replay (`fleetplan evaluate`) simulates the same
+        # inventory; the daemon takes its fleet from the agents' reports (they agree)
         policy = demo_policy(models=(model,), engines=engines, isl=isl, osl=osl, max_replicas=8,
                              ttft_p99_ms=slo_ttft_ms, itl_p99_ms=slo_itl_ms, cycle_s=60.0,
                              scale_down_delay_s=300.0, max_actions=4, startup_s=40.0,
-                             trtllm_cached=False, build_s=rig.engine.build_s)
+                             trtllm_cached=False, build_s=rig.engine.build_s,
+                             hosts=[(h.name, h.gpu_count) for h in rig.lab.hosts])
         policy["models"][0]["allowed"]["tp"] = [4]
         policy_path.write_text(yaml.safe_dump(policy, sort_keys=False))
         settings, reload = settings_from_lab(rig.controller_settings(observe_window_s=12.0, history_s=40.0))
@@ -583,6 +605,12 @@ async def _demo(args: argparse.Namespace, work: Path) -> int:
         else:
             reqs = day_requests(sim_duration, base_rps=0.1, peak_rps=2.0, isl=isl, osl=osl, model=model)
             what = "a generated day (night trough 0.1 rps, afternoon peak 2.0 rps)"
+        write_trace(work / TRACE_FILE, reqs)
+        day = {"source": what, "trace": str(work / TRACE_FILE), "requests": len(reqs),
+               "span_s": round(reqs[-1][0] - reqs[0][0], 1) if reqs else 0.0, "speed": k,
+               "wall_minutes": args.minutes}
+        print(f"== the day's requests: {work / TRACE_FILE} (a trace `fleetplan evaluate --trace` reads)",
+              flush=True)
         # place the minimum before traffic starts
         await ctrl.cycle()
         for _ in range(100):
@@ -611,48 +639,89 @@ async def _demo(args: argparse.Namespace, work: Path) -> int:
                                             session=session))
         cycle_wall = policy["scaling"]["cycle_s"] / k
         t0 = time.monotonic()
-        gpu_s = 0.0
-        peak_gpus = 0
-        last = time.monotonic()
-        while not load.done():
-            await asyncio.sleep(cycle_wall)
-            summary = await ctrl.cycle()
-            now = time.monotonic()
-            gpus = sum(r.tp for r in ctrl.store.active_replicas())
-            peak_gpus = max(peak_gpus, gpus)
-            gpu_s += gpus * (now - last) * k
-            last = now
-            print(_short_cycle_line(ctrl, summary, now - t0, len(results), failed), flush=True)
-        res = load.result()
+        # GPU-hours per engine from the controller's records, sampled every 0.5 s wall (10 simulated s
+        # at 20x) on the load's clock, clipped to the day's span as the replay clips them
+        meter = LiveGpuMeter(t_from_s=reqs[0][0] if reqs else 0.0, t_to_s=reqs[-1][0] if reqs else 0.0)
+
+        async def sample_gpus() -> None:
+            while True:
+                meter.sample((time.monotonic() - t0) * k, *held_gpus(ctrl.store))
+                await asyncio.sleep(0.5)
+
+        sampler = asyncio.create_task(sample_gpus())
+        try:
+            while not load.done():
+                await asyncio.sleep(cycle_wall)
+                summary = await ctrl.cycle()
+                now = time.monotonic()
+                print(_short_cycle_line(ctrl, summary, now - t0, len(results), failed), flush=True)
+            res = load.result()
+        finally:
+            sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampler
+        meter.sample((time.monotonic() - t0) * k, *held_gpus(ctrl.store))
         await session.close()
-        ok = [r for r in res if r.outcome == "ok"]
-        met = [r for r in ok if r.ttft_s is not None and r.ttft_s * 1000 <= slo_ttft_ms
-               and (r.itl_mean_s is None or r.itl_mean_s * 1000 <= slo_itl_ms)]
-        counts = ctrl.store.action_counts()
-        ttfts = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
-        p99 = ttfts[int(0.99 * (len(ttfts) - 1))] * 1000 if ttfts else float("nan")
-        p50 = ttfts[len(ttfts) // 2] * 1000 if ttfts else float("nan")
-        hours = sim_duration / 3600
+        live = live_figures(res, ttft_slo_ms=slo_ttft_ms, itl_slo_ms=slo_itl_ms, meter=meter,
+                            price_usd_h=float(policy["gpu_types"]["h100"]["price_usd_h"]))
+        live["actions"] = ctrl.store.action_counts()
+        live["cycles"] = ctrl.cycle_count
+        counts = live["actions"]
+        hours = (meter.t_to_s - meter.t_from_s) / 3600
         print("")
         print(render_report(ctrl.report(), actions=10))
         print("")
         print(render_explain(ctrl.report(), model) or "")
         print("")
-        print("== summary")
-        print(f"  requests: {len(res)} sent, {len(ok)} ok, {len(res) - len(ok)} failed")
+        print("== live run")
+        print(f"  requests: {live['requests']} sent, {live['served']} ok, {live['failed']} failed")
         for r in [r for r in res if r.outcome != "ok"][:3]:
             print(f"    failed: t={r.t_s:.0f}s {r.outcome} HTTP {r.status} {r.output_tokens}/"
                   f"{r.output_tokens_requested} tokens {r.error or ''}")
-        print(f"  SLO attainment (TTFT <= {slo_ttft_ms:.0f} ms and mean ITL <= {slo_itl_ms:.0f} ms): "
-              f"{100.0 * len(met) / max(1, len(res)):.1f}% of requests; TTFT p50 {p50:.0f} ms, p99 {p99:.0f} ms")
-        print(f"  GPU-hours (simulated): {gpu_s / 3600:.1f} over {hours:.1f} h; static provisioning for the "
-              f"peak ({peak_gpus} GPUs) would use {peak_gpus * hours:.1f}")
+        print(f"  SLO attainment (per request: TTFT <= {slo_ttft_ms:.0f} ms and per-request ITL <= "
+              f"{slo_itl_ms:.0f} ms, failed = miss): {100.0 * (live['slo_attainment'] or 0.0):.2f}%; "
+              f"TTFT p50 {live['ttft_p50_ms']} ms, p99 {live['ttft_p99_ms']} ms; per-request ITL p99 "
+              f"{live['itl_p99_ms']} ms (p99 targets {'met' if live['slo_p99_met'] else 'MISSED'})")
+        by = live["gpu_hours_by_engine"]
+        print(f"  GPU-hours (simulated, over the day's {hours:.2f} h): {live['gpu_hours']:.2f} (vLLM "
+              f"{by.get('vllm', 0.0):.2f}, TRT-LLM {by.get('trtllm', 0.0):.2f} incl. builds "
+              f"{live['build_gpu_hours']:.2f})")
         print("  actions: " + (", ".join(f"{k_}={v}" for k_, v in sorted(counts.items())) or "none"))
         print(f"  cycles: {ctrl.cycle_count}; wall time {time.monotonic() - t_start:.0f} s")
-        return 0 if len(ok) == len(res) else 1
+        rc = 0 if live["failed"] == 0 else 1
     finally:
         print("== stopping everything", flush=True)
         if ctrl is not None:
             with contextlib.suppress(Exception):
                 await ctrl.stop()
         await asyncio.to_thread(rig.stop)
+    await _replay_and_summarise(work, model, day, {"ttft_p99_ms": slo_ttft_ms, "itl_p99_ms": slo_itl_ms}, live)
+    return rc
+
+
+async def _replay_and_summarise(work: Path, model: str, day: dict[str, Any], slo: dict[str, float],
+                                live: dict[str, Any], *, workers: int = 2, progress_s: float = 10.0) -> dict[str, Any]:
+    """Replay the demo's day, policy and profiles (fleetplan.sim.evaluate.evaluate, after the lab has
+    stopped: the CPU is the replay's), write summary.json and print the table."""
+    argv = evaluate_argv(work, model)
+    print(f"== replaying the same day, policy and profiles in the simulator: {' '.join(argv)}", flush=True)
+    t0 = time.monotonic()
+    task = asyncio.create_task(asyncio.to_thread(run_replay, work, model, workers=workers))
+    tick = progress_printer(f"{', '.join(REPLAY_POLICIES)} and the ground-truth capacities on {workers} workers",
+                            lambda m: print(m, flush=True))
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=progress_s)
+        if done:
+            break
+        tick(time.monotonic() - t0)
+    replay, error = None, None
+    try:
+        replay = task.result()
+    except Exception as exc:  # the live figures are still written
+        error = f"{type(exc).__name__}: {exc}"
+    summary = build_summary(work=work, model=model, day=day, slo=slo, live=live, replay=replay,
+                            replay_wall_s=time.monotonic() - t0, replay_error=error)
+    path = write_summary(work, summary)
+    print(f"== summary ({path}): live vs replay, same day, policy and profiles", flush=True)
+    print(render_summary(summary), flush=True)
+    return summary
