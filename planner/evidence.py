@@ -21,9 +21,20 @@ The HTTP fetch lives in controller/observe.py; everything here is pure (`interpr
 samples, the fleet and the clock) so the rules are unit-tested: what counts as too few samples, which
 replicas count, what a stale model gets (nothing).
 
-Quantiles follow Prometheus' histogram_quantile (promql/quantile.go, bucketQuantile): linear
-interpolation inside the bucket, the lowest bucket starting at 0, and the highest finite bound when
-the rank falls in the +Inf bucket.
+Quantiles (issue 17.3): the engines' buckets are coarse (vLLM's 1-2-5 length buckets, 100-250 ms TTFT),
+and Prometheus' histogram_quantile (promql/quantile.go, bucketQuantile: linear interpolation inside the
+bucket) puts each bucket's requests evenly over it, so its quantiles and the mean they imply are biased
+(a day of requests with mean output 1,019 tokens read as 1,282; prompts of exactly 64 tokens as p99 85;
+a TTFT p99 of 220 ms as 248). Every histogram also exports `_sum` and `_count`: the exact mean of the
+window. `bucket_quantiles` places the requests inside their buckets so that the implied mean IS that mean:
+the within-bucket shape is a log-logistic distribution (one location, one scale in ln x) fitted to the
+bucket counts (interval-censored likelihood) under the constraint that the buckets' conditional means
+add up to sum/count; each bucket keeps its count exactly, only the placement inside it is modelled. One
+occupied bucket: every request equals the mean (the histogram shows no spread; a fixed-length load is
+read as its length). Each quantile carries its interval, the bounds of the bucket holding its rank: the
+value is certainly inside it whatever the placement. Without `_sum`/`_count` the point values are
+Prometheus' (linear), with the same intervals. A p99 in the LOWEST bucket (a per-request TPOT under
+vLLM's first 10 ms edge) is reported as an upper bound: no value, the interval (0, edge].
 """
 
 from __future__ import annotations
@@ -33,6 +44,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Protocol
+
+import numpy as np
 
 from fleetplan.models.mix import QUANTILE_LEVELS
 from fleetplan.planner.types import ConfigKey, ConfigObservation, Replica, ReplicaState
@@ -44,12 +57,27 @@ TTFT_BUCKET = r"vllm[:_]time_to_first_token_seconds_bucket|trtllm_time_to_first_
 TPOT_REQ_BUCKET = r"vllm[:_]request_time_per_output_token_seconds_bucket|trtllm_time_per_output_token_seconds_bucket"
 REQ_SUCCESS = r"vllm[:_]request_success_total|trtllm_request_success_total"
 
+
+def moments_of(bucket_re: str, part: str) -> str:
+    """The `_sum` or `_count` series of the histograms `bucket_re` names (the same alternatives)."""
+    return "|".join(alt[: -len("_bucket")] + "_" + part for alt in bucket_re.split("|"))
+
+
+# the exact window means (issue 17.3): vllm:request_prompt_tokens_sum/_count, ..._generation_tokens_*,
+# vllm:time_to_first_token_seconds_*, vllm:request_time_per_output_token_seconds_*, and TRT-LLM's
+# trtllm_time_to_first_token_seconds_* / trtllm_time_per_output_token_seconds_*
+PROMPT_LEN_SUM, PROMPT_LEN_COUNT = moments_of(PROMPT_LEN_BUCKET, "sum"), moments_of(PROMPT_LEN_BUCKET, "count")
+GEN_LEN_SUM, GEN_LEN_COUNT = moments_of(GEN_LEN_BUCKET, "sum"), moments_of(GEN_LEN_BUCKET, "count")
+TTFT_SUM, TTFT_COUNT = moments_of(TTFT_BUCKET, "sum"), moments_of(TTFT_BUCKET, "count")
+TPOT_REQ_SUM, TPOT_REQ_COUNT = moments_of(TPOT_REQ_BUCKET, "sum"), moments_of(TPOT_REQ_BUCKET, "count")
+
 # decision rules
 MIN_LENGTH_SAMPLES = 20.0  # requests in the window below which a length distribution is not trusted
 MIN_P99_SAMPLES = 10.0  # observations below which a p99 is just the maximum of a handful: unknown
 MIN_CONFIG_REQUESTS = 1.0  # a config that completed nothing in the window has no evidence
 
 Buckets = tuple[tuple[float, float], ...]  # (upper bound `le`, cumulative count or rate); +Inf = math.inf
+Moments = tuple[float, float]  # (rate of the histogram's _sum, rate of its _count) over the window
 
 
 def histogram_quantile(q: float, buckets: Iterable[tuple[float, float]]) -> float | None:
@@ -86,6 +114,164 @@ def histogram_quantile(q: float, buckets: Iterable[tuple[float, float]]) -> floa
     return start + (end - start) * (rank / count)
 
 
+@dataclass(frozen=True)
+class QuantileEstimate:
+    """A quantile read from a histogram: the estimate, and the bounds of the bucket holding its rank
+    (the value is certainly inside them, whatever the placement inside the bucket)."""
+
+    q: float
+    value: float
+    lo: float  # 0 for the lowest bucket
+    hi: float  # math.inf for the +Inf bucket
+
+    @property
+    def in_lowest_bucket(self) -> bool:
+        return self.lo <= 0.0
+
+
+def _cleaned(buckets: Iterable[tuple[float, float]]) -> list[tuple[float, float, float]] | None:
+    """(lower bound, upper bound, count) per bucket, as Prometheus reads them (NaN bounds and non-finite
+    counts dropped, series of one `le` merged, monotonicity evened out, the lowest bucket from 0);
+    None where histogram_quantile gives NaN (no +Inf bucket, fewer than 2 buckets, no observations)."""
+    merged: dict[float, float] = {}
+    for le, c in buckets:
+        if math.isnan(le) or not math.isfinite(c):
+            continue
+        merged[le] = merged.get(le, 0.0) + c
+    pts = sorted(merged.items())
+    if len(pts) < 2 or pts[-1][0] != math.inf:
+        return None
+    out: list[tuple[float, float, float]] = []
+    prev_le, prev_c = 0.0, 0.0
+    for le, c in pts:
+        c = max(c, prev_c)
+        out.append((min(prev_le, le), le, c - prev_c))
+        prev_le, prev_c = le, c
+    return out if prev_c > 0 else None
+
+
+# the within-bucket shape: log-logistic, G(x) = sigmoid((ln x - a) / s), fitted per histogram
+_GL_X, _GL_W = np.polynomial.legendre.leggauss(8)
+_GL_X, _GL_W = 0.5 * (_GL_X + 1.0), 0.5 * _GL_W  # Gauss-Legendre on [0, 1]: a bucket's conditional mean
+_SCALES = np.exp(np.linspace(math.log(0.003), math.log(1.5), 16))  # s: from a point mass to a wide tail
+_ZMAX = 30.0  # |z| beyond which a bucket is all at its edge nearest the bulk (sigmoid saturates)
+_FIT_STEPS = 36  # bisection steps on the location (ln x) per scale
+MEAN_TOLERANCE = 0.02  # a sum/count further than this outside what the buckets allow is not their mean
+
+
+def _sigmoid(z: np.ndarray) -> np.ndarray:
+    return np.asarray(1.0 / (1.0 + np.exp(-z)))
+
+
+def _placed(a: np.ndarray, s: np.ndarray, llo: np.ndarray, lhi: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+            r: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x at within-bucket rank r (broadcast), and G at the buckets' bounds."""
+    gl = _sigmoid(np.clip((llo - a) / s, -_ZMAX, _ZMAX))
+    gu = _sigmoid(np.clip((lhi - a) / s, -_ZMAX, _ZMAX))
+    p = np.clip(gl[..., None] + r * (gu - gl)[..., None], 1e-300, 1.0 - 1e-16)
+    x = np.exp(a[..., None] + s[..., None] * np.log(p / (1.0 - p)))
+    return np.clip(x, lo[..., None], hi[..., None]), gl, gu
+
+
+def _fit_shape(occupied: Sequence[tuple[float, float, float]], mean: float) -> tuple[float, float]:
+    """(a, s) of the within-bucket shape: per scale s the location a at which the buckets' conditional
+    means add up to `mean` (bisection: they rise with a), then the s of the highest interval-censored
+    likelihood (ties: the narrowest, so one occupied bucket is a point at the mean). Finite buckets."""
+    lo = np.array([b[0] for b in occupied])
+    hi = np.array([b[1] for b in occupied])
+    n = np.array([b[2] for b in occupied])
+    total = float(n.sum())
+    with np.errstate(divide="ignore"):
+        llo, lhi = np.log(lo), np.log(hi)
+    bounds = np.concatenate([lo[lo > 0], hi])
+    s = _SCALES[:, None]
+    a_lo = np.full(len(_SCALES), math.log(float(bounds.min())) - 2.0)
+    a_hi = np.full(len(_SCALES), math.log(float(bounds.max())) + 2.0)
+    for _ in range(_FIT_STEPS):
+        mid = 0.5 * (a_lo + a_hi)
+        x, _, _ = _placed(mid[:, None], s, llo, lhi, lo, hi, _GL_X)
+        m = ((x * _GL_W).sum(-1) * n).sum(-1) / total
+        below = m < mean
+        a_lo, a_hi = np.where(below, mid, a_lo), np.where(below, a_hi, mid)
+    a = 0.5 * (a_lo + a_hi)
+    _, gl, gu = _placed(a[:, None], s, llo, lhi, lo, hi, _GL_X)
+    ll = (n * np.log(np.maximum(gu - gl, 1e-300))).sum(-1)
+    best = int(np.argmax(ll >= ll.max() - 1e-9 * max(1.0, abs(float(ll.max())))))
+    return float(a[best]), float(_SCALES[best])
+
+
+def bucket_quantiles(levels: Sequence[float], buckets: Iterable[tuple[float, float]],
+                     mean: float | None = None) -> tuple[QuantileEstimate, ...]:
+    """The quantiles at `levels` of a cumulative histogram, each with the bounds of its bucket.
+
+    With the window's exact `mean` (the histogram's _sum / _count) the requests are placed inside their
+    buckets so that the implied mean is that mean (module docstring); without it, or when the +Inf
+    bucket holds requests (its values are unbounded) or the mean is not the buckets' (outside what they
+    allow by more than MEAN_TOLERANCE), the values are Prometheus' linear interpolation. () where
+    Prometheus gives NaN. Values never fall with the level.
+
+    >>> b = ((50.0, 0.0), (100.0, 500.0), (200.0, 500.0), (math.inf, 500.0))  # 500 prompts in (50, 100]
+    >>> [round(e.value, 1) for e in bucket_quantiles((0.5, 0.99), b)]  # Prometheus: spread over the bucket
+    [75.0, 99.5]
+    >>> [(e.value, e.lo, e.hi) for e in bucket_quantiles((0.5, 0.99), b, mean=64.0)]  # all of them 64
+    [(64.0, 50.0, 100.0), (64.0, 50.0, 100.0)]
+    """
+    cleaned = _cleaned(buckets)
+    if cleaned is None:
+        return ()
+    total = sum(c for _, _, c in cleaned)
+    occupied = [b for b in cleaned if b[2] > 0]
+    usable = mean is not None and math.isfinite(mean) and mean >= 0 and not math.isinf(occupied[-1][1])
+    if usable and mean is not None:
+        m_lo = sum(lo * c for lo, _, c in occupied) / total
+        m_hi = sum(hi * c for _, hi, c in occupied) / total
+        usable = m_lo * (1 - MEAN_TOLERANCE) <= mean <= m_hi * (1 + MEAN_TOLERANCE)
+    shape: tuple[float, float] | None = None
+    if usable and mean is not None and len(occupied) > 1:
+        shape = _fit_shape(occupied, mean)
+    out: list[QuantileEstimate] = []
+    last = 0.0
+    for q in levels:
+        if not 0.0 <= q <= 1.0 or math.isnan(q):
+            continue
+        rank, before = q * total, 0.0
+        lo, hi, c = occupied[-1]
+        for b in cleaned:
+            if b[2] > 0 and before + b[2] >= rank - 1e-12 * total:
+                lo, hi, c = b
+                break
+            before += b[2]
+        else:
+            before = total - c
+        r = min(max((rank - before) / c, 0.0), 1.0)
+        if math.isinf(hi):
+            v = lo  # Prometheus: the highest finite bound
+        elif usable and mean is not None and shape is None:
+            v = min(max(mean, lo), hi)  # one occupied bucket: every request is the mean
+        elif shape is not None:
+            a, sc = shape
+            one = np.array([lo])
+            with np.errstate(divide="ignore"):
+                x, _, _ = _placed(np.array([a]), np.array([sc]), np.log(one), np.log(np.array([hi])), one,
+                                  np.array([hi]), np.array([r]))
+            v = float(x.reshape(-1)[0])
+        else:
+            v = lo + (hi - lo) * r
+        last = max(last, v)
+        out.append(QuantileEstimate(q, last, lo, hi))
+    return tuple(out)
+
+
+def mean_of(moments: Moments | None) -> float | None:
+    """sum / count of a histogram's window rates; None when unknown (not fetched, nothing counted)."""
+    if moments is None:
+        return None
+    total, count = moments
+    if not (math.isfinite(total) and math.isfinite(count)) or count <= 0 or total < 0:
+        return None
+    return total / count
+
+
 def parse_le(text: str | None) -> float | None:
     if text is None:
         return None
@@ -103,6 +289,8 @@ class ReplicaSeries:
     done_rps: float | None = None  # completions per wall second
     ttft: Buckets = ()  # cumulative bucket rates (seconds)
     tpot: Buckets = ()  # per-request time per output token (seconds)
+    ttft_moments: Moments | None = None  # rates of the TTFT histogram's _sum and _count; None: not fetched
+    tpot_moments: Moments | None = None
 
 
 def _empty_models() -> Mapping[str, Buckets]:
@@ -110,6 +298,10 @@ def _empty_models() -> Mapping[str, Buckets]:
 
 
 def _empty_replicas() -> Mapping[str, ReplicaSeries]:
+    return MappingProxyType({})
+
+
+def _empty_moments() -> Mapping[str, Moments]:
     return MappingProxyType({})
 
 
@@ -122,6 +314,9 @@ class Evidence:
     prompt_len: Mapping[str, Buckets] = field(default_factory=_empty_models)  # canonical model -> buckets
     gen_len: Mapping[str, Buckets] = field(default_factory=_empty_models)
     replicas: Mapping[str, ReplicaSeries] = field(default_factory=_empty_replicas)
+    # canonical model -> the length histograms' (_sum, _count) rates; None: not fetched (linear quantiles)
+    prompt_len_moments: Mapping[str, Moments] | None = None
+    gen_len_moments: Mapping[str, Moments] | None = None
 
 
 @dataclass(frozen=True)
@@ -130,38 +325,59 @@ class ModelEvidence:
     osl_quantiles: tuple[tuple[float, float], ...] = ()
     configs: tuple[ConfigObservation, ...] = ()
     notes: tuple[str, ...] = ()  # why some evidence was left out
+    # the same quantiles with the bounds of the bucket holding each (`QuantileEstimate`): the
+    # extrapolation guard reads the most favourable side (planner/capacity.py `extrapolation`)
+    isl_estimates: tuple[QuantileEstimate, ...] = ()
+    osl_estimates: tuple[QuantileEstimate, ...] = ()
+
+    def isl_p99_low(self) -> float | None:
+        """The lowest prompt-length p99 the histogram allows (its bucket's lower bound); None: unknown."""
+        return next((e.lo for e in self.isl_estimates if e.q == 0.99), None)
 
 
-def length_quantiles(buckets: Buckets, window_s: float,
-                     levels: Sequence[float] = QUANTILE_LEVELS) -> tuple[tuple[float, float], ...]:
-    """((q, tokens), ...) at `levels`; () with fewer than MIN_LENGTH_SAMPLES requests in the window."""
+def length_estimates(buckets: Buckets, window_s: float, moments: Moments | None = None,
+                     levels: Sequence[float] = QUANTILE_LEVELS) -> tuple[QuantileEstimate, ...]:
+    """The length quantiles at `levels` with their bucket bounds, consistent with the window's exact
+    mean when `moments` are known; () with fewer than MIN_LENGTH_SAMPLES requests in the window."""
     if not buckets:
         return ()
     total = max((r for le, r in buckets if le == math.inf), default=0.0)
     if not math.isfinite(total) or total * window_s < MIN_LENGTH_SAMPLES:
         return ()
-    out: list[tuple[float, float]] = []
-    last = 0.0
-    for q in levels:
-        v = histogram_quantile(q, buckets)
-        if v is None or not math.isfinite(v):
-            continue
-        last = max(last, v)  # a quantile function never falls
-        out.append((q, last))
-    return tuple(out)
+    return tuple(e for e in bucket_quantiles(levels, buckets, mean_of(moments)) if math.isfinite(e.value))
 
 
-def _p99_ms(buckets: Buckets, window_s: float) -> float | None:
+def length_quantiles(buckets: Buckets, window_s: float, levels: Sequence[float] = QUANTILE_LEVELS,
+                     moments: Moments | None = None) -> tuple[tuple[float, float], ...]:
+    """((q, tokens), ...) at `levels` (`length_estimates` without the bounds)."""
+    return tuple((e.q, e.value) for e in length_estimates(buckets, window_s, moments, levels))
+
+
+def _p99_ms(buckets: Buckets, window_s: float,
+            moments: Moments | None = None) -> tuple[float | None, tuple[float, float] | None]:
+    """(p99 in ms, the (lo, hi) ms bounds of its bucket). A p99 in the lowest bucket is an upper bound
+    only: (None, (0, edge)); too few observations: (None, None)."""
     total = max((r for le, r in buckets if le == math.inf), default=0.0)
     if not math.isfinite(total) or total * window_s < MIN_P99_SAMPLES:
-        return None
-    v = histogram_quantile(0.99, buckets)
-    if v is None or not math.isfinite(v):
-        return None
-    lowest = min((le for le, _ in buckets if math.isfinite(le) and le > 0), default=None)
-    if lowest is not None and v <= lowest:
-        return None  # the histogram only says "below its first bucket": no evidence of the value
-    return v * 1000.0
+        return None, None
+    est = bucket_quantiles((0.99,), buckets, mean_of(moments))
+    if not est or not math.isfinite(est[0].value):
+        return None, None
+    e = est[0]
+    bounds = (e.lo * 1000.0, e.hi * 1000.0)
+    if e.in_lowest_bucket:
+        return None, bounds  # "below the first edge": a bound, not a value (an interpolated 9.9 ms is an artefact)
+    return e.value * 1000.0, bounds
+
+
+def _sum_moments(parts: Iterable[Moments | None]) -> Moments | None:
+    """The config's (sum, count): every replica's, or None when any replica's is missing."""
+    total = count = 0.0
+    for m in parts:
+        if m is None:
+            return None
+        total, count = total + m[0], count + m[1]
+    return total, count
 
 
 def _sum_buckets(parts: Iterable[Buckets]) -> Buckets:
@@ -188,9 +404,11 @@ def interpret(model: str, evidence: Evidence | None, replicas: Sequence[Replica]
     MIN_LENGTH_SAMPLES requests in the window; a config's evidence comes only from its READY replicas
     that were READY for the whole window and whose series Prometheus returned (a replica that joined
     mid-window would dilute the load per replica); a config with fewer than MIN_CONFIG_REQUESTS
-    completions has none; a p99 over fewer than MIN_P99_SAMPLES observations is unknown (None), and so
-    is a p99 inside the lowest bucket (e.g. a per-request ITL under vLLM's first 10 ms edge: the
-    interpolated 9.9 ms would be a bucket artefact, not a measurement).
+    completions has none; a p99 over fewer than MIN_P99_SAMPLES observations is unknown (None); a p99
+    inside the lowest bucket (e.g. a per-request ITL under vLLM's first 10 ms edge) has no value but its
+    range (0, edge]: an upper bound (planner/correction.py reads it as "at least this fast"). Every
+    quantile is consistent with the window's exact mean where the histograms' _sum/_count were fetched,
+    and carries its bucket's bounds (`ConfigObservation.ttft_p99_range_ms`, `itl_p99_range_ms`).
     Rates are divided by the time scale (simulated rps); completions are counts over the window.
     """
     if stale or evidence is None or evidence.window_s <= 0:
@@ -198,8 +416,9 @@ def interpret(model: str, evidence: Evidence | None, replicas: Sequence[Replica]
     w = evidence.window_s
     k = evidence.time_scale if evidence.time_scale > 0 else 1.0
     notes: list[str] = []
-    isl_q = length_quantiles(evidence.prompt_len.get(model, ()), w)
-    osl_q = length_quantiles(evidence.gen_len.get(model, ()), w)
+    isl_e = length_estimates(evidence.prompt_len.get(model, ()), w,
+                             (evidence.prompt_len_moments or {}).get(model))
+    osl_e = length_estimates(evidence.gen_len.get(model, ()), w, (evidence.gen_len_moments or {}).get(model))
 
     by_config: dict[ConfigKey, list[ReplicaSeries]] = {}
     for r in sorted(replicas, key=lambda r: r.replica_id):
@@ -220,12 +439,13 @@ def interpret(model: str, evidence: Evidence | None, replicas: Sequence[Replica]
         requests = done * w
         if requests < MIN_CONFIG_REQUESTS:
             continue
-        configs.append(ConfigObservation(
-            c, len(series), done / k,
-            _p99_ms(_sum_buckets(s.ttft for s in series), w),
-            _p99_ms(_sum_buckets(s.tpot for s in series), w),
-            requests))
-    return ModelEvidence(isl_q, osl_q, tuple(configs), tuple(notes))
+        ttft, ttft_range = _p99_ms(_sum_buckets(s.ttft for s in series), w,
+                                   _sum_moments(s.ttft_moments for s in series))
+        itl, itl_range = _p99_ms(_sum_buckets(s.tpot for s in series), w, _sum_moments(s.tpot_moments for s in series))
+        configs.append(ConfigObservation(c, len(series), done / k, ttft, itl, requests,
+                                         ttft_p99_range_ms=ttft_range, itl_p99_range_ms=itl_range))
+    return ModelEvidence(tuple((e.q, e.value) for e in isl_e), tuple((e.q, e.value) for e in osl_e),
+                         tuple(configs), tuple(notes), isl_e, osl_e)
 
 
 class _Sample(Protocol):
@@ -236,11 +456,42 @@ class _Sample(Protocol):
     def value(self) -> float: ...
 
 
+@dataclass(frozen=True)
+class MomentSamples:
+    """The query results of the histograms' _sum and _count rates (None: that query was not run)."""
+
+    prompt_sum: Iterable[_Sample] | None = None
+    prompt_count: Iterable[_Sample] | None = None
+    gen_sum: Iterable[_Sample] | None = None
+    gen_count: Iterable[_Sample] | None = None
+    ttft_sum: Iterable[_Sample] | None = None  # per replica
+    ttft_count: Iterable[_Sample] | None = None
+    tpot_sum: Iterable[_Sample] | None = None
+    tpot_count: Iterable[_Sample] | None = None
+
+
 def collect(prompt_len: Iterable[_Sample], gen_len: Iterable[_Sample], done: Iterable[_Sample],
             ttft: Iterable[_Sample], tpot: Iterable[_Sample], *, model_of: Callable[[Mapping[str, str]], str | None],
-            window_s: float, time_scale: float = 1.0, replica_label: str = "replica") -> Evidence:
+            window_s: float, time_scale: float = 1.0, replica_label: str = "replica",
+            moments: MomentSamples | None = None) -> Evidence:
     """Evidence from the query results (observe.Sample-like: .labels, .value). Length buckets are
-    grouped by canonical model (several label groups of one model summed), the rest by replica."""
+    grouped by canonical model (several label groups of one model summed), the rest by replica.
+    `moments`: the _sum/_count rates; a model or replica missing either has none (linear quantiles)."""
+
+    def pairs(total: Iterable[_Sample] | None, count: Iterable[_Sample] | None,
+              key: Callable[[Mapping[str, str]], str | None]) -> dict[str, Moments] | None:
+        if total is None or count is None:
+            return None
+        acc: dict[str, list[float]] = {}
+        for i, part in enumerate((total, count)):
+            for smp in part:
+                k = key(smp.labels)
+                if not k or not math.isfinite(smp.value):
+                    continue
+                acc.setdefault(k, [math.nan, math.nan])
+                v = acc[k][i]
+                acc[k][i] = smp.value if math.isnan(v) else v + smp.value
+        return {k: (t, c) for k, (t, c) in acc.items() if not (math.isnan(t) or math.isnan(c))}
 
     def by_model(samples: Iterable[_Sample]) -> dict[str, Buckets]:
         acc: dict[str, dict[float, float]] = {}
@@ -268,10 +519,27 @@ def collect(prompt_len: Iterable[_Sample], gen_len: Iterable[_Sample], done: Ite
         if rid and math.isfinite(s.value):
             done_by[rid] = done_by.get(rid, 0.0) + s.value
     t, p = by_replica(ttft), by_replica(tpot)
-    reps = {rid: ReplicaSeries(done_by.get(rid), t.get(rid, ()), p.get(rid, ()))
+    ms = moments or MomentSamples()
+
+    def rid_of(labels: Mapping[str, str]) -> str | None:
+        return labels.get(replica_label) or None
+
+    tm, pm = pairs(ms.ttft_sum, ms.ttft_count, rid_of), pairs(ms.tpot_sum, ms.tpot_count, rid_of)
+    reps = {rid: ReplicaSeries(done_by.get(rid), t.get(rid, ()), p.get(rid, ()),
+                               None if tm is None else tm.get(rid), None if pm is None else pm.get(rid))
             for rid in sorted(set(done_by) | set(t) | set(p))}
+    plm, glm = pairs(ms.prompt_sum, ms.prompt_count, model_of), pairs(ms.gen_sum, ms.gen_count, model_of)
     return Evidence(window_s, time_scale, MappingProxyType(by_model(prompt_len)),
-                    MappingProxyType(by_model(gen_len)), MappingProxyType(reps))
+                    MappingProxyType(by_model(gen_len)), MappingProxyType(reps),
+                    None if plm is None else MappingProxyType(plm), None if glm is None else MappingProxyType(glm))
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None  # JSON has no Infinity: null = unbounded
+
+
+def _range(r: tuple[float, float] | None) -> list[float | None] | None:
+    return None if r is None else [r[0], _finite(r[1])]
 
 
 def evidence_to_json(e: ModelEvidence) -> dict[str, Any]:
@@ -279,8 +547,11 @@ def evidence_to_json(e: ModelEvidence) -> dict[str, Any]:
     return {
         "isl_quantiles": [[q, v] for q, v in e.isl_quantiles],
         "osl_quantiles": [[q, v] for q, v in e.osl_quantiles],
+        "isl_bounds": [[x.q, x.lo, _finite(x.hi)] for x in e.isl_estimates],
+        "osl_bounds": [[x.q, x.lo, _finite(x.hi)] for x in e.osl_estimates],
         "configs": [{"config": c.config.label(), "ready_replicas": c.ready_replicas, "rate_rps": c.rate_rps,
-                     "ttft_p99_ms": c.ttft_p99_ms, "itl_p99_ms": c.itl_p99_ms, "requests": c.requests}
+                     "ttft_p99_ms": c.ttft_p99_ms, "itl_p99_ms": c.itl_p99_ms, "requests": c.requests,
+                     "ttft_p99_range_ms": _range(c.ttft_p99_range_ms), "itl_p99_range_ms": _range(c.itl_p99_range_ms)}
                     for c in e.configs],
         "notes": list(e.notes),
     }
@@ -289,12 +560,18 @@ def evidence_to_json(e: ModelEvidence) -> dict[str, Any]:
 __all__ = [
     "Evidence",
     "ModelEvidence",
+    "MomentSamples",
+    "QuantileEstimate",
     "ReplicaSeries",
+    "bucket_quantiles",
     "collect",
     "evidence_to_json",
     "histogram_quantile",
     "interpret",
+    "length_estimates",
     "length_quantiles",
+    "mean_of",
+    "moments_of",
     "parse_le",
     "serving_whole_window",
 ]

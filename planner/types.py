@@ -96,6 +96,11 @@ class ConfigObservation:
     ttft_p99_ms: float | None
     itl_p99_ms: float | None  # per-request mean inter-token time, p99 over requests
     requests: float = 0.0  # completions behind the quantiles (how much evidence the window holds)
+    # the bounds (lo, hi) in ms of the histogram bucket holding each p99: the true p99 is inside them
+    # (hi = inf: the +Inf bucket). A range with no p99 value is an upper bound (the lowest bucket).
+    # None: unknown (e.g. a replay that gives only the point value)
+    ttft_p99_range_ms: tuple[float, float] | None = None
+    itl_p99_range_ms: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)

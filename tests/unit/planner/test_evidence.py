@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from types import MappingProxyType
 
+import numpy as np
 import pytest
 
 from fleetplan.models.mix import QUANTILE_LEVELS, mix_from_quantiles
@@ -14,10 +15,14 @@ from fleetplan.planner.evidence import (
     MIN_LENGTH_SAMPLES,
     MIN_P99_SAMPLES,
     Evidence,
+    MomentSamples,
     ReplicaSeries,
+    bucket_quantiles,
     collect,
+    evidence_to_json,
     histogram_quantile,
     interpret,
+    length_estimates,
     length_quantiles,
 )
 from fleetplan.planner.types import ConfigKey, Replica, ReplicaState
@@ -166,12 +171,14 @@ def test_interpret_few_samples_give_unknown_p99_and_idle_configs_no_evidence() -
     assert out.configs == ()
 
 
-def test_a_p99_inside_the_lowest_bucket_is_unknown() -> None:
+def test_a_p99_inside_the_lowest_bucket_is_an_upper_bound() -> None:
     tpot = [0.0] * (len(TPOT_EDGES) + 1)
     tpot[0] = 4.0  # every request under 10 ms: histogram_quantile would say 9.9 ms by interpolation
     s = ReplicaSeries(4.0, series(4.0).ttft, cumulative(TPOT_EDGES, tpot))
     (c,) = interpret(M, evidence({"r1": s}), [replica("r1")], NOW, stale=False).configs
-    assert c.itl_p99_ms is None and c.ttft_p99_ms is not None
+    # no value (the 9.9 ms would be a bucket artefact), but a bound: every request under 10 ms
+    assert c.itl_p99_ms is None and c.itl_p99_range_ms == (0.0, 10.0)
+    assert c.ttft_p99_ms is not None and c.ttft_p99_range_ms == (250.0, 500.0)
 
 
 def test_interpret_stale_model_or_no_evidence_gives_nothing() -> None:
@@ -215,3 +222,90 @@ def test_collect_groups_lengths_by_canonical_model_and_latency_by_replica() -> N
     assert set(e.replicas) == {"r1"}
     r1 = e.replicas["r1"]
     assert r1.done_rps == 0.75 and r1.ttft == ((0.5, 0.75), (INF, 0.75)) and r1.tpot == ()
+
+
+# ---- quantiles consistent with the exact mean (_sum / _count; issue 17.3) ------------------------
+
+VLLM_LEN_EDGES = [float(m * 10 ** e) for e in range(0, 5) for m in (1, 2, 5)]  # build_1_2_5_buckets
+
+
+def histogram_of(values: list[float], edges: list[float]) -> tuple[tuple[float, float], ...]:
+    per = [0.0] * (len(edges) + 1)
+    for v in values:
+        per[next((i for i, e in enumerate(edges) if v <= e), len(edges))] += 1.0
+    return cumulative(edges, per)
+
+
+def test_a_fixed_length_load_reads_as_its_length() -> None:
+    # prompts of exactly 64 tokens (a real vLLM, CPU build): all in the (50, 100] bucket, sum/count = 64
+    b = histogram_of([64.0] * 400, VLLM_LEN_EDGES)
+    assert histogram_quantile(0.99, b) == pytest.approx(99.5)  # Prometheus: spread over the bucket
+    est = length_estimates(b, 1.0, (64.0 * 400, 400.0))
+    assert {e.value for e in est} == {64.0}  # the histogram shows no spread: every prompt is the mean
+    assert all((e.lo, e.hi) == (50.0, 100.0) for e in est)
+    # without _sum/_count: Prometheus' reading, with the same interval
+    assert dict(length_quantiles(b, 1.0))[0.99] == pytest.approx(99.5)
+
+
+def test_quantiles_agree_with_the_exact_mean() -> None:
+    # the demo's lengths: Gaussian around 1,024 (sd 25%), vLLM's 1-2-5 buckets; Prometheus' quantiles
+    # put half the requests evenly over (1000, 2000] and read p99 ~1,980 and a mean far above the truth
+    rng = np.random.default_rng(7)
+    values = [max(8.0, float(int(x))) for x in rng.normal(1024.0, 256.0, 4000)]
+    true_mean, true_p99 = float(np.mean(values)), float(np.quantile(values, 0.99))
+    b = histogram_of(values, VLLM_LEN_EDGES)
+    levels = [i / 200 for i in range(1, 200)]
+    est = bucket_quantiles(levels, b, true_mean)
+    implied = float(np.mean([e.value for e in est]))
+    linear = float(np.mean([histogram_quantile(q, b) for q in levels]))  # type: ignore[misc]
+    assert abs(implied - true_mean) < 0.03 * true_mean < abs(linear - true_mean)
+    p99 = next(e for e in est if e.q == 0.99)
+    prom = histogram_quantile(0.99, b)
+    assert prom is not None and abs(p99.value - true_p99) < 0.1 * true_p99 < abs(prom - true_p99)
+    assert (p99.lo, p99.hi) == (1000.0, 2000.0) and p99.lo <= true_p99 <= p99.hi
+    # a latency: TTFT ~N(150 ms, 30 ms) in vLLM's 100-250 ms bucket; clients would measure p99 ~220 ms
+    ttft = [max(0.01, float(x)) for x in rng.normal(0.150, 0.030, 3000)]
+    edges = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5]
+    hb = histogram_of(ttft, edges)
+    (t99,) = bucket_quantiles((0.99,), hb, float(np.mean(ttft)))
+    truth, prom_t = float(np.quantile(ttft, 0.99)), histogram_quantile(0.99, hb)
+    assert prom_t is not None and abs(t99.value - truth) < abs(prom_t - truth)
+    assert (t99.lo, t99.hi) == (0.1, 0.25)
+
+
+def test_a_mean_that_is_not_the_buckets_is_ignored_and_inf_bucket_is_the_top_bound() -> None:
+    b = histogram_of([64.0] * 100, VLLM_LEN_EDGES)
+    (e,) = bucket_quantiles((0.99,), b, 5000.0)  # a sum/count of another population: linear reading
+    assert e.value == pytest.approx(99.5)
+    top = cumulative([1.0, 2.0], [1, 1, 98])
+    (e,) = bucket_quantiles((0.99,), top, 7.0)
+    assert e.value == 2.0 and e.lo == 2.0 and math.isinf(e.hi)
+
+
+def test_interpret_uses_the_moments_and_carries_the_bounds() -> None:
+    b = histogram_of([64.0] * 400, VLLM_LEN_EDGES)
+    rate = tuple((le, c / WINDOW) for le, c in b)  # rates per wall second
+    e = Evidence(WINDOW, K, prompt_len=MappingProxyType({M: rate}),
+                 prompt_len_moments=MappingProxyType({M: (64.0 * 400 / WINDOW, 400 / WINDOW)}))
+    me = interpret(M, e, [], NOW, stale=False)
+    assert dict(me.isl_quantiles)[0.99] == 64.0 and me.isl_p99_low() == 50.0
+    js = evidence_to_json(me)
+    assert js["isl_bounds"][0][1:] == [50.0, 100.0]
+
+
+def test_collect_reads_the_sum_and_count_series() -> None:
+    def model_of(labels: dict[str, str]) -> str | None:  # type: ignore[override]
+        return labels.get("model")
+
+    prompt = [S({"model": M, "le": "100.0"}, 2.0), S({"model": M, "le": "+Inf"}, 2.0)]
+    ms = MomentSamples(prompt_sum=[S({"model": M}, 128.0)], prompt_count=[S({"model": M}, 2.0)],
+                       ttft_sum=[S({"replica": "r1"}, 0.3)], ttft_count=[S({"replica": "r1"}, 2.0)],
+                       tpot_sum=[S({"replica": "r1"}, 0.02)])  # no tpot _count: unknown
+    ttft = [S({"replica": "r1", "le": "0.5"}, 2.0), S({"replica": "r1", "le": "+Inf"}, 2.0)]
+    done = [S({"replica": "r1"}, 2.0)]
+    e = collect(prompt, [], done, ttft, [], model_of=model_of, window_s=WINDOW, moments=ms)  # type: ignore[arg-type]
+    assert e.prompt_len_moments == {M: (128.0, 2.0)} and e.gen_len_moments is None
+    r1 = e.replicas["r1"]
+    assert r1.ttft_moments == (0.3, 2.0) and r1.tpot_moments is None
+    plain = collect(prompt, [], done, ttft, [], model_of=model_of, window_s=WINDOW)  # type: ignore[arg-type]
+    assert plain.prompt_len_moments is None and plain.replicas["r1"].ttft_moments is None
