@@ -97,12 +97,14 @@ class Controller:
 
     def __post_init__(self) -> None:
         from fleetplan.controller.actuation import PauseState
+        from fleetplan.controller.fleetview import policy_inventory
 
         self.runtime_alerts: dict[str, str] = {}
         self.policy = PolicySource(self.policy_path, self.profiles_path, self.store, self.metrics,
                                    self.runtime_alerts, wall=self.wall)
         self.clock = Clock(self.time_scale, wall=self.wall)
-        self.hosts = HostBook(self.runtime_alerts, self.settings.host_offline_grace_s, wall=self.wall)
+        self.hosts = HostBook(self.runtime_alerts, self.settings.host_offline_grace_s, wall=self.wall,
+                              inventory=lambda: policy_inventory(self.policy.policy))
         self.link = MqttLink(self.settings.mqtt, self._on_status, self._on_ack, self._on_connect,
                              on_reject=self.hosts.on_reject, on_desired=self.hosts.on_desired)
         self.prom = PromClient(self.settings.prometheus_url)

@@ -12,15 +12,35 @@ from fleetplan.planner import act
 from fleetplan.planner.act import ActView
 from fleetplan.planner.types import EngineBuild, Fleet, HostInventory, Replica, ReplicaState
 
+_INVENTORY: dict[int, tuple[Any, dict[str, tuple[str, int, tuple[tuple[int, ...], ...]]]]] = {}
+
+
+def policy_inventory(policy: Any) -> dict[str, tuple[str, int, tuple[tuple[int, ...], ...]]]:
+    """The policy's `hosts:` as host -> (gpu, gpu_count, nvlink_groups), what a host status may not
+    exceed (controller/hosts.py `agree`); one dict per loaded policy."""
+    if policy is None:
+        return {}
+    cached = _INVENTORY.get(id(policy))
+    if cached is not None and cached[0] is policy:
+        return cached[1]
+    inv = {h.name: (str(getattr(h.gpu, "value", h.gpu)), int(h.gpu_count), tuple(tuple(g) for g in h.nvlink_groups))
+           for h in getattr(policy, "hosts", ())}
+    _INVENTORY.clear()
+    _INVENTORY[id(policy)] = (policy, inv)
+    return inv
+
 
 def fleet_from(hosts: HostBook, store: StateStore, view: ActView, to_sim: Callable[[float], float],
                policy: Any, canonical: Callable[[str], str]) -> Fleet:
     inventory = []
+    agreed = hosts.reports()  # a status claiming more GPUs than the policy's inventory is cut to it
     for host, st in sorted(hosts.statuses.items()):
         if st.gpu is None or st.gpu_count is None:
             continue
-        inventory.append(HostInventory(host, st.gpu, st.gpu_count, st.nvlink_groups, hosts.online(host),
-                                       act.held_gpus(view, host)))
+        r = agreed.get(host)
+        count = r.gpu_count if r is not None and r.gpu_count is not None else st.gpu_count
+        groups = r.nvlink_groups if r is not None else tuple(tuple(g) for g in st.nvlink_groups)
+        inventory.append(HostInventory(host, st.gpu, count, groups, hosts.online(host), act.held_gpus(view, host)))
     rep = hosts.reported()
     replicas = []
     for row in store.active_replicas():

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, MutableMapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fleetplan.controller.protocol import DesiredState, HostStatus
@@ -40,6 +40,38 @@ def host_report(st: HostStatus, offline_since_s: float | None = None) -> HostRep
     )
 
 
+def agree(report: HostReport, gpu: str | None, gpu_count: int | None,
+          nvlink_groups: tuple[tuple[int, ...], ...] = ()) -> tuple[HostReport, str | None]:
+    """The host as the planner and the act core may use it: the agent's report where the policy's
+    inventory (`gpu`, `gpu_count`, `nvlink_groups`; None: not in the policy) agrees, the smaller
+    one where they differ; and what contradicts the policy (more GPUs, another type), or None. A
+    status cannot add GPUs to a host (a lying or misconfigured agent would have replicas placed on
+    GPUs the host does not have); fewer GPUs than the policy (one failed) are believed.
+
+    >>> r = HostReport("h", True, "h100", 24, (tuple(range(24)),))
+    >>> ok, why = agree(r, "h100", 8)
+    >>> ok.gpu_count, ok.nvlink_groups, why
+    (8, ((0, 1, 2, 3, 4, 5, 6, 7),), 'host h reports 24 h100 GPU(s), its policy inventory 8 h100: planning on 8')
+    >>> agree(HostReport("h", True, "h100", 4, ((0, 1, 2, 3),)), "h100", 8)[0].gpu_count  # one failed: believed
+    4
+    >>> bad, why = agree(HostReport("h", True, "a100", 8), "h100", 8)
+    >>> bad.gpu_count, why
+    (0, 'host h reports 8 a100 GPU(s), its policy inventory 8 h100: planning on none of them')
+    >>> agree(r, None, None)[0] is r
+    True
+    """
+    if gpu is None or gpu_count is None or report.gpu is None or report.gpu_count is None:
+        return report, None
+    said = f"host {report.name} reports {report.gpu_count} {report.gpu} GPU(s), its policy inventory {gpu_count} {gpu}"
+    if report.gpu.lower() != gpu.lower():
+        return replace(report, gpu_count=0, nvlink_groups=()), f"{said}: planning on none of them"
+    if report.gpu_count <= gpu_count:
+        return report, None
+    groups = nvlink_groups or tuple(g for g in (tuple(i for i in grp if i < gpu_count)
+                                                for grp in report.nvlink_groups) if g)
+    return replace(report, gpu_count=gpu_count, nvlink_groups=groups), f"{said}: planning on {gpu_count}"
+
+
 @dataclass
 class HostBook:
     """The agents' last statuses and what came with them (wall-clock seconds from `wall`).
@@ -62,6 +94,9 @@ class HostBook:
     # the act core's view of each host, built once per status (routing asks for it on every change:
     # rebuilding 10,000 hosts' reports each time held the loop for seconds per cycle at 10,000 hosts)
     _reports: dict[str, HostReport] = field(default_factory=dict)
+    # the policy's inventory: host -> (gpu, gpu_count, nvlink_groups); a status claiming more GPUs or
+    # another type is cut to the agreed inventory (`agree`) and alerted as inventory/<host>
+    inventory: Callable[[], dict[str, tuple[str, int, tuple[tuple[int, ...], ...]]]] = dict
 
     WIRE_ALERT_QUIET_S = 300.0  # a host's malformed-message alert clears after this long without one
     FLAP_WINDOW_S = 60.0
@@ -132,11 +167,30 @@ class HostBook:
         return {rs.replica_id: (host, rs) for host, st in self.statuses.items() for rs in st.replicas}
 
     def reports(self) -> dict[str, HostReport]:
+        """The act core's view of each host, cut to the policy's inventory where a status claims more."""
         out = self._reports
         for h, st in self.statuses.items():
             if h not in out:
                 out[h] = host_report(st, self.offline_since.get(h))
-        return dict(out)
+        inventory = self.inventory()
+        if not inventory:
+            return dict(out)
+        agreed = {}
+        for h, r in out.items():
+            spec = inventory.get(h)
+            if spec is None:
+                agreed[h] = r
+                self.alerts.pop(f"inventory/{h}", None)
+                continue
+            agreed[h], why = agree(r, *spec)
+            key = f"inventory/{h}"
+            if why is None:
+                self.alerts.pop(key, None)
+            else:
+                if self.alerts.get(key) != why:
+                    log.warning("%s", why)
+                self.alerts[key] = why
+        return agreed
 
     def take_dirty(self) -> dict[str, dict[str, Any]]:
         """The statuses that changed since the last call, as JSON for the state store (one commit per

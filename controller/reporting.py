@@ -78,6 +78,12 @@ def update_metrics(ctrl: Controller, doc: Mapping[str, Any], snap: Snapshot) -> 
             m.observed_itl_p99_seconds.labels(name).set(o.itl_p99_ms / 1000)
     update_correction_metrics(ctrl, doc)
     m.plan_usd_h.set(doc["plan"]["usd_h"])
+    mismatched = {k.split("/", 1)[1] for k in ctrl.runtime_alerts if k.startswith("inventory/")}
+    for labels in list(m.inventory_mismatch._metrics):  # hosts that agree again lose their series
+        if labels[0] not in mismatched:
+            m.inventory_mismatch.remove(*labels)
+    for host in mismatched:
+        m.inventory_mismatch.labels(host).set(1.0)
     m.stale_models.set(sum(1 for name, o in snap.models.items() if o.stale and name in desired))
 
 def update_correction_metrics(ctrl: Controller, doc: Mapping[str, Any]) -> None:
