@@ -204,7 +204,7 @@ class S:
 def test_collect_groups_lengths_by_canonical_model_and_latency_by_replica() -> None:
     canon = {"Llama-3.1-70B-Instruct": M, M: M}
 
-    def model_of(labels: dict[str, str]) -> str | None:  # type: ignore[override]
+    def model_of(labels: dict[str, str]) -> str | None:
         for k in ("model", "model_name"):
             if labels.get(k):
                 return canon.get(labels[k], labels[k])
@@ -257,7 +257,7 @@ def test_quantiles_agree_with_the_exact_mean() -> None:
     levels = [i / 200 for i in range(1, 200)]
     est = bucket_quantiles(levels, b, true_mean)
     implied = float(np.mean([e.value for e in est]))
-    linear = float(np.mean([histogram_quantile(q, b) for q in levels]))  # type: ignore[misc]
+    linear = float(np.mean([histogram_quantile(q, b) for q in levels]))
     assert abs(implied - true_mean) < 0.03 * true_mean < abs(linear - true_mean)
     p99 = next(e for e in est if e.q == 0.99)
     prom = histogram_quantile(0.99, b)
@@ -294,7 +294,7 @@ def test_interpret_uses_the_moments_and_carries_the_bounds() -> None:
 
 
 def test_collect_reads_the_sum_and_count_series() -> None:
-    def model_of(labels: dict[str, str]) -> str | None:  # type: ignore[override]
+    def model_of(labels: dict[str, str]) -> str | None:
         return labels.get("model")
 
     prompt = [S({"model": M, "le": "100.0"}, 2.0), S({"model": M, "le": "+Inf"}, 2.0)]
