@@ -272,6 +272,15 @@ class Observer:
             "ev_done": f"sum by ({REPLICA_LABEL}) (rate({self._sel(ev.REQ_SUCCESS)}[{w}]))",
             "ev_ttft": f"sum by ({rb}) (rate({self._sel(ev.TTFT_BUCKET)}[{w}]))",
             "ev_tpot": f"sum by ({rb}) (rate({self._sel(ev.TPOT_REQ_BUCKET)}[{w}]))",
+            # the histograms' exact window means (_sum / _count): quantiles consistent with them
+            "ev_prompt_sum": f"sum by ({self._by()}) (rate({self._sel(ev.PROMPT_LEN_SUM)}[{w}]))",
+            "ev_prompt_count": f"sum by ({self._by()}) (rate({self._sel(ev.PROMPT_LEN_COUNT)}[{w}]))",
+            "ev_gen_sum": f"sum by ({self._by()}) (rate({self._sel(ev.GEN_LEN_SUM)}[{w}]))",
+            "ev_gen_count": f"sum by ({self._by()}) (rate({self._sel(ev.GEN_LEN_COUNT)}[{w}]))",
+            "ev_ttft_sum": f"sum by ({REPLICA_LABEL}) (rate({self._sel(ev.TTFT_SUM)}[{w}]))",
+            "ev_ttft_count": f"sum by ({REPLICA_LABEL}) (rate({self._sel(ev.TTFT_COUNT)}[{w}]))",
+            "ev_tpot_sum": f"sum by ({REPLICA_LABEL}) (rate({self._sel(ev.TPOT_REQ_SUM)}[{w}]))",
+            "ev_tpot_count": f"sum by ({REPLICA_LABEL}) (rate({self._sel(ev.TPOT_REQ_COUNT)}[{w}]))",
         }
 
     async def _evidence(self, wall: float) -> ev.Evidence | None:
@@ -284,9 +293,12 @@ class Observer:
             log.warning("length/latency evidence unavailable: %s", exc)
             return None
         r = dict(zip(names, results, strict=True))
+        moments = ev.MomentSamples(r.get("ev_prompt_sum"), r.get("ev_prompt_count"), r.get("ev_gen_sum"),
+                                   r.get("ev_gen_count"), r.get("ev_ttft_sum"), r.get("ev_ttft_count"),
+                                   r.get("ev_tpot_sum"), r.get("ev_tpot_count"))
         return ev.collect(r["ev_prompt_len"], r["ev_gen_len"], r["ev_done"], r["ev_ttft"], r["ev_tpot"],
                           model_of=self._model_of, window_s=self.config.window_s,
-                          time_scale=self.config.time_scale, replica_label=REPLICA_LABEL)
+                          time_scale=self.config.time_scale, replica_label=REPLICA_LABEL, moments=moments)
 
     def _arrival_rate_query(self) -> str:
         """Arrivals = completions + growth of the requests in the engine (running + waiting).
