@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -82,8 +83,12 @@ class FastCore(BatchState[int]):
         # request is decoding, as left by the last macro-step; None: unknown, recompute
         self._stats: tuple[int, int] | None = None
 
-    def submit(self, idx: int, prompt_tokens: int, max_tokens: int) -> None:
-        self._enqueue(idx, prompt_tokens, max_tokens)
+    def submit(self, idx: int, prompt_tokens: int, max_tokens: int, blocks: Sequence[int] | None = None) -> None:
+        """Queue request `idx`. `blocks`: its prompt's 512-token block hashes (a trace's hash_ids,
+        fleetplan.sim.prefix_cache) for the prefix cache; None: not cacheable (every prompt token
+        is computed, as before the cache existed). The cumulative counters `prefix_queries_tokens`
+        and `prefix_hit_tokens` are vLLM's vllm:prefix_cache_queries / _hits (BatchState)."""
+        self._enqueue(idx, prompt_tokens, max_tokens, blocks)
 
     # -- planning a step
     def begin(self, now: float) -> float | None:
@@ -108,6 +113,8 @@ class FastCore(BatchState[int]):
         nb = len(running)
         if nb == 0:
             return False
+        if self.prefix is not None and self.waiting:
+            self._lookup_prefixes()  # the queue head's cached prefix decides whether it can join
         p = self.params
         st = self._stats
         if st is not None:
@@ -224,6 +231,8 @@ class FastCore(BatchState[int]):
             gap = (self.t_end - self.t0) / j
             count = j * len(self.running)
             finished = [r.key for r in self.retire()] if done else []
+            if self.prefix is not None and not done:
+                self.prefix.trim(self.free_blocks)  # the decode growth took free blocks
             self._k = 0
             self._stats = (kmin, ctx) if self.running else None
             return [], finished, gap, count
@@ -236,13 +245,18 @@ class FastCore(BatchState[int]):
                 count - len(first))
 
 
-def replay_on_core(params: EngineParams, arrivals: Sequence[tuple[float, int, int]], *, macro: bool = True,
-                   seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """One replica, open loop: per-request TTFT (incl. frontend overhead) and mean ITL, seconds.
+def replay_on_core(params: EngineParams,
+                   arrivals: Sequence[tuple[float, int, int]] | Sequence[tuple[float, int, int, Sequence[int] | None]],
+                   *, macro: bool = True, seed: int = 0, core: FastCore | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """One replica, open loop: per-request TTFT (incl. frontend overhead) and mean ITL, seconds, in
+    the order of the arrivals sorted by (time, prompt, output).
 
+    An arrival may carry a 4th element, its prompt's block hashes (the prefix cache; see
+    FastCore.submit). `core`: run on this core (read its counters afterwards) instead of a new one.
     The reference loop of groundtruth.simulate() with FastCore; used to validate macro-steps."""
-    core = FastCore(params, seed=seed, macro=macro)
-    arr = sorted(arrivals)
+    if core is None:
+        core = FastCore(params, seed=seed, macro=macro)
+    arr: list[tuple[Any, ...]] = sorted(arrivals, key=lambda a: (a[0], a[1], a[2]))  # ties by length, as before
     n = len(arr)
     first = np.full(n, np.nan)
     fin = np.full(n, np.nan)
@@ -252,7 +266,8 @@ def replay_on_core(params: EngineParams, arrivals: Sequence[tuple[float, int, in
     i = 0
     while True:
         while i < n and arr_t[i] <= now:
-            core.submit(i, arr[i][1], arr[i][2])
+            a = arr[i]
+            core.submit(i, a[1], a[2], a[3] if len(a) > 3 else None)
             i += 1
         if core.idle():
             if i >= n:

@@ -34,6 +34,7 @@ from typing import Generic, NamedTuple, TypeVar
 
 from fleetplan.models.hardware import GPU_SPECS, LlmSpec, bytes_per_param, llm_spec
 from fleetplan.models.names import Engine, GpuType, Precision
+from fleetplan.sim.prefix_cache import PREFIX_BLOCK_TOKENS, PrefixCache
 
 WEIGHT_OVERHEAD = 1.03  # weights + runtime buffers
 ACTIVATION_BYTES_PER_GPU = 1.5e9  # activations, CUDA graphs, workspace
@@ -256,9 +257,10 @@ def blocks_for(tokens: int, block_size: int) -> int:
 class Seq(Generic[K]):
     """One request's progress through an engine (mutable; only BatchState and FastCore change it)."""
 
-    __slots__ = ("blocks", "computed", "emitted", "key", "max_tokens", "prompt", "target")
+    __slots__ = ("blocks", "computed", "emitted", "hashes", "key", "looked", "max_tokens", "pinned", "prompt",
+                 "target")
 
-    def __init__(self, key: K, prompt: int, max_tokens: int) -> None:
+    def __init__(self, key: K, prompt: int, max_tokens: int, hashes: Sequence[int] | None = None) -> None:
         self.key = key
         self.prompt = prompt
         self.max_tokens = max_tokens
@@ -266,6 +268,11 @@ class Seq(Generic[K]):
         self.emitted = 0  # output tokens emitted
         self.target = prompt  # tokens that must be computed before the next token is emitted
         self.blocks = 0  # KV blocks held
+        # prefix cache (fleetplan.sim.prefix_cache): the prompt's block hashes (None: not cacheable),
+        # the leading ones this request pins, the cache epoch of its last lookup while waiting
+        self.hashes = hashes
+        self.pinned = 0
+        self.looked = -1
 
 
 @dataclass(frozen=True)
@@ -408,6 +415,14 @@ class BatchState(Generic[K]):
         self.free_blocks = params.kv_blocks
         self.steps = 0
         self.preemptions = 0
+        # the prefix cache, made by the first request that carries block hashes (None: no request
+        # did; an engine without prefix caching behaves exactly as before it existed)
+        self.prefix: PrefixCache | None = None
+        self.prefix_caching = True  # False: hashes are ignored (vLLM --no-enable-prefix-caching)
+        # vLLM's prefix-cache counters (vllm:prefix_cache_queries / _hits, in tokens): at each
+        # admission of a request, queries += the tokens it must compute, hits += the cached ones
+        self.prefix_queries_tokens = 0
+        self.prefix_hit_tokens = 0
 
     @property
     def num_running(self) -> int:
@@ -436,16 +451,49 @@ class BatchState(Generic[K]):
                 f"prompt_tokens + max_tokens = {total} exceeds the engine's maximum context length {p.max_model_len}"
             )
 
-    def _enqueue(self, key: K, prompt_tokens: int, max_tokens: int) -> Seq[K]:
+    def _enqueue(self, key: K, prompt_tokens: int, max_tokens: int, blocks: Sequence[int] | None = None) -> Seq[K]:
         prompt_tokens = max(1, int(prompt_tokens))
         max_tokens = max(1, int(max_tokens))
         self.check(prompt_tokens, max_tokens)
-        s = Seq(key, prompt_tokens, max_tokens)
+        hashes = None
+        if blocks is not None and self.prefix_caching:
+            hashes = tuple(blocks)
+            if self.prefix is None:
+                self.prefix = PrefixCache(self.params.block_size)
+        s = Seq(key, prompt_tokens, max_tokens, hashes)
         self.waiting.append(s)
         return s
 
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        """Cached share of the tokens queried so far (None: nothing queried)."""
+        q = self.prefix_queries_tokens
+        return self.prefix_hit_tokens / q if q else None
+
+    def _lookup_prefixes(self) -> None:
+        """Set the cached prefix (as already computed tokens) of the waiting requests that could
+        join the next step: the head of the queue, up to the free seats and the token budget."""
+        pc = self.prefix
+        if pc is None or not self.waiting:
+            return
+        epoch = pc.epoch
+        seats = self.rule.max_num_seqs - len(self.running)
+        budget = self.rule.max_num_batched_tokens
+        for s in self.waiting:
+            if seats <= 0 or budget <= 0:
+                break
+            seats -= 1
+            h = s.hashes
+            if h is not None and s.looked != epoch and s.blocks == 0:
+                s.looked = epoch
+                s.computed = pc.hit_tokens(h, s.prompt, s.target)[0]
+            budget -= s.target - s.computed
+
     def schedule(self) -> StepPlan[K]:
         """Plan the next step and apply its admissions, evictions and KV allocation."""
+        pc = self.prefix
+        if pc is not None:
+            self._lookup_prefixes()
         plan = plan_step(self.rule, self.running, self.waiting, self.free_blocks)
         running, waiting = self.running, self.waiting
         for v in plan.preempted:
@@ -453,12 +501,27 @@ class BatchState(Generic[K]):
             v.blocks = 0
             v.computed = 0
             v.target = v.prompt + v.emitted  # recompute prompt + generated tokens as one prefill
+            if pc is not None and v.pinned:
+                pc.unpin(v.hashes or (), v.pinned)
+                v.pinned = 0
+                v.looked = -1
             waiting.appendleft(v)
         for _ in range(plan.admitted):
-            running.append(waiting.popleft())
+            s = waiting.popleft()
+            running.append(s)
+            if pc is not None:
+                # computed: the cached prefix (0 for a request evicted in this very step)
+                self.prefix_queries_tokens += s.target
+                if s.computed > 0 and s.hashes is not None:
+                    self.prefix_hit_tokens += s.computed
+                    nb = -(-s.computed // PREFIX_BLOCK_TOKENS)
+                    pc.pin(s.hashes, s.prompt, 0, nb)
+                    s.pinned = nb
         for s, held in plan.grants:
             s.blocks = held
         self.free_blocks = plan.free_blocks
+        if pc is not None:
+            pc.trim(self.free_blocks)
         self.preemptions += len(plan.preempted)
         self.steps += 1
         return plan
@@ -479,11 +542,15 @@ class BatchState(Generic[K]):
         first: list[Seq[K]] = []
         count = 0
         done = False
+        pc = self.prefix
         for r, n in plan.chunks:
             r.computed += n
             if r.computed >= r.target:
                 if r.emitted == 0:
                     first.append(r)
+                    if pc is not None and r.hashes is not None:  # prefill done: its blocks are cached
+                        pc.pin(r.hashes, r.prompt, r.pinned)
+                        r.pinned = len(r.hashes)
                 r.emitted += 1
                 r.target = r.prompt + r.emitted  # the new token's KV is computed next step
                 count += 1
@@ -497,14 +564,20 @@ class BatchState(Generic[K]):
         """Remove the requests that emitted all their tokens (in batch order) and free their blocks."""
         keep: list[Seq[K]] = []
         finished: list[Seq[K]] = []
+        pc = self.prefix
         for r in self.running:
             if r.emitted >= r.max_tokens:
                 self.free_blocks += r.blocks
                 r.blocks = 0
                 finished.append(r)
+                if pc is not None and r.pinned:
+                    pc.unpin(r.hashes or (), r.pinned)
+                    r.pinned = 0
             else:
                 keep.append(r)
         self.running = keep
+        if pc is not None:
+            pc.trim(self.free_blocks)
         return finished
 
 
@@ -531,11 +604,13 @@ class BatchCore(BatchState[str]):
     def has(self, req_id: str) -> bool:
         return req_id in self._by_id
 
-    def submit(self, req_id: str, prompt_tokens: int, max_tokens: int, now_s: float) -> None:
-        """Queue a request. Raises RequestTooLongError when it can never fit; ValueError on a duplicate id."""
+    def submit(self, req_id: str, prompt_tokens: int, max_tokens: int, now_s: float,
+               blocks: Sequence[int] | None = None) -> None:
+        """Queue a request. Raises RequestTooLongError when it can never fit; ValueError on a duplicate id.
+        `blocks`: the prompt's block hashes (fleetplan.sim.prefix_cache), None: not cacheable."""
         if req_id in self._by_id:
             raise ValueError(f"duplicate request id {req_id!r}")
-        self._by_id[req_id] = self._enqueue(req_id, prompt_tokens, max_tokens)
+        self._by_id[req_id] = self._enqueue(req_id, prompt_tokens, max_tokens, blocks)
 
     def cancel(self, req_id: str) -> bool:
         """Drop a request (client gone). True when it was known."""
@@ -551,6 +626,9 @@ class BatchCore(BatchState[str]):
                 pass
         self.free_blocks += s.blocks
         s.blocks = 0
+        if self.prefix is not None and s.pinned:
+            self.prefix.unpin(s.hashes or (), s.pinned)
+            s.pinned = 0
         return True
 
     def step(self, now_s: float) -> StepResult:

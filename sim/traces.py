@@ -6,7 +6,8 @@ Formats (detected from the header / first line, never from the file name):
   ``TIMESTAMP,ContextTokens,GeneratedTokens``; TIMESTAMP is an ISO date-time such as
   ``2023-11-16 18:15:46.6805900`` (up to 7 fractional digits, optional UTC offset).
 - Mooncake JSONL (kvcache-ai/Mooncake FAST25 traces): one JSON object per line with
-  ``timestamp`` (milliseconds), ``input_length``, ``output_length`` (``hash_ids`` ignored).
+  ``timestamp`` (milliseconds), ``input_length``, ``output_length``, optional ``hash_ids`` (the
+  prompt's 512-token blocks, chained: equal ids mean equal prefixes; kept as ``TraceRequest.blocks``).
 - BurstGPT CSV: ``Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type``;
   Timestamp in seconds. Rows with ``Response tokens`` = 0 are failed requests in BurstGPT: they
   are SKIPPED and counted in ``Trace.skipped`` (with the first reasons in ``Trace.skip_reasons``).
@@ -25,7 +26,7 @@ import csv
 import io
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from enum import StrEnum
@@ -50,6 +51,8 @@ class TraceRequest:
     prompt_tokens: int
     output_tokens: int
     model: str | None = None  # None: the trace has no model column (one model)
+    # the prompt's 512-token block hashes (Mooncake's hash_ids; fleetplan.sim.prefix_cache), None: unknown
+    blocks: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -82,7 +85,9 @@ class Trace:
     def summary(self) -> dict[str, object]:
         n = len(self.requests)
         dur = self.duration_s
+        reuse = block_reuse_share(self.requests)
         return {
+            "block_reuse_share": round(reuse, 4) if reuse is not None else None,
             "source": self.source,
             "format": self.format.value,
             "requests": n,
@@ -194,6 +199,7 @@ def parse_trace_text(text: str, source: str, *, model: str | None = None) -> Tra
         raise TraceError(f"{source}: empty trace")
     fmt = _detect(source, first)
     raw: list[tuple[float, int, int, str | None]] = []
+    blocks: list[tuple[int, ...] | None] = []
     skipped = 0
     reasons: list[str] = []
     if fmt is TraceFormat.MOONCAKE:
@@ -210,6 +216,7 @@ def parse_trace_text(text: str, source: str, *, model: str | None = None) -> Tra
             p = _int_field(source, lineno, "input_length", obj.get("input_length"), minimum=1)
             o = _int_field(source, lineno, "output_length", obj.get("output_length"), minimum=1)
             raw.append((t_ms / 1000.0, p, o, model))
+            blocks.append(_hash_ids(source, lineno, obj.get("hash_ids"), p))
     else:
         reader = csv.reader(io.StringIO(text))
         header_row = next(reader)
@@ -249,10 +256,42 @@ def parse_trace_text(text: str, source: str, *, model: str | None = None) -> Tra
     order = sorted(range(len(raw)), key=lambda i: raw[i][0])
     t0 = raw[order[0]][0]
     requests = tuple(
-        TraceRequest(t_s=round(raw[i][0] - t0, 6), prompt_tokens=raw[i][1], output_tokens=raw[i][2], model=raw[i][3])
+        TraceRequest(t_s=round(raw[i][0] - t0, 6), prompt_tokens=raw[i][1], output_tokens=raw[i][2], model=raw[i][3],
+                     blocks=blocks[i] if blocks else None)
         for i in order
     )
     return Trace(source=source, format=fmt, requests=requests, skipped=skipped, skip_reasons=tuple(reasons))
+
+
+def _hash_ids(source: str, line: int, raw: object, prompt_tokens: int) -> tuple[int, ...] | None:
+    """A Mooncake line's hash_ids (absent or null: None). One id per 512-token block of the prompt;
+    a list of another length is kept as it is (a trace from another block size) but must hold
+    whole non-negative numbers."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in raw):
+        raise _err(source, line, "hash_ids", raw if not isinstance(raw, list) else raw[:8],
+                   "must be a list of block ids (whole numbers >= 0)")
+    return tuple(raw)
+
+
+def block_reuse_share(requests: Iterable[TraceRequest]) -> float | None:
+    """The share of the requests' prompt blocks that repeat an earlier block (in arrival order):
+    the prefix-cache hit rate in blocks of ONE replica with an unlimited cache (the bound for any
+    fleet: more replicas or a bounded cache hit less). None when no request has blocks.
+    Mooncake's conversation trace: 0.366."""
+    seen: set[int] = set()
+    total = repeat = 0
+    for r in requests:
+        if r.blocks is None:
+            continue
+        for h in r.blocks:
+            total += 1
+            if h in seen:
+                repeat += 1
+            else:
+                seen.add(h)
+    return repeat / total if total else None
 
 
 def read_trace(path: str | Path, *, model: str | None = None) -> Trace:
@@ -315,14 +354,43 @@ def reshape(
     grid = np.linspace(0.0, duration_s, max(2049, min(200_001, int(duration_s) * 4 + 1)))
     tau = rate_scale * (grid - amplitude * duration_s / (2 * math.pi) * np.sin(2 * math.pi * grid / duration_s))
     new_t = np.interp(tiled, tau, grid)
+    copy = (np.arange(copies)[:, None] + np.zeros((1, n), dtype=int)).ravel()[keep]
+    tile_blocks = _tile_blocks(reqs)
     out = tuple(
         TraceRequest(
             t_s=float(t), prompt_tokens=reqs[i].prompt_tokens, output_tokens=reqs[i].output_tokens,
-            model=reqs[i].model,
+            model=reqs[i].model, blocks=tile_blocks(i, k),
         )
-        for t, i in zip(new_t.tolist(), idx.tolist(), strict=True)
+        for t, i, k in zip(new_t.tolist(), idx.tolist(), copy.tolist(), strict=True)
     )
     return replace(trace, requests=out)
+
+
+SHARED_BLOCK_SHARE = 0.01  # a block in more than 1% of the requests is a shared prefix (a system prompt)
+
+
+def _tile_blocks(reqs: Sequence[TraceRequest]) -> Callable[[int, int], tuple[int, ...] | None]:
+    """Block ids of request i in tile copy k: copy 0 keeps the trace's ids; a later copy is new
+    conversations with the same shape, so its ids are offset by k x (largest id + 1), except the
+    blocks shared by more than SHARED_BLOCK_SHARE of the requests (system prompts), which every
+    copy shares. Without it a tiled trace would hit its own earlier copy."""
+    ids = [h for r in reqs if r.blocks is not None for h in r.blocks]
+    if not ids:
+        return lambda i, k: reqs[i].blocks
+    span = max(ids) + 1
+    counts: dict[int, int] = {}
+    for r in reqs:
+        for h in set(r.blocks or ()):
+            counts[h] = counts.get(h, 0) + 1
+    shared = {h for h, c in counts.items() if c > SHARED_BLOCK_SHARE * len(reqs)}
+
+    def blocks(i: int, k: int) -> tuple[int, ...] | None:
+        b = reqs[i].blocks
+        if b is None or k == 0:
+            return b
+        return tuple(h if h in shared else h + k * span for h in b)
+
+    return blocks
 
 
 def shape_day(

@@ -46,7 +46,7 @@ def test_mooncake_jsonl_ms_timestamps() -> None:
     )
     tr = parse_trace_text(text, "m.jsonl")
     assert tr.format is TraceFormat.MOONCAKE
-    assert tr.requests == (TraceRequest(0.0, 20, 4, None), TraceRequest(1.0, 10, 3, None))
+    assert tr.requests == (TraceRequest(0.0, 20, 4, None, (1,)), TraceRequest(1.0, 10, 3, None, (0,)))
 
 
 def test_burstgpt_fixture_skips_failed_and_keeps_models() -> None:
