@@ -39,6 +39,9 @@ class MixedWorkload:
     isl: float
     osl: float
     mix: LengthMix | None = None
+    # the lowest prompt-length p99 the engines' histogram allows (the lower bound of the bucket holding
+    # it, planner/evidence.py ModelEvidence.isl_p99_low); None: unknown (the mix's p99 is all there is)
+    isl_p99_low: float | None = None
 
     def length_mix(self) -> LengthMix:
         return self.mix if self.mix is not None else LengthMix.single(self.isl, self.osl)
@@ -102,8 +105,12 @@ EXTRAPOLATION_FACTOR = 1.25  # beyond the data's range by more than this: extrap
 SPREAD_EXTRAPOLATION_FACTOR = 2.0
 
 
-def extrapolation(profile: mp.PerfProfile, mix: LengthMix) -> tuple[str, ...]:
+def extrapolation(profile: mp.PerfProfile, mix: LengthMix, isl_p99_low: float | None = None) -> tuple[str, ...]:
     """Why the profile answers outside what its benchmark data covered (empty: inside).
+
+    `isl_p99_low`: the most favourable reading of the prompt p99 (the lower bound of the histogram
+    bucket holding it): prompts count as beyond the data only if even that reading is (a coarse bucket
+    is no evidence of long prompts).
 
     >>> from fleetplan.models.profile import DataRange, PerfParams, PerfProfile, ConfigKey
     >>> from fleetplan.models.names import Engine, GpuType, Precision
@@ -113,6 +120,8 @@ def extrapolation(profile: mp.PerfProfile, mix: LengthMix) -> tuple[str, ...]:
     ()
     >>> extrapolation(prof, LengthMix(((1000, 200, 0.98), (9000, 200, 0.02))))
     ('prompts up to 9000 tokens (p99), the data up to 2048',)
+    >>> extrapolation(prof, LengthMix(((1000, 200, 0.98), (2700, 200, 0.02))), isl_p99_low=2000.0)
+    ()
     >>> spread = PerfProfile(k, prof.params, data_range=DataRange((1100, 1100), (210, 210), None, None, 7,
     ...                                                           length_spread=True))
     >>> extrapolation(spread, LengthMix.single(1150, 290))  # an hour's drift of the mean: inside
@@ -134,8 +143,10 @@ def extrapolation(profile: mp.PerfProfile, mix: LengthMix) -> tuple[str, ...]:
             why.append(f"mean prompt {mean.isl:.0f} tokens, the data's mean {r.isl[1]:.0f}")
     else:
         p99 = mix.isl_quantile(0.99)
-        if p99 > r.isl[1] * EXTRAPOLATION_FACTOR:
-            why.append(f"prompts up to {p99:.0f} tokens (p99), the data up to {r.isl[1]:.0f}")
+        low = p99 if isl_p99_low is None or not math.isfinite(isl_p99_low) else min(p99, isl_p99_low)
+        if low > r.isl[1] * EXTRAPOLATION_FACTOR:
+            at_least = f", at least {low:.0f}" if low < p99 else ""
+            why.append(f"prompts up to {p99:.0f} tokens (p99{at_least}), the data up to {r.isl[1]:.0f}")
     if mean.osl > r.osl[1] * (SPREAD_EXTRAPOLATION_FACTOR if r.length_spread else EXTRAPOLATION_FACTOR):
         why.append(f"mean output {mean.osl:.0f} tokens, the data {'mean' if r.length_spread else 'up to'} "
                    f"{r.osl[1]:.0f}")
@@ -193,7 +204,7 @@ def capacity_table(
         if not (math.isfinite(rps) and rps >= 0):
             continue  # 0 stays: the SLO out of reach at this mix (planner.core keeps min_replicas on it)
         table[key] = CapacityInfo(rps, binding, tuple(warnings), prof.source == "roofline", base_rps, sp.note,
-                                  extrapolation(prof, mix_for(prof, w)))
+                                  extrapolation(prof, mix_for(prof, w), w.isl_p99_low))
 
     def predictor(config: ConfigKey, rate_rps: float) -> tuple[float | None, float | None]:
         prof = chosen.get(config)
