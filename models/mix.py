@@ -56,9 +56,23 @@ QUANTILE_LEVELS: tuple[float, ...] = (0.1, 0.25, 0.5, 0.65, 0.7, 0.8, 0.85, 0.9,
 
 @dataclass(frozen=True)
 class LengthMix:
-    """Request length classes (isl, osl, weight); weights are positive and sum to 1."""
+    """Request length classes (isl, osl, weight); weights are positive and sum to 1.
+
+    `cached_share` in [0, 1]: the share of every prompt's tokens a replica finds in its prefix
+    cache (the observed hit rate, vLLM's prefix_cache_hits / prefix_cache_queries). The prefill
+    work, its chunks and its attention use the uncached tokens; the KV memory and the decode
+    context still hold the whole prompt. 0 (the default): every prompt token is computed."""
 
     classes: tuple[tuple[float, float, float], ...]
+    cached_share: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.cached_share <= 1.0:  # NaN fails too
+            raise ValueError(f"cached_share must be in [0, 1], got {self.cached_share}")
+
+    def with_cached_share(self, share: float | None) -> LengthMix:
+        """This mix with `share` of each prompt cached (None: unknown, none assumed)."""
+        return replace(self, cached_share=0.0 if share is None else min(1.0, max(0.0, float(share))))
 
     def mean(self) -> Workload:
         return Workload(isl=sum(i * w for i, _, w in self.classes), osl=sum(o * w for _, o, w in self.classes))
@@ -74,8 +88,9 @@ class LengthMix:
 
     def describe(self) -> str:
         m = self.mean()
+        cached = f", {self.cached_share:.0%} of prompt tokens cached" if self.cached_share > 0 else ""
         return (f"isl mean {m.isl:.0f} p50 {self.isl_quantile(0.5):.0f} p99 {self.isl_quantile(0.99):.0f}, "
-                f"osl mean {m.osl:.0f} ({len(self.classes)} classes)")
+                f"osl mean {m.osl:.0f} ({len(self.classes)} classes){cached}")
 
     @staticmethod
     def single(isl: float, osl: float) -> LengthMix:
@@ -109,7 +124,8 @@ def _classes(points: Sequence[tuple[float, float]], bins: Sequence[float], mean:
 
 
 def mix_from_quantiles(isl_quantiles: Sequence[tuple[float, float]], osl_quantiles: Sequence[tuple[float, float]],
-                       *, isl_mean: float | None = None, osl_mean: float | None = None) -> LengthMix:
+                       *, isl_mean: float | None = None, osl_mean: float | None = None,
+                       cached_share: float | None = None) -> LengthMix:
     """A mix from quantiles ((q, tokens), ...) of the prompt and output length distributions.
 
     Prompt and output lengths are taken as independent (histograms give only the marginals). An empty
@@ -136,7 +152,7 @@ def mix_from_quantiles(isl_quantiles: Sequence[tuple[float, float]], osl_quantil
         for o, wo in osl:
             merged[(i, o)] = merged.get((i, o), 0.0) + wi * wo
     total = sum(merged.values())
-    return LengthMix(tuple((i, o, w / total) for (i, o), w in sorted(merged.items())))
+    return LengthMix(tuple((i, o, w / total) for (i, o), w in sorted(merged.items()))).with_cached_share(cached_share)
 
 
 @dataclass(frozen=True)
@@ -150,6 +166,27 @@ class MixPrediction:
 def _arrays(mix: LengthMix) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     c = np.array(mix.classes, dtype=float)
     return c[:, 0], c[:, 1], c[:, 2]
+
+
+def prefill_work(p: PerfParams, isl: Any, cached_share: float = 0.0) -> Any:
+    """Prefill work (ms) of prompts of `isl` tokens whose leading `cached_share` is in the prefix
+    cache: the profile's p0 + p1 P + p2 P^2 for the computed tokens only. The quadratic (attention)
+    term counts the query x key pairs of the computed tokens, which also attend to the cached
+    ones: P^2 - C^2 for C cached tokens. At least one token is computed (vLLM recomputes the last
+    one). cached_share 0: exactly models.profile.work_terms' prefill."""
+    if cached_share <= 0.0:
+        return p.p0_ms + p.p1_ms * isl + p.p2_ms * isl * isl
+    c = np.minimum(cached_share * isl, np.maximum(isl - 1.0, 0.0))
+    return p.p0_ms + p.p1_ms * (isl - c) + p.p2_ms * (isl * isl - c * c)
+
+
+def _work_terms(p: PerfParams, isl: np.ndarray, osl: np.ndarray, cached_share: float) -> tuple[np.ndarray, np.ndarray]:
+    """work_terms with the cached share of each prompt skipped (the decode part is unchanged)."""
+    if cached_share <= 0.0:
+        return work_terms(p, isl, osl)
+    prefill = prefill_work(p, isl, cached_share)
+    per_seq = p.s1_ms + p.s2_ms * (isl + osl / 2.0)
+    return prefill, prefill + per_seq * (osl - 1.0)
 
 
 def _x_mem(profile: PerfProfile, isl: np.ndarray, osl: np.ndarray, w: np.ndarray, wbar: float) -> float:
@@ -171,7 +208,7 @@ class _Terms:
 
     p: PerfParams
     w: np.ndarray
-    isl: np.ndarray
+    isl: np.ndarray  # prompt tokens computed (the uncached ones): the prefill chunks
     prefill: np.ndarray
     wbar: float  # mean work per request (ms)
     resid: float  # the residual prefill work a new prompt queues behind, E[P*Q]/E[W] (ms)
@@ -179,12 +216,13 @@ class _Terms:
     mean_chunks: float
 
 
-def _terms(p: PerfParams, isl: np.ndarray, osl: np.ndarray, w: np.ndarray) -> _Terms:
-    prefill, work = work_terms(p, isl, osl)
+def _terms(p: PerfParams, isl: np.ndarray, osl: np.ndarray, w: np.ndarray, cached_share: float = 0.0) -> _Terms:
+    prefill, work = _work_terms(p, isl, osl, cached_share)
     wbar = float(np.sum(w * work))
-    chunks = 1.0 + p.chunk_per_token * isl
+    computed = isl if cached_share <= 0.0 else np.maximum(isl * (1.0 - cached_share), 1.0)  # chunks: computed tokens
+    chunks = 1.0 + p.chunk_per_token * computed
     mean_chunks = float(np.sum(w * chunks))
-    return _Terms(p, w, isl, prefill, wbar, float(np.sum(w * prefill * queued_work(p, prefill, work))) / wbar,
+    return _Terms(p, w, computed, prefill, wbar, float(np.sum(w * prefill * queued_work(p, prefill, work))) / wbar,
                   float(np.sum(w * prefill)) / mean_chunks, mean_chunks)
 
 
@@ -249,7 +287,7 @@ def scaled(profile: PerfProfile, speed: float) -> PerfProfile:
 def predict_mix(profile: PerfProfile, mix: LengthMix, rate_rps: float) -> MixPrediction:
     """TTFT p99 and per-request ITL p99 of the mix at an open-loop rate (inf beyond saturation)."""
     isl, osl, w = _arrays(mix)
-    t = _terms(profile.params, isl, osl, w)
+    t = _terms(profile.params, isl, osl, w, mix.cached_share)
     x = max(rate_rps, 0.0) / 1000.0
     if x >= min(1.0 / t.wbar, _x_mem(profile, isl, osl, w, t.wbar)):
         return MixPrediction(math.inf, math.inf, x * t.wbar, True)
@@ -288,12 +326,12 @@ def capacity_mix(profile: PerfProfile, mix: LengthMix, *, ttft_p99_ms: float, it
     """
     isl, osl, w = _arrays(mix)
 
-    t_t = _terms(scaled(profile, ttft_speed).params, isl, osl, w)
+    t_t = _terms(scaled(profile, ttft_speed).params, isl, osl, w, mix.cached_share)
     x_t = _largest_x(lambda xs: _ttft_p99_many(t_t, xs) <= ttft_p99_ms, (1.0 - 1e-9) / t_t.wbar)
-    t_i = _terms(scaled(profile, itl_speed).params, isl, osl, w)
+    t_i = _terms(scaled(profile, itl_speed).params, isl, osl, w, mix.cached_share)
     x_i = _largest_x(lambda xs: _itl_p99(t_i, xs) <= itl_p99_ms, (1.0 - 1e-9) / t_i.wbar)
     slow = scaled(profile, min(ttft_speed, itl_speed))
-    x_m = _x_mem(slow, isl, osl, w, _terms(slow.params, isl, osl, w).wbar)
+    x_m = _x_mem(slow, isl, osl, w, _terms(slow.params, isl, osl, w, mix.cached_share).wbar)
     x, binding = min((x_t, "ttft"), (x_i, "itl"), (x_m, "memory"), key=lambda c: c[0])
     return MixCapacity(float(x) * 1000.0, binding)
 
