@@ -9,13 +9,12 @@ bearer token when the API has one) and takes effect at the next cycle's act step
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from fleetplan.controller.state import StateStore
-from fleetplan.planner.brakes import HOUR_S, BrakeResult, Direction, Mode, PastAction, apply_brakes
-from fleetplan.planner.types import ConfigKey, Fleet, PlanResult
+from fleetplan.planner.brakes import HOUR_S, Direction, PastAction
 
 PAUSE_KEY = "actuation_pause"
 
@@ -44,29 +43,9 @@ def save_pause(store: StateStore, paused: bool, reason: str = "", *, wall_s: flo
     return state
 
 
-def capacity_from_plan(doc: Mapping[str, Any]) -> dict[ConfigKey, float]:
-    """Per-replica capacity (rps at the SLO) of each config the stored plan explains."""
-    from fleetplan.models.names import parse_engine, parse_gpu, parse_precision
-
-    out: dict[ConfigKey, float] = {}
-    for m in (doc.get("explanation") or {}).get("models", []):
-        for c in m.get("configs", []):
-            key = ConfigKey(c["model"], parse_engine(c["engine"]), parse_gpu(c["gpu"]), int(c["tp"]),
-                            parse_precision(c["precision"]))
-            out[key] = float(c["capacity_per_replica_rps"])
-    return out
-
-
 def history(store: StateStore, to_sim: Callable[[float], float], now_wall_s: float,
             time_scale: float) -> list[PastAction]:
     """The last hour (of the planner's clock) of replicas started/stopped, on the planner's clock."""
     since = now_wall_s - HOUR_S / max(time_scale, 1e-9)
     return [PastAction(Direction.UP if kind == "start" else Direction.DOWN, to_sim(at), gpus)
             for kind, at, gpus in store.actuation_history(since)]
-
-
-def brakes_for(result: PlanResult, fleet: Fleet, doc: Mapping[str, Any], *, policy: Any, paused: bool,
-               past: list[PastAction], now_s: float) -> BrakeResult:
-    mode: Mode = policy.mode
-    return apply_brakes(result.actions, past, policy.scaling.brake_limits(), mode=mode, paused=paused,
-                        replicas=fleet.replicas, capacity_rps=capacity_from_plan(doc), now_s=now_s)

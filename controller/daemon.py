@@ -318,32 +318,35 @@ class Controller:
         return snap
 
     async def _plan_and_act(self, cid: int, now_s: float, snap: Snapshot) -> dict[str, Any]:
-        from fleetplan.planner.act import plan_deferred
-        from fleetplan.planner.core import plan, plan_to_dict
+        """The pure decision path (fleetplan.planner.cycle, the replay's too), then its effects."""
+        from fleetplan.controller.actuation import history
+        from fleetplan.planner.core import plan_to_dict
+        from fleetplan.planner.cycle import decide
 
         models = self.model_names()
         planned_on = self.executor.view()  # what the plan sees; checked again when acting on it
-        waiting = plan_deferred(planned_on)
-        if waiting is not None:
-            log.info("cycle %s: no plan yet: %s", cid, waiting)
-            return {"deferred": waiting, "alerts": self._set_alerts(snap, [f"no plan yet: {waiting}"])}
         fleet = self.build_fleet()
         obs = to_observation(snap, models, fleet.replicas)  # + length mix and per-config evidence
+        past = history(self.store, self.clock.to_sim, self.wall(), self.time_scale)
         t0 = time.perf_counter()
-        result = await asyncio.to_thread(plan, obs, fleet, self.policy.policy, self.policy.profiles,
-                                         self.planner_state, now_s)
+        d = await asyncio.to_thread(decide, obs, planned_on, fleet, self.policy.policy, self.policy.profiles,
+                                    self.planner_state, now_s=now_s, paused=self.pause.paused, past=past)
+        if d.deferred is not None or d.result is None or d.brakes is None:
+            log.info("cycle %s: no plan yet: %s", cid, d.deferred)
+            return {"deferred": d.deferred, "alerts": self._set_alerts(snap, [f"no plan yet: {d.deferred}"])}
+        result = d.result
         solve_s = time.perf_counter() - t0
         self.metrics.solve_seconds.observe(solve_s)
         doc = plan_to_dict(result)
         doc["observation"] = {m: mm.to_json() for m, mm in snap.models.items()}
         doc["cycle_id"] = cid
         doc["now_s"] = now_s
-        brakes = self._brakes(result, fleet, doc, now_s)
+        self._brakes(d.brakes, doc)
         self.store.save_plan(cid, doc, solve_s, doc["next_state"])
         self.planner_state = result.next_state
-        counts = await self.executor.execute(cid, brakes.allowed, planned_on)
-        summary: dict[str, Any] = {"held": len(brakes.held)}
-        summary["decision_id"] = reporting.audit(self, cid, now_s, doc, snap, fleet, brakes.allowed)
+        counts = await self.executor.execute(cid, d.brakes.allowed, planned_on)
+        summary: dict[str, Any] = {"held": len(d.brakes.held)}
+        summary["decision_id"] = reporting.audit(self, cid, now_s, doc, snap, fleet, d.brakes.allowed)
         await self.executor.update_routing()
         summary.update(counts)
         summary.update(solve_s=round(solve_s, 4), planned_replicas=len(result.plan.replicas),
@@ -363,13 +366,11 @@ class Controller:
         return len(alerts)
 
     # ---- brakes (planner/brakes.py decides; controller/actuation.py reads the store) -------------
-    def _brakes(self, result: Any, fleet: Any, doc: dict[str, Any], now_s: float) -> Any:
-        from fleetplan.controller.actuation import brakes_for, history
+    def _brakes(self, b: Any, doc: dict[str, Any]) -> None:
+        """Record what the brakes (planner/brakes.py, applied in planner/cycle.py) held back."""
         from fleetplan.planner.brakes import Limit, brakes_to_dict
 
         policy = self.policy.policy
-        past = history(self.store, self.clock.to_sim, self.wall(), self.time_scale)
-        b = brakes_for(result, fleet, doc, policy=policy, paused=self.pause.paused, past=past, now_s=now_s)
         doc["brakes"] = brakes_to_dict(b, policy.scaling.brake_limits())
         self.metrics.actuating.set(0.0 if self.advisory() or self.pause.paused else 1.0)
         for limit in Limit:
@@ -377,7 +378,6 @@ class Controller:
         for h in b.held:
             log.info("cycle %s: %s %s held back by %s: %s", doc.get("cycle_id"), h.action.kind.value,
                      h.action.replica.replica_id, h.limit.value, h.detail)
-        return b
 
     def set_paused(self, paused: bool, reason: str = "") -> dict[str, Any]:
         """Pause/resume actuation (persisted first); the next cycle's act step obeys it."""

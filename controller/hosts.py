@@ -33,7 +33,7 @@ def host_report(st: HostStatus, offline_since_s: float | None = None) -> HostRep
         tuple(st.templates), tuple(st.build_templates),
         tuple(ReportedReplica(r.replica_id, ReplicaState(r.state.value), r.model, r.engine.value,
                               r.gpu.value if r.gpu is not None else None, r.tp, r.precision.value,
-                              tuple(r.gpu_indices), r.port, r.template) for r in st.replicas),
+                              tuple(r.gpu_indices), r.port, r.template, r.since_s) for r in st.replicas),
         tuple(ReportedBuild(b.build_id, BuildState(b.state.value), tuple(b.gpu_indices), b.error)
               for b in st.builds),
         offline_since_s,

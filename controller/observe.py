@@ -192,10 +192,11 @@ class ObserverConfig:
     # models whose targets must all be up; a down target makes the model stale (fail static)
     require_all_targets_up: bool = True
     extra_selector: str = ""  # e.g. 'job="engines"' to restrict all queries
+    peak_window_s: float = 30.0  # bursts: the highest rate over sub-windows this long (>= 2 scrapes)
 
     def rules(self) -> ObserveRules:
         return ObserveRules(window_s=self.window_s, time_scale=self.time_scale, model_labels=self.model_labels,
-                            require_all_targets_up=self.require_all_targets_up)
+                            require_all_targets_up=self.require_all_targets_up, peak_window_s=self.peak_window_s)
 
 
 @dataclass
@@ -244,6 +245,10 @@ class Observer:
             agg = " or ".join(f"sum by ({self._by('le')}) (rate({self._sel(b)}[{w}]))" for b in buckets)
             q[p50] = f"histogram_quantile(0.5, {agg})"
             q[p99] = f"histogram_quantile(0.99, {agg})"
+        # bursts (planner/core.py burst floor): the highest completion rate over short sub-windows
+        pw = max(1, round(self.config.peak_window_s))
+        q[Query.PEAK_RATE] = (f"max_over_time((sum by ({by}) (rate({self._sel(_REQ_SUCCESS)}[{pw}s])))"
+                              f"[{w}:{max(1, pw // 2)}s])")
         extra = f",{self.config.extra_selector}" if self.config.extra_selector else ""
         up = f'up{{{REPLICA_LABEL}!=""{extra}}}'
         q[Query.UP] = up
@@ -376,33 +381,20 @@ class Observer:
 
 def to_observation(snapshot: Snapshot, models: Sequence[str] | None = None,
                    replicas: Sequence[Any] | None = None) -> Any:
-    """The planner's Observation for `models` (default: every model in the snapshot).
+    """The planner's Observation for `models` (default: every model in the snapshot), by the pure
+    `fleetplan.planner.cycle.observation_from` (the replay calls it too).
 
     `replicas`: the fleet's fleetplan.planner.types.Replica list; with it, each model also carries its length
     quantiles and per-config evidence (planner/evidence.py), else only the per-model numbers."""
-    from fleetplan.planner.types import ModelObservation, Observation
+    from fleetplan.planner.cycle import observation_from
+    from fleetplan.planner.observation import Interpreted
 
     names = list(models) if models is not None else list(snapshot.models)
-    obs: dict[str, Any] = {}
-    for m in names:
-        mm = snapshot.models.get(m) or ModelMetrics(model=m, stale=True, reasons=("not observed",))
-        me = ev.interpret(m, snapshot.evidence, replicas or (), snapshot.now_s, stale=mm.stale)
-        for note in me.notes:
-            log.info("evidence for %s: %s", m, note)
-        obs[m] = ModelObservation(
-            model=m,
-            rate_rps=mm.rate_rps,
-            isl=mm.isl,
-            osl=mm.osl,
-            ttft_p99_ms=mm.ttft_p99_ms,
-            itl_p99_ms=mm.itl_p99_ms,
-            history=mm.history,
-            stale=mm.stale,
-            isl_quantiles=me.isl_quantiles,
-            osl_quantiles=me.osl_quantiles,
-            configs=me.configs if replicas is not None else (),
-        )
-    return Observation(models=obs, alerts=tuple(snapshot.alerts))
+    view = Interpreted(snapshot.models, snapshot.replicas, snapshot.alerts, snapshot.prometheus_ok)
+    obs, notes = observation_from(view, snapshot.evidence, names, replicas, snapshot.now_s)
+    for note in notes:
+        log.info("%s", note)
+    return obs
 
 
 def render_snapshot(snap: Snapshot) -> str:

@@ -198,6 +198,7 @@ class ReportedReplica:
     gpu_indices: tuple[int, ...]
     port: int
     template: str | None = None
+    since_s: float | None = None  # in this state since (the agent's clock; None: not reported)
 
 
 @dataclass(frozen=True)

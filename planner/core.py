@@ -199,6 +199,11 @@ def plan(
                                 relaxed_capacities=relaxed, counterfactuals=counterfactuals)
 
 
+# the highest of a window's few short-window rates sits about this many Poisson standard deviations
+# above the mean on steady traffic: a peak within it is noise, not a burst
+POISSON_Z = 3.0
+
+
 def burst_need_rps(peak_rps: float, window_s: float, ttft_slo_ms: float) -> float:
     """The least capacity that serves a burst within the TTFT SLO: a burst at `peak_rps` for
     `window_s` on capacity C leaves a backlog (peak - C) x window that drains at C; its last request
@@ -219,7 +224,11 @@ def _bursts(o: ModelObservation | None, m: ModelPolicy, state: PlannerState, now
                  and _valid_rps(v))
     if o is not None and o.peak_rps is not None and _valid_rps(o.peak_rps) and o.peak_rps > 0 \
             and o.peak_window_s > 0:
-        past = (*past, (now_s, burst_need_rps(o.peak_rps, o.peak_window_s, m.slo.ttft_p99_ms)))
+        # a short window's rate of Poisson arrivals scatters by sqrt(rate / window): capacity at the
+        # SLO (models/mix.py) is already sized for Poisson arrivals, so only the excess is a burst
+        peak = o.peak_rps - POISSON_Z * math.sqrt(o.peak_rps / o.peak_window_s)
+        if peak > 0:
+            past = (*past, (now_s, burst_need_rps(peak, o.peak_window_s, m.slo.ttft_p99_ms)))
     return max((v for _, v in past), default=0.0), past
 
 

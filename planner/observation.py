@@ -81,6 +81,8 @@ class Query(Enum):
     UP_FIRST_S = "up_first_s"  # unix time of its first sample in the window (to the query's step)
     UP_LAST_S = "up_last_s"  # unix time of its latest sample
     UP_SAMPLES = "up_samples"  # samples in the window
+    # the highest completion rate over `peak_window_s` sub-windows within the rate window (bursts)
+    PEAK_RATE = "peak_rate"
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,7 @@ class ObserveRules:
     model_labels: tuple[str, ...] = MODEL_LABELS
     # models whose targets must all be up; a down target makes the model stale (fail static)
     require_all_targets_up: bool = True
+    peak_window_s: float = 30.0  # the short window of Query.PEAK_RATE, wall seconds
 
     @property
     def window_step_s(self) -> float:
@@ -161,6 +164,8 @@ class ModelMetrics:
     history: tuple[tuple[float, float], ...] = ()
     stale: bool = True
     reasons: tuple[str, ...] = ()
+    peak_rps: float | None = None  # the highest short-window rate in the window (simulated rps)
+    peak_window_s: float = 30.0  # that short window (simulated seconds)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -180,6 +185,7 @@ class ModelMetrics:
             "history_points": len(self.history),
             "stale": self.stale,
             "reasons": list(self.reasons),
+            "peak_rps": self.peak_rps,
         }
 
 
@@ -338,6 +344,7 @@ def interpret(readings: Readings, models: Iterable[str], *, now_s: float, rules:
     waiting = group(res.get(Query.WAITING, ()), model)
     running = group(res.get(Query.RUNNING, ()), model)
     kv = group(res.get(Query.KV, ()), model, take_max=True)
+    peak = group(res.get(Query.PEAK_RATE, ()), model)
     # several label groups of one model: the worst quantile is the conservative merge
     quant = {q: group(res.get(q, ()), model, take_max=True)
              for q in (Query.TTFT_P50, Query.TTFT_P99, Query.ITL_P50, Query.ITL_P99)}
@@ -379,9 +386,12 @@ def interpret(readings: Readings, models: Iterable[str], *, now_s: float, rules:
             v = finite(quant[q].get(model_name))
             return v * 1000.0 if v is not None else None
 
+        p_raw = finite(peak.get(m))
         mm = ModelMetrics(
             model=m,
             rate_rps=r_raw / k if r_raw is not None else None,
+            peak_rps=p_raw / k if p_raw is not None and p_raw >= 0 else None,
+            peak_window_s=rules.peak_window_s * k,
             isl=isl,
             osl=osl,
             ttft_p50_ms=ms(Query.TTFT_P50),

@@ -28,15 +28,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from fleetplan.models import profile as mp
 from fleetplan.models.names import Engine
 from fleetplan.models.profile import ProfileSet
 from fleetplan.planner.capacity import MixedWorkload, capacity_table
-from fleetplan.planner.core import plan
 from fleetplan.planner.policy import Policy
-from fleetplan.planner.types import ConfigKey, HostInventory, Observation, PlannerState
+from fleetplan.planner.types import ConfigKey, HostInventory
 from fleetplan.sim.des import ControllerView, Decision
 from fleetplan.sim.traces import Trace, iter_rates
 
@@ -63,35 +62,6 @@ def inventory(policy: Policy) -> tuple[HostInventory, ...]:
 
 
 # ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class FleetplanController:
-    name: str
-    policy: Policy
-    profiles: ProfileSet
-    period_s: float = 0.0
-    state: PlannerState = field(default_factory=PlannerState.initial)
-    solve_s: float = 0.0
-    use_history: bool = True
-
-    def __post_init__(self) -> None:
-        if self.period_s <= 0:
-            self.period_s = self.policy.scaling.cycle_s
-
-    def reset(self) -> None:
-        self.state = PlannerState.initial()
-
-    def decide(self, view: ControllerView) -> Decision:
-        obs = view.observation
-        if not self.use_history:
-            obs = Observation(models={m: replace(o, history=()) for m, o in obs.models.items()}, alerts=obs.alerts)
-        res = plan(obs, view.fleet, self.policy, self.profiles, self.state, view.epoch_s,
-                   counterfactuals=False)  # a replay acts on plans; nobody reads their explanation
-        self.state = res.next_state
-        self.solve_s += res.explanation.solve_s
-        note = "; ".join(n for m in res.explanation.models for n in m.notes if n.startswith("fail static"))
-        return Decision(actions=res.actions, note=note)
 
 
 @dataclass

@@ -1,37 +1,36 @@
-"""Discrete-event simulation of a serving fleet on a simulated clock.
+"""Discrete-event simulation of a serving fleet on a simulated clock: the replay.
 
-Requests from a trace reach READY replicas through a least-loaded router (fewest requests in the
-replica: running + waiting; ties to the oldest replica). Each replica runs the simulator's ground
-truth (fleetplan.sim.groundtruth: the step-time model and the continuous-batching rules of BatchCore). A
-controller (fleetplan.sim.baselines) runs every `period_s` simulated seconds and sees only what production
-sees: Prometheus-like windowed rates and histogram quantiles, scraped every `scrape_s` and visible
-`scrape_delay_s` later, never the trace's future or the requests' true output lengths.
+Requests from a trace reach the replicas the router serves through a least-loaded pick (fewest
+requests in the replica: running + waiting; ties to the oldest replica). Each replica runs the
+simulator's ground truth (fleetplan.sim.groundtruth) on a `fleetplan.sim.core.FastCore`.
 
-Each replica is a `fleetplan.sim.core.FastCore` (macro-stepped, see there).
+fleetplan runs here as the daemon runs: every `cycle_s` the daemon's own decision path
+(fleetplan.sim.control: act.reconcile, planner.cycle.observe and decide, act.execute, act.routes,
+drains by act.drain_step) on the raw readings of the replay's Prometheus (fleetplan.sim.promsim:
+the engines' counters, gauges and histograms scraped every `scrape_s`, visible `scrape_delay_s`
+later). Only I/O is simulated: the scrapes, the agents starting and stopping engines and builds,
+the router. Baselines (fleetplan.sim.baselines) model other controllers: target counts per config.
 
 Replica lifecycle: STARTING (launch; + TensorRT-LLM engine build when no built engine exists) ->
-READY -> DRAINING (no new requests; stops when idle) -> STOPPED. GPU-hours count from the start
-request to the stop, builds count the GPUs they occupy for their duration.
+READY -> DRAINING (no new requests) -> STOPPED. GPU-hours count from the start request to the
+stop, builds count the GPUs they occupy for their duration.
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
-import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, cast
 
 import numpy as np
 
 from fleetplan.planner import act
+from fleetplan.planner.observation import ObserveRules
 from fleetplan.planner.types import (
-    Action,
-    ActionKind,
     ConfigKey,
-    ConfigObservation,
     EngineBuild,
     Fleet,
     HostInventory,
@@ -40,55 +39,14 @@ from fleetplan.planner.types import (
     Replica,
     ReplicaState,
 )
-from fleetplan.sim.core import (
-    ITL_BUCKETS_S,
-    LENGTH_BUCKETS,
-    LENGTH_QUANTILES,
-    TPOT_BUCKETS_S,
-    TTFT_BUCKETS_S,
-    FastCore,
-)
+from fleetplan.sim.control import ControlSettings, FleetplanController, ReplayControl
+from fleetplan.sim.core import ITL_BUCKETS_S, LENGTH_BUCKETS, TPOT_BUCKETS_S, TTFT_BUCKETS_S, FastCore
 from fleetplan.sim.groundtruth import EngineParams, RequestTooLongError
+from fleetplan.sim.promsim import Counters, PromSim
 from fleetplan.sim.traces import Trace
 
 # request status codes
 PENDING, SERVED, REJECTED = 0, 1, 2
-
-
-def _quantiles(a: Sequence[float], b: Sequence[float]) -> tuple[tuple[float, float], ...]:
-    """LENGTH_QUANTILES of the window's length histogram (increase from scrape a to b)."""
-    d = [y - (a[j] if j < len(a) else 0.0) for j, y in enumerate(b)]
-    if sum(d) <= 0:
-        return ()
-    out = []
-    for q in LENGTH_QUANTILES:
-        v = histogram_quantile(q, LENGTH_BUCKETS, d)
-        if v is not None and math.isfinite(v):
-            out.append((q, v))
-    return tuple(out)
-
-
-def histogram_quantile(q: float, edges: Sequence[float], counts: Sequence[float]) -> float | None:
-    """Prometheus histogram_quantile over non-cumulative bucket counts (last = +Inf bucket)."""
-    total = float(sum(counts))
-    if total <= 0:
-        return None
-    rank = q * total
-    cum = 0.0
-    for i, c in enumerate(counts):
-        if cum + c >= rank and c > 0:
-            if i >= len(edges):
-                return float(edges[-1])
-            lo = 0.0 if i == 0 else float(edges[i - 1])
-            hi = float(edges[i])
-            return lo + (hi - lo) * (rank - cum) / c
-        cum += c
-    return float(edges[-1])
-
-
-# ----------------------------------------------------------------------------------------------
-# Controllers see this
-# ----------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -102,25 +60,27 @@ class ReplicaLoad:
 class ControllerView:
     t_s: float  # simulated seconds since the start of the trace
     epoch_s: float  # the same instant as epoch seconds (for the planner's schedules)
-    observation: Observation
     fleet: Fleet
     replica_load: Mapping[str, ReplicaLoad]  # as last scraped, READY replicas only
 
 
 @dataclass(frozen=True)
 class Decision:
-    """Either planner actions (fleetplan) or target replica counts per config (baselines)."""
+    """A baseline's target replica counts per config (they model other controllers; fleetplan runs
+    the daemon's own decision path, fleetplan.sim.control)."""
 
-    actions: tuple[Action, ...] = ()
     targets: Mapping[ConfigKey, int] | None = None
     note: str = ""
 
 
-class Controller(Protocol):
+class Baseline(Protocol):
     name: str
     period_s: float
 
     def decide(self, view: ControllerView) -> Decision: ...
+
+
+Controller = Baseline | FleetplanController
 
 
 @dataclass(frozen=True)
@@ -150,11 +110,7 @@ class SimSettings:
     warm_start: bool = True  # the fleet at t=0 is what the controller wants for the first window
     seed: int = 0
     macro_steps: bool = True
-    # "arrivals": rate = (increase of request_success_total + increase of the running+waiting gauges)
-    #   / window, i.e. arrivals by conservation, all from engine metrics (keeps seeing demand when
-    #   the fleet is saturated); "completions": rate(request_success_total) alone, as
-    #   controller/observe.py reads it today (saturates at the fleet's capacity under overload).
-    rate_source: str = "arrivals"
+    peak_window_s: float = 30.0  # the Observer's burst sub-window (controller ObserverConfig.peak_window_s)
     drain_timeout_s: float = 3600.0  # after the trace ends, in-flight requests get this long
 
 
@@ -194,6 +150,8 @@ class SimResult:
     placement_conflicts: int = 0  # starts that waited for their GPUs to be released
     swap_cycles: int = 0  # decisions that drained READY replicas of a model while starting others
     deferred_actions: int = 0  # actions the act core deferred (GPUs still busy, start before stop)
+    drain_timeouts: int = 0  # drains stopped at their deadline (their requests in flight cut)
+    gpu_hours_by_config: tuple[tuple[ConfigKey, float], ...] = ()  # replicas' GPU-hours (builds apart)
     met: np.ndarray | None = None  # per arrived request (trace order): served within both SLOs
 
     @property
@@ -207,8 +165,8 @@ class SimResult:
 
 
 class _SimReplica:
-    __slots__ = ("blocked", "cm", "config", "core", "gpus", "host", "load", "mi", "rid", "seq", "since", "state",
-                 "t_gpu", "t_ready", "t_start", "t_stop", "version")
+    __slots__ = ("blocked", "config", "core", "counters", "gpus", "host", "inflight", "load", "mi", "rid", "seq",
+                 "since", "state", "t_gpu", "t_ready", "t_start", "t_stop", "version")
 
     def __init__(self, rid: str, config: ConfigKey, host: str, gpus: tuple[int, ...], core: FastCore,
                  t_start: float, seq: int, mi: int) -> None:
@@ -228,42 +186,16 @@ class _SimReplica:
         self.load = 0
         self.version = 0
         self.seq = seq
-        self.cm: _ConfigMetrics | None = None
+        self.counters = Counters()  # what its /metrics exports
+        self.inflight: set[int] = set()  # request indices submitted and not finished
 
 
 @dataclass
-class _ModelMetrics:
-    completed: float = 0.0
-    prompt_tokens: float = 0.0
-    gen_tokens: float = 0.0
-    ttft: list[float] = field(default_factory=lambda: [0.0] * (len(TTFT_BUCKETS_S) + 1))
-    itl: list[float] = field(default_factory=lambda: [0.0] * (len(ITL_BUCKETS_S) + 1))
-    plen: list[float] = field(default_factory=lambda: [0.0] * (len(LENGTH_BUCKETS) + 1))
-    glen: list[float] = field(default_factory=lambda: [0.0] * (len(LENGTH_BUCKETS) + 1))
-
-
-@dataclass
-class _ConfigMetrics:
-    """One config's series (the engines' per-replica series summed by config, as PromQL would)."""
-
-    completed: float = 0.0
-    ttft: list[float] = field(default_factory=lambda: [0.0] * (len(TTFT_BUCKETS_S) + 1))
-    tpot: list[float] = field(default_factory=lambda: [0.0] * (len(TPOT_BUCKETS_S) + 1))
-
-
-@dataclass(frozen=True)
-class _Scrape:
-    t: float
-    in_system: float  # sum over the model's replicas of running + waiting (gauges)
-    completed: float
-    prompt_tokens: float
-    gen_tokens: float
-    ttft: tuple[float, ...]
-    itl: tuple[float, ...]
-    plen: tuple[float, ...] = ()
-    glen: tuple[float, ...] = ()
-    # per config: (READY replicas, completed, ttft buckets, tpot buckets)
-    configs: tuple[tuple[ConfigKey, int, float, tuple[float, ...], tuple[float, ...]], ...] = ()
+class _SimBuild:
+    row: act.BuildRow
+    config: ConfigKey
+    done_t: float
+    done: bool = False
 
 
 class FleetSim:
@@ -272,7 +204,8 @@ class FleetSim:
     _P_STEP, _P_LIFE, _P_SCRAPE, _P_TICK = 0, 1, 2, 3
 
     def __init__(self, trace: Trace, controller: Controller, env: Environment,
-                 settings: SimSettings | None = None, *, default_model: str | None = None) -> None:
+                 settings: SimSettings | None = None, *, default_model: str | None = None,
+                 control: ControlSettings | None = None) -> None:
         self.trace = trace
         self.ctl = controller
         self.env = env
@@ -294,32 +227,100 @@ class FleetSim:
         self.owner: list[_SimReplica | None] = [None] * self.n
         self.duration_s = float(self.arr_t[-1]) if self.n else 0.0
         self.replicas: list[_SimReplica] = []
-        self.by_model_ready: list[list[_SimReplica]] = [[] for _ in self.model_names]
+        self.by_id: dict[str, _SimReplica] = {}
+        self.serving: list[list[_SimReplica]] = [[] for _ in self.model_names]  # what the router sends to
         self.heap: list[tuple[float, int, int, str, object]] = []
         self._seq = 0
-        self.metrics = [_ModelMetrics() for _ in self.model_names]
-        self.config_metrics: dict[ConfigKey, _ConfigMetrics] = {}
-        self.scrapes: list[list[_Scrape]] = [[] for _ in self.model_names]
-        self.rate_hist: list[list[tuple[float, float]]] = [[] for _ in self.model_names]
-        self.replica_scrape: dict[str, ReplicaLoad] = {}
         self.replica_scrape_hist: list[tuple[float, dict[str, ReplicaLoad]]] = []
         self.builds: dict[ConfigKey, EngineBuild] = {}
+        self.sim_builds: dict[str, _SimBuild] = {}
         self.build_gpu_s: dict[str, float] = {}
         self.replica_starts = 0
         self.n_builds = 0
         self.decisions = 0
         self.notes: list[str] = []
         self.conflicts = 0
-        self.swap_cycles = 0
-        self.deferred = 0  # actions the act core deferred (busy GPUs, start before stop)
-        self.ttft_overhead = 0.0
         self._rid_seq = 0
+        self._cut = 0  # requests in flight on a replica stopped before they finished
         self.timeline: list[TimelinePoint] = []
+        self.prom = PromSim(window_s=self.s.window_s, scrape_s=self.s.scrape_s, delay_s=self.s.scrape_delay_s,
+                            history_s=self.s.history_s, history_step_s=self.s.history_step_s,
+                            peak_window_s=self.s.peak_window_s, epoch0_s=env.epoch0_s)
+        self.control: ReplayControl | None = None
+        if isinstance(controller, FleetplanController):
+            self.control = ReplayControl(
+                controller, self, epoch0_s=env.epoch0_s, settings=control,
+                rules=ObserveRules(window_s=self.s.window_s, peak_window_s=self.s.peak_window_s))
 
     # -- heap
     def _push(self, t: float, prio: int, kind: str, payload: object) -> None:
         self._seq += 1
         heapq.heappush(self.heap, (t, prio, self._seq, kind, payload))
+
+    # -- the engines (fleetplan.sim.control.EnginePort)
+    def launch(self, row: act.ReplicaRow, t_s: float) -> None:
+        self._start_replica(t_s, row.replica_id, row.config, row.host, row.gpu_indices)
+
+    def stop(self, replica_id: str, t_s: float) -> None:
+        rep = self.by_id.get(replica_id)
+        if rep is not None and rep.state != ReplicaState.STOPPED:
+            rep.version += 1  # cancels a pending "ready" and its next step
+            self._stop(rep, t_s)
+
+    def build(self, row: act.BuildRow, t_s: float) -> None:
+        c = row.config
+        bs = self.env.build_s(c) or 0.0
+        self.sim_builds[row.build_id] = _SimBuild(row, c, t_s + bs)
+        if not self._built(c) and not (c in self.builds and not self.builds[c].ready):
+            self.builds[c] = EngineBuild(c.model, c.engine, c.gpu, c.tp, c.precision, row.host, False,
+                                         self.env.epoch0_s + t_s + bs)
+        self.n_builds += 1
+        self.build_gpu_s[c.gpu.value] = self.build_gpu_s.get(c.gpu.value, 0.0) + bs * max(
+            1, len(row.gpu_indices) or c.tp)
+        self._push(t_s + bs, self._P_LIFE, "built", row.build_id)
+
+    def reports(self, t_s: float) -> dict[str, act.HostReport]:
+        per_host: dict[str, list[act.ReportedReplica]] = {}
+        for r in self.replicas:
+            if r.state == ReplicaState.STOPPED:
+                continue
+            c = r.config
+            state = ReplicaState.READY if r.state in (ReplicaState.READY, ReplicaState.DRAINING) else r.state
+            per_host.setdefault(r.host, []).append(act.ReportedReplica(
+                r.rid, state, c.model, c.engine.value, c.gpu.value, c.tp, c.precision.value, r.gpus,
+                8000 + min(r.gpus), since_s=self.env.epoch0_s + (r.t_ready if r.t_ready is not None else r.t_start)))
+        builds: dict[str, list[act.ReportedBuild]] = {}
+        for bid, b in self.sim_builds.items():
+            bstate = act.BuildState.DONE if b.done else act.BuildState.RUNNING
+            builds.setdefault(b.row.host, []).append(act.ReportedBuild(bid, bstate, b.row.gpu_indices))
+        return {h.name: act.HostReport(h.name, h.online, h.gpu.value, h.gpu_count, h.nvlink_groups, None, (), (),
+                                       tuple(per_host.get(h.name, ())), tuple(builds.get(h.name, ())))
+                for h in self.env.hosts}
+
+    def cached(self) -> list[EngineBuild]:
+        out = [EngineBuild(c.model, c.engine, c.gpu, c.tp, c.precision, None, True, None)
+               for c in sorted(self.env.cached)]
+        out += [b for c, b in sorted(self.builds.items()) if b.ready and c not in self.env.cached]
+        return out
+
+    def inflight(self, replica_id: str) -> float | None:
+        rep = self.by_id.get(replica_id)
+        if rep is None or rep.state == ReplicaState.STOPPED:
+            return None
+        return float(rep.core.num_running + rep.core.num_waiting)
+
+    def route(self, serving: Mapping[str, tuple[str, ...]], scraped: Sequence[str], t_s: float) -> None:
+        for mi, m in enumerate(self.model_names):
+            reps = [self.by_id[rid] for rid in serving.get(m, ()) if rid in self.by_id]
+            for r in self.serving[mi]:
+                if r.state == ReplicaState.READY and r not in reps:
+                    r.state = ReplicaState.DRAINING  # out of the upstream: its last requests finish
+                    r.since = t_s
+            self.serving[mi] = sorted((r for r in reps if r.state == ReplicaState.READY), key=lambda r: r.seq)
+        self.prom.set_targets((rid, self.by_id[rid].config.model) for rid in scraped if rid in self.by_id)
+
+    def later(self, t_s: float, fn: Callable[[float], None]) -> None:
+        self._push(t_s, self._P_LIFE, "call", fn)
 
     # -- replicas
     def _start_replica(self, t: float, rid: str | None, config: ConfigKey, host: str, gpus: tuple[int, ...],
@@ -331,13 +332,11 @@ class FleetSim:
         self._rid_seq += 1
         core = FastCore(params, seed=self.s.seed * 100003 + self._rid_seq, macro=self.s.macro_steps)
         rid = rid or f"r{self._rid_seq}-{config.engine.value}-{config.gpu.value}x{config.tp}"
-        if any(r.rid == rid and r.state != ReplicaState.STOPPED for r in self.replicas):
-            rid = f"{rid}#{self._rid_seq}"
         used = {(r.host, g) for r in self.replicas if r.state != ReplicaState.STOPPED for g in r.gpus}
         busy = any((host, g) in used for g in gpus)
         rep = _SimReplica(rid, config, host, gpus, core, t, self._rid_seq, self.model_names.index(config.model))
-        rep.cm = self.config_metrics.setdefault(config, _ConfigMetrics())
         self.replicas.append(rep)
+        self.by_id[rid] = rep
         self.replica_starts += 1
         if instant:
             self._ready(rep, t)
@@ -376,9 +375,13 @@ class FleetSim:
         rep.state = ReplicaState.READY
         rep.t_ready = t
         rep.since = t
-        self.by_model_ready[self.model_names.index(rep.config.model)].append(rep)
+        if self.control is not None:
+            self.control.update_routing(t)  # the agent's status: routed at once (daemon._on_status)
+        else:
+            self.serving[rep.mi].append(rep)
 
     def _drain(self, rep: _SimReplica, t: float) -> None:
+        """Baselines: out of the router; stops once idle."""
         if rep.state == ReplicaState.STARTING:
             rep.version += 1  # cancels its pending "ready"
             self._stop(rep, t)
@@ -387,17 +390,22 @@ class FleetSim:
             return
         rep.state = ReplicaState.DRAINING
         rep.since = t
-        lst = self.by_model_ready[self.model_names.index(rep.config.model)]
-        lst.remove(rep)
+        self.serving[rep.mi].remove(rep)
         if rep.load == 0:
             self._stop(rep, t)
 
     def _stop(self, rep: _SimReplica, t: float) -> None:
-        if rep.state == ReplicaState.READY:
-            self.by_model_ready[self.model_names.index(rep.config.model)].remove(rep)
+        if rep in self.serving[rep.mi]:
+            self.serving[rep.mi].remove(rep)
         rep.state = ReplicaState.STOPPED
         rep.t_stop = t
         rep.since = t
+        for idx in rep.inflight:  # cut: the engine stopped with them in flight
+            if self.status[idx] == PENDING:
+                self.status[idx] = REJECTED
+                self._cut += 1
+        rep.inflight.clear()
+        rep.load = 0
         for w in self.replicas:
             if w.blocked and w.state == ReplicaState.STARTING:
                 held = {(r.host, g) for r in self.replicas
@@ -420,113 +428,14 @@ class FleetSim:
                     return h.name, tuple(free[: config.tp])
         return None
 
-    # -- controller interface
+    # -- baselines' view
     def _fleet(self, t: float) -> Fleet:
         e0 = self.env.epoch0_s
         reps = tuple(
             Replica(r.rid, r.config, r.host, r.gpus, r.state, None, e0 + r.since)
             for r in self.replicas if r.state != ReplicaState.STOPPED
         )
-        builds = [EngineBuild(c.model, c.engine, c.gpu, c.tp, c.precision, None, True, None)
-                  for c in sorted(self.env.cached)]
-        builds += [b for c, b in sorted(self.builds.items()) if c not in self.env.cached]
-        return Fleet(hosts=self.env.hosts, replicas=reps, builds=tuple(builds))
-
-    def _visible(self, mi: int, t: float) -> list[_Scrape]:
-        sc = self.scrapes[mi]
-        cut = t - self.s.scrape_delay_s
-        # scrapes are appended in time order
-        hi = len(sc)
-        while hi > 0 and sc[hi - 1].t > cut:
-            hi -= 1
-        return sc[:hi]
-
-    def _window(self, sc: list[_Scrape], w: float) -> tuple[_Scrape, _Scrape] | None:
-        if len(sc) < 2:
-            return None
-        last = sc[-1]
-        first = None
-        for j in range(len(sc) - 2, -1, -1):
-            if sc[j].t < last.t - w - 1e-9:
-                break
-            first = sc[j]
-        if first is None:
-            return None
-        return first, last
-
-    def _rate(self, a: _Scrape, b: _Scrape) -> float:
-        done = b.completed - a.completed
-        if self.s.rate_source == "arrivals":
-            done += b.in_system - a.in_system
-        return max(0.0, done / (b.t - a.t))
-
-    def observation(self, t: float) -> Observation:
-        out: dict[str, ModelObservation] = {}
-        for mi, m in enumerate(self.model_names):
-            sc = self._visible(mi, t)
-            win = self._window(sc, self.s.window_s)
-            if win is None:
-                out[m] = ModelObservation(model=m, stale=True)
-                continue
-            a, b = win
-            rate = self._rate(a, b)
-            isl = osl = None
-            if b.completed > a.completed:
-                isl = (b.prompt_tokens - a.prompt_tokens) / (b.completed - a.completed)
-                osl = (b.gen_tokens - a.gen_tokens) / (b.completed - a.completed)
-            dtt = [y - x for x, y in zip(a.ttft, b.ttft, strict=True)]
-            dit = [y - x for x, y in zip(a.itl, b.itl, strict=True)]
-            tq = histogram_quantile(0.99, TTFT_BUCKETS_S, dtt)
-            iq = histogram_quantile(0.99, ITL_BUCKETS_S, dit)
-            cut = t - self.s.scrape_delay_s
-            lo = cut - self.s.history_s
-            hist = self.rate_hist[mi]
-            pts: list[tuple[float, float]] = []
-            last_t = -math.inf
-            for ts, v in hist:
-                if ts < lo or ts > cut:
-                    continue
-                if ts - last_t >= self.s.history_step_s - 1e-9:
-                    pts.append((self.env.epoch0_s + ts, v))
-                    last_t = ts
-            out[m] = ModelObservation(
-                model=m, rate_rps=rate, isl=isl, osl=osl,
-                ttft_p99_ms=tq * 1000.0 if tq is not None else None,
-                itl_p99_ms=iq * 1000.0 if iq is not None else None,
-                history=tuple(pts), stale=False,
-                isl_quantiles=_quantiles(a.plen, b.plen), osl_quantiles=_quantiles(a.glen, b.glen),
-                configs=self._config_observations(a, b), peak_rps=self._peak_rate(sc, b.t - self.s.window_s),
-                peak_window_s=self.s.scrape_s,
-            )
-        return Observation(models=out)
-
-    def _config_observations(self, a: _Scrape, b: _Scrape) -> tuple[ConfigObservation, ...]:
-        """Per config over the window: READY replicas at its end, arrival-free completion rate, the
-        TTFT and per-request TPOT p99 from the config's histograms."""
-        before = {c[0]: c for c in a.configs}
-        out = []
-        dt = b.t - a.t
-        for c, ready, done, ttft, tpot in b.configs:
-            prev = before.get(c)
-            d_done = done - (prev[2] if prev else 0.0)
-            if ready < 1 or d_done <= 0 or dt <= 0:
-                continue
-            d_ttft = [y - (prev[3][j] if prev else 0.0) for j, y in enumerate(ttft)]
-            d_tpot = [y - (prev[4][j] if prev else 0.0) for j, y in enumerate(tpot)]
-            tq = histogram_quantile(0.99, TTFT_BUCKETS_S, d_ttft)
-            iq = histogram_quantile(0.99, TPOT_BUCKETS_S, d_tpot)
-            out.append(ConfigObservation(c, ready, d_done / dt, tq * 1000.0 if tq is not None else None,
-                                         iq * 1000.0 if iq is not None else None, d_done))
-        return tuple(out)
-
-    def _peak_rate(self, sc: list[_Scrape], since: float) -> float | None:
-        """The highest rate between two consecutive scrapes after `since` (a short-window peak)."""
-        best: float | None = None
-        for x, y in itertools.pairwise(sc):
-            if x.t >= since - 1e-9 and y.t > x.t:
-                r = self._rate(x, y)
-                best = r if best is None else max(best, r)
-        return best
+        return Fleet(hosts=self.env.hosts, replicas=reps, builds=tuple(self.cached()))
 
     def _replica_loads(self, t: float) -> Mapping[str, ReplicaLoad]:
         cut = t - self.s.scrape_delay_s
@@ -539,105 +448,19 @@ class FleetSim:
         return best
 
     def _scrape(self, t: float) -> None:
-        in_sys = [0.0] * len(self.model_names)
-        for r in self.replicas:
-            if r.state in (ReplicaState.READY, ReplicaState.DRAINING):
-                in_sys[r.mi] += r.core.num_running + r.core.num_waiting
-        ready: dict[ConfigKey, int] = {}
-        for r in self.replicas:
-            if r.state == ReplicaState.READY:
-                ready[r.config] = ready.get(r.config, 0) + 1
-        per_model: list[list[tuple[ConfigKey, int, float, tuple[float, ...], tuple[float, ...]]]] = [
-            [] for _ in self.model_names]
-        for c, cmx in sorted(self.config_metrics.items()):
-            per_model[self.model_names.index(c.model)].append(
-                (c, ready.get(c, 0), cmx.completed, tuple(cmx.ttft), tuple(cmx.tpot)))
-        for mi, mm in enumerate(self.metrics):
-            self.scrapes[mi].append(_Scrape(t, in_sys[mi], mm.completed, mm.prompt_tokens, mm.gen_tokens,
-                                            tuple(mm.ttft), tuple(mm.itl), tuple(mm.plen), tuple(mm.glen),
-                                            tuple(per_model[mi])))
-            win = self._window(self.scrapes[mi], self.s.window_s)
-            if win is not None:
-                hist = self.rate_hist[mi]
-                hist.append((t, self._rate(*win)))
-                if len(hist) > 64 and hist[0][0] < t - self.s.history_s - 2 * self.s.window_s:
-                    cut = t - self.s.history_s - self.s.window_s
-                    del hist[: next(j for j, x in enumerate(hist) if x[0] >= cut)]
-            # keep memory bounded: drop scrapes older than the history span + window
-            sc = self.scrapes[mi]
-            if len(sc) > 64 and sc[0].t < t - self.s.window_s - 4 * self.s.scrape_s:
-                keep_from = next(j for j, x in enumerate(sc) if x.t >= t - self.s.window_s - 4 * self.s.scrape_s)
-                del sc[:keep_from]
-        loads = {r.rid: ReplicaLoad(float(r.core.num_running), float(r.core.num_waiting), r.core.kv_usage)
-                 for r in self.replicas if r.state == ReplicaState.READY}
-        self.replica_scrape_hist.append((t, loads))
-        if len(self.replica_scrape_hist) > 16:
-            del self.replica_scrape_hist[:-16]
-
-    def _apply(self, t: float, decision: Decision) -> None:
-        """The controller's actions go through the shipped act core (planner/act.py), as in the
-        daemon: starts only on free GPUs, make-before-break, never-served replicas removed at once.
-        Baselines that set `targets` are applied directly (they model other controllers)."""
-        if decision.actions:
-            self._act(t, decision.actions)
-        if decision.targets is not None:
-            self._reconcile(t, decision.targets)
-
-    def _act_view(self, t: float) -> act.ActView:
-        rows: list[act.ReplicaRow] = []
-        reported: dict[str, list[act.ReportedReplica]] = {}
-        for r in self.replicas:
-            if r.state == ReplicaState.STOPPED:
-                continue
-            c = r.config
-            port = 8000 + min(r.gpus)  # the simulator has no ports: unique per host while GPUs are
-            ready_s = r.t_ready if r.state in (ReplicaState.READY, ReplicaState.DRAINING) else None
-            rows.append(act.ReplicaRow(
-                r.rid, r.host, c.model, c.engine.value, c.gpu.value, c.tp, c.precision.value, r.gpus, port,
-                c.engine.value, act.Phase.DRAINING if r.state == ReplicaState.DRAINING else act.Phase.DESIRED,
-                "planned", r.t_start, r.since, r.since if r.state == ReplicaState.DRAINING else None, ready_s))
-            reported.setdefault(r.host, []).append(act.ReportedReplica(
-                r.rid, r.state, c.model, c.engine.value, c.gpu.value, c.tp, c.precision.value, r.gpus, port))
-        hosts = {h.name: act.HostReport(h.name, h.online, h.gpu.value, h.gpu_count, h.nvlink_groups, None, (),
-                                        (), tuple(reported.get(h.name, ())))
-                 for h in self.env.hosts}
-        return act.ActView(t, hosts, tuple(rows), (), {}, frozenset(r.rid for r in self.replicas),
-                           connected_since_s=-math.inf)
-
-    def _act(self, t: float, actions: Sequence[Action]) -> None:
-        decision = act.execute(self._act_view(t), actions)
-        by_id = {r.rid: r for r in self.replicas if r.state != ReplicaState.STOPPED}
-        started: set[str] = set()
-        for eff in decision.effects:
-            if isinstance(eff, act.NewReplica):
-                row = eff.row
-                config = row.config
-                self._start_replica(t, None, config, row.host, row.gpu_indices)
-                started.add(row.model)
-            elif isinstance(eff, act.NewBuild):
-                self._build(t, eff.row)
-            elif isinstance(eff, act.SetPhase):
-                r = by_id.get(eff.replica_id)
-                if r is not None:
-                    if eff.phase == act.Phase.DRAINING and r.config.model in started:
-                        self.swap_cycles += 1  # (the act core defers these: make-before-break)
-                    self._drain(r, t)
-            elif isinstance(eff, act.Record) and eff.note.status == act.ActionStatus.DEFERRED:
-                self.deferred += 1
-
-    def _build(self, t: float, row: act.BuildRow) -> None:
-        c = row.config
-        if self._built(c) or (c in self.builds and not self.builds[c].ready):
-            return
-        bs = self.env.build_s(c) or 0.0
-        self.builds[c] = EngineBuild(c.model, c.engine, c.gpu, c.tp, c.precision, row.host, False,
-                                     self.env.epoch0_s + t + bs)
-        self.n_builds += 1
-        self.build_gpu_s[c.gpu.value] = self.build_gpu_s.get(c.gpu.value, 0.0) + bs * max(
-            1, len(row.gpu_indices) or c.tp)
-        self._push(t + bs, self._P_LIFE, "built", c)
+        if self.control is not None:
+            self.prom.scrape(t, {r.rid: (r.counters, float(r.core.num_running), float(r.core.num_waiting),
+                                         r.core.kv_usage)
+                                 for r in self.replicas if r.state in (ReplicaState.READY, ReplicaState.DRAINING)})
+        else:
+            loads = {r.rid: ReplicaLoad(float(r.core.num_running), float(r.core.num_waiting), r.core.kv_usage)
+                     for r in self.replicas if r.state == ReplicaState.READY}
+            self.replica_scrape_hist.append((t, loads))
+            if len(self.replica_scrape_hist) > 16:
+                del self.replica_scrape_hist[:-16]
 
     def _reconcile(self, t: float, targets: Mapping[ConfigKey, int]) -> None:
+        """A baseline's targets, carried out directly (they model other controllers)."""
         live: dict[ConfigKey, list[_SimReplica]] = {}
         for r in self.replicas:
             if r.state in (ReplicaState.STARTING, ReplicaState.READY):
@@ -670,9 +493,9 @@ class FleetSim:
             if r.state == ReplicaState.READY:
                 per[r.config] = per.get(r.config, 0) + 1
                 ready += len(r.gpus)
-        for b in self.builds.values():
-            if not b.ready:
-                gpus += b.tp
+        for b in self.sim_builds.values():
+            if not b.done:
+                gpus += len(b.row.gpu_indices) or b.config.tp
         self.timeline.append(TimelinePoint(t, demand, tuple(sorted(per.items())), ready, gpus))
 
     # -- main loop
@@ -702,8 +525,8 @@ class FleetSim:
         i = 0
         ttft_edges = TTFT_BUCKETS_S
         itl_edges = ITL_BUCKETS_S
+        tpot_edges = TPOT_BUCKETS_S
         len_edges = LENGTH_BUCKETS
-        metrics = self.metrics
         req_model = self.req_model
         first_t = self.first_t
         finish_t = self.finish_t
@@ -711,7 +534,8 @@ class FleetSim:
         owner = self.owner
         prompt = self.prompt
         output = self.output
-        ready_lists = self.by_model_ready
+        serving = self.serving
+        baseline = self.control is None
         overheads: dict[int, float] = {}
         heappush, heappop = heapq.heappush, heapq.heappop
         outstanding = 0
@@ -720,7 +544,7 @@ class FleetSim:
         while True:
             ta = arr_t[i] if i < n else math.inf
             th = heap[0][0] if heap else math.inf
-            if ta == math.inf and (th == math.inf or (outstanding == 0 and th > end_s)):
+            if ta == math.inf and (th == math.inf or (outstanding - self._cut <= 0 and th > end_s)):
                 break
             if th <= ta:
                 t, _prio, _seq, kind, payload = heappop(heap)
@@ -731,32 +555,36 @@ class FleetSim:
                     if version != rep.version:
                         continue
                     firsts, fins, gap, cnt = rep.core.end()
-                    mm = metrics[rep.mi]
+                    cn = rep.counters
                     if cnt:
-                        mm.itl[bisect.bisect_left(itl_edges, gap)] += cnt
+                        cn.itl[bisect.bisect_left(itl_edges, gap)] += cnt
                     oh = overheads.get(id(rep.core))
                     if oh is None:
                         oh = rep.core.params.factors.ttft_overhead_s
                         overheads[id(rep.core)] = oh
-                    cm = rep.cm
-                    assert cm is not None
                     for idx in firsts:
                         first_t[idx] = t
                         tt = t - arr_t[idx] + oh
-                        b = bisect.bisect_left(ttft_edges, tt)
-                        mm.ttft[b] += 1
-                        cm.ttft[b] += 1
+                        cn.ttft[bisect.bisect_left(ttft_edges, tt)] += 1
+                        cn.sums[0] += tt
                     for idx in fins:
                         finish_t[idx] = t
+                        if status[idx] != PENDING:
+                            continue
                         status[idx] = SERVED
-                        mm.completed += 1
-                        mm.prompt_tokens += prompt[idx]
-                        mm.gen_tokens += output[idx]
-                        mm.plen[bisect.bisect_left(len_edges, prompt[idx])] += 1
-                        mm.glen[bisect.bisect_left(len_edges, output[idx])] += 1
-                        cm.completed += 1
-                        if output[idx] >= 2:
-                            cm.tpot[bisect.bisect_left(itl_edges, (t - first_t[idx]) / (output[idx] - 1))] += 1
+                        rep.inflight.discard(idx)
+                        p, o = prompt[idx], output[idx]
+                        cn.completed += 1
+                        cn.prompt_tokens += p
+                        cn.gen_tokens += o
+                        cn.prompt_len[bisect.bisect_left(len_edges, p)] += 1
+                        cn.gen_len[bisect.bisect_left(len_edges, o)] += 1
+                        cn.sums[2] += p
+                        cn.sums[3] += o
+                        if o >= 2:
+                            tp = (t - first_t[idx]) / (o - 1)
+                            cn.tpot[bisect.bisect_left(tpot_edges, tp)] += 1
+                            cn.sums[1] += tp
                         outstanding -= 1
                     rep.load -= len(fins)
                     te = rep.core.begin(t)
@@ -764,7 +592,7 @@ class FleetSim:
                         rep.version += 1
                         self._seq += 1
                         heappush(heap, (te, 0, self._seq, "step", (rep, rep.version)))
-                    elif rep.state == ReplicaState.DRAINING and rep.load == 0:
+                    elif baseline and rep.state == ReplicaState.DRAINING and rep.load == 0:
                         self._stop(rep, t)
                 elif kind == "scrape":
                     self._scrape(t)
@@ -780,17 +608,21 @@ class FleetSim:
                     rep, version = cast(tuple[_SimReplica, int], payload)
                     if version == rep.version:
                         self._ready(rep, t)
+                elif kind == "call":
+                    cast(Callable[[float], None], payload)(t)
                 elif kind == "built":
-                    c = payload
-                    assert isinstance(c, ConfigKey)
-                    b0 = self.builds[c]
-                    self.builds[c] = EngineBuild(c.model, c.engine, c.gpu, c.tp, c.precision, b0.host, True, None)
+                    sb = self.sim_builds.get(cast(str, payload))
+                    if sb is not None:
+                        sb.done = True
+                        c = sb.config
+                        self.builds[c] = EngineBuild(c.model, c.engine, c.gpu, c.tp, c.precision, sb.row.host,
+                                                     True, None)
                 continue
             # an arrival
             t = ta
             idx = i
             i += 1
-            reps = ready_lists[req_model[idx]]
+            reps = serving[req_model[idx]]
             if not reps:
                 status[idx] = REJECTED
                 continue
@@ -807,6 +639,7 @@ class FleetSim:
                 continue
             owner[idx] = rep
             rep.load += 1
+            rep.inflight.add(idx)
             outstanding += 1
             if core.busy:
                 if core._k > 0 and core.t_end > t:
@@ -827,36 +660,30 @@ class FleetSim:
     def _warm_start(self) -> None:
         """Before t=0 the controller has watched the first window's traffic and its fleet is READY."""
         obs = self._true_observation(0.0, self.s.window_s)
-        for _ in range(32):
-            view = ControllerView(0.0, self.env.epoch0_s, obs, self._fleet(0.0), {})
-            d = self.ctl.decide(view)
-            starts = [a for a in d.actions if a.kind is ActionKind.START]
-            if d.targets is not None:
-                for c, want in sorted(d.targets.items()):
-                    have = sum(1 for r in self.replicas if r.config == c and r.state == ReplicaState.READY)
-                    for _ in range(max(0, want - have)):
-                        slot = self._free_slot(c)
-                        if slot is None:
-                            break
-                        self._start_replica(0.0, None, c, slot[0], slot[1], instant=True)
-                break
-            live_ids = {r.rid for r in self.replicas if r.state != ReplicaState.STOPPED}
-            new = [a for a in starts if a.replica.replica_id not in live_ids]
-            if not new:
-                break
-            for a in new:
-                c = a.replica.config
-                if self.env.build_s(c) is not None and not self._built(c):
-                    continue  # a replica that needs an engine build cannot be warm
-                self._start_replica(0.0, a.replica.replica_id, c, a.replica.host, a.replica.gpu_indices,
-                                    instant=True)
+        if self.control is not None:
+            def ready(rid: str) -> None:
+                rep = self.by_id.get(rid)
+                if rep is not None and (self.env.build_s(rep.config) is None or self._built(rep.config)):
+                    rep.version += 1  # its launch's "ready" event is not needed
+                    self._ready(rep, 0.0)
+            self.control.warm(obs, ready)
+            for r in self.replicas:  # warm replicas took their GPUs before t = 0
+                r.t_start = 0.0
+            self.replica_starts = 0
+            return
+        ctl = cast(Baseline, self.ctl)
+        d = ctl.decide(ControllerView(0.0, self.env.epoch0_s, self._fleet(0.0), {}))
+        if d.targets is not None:
+            for c, want in sorted(d.targets.items()):
+                for _ in range(max(0, want)):
+                    slot = self._free_slot(c)
+                    if slot is None:
+                        break
+                    self._start_replica(0.0, None, c, slot[0], slot[1], instant=True)
         self.replica_starts = 0  # warm replicas are not counted as starts
-        # a controller with a reset() forgets the warm-start decision (fleetplan's PlannerState);
-        # hpa keeps it as its scale-down stabilisation history, as a long-running HPA would have
-        if hasattr(self.ctl, "reset"):
-            self.ctl.reset()
 
     def _true_observation(self, t0: float, w: float) -> Observation:
+        """The warm start's knowledge: the first window's true rate and mean lengths."""
         out: dict[str, ModelObservation] = {}
         a = int(np.searchsorted(self.arr_t, t0, side="left"))
         b = int(np.searchsorted(self.arr_t, t0 + w, side="left"))
@@ -873,21 +700,27 @@ class FleetSim:
         return Observation(models=out)
 
     def _tick(self, t: float) -> None:
-        view = ControllerView(t, self.env.epoch0_s + t, self.observation(t), self._fleet(t), self._replica_loads(t))
-        d = self.ctl.decide(view)
         self.decisions += 1
+        if self.control is not None:
+            self.control.cycle(t, self.prom.readings(t), self.prom.evidence(t))
+            return
+        ctl = cast(Baseline, self.ctl)
+        d = ctl.decide(ControllerView(t, self.env.epoch0_s + t, self._fleet(t), self._replica_loads(t)))
         if d.note and len(self.notes) < 50:
             self.notes.append(f"t={t:.0f}s: {d.note}")
-        self._apply(t, d)
+        if d.targets is not None:
+            self._reconcile(t, d.targets)
 
     def _result(self, end_s: float) -> SimResult:
         gpu_s: dict[str, float] = {}
+        by_config: dict[ConfigKey, float] = {}
         for r in self.replicas:
             if r.t_gpu is None:
                 continue
             stop = end_s if r.t_stop is None else min(r.t_stop, end_s)
             dur = max(0.0, stop - max(0.0, r.t_gpu))
             gpu_s[r.config.gpu.value] = gpu_s.get(r.config.gpu.value, 0.0) + dur * len(r.gpus)
+            by_config[r.config] = by_config.get(r.config, 0.0) + dur * len(r.gpus) / 3600.0
         build_s = sum(self.build_gpu_s.values())
         gpu_hours = (sum(gpu_s.values()) + build_s) / 3600.0
         cost = 0.0
@@ -908,6 +741,7 @@ class FleetSim:
         ttft_slo = np.array([self.env.ttft_slo_ms[self.model_names[m]] for m in self.req_model]) / 1000.0
         itl_slo = np.array([self.env.itl_slo_ms[self.model_names[m]] for m in self.req_model]) / 1000.0
         ok = served & (ttft_s <= ttft_slo) & (itl_s <= itl_slo)
+        c = self.control
         return SimResult(
             policy=self.ctl.name,
             duration_s=end_s,
@@ -926,7 +760,10 @@ class FleetSim:
             builds=self.n_builds,
             timeline=tuple(self.timeline),
             decisions=self.decisions,
-            notes=tuple(self.notes),
+            notes=tuple(self.notes + (c.notes if c is not None else [])),
             placement_conflicts=self.conflicts,
-            swap_cycles=self.swap_cycles, deferred_actions=self.deferred,
+            swap_cycles=c.swap_cycles if c is not None else 0,
+            deferred_actions=c.deferred if c is not None else 0,
+            drain_timeouts=c.drain_timeouts if c is not None else 0,
+            gpu_hours_by_config=tuple(sorted(by_config.items())),
         )

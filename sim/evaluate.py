@@ -32,7 +32,6 @@ from fleetplan.planner.types import ConfigKey
 from fleetplan.sim.baselines import (
     EXTRA_POLICY_NAMES,
     POLICY_NAMES,
-    FleetplanController,
     HpaController,
     StaticController,
     baseline_config,
@@ -44,6 +43,7 @@ from fleetplan.sim.baselines import (
     static_targets,
     trace_mix,
 )
+from fleetplan.sim.control import FleetplanController
 from fleetplan.sim.core import capacity_at_slo, replay_on_core
 from fleetplan.sim.des import (
     Controller,

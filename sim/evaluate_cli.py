@@ -35,9 +35,6 @@ def register(subparsers: Any) -> None:
                    "else the policy's first model)")
     p.add_argument("--policies", default=None, help="comma-separated subset (default: all)")
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
-    p.add_argument("--rate-source", choices=("arrivals", "completions"), default="arrivals",
-                   help="what the controller's request rate is computed from: arrivals by conservation "
-                   "(success counter + change of running/waiting gauges, default) or the success counter alone")
     p.set_defaults(handler=_handle)
 
 
@@ -76,7 +73,7 @@ def _handle(args: argparse.Namespace) -> int:
             trace = shape_day(trace, args.day_s, args.rate_scale)
         elif args.rate_scale != 1.0:
             trace = reshape(trace, duration_s=trace.duration_s, rate_scale=args.rate_scale)
-        settings = SimSettings(rate_source=args.rate_source)
+        settings = SimSettings()
         ev = evaluate(trace, policy, profiles,
                       EvaluateOptions(policies=policies, model=args.model, workers=max(1, args.workers),
                                       settings=settings),

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from fleetplan.models.names import Engine, GpuType
-from fleetplan.sim.core import ITL_BUCKETS_S, FastCore, replay_on_core
-from fleetplan.sim.des import histogram_quantile
+from fleetplan.sim.core import FastCore, replay_on_core
 from fleetplan.sim.groundtruth import build_params, simulate
 
 
@@ -88,67 +87,3 @@ def test_macro_steps_average_the_step_noise(engine: Engine, rate: float) -> None
     assert np.quantile(p_ma, 0.99) == pytest.approx(np.quantile(p_ex, 0.99), rel=0.08)
 
 
-def test_histogram_quantile_like_prometheus() -> None:
-    edges = (0.1, 0.2, 0.4)
-    assert histogram_quantile(0.5, edges, [0, 10, 0, 0]) == pytest.approx(0.15)
-    assert histogram_quantile(0.99, edges, [0, 0, 0, 5]) == pytest.approx(0.4)  # +Inf bucket
-    assert histogram_quantile(0.5, edges, [0, 0, 0, 0]) is None
-    counts = [0.0] * (len(ITL_BUCKETS_S) + 1)
-    counts[3] = 100.0
-    q = histogram_quantile(0.99, ITL_BUCKETS_S, counts)
-    assert q is not None and ITL_BUCKETS_S[2] < q <= ITL_BUCKETS_S[3]
-
-
-def test_lifecycle_goes_through_the_act_core_make_before_break_and_gpu_hours() -> None:
-    """The replay applies the controller's actions through the shipped act core (planner/act.py):
-    a start on GPUs still in use moves to free ones, a drain waits while a replacement starts (no request
-    is rejected for lack of a READY replica), GPU-hours run from launch to stop."""
-    from fleetplan.models.names import Precision
-    from fleetplan.planner.policy import load_policy_text
-    from fleetplan.planner.types import Action, ActionKind, ConfigKey, Replica, ReplicaState
-    from fleetplan.sim.des import ControllerView, Decision, FleetSim, SimSettings
-    from fleetplan.sim.evaluate import make_environment
-    from fleetplan.sim.traces import Trace, TraceFormat, TraceRequest
-
-    policy = load_policy_text(
-        """
-gpu_types: {h100: {price_usd_h: 2.0}}
-hosts: [{name: h1, gpu: h100, gpu_count: 2}]
-engines:
-  vllm: {launch: {command: vllm}, startup: {default_s: 30}}
-models:
-  - {name: llama-3-8b, slo: {ttft_p99_ms: 500, itl_p99_ms: 50}, allowed: {engines: [vllm], tp: [1]},
-     workload: {isl: 500, osl: 50}}
-""", "p")
-    cfg = ConfigKey("llama-3-8b", Engine.VLLM, GpuType.H100, 1, Precision.BF16)
-
-    class Scripted:
-        name = "scripted"
-        period_s = 60.0
-
-        def decide(self, view: ControllerView) -> Decision:
-            live = sorted((r for r in view.fleet.replicas if r.state != ReplicaState.STOPPED),
-                          key=lambda r: r.gpu_indices)
-            if view.t_s == 0.0:
-                return Decision(actions=(Action(ActionKind.START, Replica("a", cfg, "h1", (0,),
-                                                                          ReplicaState.STARTING), "warm"),))
-            if view.t_s == 60.0:  # GPU 0 is busy: the start moves to GPU 1; the drain waits for it
-                return Decision(actions=(Action(ActionKind.START, Replica("b", cfg, "h1", (0,), ReplicaState.STARTING),
-                                                "swap"), Action(ActionKind.DRAIN, live[0], "swap")))
-            if view.t_s >= 120.0 and len(live) == 2:
-                return Decision(actions=(Action(ActionKind.DRAIN, live[0], "swap"),))
-            return Decision()
-
-    reqs = tuple(TraceRequest(i * 0.5, 200, 20, "llama-3-8b") for i in range(1201))  # 2 rps, 600 s
-    sim = FleetSim(Trace("t", TraceFormat.AZURE, reqs), Scripted(), make_environment(policy), SimSettings())
-    res = sim.run()
-    rep1, rep2 = sim.replicas
-    assert rep1.gpus == (0,) and rep2.gpus == (1,)
-    assert rep2.t_start == 60.0 and rep2.t_ready == pytest.approx(90.0)
-    assert rep1.t_stop is not None and 120.0 <= rep1.t_stop < 121.0  # drained once the replacement served
-    assert res.deferred_actions == 1  # the drain while "b" started
-    assert res.swap_cycles == 0 and res.replica_starts == 1  # the replacement (t = 0 is the initial fleet)
-    assert res.rejected == 0
-    assert res.served + res.rejected + res.unfinished == res.arrived == 1201
-    assert res.gpu_hours == pytest.approx((rep1.t_stop + 600.0 - 60.0) / 3600.0, rel=1e-3)
-    assert res.cost_usd == pytest.approx(2.0 * res.gpu_hours)

@@ -1,0 +1,132 @@
+"""One control cycle's decisions, from the raw readings to the actions to carry out. Pure.
+
+The daemon (controller/daemon.py) and the replay (sim/des.py) are two adapters around this one
+decision path; only their I/O differs (Prometheus over HTTP and MQTT to agents, or a simulated
+fleet's counters and a simulated agent). Per cycle, in this order:
+
+1. `act.reconcile(view)` (planner/act.py): the agents' reports against the records;
+2. `observe(readings, evidence, ...)`: what Prometheus' answers mean (planner/observation.py
+   `interpret`: fail static, partial windows, the time scale) plus the length mix and the per-config
+   latency evidence (planner/evidence.py), as the planner's `Observation`;
+3. `decide(observation, view, fleet, ...)`: no plan while a known host has not reported since start
+   (`act.plan_deferred`), else the plan (planner/core.py `plan`) and the brakes (planner/brakes.py:
+   advisory, pause, blast-radius limits);
+4. `act.execute(view, decision.allowed, planned_on=view)`: the effects (rows, desired states, drains);
+5. `act.routes(...)` and `act.drain_step(...)`: what the router serves, when a drain ends.
+
+Worked example (tests/unit/planner/test_cycle.py): readings in which one replica of `m` is up with
+a full window and 4 rps, a policy asking for 1 replica per 2 rps -> `decide` returns a plan of 2
+replicas and one START allowed; with `paused=True` the START is held ("held back by pause").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass
+
+from fleetplan.models.profile import ProfileSet
+from fleetplan.planner import act
+from fleetplan.planner import evidence as ev
+from fleetplan.planner.brakes import BrakeResult, Mode, PastAction, apply_brakes
+from fleetplan.planner.observation import Interpreted, ModelMetrics, ObserveRules, Readings, interpret
+from fleetplan.planner.policy import Policy
+from fleetplan.planner.types import (
+    Action,
+    ConfigKey,
+    Fleet,
+    ModelObservation,
+    Observation,
+    PlannerState,
+    PlanResult,
+    Replica,
+)
+
+__all__ = ["CycleDecision", "Observed", "brakes_for", "capacity_of", "decide", "observation_from", "observe"]
+
+
+@dataclass(frozen=True)
+class Observed:
+    """One observation: the per-model metrics (for reports), the raw evidence, the planner's input."""
+
+    interpreted: Interpreted
+    evidence: ev.Evidence | None
+    observation: Observation
+    notes: tuple[str, ...] = ()  # why some evidence was left out (logged by the daemon)
+
+
+def observation_from(interpreted: Interpreted, evidence: ev.Evidence | None, models: Sequence[str],
+                     replicas: Sequence[Replica] | None, now_s: float) -> tuple[Observation, tuple[str, ...]]:
+    """The planner's Observation for `models`: the per-model numbers, and with `replicas` (the
+    fleet) each model's length quantiles and per-config evidence (planner/evidence.py)."""
+    obs: dict[str, ModelObservation] = {}
+    notes: list[str] = []
+    for m in models:
+        mm = interpreted.models.get(m) or ModelMetrics(model=m, stale=True, reasons=("not observed",))
+        me = ev.interpret(m, evidence, replicas or (), now_s, stale=mm.stale)
+        notes.extend(f"evidence for {m}: {n}" for n in me.notes)
+        obs[m] = ModelObservation(
+            model=m, rate_rps=mm.rate_rps, isl=mm.isl, osl=mm.osl,
+            ttft_p99_ms=mm.ttft_p99_ms, itl_p99_ms=mm.itl_p99_ms, history=mm.history, stale=mm.stale,
+            isl_quantiles=me.isl_quantiles, osl_quantiles=me.osl_quantiles,
+            configs=me.configs if replicas is not None else (),
+            peak_rps=mm.peak_rps, peak_window_s=mm.peak_window_s,
+        )
+    return Observation(models=obs, alerts=tuple(interpreted.alerts)), tuple(notes)
+
+
+def observe(readings: Readings, evidence: ev.Evidence | None, models: Iterable[str], *, now_s: float,
+            rules: ObserveRules, replicas: Sequence[Replica] | None,
+            canonical: Callable[[str], str] = str, expected_replicas: Collection[str] | None = None) -> Observed:
+    """Raw readings (and evidence) -> what they mean. `replicas`: the fleet the evidence is read
+    against (None: per-model numbers only). `expected_replicas`: the replicas the controller runs."""
+    names = list(models)
+    view = interpret(readings, names, now_s=now_s, rules=rules, canonical=canonical,
+                     expected_replicas=frozenset(expected_replicas) if expected_replicas is not None else None)
+    if readings.error is not None:
+        evidence = None
+    wanted = list(dict.fromkeys([canonical(m) for m in names]))
+    observation, notes = observation_from(view, evidence, wanted, replicas, now_s)
+    return Observed(view, evidence, observation, notes)
+
+
+def capacity_of(result: PlanResult) -> dict[ConfigKey, float]:
+    """Per-replica capacity (rps at the SLO) of every config the plan explains."""
+    return {c.config: c.capacity_per_replica_rps for m in result.explanation.models for c in m.configs}
+
+
+def brakes_for(result: PlanResult, fleet: Fleet, policy: Policy, *, paused: bool, past: Sequence[PastAction],
+               now_s: float) -> BrakeResult:
+    """The brakes on this plan's actions (planner/brakes.py) with the plan's own capacities."""
+    mode: Mode = policy.mode
+    return apply_brakes(result.actions, past, policy.scaling.brake_limits(), mode=mode, paused=paused,
+                        replicas=fleet.replicas, capacity_rps=capacity_of(result), now_s=now_s)
+
+
+@dataclass(frozen=True)
+class CycleDecision:
+    """`deferred`: why there is no plan this cycle (None: planned). Otherwise the plan and what the
+    brakes allow of its actions."""
+
+    deferred: str | None = None
+    result: PlanResult | None = None
+    brakes: BrakeResult | None = None
+
+    @property
+    def allowed(self) -> tuple[Action, ...]:
+        return self.brakes.allowed if self.brakes is not None else ()
+
+
+def decide(observation: Observation, view: act.ActView, fleet: Fleet, policy: Policy, profiles: ProfileSet,
+           state: PlannerState, *, now_s: float, paused: bool, past: Sequence[PastAction],
+           counterfactuals: bool = True) -> CycleDecision:
+    """Plan (unless deferred) and brake. `now_s`: the planner's clock; `view`: what the plan sees
+    (the act core is asked again with the view at acting time: `act.execute(..., planned_on=view)`).
+    counterfactuals=False: no alternatives/relaxations in the explanation (they change no action)."""
+    from fleetplan.planner.core import plan
+
+    waiting = act.plan_deferred(view)
+    if waiting is not None:
+        return CycleDecision(deferred=waiting)
+    result = plan(observation, fleet, policy, profiles, state, now_s, counterfactuals=counterfactuals)
+    brakes = brakes_for(result, fleet, policy, paused=paused, past=past, now_s=now_s)
+    return CycleDecision(None, result, brakes)

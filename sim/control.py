@@ -1,0 +1,285 @@
+"""The replay's side of the daemon: the records, the agents and the drains, around the daemon's own
+decision path.
+
+`FleetplanController` is fleetplan in the replay. Each cycle `ReplayControl.cycle` runs what
+`controller/daemon.py` runs, in the same order and through the same pure functions:
+`act.reconcile` (the agents' reports against the records), `planner.cycle.observe` (the raw
+readings of the replay's Prometheus, fleetplan.sim.promsim), `planner.cycle.decide` (plan_deferred,
+plan, brakes), `act.execute`, `act.routes`; drains poll the replica's in-flight requests every
+`drain_poll_s` through `act.drain_step` until the deadline `act.drain_deadline_s`.
+
+What is simulated is what the daemon does by I/O: the records are kept in memory the way
+controller/state.py `StateStore.apply` keeps them in SQLite (ids allocated in order, phases, ready
+times, builds), desired states reach the simulated agents at once (no MQTT), an agent reports its
+engines and builds as they are, and the router serves `act.routes(...).serving`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+from fleetplan.models.profile import ProfileSet
+from fleetplan.planner import act
+from fleetplan.planner.brakes import HOUR_S, Direction, PastAction
+from fleetplan.planner.cycle import CycleDecision, decide, observe
+from fleetplan.planner.evidence import Evidence
+from fleetplan.planner.fleetview import fleet_from_view
+from fleetplan.planner.observation import ObserveRules, Readings
+from fleetplan.planner.policy import Policy
+from fleetplan.planner.types import EngineBuild, Fleet, Observation, PlannerState
+
+__all__ = ["ControlSettings", "EnginePort", "FleetplanController", "ReplayControl"]
+
+
+@dataclass
+class FleetplanController:
+    """fleetplan in the replay: the policy and profiles the daemon would load, its planner state."""
+
+    name: str
+    policy: Policy
+    profiles: ProfileSet
+    period_s: float = 0.0
+    state: PlannerState = field(default_factory=PlannerState.initial)
+    solve_s: float = 0.0
+    use_history: bool = True  # False: the forecast sees no rate history (an ablation)
+
+    def __post_init__(self) -> None:
+        if self.period_s <= 0:
+            self.period_s = self.policy.scaling.cycle_s
+
+    def reset(self) -> None:
+        self.state = PlannerState.initial()
+
+
+@dataclass(frozen=True)
+class ControlSettings:
+    """The daemon's settings the replay needs (controller/settings.py defaults)."""
+
+    ready_timeout_s: float = 600.0
+    ack_timeout_s: float = 10.0
+    host_offline_grace_s: float = 60.0
+    drain_timeout_s: float = 120.0
+    drain_settle_s: float = 1.0
+    drain_poll_s: float = 0.5
+
+
+class EnginePort(Protocol):
+    """What the simulated world does for the control side (implemented by FleetSim)."""
+
+    def launch(self, row: act.ReplicaRow, t_s: float) -> None: ...
+
+    def stop(self, replica_id: str, t_s: float) -> None: ...
+
+    def build(self, row: act.BuildRow, t_s: float) -> None: ...
+
+    def reports(self, t_s: float) -> dict[str, act.HostReport]: ...
+
+    def cached(self) -> list[EngineBuild]: ...
+
+    def inflight(self, replica_id: str) -> float | None: ...
+
+    def route(self, serving: Mapping[str, tuple[str, ...]], scraped: Sequence[str], t_s: float) -> None: ...
+
+    def later(self, t_s: float, fn: Callable[[float], None]) -> None: ...
+
+
+class ReplayControl:
+    """The daemon's records and effects in the replay (see the module docstring)."""
+
+    def __init__(self, ctl: FleetplanController, engines: EnginePort, *, epoch0_s: float, rules: ObserveRules,
+                 settings: ControlSettings | None = None, counterfactuals: bool = False) -> None:
+        self.ctl = ctl
+        self.policy = ctl.policy
+        self.engines = engines
+        self.epoch0_s = epoch0_s
+        self.rules = rules
+        self.s = settings or ControlSettings()
+        self.counterfactuals = counterfactuals
+        self.rows: dict[str, act.ReplicaRow] = {}
+        self.builds: dict[str, act.BuildRow] = {}
+        self.known: set[str] = set()
+        self.noted: frozenset[tuple[str, str]] = frozenset()
+        self.past: list[PastAction] = []
+        self._next_id = 0
+        self._next_build = 0
+        self.drains: dict[str, act.DrainProgress] = {}
+        self.models = [m.name for m in self.policy.models]
+        self.decisions: list[tuple[float, CycleDecision]] = []  # (t, decision), for parity checks
+        self.deferred = 0
+        self.swap_cycles = 0
+        self.drain_timeouts = 0
+        self.notes: list[str] = []
+
+    # ---- the records ---------------------------------------------------------------------------
+    def wall(self, t_s: float) -> float:
+        return self.epoch0_s + t_s
+
+    def view(self, t_s: float) -> act.ActView:
+        pol = self.policy
+        s = self.s
+        return act.ActView(
+            now_s=self.wall(t_s), hosts=self.engines.reports(t_s), replicas=tuple(self.rows.values()),
+            builds=tuple(self.builds.values()), desired={}, known_ids=frozenset(self.known),
+            settings=act.ActSettings(s.ready_timeout_s, s.ack_timeout_s, s.host_offline_grace_s, (8000, 8999),
+                                     pol.agent_templates(), pol.agent_templates(build=True)),
+            connected_since_s=-math.inf, noted=self.noted)
+
+    def fleet(self, view: act.ActView) -> Fleet:
+        return fleet_from_view(view, cached=self.engines.cached(), to_sim=lambda x: x,
+                               build_s=self.policy.build_s)
+
+    def _apply(self, d: act.ActDecision, t_s: float, *, cycle: bool) -> None:
+        """What StateStore.apply does with the effects, and what the agents then do."""
+        now = self.wall(t_s)
+        self.noted = self.noted | d.noted
+        for e in d.effects:
+            if isinstance(e, act.NewReplica):
+                rid = e.row.replica_id
+                if not rid:
+                    self._next_id += 1
+                    rid = f"r{self._next_id:05d}"
+                row = replace(e.row, replica_id=rid, created_s=now, updated_s=now)
+                self.rows[rid] = row
+                self.known.add(rid)
+                if cycle:
+                    self.past.append(PastAction(Direction.UP, now, max(1, row.tp)))
+                self.engines.launch(row, t_s)
+            elif isinstance(e, act.NewBuild):
+                bid = e.row.build_id
+                if not bid:
+                    self._next_build += 1
+                    bid = f"b{self._next_build:05d}"
+                brow = replace(e.row, build_id=bid, created_s=now, updated_s=now)
+                self.builds[bid] = brow
+                self.engines.build(brow, t_s)
+            elif isinstance(e, act.SetPhase):
+                old = self.rows.get(e.replica_id)
+                if old is None:
+                    continue
+                row = old
+                if e.phase == act.Phase.REMOVED:
+                    del self.rows[e.replica_id]
+                    self.drains.pop(e.replica_id, None)
+                    if cycle:
+                        self.past.append(PastAction(Direction.DOWN, now, max(1, row.tp)))
+                    self.engines.stop(e.replica_id, t_s)
+                else:
+                    self.rows[e.replica_id] = replace(row, phase=e.phase, updated_s=now,
+                                                      drain_started_s=now if e.phase == act.Phase.DRAINING
+                                                      else row.drain_started_s)
+                    if e.phase == act.Phase.DRAINING and cycle:
+                        self.past.append(PastAction(Direction.DOWN, now, max(1, row.tp)))
+            elif isinstance(e, act.MarkReady):
+                seen = self.rows.get(e.replica_id)
+                if seen is not None and seen.ready_s is None:
+                    self.rows[e.replica_id] = replace(seen, ready_s=now)
+            elif isinstance(e, act.FinishBuild):
+                self.builds.pop(e.build.build_id, None)
+            elif isinstance(e, act.Record) and e.note.status == act.ActionStatus.DEFERRED:
+                self.deferred += 1
+        self.past = [p for p in self.past if p.at_s > now - HOUR_S]
+
+    def update_routing(self, t_s: float) -> None:
+        r = act.routes(tuple(self.rows.values()), self.engines.reports(t_s), self.models, now_s=self.wall(t_s),
+                       connected_since_s=-math.inf, grace_s=self.s.host_offline_grace_s)
+        if r is not None:
+            self.engines.route(r.serving, r.scraped, t_s)
+
+    # ---- one cycle -----------------------------------------------------------------------------
+    def reconcile(self, t_s: float) -> None:
+        self._apply(act.reconcile(self.view(t_s)), t_s, cycle=False)
+
+    def cycle(self, t_s: float, readings: Readings, evidence: Evidence | None) -> CycleDecision:
+        """One cycle of controller/daemon.py `_cycle`: reconcile, observe, plan and brake, act, route."""
+        self.reconcile(t_s)
+        view = self.view(t_s)
+        fleet = self.fleet(view)
+        now = self.wall(t_s)
+        obs = observe(readings, evidence, self.models, now_s=now, rules=self.rules, replicas=fleet.replicas,
+                      expected_replicas=frozenset(self.rows)).observation
+        return self.decide_and_act(t_s, obs, view, fleet)
+
+    def decide_and_act(self, t_s: float, obs: Observation, view: act.ActView, fleet: Fleet) -> CycleDecision:
+        if not self.ctl.use_history:
+            obs = Observation(models={m: replace(o, history=()) for m, o in obs.models.items()}, alerts=obs.alerts)
+        now = self.wall(t_s)
+        d = decide(obs, view, fleet, self.policy, self.ctl.profiles, self.ctl.state, now_s=now, paused=False,
+                   past=self.past, counterfactuals=self.counterfactuals)
+        self.decisions.append((t_s, d))
+        if d.result is None:
+            return d
+        self.ctl.state = d.result.next_state
+        self.ctl.solve_s += d.result.explanation.solve_s
+        notes = [n for m in d.result.explanation.models for n in m.notes if n.startswith("fail static")]
+        if notes and len(self.notes) < 50:
+            self.notes.append(f"t={t_s:.0f}s: " + "; ".join(notes))
+        out = act.execute(self.view(t_s), d.allowed, planned_on=view)
+        started = {e.row.model for e in out.effects if isinstance(e, act.NewReplica)}
+        drained = [e for e in out.effects if isinstance(e, act.SetPhase) and e.phase == act.Phase.DRAINING]
+        if any(self.rows[e.replica_id].model in started for e in drained if e.replica_id in self.rows):
+            self.swap_cycles += 1
+        self._apply(out, t_s, cycle=True)
+        self.update_routing(t_s)
+        for rid in out.drains:
+            self.start_drain(rid, t_s)
+        return d
+
+    # ---- drains (controller/executor.py Executor.drain) -------------------------------------------
+    def deadline_s(self, model: str) -> float:
+        m = self.policy.model(model)
+        if m is None:
+            return self.s.drain_timeout_s
+        return act.drain_deadline_s(slo_ttft_s=m.slo.ttft_p99_ms / 1000, slo_itl_s=m.slo.itl_p99_ms / 1000,
+                                    max_output_tokens=m.max_output_tokens, explicit_s=m.drain_timeout_s,
+                                    floor_s=self.s.drain_timeout_s)
+
+    def start_drain(self, rid: str, t_s: float) -> None:
+        row = self.rows.get(rid)
+        if row is None or rid in self.drains:
+            return
+        self.drains[rid] = act.DrainProgress(row.drain_started_s or self.wall(t_s))
+        self.engines.later(t_s + self.s.drain_settle_s, lambda t: self._poll(rid, t))
+
+    def _poll(self, rid: str, t_s: float) -> None:
+        progress = self.drains.get(rid)
+        row = self.rows.get(rid)
+        if progress is None or row is None or row.phase != act.Phase.DRAINING:
+            self.drains.pop(rid, None)
+            return
+        step, progress = act.drain_step(progress, self.engines.inflight(rid), self.wall(t_s),
+                                        self.deadline_s(row.model))
+        self.drains[rid] = progress
+        if step == act.DrainStep.WAIT:
+            self.engines.later(t_s + self.s.drain_poll_s, lambda t: self._poll(rid, t))
+            return
+        if step == act.DrainStep.TIMEOUT:
+            self.drain_timeouts += 1
+        del self.drains[rid]
+        self.rows.pop(rid, None)
+        self.update_routing(t_s)
+        self.engines.stop(rid, t_s)
+
+    # ---- warm start ------------------------------------------------------------------------------
+    def warm(self, obs: Observation, ready: Callable[[str], None], *, rounds: int = 32) -> None:
+        """Before t = 0 the daemon has run long enough for its fleet to be READY for the first
+        window's traffic: cycles on the true first window through the same plan, brakes and act
+        core, each started replica made READY at once (`ready`); replicas that need an engine build
+        are not warm (their builds stay in progress)."""
+        for _ in range(rounds):
+            self.reconcile(0.0)
+            view = self.view(0.0)
+            before = set(self.rows)
+            d = self.decide_and_act(0.0, obs, view, self.fleet(view))
+            new = [rid for rid in self.rows if rid not in before]
+            for rid in new:
+                ready(rid)
+            self.reconcile(0.0)
+            self.update_routing(0.0)
+            if d.result is None or not new:
+                break
+        self.past.clear()
+        self.ctl.reset()
+

@@ -1,0 +1,294 @@
+"""The replay's Prometheus: the simulated engines' own series, scraped, stored and queried.
+
+The daemon reads Prometheus through `controller/observe.py` (PromQL over HTTP) and hands the raw
+answers to the pure decision path (`fleetplan.planner.cycle.observe`). The replay hands that path
+the same raw answers, computed here from the simulated replicas' counters, gauges and histograms
+(the bucket edges the real engines export, fleetplan.sim.core): one scrape per target every
+`scrape_s`, visible `delay_s` later, each query answered over the same windows the Observer asks.
+
+Only the I/O is simulated; no rule of the planner lives here. What each query returns:
+
+- counters (`rate(x[w])`): per target, (last - first) / (t_last - t_first) over its samples in the
+  window (Prometheus extrapolates to the window's edges; the difference is a few percent at the
+  window's ends and is not a decision);
+- gauges: the target's latest sample while it is a target (a removed target's gauges go stale);
+- histograms: per-bucket rates summed by model (or by replica), cumulative `le` buckets, and the
+  quantile queries by Prometheus' own histogram_quantile (the one implementation,
+  fleetplan.planner.evidence.histogram_quantile);
+- `up` and the window coverage (first/last sample time, samples) per current target;
+- the request-rate history: the model's completions over `max(window, step)` at `step` intervals.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from fleetplan.planner import evidence as ev
+from fleetplan.planner.observation import Query, Readings, Sample, Series
+from fleetplan.sim.core import ITL_BUCKETS_S, LENGTH_BUCKETS, TPOT_BUCKETS_S, TTFT_BUCKETS_S
+
+__all__ = ["Counters", "PromSim", "TargetScrape"]
+
+
+class Counters:
+    """One engine's exported series (what its /metrics shows), cumulative since it started."""
+
+    __slots__ = ("completed", "gen_len", "gen_tokens", "itl", "prompt_len", "prompt_tokens", "sums", "tpot", "ttft")
+
+    def __init__(self) -> None:
+        self.completed = 0.0
+        self.prompt_tokens = 0.0
+        self.gen_tokens = 0.0
+        self.ttft = [0.0] * (len(TTFT_BUCKETS_S) + 1)  # per bucket (not cumulative); last = +Inf
+        self.itl = [0.0] * (len(ITL_BUCKETS_S) + 1)  # one observation per token gap
+        self.tpot = [0.0] * (len(TPOT_BUCKETS_S) + 1)  # one observation per request (its mean gap)
+        self.prompt_len = [0.0] * (len(LENGTH_BUCKETS) + 1)
+        self.gen_len = [0.0] * (len(LENGTH_BUCKETS) + 1)
+        # the histograms' _sum series: ttft, tpot, prompt length, generation length
+        self.sums = [0.0, 0.0, 0.0, 0.0]
+
+
+@dataclass(frozen=True)
+class TargetScrape:
+    t_s: float
+    completed: float
+    prompt_tokens: float
+    gen_tokens: float
+    running: float
+    waiting: float
+    kv: float
+    ttft: tuple[float, ...]
+    itl: tuple[float, ...]
+    tpot: tuple[float, ...]
+    prompt_len: tuple[float, ...]
+    gen_len: tuple[float, ...]
+    sums: tuple[float, ...]
+
+
+def _cumulative(edges: Sequence[float], counts: Sequence[float]) -> tuple[tuple[float, float], ...]:
+    out = []
+    acc = 0.0
+    for j, c in enumerate(counts):
+        acc += c
+        out.append((float(edges[j]) if j < len(edges) else math.inf, acc))
+    return tuple(out)
+
+
+class PromSim:
+    """Scrapes of the replay's targets and the Observer's queries answered from them."""
+
+    def __init__(self, *, window_s: float, scrape_s: float, delay_s: float, history_s: float,
+                 history_step_s: float, peak_window_s: float, epoch0_s: float) -> None:
+        self.window_s = window_s
+        self.scrape_s = scrape_s
+        self.delay_s = delay_s
+        self.history_s = history_s
+        self.history_step_s = history_step_s
+        self.peak_window_s = peak_window_s
+        self.epoch0_s = epoch0_s
+        self.samples: dict[str, deque[TargetScrape]] = {}  # replica id -> its recent scrapes
+        self.labels: dict[str, dict[str, str]] = {}  # replica id -> its target labels
+        self.targets: set[str] = set()  # the current scrape targets (file_sd)
+        # per model: (t, completions of all its targets so far) at every scrape, for the history
+        self.model_done: dict[str, list[tuple[float, float]]] = {}
+        self._done_total: dict[str, float] = {}
+        self._last_done: dict[str, float] = {}
+
+    # ---- scraping ------------------------------------------------------------------------------
+    def set_targets(self, targets: Iterable[tuple[str, str]]) -> None:
+        """The scrape targets now (replica id, model), as the file_sd targets the routing writes."""
+        self.targets = set()
+        for rid, model in targets:
+            self.targets.add(rid)
+            self.labels[rid] = {"replica": rid, "model": model}
+
+    def scrape(self, t_s: float, engines: Mapping[str, tuple[Counters, float, float, float]]) -> None:
+        """One scrape of every current target: `engines` maps replica id -> (counters, running,
+        waiting, kv usage) for every engine still running."""
+        keep = self.window_s + 4 * self.scrape_s
+        per_model: dict[str, float] = {}
+        for rid in sorted(self.targets):
+            e = engines.get(rid)
+            if e is None:
+                continue
+            c, running, waiting, kv = e
+            dq = self.samples.setdefault(rid, deque())
+            dq.append(TargetScrape(t_s, c.completed, c.prompt_tokens, c.gen_tokens, running, waiting, kv,
+                                   tuple(c.ttft), tuple(c.itl), tuple(c.tpot), tuple(c.prompt_len),
+                                   tuple(c.gen_len), tuple(c.sums)))
+            model = self.labels[rid]["model"]
+            inc = c.completed - self._last_done.get(rid, 0.0)
+            self._last_done[rid] = c.completed
+            per_model[model] = per_model.get(model, 0.0) + max(0.0, inc)
+        for model, inc in per_model.items():
+            self._done_total[model] = self._done_total.get(model, 0.0) + inc
+        for model, total in self._done_total.items():
+            hist = self.model_done.setdefault(model, [])
+            hist.append((t_s, total))
+            if len(hist) > 64 and hist[0][0] < t_s - self.history_s - 2 * max(self.window_s, self.history_step_s):
+                cut = t_s - self.history_s - max(self.window_s, self.history_step_s) - self.scrape_s
+                del hist[: bisect.bisect_left(hist, (cut, -math.inf))]
+        for rid in list(self.samples):
+            dq = self.samples[rid]
+            while dq and dq[0].t_s < t_s - keep:
+                dq.popleft()
+            if not dq:
+                del self.samples[rid]
+
+    # ---- queries -------------------------------------------------------------------------------
+    def _window(self, rid: str, t_s: float, w: float) -> list[TargetScrape]:
+        vis = t_s - self.delay_s
+        return [x for x in self.samples.get(rid, ()) if vis - w < x.t_s <= vis]
+
+    def _wall(self, t_s: float) -> float:
+        return self.epoch0_s + t_s
+
+    def readings(self, t_s: float) -> Readings:
+        """What `Observer.fetch` returns at simulated time `t_s` (wall = epoch0 + t)."""
+        w = self.window_s
+        res: dict[Query, list[Sample]] = {q: [] for q in Query}
+        by_model: dict[str, dict[str, float]] = {}
+        ttft_b: dict[str, list[float]] = {}
+        itl_b: dict[str, list[float]] = {}
+        vis = t_s - self.delay_s
+
+        def add(q: str, model: str, v: float) -> None:
+            d = by_model.setdefault(model, {})
+            d[q] = d.get(q, 0.0) + v
+
+        for rid, dq in sorted(self.samples.items()):
+            lab = self.labels[rid]
+            model = lab["model"]
+            win = [x for x in dq if vis - w < x.t_s <= vis]
+            current = rid in self.targets and bool(dq) and dq[-1].t_s <= vis
+            last = next((x for x in reversed(dq) if x.t_s <= vis), None)
+            if current and last is not None:
+                res[Query.UP].append(Sample(lab, 1.0))
+                res[Query.UP_LAST_S].append(Sample(lab, self._wall(last.t_s)))
+                res[Query.REPLICA_RUNNING].append(Sample(lab, last.running))
+                res[Query.REPLICA_WAITING].append(Sample(lab, last.waiting))
+                add("running", model, last.running)
+                add("waiting", model, last.waiting)
+                add("kv", model, last.kv)
+                add("kv_n", model, 1.0)
+                if win:
+                    res[Query.UP_FIRST_S].append(Sample(lab, self._wall(win[0].t_s)))
+                    res[Query.UP_SAMPLES].append(Sample(lab, float(len(win))))
+            if len(win) < 2:
+                continue
+            a, b = win[0], win[-1]
+            dt = b.t_s - a.t_s
+            add("done", model, (b.completed - a.completed) / dt)
+            add("prompt", model, (b.prompt_tokens - a.prompt_tokens) / dt)
+            add("gen", model, (b.gen_tokens - a.gen_tokens) / dt)
+            add("growth", model, (b.running - a.running + b.waiting - a.waiting) / dt)
+            acc_t = ttft_b.setdefault(model, [0.0] * len(b.ttft))
+            for j, (x, y) in enumerate(zip(a.ttft, b.ttft, strict=True)):
+                acc_t[j] += (y - x) / dt
+            acc_i = itl_b.setdefault(model, [0.0] * len(b.itl))
+            for j, (x, y) in enumerate(zip(a.itl, b.itl, strict=True)):
+                acc_i[j] += (y - x) / dt
+        for model, d in sorted(by_model.items()):
+            lab = {"model": model}
+            if "done" in d:
+                res[Query.RATE].append(Sample(lab, max(0.0, d["done"] + d.get("growth", 0.0))))
+                res[Query.PROMPT].append(Sample(lab, d["prompt"]))
+                res[Query.GEN].append(Sample(lab, d["gen"]))
+            if "running" in d:
+                res[Query.RUNNING].append(Sample(lab, d["running"]))
+                res[Query.WAITING].append(Sample(lab, d["waiting"]))
+                res[Query.KV].append(Sample(lab, d["kv"] / max(1.0, d["kv_n"])))
+        for model, counts in ttft_b.items():
+            for q, query in ((0.5, Query.TTFT_P50), (0.99, Query.TTFT_P99)):
+                v = ev.histogram_quantile(q, _cumulative(TTFT_BUCKETS_S, counts))
+                if v is not None:
+                    res[query].append(Sample({"model": model}, v))
+        for model, counts in itl_b.items():
+            for q, query in ((0.5, Query.ITL_P50), (0.99, Query.ITL_P99)):
+                v = ev.histogram_quantile(q, _cumulative(ITL_BUCKETS_S, counts))
+                if v is not None:
+                    res[query].append(Sample({"model": model}, v))
+        for model, peak in self._peaks(t_s).items():
+            res[Query.PEAK_RATE].append(Sample({"model": model}, peak))
+        return Readings(self._wall(t_s), {q: tuple(v) for q, v in res.items()}, self._history(t_s))
+
+    def _model_rate(self, model: str, end_s: float, w: float) -> float | None:
+        hist = self.model_done.get(model, [])
+        lo = bisect.bisect_right(hist, (end_s - w, math.inf))
+        hi = bisect.bisect_right(hist, (end_s, math.inf))
+        if hi - lo < 2:
+            return None
+        a, b = hist[lo], hist[hi - 1]
+        return (b[1] - a[1]) / (b[0] - a[0])
+
+    def _peaks(self, t_s: float) -> dict[str, float]:
+        """max_over_time(sum by model (rate(success[peak_window]))[window:peak_window/2])."""
+        vis = t_s - self.delay_s
+        step = max(1.0, round(self.peak_window_s) // 2)
+        out: dict[str, float] = {}
+        for model in self.model_done:
+            best: float | None = None
+            k = 0
+            while k * step < self.window_s:
+                r = self._model_rate(model, vis - k * step, self.peak_window_s)
+                if r is not None:
+                    best = r if best is None else max(best, r)
+                k += 1
+            if best is not None:
+                out[model] = best
+        return out
+
+    def _history(self, t_s: float) -> tuple[Series, ...]:
+        vis = t_s - self.delay_s
+        w = max(self.window_s, self.history_step_s)
+        n = int(self.history_s // self.history_step_s)
+        out = []
+        for model in sorted(self.model_done):
+            pts = []
+            for k in range(n, -1, -1):
+                end = vis - k * self.history_step_s
+                r = self._model_rate(model, end, w)
+                if r is not None:
+                    pts.append((self._wall(end), r))
+            if pts:
+                out.append(Series({"model": model}, tuple(pts)))
+        return tuple(out)
+
+    def evidence(self, t_s: float) -> ev.Evidence:
+        """What `Observer._evidence` returns: length buckets per model, completions and latency
+        buckets per replica, as rates over the window."""
+        w = self.window_s
+        prompt: list[Sample] = []
+        gen: list[Sample] = []
+        done: list[Sample] = []
+        ttft: list[Sample] = []
+        tpot: list[Sample] = []
+        plen: dict[str, list[float]] = {}
+        glen: dict[str, list[float]] = {}
+        for rid in sorted(self.samples):
+            win = self._window(rid, t_s, w)
+            if len(win) < 2:
+                continue
+            a, b = win[0], win[-1]
+            dt = b.t_s - a.t_s
+            lab = self.labels[rid]
+            model = lab["model"]
+            done.append(Sample(lab, (b.completed - a.completed) / dt))
+            for edges, xa, xb, out in ((TTFT_BUCKETS_S, a.ttft, b.ttft, ttft), (TPOT_BUCKETS_S, a.tpot, b.tpot, tpot)):
+                rates = [(y - x) / dt for x, y in zip(xa, xb, strict=True)]
+                for le, v in _cumulative(edges, rates):
+                    out.append(Sample({**lab, "le": "+Inf" if le == math.inf else repr(le)}, v))
+            for acc, xa, xb in ((plen, a.prompt_len, b.prompt_len), (glen, a.gen_len, b.gen_len)):
+                d = acc.setdefault(model, [0.0] * len(xb))
+                for j, (x, y) in enumerate(zip(xa, xb, strict=True)):
+                    d[j] += (y - x) / dt
+        for acc, out in ((plen, prompt), (glen, gen)):
+            for model, rates in sorted(acc.items()):
+                for le, v in _cumulative(LENGTH_BUCKETS, rates):
+                    out.append(Sample({"model": model, "le": "+Inf" if le == math.inf else repr(le)}, v))
+        return ev.collect(prompt, gen, done, ttft, tpot, model_of=lambda labels: labels.get("model"),
+                          window_s=w, time_scale=1.0, replica_label="replica")
