@@ -53,6 +53,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from fleetplan.models.names import Engine, GpuType, Precision, model_key
 from fleetplan.sim.groundtruth import BatchCore, EngineParams, StepResult, build_params
+from fleetplan.sim.prefix_cache import prompt_block_hashes
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +139,7 @@ class EngineConfig:
     noise_sigma: float = 0.03
     lag_tolerance_s: float = math.inf  # wall; beyond it a lagging clock jumps forward (inf: never)
     drain_timeout_s: float = 600.0  # wall
+    prefix_caching: bool = True  # vLLM's automatic prefix caching / TensorRT-LLM's KV cache reuse (both default on)
 
     def params(self) -> EngineParams:
         overrides: dict[str, Any] = {}
@@ -162,13 +164,15 @@ class EngineConfig:
 
 class _Req:
     __slots__ = (
-        "arrival", "chat", "done", "done_event", "event", "finish_reason", "first", "last", "max_tokens_param",
-        "out_tokens", "pending", "pending_times", "prompt_tokens", "ready_at", "rid", "scheduled",
+        "arrival", "blocks", "cached", "chat", "done", "done_event", "event", "finish_reason", "first", "last",
+        "max_tokens_param", "out_tokens", "pending", "pending_times", "prompt_tokens", "ready_at", "rid", "scheduled",
     )
 
     def __init__(self, rid: str, prompt_tokens: int, out_tokens: int, max_tokens_param: int, arrival: float,
-                 chat: bool) -> None:
+                 chat: bool, blocks: tuple[int, ...] | None = None) -> None:
         self.rid = rid
+        self.blocks = blocks  # the prompt's block hashes (prefix cache), None: not cacheable
+        self.cached = 0  # prompt tokens found in the prefix cache at admission
         self.prompt_tokens = prompt_tokens
         self.out_tokens = out_tokens
         self.max_tokens_param = max_tokens_param
@@ -212,6 +216,7 @@ class _Stats:
         self.ttft_finished = Hist(TTFT_BUCKETS)
         self.prompt_tokens_finished = 0
         self.generation_tokens_finished = 0
+        self.prompt_cached_tokens_finished = 0
 
 
 def _hist(name: str, doc: str, labels: Sequence[str], values: Sequence[str], h: Hist) -> HistogramMetricFamily:
@@ -259,6 +264,10 @@ class _VllmCollector:
         yield _gauge("vllm:gpu_cache_usage_perc", "GPU KV-cache usage (deprecated name).", ln, lv, core.kv_usage)
         yield _counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", ln, lv,
                        s.preemptions)
+        yield _counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                       ln, lv, core.prefix_queries_tokens)
+        yield _counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", ln, lv,
+                       core.prefix_hit_tokens)
         yield _counter("vllm:prompt_tokens", "Number of prefill tokens processed.", ln, lv, s.prompt_tokens)
         yield _counter("vllm:generation_tokens", "Number of generation tokens processed.", ln, lv,
                        s.generation_tokens)
@@ -331,6 +340,17 @@ class _TrtllmCollector:
                        ln, lv, s.generation_tokens_finished)
         yield _counter("trtllm_num_requests_completed", "Total number of completed requests across iterations",
                        ln, lv, sum(s.success.values()) - s.success["abort"])
+        yield _counter("trtllm_prompt_cached_tokens", "Process-lifetime total prompt tokens served from KV cache.",
+                       ln, lv, s.prompt_cached_tokens_finished)
+        bs = e.params.block_size  # the KV manager's reuse stats, in blocks (cumulative, as the iteration stats)
+        reused = core.prefix_hit_tokens // bs
+        missed = -(-(core.prefix_queries_tokens - core.prefix_hit_tokens) // bs)
+        yield _counter("trtllm_kv_cache_reused_blocks", "Cumulative number of KV cache blocks reused (cache hits)",
+                       ln, lv, reused)
+        yield _counter("trtllm_kv_cache_missed_blocks", "Cumulative number of KV cache blocks missed (cache misses)",
+                       ln, lv, missed)
+        yield _gauge("trtllm_kv_cache_hit_rate", "KV cache hit rate", gn, gv,
+                     reused / (reused + missed) if reused + missed else 0.0)
         yield _gauge("trtllm_kv_cache_utilization", "KV cache utilization", gn, gv, core.kv_usage)
         yield _gauge("trtllm_num_requests_running", "Number of active requests", gn, gv, core.num_running)
         yield _gauge("trtllm_num_requests_waiting", "Number of queued requests", gn, gv,
@@ -402,6 +422,50 @@ def prompt_length(body: dict[str, Any], chat: bool) -> int:
     if not isinstance(prompt, str):
         raise RequestError(400, "prompt must be a string or a list of token ids")
     return max(1, _count_words(prompt))
+
+
+def _block_ids(raw: object) -> tuple[int, ...] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in raw):
+        raise RequestError(400, "block_hashes must be a list of integers")
+    return tuple(h & 0x7FFFFFFFFFFFFFFF for h in raw)
+
+
+def prompt_blocks(body: dict[str, Any], chat: bool) -> tuple[int, ...] | None:
+    """The prompt's 512-token block hashes for the prefix cache (fleetplan.sim.prefix_cache): the
+    body's `block_hashes` (fleetplan extension, also in `"fleetplan": {...}`: a trace's hash_ids,
+    for prompts sent as a `prompt_tokens` hint), else chained hashes of the prompt's tokens (token
+    ids, or the words of a text prompt; chat: each message's role and 3 template tokens, then its
+    words, as prompt_length counts them). None: a hint without hashes (nothing to cache)."""
+    for holder in (body, body.get("fleetplan") or {}):
+        if isinstance(holder, dict) and holder.get("block_hashes") is not None:
+            return _block_ids(holder["block_hashes"])
+    for holder in (body, body.get("fleetplan") or {}):
+        if isinstance(holder, dict) and holder.get("prompt_tokens") is not None:
+            return None
+    if chat:
+        toks: list[str] = []
+        for m in body.get("messages") or []:
+            if not isinstance(m, dict):
+                continue
+            toks += [f"<{m.get('role', '')}>", "<t>", "<t>", "<t>"]
+            content = m.get("content")
+            if isinstance(content, str):
+                toks += content.split()
+            elif isinstance(content, list):
+                for part in content:
+                    if isinstance(part, dict):
+                        toks += str(part.get("text", "")).split()
+        return prompt_block_hashes(toks) if toks else None
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return prompt_block_hashes(prompt)
+    if isinstance(prompt, str) and prompt.strip():
+        return prompt_block_hashes(prompt.split())
+    return None
 
 
 class SimEngine:
@@ -534,7 +598,7 @@ class SimEngine:
             while incoming and incoming[0].ready_at <= t:
                 r = incoming.popleft()
                 if r.rid in self.reqs:  # not cancelled meanwhile
-                    core.submit(r.rid, r.prompt_tokens, r.out_tokens, r.arrival)
+                    core.submit(r.rid, r.prompt_tokens, r.out_tokens, r.arrival, r.blocks)
             res = core.step(t)
             if res.duration_s <= 0.0:
                 await asyncio.sleep(0.001)
@@ -556,6 +620,10 @@ class SimEngine:
             r0 = reqs.get(rid)
             if r0 is not None and r0.scheduled is None:
                 r0.scheduled = start
+        for rid, cached in res.cached:
+            r0 = reqs.get(rid)
+            if r0 is not None:
+                r0.cached = cached
         itl_obs = 0
         for rid, n in res.tokens:
             r = reqs.get(rid)
@@ -594,6 +662,7 @@ class SimEngine:
         s.success[r.finish_reason] += 1
         s.ttft_finished.observe(first - r.arrival)
         s.prompt_tokens_finished += r.prompt_tokens
+        s.prompt_cached_tokens_finished += min(r.cached, r.prompt_tokens)
         s.generation_tokens_finished += r.out_tokens
         s.e2e.observe(end - r.arrival)
         s.queue.observe(max(0.0, sched - r.arrival))
@@ -710,6 +779,7 @@ class SimEngine:
             if model is not None and model_key(str(model)) != model_key(self.cfg.model):
                 raise RequestError(404, f"The model `{model}` does not exist.", "NotFoundError")
             prompt = prompt_length(body, chat)
+            blocks = prompt_blocks(body, chat) if self.cfg.prefix_caching else None
             out, max_tokens = self._output_length(body, chat, prompt)
             if self.core.blocks_for(prompt + out) > self.params.kv_blocks:
                 raise RequestError(400, f"prompt + output ({prompt + out} tokens) exceeds the KV cache")
@@ -721,7 +791,7 @@ class SimEngine:
         arrival = self.wall_sim_now()
         if not self.core.idle():
             arrival = min(arrival, self._sim_t)  # the engine's clock lags: arrive at its "now"
-        r = _Req(rid, prompt, out, max_tokens, arrival, chat)
+        r = _Req(rid, prompt, out, max_tokens, arrival, chat, blocks)
         r.ready_at = r.arrival + self.params.factors.ttft_overhead_s
         r.finish_reason = "length" if out >= max_tokens else "stop"
         self.reqs[rid] = r

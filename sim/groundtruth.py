@@ -591,6 +591,7 @@ class StepResult:
     admitted: list[str] = field(default_factory=list)  # moved from waiting to running in this step
     prefill_tokens: int = 0
     decode_seqs: int = 0
+    cached: list[tuple[str, int]] = field(default_factory=list)  # admitted requests' prefix-cache hits (tokens)
 
 
 class BatchCore(BatchState[str]):
@@ -642,6 +643,8 @@ class BatchCore(BatchState[str]):
             return StepResult(0.0, preempted=preempted, admitted=admitted)
         res = StepResult(self.duration_s(plan), preempted=preempted, admitted=admitted,
                          prefill_tokens=plan.prefill_tokens, decode_seqs=plan.decode_seqs)
+        if plan.admitted and self.prefix is not None:  # before complete(): computed is the cached prefix
+            res.cached = [(s.key, s.computed) for s, _n in chunks[len(chunks) - plan.admitted:] if s.computed > 0]
         emitted: list[Seq[str]] = []
         first, finished, _count = self.complete(plan, emitted)
         res.tokens = [(s.key, 1) for s in emitted]

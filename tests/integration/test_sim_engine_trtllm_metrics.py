@@ -60,6 +60,10 @@ REFERENCE: dict[str, tuple[str, tuple[str, ...], tuple[float, ...] | None]] = {
     "trtllm_kv_cache_free_blocks": ("gauge", GAUGE_LABELS, None),
     "trtllm_kv_cache_used_blocks": ("gauge", GAUGE_LABELS, None),
     "trtllm_kv_cache_tokens_per_block": ("gauge", GAUGE_LABELS, None),
+    # KV cache reuse (prefix cache): per finished request, and the KV manager's block counts
+    "trtllm_prompt_cached_tokens": ("counter", LABELS, None),
+    "trtllm_kv_cache_reused_blocks": ("counter", LABELS, None),
+    "trtllm_kv_cache_missed_blocks": ("counter", LABELS, None),
 }
 # what fleetplan reads (controller/observe.py, controller/daemon.py) and issue 9 names
 REQUIRED = {
