@@ -29,17 +29,17 @@ async def _complete(port: int, body: dict[str, object]) -> dict[str, object]:
 async def test_repeated_prefix_hits(persona: Engine) -> None:
     e = SimEngine(EngineConfig(persona=persona, model="llama-3.1-8b", gpu=GpuType.H100, time_scale=20.0,
                                startup_s=0.0))
-    await e.start("127.0.0.1", 0)
+    port = await e.start("127.0.0.1", 0)
     try:
         shared = [1000 + (i % 3000) for i in range(1536)]  # 3 blocks of 512
         for tail in ([7] * 100, [8] * 200):  # a conversation's two turns: the same 1536-token prefix
-            await _complete(e.port, {"prompt": shared + tail, "max_tokens": 4, "ignore_eos": True})
+            await _complete(port, {"prompt": shared + tail, "max_tokens": 4, "ignore_eos": True})
         if persona is Engine.VLLM:
-            m = await _metrics(e.port, "/metrics")
+            m = await _metrics(port, "/metrics")
             assert m["vllm:prefix_cache_queries_total"] == 1636 + 1736
             assert m["vllm:prefix_cache_hits_total"] == 1536
         else:
-            m = await _metrics(e.port, "/prometheus/metrics")
+            m = await _metrics(port, "/prometheus/metrics")
             assert m["trtllm_prompt_cached_tokens_total"] == 1536
             assert m["trtllm_prompt_tokens_total"] == 1636 + 1736
             assert m["trtllm_kv_cache_reused_blocks_total"] == 1536 // 16
@@ -51,13 +51,13 @@ async def test_repeated_prefix_hits(persona: Engine) -> None:
 async def test_hint_prompts_carry_block_hashes() -> None:
     e = SimEngine(EngineConfig(persona=Engine.VLLM, model="llama-3.1-8b", gpu=GpuType.H100, time_scale=20.0,
                                startup_s=0.0))
-    await e.start("127.0.0.1", 0)
+    port = await e.start("127.0.0.1", 0)
     try:
         for ids in ([0, 1, 2], [0, 1, 2, 3]):  # a trace's hash_ids with a prompt_tokens hint
-            await _complete(e.port, {"prompt": "x", "prompt_tokens": 512 * len(ids), "max_tokens": 2,
+            await _complete(port, {"prompt": "x", "prompt_tokens": 512 * len(ids), "max_tokens": 2,
                                      "ignore_eos": True, "fleetplan": {"block_hashes": ids}})
-        await _complete(e.port, {"prompt": "x", "prompt_tokens": 4000, "max_tokens": 2, "ignore_eos": True})
-        m = await _metrics(e.port, "/metrics")
+        await _complete(port, {"prompt": "x", "prompt_tokens": 4000, "max_tokens": 2, "ignore_eos": True})
+        m = await _metrics(port, "/metrics")
         assert m["vllm:prefix_cache_hits_total"] == 1536
         assert m["vllm:prefix_cache_queries_total"] == 1536 + 2048 + 4000
     finally:
