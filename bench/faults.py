@@ -28,6 +28,7 @@ import asyncio
 import json
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -135,13 +136,17 @@ async def run(args: argparse.Namespace, work: Path, names: Sequence[str]) -> int
     over: dict[str, Any] = {"min_replicas": 1, "max_replicas": 2 * args.hosts}  # room for the scale-up
     ctrl_dir = work / "controller"
     ctrl_dir.mkdir(parents=True, exist_ok=True)
+    state_mount = mount_state_fs(ctrl_dir / "state", args.state_fs_mb) if "store_disk_full" in names else None
     load: Load | None = None
     suite: FaultSuite | None = None
     ctrl: ControllerProc | None = None
     try:
         print(f"== lab in {work}: {args.hosts} hosts x 8 H100, simulated engines at {K:g}x", flush=True)
         await asyncio.to_thread(rig.start)
+        over["hosts"] = [(h.name, 8) for h in rig.lab.hosts]  # the policy's inventory (lying_status)
         ctrl = ControllerProc(rig, ctrl_dir, policy_doc(**over))
+        if state_mount is not None:
+            ctrl.state_db = state_mount / "state.db"
         await asyncio.to_thread(ctrl.start)
         print(f"== controller up (log {ctrl.log_path}); load {args.rps:g} simulated rps of {MODEL}", flush=True)
         await wait_until(lambda: ready_replicas(ctrl.report()), 60, "the first replica ready")
@@ -149,7 +154,8 @@ async def run(args: argparse.Namespace, work: Path, names: Sequence[str]) -> int
         load.start(args.rps)
         suite = FaultSuite(rig, ctrl, load, seconds=args.seconds, seed=args.seed, policy_over=over,
                            bad_payloads=bad_payloads(args.generated) if "bad_messages" in names else None,
-                           log=lambda s: print(s, flush=True))
+                           log=lambda s: print(s, flush=True), state_mount=state_mount, hold_s=args.hold,
+                           router_hold_s=args.router_hold)
         await suite.start()
         # warm-up: the load observed, the fleet sized for it and unchanged past the scale-down delay
         why = await suite.settle(timeout_s=120, stable_s=8.0)
@@ -179,7 +185,22 @@ async def run(args: argparse.Namespace, work: Path, names: Sequence[str]) -> int
         if ctrl is not None:
             await asyncio.to_thread(ctrl.stop)
         await asyncio.to_thread(rig.stop)
+        if state_mount is not None:
+            await asyncio.to_thread(subprocess.run, ["umount", str(state_mount)], check=False, capture_output=True)
         print(f"== stopped; total wall time {time.monotonic() - t_start:.0f} s", flush=True)
+
+
+def mount_state_fs(path: Path, size_mb: int) -> Path | None:
+    """A tmpfs of `size_mb` for the controller's state database (store_disk_full fills it); None
+    (the fault then reports a harness error) when this user may not mount."""
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(path)],
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        print(f"== cannot mount a tmpfs for the state database ({done.stderr.strip()}): store_disk_full "
+              "will report a harness error", flush=True)
+        return None
+    return path
 
 
 def main() -> int:
@@ -191,6 +212,11 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0, help="load arrivals and the random controller kills")
     ap.add_argument("--generated", type=int, default=200, help="generated bad statuses (half as many acks)")
     ap.add_argument("--dir", help="work directory (kept); default a temporary one, removed")
+    ap.add_argument("--hold", type=float, default=8.0,
+                    help="wall seconds the disk stays full and the status lies (default 8)")
+    ap.add_argument("--router-hold", type=float, default=4.0,
+                    help="wall seconds nginx stays down (default 4: under the policy's 6 s scale-down delay)")
+    ap.add_argument("--state-fs-mb", type=int, default=128, help="size of the tmpfs of the state database")
     args = ap.parse_args()
     names = [n for n in args.faults.split(",") if n]
     unknown = [n for n in names if n not in ALL_FAULTS]

@@ -39,6 +39,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fleetplan.harness.demo import Rig
@@ -50,8 +51,9 @@ BadPayloads = Callable[[dict[str, Any]], list[tuple[str, bytes]]]
 
 CONTROLLER_FAULTS = ("controller_after_start", "controller_mid_scale_up", "controller_mid_drain",
                      "controller_random_1", "controller_random_2")
+MACHINE_FAULTS = ("store_disk_full", "router_kill_restart", "lying_status")  # issue 19
 ALL_FAULTS = (*CONTROLLER_FAULTS, "agent_kill9", "engine_kill9", "mosquitto_kill9", "prometheus_empty",
-              "bad_messages", "host_lost")  # host_lost last: the host stays gone
+              "bad_messages", *MACHINE_FAULTS, "host_lost")  # host_lost last: the host stays gone
 
 
 @dataclass
@@ -91,13 +93,15 @@ class Injection:
     kills_serving: bool = False  # a serving process was killed: requests in flight on it may fail
     notes: list[str] = field(default_factory=list)
     engines_kept: bool = True  # the fault must leave every (other) engine running as it was
+    outage: tuple[float, float] | None = None  # the router was down: requests sent then could not be served
     floor: int | None = None  # replicas the fleet must keep (None: what it had before the fault)
 
 
 class FaultSuite:
     def __init__(self, rig: Rig, ctrl: ControllerProc, load: Load, *, seconds: float = 20.0,
                  recover_timeout_s: float = 60.0, seed: int = 0, bad_payloads: BadPayloads | None = None,
-                 policy_over: dict[str, Any] | None = None, log: Callable[[str], None] = print) -> None:
+                 policy_over: dict[str, Any] | None = None, log: Callable[[str], None] = print,
+                 state_mount: Path | None = None, hold_s: float = 8.0, router_hold_s: float = 4.0) -> None:
         self.rig, self.ctrl, self.load = rig, ctrl, load
         self.seconds = seconds
         self.recover_timeout_s = recover_timeout_s
@@ -112,6 +116,12 @@ class FaultSuite:
         self._killed: set[str] = set()  # replicas the running fault killed (count as kept)
         self._sampler: asyncio.Task[None] | None = None
         self._policy_over: dict[str, Any] = dict(policy_over or {})  # what the controller's policy_doc was made with
+        self.state_mount = state_mount  # the filesystem of the state database (store_disk_full fills it)
+        self.hold_s = hold_s  # how long the disk stays full, the status lies
+        # how long nginx stays down: requests that fail at the router never reach an engine, so the
+        # observed demand drops; past the policy's scale_down_delay_s (6 s wall here) the planner
+        # scales down on it (docs/faults.md: open, the planner's side)
+        self.router_hold_s = router_hold_s
 
     # ---------------------------------------------------------------------------------------------
     # observation
@@ -339,7 +349,8 @@ class FaultSuite:
         res.sent = len(sent)
         res.ok = sum(1 for _, r in sent if r.outcome == "ok")
         res.failed = res.sent - res.ok
-        bad = [(t, r) for t, r in sent if r.outcome != "ok" and not (inj.kills_serving and t < inj.t_s)]
+        bad = [(t, r) for t, r in sent if r.outcome != "ok" and not (inj.kills_serving and t < inj.t_s)
+               and not (inj.outage is not None and inj.outage[0] <= t <= inj.outage[1])]
         res.unexplained = len(bad)
         if bad:
             kinds = Counter(f"{r.outcome}{'' if r.status is None else ' ' + str(r.status)}" for _, r in bad)
@@ -537,6 +548,131 @@ class FaultSuite:
         await asyncio.to_thread(self.rig.agents[host].wait, 10)
         return Injection(t, excused=on_host, kills_serving=True, engines_kept=False,
                          notes=[f"{host} lost with {len(engines)} engines ({', '.join(sorted(on_host))})"])
+
+    # ---- the machine around the controller (issue 19) ------------------------------------------
+
+    def _alerts(self) -> list[str]:
+        return [str(a) for a in (self._report() or {}).get("alerts", [])]
+
+    def _alive(self) -> None:
+        if self.ctrl.proc is None or self.ctrl.proc.poll() is not None:
+            code = None if self.ctrl.proc is None else self.ctrl.proc.returncode
+            raise RuntimeError(f"the controller exited ({code}):\n{self.ctrl.log_tail(15)}")
+
+    async def _hold(self, until: float, what: str) -> None:
+        """Until `until`, the controller's process must live and its report API answer."""
+        while time.monotonic() < until:
+            self._alive()
+            if await asyncio.to_thread(self._report) is None:
+                raise RuntimeError(f"the controller's report API did not answer while {what}")
+            await asyncio.sleep(0.5)
+
+    async def _fault_store_disk_full(self) -> Injection:
+        """The state database's filesystem (a tmpfs) filled to the last byte, like `dd if=/dev/zero`,
+        for `hold_s`; then the file removed. The process must live, its report API answer with the
+        alert naming the store, and cycles resume; the database must pass PRAGMA integrity_check."""
+        if self.state_mount is None:
+            raise RuntimeError("store_disk_full needs the state database on its own filesystem "
+                               "(bench/faults.py mounts a tmpfs when it can)")
+        ballast = self.state_mount / "ballast"
+        t0 = time.monotonic()
+
+        def fill() -> None:
+            with open(ballast, "wb") as f:
+                with contextlib.suppress(OSError):
+                    while True:
+                        f.write(b"\0" * (1 << 20))
+                        f.flush()
+
+        await asyncio.to_thread(fill)
+        alerted = await self.wait_for(lambda: any("cannot be written" in a for a in self._alerts()), 15)
+        notes = [f"{self.state_mount} full for {self.hold_s:g} s"]
+        notes.append(f"alert after {time.monotonic() - t0:.1f} s" if alerted else "NO store alert within 15 s")
+        await self._hold(t0 + self.hold_s, "the disk was full")
+        ballast.unlink()
+        t = time.monotonic()  # recovery counts from the space returning
+        if not alerted:
+            raise RuntimeError("; ".join(notes))
+        cycle = await asyncio.to_thread(self.cycle_id)
+        await self.wait_for(lambda: self.cycle_id() > cycle, 15)
+        with contextlib.closing(sqlite3.connect(f"file:{self.ctrl.state_db}?mode=ro", uri=True, timeout=10)) as db:
+            notes.append(f"integrity_check {db.execute('PRAGMA integrity_check').fetchone()[0]}")
+        return Injection(t, notes=notes)
+
+    async def _fault_router_kill_restart(self) -> Injection:
+        """kill -9 nginx (master and worker: nothing answers) for `router_hold_s`, then start it again as
+        a new process (what systemd would do): the controller must alert, and route through the new
+        master (nginx's pid file). Requests sent while nginx is down cannot be served (explained)."""
+        n = self.rig.lab.nginx
+        t = time.monotonic()
+        await asyncio.to_thread(n.proc.stop, 10.0, signal.SIGKILL)
+        n.proc = None
+        alerted = await self.wait_for(lambda: any("router" in a and "down" in a for a in self._alerts()), 15)
+        notes = [f"router alert after {time.monotonic() - t:.1f} s" if alerted else "NO router alert within 15 s"]
+        await self._hold(t + self.router_hold_s, "nginx was down")
+
+        def restart() -> None:
+            deadline = time.monotonic() + 10
+            while not port_is_free(n.port) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            n.start()
+
+        await asyncio.to_thread(restart)
+        back = time.monotonic()
+        if not alerted:
+            raise RuntimeError("; ".join(notes))
+        cleared = await self.wait_for(lambda: not any("router" in a and "down" in a for a in self._alerts()), 15)
+        notes.append(f"alert cleared {time.monotonic() - back:.1f} s after the restart" if cleared
+                     else "router alert NOT cleared within 15 s")
+        return Injection(t, kills_serving=True, outage=(t, back + 0.5), notes=notes)
+
+    async def _fault_lying_status(self) -> Injection:
+        """A status with `gpu_count: 24` (NVLink group 0-23) for an 8-GPU host, with that host's
+        credentials, retained, while its agent is paused (SIGSTOP) for `hold_s`: the controller must
+        alert and never place a replica on GPU 8 or above; the agent's next status tells the truth."""
+        import aiomqtt
+
+        from fleetplan.controller.protocol import status_topic
+
+        host = await asyncio.to_thread(self._serving_host)
+        lab = self.rig.lab
+        obs = lab.observer
+        async with aiomqtt.Client(lab.mqtt_host, lab.mqtt_port, username=obs.user, password=obs.password,
+                                  protocol=aiomqtt.ProtocolVersion.V5) as client:
+            await client.subscribe(status_topic(host))
+            async with asyncio.timeout(10):
+                async for msg in client.messages:
+                    payload = msg.payload
+                    status = json.loads(payload if isinstance(payload, (bytes, bytearray, str)) else b"{}")
+                    break
+        lie = {**status, "gpu_count": 24, "nvlink_groups": [list(range(24))], "updated_s": time.time()}
+        agent = self.rig.agents[host]
+        h = lab.host(host)
+        t = time.monotonic()
+        agent.send_signal(signal.SIGSTOP)
+        beyond: set[str] = set()
+        try:
+            async with aiomqtt.Client(lab.mqtt_host, lab.mqtt_port, username=h.mqtt_user, password=h.mqtt_password,
+                                      protocol=aiomqtt.ProtocolVersion.V5) as client:
+                await client.publish(status_topic(host), json.dumps(lie).encode(), qos=1, retain=True)
+            alerted = await self.wait_for(lambda: any(f"host {host} reports 24" in a for a in self._alerts()), 10)
+            while time.monotonic() < t + self.hold_s:
+                rep = await asyncio.to_thread(self._report)
+                beyond |= {r["replica_id"] for r in (rep or {}).get("fleet", []) if max(r["gpu_indices"] or [0]) >= 8}
+                await asyncio.sleep(0.5)
+        finally:
+            agent.send_signal(signal.SIGCONT)
+        notes = [f"{host} claimed 24 GPUs for {self.hold_s:g} s",
+                 "inventory alert raised" if alerted else "NO inventory alert within 10 s"]
+        if beyond:
+            notes.append(f"replicas placed on GPUs >= 8: {sorted(beyond)}")
+        await asyncio.sleep(2.0)
+        if agent.poll() is not None:
+            notes.append(f"agent of {host} exited {agent.returncode}; restarted")
+            self.rig.start_agent(host)
+        if not alerted or beyond:
+            raise RuntimeError("; ".join(notes))
+        return Injection(t, notes=notes)
 
 
 def summary(results: Sequence[FaultResult]) -> str:
