@@ -14,6 +14,11 @@ length as a list of token ids (exact; vLLM, trtllm-serve and the simulated engin
 as text of common words (about one token each). Times are measured on the wall clock and multiplied
 by `speed` (= the engines' --time-scale), so they are simulated seconds.
 
+Prefix reuse: a request with block ids (a trace's `hash_ids`, Mooncake) gets, for each 512-token
+block, the same tokens wherever the same id appears, so an engine's prefix cache sees the trace's
+reuse (a simulated engine in HINT mode gets the ids as `block_hashes`); `unique_prompts` (CLI
+`--unique-prompts`) restores one different prompt per request (no reuse).
+
 Output tokens: the server's own count, `usage.completion_tokens` of the final chunk (requested with
 `stream_options.include_usage`), because a chunk may carry several tokens (vLLM merges the tokens of
 a step, or of several steps when the client reads slowly). Per chunk, for the timing of each token:
@@ -35,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import ipaddress
 import json
 import logging
@@ -49,6 +55,8 @@ from typing import Any
 from urllib.parse import quote, urlsplit
 
 import aiohttp
+
+from fleetplan.sim.prefix_cache import PREFIX_BLOCK_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +92,8 @@ class LoadRequest:
     prompt_tokens: int
     output_tokens: int
     model: str | None = None
+    # the prompt's 512-token block ids (a trace's hash_ids): equal ids, equal prompt text (see request_prompt)
+    blocks: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -129,9 +139,18 @@ def _as_load_request(item: Any) -> LoadRequest:
     if isinstance(item, tuple | list):
         t, isl, osl = item[0], item[1], item[2]
         model = item[3] if len(item) > 3 else None
-        return LoadRequest(float(t), int(isl), int(osl), model)
+        blocks = tuple(item[4]) if len(item) > 4 and item[4] is not None else None
+        return LoadRequest(float(t), int(isl), int(osl), model, blocks)
     # fleetplan.sim.traces.TraceRequest or anything with those attributes
-    return LoadRequest(float(item.t_s), int(item.prompt_tokens), int(item.output_tokens), getattr(item, "model", None))
+    blocks = getattr(item, "blocks", None)
+    return LoadRequest(float(item.t_s), int(item.prompt_tokens), int(item.output_tokens), getattr(item, "model", None),
+                       tuple(blocks) if blocks is not None else None)
+
+
+def _salted(block_id: int, salt: str) -> int:
+    if not salt:
+        return int(block_id)
+    return int.from_bytes(hashlib.blake2b(f"{salt}:{block_id}".encode(), digest_size=8).digest(), "little") >> 1
 
 
 def request_url(base: str, path: str, model: str | None) -> str:
@@ -144,24 +163,53 @@ def request_url(base: str, path: str, model: str | None) -> str:
     return base + path
 
 
-def request_prompt(req: LoadRequest, style: PromptStyle, seed: int = 0) -> str | list[int]:
-    """The prompt of `req` in `style`; TOKEN_IDS and WORDS prompts differ per `seed` (the request's
-    index), so that a server's prefix cache does not turn a replay into cache hits."""
+def _block_rng(block_id: int, salt: str) -> random.Random:
+    return random.Random(f"fleetplan-block:{salt}:{block_id}")  # str seeds hash with sha512: stable across runs
+
+
+def request_prompt(req: LoadRequest, style: PromptStyle, seed: int = 0, *, unique: bool = False,
+                   salt: str = "") -> str | list[int]:
+    """The prompt of `req` in `style`.
+
+    With block ids (`req.blocks`, a trace's hash_ids) and not `unique`: block i is
+    PREFIX_BLOCK_TOKENS (512) tokens (the last one the rest of the prompt) drawn from a generator
+    seeded by its id (and `salt`), so requests whose blocks repeat share their prompt prefix token
+    for token and a real engine's prefix cache sees the trace's reuse (the ids are chained: an
+    equal id means an equal prefix). Otherwise (no blocks, or `unique`) TOKEN_IDS and WORDS prompts
+    differ per `seed` (the request's index), so that a server's prefix cache sees no reuse."""
     if style is PromptStyle.HINT:
         return "fleetplan replay"
-    rng = random.Random(seed)
     n = max(1, req.prompt_tokens)
+    lo, hi = PROMPT_TOKEN_IDS
+    if req.blocks and not unique:
+        ids: list[int] = []
+        words: list[str] = []
+        for i, h in enumerate(req.blocks):
+            k = min(PREFIX_BLOCK_TOKENS, n - i * PREFIX_BLOCK_TOKENS)
+            if k <= 0:
+                break
+            rng = _block_rng(h, salt)
+            if style is PromptStyle.TOKEN_IDS:
+                ids += [rng.randrange(lo, hi) for _ in range(k)]
+            else:
+                words += [rng.choice(PROMPT_WORDS) for _ in range(k)]
+        rng = random.Random(seed)  # a prompt longer than its blocks: the rest is its own
+        short = n - max(len(ids), len(words))
+        if style is PromptStyle.TOKEN_IDS:
+            return ids + [rng.randrange(lo, hi) for _ in range(short)]
+        return " ".join(words + [rng.choice(PROMPT_WORDS) for _ in range(short)])
+    rng = random.Random(seed)
     if style is PromptStyle.TOKEN_IDS:
-        lo, hi = PROMPT_TOKEN_IDS
         return [rng.randrange(lo, hi) for _ in range(n)]
     return " ".join(rng.choice(PROMPT_WORDS) for _ in range(n))
 
 
 def request_body(
-    req: LoadRequest, model: str | None, prompts: PromptStyle = PromptStyle.HINT, seed: int = 0
+    req: LoadRequest, model: str | None, prompts: PromptStyle = PromptStyle.HINT, seed: int = 0, *,
+    unique: bool = False, salt: str = "",
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "prompt": request_prompt(req, prompts, seed),
+        "prompt": request_prompt(req, prompts, seed, unique=unique, salt=salt),
         "max_tokens": req.output_tokens,
         "min_tokens": req.output_tokens,
         "ignore_eos": True,
@@ -175,6 +223,9 @@ def request_body(
     if prompts is PromptStyle.HINT:
         # An extension only the simulated engines read; trtllm-serve rejects unknown fields.
         body["prompt_tokens"] = req.prompt_tokens
+        if req.blocks and not unique:
+            # the simulated engines' prefix cache: the block ids themselves (salted like the text)
+            body["block_hashes"] = [_salted(h, salt) for h in req.blocks]
     m = req.model or model
     if m is not None:
         body["model"] = m
@@ -325,10 +376,15 @@ async def run_load(
     path: str = "/v1/completions",
     on_result: Callable[[RequestResult], None] | None = None,
     session: aiohttp.ClientSession | None = None,
+    unique_prompts: bool = False,
+    prefix_salt: str = "",
 ) -> list[RequestResult]:
     """Send each request at its time (t_s simulated seconds / speed of wall time), streaming.
 
-    `requests`: (t_s, prompt_tokens, output_tokens[, model]) tuples, LoadRequest or TraceRequest.
+    `requests`: (t_s, prompt_tokens, output_tokens[, model[, blocks]]) tuples, LoadRequest or
+    TraceRequest. Requests with block ids (a trace's hash_ids) share prompt prefixes as the trace
+    says (request_prompt) unless `unique_prompts`; `prefix_salt` draws other text for the same
+    ids (a second replay against a server whose cache still holds the first).
     Returns one RequestResult per request, in input order. Timeouts are per request (wall s).
     engine_clock: measure latencies on a simulated engine's own clock when it reports it (exact
     simulated seconds, immune to this host's CPU load); False: wall time x speed.
@@ -356,7 +412,7 @@ async def run_load(
         async with sem:
             res.late_s = max(0.0, (time.monotonic() - start) * speed - req.t_s)
             url = request_url(base, path, req.model or model)
-            await _one(session, url, request_body(req, model, prompts, seed=i), res, speed, timeout_s, keep_itls,
+            await _one(session, url, request_body(req, model, prompts, seed=i, unique=unique_prompts, salt=prefix_salt), res, speed, timeout_s, keep_itls,
                        engine_clock)
         if on_result is not None:
             on_result(res)
@@ -459,7 +515,7 @@ def replay_main(args: argparse.Namespace) -> int:
         if t > args.duration_s or len(reqs) >= args.max_requests:
             break
         per_model = "{model}" in base and args.model is None  # route each request by the trace's model
-        reqs.append(LoadRequest(t, tr.prompt_tokens, tr.output_tokens, tr.model if per_model else None))
+        reqs.append(LoadRequest(t, tr.prompt_tokens, tr.output_tokens, tr.model if per_model else None, tr.blocks))
     if not reqs:
         print(f"replay-load: {args.trace}: no request within --duration-s {args.duration_s}", file=sys.stderr)
         return 2
@@ -474,7 +530,8 @@ def replay_main(args: argparse.Namespace) -> int:
         return await run_load(
             reqs, base, speed=args.speed, model=model, max_in_flight=args.concurrency_limit,
             timeout_s=args.timeout_s, allow_remote=args.allow_remote, engine_clock=not args.wall_clock,
-            prompts=PromptStyle(args.prompts),
+            prompts=PromptStyle(args.prompts), unique_prompts=bool(getattr(args, "unique_prompts", False)),
+            prefix_salt=str(getattr(args, "prefix_salt", "") or ""),
         )
 
     print(f"replay-load: {len(reqs)} requests over {reqs[-1].t_s:.0f} trace s "

@@ -72,3 +72,25 @@ def test_prompt_blocks() -> None:
     chat = prompt_blocks({"messages": [{"role": "user", "content": "hi " * 700}]}, True)
     assert chat is not None and len(chat) == 2
     assert prompt_blocks({"prompt": "x", "block_hashes": [5, 6]}, False) == (5, 6)
+
+
+async def test_replay_of_a_conversation_reproduces_its_reuse() -> None:
+    from fleetplan.sim.replay import PromptStyle, run_load
+    from fleetplan.sim.traces import TraceRequest
+
+    e = SimEngine(EngineConfig(persona=Engine.VLLM, model="llama-3.1-8b", gpu=GpuType.H100, time_scale=20.0,
+                               startup_s=0.0))
+    port = await e.start("127.0.0.1", 0)
+    try:
+        turns = [TraceRequest(0.0, 1100, 4, None, (0, 1, 2)), TraceRequest(2.0, 2000, 4, None, (0, 1, 3, 4))]
+        for style in (PromptStyle.TOKEN_IDS, PromptStyle.HINT):
+            res = await run_load(turns, f"http://127.0.0.1:{port}", speed=20.0, prompts=style,
+                                 prefix_salt=style.value)
+            assert [r.outcome for r in res] == ["ok", "ok"]
+        m = await _metrics(port, "/metrics")
+        assert m["vllm:prefix_cache_hits_total"] == 2 * 1024  # turn 2 finds turn 1's two full blocks, twice
+        res = await run_load(turns, f"http://127.0.0.1:{port}", speed=20.0, prompts=PromptStyle.TOKEN_IDS,
+                             unique_prompts=True)
+        assert (await _metrics(port, "/metrics"))["vllm:prefix_cache_hits_total"] == 2 * 1024
+    finally:
+        await e.stop()
