@@ -103,11 +103,25 @@ def read_generation(upstreams_text: str) -> str | None:
     return match["gen"] if match else None
 
 
-def render_nginx_upstreams(endpoints: Mapping[str, Sequence[str]]) -> str:
+_HEADER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,63}$")
+
+
+def _affinity_var(header: str) -> str:
+    return "$fleetplan_affinity_" + header.lower().replace("-", "_")
+
+
+def render_nginx_upstreams(endpoints: Mapping[str, Sequence[str]], *,
+                           affinity: Mapping[str, str] | None = None) -> str:
     """The http-level include: one ``upstream`` per model with replicas, and the routing maps.
 
     `endpoints`: model -> ["host:port", ...]; a model with an empty list is known but has no
     replica (503). Deterministic: the same table renders the same text.
+    `affinity`: model -> a request header (e.g. "X-Session-Id"): that model's upstream hashes the
+    header's value on nginx's consistent-hash ring (``hash ... consistent``: one conversation's
+    requests reach the replica holding its prefix cache; a replica added or removed moves only
+    its share of the keys) instead of ``least_conn``; a request without the header hashes its
+    own $request_id (spread at random). nginx bounds no replica's load (the simulator's router
+    does: fleetplan.sim.router). Off (least_conn) for every model not named.
     """
     table = _normalise(endpoints)
     generation = routing_generation(table)
@@ -116,12 +130,20 @@ def render_nginx_upstreams(endpoints: Mapping[str, Sequence[str]]) -> str:
         f"# fleetplan-generation: {generation}",
         "",
     ]
+    hashed = {m: h for m, h in (affinity or {}).items() if table.get(m)}
+    for header in sorted(set(hashed.values())):
+        if not _HEADER_RE.match(header):
+            raise ValueError(f"affinity header {header!r}: expected letters, digits and '-'")
+        http_var = "$http_" + header.lower().replace("-", "_")
+        lines += [f"map {http_var} {_affinity_var(header)} {{", '    "" $request_id;', f"    default {http_var};",
+                  "}", ""]
     for model, servers in table.items():
         if not servers:
             continue
         lines.append(f"# model {model}")
         lines.append(f"upstream {upstream_name(model)} {{")
-        lines.append("    least_conn;")
+        key_header = hashed.get(model)
+        lines.append(f"    hash {_affinity_var(key_header)} consistent;" if key_header else "    least_conn;")
         for server in servers:
             lines.append(f"    server {server} max_fails=1 fail_timeout=2s;")
         lines.append("    keepalive 16;")
