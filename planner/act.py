@@ -799,7 +799,10 @@ def _stop_or_drain(view: ActView, actions: Sequence[Action], rows: Sequence[Repl
             removed_hosts.add(row.host)
             removed.add(rid)
             continue
-        if any(r.model == row.model and r.replica_id != rid for r in starting):
+        if not a.covered and any(r.model == row.model and r.replica_id != rid for r in starting):
+            # make-before-break (one rule, planner/core.py `_make_before_break`): the planner marks a
+            # drain `covered` when READY capacity without it covers the required rate; any other
+            # drain waits while a replacement of its model is starting (this view is the freshest)
             effects.append(Record(_note(a, ActionStatus.DEFERRED,
                                         "start before stop: a replica of this model is still starting")))
             counts["deferred"] += 1

@@ -86,7 +86,6 @@ UNKNOWN_CAPACITY_RPS = 1e-6
 # the model's smallest running replica's capacity: a large fleet keeps at most one replica for it.
 SCALE_DOWN_BAND_REPLICAS = 0.5
 # The reason of a START whose GPUs a leaving replica still holds (it launches after that one stops).
-AFTER_STOP = " (after the replica there stops)"
 # A rate above this is a broken counter, not demand (no fleet this plans serves a million requests
 # per second of one model), and the count model's numbers break down long before 1e300 (SCIP's
 # infinity is 1e20, CP-SAT counts milli-rps in int64): such a rate is invalid, i.e. unknown.
@@ -631,7 +630,8 @@ def _actions(
     for r in now_place.new:
         why = f"start {r.config.label()} on {r.host} GPUs {list(r.gpu_indices)}"
         if set(r.gpu_indices) & removed_gpus.get(r.host, set()):
-            starts_after.append(Action(ActionKind.START, r, why + AFTER_STOP))
+            starts_after.append(Action(ActionKind.START, r, why + " (after the replica there stops)",
+                                       after_stop=True))
         else:
             starts_free.append(Action(ActionKind.START, r, why))
 
@@ -695,7 +695,7 @@ def _make_before_break(
                 r, [o for o in live if o.state != ReplicaState.STARTING]):
             pending.add(r.config.model)
     for a in actions:
-        if a.kind is ActionKind.START and AFTER_STOP not in a.reason:
+        if a.kind is ActionKind.START and not a.after_stop:
             pending.add(a.replica.config.model)
         if a.kind is ActionKind.BUILD:  # the replacement waits for its engine: it is coming too
             pending.add(a.replica.config.model)
@@ -703,16 +703,15 @@ def _make_before_break(
     # replacements that can only start on the GPUs of replicas leaving (a full inventory): the swap
     # rolls one replica at a time while READY capacity without it falls short of the required rate
     rolling = {a.replica.config.model for a in actions
-               if a.kind is ActionKind.START and AFTER_STOP in a.reason} - pending
+               if a.kind is ActionKind.START and a.after_stop} - pending
     in_flight = {r.config.model for r in live if r.state == ReplicaState.DRAINING
                  or (r.state == ReplicaState.STARTING and id(r) in kept_ids)}
-    if not pending and not rolling:
-        return actions, {}
     ready_cap: dict[str, float] = {}
     for r in live:
         if r.state == ReplicaState.READY and r.host in online:
             ready_cap[r.config.model] = ready_cap.get(r.config.model, 0.0) + cap(r.config)
     held: list[Replica] = []
+    covered: set[str] = set()  # drains the READY capacity left covers: no need to wait for anything
     leaving = sorted((a.replica for a in actions if a.kind is ActionKind.DRAIN
                       and a.replica.state == ReplicaState.READY and a.replica.host in online),
                      key=lambda r: (cap(r.config), r.replica_id))
@@ -721,6 +720,8 @@ def _make_before_break(
         d = demands.get(m)
         need = d.required_rps if d is not None else 0.0
         short = ready_cap.get(m, 0.0) - cap(r.config) < need - 1e-9
+        if not short:
+            covered.add(r.replica_id)
         if m in pending and short:
             held.append(r)
         elif m in rolling and short and m in in_flight:
@@ -729,13 +730,13 @@ def _make_before_break(
             ready_cap[m] = ready_cap.get(m, 0.0) - cap(r.config)
             if m in rolling and short:
                 in_flight.add(m)
-    if not held:
-        return actions, {}
     held_ids = {r.replica_id for r in held}
     out: list[Action] = []
     for a in actions:
         if a.kind in (ActionKind.DRAIN, ActionKind.STOP) and a.replica.replica_id in held_ids:
             continue
+        if a.kind is ActionKind.DRAIN and a.replica.replica_id in covered:
+            a = replace(a, covered=True)
         if a.kind is ActionKind.START and any(h.host == a.replica.host and set(h.gpu_indices)
                                                & set(a.replica.gpu_indices) for h in held):
             continue

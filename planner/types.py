@@ -155,6 +155,10 @@ class Correction:
     observed_itl_speed: float | None = None
     applied_ttft_log: float = 0.0  # ln(speed) the plan uses (the estimate, with hysteresis)
     applied_itl_log: float = 0.0
+    # the fleet's own regression: the last few windows' (load per replica rps, ln speed, completions)
+    # per latency, oldest first (planner/correction.py MAX_POINTS): how the speed moves with load
+    ttft_points: tuple[tuple[float, float, float], ...] = ()
+    itl_points: tuple[tuple[float, float, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -186,6 +190,11 @@ class Action:
     kind: ActionKind
     replica: Replica  # for BUILD: the build's config + host + GPUs it builds on
     reason: str
+    # START: it needs GPUs a replica leaving this cycle still holds (launches once that one stops)
+    after_stop: bool = False
+    # DRAIN: the model's READY capacity without this replica still covers its required rate, so it
+    # need not wait for the replacements still starting (make-before-break, planner/core.py)
+    covered: bool = False
 
 
 @dataclass(frozen=True)

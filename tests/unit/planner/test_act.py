@@ -4,6 +4,8 @@ make-before-break, host loss, MQTT down, statuses missing after a restart)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from fleetplan.planner import act
 from fleetplan.planner.act import (
     ActionStatus,
@@ -212,6 +214,11 @@ def test_make_before_break_defers_the_drain_while_a_replica_of_the_model_starts(
     # once nothing of the model is starting, the drain goes ahead
     d = act.execute(view(h, rows=(serving,)), acts[1:])
     assert d.drains == ("r00001",) and any(isinstance(e, SetPhase) and e.phase == Phase.DRAINING for e in d.effects)
+    # a drain the planner marked covered (READY capacity without it covers the required rate) goes
+    # ahead while the replacement starts: the planner's make-before-break rule is the one applied
+    covered = [acts[0], dataclasses.replace(acts[1], covered=True)]
+    d = act.execute(view(h, rows=(serving,)), covered)
+    assert d.drains == ("r00001",) and not any(isinstance(e, Record) for e in d.effects)
 
 
 def test_a_drain_waits_when_the_replacement_could_not_start_for_any_reason() -> None:

@@ -351,6 +351,8 @@ def test_make_before_break_drains_only_what_ready_capacity_can_spare() -> None:
     # serve until the TRT-LLM replica is READY
     assert [a.kind for a in r.actions] == [ActionKind.START, ActionKind.DRAIN, ActionKind.STOP]
     drained = r.actions[1].replica
+    # the act core gets the planner's verdict typed: this drain need not wait for the replacement
+    assert r.actions[1].covered and not r.actions[0].after_stop
     kept = tuple(x for x in current if x != drained)
     assert len(kept) == 2 and not any(a.replica in kept for a in r.actions)
     assert any("make-before-break: kept serving until their replacements are READY: m8 x2" in n
