@@ -35,8 +35,8 @@ test_correction.py holds "within 5 cycles").
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from fleetplan.models.mix import LengthMix, speed_from_latency
 from fleetplan.models.profile import PerfProfile
@@ -49,7 +49,11 @@ OBS_VAR = 0.25 ** 2  # one window's p99 ratio wanders ~0.3 in ln on real traces 
 OBS_VAR_PER_REQUEST = 4.0  # / n: a p99 over 100 requests adds 0.04
 DRIFT_VAR = 0.02 ** 2
 MAX_STEP_DOWN = 0.35  # ln per cycle: at most x0.70
-MAX_STEP_UP = 0.10  # ln per cycle: at most x1.105
+MAX_STEP_UP = 0.25  # ln per cycle: at most x1.28 (2x pessimistic: applied within ~4-6 windows)
+ADAPT = 1.0  # share of a surprise beyond its expected size (innovation^2 - S) added as process noise
+BUCKET_VAR_CAP = 0.5  # ln^2: the most a p99's bucket width adds to a window's measurement variance
+MAX_POINTS = 8  # (load, speed) points per latency kept for the fleet's own regression
+MIN_LOAD_SPREAD = math.log(1.15)  # ln: loads closer than this say nothing of a slope
 CONFIRMED_SD = 0.2
 MIN_REQUESTS = 20.0
 NOTABLE = math.log(1.05)  # a correction that moves the speed by more than 5% is "in force"
@@ -60,13 +64,60 @@ def _prior_sd(extrapolating: bool) -> float:
     return PRIOR_SD_EXTRAPOLATING if extrapolating else PRIOR_SD
 
 
-def _kalman(mean: float, var: float, z: float | None, r: float) -> tuple[float, float]:
-    if z is None:
+@dataclass(frozen=True)
+class _Reading:
+    """One window's evidence on one latency, in ln speed."""
+
+    z: float | None  # the p99's point value; None: only a bound (the lowest bucket)
+    z_slow: float | None  # at the top of the p99's bucket: the slowest speed the histogram allows
+    z_fast: float | None  # at its bottom: the fastest (None: the bucket starts at 0, no bound)
+    var: float  # measurement variance: a window's p99 noise, its completions, its bucket's width
+
+
+def _kalman(mean: float, var: float, rd: _Reading | None) -> tuple[float, float]:
+    """One window's update of ln speed (mean, variance).
+
+    - a point value: a Kalman step with the reading's variance; a surprise larger than the filter
+      expects adds process noise (the engine changed: the filter must follow it, in both directions);
+      a capped step absorbs only what it applied (the variance shrinks by the gain actually used, so a
+      long way to go is not mistaken for certainty); and a reading whose bucket holds the value the
+      estimate predicts is no evidence of a slower engine (no step down);
+    - only an upper bound on the latency (the lowest bucket): "at least this fast" (a censored
+      measurement): it raises an estimate below the bound and narrows it, never lowers it.
+    """
+    if rd is None:
         return mean, var
-    k = var / (var + r)
-    step = k * (z - mean)
+    if rd.z is None:
+        return _censored(mean, var, rd.z_slow, rd.var) if rd.z_slow is not None else (mean, var)
+    nu = rd.z - mean
+    var += ADAPT * max(0.0, nu * nu - (var + rd.var))
+    k = var / (var + rd.var)
+    step = k * nu
+    if step < 0 and rd.z_slow is not None and rd.z_fast is not None and rd.z_slow <= mean <= rd.z_fast:
+        step = 0.0
     step = max(-MAX_STEP_DOWN, min(MAX_STEP_UP, step))
-    return mean + step, (1.0 - k) * var
+    k_used = step / nu if abs(nu) > 1e-12 else k
+    return mean + step, (1.0 - k_used) * var
+
+
+def _censored(mean: float, var: float, z_min: float, r: float) -> tuple[float, float]:
+    """The estimate after "ln speed >= z_min" measured with noise variance r: the variance of the
+    normal prior times the probability of the bound (a probit update); the mean moves up toward the
+    bound (at most to it: the bound proves no more), never down.
+
+    >>> m, v = _censored(-0.7, 0.49, 0.0, 0.0625)  # a prior at x0.50, a bound saying "at least x1"
+    >>> round(m, 2), round(v, 3)
+    (0.0, 0.145)
+    >>> _censored(0.5, 0.01, 0.0, 0.0625)[0]  # already above the bound: confirmed, not moved
+    0.5
+    """
+    s = math.sqrt(var + r)
+    alpha = (mean - z_min) / s
+    cdf = 0.5 * math.erfc(-alpha / math.sqrt(2.0))
+    lam = -alpha if alpha < -30.0 else math.exp(-0.5 * alpha * alpha) / math.sqrt(2.0 * math.pi) / cdf
+    step = min(var / s * lam, max(0.0, z_min - mean))  # up to the bound, never beyond what it proves
+    new_var = var * max(0.0, 1.0 - var / (var + r) * lam * (lam + alpha))
+    return mean + step, max(new_var, 1e-6)
 
 
 RELAX_S = 24 * 3600.0  # without evidence a correction relaxes toward the profile (e-folding time)
@@ -87,9 +138,28 @@ def _relaxed(mean: float, var: float, prior_var: float, age_s: float) -> tuple[f
     return mean * k, prior_var + (var - prior_var) * k * k
 
 
+def _reading(prof: PerfProfile, mix: LengthMix, rps: float, p99_ms: float | None,
+             range_ms: tuple[float, float] | None, requests: float, *, itl: bool) -> _Reading | None:
+    """One latency's reading in ln speed: the point value, its bucket's bounds, its variance."""
+    z = _log_speed(prof, mix, rps, p99_ms, itl=itl)
+    z_slow = z_fast = None
+    if range_ms is not None:
+        lo, hi = range_ms
+        if math.isfinite(hi) and hi > 0:
+            z_slow = _log_speed(prof, mix, rps, hi, itl=itl)
+        if z is not None and math.isfinite(lo) and lo > 0:
+            z_fast = _log_speed(prof, mix, rps, lo, itl=itl)
+    if z is None and z_slow is None:
+        return None
+    var = OBS_VAR + OBS_VAR_PER_REQUEST / max(requests, 1.0)
+    if z is not None and z_slow is not None and z_fast is not None:
+        var += min((z_fast - z_slow) ** 2 / 12.0, BUCKET_VAR_CAP)  # uniform over the bucket
+    return _Reading(z, z_slow, z_fast, var)
+
+
 def _evidence(config: ConfigKey, prof: PerfProfile, o: ModelObservation | None,
-              w: MixedWorkload | None) -> tuple[float | None, float | None, float] | None:
-    """(ln speed from TTFT, from ITL, the measurement variance) of this window, or None."""
+              w: MixedWorkload | None) -> tuple[_Reading | None, _Reading | None, float] | None:
+    """(the TTFT reading, the ITL reading, the load per replica) of this window, or None."""
     if o is None or o.stale or w is None:
         return None
     ev = next((c for c in o.configs if c.config == config), None)
@@ -99,11 +169,50 @@ def _evidence(config: ConfigKey, prof: PerfProfile, o: ModelObservation | None,
         return None
     mix: LengthMix = mix_for(prof, w)
     per_replica = ev.rate_rps / ev.ready_replicas
-    z_t = _log_speed(prof, mix, per_replica, ev.ttft_p99_ms, itl=False)
-    z_i = _log_speed(prof, mix, per_replica, ev.itl_p99_ms, itl=True)
-    if z_t is None and z_i is None:
+    r_t = _reading(prof, mix, per_replica, ev.ttft_p99_ms, ev.ttft_p99_range_ms, ev.requests, itl=False)
+    r_i = _reading(prof, mix, per_replica, ev.itl_p99_ms, ev.itl_p99_range_ms, ev.requests, itl=True)
+    if r_t is None and r_i is None:
         return None
-    return z_t, z_i, OBS_VAR + OBS_VAR_PER_REQUEST / max(ev.requests, 1.0)
+    return r_t, r_i, per_replica
+
+
+def _points(prev: tuple[tuple[float, float, float], ...], rd: _Reading | None, load: float,
+            requests: float) -> tuple[tuple[float, float, float], ...]:
+    if rd is None or rd.z is None or not load > 0:
+        return prev
+    return (*prev, (load, rd.z, requests))[-MAX_POINTS:]
+
+
+def regression_cap(points: Sequence[tuple[float, float, float]]) -> float | None:
+    """The fleet's own regression of ln speed on ln load per replica (weighted by completions): when
+    the speed the profile explains FALLS with load (the engine slows toward its knee faster than the
+    profile says), a faster engine is trusted only as far as the line says at the highest load seen
+    (+1 standard error), not extrapolated to the loads a smaller fleet would carry: the fleet shrinks as
+    it shows, window by window, that the higher load holds. None: no such slope shown (fewer than 3
+    windows, loads too close together, or a flat/rising line).
+
+    >>> regression_cap([(1.0, 0.7, 300), (2.0, 0.7, 300), (3.0, 0.7, 300)]) is None  # flat: the shape holds
+    True
+    >>> round(regression_cap([(1.0, 0.7, 300), (2.0, 0.4, 300), (3.0, 0.22, 300)]), 2)  # 0.22 + 1 se
+    0.46
+    """
+    pts = [(math.log(x), z, 1.0 / (OBS_VAR + OBS_VAR_PER_REQUEST / max(n, 1.0)))
+           for x, z, n in points if x > 0 and math.isfinite(z)]
+    if len(pts) < 3:
+        return None
+    sw = sum(w for _, _, w in pts)
+    xbar = sum(x * w for x, _, w in pts) / sw
+    zbar = sum(z * w for _, z, w in pts) / sw
+    sxx = sum(w * (x - xbar) ** 2 for x, _, w in pts)
+    if max(x for x, _, _ in pts) - min(x for x, _, _ in pts) < MIN_LOAD_SPREAD or sxx <= 0:
+        return None
+    beta = sum(w * (x - xbar) * (z - zbar) for x, z, w in pts) / sxx
+    if beta >= 0:
+        return None
+    resid = sum(w * (z - zbar - beta * (x - xbar)) ** 2 for x, z, w in pts) / (len(pts) - 2)
+    x_top = max(x for x, _, _ in pts)
+    se = math.sqrt(max(resid, 1.0) * (1.0 / sw + (x_top - xbar) ** 2 / sxx))
+    return zbar + beta * (x_top - xbar) + se
 
 
 def update_corrections(
@@ -127,20 +236,23 @@ def update_corrections(
                 a_t, a_i = _applied_logs(prev, extra, var0, now_s)
                 out[config] = replace(prev, applied_ttft_log=a_t, applied_itl_log=a_i)
             continue
-        z_t, z_i, r = evidence
+        r_t, r_i, load = evidence
         if prev is None or prev.observations == 0:
             prev = Correction(config, 0.0, var0, 0.0, var0, 0, None, None)
         age_s = now_s - prev.updated_s if prev.updated_s is not None else 0.0
         t0, tv0 = _relaxed(prev.ttft_log, prev.ttft_var, var0, age_s)
         i0, iv0 = _relaxed(prev.itl_log, prev.itl_var, var0, age_s)
-        t_log, t_var = _kalman(t0, tv0 + DRIFT_VAR, z_t, r)
-        i_log, i_var = _kalman(i0, iv0 + DRIFT_VAR, z_i, r)
+        t_log, t_var = _kalman(t0, tv0 + DRIFT_VAR, r_t)
+        i_log, i_var = _kalman(i0, iv0 + DRIFT_VAR, r_i)
         notable = abs(t_log) > NOTABLE or abs(i_log) > NOTABLE
         since = (prev.since_s if prev.since_s is not None else now_s) if notable else None
+        ev = next(c for c in observations[config.model].configs if c.config == config)
         nxt = Correction(config, t_log, t_var, i_log, i_var, prev.observations + 1, since, now_s,
-                         math.exp(z_t) if z_t is not None else None,
-                         math.exp(z_i) if z_i is not None else None,
-                         prev.applied_ttft_log, prev.applied_itl_log)
+                         math.exp(r_t.z) if r_t is not None and r_t.z is not None else None,
+                         math.exp(r_i.z) if r_i is not None and r_i.z is not None else None,
+                         prev.applied_ttft_log, prev.applied_itl_log,
+                         _points(prev.ttft_points, r_t, load, ev.requests),
+                         _points(prev.itl_points, r_i, load, ev.requests))
         a_t, a_i = _applied_logs(nxt, extra, var0, now_s, first=prev.observations == 0)
         out[config] = replace(nxt, applied_ttft_log=a_t, applied_itl_log=a_i)
     return out
@@ -154,10 +266,37 @@ def _applied_logs(c: Correction, extra: bool, var0: float, now_s: float, *,
     t_log, t_var = _relaxed(c.ttft_log, c.ttft_var, var0, age_s)
     i_log, i_var = _relaxed(c.itl_log, c.itl_var, var0, age_s)
     a_t = _hysteresis(None if first else c.applied_ttft_log,
-                      _deadband(_applied(t_log, t_var, extra and t_var > CONFIRMED_SD ** 2), extra))
+                      _deadband(_capped(_applied(t_log, t_var, extra and t_var > CONFIRMED_SD ** 2,
+                                                 _agreement_sd(c.ttft_points, age_s)), c.ttft_points), extra))
     a_i = _hysteresis(None if first else c.applied_itl_log,
-                      _deadband(_applied(i_log, i_var, extra and i_var > CONFIRMED_SD ** 2), extra))
+                      _deadband(_capped(_applied(i_log, i_var, extra and i_var > CONFIRMED_SD ** 2,
+                                                 _agreement_sd(c.itl_points, age_s)), c.itl_points), extra))
     return a_t, a_i
+
+
+MIN_AGREEMENT_SD = 0.02  # ln: windows agreeing more closely than this still leave this much doubt
+
+
+def _agreement_sd(points: Sequence[tuple[float, float, float]], age_s: float) -> float | None:
+    """How sure the windows themselves make the estimate: the standard error of the mean of the last
+    windows' speeds (their own scatter / sqrt(n)), where at least 3 agree and the evidence is fresh.
+    The filter assumes every window's p99 wanders OBS_VAR; windows that agree far better than that
+    (a steady load, many requests) shrink the doubt to what they show, so after enough windows the
+    applied speed approaches the estimate. None: not enough windows (the filter's sd stands)."""
+    zs = [z for _, z, _ in points if math.isfinite(z)]
+    if len(zs) < 3 or age_s > RELAX_S / 24:
+        return None
+    mean = sum(zs) / len(zs)
+    sd = math.sqrt(sum((z - mean) ** 2 for z in zs) / (len(zs) - 1))
+    return max(sd / math.sqrt(len(zs)), MIN_AGREEMENT_SD)
+
+
+def _capped(applied: float, points: Sequence[tuple[float, float, float]]) -> float:
+    """A faster engine no further than the fleet's own regression supports (`regression_cap`)."""
+    if applied <= 0.0:
+        return applied
+    cap = regression_cap(points)
+    return applied if cap is None else min(applied, max(cap, 0.0))
 
 
 # ln: a profile used inside its data is not corrected within its fit error plus a window's p99 noise:
@@ -202,8 +341,10 @@ def _log_speed(prof: PerfProfile, mix: LengthMix, rps: float, observed_ms: float
 UP_TRUST_SD = 0.5  # a faster engine is trusted up to mean - 0.5 sd (the evidence's lower side)
 
 
-def _applied(mean: float, var: float, conservative: bool) -> float:
+def _applied(mean: float, var: float, conservative: bool, agreement_sd: float | None = None) -> float:
     sd = math.sqrt(max(var, 0.0))
+    if agreement_sd is not None:
+        sd = min(sd, agreement_sd)
     if conservative:
         return mean - sd
     return mean if mean <= 0.0 else max(0.0, mean - UP_TRUST_SD * sd)
@@ -258,4 +399,4 @@ def forget(corrections: Mapping[ConfigKey, Correction], keep: set[ConfigKey]) ->
     return {c: v for c, v in corrections.items() if c in keep}
 
 
-__all__ = ["applied_speeds", "corrections_tuple", "describe", "forget", "update_corrections"]
+__all__ = ["applied_speeds", "corrections_tuple", "describe", "forget", "regression_cap", "update_corrections"]

@@ -129,6 +129,9 @@ class CorrectionDoc(_Strict):
     observed_itl_speed: float | None = None
     applied_ttft_log: float = Field(default=0.0, ge=-5, le=5)
     applied_itl_log: float = Field(default=0.0, ge=-5, le=5)
+    # (load per replica rps, ln speed, completions) of the last windows (planner/correction.py)
+    ttft_points: tuple[tuple[float, float, float], ...] = Field(default=(), max_length=32)
+    itl_points: tuple[tuple[float, float, float], ...] = Field(default=(), max_length=32)
 
 
 class StateDoc(_Strict):
@@ -201,7 +204,9 @@ def state_to_dict(state: PlannerState) -> dict[str, Any]:
                          "itl_log": k.itl_log, "itl_var": k.itl_var, "observations": k.observations,
                          "since_s": k.since_s, "updated_s": k.updated_s,
                          "observed_ttft_speed": k.observed_ttft_speed, "observed_itl_speed": k.observed_itl_speed,
-                         "applied_ttft_log": k.applied_ttft_log, "applied_itl_log": k.applied_itl_log}
+                         "applied_ttft_log": k.applied_ttft_log, "applied_itl_log": k.applied_itl_log,
+                         "ttft_points": [list(p) for p in k.ttft_points],
+                         "itl_points": [list(p) for p in k.itl_points]}
                         for k in state.corrections],
         "bursts": [list(b) for b in state.bursts],
     }
@@ -216,7 +221,7 @@ def _state(doc: StateDoc) -> PlannerState:
         doc.cycle,
         tuple(sorted((Correction(key(k), k.ttft_log, k.ttft_var, k.itl_log, k.itl_var, k.observations, k.since_s,
                                  k.updated_s, k.observed_ttft_speed, k.observed_itl_speed, k.applied_ttft_log,
-                                 k.applied_itl_log)
+                                 k.applied_itl_log, tuple(k.ttft_points), tuple(k.itl_points))
                       for k in doc.corrections), key=lambda c: c.config)),
         tuple(doc.bursts),
     )
