@@ -49,7 +49,6 @@ def run_fleet(params: EngineParams, reqs: Sequence[TraceRequest], n: int, mode: 
     first = np.full(m, np.nan)
     fin = np.full(m, np.nan)
     where = np.zeros(m, dtype=int)
-    hit_blocks = 0
     heap: list[tuple[float, int, int]] = []  # (step end, replica, version)
     version = [0] * n
     rejected = 0
@@ -82,14 +81,12 @@ def run_fleet(params: EngineParams, reqs: Sequence[TraceRequest], n: int, mode: 
         blocks = r.blocks if cache else None
         i = router.pick(ids, loads, affinity_key(r.blocks))
         c = cores[i]
-        before = c.prefix_hit_tokens
         try:
             c.submit(k, r.prompt_tokens, r.output_tokens, blocks)
         except RequestTooLongError:
             rejected += 1
             k += 1
             continue
-        del before
         loads[i] += 1
         where[k] = i
         if c.busy and c._k > 0 and ta < c.t_end:  # a macro-step: split at the arrival
@@ -101,7 +98,6 @@ def run_fleet(params: EngineParams, reqs: Sequence[TraceRequest], n: int, mode: 
         k += 1
     q = sum(c.prefix_queries_tokens for c in cores)
     h = sum(c.prefix_hit_tokens for c in cores)
-    del hit_blocks
     ttft = (first - np.array(arr_t) + oh)
     outs = np.array([r.output_tokens for r in reqs], dtype=float)
     tpot = np.where(outs > 1, (fin - first) / np.maximum(outs - 1, 1), np.nan)
