@@ -42,6 +42,9 @@ class ControllerSettings(BaseModel):
     drain_poll_s: float = Field(default=0.5, gt=0)
     host_offline_grace_s: float = Field(default=60.0, ge=0)  # wall; an agent gone longer = host offline
     observe_window_s: float = Field(default=60.0, gt=0)  # wall seconds of rate() windows
+    # bursts: the highest completion rate over sub-windows this long within the rate window (wall
+    # seconds; at least two scrape intervals)
+    peak_window_s: float = Field(default=30.0, gt=0)
     # request-rate history for the forecast (wall seconds): 8 days lets the planner fit daily
     # seasonality (it needs >= 2 days); 5-minute steps keep the range query at ~2300 points
     history_s: float = Field(default=8 * 86400.0, gt=0)
