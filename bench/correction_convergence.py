@@ -21,15 +21,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from evaluate_traces import SCENARIOS, TRACES  # noqa: E402
+from evaluate_traces import DATA, SCENARIOS  # noqa: E402
 
 from fleetplan.models.mix import scaled  # noqa: E402
 from fleetplan.models.profile import ProfileSet  # noqa: E402
 from fleetplan.planner.policy import load_policy_text  # noqa: E402
-from fleetplan.sim.baselines import FleetplanController  # noqa: E402
 from fleetplan.sim.des import FleetSim, SimSettings  # noqa: E402
 from fleetplan.sim.evaluate import (  # noqa: E402
     candidates_for,
+    make_controller,
     make_environment,
     policy_for_models,
     prepare_trace,
@@ -40,7 +40,7 @@ from fleetplan.sim.traces import read_trace, reshape  # noqa: E402
 
 
 def _run(trace: object, policy: object, profiles: ProfileSet) -> tuple[object, list[tuple[float, int]]]:
-    ctl = FleetplanController("fleetplan", policy, profiles)  # type: ignore[arg-type]
+    ctl = make_controller("fleetplan", trace, policy, profiles)  # type: ignore[arg-type]
     sim = FleetSim(trace, ctl, make_environment(policy), SimSettings())  # type: ignore[arg-type]
     res = sim.run()
     gpus = [(p.t_s, p.gpus) for p in res.timeline]
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     fname, text, model, scale = SCENARIOS[args.trace]
     policy = load_policy_text(text, f"bench:{args.trace}")
-    raw = read_trace(TRACES / fname, model=model)
+    raw = read_trace(DATA / "traces" / fname, model=model)
     tr = prepare_trace(raw if scale == 1.0 else reshape(raw, duration_s=raw.duration_s, rate_scale=scale),
                        policy, model)
     policy = policy_for_models(policy, [model])
@@ -72,15 +72,29 @@ def main(argv: list[str] | None = None) -> int:
         # the first time from which the wrong run holds within one replica's GPUs of the true run
         diffs = [(t, abs(g - bg)) for (t, g), (_, bg) in zip(gpus, base_gpus, strict=False)]
         settle = next((t for i, (t, _) in enumerate(diffs) if all(d <= step for _, d in diffs[i:])), None)
+        # the same on 10-cycle means (both runs follow a bursty trace: one cycle's count is noisy)
+        per = max(1, round(cycle / max(gpus[1][0] - gpus[0][0], 1e-9))) if len(gpus) > 1 else 1
+        wc = [g for _, g in gpus[::per]]
+        bc = [g for _, g in base_gpus[::per]]
+        n = min(len(wc), len(bc))
+        roll = [(sum(wc[i:i + 10]) / len(wc[i:i + 10]), sum(bc[i:i + 10]) / len(bc[i:i + 10])) for i in range(n)]
+        settle_mean = next((i for i in range(n) if all(abs(a - b) <= step for a, b in roll[i:])), None)
+        after30 = sum(wc[30:n]) / max(1, sum(bc[30:n]))
         after = "-"
         if settle is not None:
             ok = [bool(met) for r, met in zip(tr.requests, res.met, strict=False)  # type: ignore[attr-defined]
                   if r.t_s >= settle]
             after = f"{100 * sum(ok) / len(ok):.2f}%" if ok else "-"
+        ok30 = [bool(met) for r, met in zip(tr.requests, res.met, strict=False)  # type: ignore[attr-defined]
+                if r.t_s < 30 * cycle]
         print(f"  profiles x{f:g} ({'optimistic' if f > 1 else 'pessimistic'}): {res.gpu_hours:.2f} GPU-h, "  # type: ignore[attr-defined]
-              f"SLO attainment {100 * res.slo_attainment:.2f}%; within one replica of the true run from "  # type: ignore[attr-defined]
+              f"SLO attainment {100 * res.slo_attainment:.2f}% (first 30 cycles "  # type: ignore[attr-defined]
+              f"{100 * sum(ok30) / max(1, len(ok30)):.2f}%); within one replica of the true run from "
               f"t={'-' if settle is None else format(settle, '.0f')} s "
-              f"({'-' if settle is None else format(settle / cycle, '.1f')} cycles); attainment after: {after}",
+              f"({'-' if settle is None else format(settle / cycle, '.1f')} cycles; attainment after: {after}); "
+              f"10-cycle means within one replica from cycle {'-' if settle_mean is None else settle_mean}; "
+              f"GPUs after cycle 30 x{after30:.2f} the true run's", flush=True)
+        print("    GPUs per cycle (true/this): " + " ".join(f"{b}/{a}" for a, b in zip(wc[:n], bc[:n], strict=False)),
               flush=True)
     return 0
 
