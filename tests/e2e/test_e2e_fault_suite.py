@@ -30,3 +30,30 @@ async def test_agent_kill9_and_prometheus_empty_restart_under_load(rig, controll
         assert r.sent > 50, table
         assert r.recover_s is not None, table
         assert (r.duplicates, r.orphans, r.scale_downs, r.failed) == (0, 0, 0, 0), table
+
+
+async def test_router_kill_restart_and_a_lying_status_under_load(rig, controller_factory) -> None:  # type: ignore[no-untyped-def]
+    """Issue 19: nginx kill -9'ed and started again as a new process (the controller alerts and
+    routes through the new master), and a status claiming 24 GPUs for an 8-GPU host (alerted, no
+    replica on GPU 8 or above). Requests sent while nginx is down are explained; nothing else fails."""
+    over = {"min_replicas": 1, "max_replicas": 4, "hosts": [(h.name, 8) for h in rig.lab.hosts]}
+    ctrl = controller_factory(policy_doc(**over)).start()
+    await wait_until(lambda: ready_replicas(ctrl.report()), 40, "the first replica ready")
+    load = Load(rig.lab.nginx_url, MODEL, speed=K, isl=ISL, osl=OSL)
+    load.start(0.8)
+    suite = FaultSuite(rig, ctrl, load, seconds=6.0, recover_timeout_s=30.0, policy_over=over, hold_s=3.0,
+                       router_hold_s=3.0)
+    await suite.start()
+    try:
+        assert await suite.settle(timeout_s=60) is None, "the fleet did not settle under load"
+        results = await suite.run(["router_kill_restart", "lying_status"])
+    finally:
+        await suite.close()
+        await load.stop()
+    table = summary(results) + "\n" + "\n".join(f"{r.name}: {'; '.join(r.notes)}" for r in results)
+    for r in results:
+        assert r.sent > 50, table
+        assert r.recover_s is not None, table
+        assert (r.duplicates, r.orphans, r.scale_downs, r.unexplained) == (0, 0, 0, 0), table
+    assert any("router alert after" in n for n in results[0].notes), table
+    assert any("inventory alert raised" in n for n in results[1].notes), table
