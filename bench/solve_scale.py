@@ -8,14 +8,25 @@ every GPU type, capacities from a deterministic formula (bigger models are slowe
 vLLM, TP scales sub-linearly), demand sized to fill ~70% of the fleet. The last line is
 `solve_s=<s> gap=<fraction> status=<s>` where solve_s is the wall time of the whole plan()
 (both stages, as the caller sees it) and gap/status are stage 1's.
+
+--breakdown prints where that time goes (CPU seconds, a loaded machine inflates wall time but not
+these): stage 1 (the count solves), stage 2 (placement), the counterfactuals, the explanation and
+the rest of plan(). At 10,000 hosts / 500 models the solve and placement are most of it; work per
+model or per alternative that grows with the whole table (a lookup rebuilt inside a per-model loop)
+shows up here first (tests/unit/planner/test_counts_scale.py guards the counterfactuals).
+--max-s S exits 1 when solve_s exceeds S.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
+import fleetplan.planner.core as core
 from fleetplan.models.names import Engine, GpuType, Precision
 from fleetplan.planner.capacity import CapacityInfo
 from fleetplan.planner.core import plan_with_capacities
@@ -82,6 +93,32 @@ def synthetic(hosts: int, models: int, load: float = 0.7, workers: int = 1,
     return Fleet(tuple(inv)), Observation(obs), policy, caps
 
 
+_PHASES = {"solve_counts": "stage1", "place": "stage2", "add_counterfactuals": "counterfactuals",
+           "_explain": "explain"}
+
+
+def _timed(spent: dict[str, float]) -> Callable[[], None]:
+    """Wrap plan()'s phases (as core calls them) to add up their CPU seconds in `spent`; returns the undo."""
+    originals = {name: getattr(core, name) for name in _PHASES}
+
+    def wrap(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*a: Any, **kw: Any) -> Any:
+            t = time.process_time()
+            try:
+                return f(*a, **kw)
+            finally:
+                spent[_PHASES[name]] = spent.get(_PHASES[name], 0.0) + time.process_time() - t
+        return timed
+
+    for name, f in originals.items():
+        setattr(core, name, wrap(name, f))
+
+    def undo() -> None:
+        for n, f in originals.items():
+            setattr(core, n, f)
+    return undo
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hosts", type=int, default=1000)
@@ -92,12 +129,18 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=10.0)
     ap.add_argument("--backend", default="SCIP", choices=["SCIP", "cp-sat"])
     ap.add_argument("--replan", action="store_true", help="also time the next cycle with the plan running")
+    ap.add_argument("--breakdown", action="store_true", help="CPU seconds per phase of plan()")
+    ap.add_argument("--max-s", type=float, default=None, help="exit 1 when solve_s exceeds this")
     args = ap.parse_args()
     fleet, obs, policy, caps = synthetic(args.hosts, args.models, args.load, args.workers, args.time_limit, args.gap,
                                          args.backend)
-    t0 = time.perf_counter()
+    spent: dict[str, float] = {}
+    undo = _timed(spent) if args.breakdown else None
+    t0, c0 = time.perf_counter(), time.process_time()
     result = plan_with_capacities(obs, fleet, policy, caps, PlannerState.initial(), 1.7e9)  # type: ignore[arg-type]
-    solve_s = time.perf_counter() - t0
+    solve_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    if undo is not None:
+        undo()
     e = result.explanation
     counts = [r for r in e.solver if r.stage == "counts"]
     placement = [r for r in e.solver if r.stage == "placement"]
@@ -125,9 +168,16 @@ def main() -> None:
             kinds[a.kind.value] = kinds.get(a.kind.value, 0) + 1
         print(f"replan (fleet running, demand -10..+10%): wall_s={replan_s:.3f} solves={len(rc)} "
               f"status={rc[-1].status} gap={rc[-1].gap:.5f} actions={kinds}")
+    if args.breakdown:
+        rest = cpu_s - sum(spent.values())
+        print("breakdown cpu_s: " + " ".join(f"{k}={v:.3f}" for k, v in spent.items())
+              + f" rest={rest:.3f} total={cpu_s:.3f}")
     main_r = counts[-1]
     gap = main_r.gap if main_r.gap is not None else float("nan")
     print(f"solve_s={solve_s:.3f} gap={gap:.5f} status={main_r.status}")
+    if args.max_s is not None and solve_s > args.max_s:
+        print(f"solve_s {solve_s:.3f} > --max-s {args.max_s:g}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -151,6 +151,7 @@ class _Inventory:
         for h in hosts:
             self.groups.setdefault(h.gpu, []).extend(len(g) for g in h.groups())
         self._slots: dict[tuple[GpuType, int], int] = {}
+        self._gpus = {g: sum(sizes) for g, sizes in self.groups.items()}
 
     def has(self, gpu: GpuType) -> bool:
         return gpu in self.groups
@@ -162,7 +163,7 @@ class _Inventory:
         return self._slots[k]
 
     def gpus(self, gpu: GpuType) -> int:
-        return sum(self.groups.get(gpu, []))
+        return self._gpus.get(gpu, 0)
 
 
 def _allowed(policy: Policy, model: str) -> list[ConfigKey]:
@@ -183,12 +184,29 @@ def _fmt(x: float) -> str:
     return f"{x:.1f}"
 
 
-def _terms(problem: CountProblem, model: str, counts: Mapping[ConfigKey, int]) -> dict[LossReason, float]:
+class _Problem:
+    """Lookups into the count problem, built once per plan (not once per model or alternative:
+    at 500 models x 18 configs the per-call rebuilds made the counterfactuals cost more than the
+    solve)."""
+
+    def __init__(self, problem: CountProblem) -> None:
+        self.problem = problem
+        self.cands = {c.config: c for c in problem.candidates}
+        self.current: dict[str, list[ConfigKey]] = {}  # model -> its running configs (problem.current's order)
+        for c, k in problem.current.items():
+            if k > 0:
+                self.current.setdefault(c.model, []).append(c)
+        self.required: dict[str, float] = {}  # model -> required rps (its first demand)
+        for d in problem.demands:
+            self.required.setdefault(d.model, d.required_rps)
+
+
+def _terms(lookup: _Problem, model: str, counts: Mapping[ConfigKey, int]) -> dict[LossReason, float]:
     """The solver's objective terms besides $/h (planner/counts.py) for `counts` of one model:
     the spare-capacity tie-break, the startup (lead-time) penalty and the churn penalty."""
-    cands = {c.config: c for c in problem.candidates}
+    problem, cands = lookup.problem, lookup.cands
     tie = lead = churn = 0.0
-    configs = set(counts) | {c for c, k in problem.current.items() if c.model == model and k > 0}
+    configs = set(counts) | set(lookup.current.get(model, ()))
     for c in configs:
         n, cur = counts.get(c, 0), problem.current.get(c, 0)
         cand = cands.get(c)
@@ -199,11 +217,12 @@ def _terms(problem: CountProblem, model: str, counts: Mapping[ConfigKey, int]) -
     return {LossReason.TIE: tie, LossReason.LEAD_TIME: lead, LossReason.CHURN: churn}
 
 
-def _objective_reason(problem: CountProblem, me: ModelExplanation, key: ConfigKey, n: int, usd: float,
+def _objective_reason(lookup: _Problem, me: ModelExplanation, key: ConfigKey, n: int, usd: float,
                       chosen: Mapping[ConfigKey, int]) -> tuple[LossReason, str]:
     """Why an alternative that is not dearer in $/h lost: the objective term that outweighs it."""
-    alt = _terms(problem, me.model, {key: n})
-    ch = _terms(problem, me.model, chosen)
+    problem = lookup.problem
+    alt = _terms(lookup, me.model, {key: n})
+    ch = _terms(lookup, me.model, chosen)
     obj_alt = usd + sum(alt.values())
     obj_ch = me.usd_h + sum(ch.values())
     head = (f"same ${usd:.2f}/h" if abs(usd - me.usd_h) <= _USD_EPS else f"${usd:.2f}/h vs ${me.usd_h:.2f}/h")
@@ -221,31 +240,56 @@ def _objective_reason(problem: CountProblem, me: ModelExplanation, key: ConfigKe
                     f"({alt[reason]:+.3f} vs {ch[reason]:+.3f} $/h)")
 
 
+class _Placed:
+    """The GPUs and $/h of every model's chosen configs, summed once per plan; each model's
+    alternatives see the totals without that model (what the other models leave)."""
+
+    def __init__(self, models: tuple[ModelExplanation, ...]) -> None:
+        self.models = models
+        self.total: dict[GpuType, int] = {}
+        self.own: dict[str, dict[GpuType, int]] = {}
+        for o in models:
+            own = self.own.setdefault(o.model, {})
+            for c in o.configs:
+                g = c.config.gpu
+                self.total[g] = self.total.get(g, 0) + c.config.tp * c.replicas
+                own[g] = own.get(g, 0) + c.config.tp * c.replicas
+
+    def gpus_by_type_without(self, model: str) -> dict[GpuType, int]:
+        """GPUs per type of the other models' chosen configs (exact: integers)."""
+        own = self.own.get(model, {})
+        return {g: n - own.get(g, 0) for g, n in self.total.items()}
+
+    def usd_without(self, model: str) -> float:
+        """$/h of the other models' chosen configs, summed in the explanation's order (a float sum:
+        the same terms in the same order as always, so a budget's floor does not move by rounding)."""
+        return sum(c.usd_h for o in self.models if o.model != model for c in o.configs)
+
+
 def _alternatives(
     me: ModelExplanation,
     policy: Policy,
     eff: Effective,
-    problem: CountProblem,
-    everyone: tuple[ModelExplanation, ...],
+    lookup: _Problem,
+    everyone: _Placed,
     inv: _Inventory,
     ready: frozenset[ConfigKey],
     capacities: Mapping[ConfigKey, CapacityInfo],
     with_flips: bool,
+    allowed: list[ConfigKey],
 ) -> tuple[Alternative, ...]:
     m = policy.model(me.model)
     if m is None:
         return ()
+    problem = lookup.problem
     chosen = {c.config: c for c in me.configs if c.replicas > 0}
-    required = next((d.required_rps for d in problem.demands if d.model == me.model), me.required_rps)
+    required = lookup.required.get(me.model, me.required_rps)
     min_rep = eff.min_replicas.get(me.model, 0)
     max_rep = eff.max_replicas.get(me.model)
-    others = [c for o in everyone if o.model != me.model for c in o.configs]
-    other_gpus_by_type: dict[GpuType, int] = {}
-    for c in others:
-        other_gpus_by_type[c.config.gpu] = other_gpus_by_type.get(c.config.gpu, 0) + c.config.tp * c.replicas
+    other_gpus_by_type = everyone.gpus_by_type_without(me.model)
     other_gpus = sum(other_gpus_by_type.values())
-    other_usd = sum(c.usd_h for c in others)
     budget = eff.budget
+    other_usd = everyone.usd_without(me.model) if budget.max_usd_h is not None else 0.0
     chosen_counts = {c: x.replicas for c, x in chosen.items()}
     chosen_cfgs = [c for c in chosen if c in capacities]
     chosen_steps = [(capacities[c].max_rps, (policy.price_usd_h(c.gpu) or 0.0) * c.tp) for c in chosen_cfgs]
@@ -262,7 +306,7 @@ def _alternatives(
         return n
 
     out: list[Alternative] = []
-    for key in _allowed(policy, me.model):
+    for key in allowed:
         if key in chosen:
             continue
         label = f"{key.engine.value} {key.gpu.value} TP{key.tp}"
@@ -316,7 +360,7 @@ def _alternatives(
                 why = (f"${usd:.2f}/h vs ${me.usd_h:.2f}/h, but the running replicas are held (scale-down delay "
                        "or fail static)")
             else:
-                reason, why = _objective_reason(problem, me, key, n, usd, chosen_counts)
+                reason, why = _objective_reason(lookup, me, key, n, usd, chosen_counts)
         flip = None
         if with_flips and chosen_steps:
             lim = min(limit(key, unit), max(limit(c, u) for c, (_, u) in zip(chosen_cfgs, chosen_steps, strict=True)))
@@ -418,13 +462,16 @@ def add_counterfactuals(
     usable = _usable(hosts, eff.drain_hosts)
     inv = _Inventory(usable)
     notes = list(explanation.notes)
-    n_alts = sum(len(_allowed(policy, me.model)) for me in explanation.models)
+    allowed = {me.model: _allowed(policy, me.model) for me in explanation.models}
+    n_alts = sum(len(a) for a in allowed.values())
     with_flips = n_alts * 2048 <= MAX_FLIP_CELLS
     if not with_flips:
         notes.append(f"counterfactuals: flip loads skipped ({n_alts} alternatives; too many to scan)")
+    lookup = _Problem(problem)
+    placed = _Placed(explanation.models)
     models = tuple(
-        replace(me, alternatives=_alternatives(me, policy, eff, problem, explanation.models, inv, ready,
-                                               capacities, with_flips))
+        replace(me, alternatives=_alternatives(me, policy, eff, lookup, placed, inv, ready, capacities, with_flips,
+                                               allowed[me.model]))
         for me in explanation.models)
 
     relaxations: list[Relaxation] = []
