@@ -33,7 +33,7 @@ from fleetplan.sim.router import RouteMode, Router, affinity_key
 from fleetplan.sim.traces import TraceRequest, block_reuse_share, read_trace, reshape
 
 ROUTERS = {"rr": RouteMode.ROUND_ROBIN, "ll": RouteMode.LEAST_LOADED, "aff": RouteMode.AFFINITY}
-DEFAULT_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "traces" / "mooncake_conversation.jsonl"
+DEFAULT_TRACE = Path(__file__).resolve().parent.parent / "data" / "traces" / "mooncake_conversation.jsonl"  # data/SOURCES.md
 
 
 def run_fleet(params: EngineParams, reqs: Sequence[TraceRequest], n: int, mode: RouteMode, *,

@@ -15,8 +15,6 @@ from fleetplan.sim.groundtruth import BatchCore, EngineParams, build_params
 from fleetplan.sim.prefix_cache import PREFIX_BLOCK_TOKENS, PrefixCache, prompt_block_hashes
 from fleetplan.sim.traces import TraceRequest, block_reuse_share, parse_trace_text, read_trace, reshape
 
-MOONCAKE = Path(__file__).resolve().parents[4] / "shared" / "data" / "traces" / "mooncake_conversation.jsonl"
-
 
 def _params(kv_blocks: int | None = None, max_num_seqs: int | None = None) -> EngineParams:
     p = replace(build_params(Engine.VLLM, "llama-3.1-8b", GpuType.H100), noise_sigma=0.0)
@@ -169,9 +167,8 @@ def test_tiled_copies_are_new_conversations() -> None:
     assert block_reuse_share(tiled.requests) == pytest.approx(block_reuse_share(tr.requests), abs=0.01)
 
 
-@pytest.mark.skipif(not MOONCAKE.exists(), reason="needs ../shared/data/traces/mooncake_conversation.jsonl")
-def test_mooncake_conversation_bound_is_36_6_percent() -> None:
-    tr = read_trace(MOONCAKE)
+def test_mooncake_conversation_bound_is_36_6_percent(shared_data: Path) -> None:
+    tr = read_trace(shared_data / "traces" / "mooncake_conversation.jsonl")  # the repository's data/
     assert all(r.blocks is not None and len(r.blocks) == -(-r.prompt_tokens // PREFIX_BLOCK_TOKENS)
                for r in tr.requests)
     assert block_reuse_share(tr.requests) == pytest.approx(0.366, abs=0.0005)
