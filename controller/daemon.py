@@ -312,8 +312,11 @@ class Controller:
                 window_s=s.observe_window_s, history_s=s.history_s, history_step_s=s.history_step_s,
                 peak_window_s=s.peak_window_s,
                 time_scale=self.time_scale), canonical=self.policy.canonical, clock=self.wall)
-        expected = {r.replica_id for r in self.store.active_replicas()}
-        snap = await self._observer.snapshot(self.model_names(), now_s=now_s, expected_replicas=expected)
+        active = self.store.active_replicas()
+        expected = {r.replica_id for r in active}
+        serving = {r.replica_id: r.model for r in active if r.replica_id in self.executor.routed}
+        snap = await self._observer.snapshot(self.model_names(), now_s=now_s, expected_replicas=expected,
+                                             serving=serving)
         self.last_snapshot = snap
         self.store.save_observation(cid, snap.to_json())
         return snap

@@ -196,7 +196,8 @@ class ObserverConfig:
 
     def rules(self) -> ObserveRules:
         return ObserveRules(window_s=self.window_s, time_scale=self.time_scale, model_labels=self.model_labels,
-                            require_all_targets_up=self.require_all_targets_up, peak_window_s=self.peak_window_s)
+                            require_all_targets_up=self.require_all_targets_up, peak_window_s=self.peak_window_s,
+                            history_s=self.history_s, history_window_s=max(self.window_s, self.history_step_s))
 
 
 @dataclass
@@ -362,16 +363,19 @@ class Observer:
         now_s: float | None = None,
         with_history: bool = True,
         expected_replicas: Iterable[str] | None = None,
+        serving: Mapping[str, str] | None = None,
     ) -> Snapshot:
         """Observe `models` (plus any model seen in Prometheus). `now_s`: controller clock.
 
         `expected_replicas`: the replicas the controller runs; a down target outside this set
         (a replica being removed, not yet gone from file_sd) does not make its model stale.
+        `serving`: replica id -> model of the replicas nginx sends requests to (planner/observation.py).
         """
         readings = await self.fetch(with_history=with_history)
         now = readings.wall_s if now_s is None else now_s
         view = interpret(readings, models, now_s=now, rules=self.config.rules(), canonical=self.canonical,
-                         expected_replicas=frozenset(expected_replicas) if expected_replicas is not None else None)
+                         expected_replicas=frozenset(expected_replicas) if expected_replicas is not None else None,
+                         serving=serving)
         if readings.error is not None:
             log.warning("fail static: %s", readings.error)
             return Snapshot(view.models, view.replicas, view.alerts, False, readings.wall_s, now)

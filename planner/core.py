@@ -153,7 +153,7 @@ def workloads_from(observation: Observation, policy: Policy) -> dict[str, MixedW
                 mix = mix_from_quantiles(isl_q, osl_q, isl_mean=isl, osl_mean=osl)
             except ValueError:
                 mix = None
-        out[m.name] = MixedWorkload(isl, osl, mix)
+        out[m.name] = MixedWorkload(isl, osl, mix, isl_p99_low=o.isl_p99_low if o is not None else None)
     return out
 
 
@@ -176,7 +176,8 @@ def plan(
     gpus = {h.gpu for h in hosts if h.online}
     workloads = workloads_from(observation, policy)
     chosen = resolve_profiles(policy, profiles, gpus)
-    extrap = {c: extrapolation(p, mix_for(p, workloads[c.model])) for c, p in chosen.items()}
+    extrap = {c: extrapolation(p, mix_for(p, workloads[c.model]), workloads[c.model].isl_p99_low)
+              for c, p in chosen.items()}
     allowed = set(candidate_configs(policy, {h.gpu for h in hosts}))
     # evidence is dropped only for configs the POLICY no longer allows, never because hosts have not
     # reported yet (the first cycles after a restart)

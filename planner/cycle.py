@@ -21,7 +21,7 @@ replicas and one START allowed; with `paused=True` the START is held ("held back
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from fleetplan.models.profile import ProfileSet
@@ -69,19 +69,22 @@ def observation_from(interpreted: Interpreted, evidence: ev.Evidence | None, mod
             ttft_p99_ms=mm.ttft_p99_ms, itl_p99_ms=mm.itl_p99_ms, history=mm.history, stale=mm.stale,
             isl_quantiles=me.isl_quantiles, osl_quantiles=me.osl_quantiles,
             configs=me.configs if replicas is not None else (),
-            peak_rps=mm.peak_rps, peak_window_s=mm.peak_window_s,
+            peak_rps=mm.peak_rps, peak_window_s=mm.peak_window_s, isl_p99_low=me.isl_p99_low(),
         )
     return Observation(models=obs, alerts=tuple(interpreted.alerts)), tuple(notes)
 
 
 def observe(readings: Readings, evidence: ev.Evidence | None, models: Iterable[str], *, now_s: float,
             rules: ObserveRules, replicas: Sequence[Replica] | None,
-            canonical: Callable[[str], str] = str, expected_replicas: Collection[str] | None = None) -> Observed:
+            canonical: Callable[[str], str] = str, expected_replicas: Collection[str] | None = None,
+            serving: Mapping[str, str] | None = None) -> Observed:
     """Raw readings (and evidence) -> what they mean. `replicas`: the fleet the evidence is read
-    against (None: per-model numbers only). `expected_replicas`: the replicas the controller runs."""
+    against (None: per-model numbers only). `expected_replicas`: the replicas the controller runs;
+    `serving`: replica id -> model of the replicas the router sends requests to."""
     names = list(models)
     view = interpret(readings, names, now_s=now_s, rules=rules, canonical=canonical,
-                     expected_replicas=frozenset(expected_replicas) if expected_replicas is not None else None)
+                     expected_replicas=frozenset(expected_replicas) if expected_replicas is not None else None,
+                     serving=serving)
     if readings.error is not None:
         evidence = None
     wanted = list(dict.fromkeys([canonical(m) for m in names]))

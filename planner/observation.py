@@ -119,6 +119,10 @@ class ObserveRules:
     # models whose targets must all be up; a down target makes the model stale (fail static)
     require_all_targets_up: bool = True
     peak_window_s: float = 30.0  # the short window of Query.PEAK_RATE, wall seconds
+    # the span of the request-rate history query and the rate window of its points (wall seconds);
+    # None: unknown (every point is taken as it is)
+    history_s: float | None = None
+    history_window_s: float | None = None
 
     @property
     def window_step_s(self) -> float:
@@ -316,18 +320,32 @@ def _history(readings: Readings, rules: ObserveRules, now_s: float,
             if math.isfinite(v):
                 acc[t] = acc.get(t, 0.0) + v
     k = rules.time_scale
-    return {m: tuple((now_s - max(0.0, readings.wall_s - t) * k, v / k) for t, v in sorted(pts.items()))
-            for m, pts in by_model.items()}
+    out = {}
+    for m, pts in by_model.items():
+        ordered = sorted(pts.items())
+        if ordered and rules.history_s is not None and rules.history_window_s is not None:
+            # a series that begins inside the queried span (a new model, Prometheus' data starting):
+            # its first points' windows reach back before its first sample, and rate() divides what
+            # it saw by the whole window - an under-read a forecast would take for a climb
+            first = ordered[0][0]
+            if first > readings.wall_s - rules.history_s + rules.history_window_s:
+                ordered = [(t, v) for t, v in ordered if t >= first + rules.history_window_s]
+        out[m] = tuple((now_s - max(0.0, readings.wall_s - t) * k, v / k) for t, v in ordered)
+    return out
 
 
 def interpret(readings: Readings, models: Iterable[str], *, now_s: float, rules: ObserveRules,
               canonical: Callable[[str], str] = str,
-              expected_replicas: Collection[str] | None = None) -> Interpreted:
+              expected_replicas: Collection[str] | None = None,
+              serving: Mapping[str, str] | None = None) -> Interpreted:
     """Observe `models` (plus any model seen in the readings). `now_s`: the controller clock.
 
     `expected_replicas`: the replicas the controller runs; a down target outside this set (a
     replica being removed, not yet gone from file_sd) does not make its model stale, nor does its
-    window."""
+    window. `serving`: replica id -> model of the replicas that serve requests (READY); one that
+    Prometheus does not scrape yet (file_sd picks a new target up seconds later) serves requests
+    nobody counts, so its model's rate is a lower bound: stale (found by replaying the lab: the
+    under-read drained a replica the load still needed)."""
     wanted = [canonical(m) for m in models]
     if readings.error is not None:
         unknown = {m: ModelMetrics(model=m, stale=True, reasons=(readings.error,)) for m in wanted}
@@ -370,6 +388,9 @@ def interpret(readings: Readings, models: Iterable[str], *, now_s: float, rules:
         if down_n and rules.require_all_targets_up:
             down_ids = ", ".join(sorted(r.replica_id for r in reps if not r.up))
             reasons.append(f"{down_n} scrape target(s) down: {down_ids}")
+        unscraped = sorted(rid for rid, sm in (serving or {}).items() if canonical(sm) == m and rid not in replicas)
+        if unscraped:
+            reasons.append("serving but not scraped yet (its requests are not counted): " + ", ".join(unscraped))
         if partial:
             # a rate over a window its samples do not cover under-reads: not evidence for a scale-down
             reasons.append(f"rate window ({rules.window_s:g} s) not yet covered by the samples of "

@@ -122,6 +122,9 @@ class ModelObservation:
     configs: tuple[ConfigObservation, ...] = ()  # per serving config, where the engines export it
     peak_rps: float | None = None  # the highest short-window rate within the window (bursts)
     peak_window_s: float = 15.0  # the short window peak_rps is measured over (one scrape interval)
+    # the lowest prompt-length p99 the engines' histogram allows (planner/evidence.py): a coarse
+    # bucket is no evidence of long prompts (capacity.extrapolation); None: unknown
+    isl_p99_low: float | None = None
 
 
 def _empty_models() -> Mapping[str, ModelObservation]:

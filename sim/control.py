@@ -45,6 +45,8 @@ class FleetplanController:
     state: PlannerState = field(default_factory=PlannerState.initial)
     solve_s: float = 0.0
     use_history: bool = True  # False: the forecast sees no rate history (an ablation)
+    # policy reloads (SIGHUP in the daemon): (simulated time, the policy from then on), in time order
+    reloads: tuple[tuple[float, Policy], ...] = ()
 
     def __post_init__(self) -> None:
         if self.period_s <= 0:
@@ -112,6 +114,7 @@ class ReplayControl:
         self.swap_cycles = 0
         self.drain_timeouts = 0
         self.notes: list[str] = []
+        self.serving: dict[str, str] = {}  # replica id -> model the router sends requests to
 
     # ---- the records ---------------------------------------------------------------------------
     def wall(self, t_s: float) -> float:
@@ -186,20 +189,29 @@ class ReplayControl:
         r = act.routes(tuple(self.rows.values()), self.engines.reports(t_s), self.models, now_s=self.wall(t_s),
                        connected_since_s=-math.inf, grace_s=self.s.host_offline_grace_s)
         if r is not None:
+            self.serving = {rid: m for m, ids in r.serving.items() for rid in ids}
             self.engines.route(r.serving, r.scraped, t_s)
 
     # ---- one cycle -----------------------------------------------------------------------------
     def reconcile(self, t_s: float) -> None:
         self._apply(act.reconcile(self.view(t_s)), t_s, cycle=False)
 
+    def reload(self, t_s: float) -> None:
+        """A SIGHUP lands between cycles: the latest policy reloaded by `t_s` applies from this cycle."""
+        due = [p for t, p in self.ctl.reloads if t <= t_s]
+        if due and due[-1] is not self.policy:
+            self.policy = due[-1]
+            self.models = [m.name for m in self.policy.models]
+
     def cycle(self, t_s: float, readings: Readings, evidence: Evidence | None) -> CycleDecision:
         """One cycle of controller/daemon.py `_cycle`: reconcile, observe, plan and brake, act, route."""
+        self.reload(t_s)
         self.reconcile(t_s)
         view = self.view(t_s)
         fleet = self.fleet(view)
         now = self.wall(t_s)
         obs = observe(readings, evidence, self.models, now_s=now, rules=self.rules, replicas=fleet.replicas,
-                      expected_replicas=frozenset(self.rows)).observation
+                      expected_replicas=frozenset(self.rows), serving=self.serving).observation
         return self.decide_and_act(t_s, obs, view, fleet)
 
     def decide_and_act(self, t_s: float, obs: Observation, view: act.ActView, fleet: Fleet) -> CycleDecision:

@@ -250,7 +250,9 @@ class FleetSim:
         if isinstance(controller, FleetplanController):
             self.control = ReplayControl(
                 controller, self, epoch0_s=env.epoch0_s, settings=control,
-                rules=ObserveRules(window_s=self.s.window_s, peak_window_s=self.s.peak_window_s))
+                rules=ObserveRules(window_s=self.s.window_s, peak_window_s=self.s.peak_window_s,
+                                   history_s=self.s.history_s,
+                                   history_window_s=max(self.s.window_s, self.s.history_step_s)))
 
     # -- heap
     def _push(self, t: float, prio: int, kind: str, payload: object) -> None:
@@ -513,7 +515,7 @@ class FleetSim:
             self._push(k * s.scrape_s, self._P_SCRAPE, "scrape", None)
             k += 1
         period = self.ctl.period_s
-        k = 1
+        k = 1 if s.warm_start else 0  # a cold start plans at t = 0, as a daemon started with the traffic
         while k * period <= end_s:
             self._push(k * period, self._P_TICK, "tick", None)
             k += 1

@@ -78,6 +78,55 @@ def _cumulative(edges: Sequence[float], counts: Sequence[float]) -> tuple[tuple[
     return tuple(out)
 
 
+def _extrapolated_rate(ts: Sequence[float], vs: Sequence[float], start_s: float, end_s: float) -> float | None:
+    """Prometheus' rate() of a counter over the range (start, end] from its samples in it
+    (promql/functions.go extrapolatedRate): the increase, extrapolated to the range's edges by at
+    most 1.1 average sample intervals (else half an interval), never below the counter's zero,
+    divided by the range."""
+    if len(ts) < 2 or end_s <= start_s:
+        return None
+    result = vs[-1] - vs[0]
+    sampled = ts[-1] - ts[0]
+    if sampled <= 0:
+        return None
+    avg = sampled / (len(ts) - 1)
+    to_start = ts[0] - start_s
+    to_end = end_s - ts[-1]
+    if result > 0 and vs[0] >= 0:
+        to_start = min(to_start, sampled * (vs[0] / result))
+    threshold = avg * 1.1
+    span = sampled + (to_start if to_start < threshold else avg / 2) + (to_end if to_end < threshold else avg / 2)
+    return result * (span / sampled) / (end_s - start_s)
+
+
+def _rate_factor(win: Sequence[TargetScrape], start_s: float, end_s: float) -> float | None:
+    """What rate() multiplies a target's increase over the window by (its completions' extrapolation
+    applied to every series of the target, histogram buckets included)."""
+    if len(win) < 2:
+        return None
+    a, b = win[0], win[-1]
+    inc = b.completed - a.completed
+    r = _extrapolated_rate((a.t_s, b.t_s), (a.completed, b.completed), start_s, end_s)
+    if r is None:
+        return None
+    if inc <= 0:  # nothing completed: every increase is 0, whatever the factor
+        return 1.0 / (end_s - start_s)
+    return r / inc
+
+
+def _deriv(ts: Sequence[float], vs: Sequence[float]) -> float | None:
+    """Prometheus' deriv(): the least-squares slope per second."""
+    n = len(ts)
+    if n < 2:
+        return None
+    mt = sum(ts) / n
+    mv = sum(vs) / n
+    den = sum((t - mt) ** 2 for t in ts)
+    if den <= 0:
+        return None
+    return sum((t - mt) * (v - mv) for t, v in zip(ts, vs, strict=True)) / den
+
+
 class PromSim:
     """Scrapes of the replay's targets and the Observer's queries answered from them."""
 
@@ -141,8 +190,9 @@ class PromSim:
 
     # ---- queries -------------------------------------------------------------------------------
     def _window(self, rid: str, t_s: float, w: float) -> list[TargetScrape]:
+        """A target's samples in the range (t - w, t] that Prometheus holds at t."""
         vis = t_s - self.delay_s
-        return [x for x in self.samples.get(rid, ()) if vis - w < x.t_s <= vis]
+        return [x for x in self.samples.get(rid, ()) if t_s - w < x.t_s <= vis]
 
     def _wall(self, t_s: float) -> float:
         return self.epoch0_s + t_s
@@ -163,10 +213,9 @@ class PromSim:
         for rid, dq in sorted(self.samples.items()):
             lab = self.labels[rid]
             model = lab["model"]
-            win = [x for x in dq if vis - w < x.t_s <= vis]
-            current = rid in self.targets and bool(dq) and dq[-1].t_s <= vis
+            win = self._window(rid, t_s, w)
             last = next((x for x in reversed(dq) if x.t_s <= vis), None)
-            if current and last is not None:
+            if rid in self.targets and last is not None:
                 res[Query.UP].append(Sample(lab, 1.0))
                 res[Query.UP_LAST_S].append(Sample(lab, self._wall(last.t_s)))
                 res[Query.REPLICA_RUNNING].append(Sample(lab, last.running))
@@ -178,20 +227,23 @@ class PromSim:
                 if win:
                     res[Query.UP_FIRST_S].append(Sample(lab, self._wall(win[0].t_s)))
                     res[Query.UP_SAMPLES].append(Sample(lab, float(len(win))))
-            if len(win) < 2:
+            f = _rate_factor(win, t_s - w, t_s)
+            if f is None:
                 continue
             a, b = win[0], win[-1]
-            dt = b.t_s - a.t_s
-            add("done", model, (b.completed - a.completed) / dt)
-            add("prompt", model, (b.prompt_tokens - a.prompt_tokens) / dt)
-            add("gen", model, (b.gen_tokens - a.gen_tokens) / dt)
-            add("growth", model, (b.running - a.running + b.waiting - a.waiting) / dt)
+            add("done", model, (b.completed - a.completed) * f)
+            add("prompt", model, (b.prompt_tokens - a.prompt_tokens) * f)
+            add("gen", model, (b.gen_tokens - a.gen_tokens) * f)
+            for gauge in ("running", "waiting"):
+                slope = _deriv([x.t_s for x in win], [getattr(x, gauge) for x in win])
+                if slope is not None:
+                    add("growth", model, slope)
             acc_t = ttft_b.setdefault(model, [0.0] * len(b.ttft))
             for j, (x, y) in enumerate(zip(a.ttft, b.ttft, strict=True)):
-                acc_t[j] += (y - x) / dt
+                acc_t[j] += (y - x) * f
             acc_i = itl_b.setdefault(model, [0.0] * len(b.itl))
             for j, (x, y) in enumerate(zip(a.itl, b.itl, strict=True)):
-                acc_i[j] += (y - x) / dt
+                acc_i[j] += (y - x) * f
         for model, d in sorted(by_model.items()):
             lab = {"model": model}
             if "done" in d:
@@ -216,25 +268,27 @@ class PromSim:
             res[Query.PEAK_RATE].append(Sample({"model": model}, peak))
         return Readings(self._wall(t_s), {q: tuple(v) for q, v in res.items()}, self._history(t_s))
 
-    def _model_rate(self, model: str, end_s: float, w: float) -> float | None:
+    def _model_rate(self, model: str, end_s: float, w: float, vis_s: float) -> float | None:
+        """rate() over (end - w, end] of the model's completions (all its targets' counters), from
+        the samples visible at `vis_s`."""
         hist = self.model_done.get(model, [])
         lo = bisect.bisect_right(hist, (end_s - w, math.inf))
-        hi = bisect.bisect_right(hist, (end_s, math.inf))
-        if hi - lo < 2:
+        hi = bisect.bisect_right(hist, (min(end_s, vis_s), math.inf))
+        pts = hist[lo:hi]
+        if len(pts) < 2:
             return None
-        a, b = hist[lo], hist[hi - 1]
-        return (b[1] - a[1]) / (b[0] - a[0])
+        return _extrapolated_rate([t for t, _ in pts], [v for _, v in pts], end_s - w, end_s)
 
     def _peaks(self, t_s: float) -> dict[str, float]:
         """max_over_time(sum by model (rate(success[peak_window]))[window:peak_window/2])."""
         vis = t_s - self.delay_s
-        step = max(1.0, round(self.peak_window_s) // 2)
+        step = max(1.0, float(round(self.peak_window_s) // 2))
         out: dict[str, float] = {}
         for model in self.model_done:
             best: float | None = None
             k = 0
             while k * step < self.window_s:
-                r = self._model_rate(model, vis - k * step, self.peak_window_s)
+                r = self._model_rate(model, t_s - k * step, self.peak_window_s, vis)
                 if r is not None:
                     best = r if best is None else max(best, r)
                 k += 1
@@ -250,8 +304,8 @@ class PromSim:
         for model in sorted(self.model_done):
             pts = []
             for k in range(n, -1, -1):
-                end = vis - k * self.history_step_s
-                r = self._model_rate(model, end, w)
+                end = t_s - k * self.history_step_s
+                r = self._model_rate(model, end, w, vis)
                 if r is not None:
                     pts.append((self._wall(end), r))
             if pts:
@@ -269,26 +323,46 @@ class PromSim:
         tpot: list[Sample] = []
         plen: dict[str, list[float]] = {}
         glen: dict[str, list[float]] = {}
+        # the histograms' _sum/_count rates: lengths per model, latencies per replica
+        msum: dict[str, list[float]] = {}  # model -> [prompt sum, prompt count, gen sum, gen count]
+        ttft_m: list[tuple[dict[str, str], float, float]] = []
+        tpot_m: list[tuple[dict[str, str], float, float]] = []
         for rid in sorted(self.samples):
             win = self._window(rid, t_s, w)
-            if len(win) < 2:
+            f = _rate_factor(win, t_s - w, t_s)
+            if f is None:
                 continue
             a, b = win[0], win[-1]
-            dt = b.t_s - a.t_s
             lab = self.labels[rid]
             model = lab["model"]
-            done.append(Sample(lab, (b.completed - a.completed) / dt))
+            done.append(Sample(lab, (b.completed - a.completed) * f))
             for edges, xa, xb, out in ((TTFT_BUCKETS_S, a.ttft, b.ttft, ttft), (TPOT_BUCKETS_S, a.tpot, b.tpot, tpot)):
-                rates = [(y - x) / dt for x, y in zip(xa, xb, strict=True)]
+                rates = [(y - x) * f for x, y in zip(xa, xb, strict=True)]
                 for le, v in _cumulative(edges, rates):
                     out.append(Sample({**lab, "le": "+Inf" if le == math.inf else repr(le)}, v))
             for acc, xa, xb in ((plen, a.prompt_len, b.prompt_len), (glen, a.gen_len, b.gen_len)):
                 d = acc.setdefault(model, [0.0] * len(xb))
                 for j, (x, y) in enumerate(zip(xa, xb, strict=True)):
-                    d[j] += (y - x) / dt
+                    d[j] += (y - x) * f
+            ms = msum.setdefault(model, [0.0, 0.0, 0.0, 0.0])
+            n_done = (b.completed - a.completed) * f
+            ms[0] += (b.sums[2] - a.sums[2]) * f
+            ms[1] += n_done
+            ms[2] += (b.sums[3] - a.sums[3]) * f
+            ms[3] += n_done
+            ttft_m.append((lab, (b.sums[0] - a.sums[0]) * f, (sum(b.ttft) - sum(a.ttft)) * f))
+            tpot_m.append((lab, (b.sums[1] - a.sums[1]) * f, (sum(b.tpot) - sum(a.tpot)) * f))
         for acc, out in ((plen, prompt), (glen, gen)):
             for model, rates in sorted(acc.items()):
                 for le, v in _cumulative(LENGTH_BUCKETS, rates):
                     out.append(Sample({"model": model, "le": "+Inf" if le == math.inf else repr(le)}, v))
+        mlab = {m: {"model": m} for m in msum}
+        moments = ev.MomentSamples(
+            prompt_sum=[Sample(mlab[m], v[0]) for m, v in msum.items()],
+            prompt_count=[Sample(mlab[m], v[1]) for m, v in msum.items()],
+            gen_sum=[Sample(mlab[m], v[2]) for m, v in msum.items()],
+            gen_count=[Sample(mlab[m], v[3]) for m, v in msum.items()],
+            ttft_sum=[Sample(lab, x) for lab, x, _ in ttft_m], ttft_count=[Sample(lab, n) for lab, _, n in ttft_m],
+            tpot_sum=[Sample(lab, x) for lab, x, _ in tpot_m], tpot_count=[Sample(lab, n) for lab, _, n in tpot_m])
         return ev.collect(prompt, gen, done, ttft, tpot, model_of=lambda labels: labels.get("model"),
-                          window_s=w, time_scale=1.0, replica_label="replica")
+                          window_s=w, time_scale=1.0, replica_label="replica", moments=moments)

@@ -121,6 +121,23 @@ def test_history_is_summed_per_model_and_mapped_onto_the_controller_clock() -> N
     assert m.history == ((500.0 - 120.0, 2.0), (500.0, 5.0))
 
 
+def test_a_history_series_that_begins_inside_the_span_drops_its_under_read_first_points() -> None:
+    """A series starting inside the queried hour (a new model, Prometheus' data starting): its first
+    point's window reaches back before the first sample and rate() divides by the whole window (13
+    rps read for 30 rps); the forecast took that for a climb and bought a replica (the replay's
+    constant-load test)."""
+    rules = ObserveRules(window_s=W, history_s=3600.0, history_window_s=60.0)
+    start = WALL - 600.0
+    pts = tuple((start + 30.0 * i, 13.0 if i == 0 else 30.0) for i in range(21))
+    r = readings(target("r1"), rate=30.0, history=(Series({"model_name": M}, pts),))
+    kept = interpret(r, [M], now_s=WALL, rules=rules).models[M].history
+    assert kept[0] == (start + 60.0, 30.0) and all(v == 30.0 for _, v in kept)
+    # a series that covers the whole span keeps every point
+    full = tuple((WALL - 3600.0 + 30.0 * i, 30.0) for i in range(121))
+    r = readings(target("r1"), rate=30.0, history=(Series({"model_name": M}, full),))
+    assert len(interpret(r, [M], now_s=WALL, rules=rules).models[M].history) == 121
+
+
 @pytest.mark.parametrize(("first", "last", "n", "full"), [
     (WALL - W + 1, WALL, 60, True),  # every second, the whole window
     (WALL - W + 15, WALL - 15, 3, True),  # every 15 s, the first sample 15 s in: rate() extrapolates
@@ -132,3 +149,18 @@ def test_history_is_summed_per_model_and_mapped_onto_the_controller_clock() -> N
 ])
 def test_window_full(first: float | None, last: float, n: float, full: bool) -> None:
     assert window_full(first, last, n, eval_s=WALL, window_s=W, step_s=RULES.window_step_s) is full
+
+
+def test_a_replica_the_router_serves_but_prometheus_does_not_scrape_makes_the_rate_a_lower_bound() -> None:
+    """Found by replaying the lab (tests/e2e/test_e2e_parity.py): nginx routed a new replica some
+    seconds before Prometheus' file_sd scraped it; its completions were not counted, the rate read
+    0.26 rps for 0.5 rps of load and a replica the load still needed was drained."""
+    r = readings(target("r1"), rate=0.26)
+    out = interpret(r, [M], now_s=5000.0, rules=RULES, serving={"r1": M, "r2": M})
+    m = out.models[M]
+    assert m.stale and m.rate_rps == 0.26  # a lower bound: it can raise capacity, never lower it
+    assert any("serving but not scraped yet" in x and "r2" in x for x in m.reasons)
+    # once scraped (or not serving), the reading is whole again
+    assert not interpret(readings(target("r1"), target("r2"), rate=0.5), [M], now_s=5000.0, rules=RULES,
+                         serving={"r1": M, "r2": M}).models[M].stale
+    assert not interpret(r, [M], now_s=5000.0, rules=RULES, serving={"r1": M}).models[M].stale
