@@ -461,12 +461,15 @@ def plan_with_capacities(
         notes.append("maintenance (drained hosts): " + ", ".join(sorted(drained)))
     if not usable:
         notes.append("no usable hosts: every host is offline or drained")
+    # one pass over the capacity table (per-model scans of it cost 0.5 s at 500 models, bench/solve_scale.py)
+    rps_by_model: dict[str, list[float]] = {}
+    for c, i in capacities.items():
+        rps_by_model.setdefault(c.model, []).append(i.max_rps)
     unknown = {m.name for m in policy.models
-               if any(c.model == m.name for c in capacities)
-               and all(i.max_rps <= UNKNOWN_CAPACITY_RPS for c, i in capacities.items() if c.model == m.name)}
+               if m.name in rps_by_model and all(r <= UNKNOWN_CAPACITY_RPS for r in rps_by_model[m.name])}
     for name in sorted(unknown):
         d = demands[name]
-        out_of_reach = any(i.max_rps == 0.0 for c, i in capacities.items() if c.model == name)
+        out_of_reach = any(r == 0.0 for r in rps_by_model[name])
         why = ("no allowed config meets the SLO at this length mix, even unloaded: only min_replicas run "
                "(best effort; relax the SLO or allow larger TP)" if out_of_reach else
                "no capacity data (no profile, no roofline prior): only min_replicas run; benchmark "
@@ -767,12 +770,17 @@ def _explain(
     obs = _canonical_observations(observation, policy)
     workloads = workloads_from(observation, policy)
     binding: list[str] = list(now_sol.binding)
-    all_counts = _counts_of(now_place)
-    all_tcounts = _counts_of(target_place)
+    counts_by_model: dict[str, dict[ConfigKey, int]] = {}
+    for c, n in _counts_of(now_place).items():
+        counts_by_model.setdefault(c.model, {})[c] = n
+    tcounts_by_model: dict[str, dict[ConfigKey, int]] = {}
+    for c, n in _counts_of(target_place).items():
+        tcounts_by_model.setdefault(c.model, {})[c] = n
+    models_with_capacity = {c.model for c in capacities}
     for m in policy.models:
         d = demands[m.name]
-        counts = {c: n for c, n in all_counts.items() if c.model == m.name}
-        tcounts = {c: n for c, n in all_tcounts.items() if c.model == m.name}
+        counts = counts_by_model.get(m.name, {})
+        tcounts = tcounts_by_model.get(m.name, {})
         cap = sum(capacities[c].max_rps * n for c, n in counts.items() if c in capacities)
         tcap = sum(capacities[c].max_rps * n for c, n in tcounts.items() if c in capacities)
         configs = []
@@ -811,7 +819,7 @@ def _explain(
             binding.append(f"demand of {m.name} not met: inventory/budget/max_replicas")
         if m.name in now_sol.min_missed:
             mnotes.append(f"min_replicas missed by {now_sol.min_missed[m.name]}")
-        if not any(c.model == m.name for c in capacities):
+        if m.name not in models_with_capacity:
             mnotes.append("no capacity data (profile) for any allowed config")
         if configs:
             main_cfg = max(configs, key=lambda x: (x.replicas * x.capacity_per_replica_rps, x.config))
