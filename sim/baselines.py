@@ -212,6 +212,7 @@ class OracleResult:
     capacity_per_window: tuple[float, ...]
     window_s: float
     replica_starts: int
+    gpu_hours_by_config: tuple[tuple[ConfigKey, float], ...] = ()
 
 
 def _window_fleet(r: float, usable: Sequence[ConfigKey], best: ConfigKey, cap: Mapping[ConfigKey, float],
@@ -275,10 +276,13 @@ def oracle(
     cost = 0.0
     starts = 0
     prev: dict[ConfigKey, int] = {}
+    by_config: dict[ConfigKey, float] = {}
     for k, r in enumerate(rates):
         fleet = _window_fleet(float(r), usable, best, gt_capacity, price, min_replicas)
         span = min(window_s, max(0.0, duration - k * window_s))
         g = sum(c.tp * n for c, n in fleet.items())
+        for c, n in fleet.items():
+            by_config[c] = by_config.get(c, 0.0) + c.tp * n * span / 3600.0
         gpu_s += g * span
         cost += sum(price[c] * n for c, n in fleet.items()) * span / 3600.0
         reps.append(sum(fleet.values()))
@@ -288,7 +292,7 @@ def oracle(
             starts += sum(max(0, n - prev.get(c, 0)) for c, n in fleet.items())
         prev = fleet
     return OracleResult(gpu_s / 3600.0, cost, best, gt_capacity[best], tuple(reps), tuple(gpus), tuple(caps),
-                        window_s, starts)
+                        window_s, starts, tuple(sorted(by_config.items())))
 
 
 def model_slo(policy: Policy, model: str) -> tuple[float, float]:

@@ -88,6 +88,20 @@ class PolicyFigures:
     timeline: tuple[tuple[float, float, float, int], ...]  # (t_s, demand_rps, capacity_rps, gpus)
     notes: tuple[str, ...] = ()
     swap_cycles: int = 0
+    # GPU-hours of the replicas per config label (engine builds apart: build_gpu_hours)
+    gpu_hours_by_config: Mapping[str, float] = field(default_factory=dict)
+    build_gpu_hours: float = 0.0
+    drain_timeouts: int = 0
+
+    def gpu_hours_by_engine(self) -> dict[str, float]:
+        """Per engine: its replicas' GPU-hours (+ "build": the engine builds')."""
+        out: dict[str, float] = {}
+        for label, h in self.gpu_hours_by_config.items():
+            engine = label.split("/")[1]
+            out[engine] = out.get(engine, 0.0) + h
+        if self.build_gpu_hours:
+            out["build"] = self.build_gpu_hours
+        return out
 
     def to_json(self) -> dict[str, Any]:
         def r(x: float | None, nd: int = 4) -> float | None:
@@ -107,10 +121,14 @@ class PolicyFigures:
                 "unmet_requests": self.unmet_requests,
                 "arrived": self.arrived, "served": self.served,
                 "builds": self.builds,
+                "build_gpu_hours": r(self.build_gpu_hours),
+                "drain_timeouts": self.drain_timeouts,
                 "swap_cycles": self.swap_cycles,
                 "sim_wall_s": r(self.wall_s, 2),
             })
         d.update({
+            "gpu_hours_by_engine": {k: r(v) for k, v in sorted(self.gpu_hours_by_engine().items())},
+            "gpu_hours_by_config": {k: r(v) for k, v in sorted(self.gpu_hours_by_config.items())},
             "replica_starts": self.replica_starts,
             "unmet_demand_share": r(self.unmet_demand_share, 5),
             "mean_gpus": r(self.mean_gpus, 2), "peak_gpus": self.peak_gpus,
@@ -131,6 +149,8 @@ class Evaluation:
     # per config label: what the profiles say for the trace's length mix (the planner's view before
     # any observation) and why it extrapolates; the gap to `capacities` is the profile's error
     profile_capacities: Mapping[str, tuple[float, tuple[str, ...]]] = field(default_factory=dict)
+    # per config label: the share of the trace's requests that miss the SLO even on an idle replica
+    attainment_floors: Mapping[str, float] = field(default_factory=dict)
 
     def capacity_gaps(self) -> list[str]:
         """One line per config: profile vs ground-truth capacity per replica at the SLO."""
@@ -157,6 +177,8 @@ class Evaluation:
             label: {"profile": round(prof, 3), "ground_truth": round(self.capacities.get(label, 0.0), 3),
                     "extrapolating": list(why)}
             for label, (prof, why) in sorted(self.profile_capacities.items())}
+        trace["attainment_floor"] = {label: {"miss_share_idle": round(v, 5), "max_attainment": round(1.0 - v, 5)}
+                                     for label, v in sorted(self.attainment_floors.items())}
         if self.notes:
             trace["notes"] = list(self.notes)
         return {"policies": policies, "trace": trace}
@@ -301,6 +323,30 @@ def ground_truth_capacity(c: ConfigKey, lengths: Sequence[tuple[int, int]], ttft
     return capacity_at_slo(params, lengths, ttft_ms, itl_ms, seed=seed, n=n, repeats=repeats)
 
 
+def attainment_floor(c: ConfigKey, lengths: Sequence[tuple[int, int]], ttft_ms: float, itl_ms: float,
+                     n: int = 300, seed: int = 0) -> float | None:
+    """The share of requests of this length mix that miss the SLO even on an idle replica of the
+    config's ground-truth engine (one request at a time): no count of this config serves them."""
+    try:
+        params = _params(c)
+    except ValueError:
+        return None
+    if not lengths:
+        return None
+    rng = random.Random(seed)
+    limit = params.max_model_len
+    pool = [(max(1, int(p)), max(1, int(o))) for p, o in lengths]
+    sample = [pool[rng.randrange(len(pool))] for _ in range(n)]
+    too_long = sum(1 for p, o in sample if p + o > limit)
+    fits = [(p, o) for p, o in sample if p + o <= limit]
+    if not fits:
+        return 1.0
+    arrivals = [(k * 1e5, p, o) for k, (p, o) in enumerate(fits)]  # far apart: every request alone
+    ttft, tpot = replay_on_core(params, arrivals, seed=seed)
+    miss = too_long + int(np.sum((ttft * 1000.0 > ttft_ms) | (np.nan_to_num(tpot) * 1000.0 > itl_ms)))
+    return miss / n
+
+
 def profiles_from_ground_truth(configs: Sequence[ConfigKey], lengths: Sequence[tuple[int, int]],
                                ttft_ms: float, itl_ms: float, *, n: int = 1200, seed: int = 1,
                                fractions: Sequence[float] = (0.15, 0.3, 0.5, 0.7, 0.85, 1.0, 1.15),
@@ -436,6 +482,14 @@ def evaluate(trace: Trace, policy: Policy, profiles: ProfileSet, options: Evalua
         for name in sims:
             results[name] = simulate_policy(name, trace, policy, profiles, opts.settings, opts.hpa_target_fraction)
 
+    floors: dict[str, float] = {}
+    for m in models:
+        mp = policy.model(m)
+        assert mp is not None
+        for c in cands[m]:
+            fl = attainment_floor(c, trace_lengths(trace, m), mp.slo.ttft_p99_ms, mp.slo.itl_p99_ms)
+            if fl is not None:
+                floors[c.label()] = fl
     figures: dict[str, PolicyFigures] = {}
     for name in opts.policies:
         if name == "oracle":
@@ -450,6 +504,7 @@ def evaluate(trace: Trace, policy: Policy, profiles: ProfileSet, options: Evalua
         total_cost = 0.0
         starts = 0
         labels = []
+        orc_by_config: dict[str, float] = {}
         timeline_acc: dict[float, list[float]] = {}
         gpus_acc: dict[float, int] = {}
         for m in models:
@@ -460,6 +515,8 @@ def evaluate(trace: Trace, policy: Policy, profiles: ProfileSet, options: Evalua
             total_h += o.gpu_hours
             total_cost += o.cost_usd
             starts += o.replica_starts
+            for c, h in o.gpu_hours_by_config:
+                orc_by_config[c.label()] = orc_by_config.get(c.label(), 0.0) + h
             labels.append(f"{o.config.label()} @ {o.capacity_rps:.2f} rps/replica")
             rates = _window_rates(sub, o.window_s, trace.duration_s)
             for k, n in enumerate(o.gpus_per_window):
@@ -478,6 +535,7 @@ def evaluate(trace: Trace, policy: Policy, profiles: ProfileSet, options: Evalua
             arrived=len(trace.requests), served=len(trace.requests),
             mean_gpus=total_h / dur_h if dur_h > 0 else 0.0,
             peak_gpus=max((g for *_x, g in tl), default=0), wall_s=0.0, timeline=tl,
+            gpu_hours_by_config=orc_by_config,
         )
         oracle_label = "; ".join(labels)
     info = dict(trace_info or {})
@@ -498,6 +556,7 @@ def evaluate(trace: Trace, policy: Policy, profiles: ProfileSet, options: Evalua
         wall_s=time.perf_counter() - t_start,
         notes=tuple(notes),
         profile_capacities=profile_capacities(trace, policy, profiles, models),
+        attainment_floors=floors,
     )
 
 
@@ -579,6 +638,9 @@ def _figures(res: SimResult, wall: float, caps: Mapping[ConfigKey, float]) -> Po
         timeline=tuple(tl),
         notes=res.notes,
         swap_cycles=res.swap_cycles,
+        gpu_hours_by_config={c.label(): h for c, h in res.gpu_hours_by_config},
+        build_gpu_hours=res.build_gpu_hours,
+        drain_timeouts=res.drain_timeouts,
     )
 
 
@@ -613,6 +675,14 @@ def render_table(ev: Evaluation) -> str:
     if gaps:
         lines.append("capacity per replica at the SLO for the trace's mix, profile vs ground truth:")
         lines.extend(f"  {g}" for g in gaps)
+    if ev.attainment_floors:
+        lines.append("SLO attainment an idle replica reaches for the trace's mix (no count of the config does better):")
+        lines.extend(f"  {label}: {100.0 * (1.0 - v):.2f}%" for label, v in sorted(ev.attainment_floors.items()))
+    lines.append("GPU-hours per engine:")
+    for name, f in ev.policies.items():
+        per = f.gpu_hours_by_engine()
+        if per:
+            lines.append(f"  {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(per.items())))
     lines.append(f"evaluation wall time: {ev.wall_s:.1f} s")
     return "\n".join(lines)
 

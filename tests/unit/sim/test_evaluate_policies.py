@@ -146,6 +146,16 @@ def test_cli_json_shape_and_charts(world: tuple[Policy, object, dict[ConfigKey, 
         assert {"gpu_hours", "slo_attainment", "ttft_p99_ms", "itl_p99_ms"} <= set(doc["policies"][name])
         assert 0.0 <= doc["policies"][name]["slo_attainment"] <= 1.0
     assert doc["policies"]["oracle"]["gpu_hours"] > 0
+    # GPU-hours per engine and config add up to the total (builds apart); the idle floor per config
+    for name in ("fleetplan", "static-peak", "hpa", "oracle"):
+        pol = doc["policies"][name]
+        assert sum(pol["gpu_hours_by_engine"].values()) == pytest.approx(pol["gpu_hours"], rel=1e-3, abs=1e-3)
+        assert sum(pol["gpu_hours_by_config"].values()) == pytest.approx(
+            pol["gpu_hours"] - pol.get("build_gpu_hours", 0.0), rel=1e-3, abs=1e-3)
+        assert set(pol["gpu_hours_by_engine"]) <= {"vllm", "trtllm", "build"}
+    floors = doc["trace"]["attainment_floor"]
+    assert set(floors) == {c.label() for c in candidates_for(load_policy_text(POLICY, "p"), MODEL)}
+    assert all(0.0 <= f["miss_share_idle"] <= 1.0 for f in floors.values())
     assert doc["trace"]["models"] == [MODEL]
     assert (out / "evaluation.png").stat().st_size > 1000
     html = (out / "evaluation.html").read_text()
