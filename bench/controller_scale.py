@@ -3,7 +3,7 @@
     .venv/bin/python bench/controller_scale.py --hosts 1000 --models 50
 
 What runs:
-- one Mosquitto on a free loopback port, configured by fleetplan.harness.lab.MosquittoServer (password
+- one Mosquitto on a free loopback port, configured by fleetplan.harness.servers.MosquittoServer (password
   file, per-agent ACL, client id = user name);
 - a fleet simulator in a child process (so its CPU is not charged to the controller's event loop):
   one asyncio task per host speaking the agent's MQTT protocol (fleetplan.controller.protocol) as its
@@ -577,7 +577,7 @@ class Bench:
 
     # ---- processes -----------------------------------------------------------------------------
     def start_mosquitto(self) -> None:
-        from fleetplan.harness.lab import MosquittoServer
+        from fleetplan.harness.servers import MosquittoServer
 
         t0 = time.perf_counter()
         self.mosquitto = MosquittoServer(self.work / "mosquitto", self.hosts)
@@ -707,7 +707,7 @@ class Bench:
             await asyncio.sleep(rest)
 
     async def run(self) -> None:
-        from fleetplan.harness.lab import free_port
+        from fleetplan.harness.procs import free_port
         from fleetplan.planner.policy import load_policy_dict
         from fleetplan.shared.benchfiles import save_profiles
 

@@ -324,7 +324,7 @@ def launched_processes(state_dirs: Sequence[Path], tag: str | None = None) -> se
     group an agent recorded (an instance leads its own group), and, with `tag`, every process whose
     environment has RIG_ENV=tag (inherited from the agent: an engine whose record was not written
     yet, workers that left their group)."""
-    from fleetplan.harness.lab import group_pids
+    from fleetplan.harness.procs import group_pids
 
     pids: set[int] = set()
     for handle in _recorded_handles(state_dirs):
@@ -450,7 +450,7 @@ def bench_and_fit(engine_opts: EngineOptions, out_dir: Path, models: Sequence[st
                   num_prompts: int = 32, gpu: str = "h100", log: Any = print) -> Path:
     """Start one simulated engine per (model, engine), sweep it with `fleetplan bench-engine`, and fit
     PROFILES.json with `fleetplan models fit`."""
-    from fleetplan.harness.lab import free_port
+    from fleetplan.harness.procs import free_port
 
     bench_dir = out_dir / "bench"
     bench_dir.mkdir(parents=True, exist_ok=True)

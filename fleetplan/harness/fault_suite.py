@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetplan.harness.demo import Rig
-from fleetplan.harness.lab import port_is_free
+from fleetplan.harness.procs import port_is_free
 from fleetplan.harness.rig_tools import MODEL, ControllerProc, Load, policy_doc, ready_replicas
 
 # (topic kind "status" | "ack", payload) for a burst of bad messages, built from the host's real status

@@ -35,7 +35,7 @@ import httpx
 import yaml
 
 from fleetplan.harness.demo import Rig, demo_policy
-from fleetplan.harness.lab import free_port
+from fleetplan.harness.procs import free_port
 from fleetplan.sim.replay import RequestResult, run_load
 
 REPO = Path(__file__).resolve().parents[2]

@@ -20,7 +20,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fleetplan.harness.lab import ManagedProcess, MosquittoServer, free_port
+from fleetplan.harness.procs import ManagedProcess, free_port
+from fleetplan.harness.servers import MosquittoServer
 
 OPENSSL = shutil.which("openssl")
 MOSQUITTO = "/usr/sbin/mosquitto"

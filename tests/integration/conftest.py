@@ -20,7 +20,9 @@ from typing import Any, Protocol, TypeVar
 
 import pytest
 
-from fleetplan.harness.lab import Lab, MosquittoServer, NginxServer, PrometheusServer, group_pids
+from fleetplan.harness.lab import Lab
+from fleetplan.harness.procs import group_pids
+from fleetplan.harness.servers import MosquittoServer, NginxServer, PrometheusServer
 
 
 class _Startable(Protocol):

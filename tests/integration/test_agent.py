@@ -34,7 +34,8 @@ from fleetplan.controller.protocol import (
     parse_status,
     status_topic,
 )
-from fleetplan.harness.lab import MosquittoServer, allocate_port_ranges
+from fleetplan.harness.lab import allocate_port_ranges
+from fleetplan.harness.servers import MosquittoServer
 
 REPO = Path(__file__).resolve().parents[2]
 HOSTS = ("h-basic", "h-bad", "h-broker", "h-restart", "h-crash", "h-build", "h-kill9", "h-systemd", "h-hostile")

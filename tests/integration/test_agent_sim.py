@@ -27,7 +27,8 @@ from fleetplan.controller.protocol import (
     status_topic,
 )
 from fleetplan.harness.demo import stop_launched
-from fleetplan.harness.lab import MosquittoServer, allocate_port_ranges
+from fleetplan.harness.lab import allocate_port_ranges
+from fleetplan.harness.servers import MosquittoServer
 
 REPO = Path(__file__).resolve().parents[2]
 HOST = "sim-host"

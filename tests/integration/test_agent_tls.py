@@ -19,7 +19,7 @@ import pytest
 
 from fleetplan.controller.agent import Agent, AgentConfig, sim_agent_config
 from fleetplan.controller.protocol import parse_status, status_topic
-from fleetplan.harness.lab import MosquittoServer
+from fleetplan.harness.servers import MosquittoServer
 from tests.integration.certs import HAVE_OPENSSL, MOSQUITTO, Usage, make_ca, tls_mosquitto
 
 pytestmark = pytest.mark.skipif(not HAVE_OPENSSL or not Path(MOSQUITTO).exists(),

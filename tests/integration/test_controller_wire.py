@@ -20,7 +20,7 @@ import pytest
 from fleetplan.controller.daemon import Controller, ControllerSettings
 from fleetplan.controller.mqtt import MqttSettings
 from fleetplan.controller.state import StateStore
-from fleetplan.harness.lab import MosquittoServer
+from fleetplan.harness.servers import MosquittoServer
 
 REPO = Path(__file__).resolve().parents[2]
 HOST = "host-a"

@@ -20,7 +20,8 @@ from fleetplan.controller.daemon import Controller, ControllerSettings, RoutingS
 from fleetplan.controller.protocol import parse_status
 from fleetplan.controller.routing import NginxRouter, probe_router, read_generation
 from fleetplan.controller.state import Phase, ReplicaRow, StateStore
-from fleetplan.harness.lab import NginxServer, group_pids
+from fleetplan.harness.procs import group_pids
+from fleetplan.harness.servers import NginxServer
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "llama-3-8b"

@@ -24,7 +24,7 @@ from fleetplan.controller.daemon import Controller, ControllerSettings
 from fleetplan.controller.mqtt import MqttSettings
 from fleetplan.controller.protocol import HostStatus
 from fleetplan.controller.state import StateStore
-from fleetplan.harness.lab import MosquittoServer, PrometheusServer
+from fleetplan.harness.servers import MosquittoServer, PrometheusServer
 
 REPO = Path(__file__).resolve().parents[2]
 

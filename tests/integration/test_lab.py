@@ -12,7 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from fleetplan.harness.lab import LAB_JSON, Lab, LabError, PrometheusServer, group_pids
+from fleetplan.harness.lab import LAB_JSON, Lab
+from fleetplan.harness.procs import LabError, group_pids
+from fleetplan.harness.servers import PrometheusServer
 
 
 def _tcp_open(port: int) -> bool:

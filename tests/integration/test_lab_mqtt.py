@@ -14,7 +14,7 @@ import uuid
 import aiomqtt
 import pytest
 
-from fleetplan.harness.lab import MosquittoServer
+from fleetplan.harness.servers import MosquittoServer
 
 
 def _client(server: MosquittoServer, user: str | None, password: str | None) -> aiomqtt.Client:

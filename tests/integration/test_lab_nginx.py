@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from fleetplan.controller.routing import NginxReloadError, NginxRouter, read_generation
-from fleetplan.harness.lab import NginxServer
+from fleetplan.harness.servers import NginxServer
 
 Backend = tuple[str, list[str]]  # (host:port, paths it received)
 

@@ -25,7 +25,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleetplan.controller.routing import ScrapeTarget, write_file_sd
-from fleetplan.harness.lab import Lab, ManagedProcess
+from fleetplan.harness.lab import Lab
+from fleetplan.harness.procs import ManagedProcess
 
 pytest.importorskip("fleetplan.sim.engine", reason="the simulated engine (sim/engine.py) has not landed")
 
@@ -260,7 +261,7 @@ async def test_promql_rate_and_histogram_quantile_match_the_engine(
 
 def test_engine_processes_stop_cleanly(tmp_path: Path) -> None:
     """A ManagedProcess engine leaves no process behind (the same helper the fixture uses)."""
-    from fleetplan.harness.lab import free_port, group_pids
+    from fleetplan.harness.procs import free_port, group_pids
 
     port = free_port()
     argv = [

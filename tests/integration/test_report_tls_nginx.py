@@ -21,7 +21,8 @@ from fleetplan.controller.daemon import Controller, ControllerSettings
 from fleetplan.controller.report import fetch, post, start_report_server
 from fleetplan.controller.state import StateStore
 from fleetplan.harness.cli import main
-from fleetplan.harness.lab import NginxServer, free_port
+from fleetplan.harness.procs import free_port
+from fleetplan.harness.servers import NginxServer
 from tests.integration.certs import HAVE_OPENSSL, NGINX, Usage, make_ca
 
 ROOT = Path(__file__).resolve().parents[2]
