@@ -1,11 +1,16 @@
 """The simulated engine server: an OpenAI-compatible HTTP server driving a BatchCore.
 
+This module holds the engine (`EngineConfig`, `SimEngine`: the step loop and the HTTP handlers) and
+`run_engine`; its metrics are in `fleetplan.sim.engine_metrics`, the parsing of request bodies in
+`fleetplan.sim.engine_requests`.
+
 One process (or one in-process server) per replica. Persona vllm serves `/v1/completions`,
 `/v1/chat/completions` (SSE streaming and not), `/v1/models`, `/health` (503 while starting or
 draining) and `/metrics` with vLLM's metric names, labels (`model_name`, `engine`) and histogram
 bucket edges. Persona trtllm serves, as `trtllm-serve` does, `/prometheus/metrics` with the names,
 types, labels and bucket edges of TensorRT-LLM's MetricsCollector, and on `/metrics` the JSON
-iteration stats (see `_TrtllmCollector` for the source and what the simulation keeps).
+iteration stats (see `fleetplan.sim.engine_metrics.TrtllmCollector` for the source and what the
+simulation keeps).
 
 Time: the simulated clock runs `time_scale` times faster than wall time. Everything the engine
 reports (histograms, startup delay) is in SIMULATED seconds. The engine keeps its own simulated
@@ -32,92 +37,33 @@ clamped to [min_tokens, max_tokens]. Every SSE chunk carries `n_tokens`, the tok
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import json
 import logging
 import math
-import os
 import random
 import signal
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from fleetplan.models.names import Engine, GpuType, Precision, model_key
+from fleetplan.sim.engine_metrics import EngineStats, TrtllmCollector, VllmCollector
+from fleetplan.sim.engine_requests import (
+    RequestError,
+    error_response,
+    filler_text,
+    prompt_blocks,
+    prompt_length,
+)
 from fleetplan.sim.groundtruth import BatchCore, EngineParams, StepResult, build_params
-from fleetplan.sim.prefix_cache import prompt_block_hashes
 
 log = logging.getLogger(__name__)
-
-# Bucket edges as in vLLM's vllm/v1/metrics/loggers.py (and trtllm's MetricsCollector defaults).
-TTFT_BUCKETS: tuple[float, ...] = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
-)
-ITL_BUCKETS: tuple[float, ...] = (
-    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-    40.0, 80.0,
-)
-REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-    480.0, 960.0, 1920.0, 7680.0,
-)
-ITERATION_TOKEN_BUCKETS: tuple[float, ...] = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-TRTLLM_PREFILL_BUCKETS: tuple[float, ...] = (
-    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
-    640.0, 2560.0,
-)
-FINISH_REASONS = ("stop", "length", "abort")
-# trtllm-serve builds its MetricsCollector with these label values, whatever the model (NVIDIA/TensorRT-LLM
-# tensorrt_llm/serve/openai_server.py @ 00057725d9a6591f033e44f31c219e2426827bb7, `_init_llm`): the model
-# must come from the scrape target's labels, never from `model_name`.
-TRTLLM_SERVE_LABEL_VALUES = {"model_name": "undefined", "engine_type": "undefined"}
-
-
-def buckets_1_2_5(max_value: int) -> tuple[float, ...]:
-    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's token-count histogram edges)."""
-    out: list[float] = []
-    scale = 1
-    while True:
-        for m in (1, 2, 5):
-            if m * scale > max_value:
-                return tuple(out)
-            out.append(float(m * scale))
-        scale *= 10
-
-
-class Hist:
-    """A histogram with bulk observe (n identical values at once); exported by a collector."""
-
-    __slots__ = ("count", "counts", "edges", "sum")
-
-    def __init__(self, edges: Sequence[float]) -> None:
-        self.edges = tuple(float(e) for e in edges)
-        self.counts = [0] * (len(self.edges) + 1)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float, n: int = 1) -> None:
-        self.counts[bisect.bisect_left(self.edges, value)] += n
-        self.sum += value * n
-        self.count += n
-
-    def cumulative(self) -> list[tuple[str, float]]:
-        out: list[tuple[str, float]] = []
-        acc = 0
-        for edge, c in zip(self.edges, self.counts, strict=False):
-            acc += c
-            out.append((repr(edge), float(acc)))
-        out.append(("+Inf", float(self.count)))
-        return out
 
 
 @dataclass(frozen=True)
@@ -190,284 +136,6 @@ class _Req:
         self.done_event = asyncio.Event()  # wakes a coalescing stream early: the last chunk goes out at once
 
 
-class _Stats:
-    """Everything /metrics exports (simulated seconds)."""
-
-    def __init__(self, max_model_len: int) -> None:
-        tok = buckets_1_2_5(max_model_len)
-        self.ttft = Hist(TTFT_BUCKETS)
-        self.itl = Hist(ITL_BUCKETS)
-        self.tpot_req = Hist(ITL_BUCKETS)
-        self.e2e = Hist(REQUEST_LATENCY_BUCKETS)
-        self.queue = Hist(REQUEST_LATENCY_BUCKETS)
-        self.inference = Hist(REQUEST_LATENCY_BUCKETS)
-        self.prefill = Hist(REQUEST_LATENCY_BUCKETS)
-        self.prefill_trt = Hist(TRTLLM_PREFILL_BUCKETS)
-        self.decode = Hist(REQUEST_LATENCY_BUCKETS)
-        self.prompt_req = Hist(tok)
-        self.gen_req = Hist(tok)
-        self.max_tokens_req = Hist(tok)
-        self.iter_tokens = Hist(ITERATION_TOKEN_BUCKETS)
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.preemptions = 0
-        self.success = dict.fromkeys(FINISH_REASONS, 0)
-        # TensorRT-LLM logs every per-request metric once, when the request finishes
-        self.ttft_finished = Hist(TTFT_BUCKETS)
-        self.prompt_tokens_finished = 0
-        self.generation_tokens_finished = 0
-        self.prompt_cached_tokens_finished = 0
-
-
-def _hist(name: str, doc: str, labels: Sequence[str], values: Sequence[str], h: Hist) -> HistogramMetricFamily:
-    m = HistogramMetricFamily(name, doc, labels=list(labels))
-    m.add_metric(list(values), h.cumulative(), sum_value=h.sum)
-    return m
-
-
-def _gauge(name: str, doc: str, labels: Sequence[str], values: Sequence[str], v: float) -> GaugeMetricFamily:
-    m = GaugeMetricFamily(name, doc, labels=list(labels))
-    m.add_metric(list(values), v)
-    return m
-
-
-def _counter(name: str, doc: str, labels: Sequence[str], values: Sequence[str], v: float) -> CounterMetricFamily:
-    m = CounterMetricFamily(name, doc, labels=list(labels))
-    m.add_metric(list(values), v)
-    return m
-
-
-def _success_counter(
-    name: str, labels: Sequence[str], values: Sequence[str], success: Mapping[str, float]
-) -> CounterMetricFamily:
-    """Finished requests by `finished_reason`, every reason present from the start (at 0)."""
-    m = CounterMetricFamily(name, "Count of successfully processed requests.",
-                            labels=[*labels, "finished_reason"])
-    for reason, v in success.items():
-        m.add_metric([*values, reason], v)
-    return m
-
-
-class _VllmCollector:
-    def __init__(self, engine: SimEngine) -> None:
-        self.e = engine
-
-    def collect(self) -> Iterable[Metric]:
-        e, s = self.e, self.e.stats
-        ln, lv = ["model_name", "engine"], [e.cfg.model, "0"]
-        core = e.core
-        yield _gauge("vllm:num_requests_running", "Number of requests in model execution batches.", ln, lv,
-                     core.num_running)
-        yield _gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", ln, lv,
-                     core.num_waiting + len(e.incoming))
-        yield _gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", ln, lv, core.kv_usage)
-        yield _gauge("vllm:gpu_cache_usage_perc", "GPU KV-cache usage (deprecated name).", ln, lv, core.kv_usage)
-        yield _counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", ln, lv,
-                       s.preemptions)
-        yield _counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-                       ln, lv, core.prefix_queries_tokens)
-        yield _counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", ln, lv,
-                       core.prefix_hit_tokens)
-        yield _counter("vllm:prompt_tokens", "Number of prefill tokens processed.", ln, lv, s.prompt_tokens)
-        yield _counter("vllm:generation_tokens", "Number of generation tokens processed.", ln, lv,
-                       s.generation_tokens)
-        yield _success_counter("vllm:request_success", ln, lv, s.success)
-        yield _hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.", ln, lv, s.prompt_req)
-        yield _hist("vllm:request_generation_tokens", "Number of generation tokens processed.", ln, lv, s.gen_req)
-        yield _hist("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", ln, lv,
-                    s.max_tokens_req)
-        yield _hist("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", ln, lv,
-                    s.iter_tokens)
-        yield _hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", ln, lv,
-                    s.ttft)
-        yield _hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ln, lv,
-                    s.itl)
-        yield _hist("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.", ln, lv,
-                    s.itl)
-        yield _hist("vllm:request_time_per_output_token_seconds",
-                    "Histogram of time_per_output_token_seconds per request.", ln, lv, s.tpot_req)
-        yield _hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", ln, lv, s.e2e)
-        yield _hist("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
-                    ln, lv, s.queue)
-        yield _hist("vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.",
-                    ln, lv, s.inference)
-        yield _hist("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
-                    ln, lv, s.prefill)
-        yield _hist("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
-                    ln, lv, s.decode)
-
-
-class _TrtllmCollector:
-    """What `trtllm-serve` exports on /prometheus/metrics.
-
-    Source: NVIDIA/TensorRT-LLM tensorrt_llm/metrics/collector.py @ 050f80def8df236e326949c8bd9dee10fd896a83
-    (`MetricsCollector`: names with the `trtllm_` prefix, types, default bucket edges, labels; the
-    per-request metrics are logged when a request finishes, the gauges from the iteration stats),
-    mounted by tensorrt_llm/serve/openai_server.py (`mount_metrics`) through prometheus_client's
-    multiprocess collector: counters and histograms have no `_created` series, and gauges (mode
-    "all") carry a `pid` label. The simulation exports the subset it can compute; the names, types,
-    labels and edges are held against the source by tests/integration/test_sim_engine_trtllm_metrics.py.
-    """
-
-    def __init__(self, engine: SimEngine) -> None:
-        self.e = engine
-
-    def collect(self) -> Iterable[Metric]:
-        e, s = self.e, self.e.stats
-        ln = list(TRTLLM_SERVE_LABEL_VALUES)
-        lv = [TRTLLM_SERVE_LABEL_VALUES[k] for k in ln]
-        gn, gv = [*ln, "pid"], [*lv, str(os.getpid())]
-        core = e.core
-        kv_used = round(core.kv_usage * e.params.kv_blocks)
-        yield _success_counter("trtllm_request_success", ln, lv, s.success)
-        yield _hist("trtllm_e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
-                    ln, lv, s.e2e)
-        yield _hist("trtllm_time_to_first_token_seconds", "Histogram of time to first token in seconds.", ln, lv,
-                    s.ttft_finished)
-        yield _hist("trtllm_time_per_output_token_seconds", "Histogram of time per output token in seconds.",
-                    ln, lv, s.tpot_req)
-        yield _hist("trtllm_request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
-                    ln, lv, s.queue)
-        yield _hist("trtllm_request_prefill_time_seconds", "Histogram of prefill (context) phase duration in seconds.",
-                    ln, lv, s.prefill_trt)
-        yield _hist("trtllm_request_decode_time_seconds", "Histogram of decode (generation) phase duration in seconds.",
-                    ln, lv, s.decode)
-        yield _hist("trtllm_request_inference_time_seconds", "Histogram of total inference duration in seconds.",
-                    ln, lv, s.inference)
-        yield _counter("trtllm_prompt_tokens", "Cumulative number of prompt (input) tokens processed.", ln, lv,
-                       s.prompt_tokens_finished)
-        yield _counter("trtllm_generation_tokens", "Cumulative number of generation (output) tokens produced.",
-                       ln, lv, s.generation_tokens_finished)
-        yield _counter("trtllm_num_requests_completed", "Total number of completed requests across iterations",
-                       ln, lv, sum(s.success.values()) - s.success["abort"])
-        yield _counter("trtllm_prompt_cached_tokens", "Process-lifetime total prompt tokens served from KV cache.",
-                       ln, lv, s.prompt_cached_tokens_finished)
-        bs = e.params.block_size  # the KV manager's reuse stats, in blocks (cumulative, as the iteration stats)
-        reused = core.prefix_hit_tokens // bs
-        missed = -(-(core.prefix_queries_tokens - core.prefix_hit_tokens) // bs)
-        yield _counter("trtllm_kv_cache_reused_blocks", "Cumulative number of KV cache blocks reused (cache hits)",
-                       ln, lv, reused)
-        yield _counter("trtllm_kv_cache_missed_blocks", "Cumulative number of KV cache blocks missed (cache misses)",
-                       ln, lv, missed)
-        yield _gauge("trtllm_kv_cache_hit_rate", "KV cache hit rate", gn, gv,
-                     reused / (reused + missed) if reused + missed else 0.0)
-        yield _gauge("trtllm_kv_cache_utilization", "KV cache utilization", gn, gv, core.kv_usage)
-        yield _gauge("trtllm_num_requests_running", "Number of active requests", gn, gv, core.num_running)
-        yield _gauge("trtllm_num_requests_waiting", "Number of queued requests", gn, gv,
-                     core.num_waiting + len(e.incoming))
-        yield _gauge("trtllm_max_num_active_requests", "Maximum number of active requests", gn, gv,
-                     e.params.max_num_seqs)
-        yield _gauge("trtllm_kv_cache_max_blocks", "Maximum number of KV cache blocks", gn, gv, e.params.kv_blocks)
-        yield _gauge("trtllm_kv_cache_used_blocks", "Number of used KV cache blocks", gn, gv, kv_used)
-        yield _gauge("trtllm_kv_cache_free_blocks", "Number of free KV cache blocks", gn, gv,
-                     e.params.kv_blocks - kv_used)
-        yield _gauge("trtllm_kv_cache_tokens_per_block", "Number of tokens per KV cache block", gn, gv,
-                     e.params.block_size)
-
-
-class RequestError(Exception):
-    def __init__(self, status: int, message: str, err_type: str = "BadRequestError") -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.err_type = err_type
-
-
-def _error(status: int, message: str, err_type: str = "BadRequestError") -> web.Response:
-    return web.json_response(
-        {"object": "error", "message": message, "type": err_type, "param": None, "code": status,
-         "error": {"message": message, "type": err_type, "code": status}},
-        status=status,
-    )
-
-
-def _count_words(text: str) -> int:
-    return len(text.split())
-
-
-def prompt_length(body: dict[str, Any], chat: bool) -> int:
-    """Prompt tokens of an OpenAI request body (see the module docstring)."""
-    for holder in (body, body.get("fleetplan") or {}):
-        if isinstance(holder, dict) and holder.get("prompt_tokens") is not None:
-            try:
-                n = int(holder["prompt_tokens"])
-            except (TypeError, ValueError) as exc:
-                raise RequestError(400, f"prompt_tokens must be an integer, got {holder['prompt_tokens']!r}") from exc
-            if n < 1:
-                raise RequestError(400, f"prompt_tokens must be >= 1, got {n}")
-            return n
-    if chat:
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise RequestError(400, "messages must be a non-empty list")
-        total = 0
-        for m in msgs:
-            content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, str):
-                total += _count_words(content)
-            elif isinstance(content, list):
-                total += sum(_count_words(str(p.get("text", ""))) for p in content if isinstance(p, dict))
-            total += 4  # role and template tokens
-        return max(1, total)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list):
-        if prompt and isinstance(prompt[0], int):
-            return max(1, len(prompt))
-        if len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        elif prompt and isinstance(prompt[0], list):
-            return max(1, len(prompt[0]))
-        else:
-            raise RequestError(400, "batched prompts are not supported by the simulated engine")
-    if not isinstance(prompt, str):
-        raise RequestError(400, "prompt must be a string or a list of token ids")
-    return max(1, _count_words(prompt))
-
-
-def _block_ids(raw: object) -> tuple[int, ...] | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in raw):
-        raise RequestError(400, "block_hashes must be a list of integers")
-    return tuple(h & 0x7FFFFFFFFFFFFFFF for h in raw)
-
-
-def prompt_blocks(body: dict[str, Any], chat: bool) -> tuple[int, ...] | None:
-    """The prompt's 512-token block hashes for the prefix cache (fleetplan.sim.prefix_cache): the
-    body's `block_hashes` (fleetplan extension, also in `"fleetplan": {...}`: a trace's hash_ids,
-    for prompts sent as a `prompt_tokens` hint), else chained hashes of the prompt's tokens (token
-    ids, or the words of a text prompt; chat: each message's role and 3 template tokens, then its
-    words, as prompt_length counts them). None: a hint without hashes (nothing to cache)."""
-    for holder in (body, body.get("fleetplan") or {}):
-        if isinstance(holder, dict) and holder.get("block_hashes") is not None:
-            return _block_ids(holder["block_hashes"])
-    for holder in (body, body.get("fleetplan") or {}):
-        if isinstance(holder, dict) and holder.get("prompt_tokens") is not None:
-            return None
-    if chat:
-        toks: list[str] = []
-        for m in body.get("messages") or []:
-            if not isinstance(m, dict):
-                continue
-            toks += [f"<{m.get('role', '')}>", "<t>", "<t>", "<t>"]
-            content = m.get("content")
-            if isinstance(content, str):
-                toks += content.split()
-            elif isinstance(content, list):
-                for part in content:
-                    if isinstance(part, dict):
-                        toks += str(part.get("text", "")).split()
-        return prompt_block_hashes(toks) if toks else None
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return prompt_block_hashes(prompt)
-    if isinstance(prompt, str) and prompt.strip():
-        return prompt_block_hashes(prompt.split())
-    return None
-
-
 class SimEngine:
     """The engine state and its HTTP app. Use `start()` / `stop()` (or run `run_engine`)."""
 
@@ -477,7 +145,7 @@ class SimEngine:
         self.cfg = cfg
         self.params = cfg.params()
         self.core = BatchCore(self.params, seed=cfg.seed)
-        self.stats = _Stats(self.params.max_model_len)
+        self.stats = EngineStats(self.params.max_model_len)
         self._rng = random.Random(cfg.seed + 7919)
         self.incoming: deque[_Req] = deque()
         self.reqs: dict[str, _Req] = {}
@@ -497,9 +165,9 @@ class SimEngine:
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
         self.vllm_registry = CollectorRegistry(auto_describe=False)
-        self.vllm_registry.register(_VllmCollector(self))
+        self.vllm_registry.register(VllmCollector(self))
         self.trtllm_registry = CollectorRegistry(auto_describe=False)
-        self.trtllm_registry.register(_TrtllmCollector(self))
+        self.trtllm_registry.register(TrtllmCollector(self))
 
     # -- clock ---------------------------------------------------------------------------------
     def wall_sim_now(self) -> float:
@@ -768,9 +436,9 @@ class SimEngine:
 
     async def _handle(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         if self.draining:
-            return _error(503, "the engine is shutting down", "ServiceUnavailableError")
+            return error_response(503, "the engine is shutting down", "ServiceUnavailableError")
         if not self.ready:
-            return _error(503, "the engine is starting", "ServiceUnavailableError")
+            return error_response(503, "the engine is starting", "ServiceUnavailableError")
         try:
             body = await request.json()
             if not isinstance(body, dict):
@@ -784,9 +452,9 @@ class SimEngine:
             if self.core.blocks_for(prompt + out) > self.params.kv_blocks:
                 raise RequestError(400, f"prompt + output ({prompt + out} tokens) exceeds the KV cache")
         except json.JSONDecodeError:
-            return _error(400, "the request body is not valid JSON")
+            return error_response(400, "the request body is not valid JSON")
         except RequestError as exc:
-            return _error(exc.status, exc.message, exc.err_type)
+            return error_response(exc.status, exc.message, exc.err_type)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         arrival = self.wall_sim_now()
         if not self.core.idle():
@@ -819,7 +487,7 @@ class SimEngine:
                 "total_tokens": r.prompt_tokens + r.out_tokens}
 
     def _full_response(self, r: _Req) -> dict[str, Any]:
-        text = _text(r.out_tokens, 0)
+        text = filler_text(r.out_tokens, 0)
         created = int(time.time())
         if r.chat:
             choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
@@ -855,7 +523,7 @@ class SimEngine:
             final = r.done and sent + n >= r.out_tokens
             if n == 0 and not final:
                 continue
-            text = _text(n, sent)
+            text = filler_text(n, sent)
             finish = r.finish_reason if final else None
             if r.chat:
                 delta: dict[str, Any] = {"content": text}
@@ -883,13 +551,6 @@ class SimEngine:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
-
-
-_WORDS = ("the", "fleet", "plan", "token", "serve", "model", "batch", "queue")
-
-
-def _text(n: int, offset: int) -> str:
-    return "".join(" " + _WORDS[(offset + i) % len(_WORDS)] for i in range(n))
 
 
 async def run_engine(cfg: EngineConfig, host: str, port: int) -> int:

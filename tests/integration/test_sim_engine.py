@@ -17,14 +17,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleetplan.models.names import Engine, GpuType
-from fleetplan.sim.engine import (
-    ITL_BUCKETS,
-    REQUEST_LATENCY_BUCKETS,
-    TTFT_BUCKETS,
-    EngineConfig,
-    SimEngine,
-    buckets_1_2_5,
-)
+from fleetplan.sim.engine import EngineConfig, SimEngine
+from fleetplan.sim.engine_metrics import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, buckets_1_2_5
 from fleetplan.sim.replay import run_load, summarize
 
 REPO = Path(__file__).resolve().parents[2]

@@ -9,7 +9,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleetplan.models.names import Engine, GpuType
-from fleetplan.sim.engine import EngineConfig, SimEngine, prompt_blocks
+from fleetplan.sim.engine import EngineConfig, SimEngine
+from fleetplan.sim.engine_requests import prompt_blocks
 
 
 async def _metrics(port: int, path: str) -> dict[str, float]:

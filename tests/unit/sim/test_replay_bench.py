@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from fleetplan.sim.benchclient import file_name, result_json
-from fleetplan.sim.engine import Hist, RequestError, buckets_1_2_5, prompt_length
+from fleetplan.sim.engine_metrics import Hist, buckets_1_2_5
+from fleetplan.sim.engine_requests import RequestError, prompt_length
 from fleetplan.sim.replay import (
     PROMPT_TOKEN_IDS,
     LoadRequest,
