@@ -26,7 +26,8 @@ def run_agent(args: argparse.Namespace) -> int:
     import logging
     import signal
 
-    from fleetplan.controller.agent import Agent, AgentConfigError, load_agent_config
+    from fleetplan.controller.agent import Agent
+    from fleetplan.controller.agent_config import AgentConfigError, load_agent_config
 
     try:
         config = load_agent_config(args.config)

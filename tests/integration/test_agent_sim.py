@@ -1,4 +1,4 @@
-"""The agent with the lab's launch templates (fleetplan.controller.agent.sim_agent_config): real simulated
+"""The agent with the lab's launch templates (fleetplan.controller.agent_config.sim_agent_config): real simulated
 engines (`fleetplan sim-engine`) started from MQTT desired state, serving the OpenAI API."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import httpx
 import pytest
 import yaml
 
-from fleetplan.controller.agent import sim_agent_config
+from fleetplan.controller.agent_config import sim_agent_config
 from fleetplan.controller.protocol import (
     HostStatus,
     ack_topic,

@@ -17,7 +17,8 @@ from pathlib import Path
 import aiomqtt
 import pytest
 
-from fleetplan.controller.agent import Agent, AgentConfig, sim_agent_config
+from fleetplan.controller.agent import Agent
+from fleetplan.controller.agent_config import AgentConfig, sim_agent_config
 from fleetplan.controller.protocol import parse_status, status_topic
 from fleetplan.harness.servers import MosquittoServer
 from tests.integration.certs import HAVE_OPENSSL, MOSQUITTO, Usage, make_ca, tls_mosquitto

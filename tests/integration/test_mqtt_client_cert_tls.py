@@ -22,7 +22,8 @@ from typing import Any
 import aiomqtt
 import pytest
 
-from fleetplan.controller.agent import Agent, AgentConfig, sim_agent_config
+from fleetplan.controller.agent import Agent
+from fleetplan.controller.agent_config import AgentConfig, sim_agent_config
 from fleetplan.controller.link import MqttLink
 from fleetplan.controller.mqtt import MqttSettings, MqttTls, client_kwargs, session_loop, tls_context
 from fleetplan.controller.protocol import (

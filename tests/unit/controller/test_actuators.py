@@ -24,8 +24,8 @@ from fleetplan.controller.actuators import (
     pid_alive,
     render_env_file,
 )
-from fleetplan.controller.agent import (
-    Agent,
+from fleetplan.controller.agent import Agent
+from fleetplan.controller.agent_config import (
     AgentConfig,
     AgentConfigError,
     load_agent_config,
