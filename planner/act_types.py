@@ -1,0 +1,318 @@
+"""The act core's data: the controller's records (`ReplicaRow`, `BuildRow`, `DesiredRow` and their
+phases), its inputs (`HostReport`, `ReportedReplica`, `ReportedBuild`, `ActSettings`, `ActView`) and
+its effects (`NewReplica`, `NewBuild`, `SetPhase`, `MarkReady`, `FinishBuild`, `Record`, gathered in an
+`ActDecision`), with the alert keys. Pure; `fleetplan.planner.act` re-exports every public name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from functools import cached_property
+from typing import Any
+
+from fleetplan.models.names import parse_engine, parse_gpu, parse_precision
+from fleetplan.planner.types import ConfigKey, ReplicaState
+
+
+class Phase(StrEnum):
+    """A replica row's phase in the controller's records."""
+
+    DESIRED = "desired"  # in its host's desired state
+    DRAINING = "draining"  # out of routing, in-flight requests finishing; still desired
+    REMOVED = "removed"  # out of the desired state (the agent stops it)
+
+
+class ActionStatus(StrEnum):
+    PLANNED = "planned"
+    PUBLISHED = "published"
+    ACKED = "acked"
+    DONE = "done"
+    FAILED = "failed"
+    DEFERRED = "deferred"
+    CANCELLED = "cancelled"
+
+
+class BuildState(StrEnum):
+    """An engine build as the agent reports it."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class AlertKind(StrEnum):
+    """What a runtime alert is about; its key is `<kind>/<subject>`."""
+
+    MQTT = "mqtt"
+    READY_TIMEOUT = "ready"
+    BUILD_FAILED = "build"
+    ORPHAN = "orphan"
+    DRAIN_TIMEOUT = "drain"
+    ACK_TIMEOUT = "ack"
+    REJECTED = "rejected"
+
+
+def alert_key(kind: AlertKind, subject: str = "") -> str:
+    return f"{kind.value}/{subject}" if subject else kind.value
+
+
+@dataclass(frozen=True)
+class ReplicaRow:
+    """One replica the controller allocated (or adopted), as the state store keeps it."""
+
+    replica_id: str
+    host: str
+    model: str
+    engine: str
+    gpu: str
+    tp: int
+    precision: str
+    gpu_indices: tuple[int, ...]
+    port: int
+    template: str
+    phase: str
+    origin: str
+    created_s: float
+    updated_s: float
+    drain_started_s: float | None
+    ready_s: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["gpu_indices"] = list(self.gpu_indices)
+        return d
+
+    @property
+    def config(self) -> ConfigKey:
+        """The configuration (the row keeps its fields as the state store's strings)."""
+        return ConfigKey(self.model, parse_engine(self.engine), parse_gpu(self.gpu), self.tp,
+                         parse_precision(self.precision))
+
+    def desired_entry(self) -> dict[str, Any]:
+        """The entry of this replica in its host's desired state (controller/protocol.py)."""
+        return {
+            "replica_id": self.replica_id,
+            "template": self.template,
+            "model": self.model,
+            "engine": self.engine,
+            "gpu": self.gpu,
+            "tp": self.tp,
+            "precision": self.precision,
+            "gpu_indices": list(self.gpu_indices),
+            "port": self.port,
+        }
+
+
+@dataclass(frozen=True)
+class BuildRow:
+    """A TensorRT-LLM engine build the controller put in a host's desired state."""
+
+    build_id: str
+    host: str
+    model: str
+    engine: str
+    gpu: str
+    tp: int
+    precision: str
+    gpu_indices: tuple[int, ...]
+    template: str
+    phase: str  # desired | removed
+    created_s: float
+    updated_s: float
+    result: str | None  # done | failed: ... | None while running
+
+    @property
+    def config(self) -> ConfigKey:
+        """The configuration (the row keeps its fields as the state store's strings)."""
+        return ConfigKey(self.model, parse_engine(self.engine), parse_gpu(self.gpu), self.tp,
+                         parse_precision(self.precision))
+
+    def desired_entry(self) -> dict[str, Any]:
+        return {
+            "build_id": self.build_id, "template": self.template, "model": self.model, "engine": self.engine,
+            "gpu": self.gpu, "tp": self.tp, "precision": self.precision, "gpu_indices": list(self.gpu_indices),
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["gpu_indices"] = list(self.gpu_indices)
+        return d
+
+
+@dataclass(frozen=True)
+class DesiredRow:
+    host: str
+    version: int
+    payload: dict[str, Any]
+    published_s: float | None
+    acked_version: int | None
+    ack_accepted: bool | None
+    ack_errors: tuple[str, ...]
+
+
+# ---- inputs ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReportedReplica:
+    """An engine an agent reports (or a replica a retained desired state names)."""
+
+    replica_id: str
+    state: ReplicaState
+    model: str
+    engine: str
+    gpu: str | None
+    tp: int
+    precision: str
+    gpu_indices: tuple[int, ...]
+    port: int
+    template: str | None = None
+    since_s: float | None = None  # in this state since (the agent's clock; None: not reported)
+
+
+@dataclass(frozen=True)
+class ReportedBuild:
+    build_id: str
+    state: BuildState
+    gpu_indices: tuple[int, ...]
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class HostReport:
+    """A host's last status. `online=False` (the agent's last will): its engines may still run."""
+
+    name: str
+    online: bool
+    gpu: str | None = None
+    gpu_count: int | None = None
+    nvlink_groups: tuple[tuple[int, ...], ...] = ()
+    port_range: tuple[int, int] | None = None
+    templates: tuple[str, ...] = ()
+    build_templates: tuple[str, ...] = ()
+    replicas: tuple[ReportedReplica, ...] = ()
+    builds: tuple[ReportedBuild, ...] = ()
+    offline_since_s: float | None = None  # when it went offline (None: online, or unknown)
+
+    def lost(self, now_s: float, grace_s: float) -> bool:
+        """Offline for longer than the grace: its replicas serve nobody (routing dropped them)."""
+        return not self.online and self.offline_since_s is not None and now_s - self.offline_since_s >= grace_s
+
+
+@dataclass(frozen=True)
+class ActSettings:
+    ready_timeout_s: float = 900.0
+    ack_timeout_s: float = 10.0
+    host_offline_grace_s: float = 60.0
+    default_port_range: tuple[int, int] = (8000, 8999)
+    # engine -> the agent template to ask for (Policy.agent_template); absent: the engine's name
+    # ("vllm", "trtllm") for launches and "<engine>-build" for builds
+    launch_templates: Mapping[str, str] = field(default_factory=dict)
+    build_templates: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ActView:
+    """Everything one decision reads: the hosts' reports and the controller's records, at `now_s`."""
+
+    now_s: float  # wall clock seconds (the store's clock)
+    hosts: Mapping[str, HostReport]
+    replicas: tuple[ReplicaRow, ...]  # active: desired or draining
+    builds: tuple[BuildRow, ...]  # desired (in progress)
+    desired: Mapping[str, DesiredRow]
+    known_ids: frozenset[str]  # every replica id this database ever allocated
+    settings: ActSettings = ActSettings()
+    retained: Mapping[str, tuple[ReportedReplica, ...]] = field(default_factory=dict)  # broker's copy
+    connected_since_s: float | None = None  # MQTT connected since (None: not connected)
+    republish_all: bool = False  # after a (re)connect: the broker may have lost retained states
+    noted: frozenset[tuple[str, str]] = frozenset()  # (config label, why) build deferrals already recorded
+
+    @cached_property
+    def replica_ids(self) -> frozenset[str]:
+        """The ids of `replicas` (computed once per view: asked once per host)."""
+        return frozenset(r.replica_id for r in self.replicas)
+
+    def reported(self) -> dict[str, tuple[str, ReportedReplica]]:
+        """replica id -> (host, report) from the agents' last statuses."""
+        return reported_by_id(self.hosts)
+
+
+def reported_by_id(hosts: Mapping[str, HostReport]) -> dict[str, tuple[str, ReportedReplica]]:
+    """replica id -> (host, report) from the agents' last statuses."""
+    return {r.replica_id: (h.name, r) for h in hosts.values() for r in h.replicas}
+
+
+# ---- effects --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Note:
+    """One row of the action log: what was done (or not) and why."""
+
+    kind: str  # start | drain | stop | build | adopt
+    status: ActionStatus
+    reason: str
+    detail: str = ""
+    replica_id: str | None = None
+    host: str | None = None
+    model: str | None = None
+
+
+@dataclass(frozen=True)
+class NewReplica:
+    """Insert a replica row (replica_id None: the store allocates it) with its log entry."""
+
+    row: ReplicaRow
+    note: Note
+
+
+@dataclass(frozen=True)
+class NewBuild:
+    row: BuildRow  # build_id "" : the store allocates it
+    note: Note
+
+
+@dataclass(frozen=True)
+class SetPhase:
+    replica_id: str
+    phase: Phase
+    note: Note | None = None
+    cancel_start: bool = False  # the replica's pending start action is cancelled
+
+
+@dataclass(frozen=True)
+class MarkReady:
+    replica_id: str
+
+
+@dataclass(frozen=True)
+class FinishBuild:
+    build: BuildRow
+    ok: bool
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Record:
+    note: Note
+
+
+Effect = NewReplica | NewBuild | SetPhase | MarkReady | FinishBuild | Record
+
+
+@dataclass(frozen=True)
+class ActDecision:
+    """Effects in order; hosts to publish after the new rows (`publish_first`) and after the
+    removals (`publish`); replicas to drain once routing excludes them; alerts raised or cleared."""
+
+    effects: tuple[Effect, ...] = ()
+    publish_first: frozenset[str] = frozenset()
+    publish: frozenset[str] = frozenset()
+    drains: tuple[str, ...] = ()
+    alerts: Mapping[str, str] = field(default_factory=dict)
+    cleared: frozenset[str] = frozenset()
+    counts: Mapping[str, int] = field(default_factory=dict)
+    noted: frozenset[tuple[str, str]] = frozenset()
