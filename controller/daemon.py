@@ -310,7 +310,7 @@ class Controller:
             s = self.settings
             self._observer = Observer(self.prom, ObserverConfig(
                 window_s=s.observe_window_s, history_s=s.history_s, history_step_s=s.history_step_s,
-                peak_window_s=s.peak_window_s,
+                peak_window_s=s.peak_window_s, length_window_s=s.length_window_s,
                 time_scale=self.time_scale), canonical=self.policy.canonical, clock=self.wall)
         active = self.store.active_replicas()
         expected = {r.replica_id for r in active}

@@ -193,6 +193,7 @@ class ObserverConfig:
     require_all_targets_up: bool = True
     extra_selector: str = ""  # e.g. 'job="engines"' to restrict all queries
     peak_window_s: float = 30.0  # bursts: the highest rate over sub-windows this long (>= 2 scrapes)
+    length_window_s: float = 600.0  # the length mix's histograms: enough requests for a p99
 
     def rules(self) -> ObserveRules:
         return ObserveRules(window_s=self.window_s, time_scale=self.time_scale, model_labels=self.model_labels,
@@ -271,18 +272,19 @@ class Observer:
     def evidence_queries(self) -> dict[str, str]:
         """Length histograms per model, latency histograms and completions per replica (evidence.py)."""
         w, by = self._window(), self._by("le")
+        lw = f"{max(1, round(max(self.config.length_window_s, self.config.window_s)))}s"
         rb = f"{REPLICA_LABEL}, le"
         return {
-            "ev_prompt_len": f"sum by ({by}) (rate({self._sel(ev.PROMPT_LEN_BUCKET)}[{w}]))",
-            "ev_gen_len": f"sum by ({by}) (rate({self._sel(ev.GEN_LEN_BUCKET)}[{w}]))",
+            "ev_prompt_len": f"sum by ({by}) (rate({self._sel(ev.PROMPT_LEN_BUCKET)}[{lw}]))",
+            "ev_gen_len": f"sum by ({by}) (rate({self._sel(ev.GEN_LEN_BUCKET)}[{lw}]))",
             "ev_done": f"sum by ({REPLICA_LABEL}) (rate({self._sel(ev.REQ_SUCCESS)}[{w}]))",
             "ev_ttft": f"sum by ({rb}) (rate({self._sel(ev.TTFT_BUCKET)}[{w}]))",
             "ev_tpot": f"sum by ({rb}) (rate({self._sel(ev.TPOT_REQ_BUCKET)}[{w}]))",
             # the histograms' exact window means (_sum / _count): quantiles consistent with them
-            "ev_prompt_sum": f"sum by ({self._by()}) (rate({self._sel(ev.PROMPT_LEN_SUM)}[{w}]))",
-            "ev_prompt_count": f"sum by ({self._by()}) (rate({self._sel(ev.PROMPT_LEN_COUNT)}[{w}]))",
-            "ev_gen_sum": f"sum by ({self._by()}) (rate({self._sel(ev.GEN_LEN_SUM)}[{w}]))",
-            "ev_gen_count": f"sum by ({self._by()}) (rate({self._sel(ev.GEN_LEN_COUNT)}[{w}]))",
+            "ev_prompt_sum": f"sum by ({self._by()}) (rate({self._sel(ev.PROMPT_LEN_SUM)}[{lw}]))",
+            "ev_prompt_count": f"sum by ({self._by()}) (rate({self._sel(ev.PROMPT_LEN_COUNT)}[{lw}]))",
+            "ev_gen_sum": f"sum by ({self._by()}) (rate({self._sel(ev.GEN_LEN_SUM)}[{lw}]))",
+            "ev_gen_count": f"sum by ({self._by()}) (rate({self._sel(ev.GEN_LEN_COUNT)}[{lw}]))",
             "ev_ttft_sum": f"sum by ({REPLICA_LABEL}) (rate({self._sel(ev.TTFT_SUM)}[{w}]))",
             "ev_ttft_count": f"sum by ({REPLICA_LABEL}) (rate({self._sel(ev.TTFT_COUNT)}[{w}]))",
             "ev_tpot_sum": f"sum by ({REPLICA_LABEL}) (rate({self._sel(ev.TPOT_REQ_SUM)}[{w}]))",
@@ -304,7 +306,8 @@ class Observer:
                                    r.get("ev_tpot_sum"), r.get("ev_tpot_count"))
         return ev.collect(r["ev_prompt_len"], r["ev_gen_len"], r["ev_done"], r["ev_ttft"], r["ev_tpot"],
                           model_of=self._model_of, window_s=self.config.window_s,
-                          time_scale=self.config.time_scale, replica_label=REPLICA_LABEL, moments=moments)
+                          time_scale=self.config.time_scale, replica_label=REPLICA_LABEL, moments=moments,
+                          length_window_s=max(self.config.length_window_s, self.config.window_s))
 
     def _arrival_rate_query(self) -> str:
         """Arrivals = completions + growth of the requests in the engine (running + waiting).

@@ -45,6 +45,8 @@ class ControllerSettings(BaseModel):
     # bursts: the highest completion rate over sub-windows this long within the rate window (wall
     # seconds; at least two scrape intervals)
     peak_window_s: float = Field(default=30.0, gt=0)
+    # the request-length histograms' window (wall seconds): a p99 needs a few hundred requests
+    length_window_s: float = Field(default=600.0, gt=0)
     # request-rate history for the forecast (wall seconds): 8 days lets the planner fit daily
     # seasonality (it needs >= 2 days); 5-minute steps keep the range query at ~2300 points
     history_s: float = Field(default=8 * 86400.0, gt=0)

@@ -64,14 +64,26 @@ def observation_from(interpreted: Interpreted, evidence: ev.Evidence | None, mod
         mm = interpreted.models.get(m) or ModelMetrics(model=m, stale=True, reasons=("not observed",))
         me = ev.interpret(m, evidence, replicas or (), now_s, stale=mm.stale)
         notes.extend(f"evidence for {m}: {n}" for n in me.notes)
+        # the length mix's scale from the same (longer) window as its shape, where the engines export it
+        isl = _window_mean(evidence.prompt_len_moments if evidence is not None and not mm.stale else None, m, mm.isl)
+        osl = _window_mean(evidence.gen_len_moments if evidence is not None and not mm.stale else None, m, mm.osl)
         obs[m] = ModelObservation(
-            model=m, rate_rps=mm.rate_rps, isl=mm.isl, osl=mm.osl,
+            model=m, rate_rps=mm.rate_rps, isl=isl, osl=osl,
             ttft_p99_ms=mm.ttft_p99_ms, itl_p99_ms=mm.itl_p99_ms, history=mm.history, stale=mm.stale,
             isl_quantiles=me.isl_quantiles, osl_quantiles=me.osl_quantiles,
             configs=me.configs if replicas is not None else (),
             peak_rps=mm.peak_rps, peak_window_s=mm.peak_window_s, isl_p99_low=me.isl_p99_low(),
         )
     return Observation(models=obs, alerts=tuple(interpreted.alerts)), tuple(notes)
+
+
+def _window_mean(moments: Mapping[str, tuple[float, float]] | None, model: str, fallback: float | None) -> float | None:
+    """sum / count of a length histogram over its window (None or no requests: `fallback`)."""
+    pair = (moments or {}).get(model)
+    if pair is None:
+        return fallback
+    total, count = pair
+    return total / count if count > 0 and total >= 0 else fallback
 
 
 def observe(readings: Readings, evidence: ev.Evidence | None, models: Iterable[str], *, now_s: float,

@@ -317,6 +317,9 @@ class Evidence:
     # canonical model -> the length histograms' (_sum, _count) rates; None: not fetched (linear quantiles)
     prompt_len_moments: Mapping[str, Moments] | None = None
     gen_len_moments: Mapping[str, Moments] | None = None
+    # the length histograms' own rate() window (wall s): a p99 of a minute's few dozen requests is
+    # their maximum, and capacity swung with it cycle to cycle; None: `window_s`
+    length_window_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -414,11 +417,12 @@ def interpret(model: str, evidence: Evidence | None, replicas: Sequence[Replica]
     if stale or evidence is None or evidence.window_s <= 0:
         return ModelEvidence()
     w = evidence.window_s
+    lw = evidence.length_window_s or w
     k = evidence.time_scale if evidence.time_scale > 0 else 1.0
     notes: list[str] = []
-    isl_e = length_estimates(evidence.prompt_len.get(model, ()), w,
+    isl_e = length_estimates(evidence.prompt_len.get(model, ()), lw,
                              (evidence.prompt_len_moments or {}).get(model))
-    osl_e = length_estimates(evidence.gen_len.get(model, ()), w, (evidence.gen_len_moments or {}).get(model))
+    osl_e = length_estimates(evidence.gen_len.get(model, ()), lw, (evidence.gen_len_moments or {}).get(model))
 
     by_config: dict[ConfigKey, list[ReplicaSeries]] = {}
     for r in sorted(replicas, key=lambda r: r.replica_id):
@@ -473,7 +477,7 @@ class MomentSamples:
 def collect(prompt_len: Iterable[_Sample], gen_len: Iterable[_Sample], done: Iterable[_Sample],
             ttft: Iterable[_Sample], tpot: Iterable[_Sample], *, model_of: Callable[[Mapping[str, str]], str | None],
             window_s: float, time_scale: float = 1.0, replica_label: str = "replica",
-            moments: MomentSamples | None = None) -> Evidence:
+            moments: MomentSamples | None = None, length_window_s: float | None = None) -> Evidence:
     """Evidence from the query results (observe.Sample-like: .labels, .value). Length buckets are
     grouped by canonical model (several label groups of one model summed), the rest by replica.
     `moments`: the _sum/_count rates; a model or replica missing either has none (linear quantiles)."""
@@ -531,7 +535,8 @@ def collect(prompt_len: Iterable[_Sample], gen_len: Iterable[_Sample], done: Ite
     plm, glm = pairs(ms.prompt_sum, ms.prompt_count, model_of), pairs(ms.gen_sum, ms.gen_count, model_of)
     return Evidence(window_s, time_scale, MappingProxyType(by_model(prompt_len)),
                     MappingProxyType(by_model(gen_len)), MappingProxyType(reps),
-                    None if plm is None else MappingProxyType(plm), None if glm is None else MappingProxyType(glm))
+                    None if plm is None else MappingProxyType(plm), None if glm is None else MappingProxyType(glm),
+                    length_window_s)
 
 
 def _finite(x: float) -> float | None:

@@ -111,6 +111,7 @@ class SimSettings:
     seed: int = 0
     macro_steps: bool = True
     peak_window_s: float = 30.0  # the Observer's burst sub-window (controller ObserverConfig.peak_window_s)
+    length_window_s: float = 600.0  # the length histograms' window (ObserverConfig.length_window_s)
     drain_timeout_s: float = 3600.0  # after the trace ends, in-flight requests get this long
 
 
@@ -245,7 +246,8 @@ class FleetSim:
         self.timeline: list[TimelinePoint] = []
         self.prom = PromSim(window_s=self.s.window_s, scrape_s=self.s.scrape_s, delay_s=self.s.scrape_delay_s,
                             history_s=self.s.history_s, history_step_s=self.s.history_step_s,
-                            peak_window_s=self.s.peak_window_s, epoch0_s=env.epoch0_s)
+                            peak_window_s=self.s.peak_window_s, epoch0_s=env.epoch0_s,
+                            length_window_s=self.s.length_window_s)
         self.control: ReplayControl | None = None
         if isinstance(controller, FleetplanController):
             self.control = ReplayControl(

@@ -679,8 +679,8 @@ def render_table(ev: Evaluation) -> str:
         lines.append("SLO attainment an idle replica reaches for the trace's mix (no count of the config does better):")
         lines.extend(f"  {label}: {100.0 * (1.0 - v):.2f}%" for label, v in sorted(ev.attainment_floors.items()))
     lines.append("GPU-hours per engine:")
-    for name, f in ev.policies.items():
-        per = f.gpu_hours_by_engine()
+    for name, figs in ev.policies.items():
+        per = figs.gpu_hours_by_engine()
         if per:
             lines.append(f"  {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(per.items())))
     lines.append(f"evaluation wall time: {ev.wall_s:.1f} s")

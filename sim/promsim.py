@@ -131,8 +131,10 @@ class PromSim:
     """Scrapes of the replay's targets and the Observer's queries answered from them."""
 
     def __init__(self, *, window_s: float, scrape_s: float, delay_s: float, history_s: float,
-                 history_step_s: float, peak_window_s: float, epoch0_s: float) -> None:
+                 history_step_s: float, peak_window_s: float, epoch0_s: float,
+                 length_window_s: float | None = None) -> None:
         self.window_s = window_s
+        self.length_window_s = max(window_s, length_window_s or window_s)
         self.scrape_s = scrape_s
         self.delay_s = delay_s
         self.history_s = history_s
@@ -158,7 +160,7 @@ class PromSim:
     def scrape(self, t_s: float, engines: Mapping[str, tuple[Counters, float, float, float]]) -> None:
         """One scrape of every current target: `engines` maps replica id -> (counters, running,
         waiting, kv usage) for every engine still running."""
-        keep = self.window_s + 4 * self.scrape_s
+        keep = self.length_window_s + 4 * self.scrape_s
         per_model: dict[str, float] = {}
         for rid in sorted(self.targets):
             e = engines.get(rid)
@@ -327,29 +329,34 @@ class PromSim:
         msum: dict[str, list[float]] = {}  # model -> [prompt sum, prompt count, gen sum, gen count]
         ttft_m: list[tuple[dict[str, str], float, float]] = []
         tpot_m: list[tuple[dict[str, str], float, float]] = []
+        lw = self.length_window_s
         for rid in sorted(self.samples):
+            lab = self.labels[rid]
+            model = lab["model"]
+            lwin = self._window(rid, t_s, lw)
+            lf = _rate_factor(lwin, t_s - lw, t_s)
+            if lf is not None:
+                la, lb = lwin[0], lwin[-1]
+                for acc, xa, xb in ((plen, la.prompt_len, lb.prompt_len), (glen, la.gen_len, lb.gen_len)):
+                    d = acc.setdefault(model, [0.0] * len(xb))
+                    for j, (x, y) in enumerate(zip(xa, xb, strict=True)):
+                        d[j] += (y - x) * lf
+                ms = msum.setdefault(model, [0.0, 0.0, 0.0, 0.0])
+                n_len = (lb.completed - la.completed) * lf
+                ms[0] += (lb.sums[2] - la.sums[2]) * lf
+                ms[1] += n_len
+                ms[2] += (lb.sums[3] - la.sums[3]) * lf
+                ms[3] += n_len
             win = self._window(rid, t_s, w)
             f = _rate_factor(win, t_s - w, t_s)
             if f is None:
                 continue
             a, b = win[0], win[-1]
-            lab = self.labels[rid]
-            model = lab["model"]
             done.append(Sample(lab, (b.completed - a.completed) * f))
             for edges, xa, xb, out in ((TTFT_BUCKETS_S, a.ttft, b.ttft, ttft), (TPOT_BUCKETS_S, a.tpot, b.tpot, tpot)):
                 rates = [(y - x) * f for x, y in zip(xa, xb, strict=True)]
                 for le, v in _cumulative(edges, rates):
                     out.append(Sample({**lab, "le": "+Inf" if le == math.inf else repr(le)}, v))
-            for acc, xa, xb in ((plen, a.prompt_len, b.prompt_len), (glen, a.gen_len, b.gen_len)):
-                d = acc.setdefault(model, [0.0] * len(xb))
-                for j, (x, y) in enumerate(zip(xa, xb, strict=True)):
-                    d[j] += (y - x) * f
-            ms = msum.setdefault(model, [0.0, 0.0, 0.0, 0.0])
-            n_done = (b.completed - a.completed) * f
-            ms[0] += (b.sums[2] - a.sums[2]) * f
-            ms[1] += n_done
-            ms[2] += (b.sums[3] - a.sums[3]) * f
-            ms[3] += n_done
             ttft_m.append((lab, (b.sums[0] - a.sums[0]) * f, (sum(b.ttft) - sum(a.ttft)) * f))
             tpot_m.append((lab, (b.sums[1] - a.sums[1]) * f, (sum(b.tpot) - sum(a.tpot)) * f))
         for acc, out in ((plen, prompt), (glen, gen)):
@@ -365,4 +372,5 @@ class PromSim:
             ttft_sum=[Sample(lab, x) for lab, x, _ in ttft_m], ttft_count=[Sample(lab, n) for lab, _, n in ttft_m],
             tpot_sum=[Sample(lab, x) for lab, x, _ in tpot_m], tpot_count=[Sample(lab, n) for lab, _, n in tpot_m])
         return ev.collect(prompt, gen, done, ttft, tpot, model_of=lambda labels: labels.get("model"),
-                          window_s=w, time_scale=1.0, replica_label="replica", moments=moments)
+                          window_s=w, time_scale=1.0, replica_label="replica", moments=moments,
+                          length_window_s=lw)
