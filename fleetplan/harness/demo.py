@@ -283,6 +283,7 @@ class Rig:
             "lab_dir": str(self.lab.dir), "ack_timeout_s": 5.0, "ready_timeout_s": 60.0,
             "drain_timeout_s": 30.0, "drain_settle_s": 1.5, "drain_poll_s": 0.5, "host_offline_grace_s": 30.0,
             "observe_window_s": 8.0, "history_s": 120.0, "history_step_s": 2.0, "peak_window_s": 2.0,
+            "length_window_s": 30.0,
         }
         base.update(over)
         return ControllerSettings.model_validate(base)

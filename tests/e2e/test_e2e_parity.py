@@ -12,7 +12,7 @@ engines are processes with their own timing), the test prints each mismatch.
 The replay gets what the lab's world is: the requests the load generator sent (at their times on
 the controller's clock, with their lengths), the lab's engines (the ground truth with the lab's
 max_num_seqs), the lab's observation settings (scrape 1 s, window 8 s, history 120 s at 2 s steps,
-bursts over 2 s, all wall seconds x the time scale) and drain settings."""
+bursts over 2 s, lengths over 30 s, all wall seconds x the time scale) and drain settings."""
 
 from __future__ import annotations
 
@@ -107,7 +107,8 @@ def _replay_decisions(trace: Trace, policy: Any, profiles: Any, startup_s: float
         startup_s=lambda c: startup_s,
         build_s=lambda c: build_s if build_s is not None and base.build_s(c) is not None else base.build_s(c))
     settings = SimSettings(scrape_s=1.0 * K, scrape_delay_s=0.5 * K, window_s=8.0 * K, history_s=120.0 * K,
-                           history_step_s=2.0 * K, peak_window_s=2.0 * K, warm_start=False)
+                           history_step_s=2.0 * K, peak_window_s=2.0 * K, length_window_s=30.0 * K,
+                           warm_start=False)
     control = ControlSettings(ready_timeout_s=60.0 * K, ack_timeout_s=5.0 * K, host_offline_grace_s=30.0 * K,
                               drain_timeout_s=30.0 * K, drain_settle_s=1.5 * K, drain_poll_s=0.5 * K)
     ctl = FleetplanController("fleetplan", policy, profiles, reloads=reloads)
