@@ -20,7 +20,8 @@ import sys
 from pathlib import Path
 
 from fleetplan.models.names import Engine, GpuType, parse_engine, parse_gpu, parse_precision
-from fleetplan.sim.groundtruth import build_params, poisson_arrivals, simulate
+from fleetplan.sim.capacity_truth import poisson_arrivals, simulate
+from fleetplan.sim.groundtruth import build_params
 
 BENCH_DIR = Path(__file__).resolve().parents[1] / "data" / "benchmarks"  # the repository's copy (data/SOURCES.md)
 TABLE = BENCH_DIR / "trtllm_v0.14_online_serving_triton_bf16.csv"

@@ -6,7 +6,7 @@ workload's lengths (the `vllm bench serve` points: TTFT mean/p50/p99, per-reques
 ITL p99 over all token gaps), fitted with fleetplan.models.fit.fit_profile, then compares
 `capacity(profile, ttft_p99, itl_p99).max_rps` with the truth:
 
-- fixed: fixed-length requests, truth = fleetplan.sim.groundtruth.max_rate_at_slo (p99 TTFT and p99 of all
+- fixed: fixed-length requests, truth = fleetplan.sim.capacity_truth.max_rate_at_slo (p99 TTFT and p99 of all
   inter-token gaps);
 - azure (--mix): the Azure conversation trace's length mix (Llama-3-70B, SLO 1 s / 80 ms, as
   bench/evaluate_traces.py), profile built by fleetplan.sim.evaluate.profiles_from_ground_truth, truth =
@@ -38,7 +38,8 @@ from fleetplan.models.bench import BenchmarkPoint, LoadKind  # noqa: E402
 from fleetplan.models.fit import fit_profile  # noqa: E402
 from fleetplan.models.names import Engine, GpuType, Precision  # noqa: E402
 from fleetplan.models.profile import ConfigKey, Workload, capacity, predict  # noqa: E402
-from fleetplan.sim.groundtruth import EngineParams, build_params, max_rate_at_slo, simulate  # noqa: E402
+from fleetplan.sim.capacity_truth import max_rate_at_slo, simulate  # noqa: E402
+from fleetplan.sim.groundtruth import EngineParams, build_params  # noqa: E402
 
 
 @dataclass(frozen=True)

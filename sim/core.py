@@ -1,7 +1,7 @@
 """The replay's replica core: one simulated engine replica advanced step by step, fast.
 
-`FastCore` and BatchCore (fleetplan.sim.groundtruth) are both a BatchState: every step is decided by
-the one rule `groundtruth.plan_step`. FastCore advances a run of steps that rule would make
+`FastCore` and BatchCore (fleetplan.sim.batching) are both a BatchState: every step is decided by
+the one rule `batching.plan_step`. FastCore advances a run of steps that rule would make
 pure-decode steps (every running request decoding, the queue's head cannot join, no eviction) as ONE
 macro-step up to the next event (a request finishing, the KV pool running out, or an arrival routed
 to that replica, which splits the macro-step at the step boundary after the arrival). Step times in
@@ -26,14 +26,8 @@ from typing import Any
 import numpy as np
 
 from fleetplan.models.mix import QUANTILE_LEVELS
-from fleetplan.sim.groundtruth import (
-    BatchState,
-    EngineParams,
-    RequestTooLongError,
-    StepPlan,
-    admission,
-    step_time_s,
-)
+from fleetplan.sim.batching import BatchState, StepPlan, admission
+from fleetplan.sim.groundtruth import EngineParams, RequestTooLongError, step_time_s
 
 # vLLM bucket edges (vllm/v1/metrics/loggers.py), seconds
 TTFT_BUCKETS_S: tuple[float, ...] = (
@@ -58,7 +52,7 @@ LENGTH_QUANTILES: tuple[float, ...] = QUANTILE_LEVELS
 
 
 class FastCore(BatchState[int]):
-    """The replay's replica core: BatchState's steps (the one rule, groundtruth.plan_step), with
+    """The replay's replica core: BatchState's steps (the one rule, batching.plan_step), with
     runs of pure-decode steps macro-stepped (see the module docstring).
 
     Protocol: `begin(now)` plans the next (macro-)step and returns its end time (None: idle);
@@ -253,7 +247,7 @@ def replay_on_core(params: EngineParams,
 
     An arrival may carry a 4th element, its prompt's block hashes (the prefix cache; see
     FastCore.submit). `core`: run on this core (read its counters afterwards) instead of a new one.
-    The reference loop of groundtruth.simulate() with FastCore; used to validate macro-steps."""
+    The reference loop of capacity_truth.simulate() with FastCore; used to validate macro-steps."""
     if core is None:
         core = FastCore(params, seed=seed, macro=macro)
     arr: list[tuple[Any, ...]] = sorted(arrivals, key=lambda a: (a[0], a[1], a[2]))  # ties by length, as before

@@ -53,6 +53,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 
 from fleetplan.models.names import Engine, GpuType, Precision, model_key
+from fleetplan.sim.batching import BatchCore, StepResult
 from fleetplan.sim.engine_metrics import EngineStats, TrtllmCollector, VllmCollector
 from fleetplan.sim.engine_requests import (
     RequestError,
@@ -61,7 +62,7 @@ from fleetplan.sim.engine_requests import (
     prompt_blocks,
     prompt_length,
 )
-from fleetplan.sim.groundtruth import BatchCore, EngineParams, StepResult, build_params
+from fleetplan.sim.groundtruth import EngineParams, build_params
 
 log = logging.getLogger(__name__)
 

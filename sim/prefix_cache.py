@@ -1,7 +1,7 @@
 """The simulated engines' prefix cache (vLLM's automatic prefix caching, TensorRT-LLM's KV cache reuse).
 
 One implementation for every simulated engine (the replay's FastCore and the HTTP engine's
-BatchCore, both a `fleetplan.sim.groundtruth.BatchState`):
+BatchCore, both a `fleetplan.sim.batching.BatchState`):
 
 - A request carries the hashes of its prompt's blocks of `PREFIX_BLOCK_TOKENS` (512) tokens, each
   hash naming the block AND everything before it (a trace's `hash_ids`: Mooncake's are chained like

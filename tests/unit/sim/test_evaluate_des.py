@@ -1,4 +1,4 @@
-"""The DES replica core: FastCore and BatchCore are the same steps (groundtruth.plan_step); a macro-step
+"""The DES replica core: FastCore and BatchCore are the same steps (batching.plan_step); a macro-step
 makes the decisions of the single steps it replaces, only its noise is averaged; histogram quantiles."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from fleetplan.models.names import Engine, GpuType
+from fleetplan.sim.capacity_truth import simulate
 from fleetplan.sim.core import FastCore, replay_on_core
-from fleetplan.sim.groundtruth import build_params, simulate
+from fleetplan.sim.groundtruth import build_params
 
 
 def _arrivals(rate: float, n: int, seed: int = 3) -> list[tuple[float, int, int]]:

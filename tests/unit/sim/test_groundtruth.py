@@ -9,15 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fleetplan.models.names import Engine, GpuType, Precision
-from fleetplan.sim.groundtruth import (
-    BatchCore,
-    RequestTooLongError,
-    build_params,
-    max_rate_at_slo,
-    poisson_arrivals,
-    simulate,
-    step_time_s,
-)
+from fleetplan.sim.batching import BatchCore
+from fleetplan.sim.capacity_truth import max_rate_at_slo, poisson_arrivals, simulate
+from fleetplan.sim.groundtruth import RequestTooLongError, build_params, step_time_s
 
 
 def _params(persona: Engine = Engine.VLLM, **kw: object):

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from fleetplan.models.names import Engine, GpuType
+from fleetplan.sim.batching import BatchCore
 from fleetplan.sim.core import FastCore, replay_on_core
-from fleetplan.sim.groundtruth import BatchCore, EngineParams, build_params
+from fleetplan.sim.groundtruth import EngineParams, build_params
 from fleetplan.sim.prefix_cache import PREFIX_BLOCK_TOKENS, PrefixCache, prompt_block_hashes
 from fleetplan.sim.traces import TraceRequest, block_reuse_share, parse_trace_text, read_trace, reshape
 

@@ -1,4 +1,4 @@
-"""The one step rule of continuous batching (fleetplan.sim.groundtruth.plan_step), shared by the
+"""The one step rule of continuous batching (fleetplan.sim.batching.plan_step), shared by the
 sim-engine's BatchCore and the replay's FastCore: composition of a step, limits, KV, eviction."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fleetplan.models.names import Engine, GpuType
-from fleetplan.sim.groundtruth import BatchState, Seq, StepRule, admission, build_params, plan_step
+from fleetplan.sim.batching import BatchState, Seq, StepRule, admission, plan_step
+from fleetplan.sim.groundtruth import build_params
 
 BS = 16  # block size of every rule below
 

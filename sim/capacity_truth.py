@@ -1,0 +1,168 @@
+"""Simulated runs of one engine and its ground-truth capacity: `simulate` (an open-loop run through
+`fleetplan.sim.batching.BatchCore`), `poisson_arrivals`, and `max_rate_at_slo` (the highest rate
+whose p99 TTFT and ITL meet an SLO, by search over simulated runs).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import random
+from dataclasses import dataclass
+
+from fleetplan.sim.batching import BatchCore
+from fleetplan.sim.groundtruth import EngineParams, RequestTooLongError, step_time_s
+
+
+@dataclass(frozen=True)
+class RunStats:
+    """Outcome of an open-loop simulated run (all times in simulated seconds)."""
+
+    completed: int
+    duration_s: float
+    ttft_s: tuple[float, ...]  # per request
+    tpot_s: tuple[float, ...]  # per request mean inter-token time
+    itl_p99_s: float  # p99 over all inter-token gaps
+    output_tokens: int
+
+    def mean_ttft_s(self) -> float:
+        return sum(self.ttft_s) / len(self.ttft_s) if self.ttft_s else math.nan
+
+    def mean_itl_s(self) -> float:
+        return sum(self.tpot_s) / len(self.tpot_s) if self.tpot_s else math.nan
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    if not xs:
+        return math.nan
+    s = sorted(xs)
+    k = min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))
+    return s[k]
+
+
+def simulate(
+    params: EngineParams,
+    arrivals: list[tuple[float, int, int]],
+    *,
+    seed: int = 0,
+    warmup: int = 0,
+    max_sim_s: float | None = None,
+) -> RunStats:
+    """Replay `arrivals` [(t_s, prompt_tokens, output_tokens)] on a BatchCore; TTFT includes the
+    persona's frontend overhead. The first `warmup` requests are excluded from the statistics."""
+    core = BatchCore(params, seed=seed)
+    arrivals = sorted(arrivals)
+    overhead = params.factors.ttft_overhead_s
+    n = len(arrivals)
+    arr_t = [a[0] + overhead for a in arrivals]
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    counted: set[str] = set()
+    gaps: list[float] = []
+    ttfts: list[float] = []
+    tpots: list[float] = []
+    out_tokens = 0
+    now = 0.0
+    i = 0
+    done = 0
+    while done < n:
+        while i < n and arr_t[i] <= now:
+            rid = str(i)
+            try:
+                core.submit(rid, arrivals[i][1], arrivals[i][2], arr_t[i])
+            except RequestTooLongError:
+                done += 1
+            else:
+                if i >= warmup:
+                    counted.add(rid)
+            i += 1
+        if core.idle():
+            if i >= n:
+                break
+            now = arr_t[i]
+            continue
+        res = core.step(now)
+        if res.duration_s <= 0.0:  # nothing schedulable (should not happen); jump to next arrival
+            now = arr_t[i] if i < n else now + 1e-3
+            continue
+        now += res.duration_s
+        for rid in res.first_tokens:
+            first[rid] = now
+            if rid in counted:
+                ttfts.append(now - arr_t[int(rid)] + overhead)
+        for rid, k in res.tokens:
+            out_tokens += k
+            prev = last.get(rid)
+            if prev is not None and rid in counted:
+                gaps.append(now - prev)
+            last[rid] = now
+        for rid in res.finished:
+            done += 1
+            if rid in counted:
+                emitted = arrivals[int(rid)][2]
+                if emitted > 1:
+                    tpots.append((now - first[rid]) / (emitted - 1))
+            first.pop(rid, None)
+            last.pop(rid, None)
+        if max_sim_s is not None and now > max_sim_s:
+            break
+    return RunStats(
+        completed=len(tpots) if tpots else len(ttfts),
+        duration_s=now,
+        ttft_s=tuple(ttfts),
+        tpot_s=tuple(tpots),
+        itl_p99_s=_quantile(gaps, 0.99),
+        output_tokens=out_tokens,
+    )
+
+
+def poisson_arrivals(rate_rps: float, n: int, isl: int, osl: int, seed: int = 0) -> list[tuple[float, int, int]]:
+    rng = random.Random(seed)
+    t = 0.0
+    out = []
+    for _ in range(n):
+        t += rng.expovariate(rate_rps)
+        out.append((t, isl, osl))
+    return out
+
+
+def _meets_slo(params: EngineParams, rate: float, isl: int, osl: int, ttft_p99_s: float, itl_p99_s: float,
+               n: int, seed: int) -> bool:
+    arr = poisson_arrivals(rate, n, isl, osl, seed=seed)
+    stats = simulate(params, arr, seed=seed, warmup=n // 10, max_sim_s=arr[-1][0] * 3 + 60.0)
+    if len(stats.ttft_s) < (n - n // 10) * 0.9:
+        return False  # fell behind: requests still queued when the run was cut
+    return _quantile(list(stats.ttft_s), 0.99) <= ttft_p99_s and stats.itl_p99_s <= itl_p99_s
+
+
+@functools.lru_cache(maxsize=4096)
+def _max_rate_cached(params: EngineParams, isl: int, osl: int, ttft_ms: float, itl_ms: float) -> float:
+    ttft_s, itl_s = ttft_ms / 1000.0, itl_ms / 1000.0
+    # upper bound: throughput of a saturated engine (all seats busy, no queueing limit)
+    batch = min(params.max_num_seqs, max(1, params.kv_blocks * params.block_size // (isl + osl)))
+    ctx = batch * (isl + osl / 2)
+    t_dec = step_time_s(params, decode_seqs=batch, prefill_tokens=0, context_tokens=ctx)
+    t_pre = step_time_s(params, decode_seqs=0, prefill_tokens=isl, context_tokens=0) / max(
+        1, params.max_num_batched_tokens // max(1, isl)
+    )
+    upper = 1.0 / (t_dec * osl / batch + t_pre) * 1.2
+    if not _meets_slo(params, upper / 64, isl, osl, ttft_s, itl_s, 200, 1):
+        return 0.0
+    lo, hi = upper / 64, upper
+    n = max(200, min(800, 120_000 // max(osl, 1)))  # ~100k output tokens per run
+    for _ in range(9):
+        mid = math.sqrt(lo * hi) if hi / lo > 1.5 else (lo + hi) / 2
+        if _meets_slo(params, mid, isl, osl, ttft_s, itl_s, n, 1):
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo <= 0.02 * lo:
+            break
+    return lo
+
+
+def max_rate_at_slo(params: EngineParams, isl: float, osl: float, ttft_p99_ms: float, itl_p99_ms: float) -> float:
+    """Ground-truth capacity: the highest Poisson rate (req/s) at which a short simulated run of
+    fixed-size requests meets p99 TTFT and p99 inter-token latency. 0.0 when even a trickle fails.
+    Cached; deterministic for given arguments."""
+    return _max_rate_cached(params, max(1, round(isl)), max(1, round(osl)), float(ttft_p99_ms), float(itl_p99_ms))
