@@ -1,5 +1,5 @@
 """What a policy edit would do: the diff between the plan under the old policy and under the new one,
-for the same demand, fleet and planner state. Pure; `fleetplan what-if` (controller/cli_whatif.py)
+for the same demand, fleet and planner state. Pure; `fleetplan what-if` (fleetplan/harness/cli/whatif.py)
 reads the files or the controller's state, plans twice and renders this.
 """
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from fleetplan.controller.cli_ops import parse_duration_s
 from fleetplan.controller.state import ActionStatus, StateStore
 from fleetplan.harness.cli import main
+from fleetplan.harness.cli.ops import parse_duration_s
 from fleetplan.planner.audit import decision_record
 from tests.unit.planner.test_audit import plan_doc
 

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any
 
-from fleetplan.controller.cli_ops import DEFAULT_REPORT
+from fleetplan.harness.cli.ops import DEFAULT_REPORT
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -1,6 +1,6 @@
-"""The `fleetplan` command line.
+"""The `fleetplan` command line. Every command-line module lives in this package.
 
-Each command group lives in its own module exposing `register(subparsers)`; a registered
+Each command group lives in its own module of this package exposing `register(subparsers)`; a registered
 subparser sets `handler` to a callable taking the parsed args and returning the exit code.
 Register functions stay light: heavy imports (ortools, aiohttp, numpy) happen inside handlers,
 so `fleetplan --help` is fast.
@@ -18,14 +18,14 @@ from collections.abc import Callable, Sequence
 
 # Modules that contribute commands, in help order.
 COMMAND_MODULES: tuple[str, ...] = (
-    "fleetplan.controller.cli_models",  # models fit | predict | capacity
-    "fleetplan.controller.cli_plan",  # policy check, plan
-    "fleetplan.controller.cli_whatif",  # what-if
-    "fleetplan.sim.cli",  # sim-engine, replay-load, bench-engine
-    "fleetplan.harness.lab",  # lab up | down
-    "fleetplan.controller.cli_agent",  # agent
-    "fleetplan.harness.cli_daemon",  # controller, report, explain, observe, demo
-    "fleetplan.controller.cli_ops",  # pause, resume, history
+    "fleetplan.harness.cli.models",  # models fit | predict | capacity
+    "fleetplan.harness.cli.plan",  # policy check, plan
+    "fleetplan.harness.cli.whatif",  # what-if
+    "fleetplan.harness.cli.sim",  # sim-engine, replay-load, bench-engine
+    "fleetplan.harness.cli.lab",  # lab up | down
+    "fleetplan.harness.cli.agent",  # agent
+    "fleetplan.harness.cli.daemon",  # controller, report, explain, observe, demo
+    "fleetplan.harness.cli.ops",  # pause, resume, history
     "fleetplan.sim.evaluate_cli",  # evaluate
 )
 

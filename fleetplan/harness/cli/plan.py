@@ -93,7 +93,7 @@ def cmd_policy_check(args: argparse.Namespace) -> int:
     active = effective(policy, time.time()).active_schedules
     print("  active now: " + (", ".join(active) if active else "none"))
     if getattr(args, "controller", None):
-        from fleetplan.controller.cli_whatif import run_whatif
+        from fleetplan.harness.cli.whatif import run_whatif
 
         print("")
         sys.stdout.flush()

@@ -56,7 +56,7 @@ def _from_file_or_controller(path: str | None, kind: str, state_doc: dict[str, A
                              controller: str | None, parse: Any) -> Any:
     """`parse(doc, where)` of the file at `path`, else of the controller's copy (`state_doc[key]`),
     else None. The one rule for every input `what-if` takes from a file or a running controller."""
-    from fleetplan.controller.cli_plan import _load_yaml_or_json, _read
+    from fleetplan.harness.cli.plan import _load_yaml_or_json, _read
 
     if path is not None:
         text = _read(path, kind)
@@ -70,7 +70,7 @@ def _from_file_or_controller(path: str | None, kind: str, state_doc: dict[str, A
 
 def _inputs(policy: str, against: str | None, controller: str | None, token: str | None,
             profiles: str | None, demand: str | None, fleet: str | None) -> dict[str, Any]:
-    from fleetplan.controller.cli_plan import _read
+    from fleetplan.harness.cli.plan import _read
     from fleetplan.models.profile import ProfileError, ProfileSet
     from fleetplan.planner.policy import load_policy_dict, load_policy_text
     from fleetplan.planner.serde import fleet_from_dict, observation_from_dict
