@@ -74,6 +74,11 @@ _ITL_BUCKET_OLD = r"(vllm[:_]|trtllm_)time_per_output_token_seconds_bucket"
 _WAITING = r"vllm[:_]num_requests_waiting|trtllm_num_requests_waiting"
 _RUNNING = r"vllm[:_]num_requests_running|trtllm_num_requests_running"
 _KV_USAGE = r"vllm[:_](gpu_cache_usage_perc|kv_cache_usage_perc)|trtllm_kv_cache_utilization"
+# the prefix cache, in prompt tokens: vLLM v1's vllm:prefix_cache_queries / _hits
+# (vllm/v1/metrics/loggers.py); TensorRT-LLM's prompt tokens and their cached part
+# (tensorrt_llm/metrics/collector.py)
+_PREFIX_QUERIES = r"vllm[:_]prefix_cache_queries_total|trtllm_prompt_tokens_total"
+_PREFIX_HITS = r"vllm[:_]prefix_cache_hits_total|trtllm_prompt_cached_tokens_total"
 
 
 class PrometheusError(RuntimeError):
@@ -247,6 +252,8 @@ class Observer:
             agg = " or ".join(f"sum by ({self._by('le')}) (rate({self._sel(b)}[{w}]))" for b in buckets)
             q[p50] = f"histogram_quantile(0.5, {agg})"
             q[p99] = f"histogram_quantile(0.99, {agg})"
+        q[Query.PREFIX_QUERIES] = f"sum by ({by}) (rate({self._sel(_PREFIX_QUERIES)}[{w}]))"
+        q[Query.PREFIX_HITS] = f"sum by ({by}) (rate({self._sel(_PREFIX_HITS)}[{w}]))"
         # bursts (planner/core.py burst floor): the highest completion rate over short sub-windows
         pw = max(1, round(self.config.peak_window_s))
         q[Query.PEAK_RATE] = (f"max_over_time((sum by ({by}) (rate({self._sel(_REQ_SUCCESS)}[{pw}s])))"

@@ -42,9 +42,12 @@ class MixedWorkload:
     # the lowest prompt-length p99 the engines' histogram allows (the lower bound of the bucket holding
     # it, planner/evidence.py ModelEvidence.isl_p99_low); None: unknown (the mix's p99 is all there is)
     isl_p99_low: float | None = None
+    # the share of prompt tokens the engines' prefix caches hold (observed hit rate; 0: none assumed)
+    cached_share: float = 0.0
 
     def length_mix(self) -> LengthMix:
-        return self.mix if self.mix is not None else LengthMix.single(self.isl, self.osl)
+        mix = self.mix if self.mix is not None else LengthMix.single(self.isl, self.osl)
+        return mix.with_cached_share(self.cached_share) if self.cached_share else mix
 
 
 @dataclass(frozen=True)
@@ -157,7 +160,7 @@ def mix_for(profile: mp.PerfProfile, workload: MixedWorkload) -> LengthMix:
     """The mix a profile is evaluated on: per class for profiles fitted on fixed-length benchmarks;
     at the mean for profiles whose data already carried a length spread (counted once, not twice)."""
     if profile.data_range is not None and profile.data_range.length_spread:
-        return LengthMix.single(workload.isl, workload.osl)
+        return LengthMix.single(workload.isl, workload.osl).with_cached_share(workload.cached_share)
     return workload.length_mix()
 
 

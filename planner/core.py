@@ -57,6 +57,7 @@ from fleetplan.planner.counts import (
 from fleetplan.planner.forecast import forecast_rate, recent_level_max
 from fleetplan.planner.placement import LIVE_STATES, Placement, place, safe_id, slots_by_gpu
 from fleetplan.planner.policy import Effective, ModelPolicy, Policy, effective
+from fleetplan.planner.prefix import planning_share
 from fleetplan.planner.serde import state_to_dict
 from fleetplan.planner.types import (
     Action,
@@ -153,7 +154,8 @@ def workloads_from(observation: Observation, policy: Policy) -> dict[str, MixedW
                 mix = mix_from_quantiles(isl_q, osl_q, isl_mean=isl, osl_mean=osl)
             except ValueError:
                 mix = None
-        out[m.name] = MixedWorkload(isl, osl, mix, isl_p99_low=o.isl_p99_low if o is not None else None)
+        out[m.name] = MixedWorkload(isl, osl, mix, isl_p99_low=o.isl_p99_low if o is not None else None,
+                                    cached_share=planning_share(o.prefix_hit_rate if o is not None else None))
     return out
 
 

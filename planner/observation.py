@@ -48,6 +48,8 @@ from enum import Enum
 from types import MappingProxyType
 from typing import Any
 
+from fleetplan.planner.prefix import hit_rate_from_rates
+
 # Labels that may carry the model name: `model` is written by the controller into the file_sd
 # target labels (canonical name); `model_name` is what vLLM / TRT-LLM put on their own series.
 MODEL_LABELS: tuple[str, ...] = ("model", "model_name")
@@ -83,6 +85,9 @@ class Query(Enum):
     UP_SAMPLES = "up_samples"  # samples in the window
     # the highest completion rate over `peak_window_s` sub-windows within the rate window (bursts)
     PEAK_RATE = "peak_rate"
+    # prompt tokens looked up in the prefix cache, and found there, per wall second (per model)
+    PREFIX_QUERIES = "prefix_queries"
+    PREFIX_HITS = "prefix_hits"
 
 
 @dataclass(frozen=True)
@@ -170,6 +175,7 @@ class ModelMetrics:
     reasons: tuple[str, ...] = ()
     peak_rps: float | None = None  # the highest short-window rate in the window (simulated rps)
     peak_window_s: float = 30.0  # that short window (simulated seconds)
+    prefix_hit_rate: float | None = None  # cached share of the prompt tokens (planner/prefix.py)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -190,6 +196,7 @@ class ModelMetrics:
             "stale": self.stale,
             "reasons": list(self.reasons),
             "peak_rps": self.peak_rps,
+            "prefix_hit_rate": self.prefix_hit_rate,
         }
 
 
@@ -363,6 +370,8 @@ def interpret(readings: Readings, models: Iterable[str], *, now_s: float, rules:
     running = group(res.get(Query.RUNNING, ()), model)
     kv = group(res.get(Query.KV, ()), model, take_max=True)
     peak = group(res.get(Query.PEAK_RATE, ()), model)
+    pq = group(res.get(Query.PREFIX_QUERIES, ()), model)
+    ph = group(res.get(Query.PREFIX_HITS, ()), model)
     # several label groups of one model: the worst quantile is the conservative merge
     quant = {q: group(res.get(q, ()), model, take_max=True)
              for q in (Query.TTFT_P50, Query.TTFT_P99, Query.ITL_P50, Query.ITL_P99)}
@@ -413,6 +422,7 @@ def interpret(readings: Readings, models: Iterable[str], *, now_s: float, rules:
             rate_rps=r_raw / k if r_raw is not None else None,
             peak_rps=p_raw / k if p_raw is not None and p_raw >= 0 else None,
             peak_window_s=rules.peak_window_s * k,
+            prefix_hit_rate=hit_rate_from_rates(finite(pq.get(m)), finite(ph.get(m)), rules.window_s),
             isl=isl,
             osl=osl,
             ttft_p50_ms=ms(Query.TTFT_P50),

@@ -125,6 +125,9 @@ class ModelObservation:
     # the lowest prompt-length p99 the engines' histogram allows (planner/evidence.py): a coarse
     # bucket is no evidence of long prompts (capacity.extrapolation); None: unknown
     isl_p99_low: float | None = None
+    # the share of prompt tokens served from the engines' prefix caches over the window (their
+    # prefix-cache counters, planner/prefix.py); None: unknown (the plan assumes none)
+    prefix_hit_rate: float | None = None
 
 
 def _empty_models() -> Mapping[str, ModelObservation]:

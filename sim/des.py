@@ -43,6 +43,7 @@ from fleetplan.sim.control import ControlSettings, FleetplanController, ReplayCo
 from fleetplan.sim.core import ITL_BUCKETS_S, LENGTH_BUCKETS, TPOT_BUCKETS_S, TTFT_BUCKETS_S, FastCore
 from fleetplan.sim.groundtruth import EngineParams, RequestTooLongError
 from fleetplan.sim.promsim import Counters, PromSim
+from fleetplan.sim.router import RouteMode, Router, affinity_key
 from fleetplan.sim.traces import Trace
 
 # request status codes
@@ -112,6 +113,10 @@ class SimSettings:
     macro_steps: bool = True
     peak_window_s: float = 30.0  # the Observer's burst sub-window (controller ObserverConfig.peak_window_s)
     length_window_s: float = 600.0  # the length histograms' window (ObserverConfig.length_window_s)
+    # the engines' prefix caches hold the trace's shared prompt blocks (hash_ids; vLLM's automatic
+    # prefix caching is on by default); False: every prompt computed in full
+    prefix_cache: bool = True
+    routing: RouteMode = RouteMode.LEAST_LOADED  # how the router spreads requests over replicas
     drain_timeout_s: float = 3600.0  # after the trace ends, in-flight requests get this long
 
 
@@ -152,6 +157,7 @@ class SimResult:
     swap_cycles: int = 0  # decisions that drained READY replicas of a model while starting others
     deferred_actions: int = 0  # actions the act core deferred (GPUs still busy, start before stop)
     drain_timeouts: int = 0  # drains stopped at their deadline (their requests in flight cut)
+    prefix_hit_rate: float | None = None  # prompt tokens found in a prefix cache / looked up (all replicas)
     gpu_hours_by_config: tuple[tuple[ConfigKey, float], ...] = ()  # replicas' GPU-hours (builds apart)
     met: np.ndarray | None = None  # per arrived request (trace order): served within both SLOs
 
@@ -216,6 +222,7 @@ class FleetSim:
         self.arr_t = np.array([r.t_s for r in reqs], dtype=float)
         self.prompt = [r.prompt_tokens for r in reqs]
         self.output = [r.output_tokens for r in reqs]
+        self.blocks = [r.blocks for r in reqs] if self.s.prefix_cache else [None] * len(reqs)
         models = [r.model or default_model for r in reqs]
         if any(m is None for m in models):
             raise ValueError("the trace has requests without a model and no default model was given")
@@ -452,6 +459,10 @@ class FleetSim:
         return best
 
     def _scrape(self, t: float) -> None:
+        for r in self.replicas:
+            if r.state in (ReplicaState.READY, ReplicaState.DRAINING):
+                r.counters.prefix_queries = float(r.core.prefix_queries_tokens)
+                r.counters.prefix_hits = float(r.core.prefix_hit_tokens)
         if self.control is not None:
             self.prom.scrape(t, {r.rid: (r.counters, float(r.core.num_running), float(r.core.num_waiting),
                                          r.core.kv_usage)
@@ -540,6 +551,10 @@ class FleetSim:
         output = self.output
         serving = self.serving
         baseline = self.control is None
+        blocks = self.blocks
+        # one router per model (it keeps its ring and counter); least-loaded is the inline fast path
+        routers = (None if s.routing == RouteMode.LEAST_LOADED
+                   else [Router(s.routing) for _ in self.model_names])
         overheads: dict[int, float] = {}
         heappush, heappop = heapq.heappush, heapq.heappop
         outstanding = 0
@@ -630,14 +645,18 @@ class FleetSim:
             if not reps:
                 status[idx] = REJECTED
                 continue
-            rep = reps[0]
-            best = rep.load
-            for r in reps:
-                if r.load < best:
-                    rep, best = r, r.load
+            if routers is None:
+                rep = reps[0]
+                best = rep.load
+                for r in reps:
+                    if r.load < best:
+                        rep, best = r, r.load
+            else:
+                router = routers[req_model[idx]]
+                rep = reps[router.pick([r.rid for r in reps], [r.load for r in reps], affinity_key(blocks[idx]))]
             core = rep.core
             try:
-                core.submit(idx, prompt[idx], output[idx])
+                core.submit(idx, prompt[idx], output[idx], blocks[idx])
             except RequestTooLongError:
                 status[idx] = REJECTED
                 continue
@@ -746,6 +765,8 @@ class FleetSim:
         itl_slo = np.array([self.env.itl_slo_ms[self.model_names[m]] for m in self.req_model]) / 1000.0
         ok = served & (ttft_s <= ttft_slo) & (itl_s <= itl_slo)
         c = self.control
+        queried = sum(r.core.prefix_queries_tokens for r in self.replicas)
+        hits = sum(r.core.prefix_hit_tokens for r in self.replicas)
         return SimResult(
             policy=self.ctl.name,
             duration_s=end_s,
@@ -770,4 +791,5 @@ class FleetSim:
             deferred_actions=c.deferred if c is not None else 0,
             drain_timeouts=c.drain_timeouts if c is not None else 0,
             gpu_hours_by_config=tuple(sorted(by_config.items())),
+            prefix_hit_rate=hits / queried if queried > 0 else None,
         )

@@ -92,6 +92,7 @@ class PolicyFigures:
     gpu_hours_by_config: Mapping[str, float] = field(default_factory=dict)
     build_gpu_hours: float = 0.0
     drain_timeouts: int = 0
+    prefix_hit_rate: float | None = None  # the simulated fleet's prefix-cache hit rate (prompt tokens)
 
     def gpu_hours_by_engine(self) -> dict[str, float]:
         """Per engine: its replicas' GPU-hours (+ "build": the engine builds')."""
@@ -122,6 +123,7 @@ class PolicyFigures:
                 "arrived": self.arrived, "served": self.served,
                 "builds": self.builds,
                 "build_gpu_hours": r(self.build_gpu_hours),
+                "prefix_cache_hit_rate": r(self.prefix_hit_rate),
                 "drain_timeouts": self.drain_timeouts,
                 "swap_cycles": self.swap_cycles,
                 "sim_wall_s": r(self.wall_s, 2),
@@ -641,6 +643,7 @@ def _figures(res: SimResult, wall: float, caps: Mapping[ConfigKey, float]) -> Po
         gpu_hours_by_config={c.label(): h for c, h in res.gpu_hours_by_config},
         build_gpu_hours=res.build_gpu_hours,
         drain_timeouts=res.drain_timeouts,
+        prefix_hit_rate=res.prefix_hit_rate,
     )
 
 

@@ -35,6 +35,12 @@ def register(subparsers: Any) -> None:
                    "else the policy's first model)")
     p.add_argument("--policies", default=None, help="comma-separated subset (default: all)")
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    p.add_argument("--routing", choices=("least-loaded", "round-robin", "affinity"), default="least-loaded",
+                   help="how the simulated router spreads requests: fewest in flight (default), round-robin, or "
+                        "prefix/session affinity with a bound on imbalance (consistent hashing)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="engines compute every prompt in full (default: their prefix caches hold the trace's "
+                        "shared prompt blocks, where the trace has them)")
     p.set_defaults(handler=_handle)
 
 
@@ -73,7 +79,9 @@ def _handle(args: argparse.Namespace) -> int:
             trace = shape_day(trace, args.day_s, args.rate_scale)
         elif args.rate_scale != 1.0:
             trace = reshape(trace, duration_s=trace.duration_s, rate_scale=args.rate_scale)
-        settings = SimSettings()
+        from fleetplan.sim.router import RouteMode
+
+        settings = SimSettings(routing=RouteMode(args.routing), prefix_cache=not args.no_prefix_cache)
         ev = evaluate(trace, policy, profiles,
                       EvaluateOptions(policies=policies, model=args.model, workers=max(1, args.workers),
                                       settings=settings),

@@ -37,7 +37,8 @@ __all__ = ["Counters", "PromSim", "TargetScrape"]
 class Counters:
     """One engine's exported series (what its /metrics shows), cumulative since it started."""
 
-    __slots__ = ("completed", "gen_len", "gen_tokens", "itl", "prompt_len", "prompt_tokens", "sums", "tpot", "ttft")
+    __slots__ = ("completed", "gen_len", "gen_tokens", "itl", "prefix_hits", "prefix_queries", "prompt_len",
+                 "prompt_tokens", "sums", "tpot", "ttft")
 
     def __init__(self) -> None:
         self.completed = 0.0
@@ -50,6 +51,9 @@ class Counters:
         self.gen_len = [0.0] * (len(LENGTH_BUCKETS) + 1)
         # the histograms' _sum series: ttft, tpot, prompt length, generation length
         self.sums = [0.0, 0.0, 0.0, 0.0]
+        # vllm:prefix_cache_queries / _hits (prompt tokens looked up in / found in the prefix cache)
+        self.prefix_queries = 0.0
+        self.prefix_hits = 0.0
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,8 @@ class TargetScrape:
     prompt_len: tuple[float, ...]
     gen_len: tuple[float, ...]
     sums: tuple[float, ...]
+    prefix_queries: float = 0.0
+    prefix_hits: float = 0.0
 
 
 def _cumulative(edges: Sequence[float], counts: Sequence[float]) -> tuple[tuple[float, float], ...]:
@@ -170,7 +176,7 @@ class PromSim:
             dq = self.samples.setdefault(rid, deque())
             dq.append(TargetScrape(t_s, c.completed, c.prompt_tokens, c.gen_tokens, running, waiting, kv,
                                    tuple(c.ttft), tuple(c.itl), tuple(c.tpot), tuple(c.prompt_len),
-                                   tuple(c.gen_len), tuple(c.sums)))
+                                   tuple(c.gen_len), tuple(c.sums), c.prefix_queries, c.prefix_hits))
             model = self.labels[rid]["model"]
             inc = c.completed - self._last_done.get(rid, 0.0)
             self._last_done[rid] = c.completed
@@ -236,6 +242,8 @@ class PromSim:
             add("done", model, (b.completed - a.completed) * f)
             add("prompt", model, (b.prompt_tokens - a.prompt_tokens) * f)
             add("gen", model, (b.gen_tokens - a.gen_tokens) * f)
+            add("prefix_q", model, (b.prefix_queries - a.prefix_queries) * f)
+            add("prefix_h", model, (b.prefix_hits - a.prefix_hits) * f)
             for gauge in ("running", "waiting"):
                 slope = _deriv([x.t_s for x in win], [getattr(x, gauge) for x in win])
                 if slope is not None:
@@ -252,6 +260,8 @@ class PromSim:
                 res[Query.RATE].append(Sample(lab, max(0.0, d["done"] + d.get("growth", 0.0))))
                 res[Query.PROMPT].append(Sample(lab, d["prompt"]))
                 res[Query.GEN].append(Sample(lab, d["gen"]))
+                res[Query.PREFIX_QUERIES].append(Sample(lab, d["prefix_q"]))
+                res[Query.PREFIX_HITS].append(Sample(lab, d["prefix_h"]))
             if "running" in d:
                 res[Query.RUNNING].append(Sample(lab, d["running"]))
                 res[Query.WAITING].append(Sample(lab, d["waiting"]))

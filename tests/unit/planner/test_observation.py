@@ -164,3 +164,16 @@ def test_a_replica_the_router_serves_but_prometheus_does_not_scrape_makes_the_ra
     assert not interpret(readings(target("r1"), target("r2"), rate=0.5), [M], now_s=5000.0, rules=RULES,
                          serving={"r1": M, "r2": M}).models[M].stale
     assert not interpret(r, [M], now_s=5000.0, rules=RULES, serving={"r1": M}).models[M].stale
+
+
+def test_the_prefix_cache_hit_rate_is_read_from_the_engines_token_counters() -> None:
+    r = readings(target("r1"), rate=4.0)
+    res = dict(r.results)
+    res[Query.PREFIX_QUERIES] = (Sample({"model_name": M}, 4000.0),)  # prompt tokens looked up per s
+    res[Query.PREFIX_HITS] = (Sample({"model_name": M}, 1464.0),)
+    m = interpret(Readings(r.wall_s, res), [M], now_s=5000.0, rules=RULES).models[M]
+    assert m.prefix_hit_rate == pytest.approx(0.366)
+    # too few tokens in the window to tell (a handful of requests): unknown, the plan assumes none
+    res[Query.PREFIX_QUERIES] = (Sample({"model_name": M}, 100.0),)
+    res[Query.PREFIX_HITS] = (Sample({"model_name": M}, 50.0),)
+    assert interpret(Readings(r.wall_s, res), [M], now_s=5000.0, rules=RULES).models[M].prefix_hit_rate is None

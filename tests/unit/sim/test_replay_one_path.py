@@ -75,3 +75,43 @@ def test_the_replay_reads_prometheus_answers_and_drains_through_drain_step() -> 
     live = {r.rid for r in sim.replicas if r.t_stop is None}
     assert set(control.rows) == live
     assert all(row.phase == act.Phase.DESIRED for row in control.rows.values())
+
+
+def _conversations(n_conv: int, turns: int, gap_s: float, rps: float) -> Trace:
+    """Conversations whose turns resend the conversation so far (4 blocks of 512 tokens, one more per
+    turn): a prefix cache serves most of every later turn's prompt."""
+    out = []
+    k = 0
+    for turn in range(turns):
+        for c in range(n_conv):
+            blocks = tuple(1_000 * c + b for b in range(4 + turn))
+            out.append(TraceRequest(turn * gap_s + k / rps, 512 * len(blocks), 50, "llama-3-8b", blocks))
+            k += 1
+        k = 0
+    return Trace("t", TraceFormat.MOONCAKE, tuple(sorted(out, key=lambda r: r.t_s)))
+
+
+def test_the_prefix_cache_is_observed_planned_with_and_routed_for() -> None:
+    from fleetplan.sim.router import RouteMode
+
+    policy, profiles = _world(4.0)
+    trace = _conversations(n_conv=120, turns=6, gap_s=240.0, rps=2.0)
+    runs = {}
+    for routing in (RouteMode.LEAST_LOADED, RouteMode.AFFINITY):
+        ctl = FleetplanController("fleetplan", policy, profiles)  # type: ignore[arg-type]
+        sim = FleetSim(trace, ctl, make_environment(policy), SimSettings(routing=routing))  # type: ignore[arg-type]
+        res = sim.run()
+        assert sim.control is not None
+        runs[routing] = (res, sim.control)
+    res, control = runs[RouteMode.AFFINITY]
+    assert res.prefix_hit_rate is not None and res.prefix_hit_rate > 0.3
+    # the controller reads the hit rate from the engines' counters and plans with the prompt's cached share
+    seen = [d.result.explanation.models[0].length_mix for _, d in control.decisions if d.result is not None]
+    assert any("of prompt tokens cached" in text for text in seen), seen[-3:]
+    # affinity keeps a conversation on the replica that holds its prefix
+    plain, _ = runs[RouteMode.LEAST_LOADED]
+    assert plain.prefix_hit_rate is not None and res.prefix_hit_rate >= plain.prefix_hit_rate
+    # without the cache nothing is found
+    ctl = FleetplanController("fleetplan", policy, profiles)  # type: ignore[arg-type]
+    off = FleetSim(trace, ctl, make_environment(policy), SimSettings(prefix_cache=False)).run()  # type: ignore[arg-type]
+    assert not off.prefix_hit_rate
