@@ -3,7 +3,7 @@ kill -9'ed (`ControllerProc`), the e2e policy (`policy_doc`), steady request loa
 (`Load`), and polling helpers. Used by tests/e2e and bench/faults.py (one piece of code each).
 
 The controller runs with the simulated clock 20x faster than wall time (K): a 30 s control cycle
-takes 1.5 s, a 40 s engine startup 2 s. The profiles (tests/e2e/data/profiles-sim.json) were fitted
+takes 1.5 s, a 40 s engine startup 2 s. The profiles (fleetplan/harness/profiles-sim.json, package data) were fitted
 with `fleetplan models fit` from `fleetplan bench-engine` runs against the simulated engines
 (llama-3.1-70b, vLLM and TRT-LLM personas, H100 TP4, max_num_seqs 8, ISL 1024 / OSL 256, time
 scale 20); regenerate them with `python -m tests.e2e.make_profiles` when sim/groundtruth.py changes.
@@ -39,7 +39,7 @@ from fleetplan.harness.procs import free_port
 from fleetplan.sim.replay import RequestResult, run_load
 
 REPO = Path(__file__).resolve().parents[2]
-PROFILES = REPO / "tests" / "e2e" / "data" / "profiles-sim.json"
+PROFILES = Path(__file__).resolve().with_name("profiles-sim.json")  # installed with the package
 MODEL = "llama-3.1-70b"
 K = 20.0
 ISL, OSL = 1024, 256

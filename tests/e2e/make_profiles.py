@@ -1,4 +1,5 @@
-"""Regenerate tests/e2e/data/profiles-sim.json: bench the simulated engines and fit (the user's workflow).
+"""Regenerate fleetplan/harness/profiles-sim.json (the lab's profiles, installed as package data):
+bench the simulated engines and fit (the user's workflow).
 
     .venv/bin/python -m tests.e2e.make_profiles
 """

@@ -1,7 +1,7 @@
 """Profiles 1.6x optimistic on purpose: the controller corrects them from the fleet's own latency,
 keeps the correction across a restart (state store), and report / explain / metrics show it.
 
-The profiles handed to the controller are the lab's fitted profiles (tests/e2e/data/profiles-sim.json)
+The profiles handed to the controller are the lab's fitted profiles (fleetplan/harness/profiles-sim.json)
 scaled 1.6x faster (fleetplan.models.mix.scaled): alone they would size the model for 1.6x the capacity the
 simulated engines really have. Under steady load the observed TTFT / per-request ITL per config
 (planner/evidence.py) say the engines are slower; the plan's capacity factor for the serving config

@@ -24,6 +24,7 @@ from fleetplan.controller.daemon import Controller, ControllerSettings
 from fleetplan.controller.report import start_report_server
 from fleetplan.controller.state import ActionStatus, StateStore
 from fleetplan.harness.demo import demo_policy
+from fleetplan.harness.rig_tools import PROFILES  # the lab's profiles (70B TP4, vLLM + TRT-LLM)
 from fleetplan.planner.audit import decision_record, inputs_digest
 from fleetplan.planner.core import plan, plan_to_dict
 from fleetplan.planner.policy import load_policy_dict
@@ -32,7 +33,6 @@ from fleetplan.shared.benchfiles import load_profiles
 
 pytestmark = pytest.mark.integration
 
-PROFILES = Path(__file__).resolve().parents[1] / "e2e" / "data" / "profiles-sim.json"
 MODEL = "llama-3.1-70b"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 HAVE_CHROMIUM = Path(CHROMIUM).exists()

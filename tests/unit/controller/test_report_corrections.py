@@ -7,7 +7,6 @@ whose observed latency is what the true profiles predict, three cycles with the 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,6 +14,7 @@ import pytest
 from fleetplan.controller.metrics import ControllerMetrics, correction_series
 from fleetplan.controller.report import explanation_for, render_explain, render_report
 from fleetplan.harness.demo import demo_policy
+from fleetplan.harness.rig_tools import PROFILES  # the lab's profiles (70B TP4, vLLM + TRT-LLM)
 from fleetplan.models.mix import LengthMix, predict_mix, scaled
 from fleetplan.models.names import Engine, GpuType, Precision
 from fleetplan.models.profile import ProfileSet
@@ -33,7 +33,6 @@ from fleetplan.planner.types import (
     ReplicaState,
 )
 
-PROFILES = Path(__file__).resolve().parents[2] / "e2e" / "data" / "profiles-sim.json"
 M = "llama-3.1-70b"
 VLLM = ConfigKey(M, Engine.VLLM, GpuType.H100, 4, Precision.BF16)
 ISL, OSL = 1024, 256

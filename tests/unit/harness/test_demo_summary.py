@@ -31,9 +31,9 @@ from fleetplan.harness.demo_summary import (
     write_summary,
     write_trace,
 )
+from fleetplan.harness.rig_tools import PROFILES  # the lab's profiles (70B TP4, vLLM + TRT-LLM)
 from fleetplan.sim.traces import read_trace
 
-PROFILES = Path(__file__).resolve().parents[2] / "e2e" / "data" / "profiles-sim.json"  # 70B TP4, vLLM + TRT-LLM
 TTFT_MS, ITL_MS = 1000.0, 30.0
 
 
