@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import math
 import random
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,7 +31,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from fleetplan.models.bench import BenchmarkPoint, LoadKind  # noqa: E402
 from fleetplan.models.fit import fit_profile  # noqa: E402

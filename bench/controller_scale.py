@@ -599,7 +599,6 @@ class Bench:
             self.fleet_proc = subprocess.Popen(
                 [sys.executable, str(Path(__file__).resolve()), "--fleet-child", str(path)],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])),
             )
 
     def fleet_report(self) -> dict[str, Any]:

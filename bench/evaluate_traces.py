@@ -32,7 +32,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from fleetplan.models.profile import ProfileSet  # noqa: E402
 from fleetplan.planner.policy import load_policy_text  # noqa: E402

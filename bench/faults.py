@@ -36,8 +36,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from fleetplan.harness.demo import EngineOptions, Rig
 from fleetplan.harness.fault_suite import ALL_FAULTS, HEADER, BadPayloads, FaultSuite, summary
 from fleetplan.harness.rig_tools import (

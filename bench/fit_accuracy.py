@@ -26,14 +26,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 from fleetplan.models.bench import BenchmarkPoint, LoadKind, Metadata  # noqa: E402
 from fleetplan.models.fit import HOLDOUT_METRICS, group_points, holdout_errors, saturation_flags  # noqa: E402

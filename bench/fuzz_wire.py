@@ -30,12 +30,24 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # the properties import tests.fuzz_helpers
-    sys.path.insert(0, str(REPO))
+
+
+def _tests_package() -> None:
+    """The properties import `tests.fuzz_helpers`: register the repository's `tests` package by its
+    path (not the repository root on sys.path, which would also expose the bare directory names)."""
+    if "tests" in sys.modules:
+        return
+    spec = importlib.util.spec_from_file_location("tests", REPO / "tests" / "__init__.py",
+                                                  submodule_search_locations=[str(REPO / "tests")])
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["tests"] = module
+    spec.loader.exec_module(module)
 
 
 def _load_properties(relative: str = "tests/unit/controller/test_wire_fuzz.py",
                      name: str = "wire_fuzz_properties") -> ModuleType:
+    _tests_package()
     path = REPO / relative
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
