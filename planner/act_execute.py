@@ -28,6 +28,7 @@ from fleetplan.planner.act_types import (
     SetPhase,
     alert_key,
 )
+from fleetplan.planner.placement import first_free
 from fleetplan.planner.types import Action, ActionKind, ReplicaState
 
 
@@ -227,10 +228,9 @@ def _free_spot(view: ActView, gpu: str, tp: int, rows: Sequence[ReplicaRow],
         if not h.online or h.gpu != gpu or h.gpu_count is None:
             continue
         busy, _ = _busy(view, name, rows)
-        for g in h.nvlink_groups or (tuple(range(h.gpu_count)),):
-            free = [i for i in g if i not in busy]
-            if len(free) >= tp:
-                return name, tuple(free[:tp])
+        spot = first_free(h.nvlink_groups or (tuple(range(h.gpu_count)),), busy, tp)
+        if spot is not None:
+            return name, spot
     return None
 
 

@@ -55,7 +55,7 @@ from fleetplan.planner.counts import (
     solve_counts,
 )
 from fleetplan.planner.forecast import forecast_rate, recent_level_max
-from fleetplan.planner.placement import LIVE_STATES, Placement, place, safe_id, slots_by_gpu
+from fleetplan.planner.placement import LIVE_STATES, Placement, first_free, place, safe_id, slots_by_gpu
 from fleetplan.planner.policy import Effective, ModelPolicy, Policy, effective
 from fleetplan.planner.prefix import planning_share
 from fleetplan.planner.serde import state_to_dict
@@ -588,10 +588,9 @@ def _free_gpus(hosts: tuple[HostInventory, ...], replicas: tuple[Replica, ...], 
     for h in hosts:
         if h.gpu != gpu or not h.online or h.name in drained:
             continue
-        for g in h.groups():
-            free = [i for i in g if i not in used.get(h.name, set())]
-            if len(free) >= tp:
-                return h.name, tuple(free[:tp])
+        spot = first_free(h.groups(), used.get(h.name, set()), tp)
+        if spot is not None:
+            return h.name, spot
     return None
 
 

@@ -38,6 +38,23 @@ class Placement:
     unplaced: Mapping[ConfigKey, int]
 
 
+def first_free(groups: Sequence[Sequence[int]], busy: Collection[int], tp: int) -> tuple[int, ...] | None:
+    """The one free-GPU rule outside the solver: the first `tp` GPUs not `busy` inside one NVLink
+    group, groups in order (the planner's build spots, the act core's moved starts, the replay's
+    baselines all ask it).
+
+    >>> first_free(((0, 1, 2, 3), (4, 5, 6, 7)), {0, 1, 4}, 2)
+    (2, 3)
+    >>> first_free(((0, 1), (2, 3)), {0, 2}, 2) is None  # two free GPUs, but not in one group
+    True
+    """
+    for g in groups:
+        free = [i for i in g if i not in busy]
+        if len(free) >= tp:
+            return tuple(free[:tp])
+    return None
+
+
 def safe_id(raw: str) -> str:
     """An id the agent protocol accepts ([A-Za-z0-9][A-Za-z0-9_-]{0,63}); long ones get a hash suffix."""
     text = re.sub(r"[^A-Za-z0-9_-]", "-", raw).lstrip("-_") or "x"
