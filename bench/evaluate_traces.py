@@ -49,6 +49,7 @@ from fleetplan.sim.evaluate import (  # noqa: E402
     trace_lengths,
     write_charts,
 )
+from fleetplan.sim.router import RouteMode  # noqa: E402
 from fleetplan.sim.traces import read_trace, reshape, shape_day  # noqa: E402
 
 # the public data travels with the repository (data/SOURCES.md); --data or $FLEETPLAN_DATA for other data
@@ -138,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                          "benchmarks (fleetplan models fit on DATA/benchmarks: the user's "
                          "workflow; cached in --profiles-cache), or a PROFILES.json path")
     ap.add_argument("--profiles-cache", type=Path, default=Path("/tmp/fleetplan-benchmark-profiles.json"))
+    ap.add_argument("--routing", default="least-loaded", choices=("least-loaded", "round-robin", "affinity"))
+    ap.add_argument("--no-prefix-cache", action="store_true", help="engines compute every prompt in full")
     ap.add_argument("--data", type=Path, default=DATA,
                     help="the data folder with traces/ and benchmarks/ (default: the repository's data/, "
                          "or $FLEETPLAN_DATA)")
@@ -171,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 profiles = ProfileSet.from_json_dict(json.loads(Path(args.profiles).read_text()))
             t_prof = time.perf_counter() - t0
-            opts = EvaluateOptions(policies=tuple(args.policies.split(",")), settings=SimSettings(),
+            settings = SimSettings(routing=RouteMode(args.routing), prefix_cache=not args.no_prefix_cache)
+            opts = EvaluateOptions(policies=tuple(args.policies.split(",")), settings=settings,
                                    workers=args.workers)
             ev = evaluate(tr, pol, profiles, opts, trace_info={"scenario": key, "shape": shape_name,
                                                                 "rate_scale": tr_scale})
