@@ -681,6 +681,10 @@ def render_table(ev: Evaluation) -> str:
     if ev.attainment_floors:
         lines.append("SLO attainment an idle replica reaches for the trace's mix (no count of the config does better):")
         lines.extend(f"  {label}: {100.0 * (1.0 - v):.2f}%" for label, v in sorted(ev.attainment_floors.items()))
+    hits = [(name, f.prefix_hit_rate) for name, f in ev.policies.items() if f.prefix_hit_rate is not None]
+    if hits:
+        lines.append("prefix-cache hit rate (prompt tokens): "
+                     + ", ".join(f"{name} {100.0 * h:.1f}%" for name, h in hits))
     lines.append("GPU-hours per engine:")
     for name, figs in ev.policies.items():
         per = figs.gpu_hours_by_engine()
