@@ -172,7 +172,7 @@ class Replay:
 
 def run_replay(work: Path, model: str, *, policies: Sequence[str] = REPLAY_POLICIES, workers: int = 2) -> Replay:
     """`fleetplan.sim.evaluate.evaluate` on work/requests.jsonl, work/policy.yaml, work/PROFILES.json,
-    each read as `fleetplan evaluate` reads it (sim/evaluate_cli.py), with the options of
+    each read as `fleetplan evaluate` reads it (fleetplan/harness/cli/evaluate.py), with the options of
     `evaluate_argv` (the default simulation settings, rate scale 1, no day shaping)."""
     from fleetplan.planner.policy import load_policy_text
     from fleetplan.shared.benchfiles import load_profiles

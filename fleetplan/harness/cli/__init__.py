@@ -26,7 +26,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "fleetplan.harness.cli.agent",  # agent
     "fleetplan.harness.cli.daemon",  # controller, report, explain, observe, demo
     "fleetplan.harness.cli.ops",  # pause, resume, history
-    "fleetplan.sim.evaluate_cli",  # evaluate
+    "fleetplan.harness.cli.evaluate",  # evaluate
 )
 
 Handler = Callable[[argparse.Namespace], int]
