@@ -4,9 +4,11 @@ decision path on simulated I/O) gives the same decisions per cycle: the plan's r
 config and the planned actions (kind, config), allowing one cycle of skew.
 
 The scenario's decisions are the policy's and the load's, not a coin toss at a sizing boundary:
-TensorRT-LLM only and not built (a build, then its first replica), a step up past what
-`max_replicas` 3 can serve (3 replicas), a step down to the floor (1), then a policy reload allowing
-only vLLM (a swap: vLLM started, TensorRT-LLM drained). Where the two worlds still differ (the lab's
+TensorRT-LLM only and not built (a build, then its replicas: min_replicas 2), a step up past what
+`max_replicas` 3 can serve (3 replicas), a step down to the floor (2), then a policy reload allowing
+only one vLLM replica (a swap: vLLM started, TensorRT-LLM drained). (A decision at a sizing
+boundary - 1 or 2 replicas for a forecast near one replica's capacity - falls either way in either
+world with the noise of a few dozen requests.) Where the two worlds still differ (the lab's
 engines are processes with their own timing), the test prints each mismatch.
 
 The replay gets what the lab's world is: the requests the load generator sent (at their times on
@@ -48,7 +50,7 @@ CYCLE_S = 30.0
 # (simulated seconds, rps): base (the build, then one replica), step up, step down, the swap
 SCRIPT = ((600.0, 0.3), (600.0, 2.2), (600.0, 0.15), (600.0, 0.15))
 SWAP_AT = 3  # the policy reload (vLLM only) starts the fourth segment
-MAX_MISMATCH_SHARE = 0.15
+MAX_MISMATCH_SHARE = 0.1
 
 
 def _policies() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -56,8 +58,10 @@ def _policies() -> tuple[dict[str, Any], dict[str, Any]]:
                      max_replicas=3)
     first = json.loads(json.dumps(doc))
     first["models"][0]["allowed"]["engines"] = ["trtllm"]
+    first["models"][0]["min_replicas"] = 2
     second = json.loads(json.dumps(doc))
     second["models"][0]["allowed"]["engines"] = ["vllm"]
+    second["models"][0]["max_replicas"] = 1
     return first, second
 
 
@@ -193,14 +197,12 @@ async def test_daemon_on_the_lab_and_replay_decide_alike(rig, controller_factory
     kinds = Counter(k for _, _, acts in daemon_rel for (k, _) in acts)
     assert kinds["build"] >= 1 and kinds["start"] >= 3 and kinds["drain"] >= 2, kinds
     assert any(counts.get("trtllm/h100x4") == 3 for _, counts, _ in daemon_rel)
-    assert set(daemon_rel[-1][1]) == {"vllm/h100x4"}, daemon_rel[-1]
+    assert daemon_rel[-1][1] == {"vllm/h100x4": 1}, daemon_rel[-1]
     bad = _mismatches(daemon_rel, replay) + _mismatches(replay, daemon_rel)
     cycles = len(daemon_rel) + len(replay)
     print(f"parity: {len(daemon_rel)} daemon cycles, {len(replay)} replay cycles, {len(bad)} mismatches")
     for line in bad[:20]:
         print("  ", line)
     # the lab's engines are processes with their own timing (a startup 25-65 s longer than the
-    # policy's, HTTP, Prometheus' file_sd): a decision near a sizing boundary can fall a cycle or
-    # two apart. Measured: 8 to 20 mismatches in 160 cycles (5-12%); before the one path the
-    # replay's plans matched the daemon's in neither count nor time (it read its own observation)
+    # policy's, HTTP, Prometheus' file_sd): a scale-down's timing can fall a cycle or two apart
     assert len(bad) <= MAX_MISMATCH_SHARE * cycles, "\n".join(bad[:20])
