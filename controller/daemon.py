@@ -33,6 +33,7 @@ from typing import Any
 
 from fleetplan.controller import reporting
 from fleetplan.controller.executor import Executor
+from fleetplan.controller.failsafe import ROUTER_ALERT
 from fleetplan.controller.hosts import HostBook
 from fleetplan.controller.link import MqttLink
 from fleetplan.controller.metrics import ControllerMetrics
@@ -126,6 +127,7 @@ class Controller:
         self._routing_task: asyncio.Task[None] | None = None
         self.pause = PauseState(False)  # loaded from the store at start
         self._watchdog_period_s: float | None = None
+        self._router_seen_down_wall: float | None = None  # the last cycle that saw the router alert
 
     # ---- the pieces' faces, for the report API, the CLI and the tests ------------------------
     @property
@@ -315,8 +317,13 @@ class Controller:
         active = self.store.active_replicas()
         expected = {r.replica_id for r in active}
         serving = {r.replica_id: r.model for r in active if r.replica_id in self.executor.routed}
+        # the router down now or within the last rate window: demand did not reach the engines
+        if ROUTER_ALERT in self.runtime_alerts:
+            self._router_seen_down_wall = self.wall()
+        router_down = (self._router_seen_down_wall is not None
+                       and self.wall() - self._router_seen_down_wall < self.settings.observe_window_s)
         snap = await self._observer.snapshot(self.model_names(), now_s=now_s, expected_replicas=expected,
-                                             serving=serving)
+                                             serving=serving, router_down=router_down)
         self.last_snapshot = snap
         self.store.save_observation(cid, snap.to_json())
         return snap

@@ -374,6 +374,7 @@ class Observer:
         with_history: bool = True,
         expected_replicas: Iterable[str] | None = None,
         serving: Mapping[str, str] | None = None,
+        router_down: bool = False,
     ) -> Snapshot:
         """Observe `models` (plus any model seen in Prometheus). `now_s`: controller clock.
 
@@ -385,7 +386,7 @@ class Observer:
         now = readings.wall_s if now_s is None else now_s
         view = interpret(readings, models, now_s=now, rules=self.config.rules(), canonical=self.canonical,
                          expected_replicas=frozenset(expected_replicas) if expected_replicas is not None else None,
-                         serving=serving)
+                         serving=serving, router_down=router_down)
         if readings.error is not None:
             log.warning("fail static: %s", readings.error)
             return Snapshot(view.models, view.replicas, view.alerts, False, readings.wall_s, now)

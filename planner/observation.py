@@ -344,7 +344,7 @@ def _history(readings: Readings, rules: ObserveRules, now_s: float,
 def interpret(readings: Readings, models: Iterable[str], *, now_s: float, rules: ObserveRules,
               canonical: Callable[[str], str] = str,
               expected_replicas: Collection[str] | None = None,
-              serving: Mapping[str, str] | None = None) -> Interpreted:
+              serving: Mapping[str, str] | None = None, router_down: bool = False) -> Interpreted:
     """Observe `models` (plus any model seen in the readings). `now_s`: the controller clock.
 
     `expected_replicas`: the replicas the controller runs; a down target outside this set (a
@@ -352,7 +352,9 @@ def interpret(readings: Readings, models: Iterable[str], *, now_s: float, rules:
     window. `serving`: replica id -> model of the replicas that serve requests (READY); one that
     Prometheus does not scrape yet (file_sd picks a new target up seconds later) serves requests
     nobody counts, so its model's rate is a lower bound: stale (found by replaying the lab: the
-    under-read drained a replica the load still needed)."""
+    under-read drained a replica the load still needed). `router_down`: the router is down (or was
+    within the rate window): requests never reach the engines, so every rate is a lower bound (the
+    fault suite saw a killed nginx read as a drop in demand and drain a replica)."""
     wanted = [canonical(m) for m in models]
     if readings.error is not None:
         unknown = {m: ModelMetrics(model=m, stale=True, reasons=(readings.error,)) for m in wanted}
@@ -397,6 +399,8 @@ def interpret(readings: Readings, models: Iterable[str], *, now_s: float, rules:
         if down_n and rules.require_all_targets_up:
             down_ids = ", ".join(sorted(r.replica_id for r in reps if not r.up))
             reasons.append(f"{down_n} scrape target(s) down: {down_ids}")
+        if router_down:
+            reasons.append("the router is down or was within the rate window: requests did not reach the engines")
         unscraped = sorted(rid for rid, sm in (serving or {}).items() if canonical(sm) == m and rid not in replicas)
         if unscraped:
             reasons.append("serving but not scraped yet (its requests are not counted): " + ", ".join(unscraped))

@@ -177,3 +177,12 @@ def test_the_prefix_cache_hit_rate_is_read_from_the_engines_token_counters() -> 
     res[Query.PREFIX_QUERIES] = (Sample({"model_name": M}, 100.0),)
     res[Query.PREFIX_HITS] = (Sample({"model_name": M}, 50.0),)
     assert interpret(Readings(r.wall_s, res), [M], now_s=5000.0, rules=RULES).models[M].prefix_hit_rate is None
+
+
+def test_a_router_down_within_the_window_makes_every_rate_a_lower_bound() -> None:
+    """The fault suite's killed nginx: requests never reached the engines, the rate fell, and the
+    planner drained a replica the load needed once nginx was back."""
+    r = readings(target("r1"), rate=0.2)
+    m = interpret(r, [M], now_s=5000.0, rules=RULES, router_down=True).models[M]
+    assert m.stale and m.rate_rps == 0.2 and any("router is down" in x for x in m.reasons)
+    assert not interpret(r, [M], now_s=5000.0, rules=RULES).models[M].stale
