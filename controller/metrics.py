@@ -48,6 +48,10 @@ class ControllerMetrics:
             "fleetplan_unmet_demand_rps", "required rps the plan cannot serve", ["model"], registry=r
         )
         self.plan_usd_h = Gauge("fleetplan_plan_usd_per_hour", "cost of the current plan", registry=r)
+        self.uncertainty_usd_h = Gauge(
+            "fleetplan_uncertainty_usd_per_hour",
+            "$/h the plan spends above what its corrected profiles would need with no uncertainty left",
+            ["model"], registry=r)
         self.actions = Counter(
             "fleetplan_actions", "actions executed", ["kind", "status"], registry=r
         )
@@ -97,7 +101,8 @@ class ControllerMetrics:
         """The gauges labelled by model alone."""
         return (self.planned_replicas, self.running_replicas, self.desired_replicas, self.predicted_ttft_p99_seconds,
                 self.observed_ttft_p99_seconds, self.predicted_itl_p99_seconds, self.observed_itl_p99_seconds, self.demand_rps,
-                self.capacity_rps, self.slo_ttft_p99_seconds, self.slo_itl_p99_seconds, self.unmet_demand_rps)
+                self.capacity_rps, self.slo_ttft_p99_seconds, self.slo_itl_p99_seconds, self.unmet_demand_rps,
+                self.uncertainty_usd_h)
 
     def keep_models(self, models: set[str]) -> None:
         """Remove the series of models that left the policy (a stale gauge would keep alerting)."""

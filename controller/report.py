@@ -345,6 +345,15 @@ def config_lines(m: Mapping[str, Any], c: Mapping[str, Any], plan: Mapping[str, 
     return lines
 
 
+def uncertainty_lines(m: Mapping[str, Any]) -> list[str]:
+    """What the model's plan spends because its estimates are not certain yet (planner/uncertainty.py)."""
+    usd = m.get("uncertainty_usd_h")
+    if not usd:
+        return []
+    return [f"    cost of uncertainty: ${usd:.2f}/h above the fleet its corrected profiles would need "
+            "with nothing left to learn: " + "; ".join(m.get("uncertainty_why") or ["-"])]
+
+
 def render_report(data: Mapping[str, Any], *, actions: int = 12) -> str:
     now = float(data.get("generated_s") or time.time())
     lines: list[str] = []
@@ -435,6 +444,7 @@ def _plan_lines(data: Mapping[str, Any]) -> list[str]:
             lines.append(f"  {m['model']}: length mix {m['length_mix']}")
         else:
             lines.append(f"  {m['model']}:")
+        lines.extend(uncertainty_lines(m))
         for c in m["configs"]:
             lines.extend(config_lines(m, c, plan))
     for b in e.get("binding_constraints", []):
@@ -505,6 +515,7 @@ def render_explain(data: Mapping[str, Any], model: str) -> str | None:
     )
     if m.get("length_mix"):
         lines.append(f"  length mix used for capacity: {m['length_mix']}")
+    lines.extend(uncertainty_lines(m))
     plan = data.get("plan") or {}
     for c in m["configs"]:
         lines.append(

@@ -65,6 +65,8 @@ def update_metrics(ctrl: Controller, doc: Mapping[str, Any], snap: Snapshot) -> 
         m.slo_ttft_p99_seconds.labels(name).set(me["slo_ttft_p99_ms"] / 1000)
         m.slo_itl_p99_seconds.labels(name).set(me["slo_itl_p99_ms"] / 1000)
         m.unmet_demand_rps.labels(name).set(me["unmet_rps"])
+        if me.get("uncertainty_usd_h") is not None:
+            m.uncertainty_usd_h.labels(name).set(me["uncertainty_usd_h"])
         ttfts = [c["predicted_ttft_p99_ms"] for c in me["configs"] if c["predicted_ttft_p99_ms"] is not None]
         itls = [c["predicted_itl_p99_ms"] for c in me["configs"] if c["predicted_itl_p99_ms"] is not None]
         if ttfts:

@@ -23,11 +23,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
 
 from fleetplan.models.mix import mix_from_quantiles
 from fleetplan.models.names import GpuType
 from fleetplan.models.profile import ProfileSet
+from fleetplan.planner.actions import actions as plan_actions
+from fleetplan.planner.actions import make_before_break
 from fleetplan.planner.capacity import (
     CapacityInfo,
     MixedWorkload,
@@ -42,8 +43,6 @@ from fleetplan.planner.correction import applied_speeds, corrections_tuple, forg
 from fleetplan.planner.counterfactual import (
     MANY_MODELS,
     add_counterfactuals,
-    alternative_to_dict,
-    relaxation_to_dict,
     slo_relaxed_capacities,
 )
 from fleetplan.planner.counts import (
@@ -55,13 +54,11 @@ from fleetplan.planner.counts import (
     solve_counts,
 )
 from fleetplan.planner.forecast import forecast_rate, recent_level_max
-from fleetplan.planner.placement import LIVE_STATES, Placement, first_free, place, safe_id, slots_by_gpu
+from fleetplan.planner.placement import LIVE_STATES, Placement, place, slots_by_gpu
+from fleetplan.planner.plan_json import plan_to_dict, replica_to_dict
 from fleetplan.planner.policy import Effective, ModelPolicy, Policy, effective
 from fleetplan.planner.prefix import planning_share
-from fleetplan.planner.serde import state_to_dict
 from fleetplan.planner.types import (
-    Action,
-    ActionKind,
     ConfigCount,
     ConfigExplanation,
     ConfigKey,
@@ -75,11 +72,12 @@ from fleetplan.planner.types import (
     PlannerState,
     PlanResult,
     Replica,
-    ReplicaState,
     SolverReport,
 )
+from fleetplan.planner.uncertainty import cost_of_uncertainty, mean_speeds
 
-__all__ = ["MAX_PLAUSIBLE_RPS", "UNKNOWN_CAPACITY_RPS", "plan", "plan_to_dict", "plan_with_capacities"]
+__all__ = ["MAX_PLAUSIBLE_RPS", "UNKNOWN_CAPACITY_RPS", "plan", "plan_to_dict", "plan_with_capacities",
+           "replica_to_dict"]
 
 # the capacity of a config nothing is known about: a candidate for min_replicas, never for demand
 UNKNOWN_CAPACITY_RPS = 1e-6
@@ -197,8 +195,14 @@ def plan(
     relaxed = (slo_relaxed_capacities(policy, chosen, workloads, gpus, speeds=speeds)
                if counterfactuals and len(policy.models) <= MANY_MODELS else None)
     state = replace(state, corrections=corrections_tuple(corrections))
-    return plan_with_capacities(observation, fleet, policy, table, state, now_s, predictor=predictor,
-                                relaxed_capacities=relaxed, counterfactuals=counterfactuals)
+    result = plan_with_capacities(observation, fleet, policy, table, state, now_s, predictor=predictor,
+                                  relaxed_capacities=relaxed, counterfactuals=counterfactuals)
+    means = mean_speeds(corrections)
+    models = []
+    for me in result.explanation.models:
+        u = cost_of_uncertainty(me, policy, table, speeds, means, chosen, workloads)
+        models.append(replace(me, uncertainty_usd_h=u.usd_h, uncertainty_why=u.why))
+    return replace(result, explanation=replace(result.explanation, models=tuple(models)))
 
 
 # the highest of a window's few short-window rates sits about this many Poisson standard deviations
@@ -546,8 +550,8 @@ def plan_with_capacities(
 
     now_plan = _make_plan(now_place, capacities, policy)
     target_plan = _make_plan(target_place, capacities, policy)
-    actions = _actions(fleet, now_place, target_sol, needs_build, policy, hosts, drained, ready)
-    actions, held_mbb = _make_before_break(actions, fleet, now_place, capacities, demands, hosts)
+    actions = plan_actions(fleet, now_place, target_sol, needs_build, policy, hosts, drained, ready)
+    actions, held_mbb = make_before_break(actions, fleet, now_place, capacities, demands, hosts)
     if held_mbb:
         notes.append("make-before-break: kept serving until their replacements are READY: " + ", ".join(
             f"{m} x{n}" for m, n in sorted(held_mbb.items())))
@@ -578,178 +582,6 @@ def _make_plan(placement: Placement, capacities: Mapping[ConfigKey, CapacityInfo
         cc.append(ConfigCount(c, counts[c], info.max_rps if info else 0.0, price))
     gpus = sum(len(r.gpu_indices) for r in placement.replicas)
     return Plan(placement.replicas, tuple(cc), gpus, total)
-
-
-def _free_gpus(hosts: tuple[HostInventory, ...], replicas: tuple[Replica, ...], gpu: GpuType,
-               tp: int, drained: frozenset[str]) -> tuple[str, tuple[int, ...]] | None:
-    used: dict[str, set[int]] = {}
-    for r in replicas:
-        used.setdefault(r.host, set()).update(r.gpu_indices)
-    for h in hosts:
-        if h.gpu != gpu or not h.online or h.name in drained:
-            continue
-        spot = first_free(h.groups(), used.get(h.name, set()), tp)
-        if spot is not None:
-            return h.name, spot
-    return None
-
-
-def _actions(
-    fleet: Fleet,
-    now_place: Placement,
-    target_sol: CountSolution,
-    needs_build: list[ConfigKey],
-    policy: Policy,
-    hosts: tuple[HostInventory, ...],
-    drained: frozenset[str],
-    ready: frozenset[ConfigKey],
-) -> list[Action]:
-    builds: list[Action] = []
-    in_progress = {b.config() for b in fleet.builds if not b.ready}
-    occupied = tuple(r for r in fleet.replicas if r.state != ReplicaState.STOPPED) + now_place.new
-    for c in needs_build:
-        if c in in_progress:
-            continue
-        spot = _free_gpus(hosts, occupied, c.gpu, c.tp, drained)
-        host, idx = spot if spot is not None else (None, ())
-        if host is None:
-            candidates = [h.name for h in hosts if h.gpu == c.gpu and h.online and h.name not in drained]
-            host = candidates[0] if candidates else ""
-        rep = Replica(safe_id(f"build_{c.model}_{c.engine.value}_{c.gpu.value}_tp{c.tp}_{c.precision.value}"), c,
-                      host, idx, ReplicaState.STARTING, None, None)
-        b_s = policy.build_s(c) or 0.0
-        why = f"target uses {c.label()}; engine not built (build ~{b_s:.0f} s)"
-        if spot is None:
-            why += "; no free GPUs of that type now, build waits for GPUs"
-        builds.append(Action(ActionKind.BUILD, rep, why))
-        occupied = (*occupied, rep)
-
-    online = {h.name for h in hosts if h.online}
-    kept_ids = {id(r) for r in now_place.kept}
-    removed_gpus: dict[str, set[int]] = {}
-    for r in fleet.replicas:
-        if id(r) not in kept_ids and r.state != ReplicaState.STOPPED:
-            removed_gpus.setdefault(r.host, set()).update(r.gpu_indices)
-    starts_free: list[Action] = []
-    starts_after: list[Action] = []
-    for r in now_place.new:
-        why = f"start {r.config.label()} on {r.host} GPUs {list(r.gpu_indices)}"
-        if set(r.gpu_indices) & removed_gpus.get(r.host, set()):
-            starts_after.append(Action(ActionKind.START, r, why + " (after the replica there stops)",
-                                       after_stop=True))
-        else:
-            starts_free.append(Action(ActionKind.START, r, why))
-
-    drains: list[Action] = []
-    stops: list[Action] = []
-    for r in sorted(fleet.replicas, key=lambda r: r.replica_id):
-        if id(r) in kept_ids or r.state == ReplicaState.STOPPED:
-            continue
-        if r.state == ReplicaState.FAILED:
-            stops.append(Action(ActionKind.STOP, r, "replica failed"))
-            continue
-        why = ("host drained for maintenance" if r.host in drained
-               else "host offline" if r.host not in online
-               else "not in the plan (surplus, replaced or invalid placement)")
-        if r.state == ReplicaState.READY:
-            drains.append(Action(ActionKind.DRAIN, r, why))
-            stops.append(Action(ActionKind.STOP, r, why + "; after drain"))
-        elif r.state == ReplicaState.DRAINING:
-            stops.append(Action(ActionKind.STOP, r, "drain in progress; stop when drained"))
-        else:
-            stops.append(Action(ActionKind.STOP, r, why + " (not serving yet)"))
-    # serving capacity first: starts on free GPUs, then engine builds, drains, stops, starts on freed GPUs
-    return [*starts_free, *builds, *drains, *stops, *starts_after]
-
-
-def _make_before_break(
-    actions: list[Action],
-    fleet: Fleet,
-    now_place: Placement,
-    capacities: Mapping[ConfigKey, CapacityInfo],
-    demands: Mapping[str, _Demand],
-    hosts: tuple[HostInventory, ...],
-) -> tuple[list[Action], dict[str, int]]:
-    """Never drain a READY replica while its model's replacement capacity is still starting (or its
-    engine is still being built), unless the READY capacity without it still covers the model's
-    required rate (demand x (1 + headroom)).
-
-    A held replica gets no DRAIN/STOP this cycle (the next cycle decides again, with the
-    replacements' progress in the fleet); a START waiting for the GPUs of a held replica is dropped
-    too (it could not launch before that replica stops). Replacement capacity = STARTING replicas the
-    plan keeps (not waiting for another replica's GPUs) + STARTs on free GPUs this cycle. When the
-    only replacement needs the leaving replica's GPUs there is nothing to make first: the swap
-    rolls, one replica out of service at a time (drained, stopped, its replacement started on its
-    GPUs and READY) while the READY capacity without it is short of the required rate; without
-    that, a full inventory swapping 3 vLLM replicas for TRT-LLM drained all three in one cycle.
-    """
-    online = {h.name for h in hosts if h.online}
-    kept_ids = {id(r) for r in now_place.kept}
-    live = [r for r in fleet.replicas if r.state != ReplicaState.STOPPED]
-
-    def cap(c: ConfigKey) -> float:
-        info = capacities.get(c)
-        return info.max_rps if info is not None and math.isfinite(info.max_rps) else 0.0
-
-    def overlaps(r: Replica, others: list[Replica]) -> bool:
-        return any(o is not r and o.host == r.host and set(o.gpu_indices) & set(r.gpu_indices) for o in others)
-
-    pending: set[str] = set()
-    for r in live:
-        if r.state == ReplicaState.STARTING and id(r) in kept_ids and not overlaps(
-                r, [o for o in live if o.state != ReplicaState.STARTING]):
-            pending.add(r.config.model)
-    for a in actions:
-        if a.kind is ActionKind.START and not a.after_stop:
-            pending.add(a.replica.config.model)
-        if a.kind is ActionKind.BUILD:  # the replacement waits for its engine: it is coming too
-            pending.add(a.replica.config.model)
-    pending.update(b.model for b in fleet.builds if not b.ready)
-    # replacements that can only start on the GPUs of replicas leaving (a full inventory): the swap
-    # rolls one replica at a time while READY capacity without it falls short of the required rate
-    rolling = {a.replica.config.model for a in actions
-               if a.kind is ActionKind.START and a.after_stop} - pending
-    in_flight = {r.config.model for r in live if r.state == ReplicaState.DRAINING
-                 or (r.state == ReplicaState.STARTING and id(r) in kept_ids)}
-    ready_cap: dict[str, float] = {}
-    for r in live:
-        if r.state == ReplicaState.READY and r.host in online:
-            ready_cap[r.config.model] = ready_cap.get(r.config.model, 0.0) + cap(r.config)
-    held: list[Replica] = []
-    covered: set[str] = set()  # drains the READY capacity left covers: no need to wait for anything
-    leaving = sorted((a.replica for a in actions if a.kind is ActionKind.DRAIN
-                      and a.replica.state == ReplicaState.READY and a.replica.host in online),
-                     key=lambda r: (cap(r.config), r.replica_id))
-    for r in leaving:
-        m = r.config.model
-        d = demands.get(m)
-        need = d.required_rps if d is not None else 0.0
-        short = ready_cap.get(m, 0.0) - cap(r.config) < need - 1e-9
-        if not short:
-            covered.add(r.replica_id)
-        if m in pending and short:
-            held.append(r)
-        elif m in rolling and short and m in in_flight:
-            held.append(r)  # one at a time: the previous one's replacement is not READY yet
-        else:
-            ready_cap[m] = ready_cap.get(m, 0.0) - cap(r.config)
-            if m in rolling and short:
-                in_flight.add(m)
-    held_ids = {r.replica_id for r in held}
-    out: list[Action] = []
-    for a in actions:
-        if a.kind in (ActionKind.DRAIN, ActionKind.STOP) and a.replica.replica_id in held_ids:
-            continue
-        if a.kind is ActionKind.DRAIN and a.replica.replica_id in covered:
-            a = replace(a, covered=True)
-        if a.kind is ActionKind.START and any(h.host == a.replica.host and set(h.gpu_indices)
-                                               & set(a.replica.gpu_indices) for h in held):
-            continue
-        out.append(a)
-    counts: dict[str, int] = {}
-    for r in held:
-        counts[r.config.model] = counts.get(r.config.model, 0) + 1
-    return out, counts
 
 
 def _explain(
@@ -842,75 +674,3 @@ def _counts_of(p: Placement) -> dict[ConfigKey, int]:
     for r in p.replicas:
         out[r.config] = out.get(r.config, 0) + 1
     return out
-
-
-# ---- JSON ----------------------------------------------------------------------------------------
-def _config_dict(c: ConfigKey) -> dict[str, Any]:
-    return {"model": c.model, "engine": c.engine.value, "gpu": c.gpu.value, "tp": c.tp,
-            "precision": c.precision.value}
-
-
-def replica_to_dict(r: Replica) -> dict[str, Any]:
-    return {"replica_id": r.replica_id, **_config_dict(r.config), "host": r.host,
-            "gpu_indices": list(r.gpu_indices), "state": r.state.value, "port": r.port, "since_s": r.since_s}
-
-
-def _plan_dict(p: Plan) -> dict[str, Any]:
-    return {
-        "replicas": [replica_to_dict(r) for r in p.replicas],
-        "counts": [{**_config_dict(c.config), "replicas": c.replicas,
-                    "capacity_per_replica_rps": c.capacity_per_replica_rps, "usd_h": c.usd_h} for c in p.counts],
-        "gpus": p.gpus,
-        "usd_h": p.usd_h,
-    }
-
-
-def _report_dict(r: SolverReport) -> dict[str, Any]:
-    return {"stage": r.stage, "backend": r.backend, "status": r.status, "objective": r.objective,
-            "best_bound": r.best_bound, "gap": r.gap, "wall_s": r.wall_s}
-
-
-def plan_to_dict(result: PlanResult) -> dict[str, Any]:
-    """A JSON-able document of the whole result; reports render this and never recompute."""
-    e = result.explanation
-    return {
-        "plan": _plan_dict(result.plan),
-        "target": _plan_dict(result.target),
-        "actions": [{"kind": a.kind.value, "reason": a.reason, "replica": replica_to_dict(a.replica)}
-                    for a in result.actions],
-        "deferred_actions": [{"kind": a.kind.value, "reason": a.reason, "replica": replica_to_dict(a.replica)}
-                             for a in result.deferred_actions],
-        "explanation": {
-            "models": [{
-                "model": m.model, "observed_rps": m.observed_rps, "forecast_rps": m.forecast_rps,
-                "demand_rps": m.demand_rps, "headroom": m.headroom, "required_rps": m.required_rps,
-                "capacity_rps": m.capacity_rps, "target_capacity_rps": m.target_capacity_rps,
-                "unmet_rps": m.unmet_rps, "slo_ttft_p99_ms": m.slo_ttft_p99_ms,
-                "slo_itl_p99_ms": m.slo_itl_p99_ms, "usd_h": m.usd_h, "notes": list(m.notes),
-                "configs": [{**_config_dict(c.config), "replicas": c.replicas,
-                             "capacity_per_replica_rps": c.capacity_per_replica_rps, "binding": c.binding,
-                             "load_per_replica_rps": c.load_per_replica_rps,
-                             "predicted_ttft_p99_ms": c.predicted_ttft_p99_ms,
-                             "predicted_itl_p99_ms": c.predicted_itl_p99_ms, "usd_h": c.usd_h,
-                             "profile_capacity_rps": c.profile_capacity_rps,
-                             "capacity_factor": c.capacity_factor, "correction": c.correction,
-                             "extrapolating": list(c.extrapolating),
-                             "observed_ttft_p99_ms": c.observed_ttft_p99_ms,
-                             "observed_itl_p99_ms": c.observed_itl_p99_ms,
-                             "observed_rps_per_replica": c.observed_rps_per_replica}
-                            for c in m.configs],
-                "length_mix": m.length_mix,
-                "alternatives": [alternative_to_dict(a) for a in m.alternatives],
-            } for m in e.models],
-            "relaxations": [relaxation_to_dict(r) for r in e.relaxations],
-            "binding_constraints": list(e.binding_constraints),
-            "solver": [_report_dict(r) for r in e.solver],
-            "objective": e.objective,
-            "gap": e.gap,
-            "solve_s": e.solve_s,
-            "usd_h": e.usd_h,
-            "target_usd_h": e.target_usd_h,
-            "notes": list(e.notes),
-        },
-        "next_state": state_to_dict(result.next_state),
-    }

@@ -307,6 +307,10 @@ class ModelExplanation:
     notes: tuple[str, ...]  # fail static, forecast method, lead-time fallback, ...
     length_mix: str = ""  # the ISL/OSL mix capacity was computed for
     alternatives: tuple[Alternative, ...] = ()  # the allowed configs not chosen (planner/counterfactual.py)
+    # $/h spent above the fleet the corrected profiles would need with no uncertainty left, and why
+    # (planner/uncertainty.py); None: not computed
+    uncertainty_usd_h: float | None = None
+    uncertainty_why: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ REQUIRED = {
     "stale models": "fleetplan_stale_models",
     "policy reloads": "fleetplan_policy_reloads_total",
     "last cycle age": "fleetplan_last_cycle_timestamp_seconds",
+    "cost of uncertainty": "fleetplan_uncertainty_usd_per_hour",
 }
 
 

@@ -1,0 +1,84 @@
+"""The plan as a JSON document: what the state store keeps and the reports render. Pure."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fleetplan.planner.counterfactual import alternative_to_dict, relaxation_to_dict
+from fleetplan.planner.serde import state_to_dict
+from fleetplan.planner.types import ConfigKey, Plan, PlanResult, Replica, SolverReport
+
+__all__ = ["plan_to_dict", "replica_to_dict"]
+
+
+def _config_dict(c: ConfigKey) -> dict[str, Any]:
+    return {"model": c.model, "engine": c.engine.value, "gpu": c.gpu.value, "tp": c.tp,
+            "precision": c.precision.value}
+
+
+def replica_to_dict(r: Replica) -> dict[str, Any]:
+    return {"replica_id": r.replica_id, **_config_dict(r.config), "host": r.host,
+            "gpu_indices": list(r.gpu_indices), "state": r.state.value, "port": r.port, "since_s": r.since_s}
+
+
+def _plan_dict(p: Plan) -> dict[str, Any]:
+    return {
+        "replicas": [replica_to_dict(r) for r in p.replicas],
+        "counts": [{**_config_dict(c.config), "replicas": c.replicas,
+                    "capacity_per_replica_rps": c.capacity_per_replica_rps, "usd_h": c.usd_h} for c in p.counts],
+        "gpus": p.gpus,
+        "usd_h": p.usd_h,
+    }
+
+
+def _report_dict(r: SolverReport) -> dict[str, Any]:
+    return {"stage": r.stage, "backend": r.backend, "status": r.status, "objective": r.objective,
+            "best_bound": r.best_bound, "gap": r.gap, "wall_s": r.wall_s}
+
+
+def plan_to_dict(result: PlanResult) -> dict[str, Any]:
+    """A JSON-able document of the whole result; reports render this and never recompute."""
+    e = result.explanation
+    return {
+        "plan": _plan_dict(result.plan),
+        "target": _plan_dict(result.target),
+        "actions": [{"kind": a.kind.value, "reason": a.reason, "replica": replica_to_dict(a.replica)}
+                    for a in result.actions],
+        "deferred_actions": [{"kind": a.kind.value, "reason": a.reason, "replica": replica_to_dict(a.replica)}
+                             for a in result.deferred_actions],
+        "explanation": {
+            "models": [{
+                "model": m.model, "observed_rps": m.observed_rps, "forecast_rps": m.forecast_rps,
+                "demand_rps": m.demand_rps, "headroom": m.headroom, "required_rps": m.required_rps,
+                "capacity_rps": m.capacity_rps, "target_capacity_rps": m.target_capacity_rps,
+                "unmet_rps": m.unmet_rps, "slo_ttft_p99_ms": m.slo_ttft_p99_ms,
+                "slo_itl_p99_ms": m.slo_itl_p99_ms, "usd_h": m.usd_h, "notes": list(m.notes),
+                "configs": [{**_config_dict(c.config), "replicas": c.replicas,
+                             "capacity_per_replica_rps": c.capacity_per_replica_rps, "binding": c.binding,
+                             "load_per_replica_rps": c.load_per_replica_rps,
+                             "predicted_ttft_p99_ms": c.predicted_ttft_p99_ms,
+                             "predicted_itl_p99_ms": c.predicted_itl_p99_ms, "usd_h": c.usd_h,
+                             "profile_capacity_rps": c.profile_capacity_rps,
+                             "capacity_factor": c.capacity_factor, "correction": c.correction,
+                             "extrapolating": list(c.extrapolating),
+                             "observed_ttft_p99_ms": c.observed_ttft_p99_ms,
+                             "observed_itl_p99_ms": c.observed_itl_p99_ms,
+                             "observed_rps_per_replica": c.observed_rps_per_replica}
+                            for c in m.configs],
+                "length_mix": m.length_mix,
+                "uncertainty_usd_h": m.uncertainty_usd_h,
+                "uncertainty_why": list(m.uncertainty_why),
+                "alternatives": [alternative_to_dict(a) for a in m.alternatives],
+            } for m in e.models],
+            "relaxations": [relaxation_to_dict(r) for r in e.relaxations],
+            "binding_constraints": list(e.binding_constraints),
+            "solver": [_report_dict(r) for r in e.solver],
+            "objective": e.objective,
+            "gap": e.gap,
+            "solve_s": e.solve_s,
+            "usd_h": e.usd_h,
+            "target_usd_h": e.target_usd_h,
+            "notes": list(e.notes),
+        },
+        "next_state": state_to_dict(result.next_state),
+    }
