@@ -115,6 +115,8 @@ class ReplayControl:
         self.drain_timeouts = 0
         self.notes: list[str] = []
         self.serving: dict[str, str] = {}  # replica id -> model the router sends requests to
+        self.keep_observations = False  # tests: what each cycle observed, beside the truth
+        self.observations: list[tuple[float, Observation]] = []
 
     # ---- the records ---------------------------------------------------------------------------
     def wall(self, t_s: float) -> float:
@@ -212,6 +214,8 @@ class ReplayControl:
         now = self.wall(t_s)
         obs = observe(readings, evidence, self.models, now_s=now, rules=self.rules, replicas=fleet.replicas,
                       expected_replicas=frozenset(self.rows), serving=self.serving).observation
+        if self.keep_observations:
+            self.observations.append((t_s, obs))
         return self.decide_and_act(t_s, obs, view, fleet)
 
     def decide_and_act(self, t_s: float, obs: Observation, view: act.ActView, fleet: Fleet) -> CycleDecision:
