@@ -13,18 +13,15 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from fleetplan.sim.core import ITL_BUCKETS_S, TTFT_BUCKETS_S
+
 if TYPE_CHECKING:
     from fleetplan.sim.engine import SimEngine
 
-# Bucket edges as in vLLM's vllm/v1/metrics/loggers.py (and trtllm's MetricsCollector defaults).
-TTFT_BUCKETS: tuple[float, ...] = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
-)
-ITL_BUCKETS: tuple[float, ...] = (
-    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-    40.0, 80.0,
-)
+# Bucket edges as in vLLM's vllm/v1/metrics/loggers.py (and trtllm's MetricsCollector defaults):
+# one definition for every simulated engine, the replay's (fleetplan.sim.core) and this HTTP one
+TTFT_BUCKETS: tuple[float, ...] = TTFT_BUCKETS_S
+ITL_BUCKETS: tuple[float, ...] = ITL_BUCKETS_S
 REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
     480.0, 960.0, 1920.0, 7680.0,
