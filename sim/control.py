@@ -106,7 +106,6 @@ class ReplayControl:
         self.noted: frozenset[tuple[str, str]] = frozenset()
         self.past: list[PastAction] = []
         self._next_id = 0
-        self._next_build = 0
         self.drains: dict[str, act.DrainProgress] = {}
         self.models = [m.name for m in self.policy.models]
         self.decisions: list[tuple[float, CycleDecision]] = []  # (t, decision), for parity checks
@@ -136,16 +135,18 @@ class ReplayControl:
         return fleet_from_view(view, cached=self.engines.cached(), to_sim=lambda x: x,
                                build_s=self.policy.build_s)
 
+    def _allocate(self, prefix: str) -> str:
+        """Replica and build ids from one sequence, as StateStore.allocate_id hands them out."""
+        self._next_id += 1
+        return f"{prefix}{self._next_id:05d}"
+
     def _apply(self, d: act.ActDecision, t_s: float, *, cycle: bool) -> None:
         """What StateStore.apply does with the effects, and what the agents then do."""
         now = self.wall(t_s)
         self.noted = self.noted | d.noted
         for e in d.effects:
             if isinstance(e, act.NewReplica):
-                rid = e.row.replica_id
-                if not rid:
-                    self._next_id += 1
-                    rid = f"r{self._next_id:05d}"
+                rid = e.row.replica_id or self._allocate("r")
                 row = replace(e.row, replica_id=rid, created_s=now, updated_s=now)
                 self.rows[rid] = row
                 self.known.add(rid)
@@ -153,10 +154,7 @@ class ReplayControl:
                     self.past.append(PastAction(Direction.UP, now, max(1, row.tp)))
                 self.engines.launch(row, t_s)
             elif isinstance(e, act.NewBuild):
-                bid = e.row.build_id
-                if not bid:
-                    self._next_build += 1
-                    bid = f"b{self._next_build:05d}"
+                bid = e.row.build_id or self._allocate("b")
                 brow = replace(e.row, build_id=bid, created_s=now, updated_s=now)
                 self.builds[bid] = brow
                 self.engines.build(brow, t_s)
