@@ -78,6 +78,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                    "that many token ids, exact: vLLM, trtllm-serve, sim-engine), words (text of that many "
                    "common words, about one token each, for servers that take text only), hint (a short "
                    "prompt plus the prompt_tokens field only fleetplan's sim-engine reads)")
+    r.add_argument("--unique-prompts", action="store_true",
+                   help="a different prompt for every request (no prefix-cache hits); default: requests that "
+                   "share a trace's block hashes (hash_ids) share those prefixes, so a server's prefix cache "
+                   "sees the trace's reuse")
+    r.add_argument("--prefix-salt", default="",
+                   help="other text for the same blocks (a second replay that should not hit the first's cache)")
     r.set_defaults(handler=_replay_load)
 
     b = subparsers.add_parser(
