@@ -93,7 +93,7 @@ async def test_real_vllm_launched_by_agent_observed_by_controller(vllm_dir: Path
         out = await asyncio.to_thread(
             subprocess.run,
             [".venv/bin/python", "-m", "fleetplan", "observe", "--prometheus", rig.lab.prometheus_url,
-             "--window", "60"], capture_output=True, text=True, cwd=str(REPO), timeout=60,
+             "--window", "8"], capture_output=True, text=True, cwd=str(REPO), timeout=60,
         )
         assert MODEL in out.stdout and "ok" in out.stdout, out.stdout + out.stderr
     finally:
