@@ -290,13 +290,7 @@ class Executor:
         controller's drain_timeout_s setting (wall) is the floor and the default."""
         pol = self.policy.policy
         m = next((m for m in pol.models if m.name == model), None) if pol is not None else None
-        if m is None:
-            return self.settings.drain_timeout_s
-        k = self.time_scale
-        explicit = m.drain_timeout_s / k if m.drain_timeout_s is not None else None
-        return act.drain_deadline_s(slo_ttft_s=m.slo.ttft_p99_ms / 1000 / k, slo_itl_s=m.slo.itl_p99_ms / 1000 / k,
-                                    max_output_tokens=m.max_output_tokens, explicit_s=explicit,
-                                    floor_s=self.settings.drain_timeout_s)
+        return act.model_drain_deadline_s(m, floor_s=self.settings.drain_timeout_s, time_scale=self.time_scale)
 
     async def drain(self, rid: str) -> None:
         row = self.store.get_replica(rid)

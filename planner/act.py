@@ -38,7 +38,15 @@ rejected), `act_execute.py` (execute, make-before-break, plan_deferred, held_gpu
 
 from __future__ import annotations
 
-from fleetplan.planner.act_drain import DrainProgress, DrainStep, Routes, drain_deadline_s, drain_step, routes
+from fleetplan.planner.act_drain import (
+    DrainProgress,
+    DrainStep,
+    Routes,
+    drain_deadline_s,
+    drain_step,
+    model_drain_deadline_s,
+    routes,
+)
 from fleetplan.planner.act_execute import execute, held_gpus, incomplete, plan_deferred, template_for
 from fleetplan.planner.act_reconcile import adopt, reconcile, rejected
 from fleetplan.planner.act_types import (
@@ -68,9 +76,42 @@ from fleetplan.planner.act_types import (
 )
 
 __all__ = [
-    "ActDecision", "ActSettings", "ActView", "ActionStatus", "AlertKind", "BuildRow", "BuildState",
-    "DesiredRow", "DrainProgress", "DrainStep", "Effect", "FinishBuild", "HostReport", "MarkReady", "NewBuild",
-    "NewReplica", "Note", "Phase", "Record", "ReplicaRow", "ReportedBuild", "ReportedReplica", "Routes",
-    "SetPhase", "adopt", "alert_key", "drain_deadline_s", "drain_step", "execute", "held_gpus", "incomplete",
-    "plan_deferred", "reconcile", "rejected", "reported_by_id", "routes", "template_for",
+    "ActDecision",
+    "ActSettings",
+    "ActView",
+    "ActionStatus",
+    "AlertKind",
+    "BuildRow",
+    "BuildState",
+    "DesiredRow",
+    "DrainProgress",
+    "DrainStep",
+    "Effect",
+    "FinishBuild",
+    "HostReport",
+    "MarkReady",
+    "NewBuild",
+    "NewReplica",
+    "Note",
+    "Phase",
+    "Record",
+    "ReplicaRow",
+    "ReportedBuild",
+    "ReportedReplica",
+    "Routes",
+    "SetPhase",
+    "adopt",
+    "alert_key",
+    "drain_deadline_s",
+    "drain_step",
+    "execute",
+    "held_gpus",
+    "incomplete",
+    "model_drain_deadline_s",
+    "plan_deferred",
+    "reconcile",
+    "rejected",
+    "reported_by_id",
+    "routes",
+    "template_for",
 ]

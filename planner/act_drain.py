@@ -8,10 +8,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from fleetplan.planner.act_execute import unreported
 from fleetplan.planner.act_types import HostReport, Phase, ReplicaRow, reported_by_id
 from fleetplan.planner.types import ReplicaState
+
+if TYPE_CHECKING:
+    from fleetplan.planner.policy import ModelPolicy
 
 
 @dataclass(frozen=True)
@@ -116,3 +120,14 @@ def drain_deadline_s(*, slo_ttft_s: float, slo_itl_s: float, max_output_tokens: 
     if max_output_tokens is None:
         return floor_s
     return max(floor_s, DRAIN_PACE_ALLOWANCE * (slo_ttft_s + max_output_tokens * slo_itl_s))
+
+
+def model_drain_deadline_s(m: ModelPolicy | None, *, floor_s: float, time_scale: float = 1.0) -> float:
+    """`drain_deadline_s` of a policy model (None: the floor), on a clock `time_scale` times faster than
+    the policy's (the lab's wall clock); the daemon's executor and the replay both ask it."""
+    if m is None:
+        return floor_s
+    k = time_scale
+    explicit = m.drain_timeout_s / k if m.drain_timeout_s is not None else None
+    return drain_deadline_s(slo_ttft_s=m.slo.ttft_p99_ms / 1000 / k, slo_itl_s=m.slo.itl_p99_ms / 1000 / k,
+                            max_output_tokens=m.max_output_tokens, explicit_s=explicit, floor_s=floor_s)

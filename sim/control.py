@@ -159,22 +159,21 @@ class ReplayControl:
                 self.builds[bid] = brow
                 self.engines.build(brow, t_s)
             elif isinstance(e, act.SetPhase):
-                old = self.rows.get(e.replica_id)
-                if old is None:
+                cur = self.rows.get(e.replica_id)
+                if cur is None:
                     continue
-                row = old
                 if e.phase == act.Phase.REMOVED:
                     del self.rows[e.replica_id]
                     self.drains.pop(e.replica_id, None)
                     if cycle:
-                        self.past.append(PastAction(Direction.DOWN, now, max(1, row.tp)))
+                        self.past.append(PastAction(Direction.DOWN, now, max(1, cur.tp)))
                     self.engines.stop(e.replica_id, t_s)
                 else:
-                    self.rows[e.replica_id] = replace(row, phase=e.phase, updated_s=now,
+                    self.rows[e.replica_id] = replace(cur, phase=e.phase, updated_s=now,
                                                       drain_started_s=now if e.phase == act.Phase.DRAINING
-                                                      else row.drain_started_s)
+                                                      else cur.drain_started_s)
                     if e.phase == act.Phase.DRAINING and cycle:
-                        self.past.append(PastAction(Direction.DOWN, now, max(1, row.tp)))
+                        self.past.append(PastAction(Direction.DOWN, now, max(1, cur.tp)))
             elif isinstance(e, act.MarkReady):
                 seen = self.rows.get(e.replica_id)
                 if seen is not None and seen.ready_s is None:
@@ -243,12 +242,7 @@ class ReplayControl:
 
     # ---- drains (controller/executor.py Executor.drain) -------------------------------------------
     def deadline_s(self, model: str) -> float:
-        m = self.policy.model(model)
-        if m is None:
-            return self.s.drain_timeout_s
-        return act.drain_deadline_s(slo_ttft_s=m.slo.ttft_p99_ms / 1000, slo_itl_s=m.slo.itl_p99_ms / 1000,
-                                    max_output_tokens=m.max_output_tokens, explicit_s=m.drain_timeout_s,
-                                    floor_s=self.s.drain_timeout_s)
+        return act.model_drain_deadline_s(self.policy.model(model), floor_s=self.s.drain_timeout_s)
 
     def start_drain(self, rid: str, t_s: float) -> None:
         row = self.rows.get(rid)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from fleetplan.planner import act
 from fleetplan.planner.act import (
     ActionStatus,
@@ -403,3 +405,19 @@ def test_routing_drops_a_lost_host_but_keeps_one_whose_agent_restarts() -> None:
         gone = HostReport("gpu-02", False, "h100", 8, replicas=(reported("r2"),), offline_since_s=offline_s)
         got = _routes(host("gpu-01", reported("r1")), gone, rows=rows)
         assert got is not None and got.serving == {"llama": served}
+
+
+def test_a_models_drain_deadline_is_one_rule_for_the_daemon_and_the_replay() -> None:
+    from tests.unit.planner.planner_helpers import policy
+
+    base = policy(tps={"m8": [1], "m70": [4]}).model("m8")
+    assert base is not None
+    m = base.model_copy(update={"max_output_tokens": 2000})
+    sim = act.model_drain_deadline_s(m, floor_s=1.0)
+    assert sim == act.drain_deadline_s(slo_ttft_s=m.slo.ttft_p99_ms / 1000, slo_itl_s=m.slo.itl_p99_ms / 1000,
+                                       max_output_tokens=m.max_output_tokens, explicit_s=m.drain_timeout_s,
+                                       floor_s=1.0)
+    # the lab's clock runs 20x: the same deadline in wall seconds, above the wall floor
+    assert sim > 1.0
+    assert act.model_drain_deadline_s(m, floor_s=0.0, time_scale=20.0) == pytest.approx(sim / 20.0)
+    assert act.model_drain_deadline_s(None, floor_s=120.0) == 120.0
