@@ -240,7 +240,6 @@ class FleetSim:
         self.heap: list[tuple[float, int, int, str, object]] = []
         self._seq = 0
         self.replica_scrape_hist: list[tuple[float, dict[str, ReplicaLoad]]] = []
-        self.builds: dict[ConfigKey, EngineBuild] = {}
         self.sim_builds: dict[str, _SimBuild] = {}
         self.build_gpu_s: dict[str, float] = {}
         self.replica_starts = 0
@@ -282,9 +281,6 @@ class FleetSim:
         c = row.config
         bs = self.env.build_s(c) or 0.0
         self.sim_builds[row.build_id] = _SimBuild(row, c, t_s + bs)
-        if not self._built(c) and not (c in self.builds and not self.builds[c].ready):
-            self.builds[c] = EngineBuild(c.model, c.engine, c.gpu, c.tp, c.precision, row.host, False,
-                                         self.env.epoch0_s + t_s + bs)
         self.n_builds += 1
         self.build_gpu_s[c.gpu.value] = self.build_gpu_s.get(c.gpu.value, 0.0) + bs * max(
             1, len(row.gpu_indices) or c.tp)
@@ -311,7 +307,9 @@ class FleetSim:
     def cached(self) -> list[EngineBuild]:
         out = [EngineBuild(c.model, c.engine, c.gpu, c.tp, c.precision, None, True, None)
                for c in sorted(self.env.cached)]
-        out += [b for c, b in sorted(self.builds.items()) if b.ready and c not in self.env.cached]
+        done = {b.config: b for b in sorted(self.sim_builds.values(), key=lambda b: b.done_t) if b.done}
+        out += [EngineBuild(c.model, c.engine, c.gpu, c.tp, c.precision, done[c].row.host, True, None)
+                for c in sorted(done) if c not in self.env.cached]
         return out
 
     def inflight(self, replica_id: str) -> float | None:
@@ -365,18 +363,23 @@ class FleetSim:
         rep.t_gpu = t
         delay = self.env.startup_s(config)
         if self.env.build_s(config) is not None and not self._built(config):
-            b = self.builds.get(config)
-            if b is not None and b.eta_s is not None:
-                delay += max(0.0, b.eta_s - self.env.epoch0_s - t)
+            b = self._build_of(config)
+            if b is not None:  # the agent waits for the engine the build is making
+                delay += max(0.0, b.done_t - t)
             else:
                 delay += self.env.build_s(config) or 0.0
         self._push(t + delay, self._P_LIFE, "ready", (rep, rep.version))
 
+    def _build_of(self, config: ConfigKey) -> _SimBuild | None:
+        """The config's engine build: a finished one, else the one finishing first (None: none)."""
+        return min((b for b in self.sim_builds.values() if b.config == config),
+                   key=lambda b: (not b.done, b.done_t), default=None)
+
     def _built(self, config: ConfigKey) -> bool:
         if config in self.env.cached:
             return True
-        b = self.builds.get(config)
-        return b is not None and b.ready
+        b = self._build_of(config)
+        return b is not None and b.done
 
     def _ready(self, rep: _SimReplica, t: float) -> None:
         if rep.state != ReplicaState.STARTING:
@@ -623,9 +626,6 @@ class FleetSim:
                     sb = self.sim_builds.get(cast(str, payload))
                     if sb is not None:
                         sb.done = True
-                        c = sb.config
-                        self.builds[c] = EngineBuild(c.model, c.engine, c.gpu, c.tp, c.precision, sb.row.host,
-                                                     True, None)
                 continue
             # an arrival
             t = ta
