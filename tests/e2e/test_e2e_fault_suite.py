@@ -5,27 +5,35 @@ process a request runs on), and the fleet settled again."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from fleetplan.harness.fault_suite import FaultSuite, summary
 from fleetplan.harness.rig_tools import ISL, MODEL, OSL, K, Load, policy_doc, ready_replicas, wait_until
 
 
-async def test_agent_kill9_and_prometheus_empty_restart_under_load(rig, controller_factory) -> None:  # type: ignore[no-untyped-def]
-    over = {"min_replicas": 1, "max_replicas": 4}
+async def _run(rig, controller_factory, over: dict[str, Any], faults: list[str],  # type: ignore[no-untyped-def]
+               **suite_kw: float) -> tuple[list[Any], str]:
+    """The suite's `faults` on a controller with `policy_doc(**over)` under 0.8 simulated rps: 2
+    replicas with a margin (about 1.15 rps required against 1.45 for two), away from a sizing
+    boundary, so that a scale-down can only be the fault's (an under-read demand)."""
     ctrl = controller_factory(policy_doc(**over)).start()
     await wait_until(lambda: ready_replicas(ctrl.report()), 40, "the first replica ready")
     load = Load(rig.lab.nginx_url, MODEL, speed=K, isl=ISL, osl=OSL)
-    # 0.8 simulated rps: 2 replicas with a margin (about 1.15 rps required against 1.45 for two),
-    # away from a sizing boundary, so that a scale-down can only be the fault's (an under-read demand)
     load.start(0.8)
-    suite = FaultSuite(rig, ctrl, load, seconds=6.0, recover_timeout_s=30.0, policy_over=over)
+    suite = FaultSuite(rig, ctrl, load, seconds=6.0, recover_timeout_s=30.0, policy_over=over, **suite_kw)
     await suite.start()
     try:
         assert await suite.settle(timeout_s=60) is None, "the fleet did not settle under load"
-        results = await suite.run(["agent_kill9", "prometheus_empty"])
+        results = await suite.run(faults)
     finally:
         await suite.close()
         await load.stop()
-    table = summary(results) + "\n" + "\n".join(f"{r.name}: {'; '.join(r.notes)}" for r in results)
+    return results, summary(results) + "\n" + "\n".join(f"{r.name}: {'; '.join(r.notes)}" for r in results)
+
+
+async def test_agent_kill9_and_prometheus_empty_restart_under_load(rig, controller_factory) -> None:  # type: ignore[no-untyped-def]
+    results, table = await _run(rig, controller_factory, {"min_replicas": 1, "max_replicas": 4},
+                                ["agent_kill9", "prometheus_empty"])
     for r in results:
         assert r.sent > 50, table
         assert r.recover_s is not None, table
@@ -37,20 +45,8 @@ async def test_router_kill_restart_and_a_lying_status_under_load(rig, controller
     routes through the new master), and a status claiming 24 GPUs for an 8-GPU host (alerted, no
     replica on GPU 8 or above). Requests sent while nginx is down are explained; nothing else fails."""
     over = {"min_replicas": 1, "max_replicas": 4, "hosts": [(h.name, 8) for h in rig.lab.hosts]}
-    ctrl = controller_factory(policy_doc(**over)).start()
-    await wait_until(lambda: ready_replicas(ctrl.report()), 40, "the first replica ready")
-    load = Load(rig.lab.nginx_url, MODEL, speed=K, isl=ISL, osl=OSL)
-    load.start(0.8)
-    suite = FaultSuite(rig, ctrl, load, seconds=6.0, recover_timeout_s=30.0, policy_over=over, hold_s=3.0,
-                       router_hold_s=3.0)
-    await suite.start()
-    try:
-        assert await suite.settle(timeout_s=60) is None, "the fleet did not settle under load"
-        results = await suite.run(["router_kill_restart", "lying_status"])
-    finally:
-        await suite.close()
-        await load.stop()
-    table = summary(results) + "\n" + "\n".join(f"{r.name}: {'; '.join(r.notes)}" for r in results)
+    results, table = await _run(rig, controller_factory, over, ["router_kill_restart", "lying_status"],
+                                hold_s=3.0, router_hold_s=3.0)
     for r in results:
         assert r.sent > 50, table
         assert r.recover_s is not None, table
