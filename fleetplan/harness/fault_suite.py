@@ -491,6 +491,27 @@ class FaultSuite:
         await asyncio.to_thread(kill_wipe_restart)
         return Injection(t, notes=["restarted with an empty TSDB"])
 
+    async def _serving_status(self) -> tuple[str, dict[str, Any]]:
+        """A host serving the model, and its retained status as the broker holds it (read with the
+        observer's credentials)."""
+        import aiomqtt
+
+        from fleetplan.controller.protocol import status_topic
+
+        host = await asyncio.to_thread(self._serving_host)
+        lab = self.rig.lab
+        obs = lab.observer
+        async with aiomqtt.Client(lab.mqtt_host, lab.mqtt_port, username=obs.user, password=obs.password,
+                                  protocol=aiomqtt.ProtocolVersion.V5) as client:
+            await client.subscribe(status_topic(host))
+            async with asyncio.timeout(10):
+                async for msg in client.messages:
+                    payload = msg.payload
+                    status: dict[str, Any] = json.loads(
+                        payload if isinstance(payload, (bytes, bytearray, str)) else b"{}")
+                    return host, status
+        raise RuntimeError(f"no retained status for {host}")
+
     async def _fault_bad_messages(self) -> Injection:
         """A burst of bad statuses and acks on one host's topics, with that host's credentials. The
         broker ties the client id to the user, so the burst takes the agent's session over: the agent
@@ -501,17 +522,8 @@ class FaultSuite:
 
         if self.bad_payloads is None:
             raise ValueError("bad_messages needs a payload generator")
-        host = await asyncio.to_thread(self._serving_host)
+        host, status = await self._serving_status()
         lab = self.rig.lab
-        obs = lab.observer
-        async with aiomqtt.Client(lab.mqtt_host, lab.mqtt_port, username=obs.user, password=obs.password,
-                                  protocol=aiomqtt.ProtocolVersion.V5) as client:
-            await client.subscribe(status_topic(host))
-            async with asyncio.timeout(10):
-                async for msg in client.messages:
-                    payload = msg.payload
-                    status = json.loads(payload if isinstance(payload, (bytes, bytearray, str)) else b"{}")
-                    break
         burst = self.bad_payloads(status)
         agent = self.rig.agents[host]
         h = lab.host(host)
@@ -645,17 +657,8 @@ class FaultSuite:
 
         from fleetplan.controller.protocol import status_topic
 
-        host = await asyncio.to_thread(self._serving_host)
+        host, status = await self._serving_status()
         lab = self.rig.lab
-        obs = lab.observer
-        async with aiomqtt.Client(lab.mqtt_host, lab.mqtt_port, username=obs.user, password=obs.password,
-                                  protocol=aiomqtt.ProtocolVersion.V5) as client:
-            await client.subscribe(status_topic(host))
-            async with asyncio.timeout(10):
-                async for msg in client.messages:
-                    payload = msg.payload
-                    status = json.loads(payload if isinstance(payload, (bytes, bytearray, str)) else b"{}")
-                    break
         lie = {**status, "gpu_count": 24, "nvlink_groups": [list(range(24))], "updated_s": time.time()}
         agent = self.rig.agents[host]
         h = lab.host(host)
