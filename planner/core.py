@@ -198,9 +198,12 @@ def plan(
     result = plan_with_capacities(observation, fleet, policy, table, state, now_s, predictor=predictor,
                                   relaxed_capacities=relaxed, counterfactuals=counterfactuals)
     means = mean_speeds(corrections)
+    table_by_model: dict[str, dict[ConfigKey, CapacityInfo]] = {}
+    for c, info in table.items():  # one pass: a per-model scan of the table is O(models x table)
+        table_by_model.setdefault(c.model, {})[c] = info
     models = []
     for me in result.explanation.models:
-        u = cost_of_uncertainty(me, policy, table, speeds, means, chosen, workloads)
+        u = cost_of_uncertainty(me, policy, table_by_model.get(me.model, {}), speeds, means, chosen, workloads)
         models.append(replace(me, uncertainty_usd_h=u.usd_h, uncertainty_why=u.why))
     return replace(result, explanation=replace(result.explanation, models=tuple(models)))
 

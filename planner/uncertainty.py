@@ -64,6 +64,7 @@ def cost_of_uncertainty(model: ModelExplanation, policy: Policy, table: Mapping[
                         applied: Mapping[ConfigKey, Speeds], means: Mapping[ConfigKey, Speeds],
                         profiles: Mapping[ConfigKey, mp.PerfProfile],
                         workloads: Mapping[str, MixedWorkload]) -> Uncertainty:
+    """`table`: the model's own configs' capacities (the caller groups the table once per plan)."""
     m = policy.model(model.model)
     if m is None:
         return Uncertainty(0.0, model.usd_h, ())
