@@ -207,7 +207,7 @@ class Agent:
             if isinstance(spec, DesiredReplica):
                 # Check health at once so that the first status after a restart says "ready" for
                 # engines that were serving (no routing flap in the controller).
-                ready = await self._healthy_now(spec)
+                ready = await self._adopted_ready(spec, was_ready=isinstance(record.get("ready_s"), float))
                 since = record.get("ready_s") if ready else None
                 self.instances[spec.replica_id] = _Instance(
                     spec, ReplicaPhase.READY if ready else ReplicaPhase.STARTING,
@@ -446,14 +446,24 @@ class Agent:
         path = template.health_path if template else "/health"
         return f"http://{self.config.health_host}:{replica.port}{path}"
 
-    async def _healthy_now(self, replica: DesiredReplica) -> bool:
+    async def _adopted_ready(self, replica: DesiredReplica, *, was_ready: bool, attempts: int = 3) -> bool:
+        """Whether a re-adopted engine (the same process: pid, start time and command line checked)
+        serves: its health endpoint answers 200. One that was ready before the restart and does not
+        answer in time (a busy host: the fault suite's agent kill -9 on 2 loaded cores) stays ready,
+        as a running replica does between health probes; only an answer other than 200 (starting,
+        draining) makes it "starting" again. Why: a "starting" status unroutes the replica, and
+        with every replica of a model on this host, requests would get 503 until the next probe."""
         import httpx
 
-        try:
-            async with httpx.AsyncClient(timeout=2.0) as client:
-                return (await client.get(self._health_url(replica))).status_code == 200
-        except httpx.HTTPError:
-            return False
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            for attempt in range(attempts):
+                try:
+                    return (await client.get(self._health_url(replica))).status_code == 200
+                except httpx.HTTPError as exc:
+                    log.info("re-adopted replica %s: health probe %d/%d failed (%s)", replica.replica_id,
+                             attempt + 1, attempts, exc)
+                    await asyncio.sleep(0.5)
+        return was_ready
 
     async def _health_wait(self, inst: _Instance, handle: Handle) -> None:
         import httpx

@@ -38,7 +38,7 @@ from fleetplan.harness.lab import allocate_port_ranges
 from fleetplan.harness.servers import MosquittoServer
 
 REPO = Path(__file__).resolve().parents[2]
-HOSTS = ("h-basic", "h-bad", "h-broker", "h-restart", "h-crash", "h-build", "h-kill9", "h-systemd", "h-hostile")
+HOSTS = ("h-basic", "h-bad", "h-broker", "h-restart", "h-crash", "h-build", "h-kill9", "h-busy", "h-systemd", "h-hostile")
 
 FAKE_ENGINE = r'''
 import json, os, signal, sys, time
@@ -500,6 +500,34 @@ async def test_agent_restart_readopts_engines_without_duplicates(
         assert "re-adopted replica r1" in agent.log() and "re-adopted replica r2" in agent.log()
         await asyncio.sleep(1.0)  # a few reconcile passes: still no second start
         assert agent.log().count("started replica r1") == 1
+
+
+async def test_agent_restart_keeps_a_ready_engine_ready_while_its_health_probe_times_out(
+    broker: MosquittoServer, agent_factory: Callable[[str], AgentProcess]
+) -> None:
+    """A busy host (the fault suite's agent kill -9 on 2 loaded cores): an engine that served before
+    the restart but does not answer its health probe in time is still ready in the first status
+    (a "starting" one is unrouted: 503s while it was serving)."""
+    agent = agent_factory("h-busy")
+    p = agent.ports
+    async with FakeController(broker, "h-busy") as ctl:
+        await ctl.publish({"version": 1, "replicas": [replica("r1", p[0], [0]), replica("r2", p[1], [1])]})
+        before = pids(await ctl.wait_status(all_ready("r1", "r2"), "both ready"))
+        r2_pid = before["r2"]
+        assert r2_pid is not None
+        assert agent.stop(signal.SIGTERM) == 0
+        await ctl.wait_status(lambda s: not s.online, "offline after SIGTERM")
+        os.killpg(r2_pid, signal.SIGSTOP)  # r2 accepts connections (the kernel's backlog), answers none
+        try:
+            seen = len(ctl.statuses)
+            agent.start()
+            await ctl.wait_status(lambda s: s.online, "online again", timeout_s=30)
+            first_online = next(s for s in ctl.statuses[seen:] if s.online)
+            assert states(first_online) == {"r1": "ready", "r2": "ready"}
+            assert "re-adopted replica r2" in agent.log() and "health probe 3/3 failed" in agent.log()
+        finally:
+            os.killpg(r2_pid, signal.SIGCONT)
+        assert pids(await ctl.wait_status(all_ready("r1", "r2"), "both ready")) == before
 
 
 async def test_agent_kill9_then_engine_exit_while_down_is_restarted(
