@@ -53,6 +53,7 @@ from fleetplan.planner.counts import (
     ModelDemand,
     solve_counts,
 )
+from fleetplan.planner.explore import canaries
 from fleetplan.planner.forecast import forecast_rate, recent_level_max
 from fleetplan.planner.placement import LIVE_STATES, Placement, place, slots_by_gpu
 from fleetplan.planner.plan_json import plan_to_dict, replica_to_dict
@@ -486,6 +487,12 @@ def plan_with_capacities(
         demands[name] = replace(d, required_rps=0.0, notes=(*d.notes, why))
 
     _scale_down_band(demands, current, capacities, policy.scaling.scale_down_band)
+    # exploration: a canary of a config never measured whose profile promises a cheaper fleet
+    trials = canaries(policy, capacities, state.correction_map(),
+                      {m: d.required_rps for m, d in demands.items() if d.known and m not in unknown}, ready)
+    for name, canary in trials.items():
+        floors[canary.config] = max(floors.get(canary.config, 0), 1)
+        demands[name] = replace(demands[name], notes=(*demands[name].notes, canary.note()))
     target_cands = _candidates(policy, capacities, gpus, ready, now_only=False)
     target_problem = _count_problem(policy, eff, target_cands, demands, slots, current, floors)
     target_sol, target_place = _solve_and_place(target_problem, hosts, fleet.replicas, drained, reports)

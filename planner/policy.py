@@ -329,6 +329,9 @@ class Scaling(_Strict):
     churn_cost_usd_h: float = Field(default=0.5, ge=0, le=MAX_USD_H)  # objective penalty per replica started/stopped
     lead_time_cost_usd_h_per_min: float = Field(default=0.02, ge=0, le=MAX_USD_H)  # per minute of startup of a new replica
     forecast_quantile: float = Field(default=0.9, gt=0, lt=1)
+    # exploration (planner/explore.py): the most GPUs one canary replica of a config never measured
+    # may use; 0 (the default, opt-in: on the traces measured it did not pay, docs/evaluate.md): never
+    explore_max_gpus: int = Field(default=0, ge=0, le=MAX_GPUS)
     # hysteresis (planner/core.py _scale_down_band): a model scales down only when the smaller fleet
     # still covers its required rate x (1 + this), the margin at most half a replica; 0: none
     scale_down_band: float = Field(default=0.1, ge=0, le=1)
