@@ -57,6 +57,9 @@ class Speeds:
     ttft: float = 1.0
     itl: float = 1.0
     note: str = ""
+    # a faster engine than the profile is trusted up to this load per replica (rps; None: no bound):
+    # evidence gathered at low load does not prove the knee (planner/correction.py TRUST_GROWTH)
+    trusted_rps: float | None = None
 
 
 def candidate_configs(policy: Policy, gpus: Iterable[GpuType]) -> list[ConfigKey]:
@@ -175,6 +178,10 @@ def config_capacity(profile: mp.PerfProfile, workload: MixedWorkload, m: ModelPo
         return float(cap.max_rps), cap.binding.value
     c = capacity_mix(profile, mix, ttft_p99_ms=m.slo.ttft_p99_ms, itl_p99_ms=m.slo.itl_p99_ms,
                      ttft_speed=speeds.ttft, itl_speed=speeds.itl)
+    if speeds.trusted_rps is not None and c.max_rps > speeds.trusted_rps:
+        base, binding = config_capacity(profile, workload, m)
+        if base < c.max_rps:
+            return max(base, speeds.trusted_rps), binding if base >= speeds.trusted_rps else c.binding
     return c.max_rps, c.binding
 
 

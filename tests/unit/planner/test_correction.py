@@ -203,3 +203,52 @@ def test_the_regression_holds_a_faster_engine_to_the_loads_it_was_seen_at() -> N
     same = observe_once({KEY: replace(c, ttft_points=flat, itl_points=flat)},
                         replace(obs, ttft_p99_ms=seen.ttft_p99_ms / 2.0, itl_p99_ms=seen.itl_p99_ms / 2.0), 1060.0)
     assert same[KEY].applied_ttft_log > same[KEY].ttft_log - 0.05
+
+
+def test_a_lone_surprise_toward_faster_is_noise_and_a_slower_one_is_followed_at_once() -> None:
+    # long context: one window's p99 says x1.6 (no 70k-token prefill landed in it), the window
+    # before said x0.9; the estimate (x1.0, settled) moves a little. Two such windows in a row are an
+    # engine that changed: the filter follows (the capped step). Toward slower: at once, always
+    from fleetplan.planner.correction import MAX_STEP_DOWN, MAX_STEP_UP, _kalman, _Reading
+
+    fast = _Reading(math.log(1.6), None, None, 0.0625)
+    lone, _ = _kalman(0.0, 0.01, fast, z_prev=math.log(0.9))
+    persistent, _ = _kalman(0.0, 0.01, fast, z_prev=math.log(1.5))
+    first, _ = _kalman(0.0, 0.01, fast, z_prev=None)  # the first window: nothing to compare with
+    assert 0.0 < lone < 0.05
+    assert persistent == pytest.approx(MAX_STEP_UP) and first == persistent
+    slow = _Reading(math.log(0.45), None, None, 0.0625)
+    assert _kalman(0.0, 0.01, slow, z_prev=math.log(1.1))[0] == pytest.approx(-MAX_STEP_DOWN)
+
+
+def test_a_faster_engine_is_trusted_up_to_twice_the_load_it_was_seen_at() -> None:
+    # the demo's day: ITL x1.27 seen at 0.5-1.3 rps per replica said 2.55 rps where the truth is 1.66;
+    # the correction's capacity is bounded by TRUST_GROWTH x the highest load per replica seen
+    from fleetplan.planner.correction import TRUST_GROWTH
+
+    work = {"m8": MixedWorkload(500.0, 200.0)}
+    profile_rps = capacity_mix(TRUE, MIX, **SLO).max_rps
+    low = profile_rps / 4
+    fast = Correction(KEY, 0.5, 0.001, 0.5, 0.001, 12, 0.0, 0.0, 1.65, 1.65, 0.5, 0.5,
+                      ((low, 0.5, 300.0),) * 4, ((low, 0.5, 300.0),) * 4)
+    speeds = applied_speeds({KEY: fast}, {KEY: TRUE}, {})
+    table, _ = capacity_table(POLICY, {KEY: TRUE}, work, [H100], speeds=speeds)
+    assert table[KEY].max_rps == pytest.approx(profile_rps, rel=1e-3)  # 2 x a quarter of it: the profile holds
+    seen_high = replace(fast, itl_points=((0.8 * profile_rps, 0.5, 300.0),) * 4)
+    table, _ = capacity_table(POLICY, {KEY: TRUE}, work, [H100],
+                              speeds=applied_speeds({KEY: seen_high}, {KEY: TRUE}, {}))
+    unbounded, _ = capacity_table(POLICY, {KEY: TRUE}, work, [H100],
+                                  speeds={KEY: replace(speeds[KEY], trusted_rps=None)})
+    assert table[KEY].max_rps == pytest.approx(TRUST_GROWTH * 0.8 * profile_rps)
+    assert table[KEY].max_rps < unbounded[KEY].max_rps
+    assert "trusted up to" in speeds[KEY].note
+
+
+def test_a_config_not_observed_starts_from_what_its_siblings_showed() -> None:
+    # issue 18.3: a slower engine seen on one config moves the model's others before they run
+    other = ConfigKey("m8", VLLM, H100, 2, BF16)
+    slow = Correction(KEY, -0.5, 0.002, -0.5, 0.002, 12)
+    speeds = applied_speeds({KEY: slow}, {KEY: TRUE, other: TRUE}, {})
+    assert speeds[other].itl == pytest.approx(math.exp(-0.5), rel=1e-6)
+    assert "shared from the model's observed configs" in speeds[other].note
+    assert applied_speeds({}, {other: TRUE}, {}) == {}  # nothing observed: the profile as fitted
