@@ -71,7 +71,13 @@ class ConfigKey:
     precision: Precision
 
     def label(self) -> str:
-        return f"{self.model}/{self.engine.value}/{self.gpu.value}x{self.tp}/{self.precision.value}"
+        # computed once per key (the planner labels ~40k keys per plan at 500 models, bench/solve_scale.py);
+        # kept in the instance dict, which a frozen dataclass allows and eq/order/hash ignore
+        cached = self.__dict__.get("_label")
+        if cached is None:
+            cached = f"{self.model}/{self.engine.value}/{self.gpu.value}x{self.tp}/{self.precision.value}"
+            self.__dict__["_label"] = cached
+        return cached
 
 
 @dataclass(frozen=True)

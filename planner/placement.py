@@ -55,9 +55,12 @@ def first_free(groups: Sequence[Sequence[int]], busy: Collection[int], tp: int) 
     return None
 
 
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+
 def safe_id(raw: str) -> str:
     """An id the agent protocol accepts ([A-Za-z0-9][A-Za-z0-9_-]{0,63}); long ones get a hash suffix."""
-    text = re.sub(r"[^A-Za-z0-9_-]", "-", raw).lstrip("-_") or "x"
+    text = _UNSAFE.sub("-", raw).lstrip("-_") or "x"
     if len(text) <= 64:
         return text
     return text[:51].rstrip("-_") + "_" + hashlib.sha1(raw.encode()).hexdigest()[:12]
