@@ -184,7 +184,8 @@ class Controller:
         if self.settings.routing.nginx_upstreams_path is not None and self.nginx_reload is not None:
             from fleetplan.controller.routing import NginxRouter
 
-            self.executor.router = NginxRouter(self.settings.routing.nginx_upstreams_path, self.nginx_reload)
+            self.executor.router = NginxRouter(self.settings.routing.nginx_upstreams_path, self.nginx_reload,
+                                               affinity=self.settings.routing.affinity_headers)
         self._tasks.append(asyncio.create_task(self.link.run(), name="mqtt"))
         self.report_runner, self.report_url = await start_report_server(self, self.report_listen, self.report_token)
         # resume: republish every host's desired state (version bumped), resume drains

@@ -103,7 +103,7 @@ def read_generation(upstreams_text: str) -> str | None:
     return match["gen"] if match else None
 
 
-_HEADER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,63}$")
+HEADER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,63}$")
 
 
 def _affinity_var(header: str) -> str:
@@ -132,7 +132,7 @@ def render_nginx_upstreams(endpoints: Mapping[str, Sequence[str]], *,
     ]
     hashed = {m: h for m, h in (affinity or {}).items() if table.get(m)}
     for header in sorted(set(hashed.values())):
-        if not _HEADER_RE.match(header):
+        if not HEADER_RE.match(header):
             raise ValueError(f"affinity header {header!r}: expected letters, digits and '-'")
         http_var = "$http_" + header.lower().replace("-", "_")
         lines += [f"map {http_var} {_affinity_var(header)} {{", '    "" $request_id;', f"    default {http_var};",
@@ -287,9 +287,11 @@ class NginxRouter:
     on failure. Blocking: from asyncio call `await asyncio.to_thread(router.apply, endpoints)`.
     """
 
-    def __init__(self, upstreams_path: str | Path, reload: Callable[[], None]) -> None:
+    def __init__(self, upstreams_path: str | Path, reload: Callable[[], None], *,
+                 affinity: Mapping[str, str] | None = None) -> None:
         self.upstreams_path = Path(upstreams_path)
         self._reload = reload
+        self.affinity = dict(affinity or {})  # model -> session header (render_nginx_upstreams)
         self._lock = threading.Lock()  # one rewrite + reload at a time (callers use worker threads)
 
     def current_text(self) -> str | None:
@@ -304,7 +306,7 @@ class NginxRouter:
         On return nginx serves the new table (when `reload` waits for it, as the lab's does).
         On a reload failure the previous file is restored and NginxReloadError is raised.
         """
-        text = render_nginx_upstreams(endpoints)
+        text = render_nginx_upstreams(endpoints, affinity=self.affinity)
         with self._lock:
             return self._apply_locked(text)
 

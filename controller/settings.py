@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from fleetplan.controller.mqtt import MqttSettings
+from fleetplan.controller.routing import HEADER_RE
 
 
 class RoutingSettings(BaseModel):
@@ -20,6 +21,19 @@ class RoutingSettings(BaseModel):
     # the router's front (e.g. http://127.0.0.1:8080): probed every cycle at /-/fleetplan/routing
     # (down: alert, fleetplan_router_up 0; back: the routing table re-applied)
     router_url: str | None = None
+    # model -> a request header carrying a session/conversation id (e.g. X-Session-Id): nginx hashes
+    # it on a consistent-hash ring so a conversation's turns reach the replica holding its prefix
+    # cache (controller/routing.py); models not named: least_conn
+    affinity_headers: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("affinity_headers")
+    @classmethod
+    def _headers_valid(cls, v: dict[str, str]) -> dict[str, str]:
+        for model, header in v.items():
+            if not HEADER_RE.match(header):
+                raise ValueError(f"affinity header {header!r} for model {model!r}: expected letters, digits "
+                                 "and '-' (e.g. X-Session-Id)")
+        return v
 
 
 class ControllerSettings(BaseModel):

@@ -13,8 +13,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import httpx
 import pytest
 from aiohttp import web
+from pydantic import ValidationError
 
 from fleetplan.controller.routing import NginxReloadError, NginxRouter, read_generation
+from fleetplan.controller.settings import ControllerSettings
 from fleetplan.harness.servers import NginxServer
 
 Backend = tuple[str, list[str]]  # (host:port, paths it received)
@@ -159,3 +161,29 @@ async def test_model_names_with_slashes_dots_colons_route_exactly(
             assert r.json()["backend"] == name
         # "a.b" is a name, not a regex: "/m/aXb/" routes nowhere.
         assert (await client.post("/m/aXb/v1/completions", json={})).status_code == 404
+
+
+async def test_affinity_keeps_a_session_on_one_replica_through_real_nginx(
+    nginx: NginxServer, backends: Callable[[str], Awaitable[Backend]]
+) -> None:
+    """Issue 20: `routing.affinity_headers` in the controller's settings -> nginx hashes the session
+    header on a consistent ring: one conversation's turns reach the replica holding its prefix
+    cache; sessions spread over the replicas; a request without the header is still served."""
+    (b1, _), (b2, _), (b3, _) = await backends("b1"), await backends("b2"), await backends("b3")
+    settings = ControllerSettings.model_validate({"routing": {"affinity_headers": {"m": "X-Session-Id"}}})
+    router = NginxRouter(nginx.upstreams_path, nginx.reload, affinity=settings.routing.affinity_headers)
+    assert await asyncio.to_thread(router.apply, {"m": [b1, b2, b3]})
+    async with httpx.AsyncClient(base_url=nginx.url, timeout=5) as client:
+        where: dict[str, set[str]] = {}
+        for turn in range(4):
+            for s in range(12):
+                r = await client.post("/m/m/v1/completions", headers={"X-Session-Id": f"conv-{s}"},
+                                      json={"turn": turn})
+                assert r.status_code == 200
+                where.setdefault(f"conv-{s}", set()).add(r.json()["backend"])
+        assert all(len(b) == 1 for b in where.values()), where  # every turn of a session: one replica
+        assert len(set().union(*where.values())) >= 2  # sessions spread
+        r = await client.post("/m/m/v1/completions", json={})
+        assert r.status_code == 200
+    with pytest.raises(ValidationError, match="affinity header"):
+        ControllerSettings.model_validate({"routing": {"affinity_headers": {"m": "bad header;"}}})
