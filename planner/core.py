@@ -73,6 +73,7 @@ from fleetplan.planner.types import (
     PlannerState,
     PlanResult,
     Replica,
+    ReplicaState,
     SolverReport,
 )
 from fleetplan.planner.uncertainty import cost_of_uncertainty, mean_speeds
@@ -306,6 +307,55 @@ def _demands(observation: Observation, policy: Policy, now_s: float,
     return out, tuple(memory)
 
 
+YOUNG_CYCLES = 3  # a replica started or ready for less than this many cycles is not swapped away
+
+
+def _young_floors(fleet: Fleet, usable: set[str], demands: Mapping[str, _Demand],
+                  capacities: Mapping[ConfigKey, CapacityInfo], current: Mapping[ConfigKey, int],
+                  now_s: float, young_s: float) -> dict[ConfigKey, int]:
+    """Per config, how many of its replicas started (or READY) less than `young_s` ago are kept: a
+    replica started in one cycle is not drained in the next few unless its model's demand fell,
+    i.e. unless the model's running capacity covers its required rate without it (a scale-down,
+    which the scale-down rules govern); a drain that would need a replacement (a swap) waits.
+    Why: at a cold start the first plan sizes the fleet for the policy's default length mix, the
+    next one for the observed mix, and the first TensorRT-LLM replica was replaced within ~15 s of
+    starting (issue 19); a swap a few cycles later costs less than a start thrown away.
+
+    >>> from fleetplan.planner.types import ReplicaState
+    >>> from fleetplan.models.names import Engine, GpuType, Precision
+    >>> k = ConfigKey("m", Engine.TRTLLM, GpuType("h100"), 4, Precision.BF16)
+    >>> r1, r2 = (Replica(f"r{i}", k, "h1", (i,), ReplicaState.STARTING, 8000 + i, 990.0) for i in (1, 2))
+    >>> d = _Demand("m", 3.0, 3.0, 3.0, 3.6, True, ())
+    >>> floors = _young_floors(Fleet((), (r1,)), {"h1"}, {"m": d}, {k: CapacityInfo(8.0, "itl")}, {k: 1}, 1000.0, 90.0)
+    >>> list(floors.values())  # without it nothing serves the 3.6 rps: a drain would be a swap
+    [1]
+    >>> floors = _young_floors(Fleet((), (r1, r2)), {"h1"}, {"m": d}, {k: CapacityInfo(8.0, "itl")}, {k: 2}, 1000.0, 90.0)
+    >>> list(floors.values())  # demand fell below one replica: one of the two may go
+    [1]
+    """
+    surplus: dict[str, float] = {}
+    for c, n in current.items():
+        info = capacities.get(c)
+        if info is not None and math.isfinite(info.max_rps):
+            surplus[c.model] = surplus.get(c.model, 0.0) + n * info.max_rps
+    for m, dm in demands.items():
+        surplus[m] = surplus.get(m, 0.0) - dm.required_rps
+    young = [r for r in fleet.replicas if r.state in LIVE_STATES and r.host in usable
+             and (r.state != ReplicaState.READY or (r.since_s is not None and now_s - r.since_s < young_s))]
+    out: dict[ConfigKey, int] = {}
+    for r in sorted(young, key=lambda r: (-(capacities[r.config].max_rps if r.config in capacities else 0.0),
+                                          r.replica_id)):
+        known = demands.get(r.config.model)
+        if known is None or not known.known:
+            continue  # fail static has its own floor
+        cap = capacities[r.config].max_rps if r.config in capacities else 0.0
+        if math.isfinite(cap) and cap <= surplus.get(r.config.model, 0.0):
+            surplus[r.config.model] -= cap  # surplus: demand fell, this one may go
+            continue
+        out[r.config] = out.get(r.config, 0) + 1
+    return out
+
+
 def _ready_configs(policy: Policy, fleet: Fleet) -> frozenset[ConfigKey]:
     ready = set(policy.cached_configs())
     for b in fleet.builds:
@@ -493,6 +543,9 @@ def plan_with_capacities(
     for name, canary in trials.items():
         floors[canary.config] = max(floors.get(canary.config, 0), 1)
         demands[name] = replace(demands[name], notes=(*demands[name].notes, canary.note()))
+    for c, k in _young_floors(fleet, usable_names, demands, capacities, current, now_s,
+                              YOUNG_CYCLES * policy.scaling.cycle_s).items():
+        floors[c] = max(floors.get(c, 0), k)
     target_cands = _candidates(policy, capacities, gpus, ready, now_only=False)
     target_problem = _count_problem(policy, eff, target_cands, demands, slots, current, floors)
     target_sol, target_place = _solve_and_place(target_problem, hosts, fleet.replicas, drained, reports)
