@@ -307,6 +307,16 @@ def _demands(observation: Observation, policy: Policy, now_s: float,
     return out, tuple(memory)
 
 
+def _running_capacity(current: Mapping[ConfigKey, int], capacities: Mapping[ConfigKey, CapacityInfo]) -> dict[str, float]:
+    """Per model, the capacity (rps) of the replicas running now, at the configs' planned capacities."""
+    out: dict[str, float] = {}
+    for c, k in current.items():
+        info = capacities.get(c)
+        if info is not None and math.isfinite(info.max_rps):
+            out[c.model] = out.get(c.model, 0.0) + info.max_rps * k
+    return out
+
+
 YOUNG_CYCLES = 3  # a replica started or ready for less than this many cycles is not swapped away
 
 
@@ -333,22 +343,22 @@ def _young_floors(fleet: Fleet, usable: set[str], demands: Mapping[str, _Demand]
     >>> list(floors.values())  # demand fell below one replica: one of the two may go
     [1]
     """
-    surplus: dict[str, float] = {}
-    for c, n in current.items():
-        info = capacities.get(c)
-        if info is not None and math.isfinite(info.max_rps):
-            surplus[c.model] = surplus.get(c.model, 0.0) + n * info.max_rps
+    surplus = _running_capacity(current, capacities)
     for m, dm in demands.items():
         surplus[m] = surplus.get(m, 0.0) - dm.required_rps
+
+    def cap_of(r: Replica) -> float:
+        info = capacities.get(r.config)
+        return info.max_rps if info is not None else 0.0
+
     young = [r for r in fleet.replicas if r.state in LIVE_STATES and r.host in usable
              and (r.state != ReplicaState.READY or (r.since_s is not None and now_s - r.since_s < young_s))]
     out: dict[ConfigKey, int] = {}
-    for r in sorted(young, key=lambda r: (-(capacities[r.config].max_rps if r.config in capacities else 0.0),
-                                          r.replica_id)):
+    for r in sorted(young, key=lambda r: (-cap_of(r), r.replica_id)):
         known = demands.get(r.config.model)
         if known is None or not known.known:
             continue  # fail static has its own floor
-        cap = capacities[r.config].max_rps if r.config in capacities else 0.0
+        cap = cap_of(r)
         if math.isfinite(cap) and cap <= surplus.get(r.config.model, 0.0):
             surplus[r.config.model] -= cap  # surplus: demand fell, this one may go
             continue
@@ -576,11 +586,7 @@ def plan_with_capacities(
         # the rate history covers the delay: hold the DEMAND, not the replicas - the plan serves the
         # highest rate level of the last delay (x (1 + headroom), at most what runs now), so the fleet
         # steps down as that window slides instead of all at once when a surplus clock runs out
-        cap_now: dict[str, float] = {}
-        for c, k in current.items():
-            info = capacities.get(c)
-            if info is not None and math.isfinite(info.max_rps):
-                cap_now[c.model] = cap_now.get(c.model, 0.0) + info.max_rps * k
+        cap_now = _running_capacity(current, capacities)
         md = []
         for x in now_problem.demands:
             d = demands[x.model]
