@@ -645,7 +645,7 @@ def _make_plan(placement: Placement, capacities: Mapping[ConfigKey, CapacityInfo
     cc = []
     total = 0.0
     for c in sorted(counts):
-        price = (policy.price_usd_h(c.gpu) or 0.0) * c.tp * counts[c]
+        price = (policy.replica_usd_h(c) or 0.0) * counts[c]
         total += price
         info = capacities.get(c)
         cc.append(ConfigCount(c, counts[c], info.max_rps if info else 0.0, price))
@@ -697,7 +697,7 @@ def _explain(
                 ttft, itl = predictor(c, load)
                 ttft = ttft if ttft is not None and math.isfinite(ttft) else None  # JSON: no NaN/inf
                 itl = itl if itl is not None and math.isfinite(itl) else None
-            price = (policy.price_usd_h(c.gpu) or 0.0) * c.tp * n
+            price = (policy.replica_usd_h(c) or 0.0) * n
             usd += price
             o = obs.get(m.name)
             ev = next((x for x in o.configs if x.config == c), None) if o is not None else None

@@ -292,7 +292,7 @@ def _alternatives(
     other_usd = everyone.usd_without(me.model) if budget.max_usd_h is not None else 0.0
     chosen_counts = {c: x.replicas for c, x in chosen.items()}
     chosen_cfgs = [c for c in chosen if c in capacities]
-    chosen_steps = [(capacities[c].max_rps, (policy.price_usd_h(c.gpu) or 0.0) * c.tp) for c in chosen_cfgs]
+    chosen_steps = [(capacities[c].max_rps, policy.replica_usd_h(c) or 0.0) for c in chosen_cfgs]
 
     def limit(key: ConfigKey, unit: float) -> float:
         """How many replicas of `key` the whole usable inventory, max_replicas and budget allow."""

@@ -56,11 +56,6 @@ class Canary:
                 f"~${self.trial_usd:.2f}")
 
 
-def _usd_h(policy: Policy, c: ConfigKey) -> float | None:
-    price = policy.price_usd_h(c.gpu)
-    return None if price is None else price * c.tp
-
-
 def canaries(policy: Policy, capacities: Mapping[ConfigKey, CapacityInfo],
              corrections: Mapping[ConfigKey, Correction], required_rps: Mapping[str, float],
              ready: frozenset[ConfigKey]) -> dict[str, Canary]:
@@ -102,14 +97,14 @@ def canaries(policy: Policy, capacities: Mapping[ConfigKey, CapacityInfo],
             continue
         best_known: float | None = None  # $/h per rps the plan can buy without learning anything
         for c, info in rows:
-            usd = _usd_h(policy, c)
+            usd = policy.replica_usd_h(c)
             if usd is not None and info.max_rps > 0 and math.isfinite(info.max_rps):
                 best_known = min(best_known, usd / info.max_rps) if best_known is not None else usd / info.max_rps
         if best_known is None:
             continue
         pick: Canary | None = None
         for c, info in sorted(rows):
-            usd = _usd_h(policy, c)
+            usd = policy.replica_usd_h(c)
             corr = corrections.get(c)
             windows = corr.observations if corr is not None else 0
             if (usd is None or c.tp > limit or windows >= EXPLORE_WINDOWS or info.profile_rps is None

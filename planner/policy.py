@@ -448,6 +448,11 @@ class Policy(_Strict):
         g = self.gpu_types.get(gpu)
         return None if g is None else g.price_usd_h
 
+    def replica_usd_h(self, config: ConfigKey) -> float | None:
+        """$/h of one replica of `config`: its GPU type's price x its TP; None: the type has no price."""
+        price = self.price_usd_h(config.gpu)
+        return None if price is None else price * config.tp
+
     def startup_s(self, config: ConfigKey) -> float:
         e = self.engines.get(config.engine)
         return 0.0 if e is None else e.startup.lookup(config.model, config.gpu, config.tp)

@@ -88,7 +88,7 @@ def cost_of_uncertainty(model: ModelExplanation, policy: Policy, table: Mapping[
     for c, info in table.items():
         if c.model != model.model or not info.max_rps > 0:
             continue
-        price = (policy.price_usd_h(c.gpu) or 0.0) * c.tp
+        price = policy.replica_usd_h(c) or 0.0
         cap = _ideal_capacity(c, info, applied.get(c, Speeds()), means.get(c, Speeds()), profiles.get(c),
                               workloads.get(c.model), m)
         n = max(floor, math.ceil(ideal_req / cap - 1e-9) if ideal_req > 0 else 0)
