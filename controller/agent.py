@@ -462,7 +462,8 @@ class Agent:
                 except httpx.HTTPError as exc:
                     log.info("re-adopted replica %s: health probe %d/%d failed (%s)", replica.replica_id,
                              attempt + 1, attempts, exc)
-                    await asyncio.sleep(0.5)
+                    if attempt + 1 < attempts:
+                        await asyncio.sleep(0.5)
         return was_ready
 
     async def _health_wait(self, inst: _Instance, handle: Handle) -> None:

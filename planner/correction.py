@@ -409,7 +409,7 @@ def applied_speeds(
 TRUST_GROWTH = 2.0  # a faster engine carries at most this x the highest load per replica it was seen at
 
 
-def trusted_load(corr: Correction) -> float | None:
+def trusted_load(corr: Correction) -> float:
     """How much load per replica a correction toward a FASTER engine is trusted for: TRUST_GROWTH x
     the highest load per replica among its recent windows (0 without any: nothing beyond the profile).
     Why: latency seen at low load says little about the knee (the demo's day: ITL x1.27 seen at
