@@ -327,6 +327,12 @@ def _read_vllm_serve(d: Mapping[str, Any], ctx: _Ctx, *, seconds: bool) -> ReadR
     precision = ctx.precision(None)
     rate = _rate_of(d.get("request_rate"), src)
     conc = check_value(src, "max_concurrency", d.get("max_concurrency"), positive=True)
+    if conc is not None:
+        # never more in flight than the run sent: `--max-concurrency 32 --num-prompts 16` ran 16 at
+        # once (the demo's own sweep did: a fit that took it for 32 saw the throughput stop rising at
+        # 16 and put the knee at half the engine's real capacity)
+        sent = check_value(src, "num_prompts", d.get("num_prompts"), positive=True)
+        conc = min(conc, sent if sent is not None else completed)
     if rate is not None and math.isfinite(rate):
         load = LoadKind.RATE
     elif conc is not None:

@@ -483,11 +483,14 @@ def bench_and_fit(engine_opts: EngineOptions, out_dir: Path, models: Sequence[st
         conc = ",".join(str(c) for c in concurrency)
         for m, e, port in jobs:
             t0 = time.monotonic()
-            cmd = [sys.executable, "-m", "fleetplan", "bench-engine", "--target", f"http://127.0.0.1:{port}",
-                   "--isl", str(isl), "--osl", str(osl), "--concurrency", conc, "--num-prompts", str(num_prompts),
-                   "--time-scale", f"{k:g}", "--model", m, "--out", str(bench_dir / f"{m}-{e}"),
-                   "--label", f"{e}-{gpu}-tp{tp}"]
-            subprocess.run(cmd, check=True, cwd=str(REPO), capture_output=True, timeout=600)
+            for c in concurrency:
+                # at least two waves per level: with fewer prompts than clients the run holds fewer in
+                # flight than it says (16 prompts at concurrency 32 measured concurrency 16 twice)
+                cmd = [sys.executable, "-m", "fleetplan", "bench-engine", "--target", f"http://127.0.0.1:{port}",
+                       "--isl", str(isl), "--osl", str(osl), "--concurrency", str(c),
+                       "--num-prompts", str(max(num_prompts, 2 * c)), "--time-scale", f"{k:g}", "--model", m,
+                       "--out", str(bench_dir / f"{m}-{e}"), "--label", f"{e}-{gpu}-tp{tp}"]
+                subprocess.run(cmd, check=True, cwd=str(REPO), capture_output=True, timeout=600)
             log(f"  benchmarked {m} on a simulated {e} engine, {gpu.upper()} TP{tp}, ISL {isl} / OSL {osl}, "
                 f"concurrency {conc}: {time.monotonic() - t0:.0f} s")
     finally:

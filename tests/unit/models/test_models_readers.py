@@ -167,6 +167,18 @@ def test_good_vllm_document_reads_as_rate_point() -> None:
     assert p.load is LoadKind.RATE and p.rate_rps == 2.0 and p.isl == 100 and p.osl == 50
 
 
+def test_a_closed_loop_never_has_more_in_flight_than_it_sent() -> None:
+    # `--max-concurrency 32 --num-prompts 16` ran 16 at once: read as 32, the fit saw throughput stop
+    # rising and halved the engine's capacity (the demo's own sweep, issue 18)
+    doc = {**VLLM_OK, "request_rate": "inf", "max_concurrency": 32, "num_prompts": 16, "completed": 16}
+    (p,) = read_benchmark(json.dumps(doc), "x.json", META).points
+    assert p.load is LoadKind.CONCURRENCY and p.concurrency == 16
+    no_count = {k: v for k, v in doc.items() if k != "num_prompts"}
+    assert read_benchmark(json.dumps(no_count), "x.json", META).points[0].concurrency == 16  # the completed
+    full = {**doc, "num_prompts": 64, "completed": 64}
+    assert read_benchmark(json.dumps(full), "x.json", META).points[0].concurrency == 32
+
+
 def test_truncated_json() -> None:
     text = json.dumps(VLLM_OK)[:-20]
     with pytest.raises(BenchmarkFormatError, match=r"^run1\.json: invalid JSON at line 1 column \d+"):
