@@ -138,6 +138,23 @@ def _legend() -> str:
         f'<span><i style="background:{c}"></i>{_e(label)}</span>' for _, label, c, _ in SERIES) + "</div>"
 
 
+def attainment_lines(c: Mapping[str, Any], *, indent: str = "    ") -> list[str]:
+    """The SLO attainment the plan expects of a config, its floor, and what its last replica buys."""
+    share = c.get("predicted_attainment")
+    if share is None:
+        return []
+    text = f"{indent}  SLO attainment predicted {100.0 * share:.2f}% of requests"
+    floor = c.get("floor_share")
+    if floor is not None:
+        text += (f"; out of reach: an idle replica meets the SLO for {100.0 * floor:.2f}% (more replicas do "
+                 "not help; a higher TP or another engine might)")
+    last = c.get("last_replica_attainment")
+    if last is not None and c.get("replicas", 0) > 1:
+        per = c.get("usd_h", 0.0) / max(c["replicas"], 1)
+        text += f"; the last replica adds {100.0 * last:+.2f} points for ${per:.2f}/h"
+    return [text]
+
+
 def _plan_html(plan: Mapping[str, Any]) -> list[str]:
     """The current plan: per model table, why (binding constraints, notes, alternatives), held actions."""
     e = plan.get("explanation") or {}
@@ -168,6 +185,10 @@ def _plan_html(plan: Mapping[str, Any]) -> list[str]:
     for m in e.get("models", []):
         for note in m.get("notes", []):
             h.append(f"<li>{_e(m['model'])}: {_e(note)}</li>")
+        for c in m.get("configs", []):
+            for line in attainment_lines(c, indent=""):
+                h.append(f"<li>{_e(m['model'])} {_e(c['engine'])} {_e(c['gpu'])} tp{_e(c['tp'])}: "
+                         f"{_e(line.strip())}</li>")
         for alt in m.get("alternatives", []) or []:
             h.append(f"<li>{_e(m['model'])}: alternative {_e(alt.get('engine'))} {_e(alt.get('gpu'))} "
                      f"tp{_e(alt.get('tp'))} ${_n(alt.get('usd_h'))}/h — {_e(alt.get('reason'))}</li>")

@@ -32,6 +32,8 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
+from fleetplan.controller.page import attainment_lines
+
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
@@ -342,7 +344,9 @@ def config_lines(m: Mapping[str, Any], c: Mapping[str, Any], plan: Mapping[str, 
         lines.append(f"{indent}  correction: none (no evidence yet)")
     if c.get("extrapolating"):
         lines.append(f"{indent}  extrapolating: {'; '.join(c['extrapolating'])}")
+    lines.extend(attainment_lines(c, indent=indent))
     return lines
+
 
 
 def uncertainty_lines(m: Mapping[str, Any]) -> list[str]:

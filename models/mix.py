@@ -36,6 +36,7 @@ from fleetplan.models.profile import (
     PerfParams,
     PerfProfile,
     Workload,
+    poisson_p99,
     queue_quantiles,
     queued_work,
     work_terms,
@@ -43,8 +44,6 @@ from fleetplan.models.profile import (
 
 _LN2 = math.log(2.0)
 _LN50 = math.log(50.0)
-_STALL_THRESHOLDS = (0.01005, 0.1486, 0.4360, 0.8232)  # as fleetplan.models.profile.itl_p99_gap
-_STALL_SHARPNESS = 12.0
 
 # Probability bins of the prompt-length distribution: finest in the tail, which sets the p99 TTFT.
 ISL_BINS: tuple[float, ...] = (0.0, 0.5, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 1.0)
@@ -209,6 +208,7 @@ class _Terms:
     p: PerfParams
     w: np.ndarray
     isl: np.ndarray  # prompt tokens computed (the uncached ones): the prefill chunks
+    osl: np.ndarray  # output tokens: a request's per-request ITL averages its osl - 1 gaps
     prefill: np.ndarray
     wbar: float  # mean work per request (ms)
     resid: float  # the residual prefill work a new prompt queues behind, E[P*Q]/E[W] (ms)
@@ -222,7 +222,7 @@ def _terms(p: PerfParams, isl: np.ndarray, osl: np.ndarray, w: np.ndarray, cache
     computed = isl if cached_share <= 0.0 else np.maximum(isl * (1.0 - cached_share), 1.0)  # chunks: computed tokens
     chunks = 1.0 + p.chunk_per_token * computed
     mean_chunks = float(np.sum(w * chunks))
-    return _Terms(p, w, computed, prefill, wbar, float(np.sum(w * prefill * queued_work(p, prefill, work))) / wbar,
+    return _Terms(p, w, computed, osl, prefill, wbar, float(np.sum(w * prefill * queued_work(p, prefill, work))) / wbar,
                   float(np.sum(w * prefill)) / mean_chunks, mean_chunks)
 
 
@@ -230,8 +230,9 @@ def _ttft_p99(t: _Terms, x: float) -> float:
     return float(_ttft_p99_many(t, np.array([x]))[0])
 
 
-def _ttft_p99_many(t: _Terms, xs: np.ndarray) -> np.ndarray:
-    """TTFT p99 of the mix at each throughput in xs (req/ms, rho < 1): shape (len(xs),)."""
+def _ttft_quantiles(t: _Terms, xs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(p50, p99) of each length class's TTFT at each throughput in xs (req/ms, rho < 1): rows are
+    loads, columns classes."""
     p = t.p
     rho = (xs * t.wbar)[:, None]
     itl = p.s0_ms / (1.0 - rho)
@@ -239,21 +240,60 @@ def _ttft_p99_many(t: _Terms, xs: np.ndarray) -> np.ndarray:
     q50, q99 = queue_quantiles(p, rho, tau)
     fixed = p.ttft_fixed_ms + (0.5 + p.chunk_per_token * t.isl)[None, :] * itl
     own = (p.prefill_latency_factor * t.prefill)[None, :]
-    return _mixture_p99(fixed + p.ttft_p50_factor * own + q50, fixed + p.ttft_p99_factor * own + q99, t.w)
+    return fixed + p.ttft_p50_factor * own + q50, fixed + p.ttft_p99_factor * own + q99
+
+
+def _ttft_p99_many(t: _Terms, xs: np.ndarray) -> np.ndarray:
+    """TTFT p99 of the mix at each throughput in xs (req/ms, rho < 1): shape (len(xs),)."""
+    p50, p99 = _ttft_quantiles(t, xs)
+    return _mixture_p99(p50, p99, t.w)
+
+
+def _exceed(p50: Any, p99: Any, target: float) -> Any:
+    """P(latency > target) for a shifted exponential through (p50, p99) (as `_mixture_p99`)."""
+    b = np.maximum((p99 - p50) / _LN50, 1e-9)
+    a = p50 - b * _LN2
+    return np.exp(-np.maximum(target - a, 0.0) / b)
+
+
+def _ttft_share_many(t: _Terms, xs: np.ndarray, target_ms: float) -> np.ndarray:
+    """The share of the mix's requests with TTFT <= target at each throughput in xs."""
+    p50, p99 = _ttft_quantiles(t, xs)
+    return np.asarray(1.0 - np.sum(t.w * _exceed(p50, p99, target_ms), axis=1), dtype=float)
+
+
+def _itl_share(t: _Terms, x: Any, target_ms: float) -> Any:
+    """The share of requests whose per-request ITL is <= target: per class a shifted exponential
+    through its p50 and p99 (`_itl_quantiles`)."""
+    xs = np.atleast_1d(np.asarray(x, dtype=float))
+    p50, p99 = _itl_quantiles(t, xs)
+    out = 1.0 - np.sum(t.w * _exceed(p50, p99, target_ms), axis=1)
+    return out if np.ndim(x) else float(out[0])
+
+
+def _itl_quantiles(t: _Terms, xs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(p50, p99) of each length class's per-request ITL at each throughput in xs: rows are loads,
+    columns classes. One decode batch for all classes (the mean step, k99 x it); prefill stalls from
+    everyone's chunks, which a request's own osl - 1 gaps average (models.profile.itl_p99_request)."""
+    p = t.p
+    rho = (xs * t.wbar)[:, None]
+    itl = p.s0_ms / (1.0 - rho)
+    base = p.itl_p99_factor * itl * (1.0 + p.itl_p99_load * rho)
+    p99 = np.broadcast_to(base, (len(xs), len(t.w)))
+    if p.itl_stall_weight > 0.0:
+        n = np.maximum(t.osl - 1.0, 1.0)[None, :]
+        m = xs[:, None] * t.mean_chunks * itl * n
+        stall = p.itl_stall_weight * p.prefill_latency_factor * t.per_chunk
+        p99 = base + stall * poisson_p99(m) / n
+    return np.broadcast_to(p.itl_p50_factor * itl, p99.shape), p99
 
 
 def _itl_p99(t: _Terms, x: Any) -> Any:
-    """Per-request ITL p99: one decode batch for all classes; prefill stalls from everyone's chunks."""
-    p = t.p
-    rho = x * t.wbar
-    itl = p.s0_ms / (1.0 - rho)
-    base = p.itl_p99_factor * itl * (1.0 + p.itl_p99_load * rho)
-    if p.itl_stall_weight > 0.0:
-        phi = x * t.mean_chunks * itl
-        count = sum((phi / th) ** _STALL_SHARPNESS / (1.0 + (phi / th) ** _STALL_SHARPNESS)
-                    for th in _STALL_THRESHOLDS)
-        base = base + p.itl_stall_weight * p.prefill_latency_factor * t.per_chunk * count
-    return base
+    """Per-request ITL p99 of the mix at throughput x (a float, or an array of them)."""
+    xs = np.atleast_1d(np.asarray(x, dtype=float))
+    p50, p99 = _itl_quantiles(t, xs)
+    out = _mixture_p99(np.asarray(p50), np.asarray(p99), t.w)
+    return out if np.ndim(x) else float(out[0])
 
 
 def _mixture_p99(p50: np.ndarray, p99: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -314,6 +354,39 @@ def _largest_x(ok: Callable[[np.ndarray], np.ndarray], x_hi: float) -> float:
 class MixCapacity:
     max_rps: float
     binding: str  # ttft | itl | memory
+    # the share of requests an idle replica serves within both targets when one target's p99 is out
+    # of its reach for this mix (its capacity is then sized to within FLOOR_SLACK of that share);
+    # None: both p99 targets are reachable
+    floor_share: float | None = None
+
+
+@dataclass(frozen=True)
+class Attainment:
+    """The predicted share of requests meeting the SLO: TTFT and per-request ITL under their targets
+    (the two taken as independent: histograms give only the marginals)."""
+
+    share: float
+    ttft_share: float
+    itl_share: float
+
+
+# A config whose idle replica already misses a target for more than 1% of the mix (the p99 out of
+# reach: long prompts' own prefill beyond the TTFT target, prefill stalls in every request's
+# decode) is sized to within this share of what it can reach: replicas beyond that buy almost no
+# SLO. 0.5 points: at a 99% SLO half the misses it allows (0.25 sized the example of
+# tests/unit/planner/test_plan_evidence.py at 17 replicas where 13 hold 95.1% of 95.5%: +0.02 points for the last).
+FLOOR_SLACK = 0.005
+SLO_SHARE = 0.99  # the share of requests a p99 target covers
+
+
+def _sized(ok: Callable[[np.ndarray], np.ndarray], share: Callable[[np.ndarray], np.ndarray],
+           x_hi: float) -> tuple[float, float | None]:
+    """(largest x with ok(x), None) when the target's p99 is reachable at all; else (largest x whose
+    share stays within FLOOR_SLACK of the idle share, the idle share)."""
+    if bool(ok(np.array([0.0]))[0]):
+        return _largest_x(ok, x_hi), None
+    floor = float(share(np.array([0.0]))[0])
+    return _largest_x(lambda xs: share(xs) >= floor - FLOOR_SLACK, x_hi), floor
 
 
 def capacity_mix(profile: PerfProfile, mix: LengthMix, *, ttft_p99_ms: float, itl_p99_ms: float,
@@ -322,18 +395,58 @@ def capacity_mix(profile: PerfProfile, mix: LengthMix, *, ttft_p99_ms: float, it
 
     `ttft_speed` / `itl_speed`: the engine's speed relative to the profile as observed through each
     latency (see `speed_from_latency`); each limit is computed on the profile scaled by its speed,
-    the memory limit on the slower of the two.
+    the memory limit on the slower of the two. A target whose p99 even an idle replica misses (more
+    than 1% of the mix cannot meet it at any load) limits the rate to where the share meeting it is
+    within FLOOR_SLACK of the idle share (`floor_share` says so): more replicas would not help.
     """
     isl, osl, w = _arrays(mix)
 
     t_t = _terms(scaled(profile, ttft_speed).params, isl, osl, w, mix.cached_share)
-    x_t = _largest_x(lambda xs: _ttft_p99_many(t_t, xs) <= ttft_p99_ms, (1.0 - 1e-9) / t_t.wbar)
+    x_t, floor_t = _sized(lambda xs: _ttft_p99_many(t_t, xs) <= ttft_p99_ms,
+                          lambda xs: _ttft_share_many(t_t, xs, ttft_p99_ms), (1.0 - 1e-9) / t_t.wbar)
     t_i = _terms(scaled(profile, itl_speed).params, isl, osl, w, mix.cached_share)
-    x_i = _largest_x(lambda xs: _itl_p99(t_i, xs) <= itl_p99_ms, (1.0 - 1e-9) / t_i.wbar)
+    x_i, floor_i = _sized(lambda xs: _itl_p99(t_i, xs) <= itl_p99_ms,
+                          lambda xs: _itl_share(t_i, xs, itl_p99_ms), (1.0 - 1e-9) / t_i.wbar)
     slow = scaled(profile, min(ttft_speed, itl_speed))
     x_m = _x_mem(slow, isl, osl, w, _terms(slow.params, isl, osl, w, mix.cached_share).wbar)
     x, binding = min((x_t, "ttft"), (x_i, "itl"), (x_m, "memory"), key=lambda c: c[0])
-    return MixCapacity(float(x) * 1000.0, binding)
+    floor = None
+    if floor_t is not None or floor_i is not None:
+        it = floor_i if floor_i is not None else float(_itl_share(t_i, 0.0, itl_p99_ms))
+        tt = floor_t if floor_t is not None else float(_ttft_share_many(t_t, np.array([0.0]), ttft_p99_ms)[0])
+        floor = tt * it
+    return MixCapacity(float(x) * 1000.0, binding, floor)
+
+
+def attainment_mix(profile: PerfProfile, mix: LengthMix, rate_rps: float, *, ttft_ms: float, itl_ms: float,
+                   ttft_speed: float = 1.0, itl_speed: float = 1.0) -> Attainment:
+    """The share of the mix's requests one replica serves within both targets at `rate_rps` (0 at or
+    beyond saturation), at the given speeds (as `capacity_mix`). At rate 0: the config's floor, the
+    best any count of it reaches.
+
+    >>> from fleetplan.models.profile import ConfigKey, PerfParams, PerfProfile
+    >>> from fleetplan.models.names import Engine, GpuType, Precision
+    >>> k = ConfigKey("m", Engine.VLLM, GpuType("h100"), 1, Precision.BF16)
+    >>> prof = PerfProfile(k, PerfParams(9.0, 0.05, 0.0002, 5.0, 0.06, 2e-7, 1.0))
+    >>> mix = LengthMix(((500.0, 200.0, 0.97), (12000.0, 200.0, 0.03)))  # 3% of prompts 12k tokens
+    >>> a = attainment_mix(prof, mix, 0.0, ttft_ms=500.0, itl_ms=80.0)  # their own prefill alone ~750 ms
+    >>> round(a.ttft_share, 3), round(a.itl_share, 3)
+    (0.97, 1.0)
+    >>> attainment_mix(prof, mix, 5.0, ttft_ms=500.0, itl_ms=80.0).share < a.share
+    True
+    """
+    isl, osl, w = _arrays(mix)
+    t_t = _terms(scaled(profile, ttft_speed).params, isl, osl, w, mix.cached_share)
+    t_i = _terms(scaled(profile, itl_speed).params, isl, osl, w, mix.cached_share)
+    slow = scaled(profile, min(ttft_speed, itl_speed))
+    x = max(rate_rps, 0.0) / 1000.0
+    x_max = min(1.0 / t_t.wbar, 1.0 / t_i.wbar,
+                _x_mem(slow, isl, osl, w, _terms(slow.params, isl, osl, w, mix.cached_share).wbar))
+    if x >= x_max:
+        return Attainment(0.0, 0.0, 0.0)
+    ts = float(_ttft_share_many(t_t, np.array([x]), ttft_ms)[0])
+    its = float(_itl_share(t_i, x, itl_ms))
+    return Attainment(ts * its, ts, its)
 
 
 _SPEED_LO, _SPEED_HI = 0.1, 10.0

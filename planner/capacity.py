@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fleetplan.models import profile as mp
-from fleetplan.models.mix import LengthMix, capacity_mix, predict_mix, scaled
+from fleetplan.models.mix import LengthMix, MixCapacity, attainment_mix, capacity_mix, predict_mix, scaled
 from fleetplan.models.names import Engine, GpuType
 from fleetplan.planner.policy import ModelPolicy, Policy
 from fleetplan.planner.types import ConfigKey
@@ -26,10 +26,22 @@ class CapacityInfo:
     profile_rps: float | None = None  # what the profile alone says (before the correction)
     correction: str = ""  # the correction in force, readable ("" none)
     extrapolating: tuple[str, ...] = ()  # why the profile is used outside its data
+    # the share of requests an idle replica serves within the SLO when a target's p99 is out of this
+    # config's reach for the mix (None: reachable); see _prefer_reachable
+    floor_share: float | None = None
 
 
-# predicted (ttft_p99_ms, itl_p99_ms) of one replica of `config` at `rate_rps`; None: unknown
-Predictor = Callable[[ConfigKey, float], tuple[float | None, float | None]]
+@dataclass(frozen=True)
+class Predicted:
+    """What the corrected profile predicts for one replica at a load (None: unknown)."""
+
+    ttft_p99_ms: float | None = None
+    itl_p99_ms: float | None = None
+    attainment: float | None = None  # the share of requests within the SLO (models/mix.py attainment_mix)
+
+
+# the prediction for one replica of `config` at `rate_rps`
+Predictor = Callable[[ConfigKey, float], Predicted]
 
 
 @dataclass(frozen=True)
@@ -168,21 +180,36 @@ def mix_for(profile: mp.PerfProfile, workload: MixedWorkload) -> LengthMix:
 
 
 def config_capacity(profile: mp.PerfProfile, workload: MixedWorkload, m: ModelPolicy,
-                    speeds: Speeds = Speeds()) -> tuple[float, str]:
-    """(max rps, binding) of one replica at the model's SLO for the workload, at the given speeds."""
+                    speeds: Speeds = Speeds()) -> MixCapacity:
+    """One replica's max rps at the model's SLO for the workload, at the given speeds, what binds it,
+    and the share an idle replica reaches when a target's p99 is out of its reach (models/mix.py)."""
     mix = mix_for(profile, workload)
-    if len(mix.classes) == 1 and speeds.ttft == 1.0 and speeds.itl == 1.0:
+    if len(mix.classes) == 1 and not mix.cached_share and speeds.ttft == 1.0 and speeds.itl == 1.0:
         isl, osl, _ = mix.classes[0]
         cap = mp.capacity(profile, mp.Workload(isl=isl, osl=osl), ttft_p99_ms=m.slo.ttft_p99_ms,
                           itl_p99_ms=m.slo.itl_p99_ms)
-        return float(cap.max_rps), cap.binding.value
+        if cap.max_rps > 0:  # else: out of reach even idle, sized from the floor below
+            return MixCapacity(float(cap.max_rps), cap.binding.value)
     c = capacity_mix(profile, mix, ttft_p99_ms=m.slo.ttft_p99_ms, itl_p99_ms=m.slo.itl_p99_ms,
                      ttft_speed=speeds.ttft, itl_speed=speeds.itl)
     if speeds.trusted_rps is not None and c.max_rps > speeds.trusted_rps:
-        base, binding = config_capacity(profile, workload, m)
-        if base < c.max_rps:
-            return max(base, speeds.trusted_rps), binding if base >= speeds.trusted_rps else c.binding
-    return c.max_rps, c.binding
+        base = config_capacity(profile, workload, m)
+        if base.max_rps < c.max_rps:
+            return MixCapacity(max(base.max_rps, speeds.trusted_rps),
+                               base.binding if base.max_rps >= speeds.trusted_rps else c.binding, c.floor_share)
+    return c
+
+
+def _prefer_reachable(table: dict[ConfigKey, CapacityInfo]) -> None:
+    """Where some config of a model reaches the SLO's p99 targets for its mix, the configs that cannot
+    (their floor_share below 99% even idle) are no candidates for its demand (capacity 0: min_replicas
+    only), so the plan buys the config that can (a higher TP, another engine) rather than replicas
+    that do not help. Where none can, each keeps the capacity sized from its floor and the cheapest
+    wins (the explanation says so)."""
+    reachable = {k.model for k, v in table.items() if v.floor_share is None and v.max_rps > 0}
+    for k, v in list(table.items()):
+        if v.floor_share is not None and k.model in reachable:
+            table[k] = replace(v, max_rps=0.0)
 
 
 def capacity_table(
@@ -205,8 +232,9 @@ def capacity_table(
         w = workloads.get(key.model) or MixedWorkload(m.workload.isl, m.workload.osl)
         sp = (speeds or {}).get(key, Speeds())
         try:
-            base_rps, base_binding = config_capacity(prof, w, m)
-            rps, binding = (base_rps, base_binding) if sp == Speeds() else config_capacity(prof, w, m, sp)
+            base = config_capacity(prof, w, m)
+            applied = base if sp == Speeds() else config_capacity(prof, w, m, sp)
+            base_rps, rps, binding = base.max_rps, applied.max_rps, applied.binding
             warnings = mp.capacity(prof, mp.Workload(isl=w.isl, osl=w.osl), ttft_p99_ms=m.slo.ttft_p99_ms,
                                    itl_p99_ms=m.slo.itl_p99_ms).warnings
         except (ValueError, ArithmeticError):
@@ -214,21 +242,24 @@ def capacity_table(
         if not (math.isfinite(rps) and rps >= 0):
             continue  # 0 stays: the SLO out of reach at this mix (planner.core keeps min_replicas on it)
         table[key] = CapacityInfo(rps, binding, tuple(warnings), prof.source == "roofline", base_rps, sp.note,
-                                  extrapolation(prof, mix_for(prof, w), w.isl_p99_low))
+                                  extrapolation(prof, mix_for(prof, w), w.isl_p99_low), applied.floor_share)
+    _prefer_reachable(table)
 
-    def predictor(config: ConfigKey, rate_rps: float) -> tuple[float | None, float | None]:
+    def predictor(config: ConfigKey, rate_rps: float) -> Predicted:
         prof = chosen.get(config)
         m = policy.model(config.model)
         if prof is None or m is None:
-            return None, None
+            return Predicted()
         w = workloads.get(config.model) or MixedWorkload(m.workload.isl, m.workload.osl)
         sp = (speeds or {}).get(config, Speeds())
         try:
             mix = mix_for(prof, w)
             t = predict_mix(scaled(prof, sp.ttft), mix, max(rate_rps, 1e-6))
             i = predict_mix(scaled(prof, sp.itl), mix, max(rate_rps, 1e-6))
+            a = attainment_mix(prof, mix, max(rate_rps, 0.0), ttft_ms=m.slo.ttft_p99_ms, itl_ms=m.slo.itl_p99_ms,
+                               ttft_speed=sp.ttft, itl_speed=sp.itl)
         except (ValueError, ArithmeticError):
-            return None, None
-        return float(t.ttft_p99_ms), float(i.itl_p99_ms)
+            return Predicted()
+        return Predicted(float(t.ttft_p99_ms), float(i.itl_p99_ms), a.share)
 
     return table, predictor

@@ -32,6 +32,7 @@ from fleetplan.planner.actions import make_before_break
 from fleetplan.planner.capacity import (
     CapacityInfo,
     MixedWorkload,
+    Predicted,
     Predictor,
     candidate_configs,
     capacity_table,
@@ -692,11 +693,12 @@ def _explain(
             info = capacities.get(c)
             per = info.max_rps if info else 0.0
             load = d.demand_rps * (per / cap) if cap > 0 else 0.0
-            ttft = itl = None
-            if predictor is not None and n > 0:
-                ttft, itl = predictor(c, load)
-                ttft = ttft if ttft is not None and math.isfinite(ttft) else None  # JSON: no NaN/inf
-                itl = itl if itl is not None and math.isfinite(itl) else None
+            pred = predictor(c, load) if predictor is not None and n > 0 else Predicted()
+            ttft, itl = _finite(pred.ttft_p99_ms), _finite(pred.itl_p99_ms)  # JSON: no NaN/inf
+            last = None
+            if predictor is not None and n > 1 and pred.attainment is not None:
+                fewer = predictor(c, load * n / (n - 1)).attainment  # the same load on one replica fewer
+                last = pred.attainment - fewer if fewer is not None else None
             price = (policy.replica_usd_h(c) or 0.0) * n
             usd += price
             o = obs.get(m.name)
@@ -711,7 +713,9 @@ def _explain(
                 observed_ttft_p99_ms=ev.ttft_p99_ms if ev is not None else None,
                 observed_itl_p99_ms=ev.itl_p99_ms if ev is not None else None,
                 observed_rps_per_replica=(ev.rate_rps / ev.ready_replicas if ev is not None and ev.rate_rps
-                                          is not None and ev.ready_replicas > 0 else None)))
+                                          is not None and ev.ready_replicas > 0 else None),
+                predicted_attainment=_finite(pred.attainment), last_replica_attainment=_finite(last),
+                floor_share=info.floor_share if info else None))
 
         mnotes = list(d.notes)
         unmet = max(0.0, d.required_rps - cap)
@@ -736,6 +740,10 @@ def _explain(
     main = now_sol.report
     return Explanation(tuple(models), tuple(dict.fromkeys(binding)), tuple(reports), main.objective, main.gap,
                        solve_s, now_plan.usd_h, target_plan.usd_h, tuple(notes))
+
+
+def _finite(v: float | None) -> float | None:
+    return v if v is not None and math.isfinite(v) else None
 
 
 def _counts_of(p: Placement) -> dict[ConfigKey, int]:

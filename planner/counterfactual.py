@@ -320,9 +320,12 @@ def _alternatives(
                                    f"{label}: no usable {key.gpu.value} host"))
             continue
         if info is None or not (math.isfinite(info.max_rps) and info.max_rps > 0):
+            why = (f"the SLO is out of its reach for this length mix: an idle replica meets it for "
+                   f"{100.0 * info.floor_share:.2f}% of requests, another config reaches 99%"
+                   if info is not None and info.floor_share is not None else "or no profile")
             out.append(Alternative(key, LossReason.SLO, None, None, None,
                                    f"{label}: no capacity at the SLO (TTFT p99 {m.slo.ttft_p99_ms:g} ms, "
-                                   f"ITL p99 {m.slo.itl_p99_ms:g} ms) or no profile"))
+                                   f"ITL p99 {m.slo.itl_p99_ms:g} ms) {why}"))
             continue
         cap = info.max_rps
         need = max(min_rep, math.ceil(required / cap - 1e-9) if required > UNMET_TOL_RPS else 0)

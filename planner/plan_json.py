@@ -63,7 +63,10 @@ def plan_to_dict(result: PlanResult) -> dict[str, Any]:
                              "extrapolating": list(c.extrapolating),
                              "observed_ttft_p99_ms": c.observed_ttft_p99_ms,
                              "observed_itl_p99_ms": c.observed_itl_p99_ms,
-                             "observed_rps_per_replica": c.observed_rps_per_replica}
+                             "observed_rps_per_replica": c.observed_rps_per_replica,
+                             "predicted_attainment": c.predicted_attainment,
+                             "last_replica_attainment": c.last_replica_attainment,
+                             "floor_share": c.floor_share}
                             for c in m.configs],
                 "length_mix": m.length_mix,
                 "uncertainty_usd_h": m.uncertainty_usd_h,

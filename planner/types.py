@@ -237,6 +237,12 @@ class ConfigExplanation:
     observed_ttft_p99_ms: float | None = None  # this config's replicas, last window
     observed_itl_p99_ms: float | None = None
     observed_rps_per_replica: float | None = None
+    # the share of requests within the SLO the corrected profile predicts at the planned load, what
+    # the last of these replicas adds to it (the share at n replicas minus at n - 1; None: n < 2 or
+    # unknown), and the share an idle replica reaches when a target's p99 is out of its reach
+    predicted_attainment: float | None = None
+    last_replica_attainment: float | None = None
+    floor_share: float | None = None
 
 
 class LossReason(StrEnum):

@@ -54,7 +54,7 @@ def _ideal_capacity(c: ConfigKey, info: CapacityInfo, applied: Speeds, mean: Spe
     if profile is None or workload is None:
         return info.max_rps
     try:
-        rps, _ = config_capacity(profile, workload, m, mean)
+        rps = config_capacity(profile, workload, m, mean).max_rps
     except (ValueError, ArithmeticError):
         return info.max_rps
     return rps if math.isfinite(rps) and rps > 0 else info.max_rps

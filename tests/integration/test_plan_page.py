@@ -147,3 +147,4 @@ async def test_plan_page_in_headless_chromium(tmp_path: Path, filled_store) -> N
     assert f"{last['capacity']:.2f}" in dom and f"{last['required']:.2f}" in dom
     assert f"<b>{last['replicas']}</b> replicas" in dom and f"${last['usd_h']:.2f}/h" in dom
     assert 'id="actions"' in dom and f"{len(RATES)}-" in dom  # the actions timeline names the decisions
+    assert "SLO attainment predicted" in dom  # what the plan expects of each config (issue 18)

@@ -9,7 +9,9 @@ import pytest
 
 from fleetplan.models import profile as mp
 from fleetplan.models.mix import (
+    FLOOR_SLACK,
     LengthMix,
+    attainment_mix,
     capacity_mix,
     mix_from_quantiles,
     predict_mix,
@@ -79,3 +81,30 @@ def test_bad_observations_are_unknown_not_a_speed() -> None:
     assert speed_from_latency(PROFILE, mix, 1.0, math.inf, itl=True) == pytest.approx(0.1)
     with pytest.raises(ValueError, match="quantiles or a mean"):
         mix_from_quantiles([], [(0.5, 10)])
+
+
+def test_attainment_is_the_share_the_p99_targets_stand_for() -> None:
+    # at the p99-based capacity, 99% of one class meets the binding target; below it more, above fewer
+    slo = {"ttft_p99_ms": 500.0, "itl_p99_ms": 50.0}
+    mix = LengthMix.single(820, 200)
+    cap = capacity_mix(PROFILE, mix, **slo)
+    assert cap.floor_share is None
+    at = attainment_mix(PROFILE, mix, cap.max_rps * 0.9999, ttft_ms=500.0, itl_ms=50.0)
+    binding = at.ttft_share if cap.binding == "ttft" else at.itl_share
+    assert binding == pytest.approx(0.99, abs=2e-3)
+    assert attainment_mix(PROFILE, mix, 0.5 * cap.max_rps, ttft_ms=500.0, itl_ms=50.0).share > at.share
+    assert attainment_mix(PROFILE, mix, 10 * cap.max_rps, ttft_ms=500.0, itl_ms=50.0).share == 0.0  # saturated
+
+
+def test_a_target_out_of_reach_is_sized_from_its_floor_not_to_zero() -> None:
+    # issue 18: 3% of the prompts are 12k tokens whose own prefill (~750 ms) exceeds a 500 ms TTFT:
+    # no count of replicas meets the p99, an idle replica meets 97%. The config is sized to within
+    # FLOOR_SLACK of that share instead of "no capacity" (min_replicas) or an endless fleet
+    mix = LengthMix(((500.0, 200.0, 0.97), (12000.0, 200.0, 0.03)))
+    cap = capacity_mix(PROFILE, mix, ttft_p99_ms=500.0, itl_p99_ms=80.0)
+    assert cap.floor_share == pytest.approx(0.97, abs=2e-3)
+    assert cap.max_rps > 0 and cap.binding == "ttft"
+    at_cap = attainment_mix(PROFILE, mix, cap.max_rps * 0.999, ttft_ms=500.0, itl_ms=80.0)
+    assert at_cap.share == pytest.approx(cap.floor_share - FLOOR_SLACK, abs=5e-4)
+    # reachable targets keep their p99 capacity and no floor
+    assert capacity_mix(PROFILE, mix, ttft_p99_ms=2000.0, itl_p99_ms=80.0).floor_share is None

@@ -4,19 +4,22 @@ own numbers (planner/correction.py, models/mix.py), end to end through plan().""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from planner_helpers import H100, VLLM, hosts, policy, policy_dict
 
+from fleetplan.controller.report import config_lines
 from fleetplan.models import profile as mp
 from fleetplan.models.mix import LengthMix, predict_mix, scaled
 from fleetplan.planner.capacity import MixedWorkload
 from fleetplan.planner.core import plan, plan_to_dict, workloads_from
-from fleetplan.planner.policy import load_policy_dict
+from fleetplan.planner.policy import Policy, load_policy_dict
 from fleetplan.planner.serde import state_from_dict
 from fleetplan.planner.types import (
     ConfigKey,
     ConfigObservation,
     Fleet,
+    LossReason,
     ModelObservation,
     Observation,
     PlannerState,
@@ -103,3 +106,42 @@ def test_corrections_survive_a_cycle_before_any_host_reported() -> None:
     assert first.next_state.corrections
     restarted = plan(_obs(40.0, 0, None, None), Fleet(), ONE, profiles, first.next_state, NOW + 60)
     assert restarted.next_state.corrections == first.next_state.corrections
+
+
+def _tail_policy(tps: list[int]) -> Policy:
+    d = policy_dict(models=("m8",), tps={"m8": tps}, model_extra={"m8": {
+        "allowed": {"tp": tps, "engines": ["vllm"]}, "slo": {"ttft_p99_ms": 500, "itl_p99_ms": 80}}})
+    # ~5% of the prompts 9-13k tokens: on TP1 their own prefill alone (~600-800 ms) exceeds 500 ms
+    d["models"][0]["workload"] = {"isl": 900, "osl": 200,
+                                  "isl_quantiles": {0.5: 500, 0.95: 700, 0.97: 12000, 0.999: 13000}}
+    return load_policy_dict(d, "test")
+
+
+def test_a_config_that_cannot_reach_the_slo_gives_way_to_one_that_can() -> None:
+    # issue 18.1: no count of TP1 meets the TTFT p99 for this mix (an idle replica serves ~95.5% in
+    # time); TP2 prefills 3x faster and does. The plan buys TP2, not TP1 replicas that do not help;
+    # allowed only TP1, it sizes TP1 from its floor and says so, with what its last replica buys
+    dr = mp.DataRange((128.0, 16000.0), (64.0, 1024.0), (0.5, 20.0), None, 8)
+    tp1 = replace(TRUE, data_range=dr)
+    tp2 = mp.PerfProfile(mp.ConfigKey("m8", VLLM, H100, 2, mp.Precision.BF16),
+                         mp.PerfParams(s0_ms=6.0, s1_ms=0.03, s2_ms=0.0001, p0_ms=3.0, p1_ms=0.02, p2_ms=5e-8,
+                                       q=1.0), kv_tokens=900_000.0, data_range=dr)
+    obs = Observation({"m8": ModelObservation("m8", 20.0)})
+    both = plan(obs, Fleet(hosts(4)), _tail_policy([1, 2]), mp.ProfileSet((tp1, tp2)), PlannerState.initial(), NOW)
+    [cfg] = both.explanation.models[0].configs
+    assert cfg.config.tp == 2 and cfg.floor_share is None
+    assert cfg.predicted_attainment is not None and cfg.predicted_attainment >= 0.99
+    [alt] = [a for a in both.explanation.models[0].alternatives if a.config.tp == 1]
+    assert alt.reason == LossReason.SLO
+    assert "out of its reach for this length mix: an idle replica meets it for 95." in alt.detail
+    only = plan(obs, Fleet(hosts(4)), _tail_policy([1]), mp.ProfileSet((tp1,)), PlannerState.initial(), NOW)
+    [one] = only.explanation.models[0].configs
+    assert one.config.tp == 1 and one.floor_share is not None and 0.94 < one.floor_share < 0.97
+    assert one.replicas > 1 and one.capacity_per_replica_rps > 0  # sized, not "no capacity at the SLO"
+    assert one.predicted_attainment is not None and one.predicted_attainment >= one.floor_share - 0.0051
+    assert one.last_replica_attainment is not None and 0 < one.last_replica_attainment < 0.01
+    doc = plan_to_dict(only)
+    c = doc["explanation"]["models"][0]["configs"][0]
+    text = "\n".join(config_lines(doc["explanation"]["models"][0], c, doc))
+    assert "out of reach: an idle replica meets the SLO for 95." in text
+    assert "the last replica adds +0." in text
