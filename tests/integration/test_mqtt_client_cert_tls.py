@@ -129,15 +129,18 @@ async def _refusal(settings: MqttSettings) -> str:
     agent build from `settings` (with TLS 1.3 the client's handshake completes first and the
     refusal is the first thing it reads)."""
     assert settings.tls is not None
-    reader, writer = await asyncio.open_connection(settings.host, settings.port, ssl=tls_context(settings.tls))
+    async with asyncio.timeout(30):  # a bound on a hung handshake, not a measurement
+        reader, writer = await asyncio.open_connection(settings.host, settings.port, ssl=tls_context(settings.tls))
     try:
         async with asyncio.timeout(30):  # an accepted client would wait here for MQTT data
             with pytest.raises(ssl.SSLError) as refused:
                 await reader.read(1)
     finally:
         writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
+        # an SSL transport the peer refused may never finish closing (no close_notify): bounded
+        with contextlib.suppress(OSError, TimeoutError):
+            async with asyncio.timeout(5):
+                await writer.wait_closed()
     return str(refused.value)
 
 
