@@ -201,6 +201,47 @@ def _points(prev: tuple[tuple[float, float, float], ...], rd: _Reading | None, l
     return (*prev, (load, rd.z, requests))[-MAX_POINTS:]
 
 
+def _line(points: Sequence[tuple[float, float, float]]) -> tuple[float, float, float] | None:
+    """The weighted regression of ln speed on ln load: (slope, its value at the highest load seen,
+    one standard error there); None: fewer than 3 windows or loads too close together."""
+    pts = [(math.log(x), z, 1.0 / (OBS_VAR + OBS_VAR_PER_REQUEST / max(n, 1.0)))
+           for x, z, n in points if x > 0 and math.isfinite(z)]
+    if len(pts) < 3:
+        return None
+    sw = sum(w for _, _, w in pts)
+    xbar = sum(x * w for x, _, w in pts) / sw
+    zbar = sum(z * w for _, z, w in pts) / sw
+    sxx = sum(w * (x - xbar) ** 2 for x, _, w in pts)
+    if max(x for x, _, _ in pts) - min(x for x, _, _ in pts) < MIN_LOAD_SPREAD or sxx <= 0:
+        return None
+    beta = sum(w * (x - xbar) * (z - zbar) for x, z, w in pts) / sxx
+    resid = sum(w * (z - zbar - beta * (x - xbar)) ** 2 for x, z, w in pts) / (len(pts) - 2)
+    x_top = max(x for x, _, _ in pts)
+    se = math.sqrt(max(resid, 1.0) * (1.0 / sw + (x_top - xbar) ** 2 / sxx))
+    return beta, zbar + beta * (x_top - xbar), se
+
+
+def regression_floor(points: Sequence[tuple[float, float, float]]) -> float | None:
+    """The fleet's own regression when the speed the profile explains RISES with load: the latency
+    moves less with load per replica than the profile says (a load-independent part: prefill stalls
+    of long prompts, a slow tokenizer, a network hop), so the lower loads of a larger fleet read as
+    an ever slower engine while the latency itself stays put. Replicas that do not lower the latency
+    buy no SLO: a slower engine is applied no further than the line at the highest load seen (-1
+    standard error), so a miss that capacity does not fix stops growing the fleet. None: no such
+    slope shown.
+
+    >>> regression_floor([(1.0, -0.5, 300), (2.0, -0.5, 300), (3.0, -0.5, 300)]) is None  # flat
+    True
+    >>> round(regression_floor([(0.5, -0.9, 300), (1.0, -0.5, 300), (2.0, -0.1, 300)]), 2)  # -0.1 - 1 se
+    -0.35
+    """
+    line = _line(points)
+    if line is None or line[0] <= 0:
+        return None
+    _, top, se = line
+    return top - se
+
+
 def regression_cap(points: Sequence[tuple[float, float, float]]) -> float | None:
     """The fleet's own regression of ln speed on ln load per replica (weighted by completions): when
     the speed the profile explains FALLS with load (the engine slows toward its knee faster than the
@@ -214,23 +255,11 @@ def regression_cap(points: Sequence[tuple[float, float, float]]) -> float | None
     >>> round(regression_cap([(1.0, 0.7, 300), (2.0, 0.4, 300), (3.0, 0.22, 300)]), 2)  # 0.22 + 1 se
     0.46
     """
-    pts = [(math.log(x), z, 1.0 / (OBS_VAR + OBS_VAR_PER_REQUEST / max(n, 1.0)))
-           for x, z, n in points if x > 0 and math.isfinite(z)]
-    if len(pts) < 3:
+    line = _line(points)
+    if line is None or line[0] >= 0:
         return None
-    sw = sum(w for _, _, w in pts)
-    xbar = sum(x * w for x, _, w in pts) / sw
-    zbar = sum(z * w for _, z, w in pts) / sw
-    sxx = sum(w * (x - xbar) ** 2 for x, _, w in pts)
-    if max(x for x, _, _ in pts) - min(x for x, _, _ in pts) < MIN_LOAD_SPREAD or sxx <= 0:
-        return None
-    beta = sum(w * (x - xbar) * (z - zbar) for x, z, w in pts) / sxx
-    if beta >= 0:
-        return None
-    resid = sum(w * (z - zbar - beta * (x - xbar)) ** 2 for x, z, w in pts) / (len(pts) - 2)
-    x_top = max(x for x, _, _ in pts)
-    se = math.sqrt(max(resid, 1.0) * (1.0 / sw + (x_top - xbar) ** 2 / sxx))
-    return zbar + beta * (x_top - xbar) + se
+    _, top, se = line
+    return top + se
 
 
 def update_corrections(
@@ -310,8 +339,13 @@ def _agreement_sd(points: Sequence[tuple[float, float, float]], age_s: float) ->
 
 
 def _capped(applied: float, points: Sequence[tuple[float, float, float]]) -> float:
-    """A faster engine no further than the fleet's own regression supports (`regression_cap`)."""
-    if applied <= 0.0:
+    """A faster engine no further than the fleet's own regression supports (`regression_cap`); a
+    slower one no further than the line at the highest load seen when the latency does not follow
+    the load (`regression_floor`)."""
+    if applied < 0.0:
+        floor = regression_floor(points)
+        return applied if floor is None else max(applied, min(floor, 0.0))
+    if applied == 0.0:
         return applied
     cap = regression_cap(points)
     return applied if cap is None else min(applied, max(cap, 0.0))
@@ -483,5 +517,6 @@ def forget(corrections: Mapping[ConfigKey, Correction], keep: set[ConfigKey]) ->
     return {c: v for c, v in corrections.items() if c in keep}
 
 
-__all__ = ["applied_speeds", "corrections_tuple", "describe", "forget", "regression_cap", "shared_prior",
+__all__ = ["applied_speeds", "corrections_tuple", "describe", "forget", "regression_cap", "regression_floor",
+           "shared_prior",
            "trusted_load", "update_corrections"]

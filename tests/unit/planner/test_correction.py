@@ -252,3 +252,24 @@ def test_a_config_not_observed_starts_from_what_its_siblings_showed() -> None:
     assert speeds[other].itl == pytest.approx(math.exp(-0.5), rel=1e-6)
     assert "shared from the model's observed configs" in speeds[other].note
     assert applied_speeds({}, {other: TRUE}, {}) == {}  # nothing observed: the profile as fitted
+
+
+def test_a_latency_that_does_not_follow_the_load_does_not_ratchet_the_fleet_up() -> None:
+    # issue 18: every replica must buy SLO. A latency with a load-independent part (it stays at 60 ms
+    # whatever the load) read at the lower loads of a demand trough says "an ever slower engine" to a
+    # filter that inverts the profile at each load: the fleet would grow as the load per replica falls,
+    # and the larger fleet lowers the load further. The fleet's own regression (the explained speed
+    # RISES with load) keeps what is applied at the line's value at the highest load seen
+    corr: dict[ConfigKey, Correction] = {}
+    applied = []
+    for k, rps in enumerate((8.0, 8.0, 6.0, 4.5, 3.4, 2.5, 2.0, 1.6)):
+        seen = predict_mix(TRUE, MIX, rps)
+        corr = observe_once(corr, ConfigObservation(KEY, 1, rps, seen.ttft_p99_ms, 60.0, 300.0),
+                            1000.0 + 60.0 * k)
+        applied.append(corr[KEY].applied_itl_log)
+    c = corr[KEY]
+    z = [p[1] for p in c.itl_points]
+    assert z[0] > z[-1] + 0.5  # the windows: the explained speed fell with the load
+    assert c.itl_log < -0.6  # and the estimate followed the low loads down (x0.5)
+    assert applied[-1] > c.itl_log + 0.3  # what the plan applies did not: the line at 8 rps, - 1 se
+    assert len(set(applied[4:])) == 1  # and it held through the trough: no ratchet
