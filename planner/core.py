@@ -56,6 +56,7 @@ from fleetplan.planner.counts import (
 )
 from fleetplan.planner.explore import canaries
 from fleetplan.planner.forecast import forecast_rate, recent_level_max
+from fleetplan.planner.payback import unpaid_builds
 from fleetplan.planner.placement import LIVE_STATES, Placement, place, slots_by_gpu
 from fleetplan.planner.plan_json import plan_to_dict, replica_to_dict
 from fleetplan.planner.policy import Effective, ModelPolicy, Policy, effective
@@ -558,6 +559,14 @@ def plan_with_capacities(
                               YOUNG_CYCLES * policy.scaling.cycle_s).items():
         floors[c] = max(floors.get(c, 0), k)
     target_cands = _candidates(policy, capacities, gpus, ready, now_only=False)
+    # a build is a one-off cost: started only where the recent traffic's savings pay it back
+    unpaid = unpaid_builds(policy, target_cands, {m: d.required_rps for m, d in demands.items()},
+                           _canonical_observations(observation, policy), now_s,
+                           keep=(c for c, k in floors.items() if k > 0))
+    if unpaid:
+        target_cands = [c for c in target_cands if c.config not in unpaid]
+        for c, note in sorted(unpaid.items()):
+            demands[c.model] = replace(demands[c.model], notes=(*demands[c.model].notes, note))
     target_problem = _count_problem(policy, eff, target_cands, demands, slots, current, floors)
     target_sol, target_place = _solve_and_place(target_problem, hosts, fleet.replicas, drained, reports)
 

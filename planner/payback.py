@@ -1,0 +1,76 @@
+"""Engine builds that pay back: a TensorRT-LLM build is a one-off cost, started only for savings that last. Pure.
+
+A build holds its replica's GPUs for the build time (15-45 min on real GPUs). The count solver prices
+configs in $/h at the required rate of this cycle, so a build whose config is cheaper only at this
+moment's rate (a required rate just above one vLLM replica's capacity, falling again) is started,
+paid for, and its replica replaces the vLLM one one for one (the demo's day: 0.67 of 6.89 GPU-h).
+
+Rule: a config that needs a build stays a candidate for the target only if, at the required rates
+of the model's last `HISTORY_S` (its observed rate history x (1 + headroom), and this cycle's
+required rate), a fleet allowed to use it would have been cheaper by enough on average to pay the
+build back within `PAYBACK_S`: mean saving ($/h) x PAYBACK_S >= the build's GPU cost ($). A model
+that nothing ready can serve builds anyway (the build is the only way to serve it).
+
+Worked example: vLLM 1.75 rps / $12/h per replica, TRT-LLM 1.92 rps / $12/h, a 15-min build on its
+4 GPUs costs $3. Over the last hour the required rate sat in 1.75-1.92 rps (one TRT-LLM replica
+where vLLM needs two) for 6 of 60 minutes: the mean saving is $1.20/h, the build would pay back in
+2.5 h: not started. At a steady 1.8 rps it saves $12/h and pays back in 15 min: started.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+
+from fleetplan.planner.counts import Candidate
+from fleetplan.planner.policy import Policy
+from fleetplan.planner.types import ConfigKey, ModelObservation
+
+PAYBACK_S = 3600.0  # a build must pay for itself within this long of the savings the recent traffic shows
+HISTORY_S = 3600.0  # the recent traffic: the model's rate history over this long
+
+
+def _fleet_usd_h(rate_rps: float, cands: Iterable[Candidate]) -> float:
+    """$/h of the cheapest single-config fleet of `cands` serving `rate_rps` (at least one replica)."""
+    best = math.inf
+    for c in cands:
+        if c.capacity_rps > 0 and math.isfinite(c.capacity_rps):
+            best = min(best, max(1, math.ceil(rate_rps / c.capacity_rps - 1e-9)) * c.usd_h)
+    return best
+
+
+def unpaid_builds(policy: Policy, cands: Sequence[Candidate], required_rps: Mapping[str, float],
+                  observations: Mapping[str, ModelObservation], now_s: float,
+                  keep: Iterable[ConfigKey] = ()) -> dict[ConfigKey, str]:
+    """The build candidates that would not pay back, each with a readable note; `keep`: configs never
+    dropped (a canary, a floor)."""
+    kept = set(keep)
+    out: dict[ConfigKey, str] = {}
+    models = sorted({c.config.model for c in cands if c.build_s > 0})
+    for model in models:
+        builds = [c for c in cands if c.config.model == model and c.build_s > 0 and c.config not in kept]
+        ready = [c for c in cands if c.config.model == model and c.build_s <= 0]
+        m = policy.model(model)
+        if not builds or m is None or math.isinf(_fleet_usd_h(1e-9, ready)):
+            continue  # nothing ready serves it: the build is the only way
+        o = observations.get(model)
+        rates = [r * (1.0 + m.headroom) for t, r in (o.history if o is not None else ())
+                 if t >= now_s - HISTORY_S and math.isfinite(r) and r >= 0]
+        req = required_rps.get(model)
+        if req is not None and math.isfinite(req) and req > 0:
+            rates.append(req)
+        if not rates:
+            continue
+        without = [_fleet_usd_h(r, ready) for r in rates]
+        for b in builds:
+            saving = sum(w - min(w, _fleet_usd_h(r, (b,))) for w, r in zip(without, rates, strict=True)) / len(rates)
+            cost = b.usd_h * b.build_s / 3600.0
+            if saving * PAYBACK_S / 3600.0 < cost:
+                pays = f"pays back in {cost / saving:.1f} h" if saving > 0 else "saves nothing"
+                out[b.config] = (f"{b.config.label()}: engine build not started: at the required rates of the "
+                                 f"last {HISTORY_S / 3600.0:g} h it would save ${saving:.2f}/h on average, the build "
+                                 f"costs ${cost:.2f} ({pays}; the limit {PAYBACK_S / 3600.0:g} h)")
+    return out
+
+
+__all__ = ["HISTORY_S", "PAYBACK_S", "unpaid_builds"]
