@@ -566,7 +566,8 @@ def plan_with_capacities(
     if unpaid:
         target_cands = [c for c in target_cands if c.config not in unpaid]
         for c, note in sorted(unpaid.items()):
-            demands[c.model] = replace(demands[c.model], notes=(*demands[c.model].notes, note))
+            if note:
+                demands[c.model] = replace(demands[c.model], notes=(*demands[c.model].notes, note))
     target_problem = _count_problem(policy, eff, target_cands, demands, slots, current, floors)
     target_sol, target_place = _solve_and_place(target_problem, hosts, fleet.replicas, drained, reports)
 

@@ -42,8 +42,8 @@ def _fleet_usd_h(rate_rps: float, cands: Iterable[Candidate]) -> float:
 def unpaid_builds(policy: Policy, cands: Sequence[Candidate], required_rps: Mapping[str, float],
                   observations: Mapping[str, ModelObservation], now_s: float,
                   keep: Iterable[ConfigKey] = ()) -> dict[ConfigKey, str]:
-    """The build candidates that would not pay back, each with a readable note; `keep`: configs never
-    dropped (a canary, a floor)."""
+    """The build candidates that would not pay back, each with a readable note ("" where it would save
+    nothing at all); `keep`: configs never dropped (a canary, a floor)."""
     kept = set(keep)
     out: dict[ConfigKey, str] = {}
     models = sorted({c.config.model for c in cands if c.build_s > 0})
@@ -66,10 +66,12 @@ def unpaid_builds(policy: Policy, cands: Sequence[Candidate], required_rps: Mapp
             saving = sum(w - min(w, _fleet_usd_h(r, (b,))) for w, r in zip(without, rates, strict=True)) / len(rates)
             cost = b.usd_h * b.build_s / 3600.0
             if saving * PAYBACK_S / 3600.0 < cost:
-                pays = f"pays back in {cost / saving:.1f} h" if saving > 0 else "saves nothing"
-                out[b.config] = (f"{b.config.label()}: engine build not started: at the required rates of the "
-                                 f"last {HISTORY_S / 3600.0:g} h it would save ${saving:.2f}/h on average, the build "
-                                 f"costs ${cost:.2f} ({pays}; the limit {PAYBACK_S / 3600.0:g} h)")
+                # a build that would save nothing at any recent rate is not news: no note (the
+                # counterfactuals say why the config is not chosen)
+                out[b.config] = "" if saving <= 0 else (
+                    f"{b.config.label()}: engine build not started: at the required rates of the last "
+                    f"{HISTORY_S / 3600.0:g} h it would save ${saving:.2f}/h on average, the build costs "
+                    f"${cost:.2f} (pays back in {cost / saving:.1f} h; the limit {PAYBACK_S / 3600.0:g} h)")
     return out
 
 
