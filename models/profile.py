@@ -259,28 +259,37 @@ def itl_p99_gap(p: PerfParams, isl: Any, osl: Any, x: Any, itl: Any) -> Any:
     weight is fitted only on per-gap ITL p99 data (0 for per-request TPOT p99, whose mean over a
     request's tokens averages the stalls away). Per-request data instead fit itl_p99_load: the
     spread of the per-request mean rises with utilisation rho, k99*ITL*(1 + itl_p99_load*rho)."""
-    _, work = work_terms(p, isl, osl)
-    base = p.itl_p99_factor * itl * (1.0 + p.itl_p99_load * x * work)
-    if p.itl_stall_weight <= 0.0:
+    base, stall, chunks = _itl_terms(p, isl, osl, x, itl)
+    if stall is None:
         return base
-    prefill, _ = work_terms(p, isl, osl)
+    return base + stall * _stall_steps(x * chunks * itl)
+
+
+def _itl_terms(p: PerfParams, isl: Any, osl: Any, x: Any, itl: Any) -> tuple[Any, Any, Any]:
+    """(k99*ITL*(1 + itl_p99_load*rho), one prefill chunk's stall time or None without a stall term,
+    prefill chunks per prompt): what the per-gap and the per-request ITL p99 share."""
+    prefill, work = work_terms(p, isl, osl)
+    base = p.itl_p99_factor * itl * (1.0 + p.itl_p99_load * x * work)
     chunks = 1.0 + p.chunk_per_token * isl
-    phi = x * chunks * itl
+    if p.itl_stall_weight <= 0.0:
+        return base, None, chunks
+    return base, p.itl_stall_weight * p.prefill_latency_factor * prefill / chunks, chunks
+
+
+def _stall_steps(m: Any) -> Any:
+    """The smooth count of Poisson thresholds (mean m) passed: k where P(count >= k) reaches 1%, k = 1..4."""
     count = 0.0
     for t in _STALL_THRESHOLDS:
-        z = (phi / t) ** _STALL_SHARPNESS
+        z = (m / t) ** _STALL_SHARPNESS
         count = count + z / (1.0 + z)
-    return base + p.itl_stall_weight * p.prefill_latency_factor * prefill / chunks * count
+    return count
 
 
 def poisson_p99(m: Any) -> Any:
     """The 99th percentile of a Poisson count of mean m, smooth and rising in m: the thresholds of
     `itl_p99_gap` (k = 1..4) up to m = 1, the normal approximation m + 2.326 sqrt(m) once it is
     larger (from m ~ 1.2; at m = 1 the thresholds give 3.97, the normal 3.33: continuous)."""
-    count = 0.0
-    for t in _STALL_THRESHOLDS:
-        z = (m / t) ** _STALL_SHARPNESS
-        count = count + z / (1.0 + z)
+    count = _stall_steps(m)
     return np.where(m > 1.0, np.maximum(count, m + 2.326 * np.sqrt(np.maximum(m, 0.0))), count)
 
 
@@ -296,16 +305,11 @@ def itl_p99_request(p: PerfParams, isl: Any, osl: Any, x: Any, itl: Any) -> Any:
     the whole per-gap stall halved the demo's fitted capacity (ITL p99 29 ms predicted where its
     benchmark measured a TPOT p99 of 21 ms).
     """
-    _, work = work_terms(p, isl, osl)
-    base = p.itl_p99_factor * itl * (1.0 + p.itl_p99_load * x * work)
-    if p.itl_stall_weight <= 0.0:
+    base, stall, chunks = _itl_terms(p, isl, osl, x, itl)
+    if stall is None:
         return base
-    prefill, _ = work_terms(p, isl, osl)
-    chunks = 1.0 + p.chunk_per_token * isl
     n = np.maximum(osl - 1.0, 1.0)
-    m = x * chunks * itl * n
-    stall = p.itl_stall_weight * p.prefill_latency_factor * prefill / chunks
-    return base + stall * poisson_p99(m) / n
+    return base + stall * poisson_p99(x * chunks * itl * n) / n
 
 
 def closed_loop_shift(p: PerfParams, isl: Any, osl: Any, x: Any, itl: Any) -> tuple[Any, Any]:

@@ -560,9 +560,10 @@ def plan_with_capacities(
         floors[c] = max(floors.get(c, 0), k)
     target_cands = _candidates(policy, capacities, gpus, ready, now_only=False)
     # a build is a one-off cost: started only where the recent traffic's savings pay it back
-    unpaid = unpaid_builds(policy, target_cands, {m: d.required_rps for m, d in demands.items()},
-                           _canonical_observations(observation, policy), now_s,
-                           keep=(c for c, k in floors.items() if k > 0))
+    unpaid = (unpaid_builds(policy, target_cands, {m: d.required_rps for m, d in demands.items()},
+                            _canonical_observations(observation, policy), now_s,
+                            keep=(c for c, k in floors.items() if k > 0))
+              if any(c.build_s > 0 for c in target_cands) else {})
     if unpaid:
         target_cands = [c for c in target_cands if c.config not in unpaid]
         for c, note in sorted(unpaid.items()):
