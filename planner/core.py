@@ -56,6 +56,7 @@ from fleetplan.planner.counts import (
 )
 from fleetplan.planner.explore import canaries
 from fleetplan.planner.forecast import forecast_rate, recent_level_max
+from fleetplan.planner.lengths import held_note, hold_lengths
 from fleetplan.planner.payback import unpaid_builds
 from fleetplan.planner.placement import LIVE_STATES, Placement, place, slots_by_gpu
 from fleetplan.planner.plan_json import plan_to_dict, replica_to_dict
@@ -178,6 +179,9 @@ def plan(
     counterfactuals=False: no alternatives/relaxations in the explanation (replays that only act)."""
     hosts = _inventory(fleet, policy)
     gpus = {h.gpu for h in hosts if h.online}
+    canonical = policy.aliases().canonical
+    fresh = observation
+    observation, held = hold_lengths(observation, state.lengths, canonical, now_s=now_s)
     workloads = workloads_from(observation, policy)
     chosen = resolve_profiles(policy, profiles, gpus)
     extrap = {c: extrapolation(p, mix_for(p, workloads[c.model]), workloads[c.model].isl_p99_low)
@@ -198,7 +202,7 @@ def plan(
                                      "sized to min_replicas only",))
     relaxed = (slo_relaxed_capacities(policy, chosen, workloads, gpus, speeds=speeds)
                if counterfactuals and len(policy.models) <= MANY_MODELS else None)
-    state = replace(state, corrections=corrections_tuple(corrections))
+    state = replace(state, corrections=corrections_tuple(corrections), lengths=held)
     result = plan_with_capacities(observation, fleet, policy, table, state, now_s, predictor=predictor,
                                   relaxed_capacities=relaxed, counterfactuals=counterfactuals)
     means = mean_speeds(corrections)
@@ -208,7 +212,9 @@ def plan(
     models = []
     for me in result.explanation.models:
         u = cost_of_uncertainty(me, policy, table_by_model.get(me.model, {}), speeds, means, chosen, workloads)
-        models.append(replace(me, uncertainty_usd_h=u.usd_h, uncertainty_why=u.why))
+        note = held_note(held, fresh, me.model, canonical, now_s)
+        models.append(replace(me, uncertainty_usd_h=u.usd_h, uncertainty_why=u.why,
+                              notes=me.notes if note is None else (*me.notes, note)))
     return replace(result, explanation=replace(result.explanation, models=tuple(models)))
 
 
@@ -646,7 +652,8 @@ def plan_with_capacities(
     if counterfactuals:
         explanation = add_counterfactuals(explanation, policy, eff, now_problem, now_sol, ready, hosts, capacities,
                                           relaxed_capacities)
-    next_state = PlannerState(tuple(sorted(surplus_next.items())), state.cycle + 1, state.corrections, bursts)
+    next_state = PlannerState(tuple(sorted(surplus_next.items())), state.cycle + 1, state.corrections, bursts,
+                              state.lengths)
     return PlanResult(now_plan, target_plan, next_state, explanation, tuple(act), tuple(deferred))
 
 

@@ -21,6 +21,7 @@ from fleetplan.planner.types import (
     Correction,
     EngineBuild,
     Fleet,
+    HeldLengths,
     HostInventory,
     ModelObservation,
     Observation,
@@ -134,11 +135,22 @@ class CorrectionDoc(_Strict):
     itl_points: tuple[tuple[float, float, float], ...] = Field(default=(), max_length=32)
 
 
+class LengthsDoc(_Strict):
+    model: str
+    t_s: float
+    isl: float | None = Field(default=None, gt=0)
+    osl: float | None = Field(default=None, gt=0)
+    isl_quantiles: tuple[tuple[float, float], ...] = Field(default=(), max_length=64)
+    osl_quantiles: tuple[tuple[float, float], ...] = Field(default=(), max_length=64)
+    isl_p99_low: float | None = None
+
+
 class StateDoc(_Strict):
     cycle: int = 0
     surplus_since_s: tuple[SurplusDoc, ...] = ()
     corrections: tuple[CorrectionDoc, ...] = ()
     bursts: tuple[tuple[str, float, float], ...] = ()
+    lengths: tuple[LengthsDoc, ...] = ()
 
 
 class FleetDoc(_Strict):
@@ -209,6 +221,10 @@ def state_to_dict(state: PlannerState) -> dict[str, Any]:
                          "itl_points": [list(p) for p in k.itl_points]}
                         for k in state.corrections],
         "bursts": [list(b) for b in state.bursts],
+        "lengths": [{"model": h.model, "t_s": h.t_s, "isl": h.isl, "osl": h.osl,
+                     "isl_quantiles": [list(q) for q in h.isl_quantiles],
+                     "osl_quantiles": [list(q) for q in h.osl_quantiles], "isl_p99_low": h.isl_p99_low}
+                    for h in state.lengths],
     }
 
 
@@ -224,6 +240,8 @@ def _state(doc: StateDoc) -> PlannerState:
                                  k.applied_itl_log, tuple(k.ttft_points), tuple(k.itl_points))
                       for k in doc.corrections), key=lambda c: c.config)),
         tuple(doc.bursts),
+        tuple(HeldLengths(h.model, h.t_s, h.isl, h.osl, tuple(h.isl_quantiles), tuple(h.osl_quantiles),
+                          h.isl_p99_low) for h in doc.lengths),
     )
 
 

@@ -168,6 +168,21 @@ class Correction:
 
 
 @dataclass(frozen=True)
+class HeldLengths:
+    """The length mix of a model's last reading that showed one (planner/lengths.py): what the plan
+    keeps using while the readings show none (stale, idle) instead of falling back to the policy's
+    `workload`. `t_s`: when it was read (epoch s)."""
+
+    model: str
+    t_s: float
+    isl: float | None = None
+    osl: float | None = None
+    isl_quantiles: tuple[tuple[float, float], ...] = ()
+    osl_quantiles: tuple[tuple[float, float], ...] = ()
+    isl_p99_low: float | None = None
+
+
+@dataclass(frozen=True)
 class PlannerState:
     """What the planner carries from one cycle to the next (a value: plan() returns the next one).
 
@@ -179,6 +194,7 @@ class PlannerState:
     cycle: int = 0
     corrections: tuple[Correction, ...] = ()  # per config, from observed latency (planner/correction.py)
     bursts: tuple[tuple[str, float, float], ...] = ()  # (model, t_s, capacity a burst needed), recent
+    lengths: tuple[HeldLengths, ...] = ()  # per model, the last length mix a reading showed
 
     @staticmethod
     def initial() -> PlannerState:

@@ -145,3 +145,37 @@ def test_a_config_that_cannot_reach_the_slo_gives_way_to_one_that_can() -> None:
     text = "\n".join(config_lines(doc["explanation"]["models"][0], c, doc))
     assert "out of reach: an idle replica meets the SLO for 95." in text
     assert "the last replica adds +0." in text
+
+
+def test_a_stale_or_idle_reading_plans_on_the_last_mix_a_reading_showed() -> None:
+    """A new replica's first window is stale and shows no mix: the plan keeps sizing on the long
+    prompts it saw, not on the policy's short `workload` (which needs fewer replicas), says so, and
+    the held mix survives a restart (the stored state). After HOLD_S the policy's mix applies."""
+    from fleetplan.planner.lengths import HOLD_S
+
+    profiles = mp.ProfileSet((TRUE,))
+    long_q = ((0.5, 3000.0), (0.99, 4000.0))
+
+    def obs(*, stale: bool) -> Observation:
+        if stale:
+            return Observation({"m8": ModelObservation("m8", 20.0, stale=True)})
+        return Observation({"m8": ModelObservation("m8", 20.0, 3200.0, 200.0, isl_quantiles=long_q)})
+
+    def replicas(r: object) -> int:
+        return sum(c.replicas for c in r.plan.counts)  # type: ignore[attr-defined]
+
+    fresh = plan(obs(stale=False), Fleet(hosts(4)), ONE, profiles, PlannerState.initial(), NOW)
+    policy_mix = plan(obs(stale=True), Fleet(hosts(4)), ONE, profiles, PlannerState.initial(), NOW)
+    assert replicas(fresh) > replicas(policy_mix)  # the policy's 500-token prompts need fewer
+    state = state_from_dict(plan_to_dict(fresh)["next_state"])  # stored and reloaded
+    assert state.lengths == fresh.next_state.lengths and state.lengths[0].isl == 3200.0
+    held = plan(obs(stale=True), Fleet(hosts(4)), ONE, profiles, state, NOW + 60)
+    assert replicas(held) == replicas(fresh)
+    assert held.explanation.models[0].length_mix == fresh.explanation.models[0].length_mix
+    assert any(n.startswith("length mix: held from the reading 60 s ago") for n in held.explanation.models[0].notes)
+    assert not any(n.startswith("length mix: held") for n in fresh.explanation.models[0].notes)
+    idle = plan(Observation({"m8": ModelObservation("m8", 0.0)}), Fleet(hosts(4)), ONE, profiles, state, NOW + 60)
+    assert idle.explanation.models[0].length_mix == fresh.explanation.models[0].length_mix
+    late = plan(obs(stale=True), Fleet(hosts(4)), ONE, profiles, state, NOW + HOLD_S + 60)
+    assert late.explanation.models[0].length_mix == policy_mix.explanation.models[0].length_mix
+    assert late.next_state.lengths == ()
