@@ -296,7 +296,8 @@ def _demands(observation: Observation, policy: Policy, now_s: float,
             out[m.name] = _Demand(m.name, lower, None, demand, demand * (1 + m.headroom), False, tuple(notes))
             continue
         assert o is not None and o.rate_rps is not None
-        fc = forecast_rate(o.history, o.rate_rps, now_s, horizon, policy.scaling.forecast_quantile)
+        fc = forecast_rate(o.history, o.rate_rps, now_s, horizon, policy.scaling.forecast_quantile,
+                           sample_window_s=o.history_window_s)
         demand = max(o.rate_rps, fc.rate_rps)
         notes.append(f"forecast {fc.method}: q{policy.scaling.forecast_quantile:g} over {horizon:.0f} s "
                      f"= {fc.rate_rps:.2f} rps")

@@ -153,8 +153,14 @@ def _relaxed(mean: float, var: float, prior_var: float, age_s: float) -> tuple[f
 
 
 def _reading(prof: PerfProfile, mix: LengthMix, rps: float, p99_ms: float | None,
-             range_ms: tuple[float, float] | None, requests: float, *, itl: bool) -> _Reading | None:
-    """One latency's reading in ln speed: the point value, its bucket's bounds, its variance."""
+             range_ms: tuple[float, float] | None, requests: float, *, itl: bool,
+             sampling_ms: tuple[float, float] | None = None) -> _Reading | None:
+    """One latency's reading in ln speed: the point value, its bucket's bounds, its variance.
+
+    The variance: a window's p99 wanders with the load's fluctuation (OBS_VAR) and with which
+    requests the window happened to hold: the p99's sampling interval (`sampling_ms`, planner/
+    evidence.py _p99_ms: +-2 sd of its rank) mapped to ln speed, where the histograms give it, else
+    OBS_VAR_PER_REQUEST / completions; plus its bucket's width (the value may sit anywhere in it)."""
     z = _log_speed(prof, mix, rps, p99_ms, itl=itl)
     z_slow = z_fast = None
     if range_ms is not None:
@@ -165,10 +171,25 @@ def _reading(prof: PerfProfile, mix: LengthMix, rps: float, p99_ms: float | None
             z_fast = _log_speed(prof, mix, rps, lo, itl=itl)
     if z is None and z_slow is None:
         return None
-    var = OBS_VAR + OBS_VAR_PER_REQUEST / max(requests, 1.0)
+    var = OBS_VAR + _sampling_var(prof, mix, rps, sampling_ms, requests, itl=itl)
     if z is not None and z_slow is not None and z_fast is not None:
         var += min((z_fast - z_slow) ** 2 / 12.0, BUCKET_VAR_CAP)  # uniform over the bucket
     return _Reading(z, z_slow, z_fast, var)
+
+
+SAMPLING_VAR_CAP = 1.0  # ln^2: the most a p99's sampling interval adds (a window then counts ~1/16 of a typical one)
+
+
+def _sampling_var(prof: PerfProfile, mix: LengthMix, rps: float, sampling_ms: tuple[float, float] | None,
+                  requests: float, *, itl: bool) -> float:
+    """The variance of a window's p99 from the requests it happened to hold, in ln speed."""
+    if sampling_ms is not None:
+        lo, hi = sampling_ms
+        z_lo = _log_speed(prof, mix, rps, hi, itl=itl) if math.isfinite(hi) and hi > 0 else None
+        z_hi = _log_speed(prof, mix, rps, lo, itl=itl) if math.isfinite(lo) and lo > 0 else None
+        if z_lo is not None and z_hi is not None:
+            return min(((z_hi - z_lo) / 4.0) ** 2, SAMPLING_VAR_CAP)  # +-2 sd
+    return OBS_VAR_PER_REQUEST / max(requests, 1.0)
 
 
 def _evidence(config: ConfigKey, prof: PerfProfile, o: ModelObservation | None,
@@ -183,11 +204,17 @@ def _evidence(config: ConfigKey, prof: PerfProfile, o: ModelObservation | None,
         return None
     mix: LengthMix = mix_for(prof, w)
     per_replica = ev.rate_rps / ev.ready_replicas
-    r_t = _reading(prof, mix, per_replica, ev.ttft_p99_ms, ev.ttft_p99_range_ms, ev.requests, itl=False)
-    r_i = _reading(prof, mix, per_replica, ev.itl_p99_ms, ev.itl_p99_range_ms, ev.requests, itl=True)
+    r_t = _reading(prof, mix, per_replica, ev.ttft_p99_ms, ev.ttft_p99_range_ms, ev.requests, itl=False,
+                   sampling_ms=ev.ttft_p99_sampling_ms)
+    r_i = _reading(prof, mix, per_replica, ev.itl_p99_ms, ev.itl_p99_range_ms, ev.requests, itl=True,
+                   sampling_ms=ev.itl_p99_sampling_ms)
     if r_t is None and r_i is None:
         return None
     return r_t, r_i, per_replica
+
+
+def _widened(rd: _Reading | None, factor: float) -> _Reading | None:
+    return rd if rd is None or factor == 1.0 else replace(rd, var=rd.var * factor)
 
 
 def _last_z(points: Sequence[tuple[float, float, float]]) -> float | None:
@@ -201,12 +228,18 @@ def _points(prev: tuple[tuple[float, float, float], ...], rd: _Reading | None, l
     return (*prev, (load, rd.z, requests))[-MAX_POINTS:]
 
 
+def _weighted(points: Sequence[tuple[float, float, float]]) -> list[tuple[float, float, float]]:
+    """(ln load, ln speed, weight) of the windows with a load and a value; the weight is 1 / the
+    variance a window of that many completions is assumed to have."""
+    return [(math.log(x), z, 1.0 / (OBS_VAR + OBS_VAR_PER_REQUEST / max(n, 1.0)))
+            for x, z, n in points if x > 0 and math.isfinite(z)]
+
+
 def _line(points: Sequence[tuple[float, float, float]]) -> tuple[float, float, float, float] | None:
     """The weighted regression of ln speed on ln load: (slope, the slope's standard error, its value
     at the highest load seen, one standard error there); None: fewer than 3 windows or loads too
     close together."""
-    pts = [(math.log(x), z, 1.0 / (OBS_VAR + OBS_VAR_PER_REQUEST / max(n, 1.0)))
-           for x, z, n in points if x > 0 and math.isfinite(z)]
+    pts = _weighted(points)
     if len(pts) < 3:
         return None
     sw = sum(w for _, _, w in pts)
@@ -220,6 +253,40 @@ def _line(points: Sequence[tuple[float, float, float]]) -> tuple[float, float, f
     x_top = max(x for x, _, _ in pts)
     se = math.sqrt(max(resid, 1.0) * (1.0 / sw + (x_top - xbar) ** 2 / sxx))
     return beta, math.sqrt(max(resid, 1.0) / sxx), zbar + beta * (x_top - xbar), se
+
+
+MAX_SCATTER = 4.0  # the most the windows' own scatter widens a window's variance (its sd x2)
+
+
+def scatter(points: Sequence[tuple[float, float, float]]) -> float:
+    """How much more the last windows' speeds scatter than a window's assumed variance allows: their
+    weighted residual variance (around their mean; around the line on load when their loads spread)
+    per degree of freedom, between 1 and MAX_SCATTER; 1 with fewer than 4 windows.
+
+    Why: a window's p99 on long-context traffic depends on whether a 70k-token prefill landed in it
+    (ln speed wanders by ~0.6, not the assumed 0.25); a filter told 0.25 reads every such window as
+    the engine changing and follows it, and the plan swaps configs on noise (Mooncake long-context:
+    TP1 capacity read 0.24-0.98 rps against a true 0.56). Windows that scatter this much are
+    weighed as the noise they show (an adaptive measurement variance); steady traffic keeps 1, so a
+    profile that is wrong is learned as fast as before.
+
+    >>> scatter([(1.0, -0.3, 300), (1.0, -0.32, 300), (1.0, -0.29, 300), (1.0, -0.31, 300)])  # agree
+    1.0
+    >>> scatter([(1.0, -0.9, 300), (1.0, 0.3, 300), (1.0, -0.8, 300), (1.0, 0.2, 300)])  # +-0.6
+    4.0
+    """
+    pts = _weighted(points)
+    if len(pts) < 4:
+        return 1.0
+    sw = sum(w for _, _, w in pts)
+    xbar = sum(x * w for x, _, w in pts) / sw
+    zbar = sum(z * w for _, z, w in pts) / sw
+    sxx = sum(w * (x - xbar) ** 2 for x, _, w in pts)
+    spread = max(x for x, _, _ in pts) - min(x for x, _, _ in pts) >= MIN_LOAD_SPREAD and sxx > 0
+    beta = sum(w * (x - xbar) * (z - zbar) for x, z, w in pts) / sxx if spread else 0.0
+    dof = len(pts) - (2 if spread else 1)
+    resid = sum(w * (z - zbar - beta * (x - xbar)) ** 2 for x, z, w in pts) / dof
+    return min(max(resid, 1.0), MAX_SCATTER)
 
 
 def regression_floor(points: Sequence[tuple[float, float, float]]) -> float | None:
@@ -291,8 +358,10 @@ def update_corrections(
         age_s = now_s - prev.updated_s if prev.updated_s is not None else 0.0
         t0, tv0 = _relaxed(prev.ttft_log, prev.ttft_var, var0, age_s)
         i0, iv0 = _relaxed(prev.itl_log, prev.itl_var, var0, age_s)
-        t_log, t_var = _kalman(t0, tv0 + DRIFT_VAR, r_t, _last_z(prev.ttft_points))
-        i_log, i_var = _kalman(i0, iv0 + DRIFT_VAR, r_i, _last_z(prev.itl_points))
+        t_log, t_var = _kalman(t0, tv0 + DRIFT_VAR, _widened(r_t, scatter(prev.ttft_points)),
+                               _last_z(prev.ttft_points))
+        i_log, i_var = _kalman(i0, iv0 + DRIFT_VAR, _widened(r_i, scatter(prev.itl_points)),
+                               _last_z(prev.itl_points))
         notable = abs(t_log) > NOTABLE or abs(i_log) > NOTABLE
         since = (prev.since_s if prev.since_s is not None else now_s) if notable else None
         ev = next(c for c in observations[config.model].configs if c.config == config)

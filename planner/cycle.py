@@ -73,6 +73,7 @@ def observation_from(interpreted: Interpreted, evidence: ev.Evidence | None, mod
             isl_quantiles=me.isl_quantiles, osl_quantiles=me.osl_quantiles,
             configs=me.configs if replicas is not None else (),
             peak_rps=mm.peak_rps, peak_window_s=mm.peak_window_s, isl_p99_low=me.isl_p99_low(),
+            history_window_s=mm.history_window_s,
             prefix_hit_rate=mm.prefix_hit_rate,
         )
     return Observation(models=obs, alerts=tuple(interpreted.alerts)), tuple(notes)

@@ -356,21 +356,34 @@ def length_quantiles(buckets: Buckets, window_s: float, levels: Sequence[float] 
     return tuple((e.q, e.value) for e in length_estimates(buckets, window_s, moments, levels))
 
 
-def _p99_ms(buckets: Buckets, window_s: float,
-            moments: Moments | None = None) -> tuple[float | None, tuple[float, float] | None]:
-    """(p99 in ms, the (lo, hi) ms bounds of its bucket). A p99 in the lowest bucket is an upper bound
-    only: (None, (0, edge)); too few observations: (None, None)."""
+SAMPLING_Z = 2.0  # the p99's sampling interval: the quantiles 2 standard deviations of its rank away
+
+
+def _p99_ms(buckets: Buckets, window_s: float, moments: Moments | None = None
+            ) -> tuple[float | None, tuple[float, float] | None, tuple[float, float] | None]:
+    """(p99 in ms, the (lo, hi) ms bounds of its bucket, its sampling interval in ms). A p99 in the
+    lowest bucket is an upper bound only: (None, (0, edge), None); too few observations: all None.
+
+    The sampling interval: the p99 of n requests is their (0.99 n)-th smallest; that rank wanders by
+    sqrt(n 0.99 0.01) between windows of the same traffic, so the values at the ranks
+    SAMPLING_Z such deviations below and above it bound what another window would read (order
+    statistics, no shape assumed). A heavy tail (a 70k-token prefill stalling the decode of 1 request in
+    40) reads a wide interval, a tight one a narrow interval: planner/correction.py weighs the window
+    by it.
+    """
     total = max((r for le, r in buckets if le == math.inf), default=0.0)
-    if not math.isfinite(total) or total * window_s < MIN_P99_SAMPLES:
-        return None, None
-    est = bucket_quantiles((0.99,), buckets, mean_of(moments))
-    if not est or not math.isfinite(est[0].value):
-        return None, None
-    e = est[0]
+    n = total * window_s
+    if not math.isfinite(total) or n < MIN_P99_SAMPLES:
+        return None, None, None
+    dq = SAMPLING_Z * math.sqrt(0.99 * 0.01 / n)
+    est = bucket_quantiles((max(0.0, 0.99 - dq), 0.99, min(1.0, 0.99 + dq)), buckets, mean_of(moments))
+    if len(est) != 3 or not math.isfinite(est[1].value):
+        return None, None, None
+    low, e, high = est
     bounds = (e.lo * 1000.0, e.hi * 1000.0)
     if e.in_lowest_bucket:
-        return None, bounds  # "below the first edge": a bound, not a value (an interpolated 9.9 ms is an artefact)
-    return e.value * 1000.0, bounds
+        return None, bounds, None  # "below the first edge": a bound, not a value (an interpolated 9.9 ms is an artefact)
+    return e.value * 1000.0, bounds, (low.value * 1000.0, high.value * 1000.0)
 
 
 def _sum_moments(parts: Iterable[Moments | None]) -> Moments | None:
@@ -443,11 +456,13 @@ def interpret(model: str, evidence: Evidence | None, replicas: Sequence[Replica]
         requests = done * w
         if requests < MIN_CONFIG_REQUESTS:
             continue
-        ttft, ttft_range = _p99_ms(_sum_buckets(s.ttft for s in series), w,
-                                   _sum_moments(s.ttft_moments for s in series))
-        itl, itl_range = _p99_ms(_sum_buckets(s.tpot for s in series), w, _sum_moments(s.tpot_moments for s in series))
+        ttft, ttft_range, ttft_spread = _p99_ms(_sum_buckets(s.ttft for s in series), w,
+                                                _sum_moments(s.ttft_moments for s in series))
+        itl, itl_range, itl_spread = _p99_ms(_sum_buckets(s.tpot for s in series), w,
+                                             _sum_moments(s.tpot_moments for s in series))
         configs.append(ConfigObservation(c, len(series), done / k, ttft, itl, requests,
-                                         ttft_p99_range_ms=ttft_range, itl_p99_range_ms=itl_range))
+                                         ttft_p99_range_ms=ttft_range, itl_p99_range_ms=itl_range,
+                                         ttft_p99_sampling_ms=ttft_spread, itl_p99_sampling_ms=itl_spread))
     return ModelEvidence(tuple((e.q, e.value) for e in isl_e), tuple((e.q, e.value) for e in osl_e),
                          tuple(configs), tuple(notes), isl_e, osl_e)
 
@@ -556,7 +571,9 @@ def evidence_to_json(e: ModelEvidence) -> dict[str, Any]:
         "osl_bounds": [[x.q, x.lo, _finite(x.hi)] for x in e.osl_estimates],
         "configs": [{"config": c.config.label(), "ready_replicas": c.ready_replicas, "rate_rps": c.rate_rps,
                      "ttft_p99_ms": c.ttft_p99_ms, "itl_p99_ms": c.itl_p99_ms, "requests": c.requests,
-                     "ttft_p99_range_ms": _range(c.ttft_p99_range_ms), "itl_p99_range_ms": _range(c.itl_p99_range_ms)}
+                     "ttft_p99_range_ms": _range(c.ttft_p99_range_ms), "itl_p99_range_ms": _range(c.itl_p99_range_ms),
+                     "ttft_p99_sampling_ms": _range(c.ttft_p99_sampling_ms),
+                     "itl_p99_sampling_ms": _range(c.itl_p99_sampling_ms)}
                     for c in e.configs],
         "notes": list(e.notes),
     }

@@ -176,6 +176,7 @@ class ModelMetrics:
     peak_rps: float | None = None  # the highest short-window rate in the window (simulated rps)
     peak_window_s: float = 30.0  # that short window (simulated seconds)
     prefix_hit_rate: float | None = None  # cached share of the prompt tokens (planner/prefix.py)
+    history_window_s: float | None = None  # the window each history rate was read over (simulated s)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -426,6 +427,7 @@ def interpret(readings: Readings, models: Iterable[str], *, now_s: float, rules:
             rate_rps=r_raw / k if r_raw is not None else None,
             peak_rps=p_raw / k if p_raw is not None and p_raw >= 0 else None,
             peak_window_s=rules.peak_window_s * k,
+            history_window_s=rules.history_window_s * k if rules.history_window_s is not None else None,
             prefix_hit_rate=hit_rate_from_rates(finite(pq.get(m)), finite(ph.get(m)), rules.window_s),
             isl=isl,
             osl=osl,

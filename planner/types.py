@@ -101,6 +101,11 @@ class ConfigObservation:
     # None: unknown (e.g. a replay that gives only the point value)
     ttft_p99_range_ms: tuple[float, float] | None = None
     itl_p99_range_ms: tuple[float, float] | None = None
+    # the p99's sampling interval (lo, hi) in ms: what a window of as many requests of the same traffic
+    # would read, from the quantiles 2 standard deviations of the p99's rank away (planner/evidence.py
+    # _p99_ms); wide on a heavy tail. None: unknown (the correction assumes a typical window's noise)
+    ttft_p99_sampling_ms: tuple[float, float] | None = None
+    itl_p99_sampling_ms: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -122,6 +127,9 @@ class ModelObservation:
     configs: tuple[ConfigObservation, ...] = ()  # per serving config, where the engines export it
     peak_rps: float | None = None  # the highest short-window rate within the window (bursts)
     peak_window_s: float = 15.0  # the short window peak_rps is measured over (one scrape interval)
+    # the window each `history` rate was read over (s): their Poisson count noise (planner/forecast.py);
+    # None: unknown (the forecast then takes the samples' scatter as it is)
+    history_window_s: float | None = None
     # the lowest prompt-length p99 the engines' histogram allows (planner/evidence.py): a coarse
     # bucket is no evidence of long prompts (capacity.extrapolation); None: unknown
     isl_p99_low: float | None = None

@@ -273,3 +273,41 @@ def test_a_latency_that_does_not_follow_the_load_does_not_ratchet_the_fleet_up()
     assert c.itl_log < -0.6  # and the estimate followed the low loads down (x0.5)
     assert applied[-1] > c.itl_log + 0.3  # what the plan applies did not: the line at 8 rps, - 1 se
     assert len(set(applied[5:])) == 1  # and, once the rise is clear of the noise, it held: no ratchet
+
+
+def test_a_window_weighs_what_its_p99_can_tell() -> None:
+    # the same slow p99 (x1.5 the prediction) from a window whose p99 another window of the same
+    # traffic would read anywhere between 0.5x and 3x (one long prefill among 40 requests) moves the
+    # estimate less than from a window that would read it within +-5%; the variance says why
+    seen = predict_mix(TRUE, MIX, 2.0)
+    p99 = seen.ttft_p99_ms * 1.5
+
+    def step(sampling: tuple[float, float] | None) -> float:
+        obs = ConfigObservation(KEY, 1, 2.0, p99, seen.itl_p99_ms, 300.0, ttft_p99_sampling_ms=sampling)
+        prior = {KEY: Correction(KEY, 0.0, 0.04, 0.0, 0.04, observations=5, updated_s=940.0)}
+        return observe_once(prior, obs)[KEY].ttft_log
+
+    heavy, tight, unknown = step((0.5 * p99, 3.0 * p99)), step((0.95 * p99, 1.05 * p99)), step(None)
+    assert heavy < 0.0 and tight < 0.0
+    assert abs(heavy) < 0.6 * abs(tight)
+    assert abs(tight) >= abs(unknown)  # 300 completions' assumed noise, wider than this window's
+
+
+def test_windows_that_scatter_more_than_assumed_are_weighed_as_the_noise_they_show() -> None:
+    # long context: the last windows read x0.55, x1.8, x0.6, x1.7 at the same load (whether a
+    # 70k-token prefill landed in each); a fifth window at x0.55 moves the estimate much less than
+    # after windows that agreed, so the plan does not swap configs on every such window
+    from fleetplan.planner.correction import scatter
+
+    seen = predict_mix(TRUE, MIX, 2.0)
+    noisy = tuple((2.0, math.log(s), 300.0) for s in (0.55, 1.8, 0.6, 1.7))
+    calm = tuple((2.0, math.log(s), 300.0) for s in (1.0, 1.02, 0.98, 1.0))
+    assert scatter(noisy) > 3.0 and scatter(calm) == 1.0
+    slow = ConfigObservation(KEY, 1, 2.0, seen.ttft_p99_ms * 2.0, seen.itl_p99_ms, 300.0)
+
+    def after(points: tuple[tuple[float, float, float], ...]) -> float:
+        prior = Correction(KEY, 0.0, 0.03, 0.0, 0.03, observations=4, updated_s=940.0, ttft_points=points)
+        return observe_once({KEY: prior}, slow)[KEY].ttft_log
+
+    assert after(noisy) < 0.0
+    assert abs(after(noisy)) < 0.6 * abs(after(calm))

@@ -309,3 +309,23 @@ def test_collect_reads_the_sum_and_count_series() -> None:
     assert r1.ttft_moments == (0.3, 2.0) and r1.tpot_moments is None
     plain = collect(prompt, [], done, ttft, [], model_of=model_of, window_s=WINDOW)  # type: ignore[arg-type]
     assert plain.prompt_len_moments is None and plain.replicas["r1"].ttft_moments is None
+
+
+def test_a_p99_carries_what_another_window_of_the_same_traffic_would_read() -> None:
+    # 40 requests: 39 with a TPOT in (10, 25] ms and one stalled behind a long prefill, in (75, 100]:
+    # the p99 reads the stall, but a window without it would read ~25 ms: the sampling interval
+    # spans both. 4,000 requests with the same shape: the p99 is pinned within its own bucket.
+    def tpot_series(total: float, stalled: float) -> ReplicaSeries:
+        tpot = [0.0] * (len(TPOT_EDGES) + 1)
+        tpot[TPOT_EDGES.index(0.025)] = (total - stalled) / WINDOW
+        tpot[TPOT_EDGES.index(0.1)] = stalled / WINDOW
+        return ReplicaSeries(total / WINDOW, series(total / WINDOW).ttft, cumulative(TPOT_EDGES, tpot))
+
+    (few,) = interpret(M, evidence({"r1": tpot_series(40.0, 1.0)}), [replica("r1")], NOW, stale=False).configs
+    lo, hi = few.itl_p99_sampling_ms or (0.0, 0.0)
+    assert few.itl_p99_ms is not None and 75.0 < few.itl_p99_ms <= 100.0
+    assert lo <= 25.0 and hi >= few.itl_p99_ms  # a window without the stall reads the body
+    (many,) = interpret(M, evidence({"r1": tpot_series(4000.0, 100.0)}), [replica("r1")], NOW,
+                        stale=False).configs
+    lo, hi = many.itl_p99_sampling_ms or (0.0, 0.0)
+    assert many.itl_p99_ms is not None and 75.0 < lo <= many.itl_p99_ms <= hi <= 100.0
