@@ -228,31 +228,52 @@ def _points(prev: tuple[tuple[float, float, float], ...], rd: _Reading | None, l
     return (*prev, (load, rd.z, requests))[-MAX_POINTS:]
 
 
-def _weighted(points: Sequence[tuple[float, float, float]]) -> list[tuple[float, float, float]]:
-    """(ln load, ln speed, weight) of the windows with a load and a value; the weight is 1 / the
-    variance a window of that many completions is assumed to have."""
-    return [(math.log(x), z, 1.0 / (OBS_VAR + OBS_VAR_PER_REQUEST / max(n, 1.0)))
-            for x, z, n in points if x > 0 and math.isfinite(z)]
+@dataclass(frozen=True)
+class _Fit:
+    """The weighted regression of ln speed on ln load over the last windows (weights: 1 / the
+    variance a window of that many completions is assumed to have)."""
+
+    n: int
+    sw: float  # the weights' sum
+    xbar: float
+    sxx: float
+    beta: float  # the slope; 0 when the loads are too close together to show one
+    spread: bool  # the loads spread by MIN_LOAD_SPREAD or more
+    resid: float  # weighted squared residuals around the line (around the mean without a spread)
+    x_top: float
+    z_top: float  # the line at the highest load
+
+    @property
+    def dof(self) -> int:
+        return self.n - (2 if self.spread else 1)
 
 
-def _line(points: Sequence[tuple[float, float, float]]) -> tuple[float, float, float, float] | None:
-    """The weighted regression of ln speed on ln load: (slope, the slope's standard error, its value
-    at the highest load seen, one standard error there); None: fewer than 3 windows or loads too
-    close together."""
-    pts = _weighted(points)
+def _fit(points: Sequence[tuple[float, float, float]]) -> _Fit | None:
+    pts = [(math.log(x), z, 1.0 / (OBS_VAR + OBS_VAR_PER_REQUEST / max(n, 1.0)))
+           for x, z, n in points if x > 0 and math.isfinite(z)]
     if len(pts) < 3:
         return None
     sw = sum(w for _, _, w in pts)
     xbar = sum(x * w for x, _, w in pts) / sw
     zbar = sum(z * w for _, z, w in pts) / sw
     sxx = sum(w * (x - xbar) ** 2 for x, _, w in pts)
-    if max(x for x, _, _ in pts) - min(x for x, _, _ in pts) < MIN_LOAD_SPREAD or sxx <= 0:
-        return None
-    beta = sum(w * (x - xbar) * (z - zbar) for x, z, w in pts) / sxx
-    resid = sum(w * (z - zbar - beta * (x - xbar)) ** 2 for x, z, w in pts) / (len(pts) - 2)
+    spread = max(x for x, _, _ in pts) - min(x for x, _, _ in pts) >= MIN_LOAD_SPREAD and sxx > 0
+    beta = sum(w * (x - xbar) * (z - zbar) for x, z, w in pts) / sxx if spread else 0.0
+    resid = sum(w * (z - zbar - beta * (x - xbar)) ** 2 for x, z, w in pts)
     x_top = max(x for x, _, _ in pts)
-    se = math.sqrt(max(resid, 1.0) * (1.0 / sw + (x_top - xbar) ** 2 / sxx))
-    return beta, math.sqrt(max(resid, 1.0) / sxx), zbar + beta * (x_top - xbar), se
+    return _Fit(len(pts), sw, xbar, sxx, beta, spread, resid, x_top, zbar + beta * (x_top - xbar))
+
+
+def _line(points: Sequence[tuple[float, float, float]]) -> tuple[float, float, float, float] | None:
+    """The weighted regression of ln speed on ln load: (slope, the slope's standard error, its value
+    at the highest load seen, one standard error there); None: fewer than 3 windows or loads too
+    close together."""
+    f = _fit(points)
+    if f is None or not f.spread:
+        return None
+    scale = max(f.resid / f.dof, 1.0)
+    se = math.sqrt(scale * (1.0 / f.sw + (f.x_top - f.xbar) ** 2 / f.sxx))
+    return f.beta, math.sqrt(scale / f.sxx), f.z_top, se
 
 
 MAX_SCATTER = 4.0  # the most the windows' own scatter widens a window's variance (its sd x2)
@@ -275,18 +296,10 @@ def scatter(points: Sequence[tuple[float, float, float]]) -> float:
     >>> scatter([(1.0, -0.9, 300), (1.0, 0.3, 300), (1.0, -0.8, 300), (1.0, 0.2, 300)])  # +-0.6
     4.0
     """
-    pts = _weighted(points)
-    if len(pts) < 4:
+    f = _fit(points)
+    if f is None or f.n < 4:
         return 1.0
-    sw = sum(w for _, _, w in pts)
-    xbar = sum(x * w for x, _, w in pts) / sw
-    zbar = sum(z * w for _, z, w in pts) / sw
-    sxx = sum(w * (x - xbar) ** 2 for x, _, w in pts)
-    spread = max(x for x, _, _ in pts) - min(x for x, _, _ in pts) >= MIN_LOAD_SPREAD and sxx > 0
-    beta = sum(w * (x - xbar) * (z - zbar) for x, z, w in pts) / sxx if spread else 0.0
-    dof = len(pts) - (2 if spread else 1)
-    resid = sum(w * (z - zbar - beta * (x - xbar)) ** 2 for x, z, w in pts) / dof
-    return min(max(resid, 1.0), MAX_SCATTER)
+    return min(max(f.resid / f.dof, 1.0), MAX_SCATTER)
 
 
 def regression_floor(points: Sequence[tuple[float, float, float]]) -> float | None:
