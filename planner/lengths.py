@@ -23,6 +23,7 @@ traffic; it is held for HOLD_S, after which the policy's `workload` applies agai
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -31,8 +32,17 @@ from fleetplan.planner.types import HeldLengths, ModelObservation, Observation
 HOLD_S = 3600.0  # a mix older than this is not held: the policy's `workload` applies
 
 
+def _positive(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) and x > 0 else None
+
+
+def _pairs(qs: tuple[tuple[float, float], ...]) -> tuple[tuple[float, float], ...]:
+    return tuple((q, v) for q, v in qs if math.isfinite(q) and 0.0 <= q <= 1.0 and math.isfinite(v) and v >= 0)
+
+
 def _shows_lengths(o: ModelObservation) -> bool:
-    return not o.stale and (o.isl is not None or bool(o.isl_quantiles) or bool(o.osl_quantiles))
+    return not o.stale and (_positive(o.isl) is not None or bool(_pairs(o.isl_quantiles))
+                            or bool(_pairs(o.osl_quantiles)))
 
 
 def hold_lengths(observation: Observation, held: tuple[HeldLengths, ...], canonical: Callable[[str], str], *,
@@ -45,7 +55,10 @@ def hold_lengths(observation: Observation, held: tuple[HeldLengths, ...], canoni
     for name, o in sorted(observation.models.items()):
         m = canonical(name)
         if _shows_lengths(o):
-            last[m] = HeldLengths(m, now_s, o.isl, o.osl, o.isl_quantiles, o.osl_quantiles, o.isl_p99_low)
+            # only what a stored state can hold again (a NaN or 0 mean is no mix; workloads_from
+            # ignores it too)
+            last[m] = HeldLengths(m, now_s, _positive(o.isl), _positive(o.osl), _pairs(o.isl_quantiles),
+                                  _pairs(o.osl_quantiles), _positive(o.isl_p99_low))
             continue
         h = last.get(m)
         if h is not None:

@@ -142,7 +142,7 @@ class LengthsDoc(_Strict):
     osl: float | None = Field(default=None, gt=0)
     isl_quantiles: tuple[tuple[float, float], ...] = Field(default=(), max_length=64)
     osl_quantiles: tuple[tuple[float, float], ...] = Field(default=(), max_length=64)
-    isl_p99_low: float | None = None
+    isl_p99_low: float | None = Field(default=None, gt=0)
 
 
 class StateDoc(_Strict):

@@ -179,3 +179,19 @@ def test_a_stale_or_idle_reading_plans_on_the_last_mix_a_reading_showed() -> Non
     late = plan(obs(stale=True), Fleet(hosts(4)), ONE, profiles, state, NOW + HOLD_S + 60)
     assert late.explanation.models[0].length_mix == policy_mix.explanation.models[0].length_mix
     assert late.next_state.lengths == ()
+
+
+def test_a_held_mix_holds_only_what_a_stored_state_can_load_again() -> None:
+    # a reading with a NaN mean, a 0 output mean and a NaN quantile: the held mix keeps the rest,
+    # and the stored state loads (a state that cannot load would stop the daemon after a restart)
+    import math
+
+    from fleetplan.planner.lengths import hold_lengths
+    from fleetplan.planner.serde import state_to_dict
+
+    odd = Observation({"m8": ModelObservation("m8", 2.0, math.nan, 0.0,
+                                              isl_quantiles=((0.5, 900.0), (0.99, math.nan)))})
+    _, held = hold_lengths(odd, (), lambda n: n, now_s=NOW)
+    assert held[0].isl is None and held[0].osl is None and held[0].isl_quantiles == ((0.5, 900.0),)
+    state = PlannerState(lengths=held)
+    assert state_from_dict(json.loads(json.dumps(state_to_dict(state)))) == state
