@@ -20,22 +20,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))  # evaluate_traces, a sibling script (fleetplan itself is installed)
 
-from evaluate_traces import DATA, SCENARIOS  # noqa: E402
+from evaluate_traces import SCENARIOS, scenario_hour  # noqa: E402
 
 from fleetplan.models.mix import scaled  # noqa: E402
 from fleetplan.models.profile import ProfileSet  # noqa: E402
-from fleetplan.planner.policy import load_policy_text  # noqa: E402
 from fleetplan.sim.des import FleetSim, SimSettings  # noqa: E402
 from fleetplan.sim.evaluate import (  # noqa: E402
     candidates_for,
     make_controller,
     make_environment,
-    policy_for_models,
-    prepare_trace,
     profiles_from_ground_truth,
     trace_lengths,
 )
-from fleetplan.sim.traces import read_trace, reshape  # noqa: E402
 
 
 def _run(trace: object, policy: object, profiles: ProfileSet) -> tuple[object, list[tuple[float, int]]]:
@@ -51,12 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", default="mooncake", choices=sorted(SCENARIOS))
     ap.add_argument("--factors", default="1.4,0.6")
     args = ap.parse_args(argv)
-    fname, text, model, scale = SCENARIOS[args.trace]
-    policy = load_policy_text(text, f"bench:{args.trace}")
-    raw = read_trace(DATA / "traces" / fname, model=model)
-    tr = prepare_trace(raw if scale == 1.0 else reshape(raw, duration_s=raw.duration_s, rate_scale=scale),
-                       policy, model)
-    policy = policy_for_models(policy, [model])
+    tr, policy, model = scenario_hour(args.trace)
     m = policy.models[0]
     true = profiles_from_ground_truth(candidates_for(policy, model), trace_lengths(tr, model),
                                       m.slo.ttft_p99_ms, m.slo.itl_p99_ms)

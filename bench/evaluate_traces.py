@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 from fleetplan.models.profile import ProfileSet  # noqa: E402
-from fleetplan.planner.policy import load_policy_text  # noqa: E402
+from fleetplan.planner.policy import Policy, load_policy_text  # noqa: E402
 from fleetplan.sim.baselines import POLICY_NAMES  # noqa: E402
 from fleetplan.sim.des import SimSettings  # noqa: E402
 from fleetplan.sim.evaluate import (  # noqa: E402
@@ -50,7 +50,7 @@ from fleetplan.sim.evaluate import (  # noqa: E402
     write_charts,
 )
 from fleetplan.sim.router import RouteMode  # noqa: E402
-from fleetplan.sim.traces import read_trace, reshape, shape_day  # noqa: E402
+from fleetplan.sim.traces import Trace, read_trace, reshape, shape_day  # noqa: E402
 
 # the public data travels with the repository (data/SOURCES.md); --data or $FLEETPLAN_DATA for other data
 DATA = Path(os.environ.get("FLEETPLAN_DATA") or ROOT / "data")
@@ -112,6 +112,16 @@ SCENARIOS = {
     # TP 1/2/4, TRT-LLM TP1/TP2 cached); meant to be run with --profiles benchmarks
     "mooncake-long": ("mooncake_conversation.jsonl", LONG_CONTEXT_POLICY, "llama-3-8b", 1.0),
 }
+
+
+def scenario_hour(key: str, data: Path = DATA) -> tuple[Trace, Policy, str]:
+    """A scenario's hour as the other bench scripts replay it: (the trace prepared for the policy's
+    model, the policy restricted to that model, the model)."""
+    fname, policy_text, model, scale = SCENARIOS[key]
+    policy = load_policy_text(policy_text, f"bench:{key}")
+    raw = read_trace(data / "traces" / fname, model=model)
+    hour = raw if scale == 1.0 else reshape(raw, duration_s=raw.duration_s, rate_scale=scale)
+    return prepare_trace(hour, policy, model), policy_for_models(policy, [model]), model
 
 
 def _benchmark_profiles(benchmarks: Path, cache: Path) -> ProfileSet:

@@ -28,15 +28,15 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))  # evaluate_traces, a sibling script (fleetplan itself is installed)
 
-from evaluate_traces import DATA, SCENARIOS  # noqa: E402
+from evaluate_traces import DATA, SCENARIOS, scenario_hour  # noqa: E402
 
 from fleetplan.models.names import Engine, parse_engine  # noqa: E402
-from fleetplan.planner.policy import Policy, load_policy_text  # noqa: E402
+from fleetplan.planner.policy import Policy  # noqa: E402
 from fleetplan.planner.types import ConfigKey  # noqa: E402
 from fleetplan.sim.baselines import StaticController  # noqa: E402
 from fleetplan.sim.des import FleetSim, SimSettings  # noqa: E402
-from fleetplan.sim.evaluate import make_environment, policy_for_models, prepare_trace  # noqa: E402
-from fleetplan.sim.traces import Trace, read_trace, reshape  # noqa: E402
+from fleetplan.sim.evaluate import make_environment  # noqa: E402
+from fleetplan.sim.traces import Trace  # noqa: E402
 
 
 def parse_fleets(text: str, policy: Policy, model: str) -> list[tuple[str, dict[ConfigKey, int]]]:
@@ -77,12 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--data", type=Path, default=DATA)
     args = ap.parse_args(argv)
-    fname, policy_text, model, scale = SCENARIOS[args.trace]
-    policy = load_policy_text(policy_text, f"bench:{args.trace}")
-    raw = read_trace(args.data / "traces" / fname, model=model)
-    trace = prepare_trace(raw if scale == 1.0 else reshape(raw, duration_s=raw.duration_s, rate_scale=scale),
-                          policy, model)
-    policy = policy_for_models(policy, [model])
+    trace, policy, model = scenario_hour(args.trace, args.data)
     fleets = parse_fleets(args.fleets, policy, model)
     print(f"{args.trace}: {len(trace.requests)} requests over {trace.duration_s:.0f} s, {len(fleets)} fleets "
           f"on {args.workers} workers", flush=True)

@@ -180,7 +180,6 @@ def plan(
     hosts = _inventory(fleet, policy)
     gpus = {h.gpu for h in hosts if h.online}
     canonical = policy.aliases().canonical
-    fresh = observation
     observation, held = hold_lengths(observation, state.lengths, canonical, now_s=now_s)
     workloads = workloads_from(observation, policy)
     chosen = resolve_profiles(policy, profiles, gpus)
@@ -206,13 +205,15 @@ def plan(
     result = plan_with_capacities(observation, fleet, policy, table, state, now_s, predictor=predictor,
                                   relaxed_capacities=relaxed, counterfactuals=counterfactuals)
     means = mean_speeds(corrections)
+    observed = {canonical(name) for name in observation.models}
     table_by_model: dict[str, dict[ConfigKey, CapacityInfo]] = {}
     for c, info in table.items():  # one pass: a per-model scan of the table is O(models x table)
         table_by_model.setdefault(c.model, {})[c] = info
     models = []
     for me in result.explanation.models:
         u = cost_of_uncertainty(me, policy, table_by_model.get(me.model, {}), speeds, means, chosen, workloads)
-        note = held_note(held, fresh, me.model, canonical, now_s)
+        # a held mix is filled in only where the model has a reading
+        note = held_note(held, me.model, now_s) if me.model in observed else None
         models.append(replace(me, uncertainty_usd_h=u.usd_h, uncertainty_why=u.why,
                               notes=me.notes if note is None else (*me.notes, note)))
     return replace(result, explanation=replace(result.explanation, models=tuple(models)))

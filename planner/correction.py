@@ -165,10 +165,8 @@ def _reading(prof: PerfProfile, mix: LengthMix, rps: float, p99_ms: float | None
     z_slow = z_fast = None
     if range_ms is not None:
         lo, hi = range_ms
-        if math.isfinite(hi) and hi > 0:
-            z_slow = _log_speed(prof, mix, rps, hi, itl=itl)
-        if z is not None and math.isfinite(lo) and lo > 0:
-            z_fast = _log_speed(prof, mix, rps, lo, itl=itl)
+        z_slow = _bound_speed(prof, mix, rps, hi, itl=itl)
+        z_fast = _bound_speed(prof, mix, rps, lo, itl=itl) if z is not None else None
     if z is None and z_slow is None:
         return None
     var = OBS_VAR + _sampling_var(prof, mix, rps, sampling_ms, requests, itl=itl)
@@ -180,13 +178,19 @@ def _reading(prof: PerfProfile, mix: LengthMix, rps: float, p99_ms: float | None
 SAMPLING_VAR_CAP = 1.0  # ln^2: the most a p99's sampling interval adds (a window then counts ~1/16 of a typical one)
 
 
+def _bound_speed(prof: PerfProfile, mix: LengthMix, rps: float, ms: float, *, itl: bool) -> float | None:
+    """ln speed at a latency bound (a bucket's edge, a sampling interval's end); None: an open bound
+    (0, or the +Inf bucket)."""
+    return _log_speed(prof, mix, rps, ms, itl=itl) if math.isfinite(ms) and ms > 0 else None
+
+
 def _sampling_var(prof: PerfProfile, mix: LengthMix, rps: float, sampling_ms: tuple[float, float] | None,
                   requests: float, *, itl: bool) -> float:
     """The variance of a window's p99 from the requests it happened to hold, in ln speed."""
     if sampling_ms is not None:
         lo, hi = sampling_ms
-        z_lo = _log_speed(prof, mix, rps, hi, itl=itl) if math.isfinite(hi) and hi > 0 else None
-        z_hi = _log_speed(prof, mix, rps, lo, itl=itl) if math.isfinite(lo) and lo > 0 else None
+        z_lo = _bound_speed(prof, mix, rps, hi, itl=itl)
+        z_hi = _bound_speed(prof, mix, rps, lo, itl=itl)
         if z_lo is not None and z_hi is not None:
             return min(((z_hi - z_lo) / 4.0) ** 2, SAMPLING_VAR_CAP)  # +-2 sd
     return OBS_VAR_PER_REQUEST / max(requests, 1.0)

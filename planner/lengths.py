@@ -68,13 +68,10 @@ def hold_lengths(observation: Observation, held: tuple[HeldLengths, ...], canoni
     return out, tuple(last[m] for m in sorted(last))
 
 
-def held_note(held: tuple[HeldLengths, ...], observation: Observation, model: str,
-              canonical: Callable[[str], str], now_s: float) -> str | None:
+def held_note(held: tuple[HeldLengths, ...], model: str, now_s: float) -> str | None:
     """The plan's note when `model` is sized on a held mix, e.g. 'length mix: held from the reading
-    120 s ago (this one shows none: stale or idle)'; None: this cycle's reading showed its own."""
-    for name, o in observation.models.items():
-        if canonical(name) == model and _shows_lengths(o):
-            return None
+    120 s ago (this one shows none: stale or idle)'; None: this cycle's reading showed its own (a mix
+    read now is held from now) or none is held."""
     h = next((h for h in held if h.model == model), None)
     if h is None or h.t_s >= now_s:
         return None
