@@ -79,6 +79,19 @@ class ConfigKey:
             self.__dict__["_label"] = cached
         return cached
 
+    def __hash__(self) -> int:
+        # cached like label(): a plan at 500 models hashes ~300k keys, and each uncached hash calls
+        # three enums' Python-level __hash__ (bench/solve_scale.py). Same value as the generated hash.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.model, self.engine, self.gpu, self.tp, self.precision))
+            self.__dict__["_hash"] = cached
+        return cached
+
+    def __getstate__(self) -> dict[str, object]:
+        # a pickled key never carries its cached hash: string hashes differ between processes
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
 
 @dataclass(frozen=True)
 class Workload:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from fleetplan.models.names import GpuType
 from fleetplan.planner.types import ConfigKey, SolverReport
@@ -282,23 +283,46 @@ def _solve_cpsat(mdl: _Model, problem: CountProblem, hint: list[float] | None) -
                 solver.wall_time)
 
 
-def _solve_mip(mdl: _Model, problem: CountProblem, backend: str, hint: list[float] | None) -> _Raw:
+def _proto(mdl: _Model) -> Any:
+    """`mdl` as one MPModelProto: bulk field copies (per-coefficient pywraplp calls took 0.2 s at
+    500 models, bench/solve_scale.py), loaded as it is by every pywraplp backend."""
+    from ortools.linear_solver import linear_solver_pb2
+
+    proto = linear_solver_pb2.MPModelProto()
+    for name, ub, is_int in zip(mdl.names, mdl.ubs, mdl.integer, strict=True):
+        proto.variable.add(name=name, lower_bound=0.0, upper_bound=ub, is_integer=is_int)
+    for v, c in mdl.obj.items():
+        proto.variable[v].objective_coefficient = c
+    for terms, lo, hi, _ in mdl.rows:
+        row = proto.constraint.add()
+        if lo is not None:
+            row.lower_bound = lo
+        if hi is not None:
+            row.upper_bound = hi
+        row.var_index.extend(v for v, _ in terms)
+        row.coefficient.extend(c for _, c in terms)
+    return proto
+
+
+def _linear_solver(proto: Any, backend: str) -> Any:
+    """The model `proto` in a pywraplp solver of `backend` (an LP backend relaxes the integer
+    variables); None when this OR-Tools lacks the backend."""
     from ortools.linear_solver import pywraplp
 
     solver = pywraplp.Solver.CreateSolver(backend)
     if solver is None:
-        return _Raw(f"NO_SOLVER_{backend}", None, None, None, 0.0)
-    inf = solver.infinity()
-    xs = [solver.IntVar(0.0, ub, name) if integer else solver.NumVar(0.0, ub, name)
-          for name, ub, integer in zip(mdl.names, mdl.ubs, mdl.integer, strict=True)]
-    for terms, lo, hi, _ in mdl.rows:
-        ct = solver.Constraint(-inf if lo is None else lo, inf if hi is None else hi)
-        for v, c in terms:
-            ct.SetCoefficient(xs[v], c)
+        return None
+    why = solver.LoadModelFromProto(proto)
+    if why:
+        raise ValueError(f"{backend} rejected the stage-1 model: {why}")
+    return solver
+
+
+def _solve_mip(solver: Any, mdl: _Model, problem: CountProblem, backend: str, hint: list[float] | None) -> _Raw:
+    from ortools.linear_solver import pywraplp
+
+    xs = solver.variables()
     obj = solver.Objective()
-    for v, c in sorted(mdl.obj.items()):
-        obj.SetCoefficient(xs[v], c)
-    obj.SetMinimization()
     if hint is not None:
         solver.SetHint(xs, hint)
     solver.SetTimeLimit(max(1, int(problem.time_limit_s * 1000)))
@@ -319,26 +343,19 @@ def _solve_mip(mdl: _Model, problem: CountProblem, backend: str, hint: list[floa
     return _Raw(name, values, obj.Value(), obj.BestBound(), wall)
 
 
-def _lp_relaxation(mdl: _Model) -> tuple[list[float], float, float] | None:
-    """The LP relaxation (GLOP): values, objective (a lower bound), wall seconds."""
+def _lp_relaxation(proto: Any) -> tuple[list[float], float, float] | None:
+    """The LP relaxation: values, objective (a lower bound), wall seconds. CLP where this OR-Tools
+    has it (10x GLOP on stage 1's models: 0.03 s against 0.3 s at 500 models, bench/solve_scale.py),
+    else GLOP."""
     from ortools.linear_solver import pywraplp
 
-    solver = pywraplp.Solver.CreateSolver("GLOP")
-    if solver is None:
+    try:
+        solver = _linear_solver(proto, "CLP") or _linear_solver(proto, "GLOP")
+    except ValueError:  # a number the solver cannot take: no hint (solve_counts reports the failure)
         return None
-    inf = solver.infinity()
-    xs = [solver.NumVar(0.0, ub, name) for name, ub in zip(mdl.names, mdl.ubs, strict=True)]
-    for terms, lo, hi, _ in mdl.rows:
-        ct = solver.Constraint(-inf if lo is None else lo, inf if hi is None else hi)
-        for v, c in terms:
-            ct.SetCoefficient(xs[v], c)
-    obj = solver.Objective()
-    for v, c in sorted(mdl.obj.items()):
-        obj.SetCoefficient(xs[v], c)
-    obj.SetMinimization()
-    if solver.Solve() != pywraplp.Solver.OPTIMAL:
+    if solver is None or solver.Solve() != pywraplp.Solver.OPTIMAL:
         return None
-    return [x.solution_value() for x in xs], obj.Value(), solver.wall_time() / 1000.0
+    return [x.solution_value() for x in solver.variables()], solver.Objective().Value(), solver.wall_time() / 1000.0
 
 
 def _complete(mdl: _Model, n_values: list[int]) -> list[float] | None:
@@ -442,12 +459,23 @@ def solve_counts(problem: CountProblem) -> CountSolution:
     mdl, cands, unmet_vars, min_vars = _build(problem)
     backend = problem.backend
     hint: list[float] | None = None
-    lp = _lp_relaxation(mdl)
+    proto = _proto(mdl)
+    mip = None
+    failed: str | None = None
+    try:
+        mip = None if backend == "cp-sat" else _linear_solver(proto, backend)
+    except (TypeError, OverflowError, ValueError) as exc:
+        failed = f"ERROR_{type(exc).__name__}"
+    lp = _lp_relaxation(proto)
     if lp is not None:
         hint = _round(problem, mdl, cands, lp[0])
     try:
-        raw = (_solve_cpsat(mdl, problem, hint) if backend == "cp-sat"
-               else _solve_mip(mdl, problem, backend, hint))
+        if backend == "cp-sat":
+            raw = _solve_cpsat(mdl, problem, hint)
+        elif mip is None:
+            raw = _Raw(failed or f"NO_SOLVER_{backend}", None, None, None, 0.0)
+        else:
+            raw = _solve_mip(mip, mdl, problem, backend, hint)
     except (TypeError, OverflowError, ValueError) as exc:
         # a number the backend cannot represent (CP-SAT bounds are int64): a failed solve, not a crash
         raw = _Raw(f"ERROR_{type(exc).__name__}", None, None, None, 0.0)

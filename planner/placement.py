@@ -67,7 +67,7 @@ def safe_id(raw: str) -> str:
 
 
 def new_replica_id(config: ConfigKey, host: str, gpu_indices: Sequence[int]) -> str:
-    gpus = "-".join(str(i) for i in gpu_indices)
+    gpus = "-".join(map(str, gpu_indices))
     return safe_id(f"{config.model}_{config.engine.value}_tp{config.tp}_{host}_g{gpus}")
 
 
@@ -351,11 +351,14 @@ def _pack_into(items: Sequence[tuple[ConfigKey, int]], segs: _Segments, out: lis
 def slots_by_gpu(hosts: Sequence[HostInventory], tp_sizes: Sequence[int],
                  unusable_hosts: frozenset[str] = frozenset()) -> dict[GpuType, dict[int, int]]:
     """TP groups of each size that fit per GPU type (stage 1's inventory), from NVLink groups."""
-    out: dict[GpuType, dict[int, int]] = {}
+    shapes: dict[tuple[GpuType, tuple[int, ...]], int] = {}  # hosts per (type, group sizes): a fleet has few
     for h in hosts:
-        if not h.online or h.name in unusable_hosts:
-            continue
-        d = out.setdefault(h.gpu, {})
+        if h.online and h.name not in unusable_hosts:
+            shape = (h.gpu, tuple(len(g) for g in h.groups()))
+            shapes[shape] = shapes.get(shape, 0) + 1
+    out: dict[GpuType, dict[int, int]] = {}
+    for (gpu, sizes), n in shapes.items():
+        d = out.setdefault(gpu, {})
         for t in tp_sizes:
-            d[t] = d.get(t, 0) + sum(len(g) // t for g in h.groups())
+            d[t] = d.get(t, 0) + n * sum(size // t for size in sizes)
     return out

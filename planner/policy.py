@@ -442,7 +442,10 @@ class Policy(_Strict):
         return self._aliases
 
     def model(self, name: str) -> ModelPolicy | None:
-        return self._by_name.get(self._aliases.canonical(name))
+        # a canonical name is its own canonical (ModelAliases.build refuses a clash): skip the
+        # spelling key, which a plan at 500 models computed ~10k times (bench/solve_scale.py)
+        m = self._by_name.get(name)
+        return m if m is not None else self._by_name.get(self._aliases.canonical(name))
 
     def price_usd_h(self, gpu: GpuType) -> float | None:
         g = self.gpu_types.get(gpu)

@@ -427,3 +427,23 @@ def test_load_dependent_itl_p99_rises_with_rate_and_capacity_falls_as_the_slo_ti
     assert tight.max_rps <= loose.max_rps
     if tight.max_rps > 0:
         assert predict(p, w, rate_rps=tight.max_rps * 0.999).itl.p99_ms <= min(itl) * 1.001
+
+
+def test_config_key_hash_is_cached_but_never_pickled() -> None:
+    """The cached hash equals the fields' hash; a pickled key (another process has other string
+    hashes) carries none of its caches, so it hashes afresh where it lands."""
+    import pickle
+    import subprocess
+    import sys
+
+    key = ConfigKey("llama-3.1-8b", Engine.VLLM, GpuType.H100, 2, Precision.BF16)
+    assert hash(key) == hash(("llama-3.1-8b", Engine.VLLM, GpuType.H100, 2, Precision.BF16))
+    key.label()
+    blob = pickle.dumps(key)
+    assert set(pickle.loads(blob).__dict__) == {"model", "engine", "gpu", "tp", "precision"}
+    code = ("import pickle,sys; from fleetplan.models.profile import ConfigKey; "
+            "from fleetplan.models.names import *; k = pickle.loads(sys.stdin.buffer.read()); "
+            "print({ConfigKey('llama-3.1-8b', Engine.VLLM, GpuType.H100, 2, Precision.BF16): 1}.get(k))")
+    out = subprocess.run([sys.executable, "-c", code], input=blob, capture_output=True, check=True,
+                         env={"PYTHONHASHSEED": "12345"})
+    assert out.stdout.strip() == b"1"
