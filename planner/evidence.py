@@ -84,34 +84,18 @@ def histogram_quantile(q: float, buckets: Iterable[tuple[float, float]]) -> floa
     """Prometheus' histogram_quantile over cumulative (le, count) pairs; None where Prometheus gives NaN."""
     if not 0.0 <= q <= 1.0 or math.isnan(q):
         return None
-    merged: dict[float, float] = {}
-    for le, c in buckets:
-        if math.isnan(le) or not math.isfinite(c):
-            continue
-        merged[le] = merged.get(le, 0.0) + c
-    pts = sorted(merged.items())
-    if len(pts) < 2 or pts[-1][0] != math.inf:
+    cleaned = _cleaned(buckets)
+    if cleaned is None:
         return None
-    counts = [c for _, c in pts]
-    for i in range(1, len(counts)):  # rate() can break monotonicity by a hair: Prometheus evens it out
-        counts[i] = max(counts[i], counts[i - 1])
-    total = counts[-1]
-    if total <= 0:
-        return None
-    rank = q * total
-    b = next((i for i in range(len(pts) - 1) if counts[i] >= rank), len(pts) - 1)
-    if b == len(pts) - 1:
-        return pts[-2][0]
-    if b == 0 and pts[0][0] <= 0:
-        return pts[0][0]
-    start, end, count = 0.0, pts[b][0], counts[b]
-    if b > 0:
-        start = pts[b - 1][0]
-        count -= counts[b - 1]
-        rank -= counts[b - 1]
-    if count <= 0:
-        return end
-    return start + (end - start) * (rank / count)
+    rank = q * sum(c for _, _, c in cleaned)
+    before = 0.0
+    for lo, hi, c in cleaned:  # the first bucket whose cumulative count reaches the rank
+        if before + c >= rank:
+            if math.isinf(hi):
+                return lo  # the +Inf bucket: the highest finite bound
+            return hi if c <= 0 else lo + (hi - lo) * ((rank - before) / c)
+        before += c
+    return cleaned[-1][0]  # not reached: the +Inf bucket's cumulative count is the total
 
 
 @dataclass(frozen=True)
