@@ -36,9 +36,9 @@ from fleetplan.models.profile import (
     PerfParams,
     PerfProfile,
     Workload,
-    poisson_p99,
     queue_quantiles,
     queued_work,
+    request_stall_ms,
     work_terms,
 )
 
@@ -281,10 +281,8 @@ def _itl_quantiles(t: _Terms, xs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     base = p.itl_p99_factor * itl * (1.0 + p.itl_p99_load * rho)
     p99 = np.broadcast_to(base, (len(xs), len(t.w)))
     if p.itl_stall_weight > 0.0:
-        n = np.maximum(t.osl - 1.0, 1.0)[None, :]
-        m = xs[:, None] * t.mean_chunks * itl * n
         stall = p.itl_stall_weight * p.prefill_latency_factor * t.per_chunk
-        p99 = base + stall * poisson_p99(m) / n
+        p99 = base + request_stall_ms(stall, xs[:, None] * t.mean_chunks * itl, t.osl[None, :])
     return np.broadcast_to(p.itl_p50_factor * itl, p99.shape), p99
 
 

@@ -321,8 +321,15 @@ def itl_p99_request(p: PerfParams, isl: Any, osl: Any, x: Any, itl: Any) -> Any:
     base, stall, chunks = _itl_terms(p, isl, osl, x, itl)
     if stall is None:
         return base
+    return base + request_stall_ms(stall, x * chunks * itl, osl)
+
+
+def request_stall_ms(stall_ms: Any, stalls_per_gap: Any, osl: Any) -> Any:
+    """What prefill stalls add to the p99 request's mean inter-token time: over its n = osl - 1 gaps
+    the stalls are Poisson with mean stalls_per_gap x n; the 1% of requests with the most carry
+    poisson_p99 of them, spread over the n gaps (itl_p99_request; models.mix per length class)."""
     n = np.maximum(osl - 1.0, 1.0)
-    return base + stall * poisson_p99(x * chunks * itl * n) / n
+    return stall_ms * poisson_p99(stalls_per_gap * n) / n
 
 
 def closed_loop_shift(p: PerfParams, isl: Any, osl: Any, x: Any, itl: Any) -> tuple[Any, Any]:
