@@ -86,7 +86,8 @@ def actions(
     starts_after: list[Action] = []
     for r in now_place.new:
         why = f"start {r.config.label()} on {r.host} GPUs {list(r.gpu_indices)}"
-        if set(r.gpu_indices) & removed_gpus.get(r.host, set()):
+        freed = removed_gpus.get(r.host)
+        if freed and not freed.isdisjoint(r.gpu_indices):
             starts_after.append(Action(ActionKind.START, r, why + " (after the replica there stops)",
                                        after_stop=True))
         else:

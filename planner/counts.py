@@ -61,6 +61,10 @@ class CountProblem:
     slots: Mapping[GpuType, Mapping[int, int]]
     current: Mapping[ConfigKey, int] = field(default_factory=dict)
     floors: Mapping[ConfigKey, int] = field(default_factory=dict)  # soft lower bounds (held replicas)
+    # softer ones: replicas started a few cycles ago (planner/core.py _young_floors). A miss costs the
+    # replica's $/h (the start thrown away), so no saving takes them away, and demand does: a floor
+    # that outranks demand left 1 rps unmet under a GPU budget the young replica's GPUs were needed for
+    young: Mapping[ConfigKey, int] = field(default_factory=dict)
     max_gpus: int | None = None
     max_usd_h: float | None = None
     churn_cost_usd_h: float = 0.0
@@ -134,7 +138,7 @@ def prune_dominated(problem: CountProblem) -> list[Candidate]:
         groups.setdefault((c.config.model, c.config.gpu, c.config.tp), []).append(c)
     for group in groups.values():
         for c in group:
-            if problem.current.get(c.config, 0) or problem.floors.get(c.config, 0):
+            if problem.current.get(c.config, 0) or problem.floors.get(c.config, 0) or problem.young.get(c.config, 0):
                 keep.append(c)
                 continue
             dominated = False
@@ -234,7 +238,9 @@ def _build(problem: CountProblem) -> tuple[_Model, list[Candidate], dict[str, in
         ub = int(mdl.ubs[i])
         lead = problem.lead_time_cost_usd_h_per_min * c.lead_s / 60.0
         per_start = problem.churn_cost_usd_h + lead
-        if per_start > 0 and ub > cur:
+        if per_start > 0 and ub > cur and cur == 0:
+            mdl.cost(i, per_start)  # none running: every replica is a start (exact; no start variable)
+        elif per_start > 0 and ub > cur:
             up = mdl.var(f"start[{c.config.label()}]", ub - cur)
             mdl.row([(up, 1.0), (i, -1.0)], -cur, None)
             mdl.cost(up, per_start)
@@ -247,6 +253,11 @@ def _build(problem: CountProblem) -> tuple[_Model, list[Candidate], dict[str, in
             miss = mdl.var(f"floormiss[{c.config.label()}]", floor)
             mdl.row([(i, 1.0), (miss, 1.0)], floor, None)
             mdl.cost(miss, floor_weight)
+        young = int(problem.young.get(c.config, 0))
+        if young > 0:
+            miss = mdl.var(f"youngmiss[{c.config.label()}]", young)
+            mdl.row([(i, 1.0), (miss, 1.0)], young, None)
+            mdl.cost(miss, c.usd_h)
     return mdl, cands, unmet, minmiss
 
 
@@ -344,13 +355,14 @@ def _solve_mip(solver: Any, mdl: _Model, problem: CountProblem, backend: str, hi
 
 
 def _lp_relaxation(proto: Any) -> tuple[list[float], float, float] | None:
-    """The LP relaxation: values, objective (a lower bound), wall seconds. CLP where this OR-Tools
-    has it (10x GLOP on stage 1's models: 0.03 s against 0.3 s at 500 models, bench/solve_scale.py),
-    else GLOP."""
+    """The LP relaxation (GLOP): values, objective (a lower bound), wall seconds. Not CLP, though it
+    solves stage 1's LP 10x faster (0.03 s against 0.3 s at 500 models): it crashed the process
+    (SIGSEGV in Solve) on a 7-variable model from the planner's property tests, one run in five,
+    a model it solved alone."""
     from ortools.linear_solver import pywraplp
 
     try:
-        solver = _linear_solver(proto, "CLP") or _linear_solver(proto, "GLOP")
+        solver = _linear_solver(proto, "GLOP")
     except ValueError:  # a number the solver cannot take: no hint (solve_counts reports the failure)
         return None
     if solver is None or solver.Solve() != pywraplp.Solver.OPTIMAL:
