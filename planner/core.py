@@ -333,7 +333,8 @@ YOUNG_CYCLES = 3  # a replica started or ready for less than this many cycles is
 def _young_floors(fleet: Fleet, usable: set[str], demands: Mapping[str, _Demand],
                   capacities: Mapping[ConfigKey, CapacityInfo], current: Mapping[ConfigKey, int],
                   now_s: float, young_s: float) -> dict[ConfigKey, int]:
-    """Per config, how many of its replicas started (or READY) less than `young_s` ago are kept: a
+    """Per config, how many of its replicas started (or READY) less than `young_s` ago are kept (as
+    CountProblem.young: no saving takes them away, demand that needs their GPUs does): a
     replica started in one cycle is not drained in the next few unless its model's demand fell,
     i.e. unless the model's running capacity covers its required rate without it (a scale-down,
     which the scale-down rules govern); a drain that would need a replacement (a swap) waits.
@@ -448,6 +449,7 @@ def _count_problem(
     slots: Mapping[GpuType, Mapping[int, int]],
     current: Mapping[ConfigKey, int],
     floors: Mapping[ConfigKey, int],
+    young: Mapping[ConfigKey, int],
 ) -> CountProblem:
     md = tuple(
         ModelDemand(m.name, max(demands[m.name].required_rps, demands[m.name].plan_rps or 0.0), m.priority,
@@ -457,7 +459,7 @@ def _count_problem(
     )
     s = policy.scaling
     return CountProblem(
-        candidates=tuple(cands), demands=md, slots=slots, current=current, floors=floors,
+        candidates=tuple(cands), demands=md, slots=slots, current=current, floors=floors, young=young,
         max_gpus=eff.budget.max_gpus, max_usd_h=eff.budget.max_usd_h,
         churn_cost_usd_h=s.churn_cost_usd_h, lead_time_cost_usd_h_per_min=s.lead_time_cost_usd_h_per_min,
         time_limit_s=policy.solver.time_limit_s, relative_gap=policy.solver.relative_gap,
@@ -563,27 +565,26 @@ def plan_with_capacities(
     for name, canary in trials.items():
         floors[canary.config] = max(floors.get(canary.config, 0), 1)
         demands[name] = replace(demands[name], notes=(*demands[name].notes, canary.note()))
-    for c, k in _young_floors(fleet, usable_names, demands, capacities, current, now_s,
-                              YOUNG_CYCLES * policy.scaling.cycle_s).items():
-        floors[c] = max(floors.get(c, 0), k)
+    young = _young_floors(fleet, usable_names, demands, capacities, current, now_s,
+                          YOUNG_CYCLES * policy.scaling.cycle_s)
     target_cands = _candidates(policy, capacities, gpus, ready, now_only=False)
     # a build is a one-off cost: started only where the recent traffic's savings pay it back
     unpaid = (unpaid_builds(policy, target_cands, {m: d.required_rps for m, d in demands.items()},
                             _canonical_observations(observation, policy), now_s,
-                            keep=(c for c, k in floors.items() if k > 0))
+                            keep=(c for c, k in (*floors.items(), *young.items()) if k > 0))
               if any(c.build_s > 0 for c in target_cands) else {})
     if unpaid:
         target_cands = [c for c in target_cands if c.config not in unpaid]
         for c, note in sorted(unpaid.items()):
             if note:
                 demands[c.model] = replace(demands[c.model], notes=(*demands[c.model].notes, note))
-    target_problem = _count_problem(policy, eff, target_cands, demands, slots, current, floors)
+    target_problem = _count_problem(policy, eff, target_cands, demands, slots, current, floors, young)
     target_sol, target_place = _solve_and_place(target_problem, hosts, fleet.replicas, drained, reports)
 
     needs_build = sorted(c for c in target_sol.counts if policy.needs_build(c) and c not in ready)
     if needs_build:
         now_cands = _candidates(policy, capacities, gpus, ready, now_only=True)
-        now_problem = _count_problem(policy, eff, now_cands, demands, slots, current, floors)
+        now_problem = _count_problem(policy, eff, now_cands, demands, slots, current, floors, young)
         now_sol, now_place = _solve_and_place(now_problem, hosts, fleet.replicas, drained, reports)
         notes.append("engine builds pending for " + ", ".join(c.label() for c in needs_build)
                      + ": the plan for now serves with ready engines, the target switches once built")

@@ -6,7 +6,7 @@ import itertools
 import math
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from planner_helpers import A100, H100, TRT, VLLM, caps, key, observe, policy
 
@@ -71,6 +71,10 @@ def _current(inv: tuple[HostInventory, ...], picks: list[tuple[int, int, int]]) 
     m8_min=st.integers(0, 2),
     picks=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 9), st.integers(0, 7)), max_size=10),
 )
+# a replica started a cycle ago (vLLM TP2, 19 rps) held as a floor above demand left 1 rps of m8 unmet
+# under a 6-GPU budget that two TensorRT-LLM TP1 replicas (26 rps) beside m70's TP4 meet
+@example(spec=[(H100, "nvswitch8", True)], r8=20.0, r70=1.0, max_gpus=6, m70_max=None, m8_min=0,
+         picks=[(0, 9, 0)])
 def test_plan_properties(spec: list[tuple[object, str, bool]], r8: float, r70: float, max_gpus: int | None,
                          m70_max: int | None, m8_min: int, picks: list[tuple[int, int, int]]) -> None:
     inv = _inventory(spec)
