@@ -639,7 +639,7 @@ def plan_with_capacities(
         target_place = place(target_sol.counts, hosts, now_place.replicas, drained)
 
     now_plan = _make_plan(now_place, capacities, policy)
-    target_plan = _make_plan(target_place, capacities, policy)
+    target_plan = now_plan if target_place is now_place else _make_plan(target_place, capacities, policy)
     actions = plan_actions(fleet, now_place, target_sol, needs_build, policy, hosts, drained, ready)
     actions, held_mbb = make_before_break(actions, fleet, now_place, capacities, demands, hosts)
     if held_mbb:
@@ -697,9 +697,10 @@ def _explain(
     counts_by_model: dict[str, dict[ConfigKey, int]] = {}
     for c, n in _counts_of(now_place).items():
         counts_by_model.setdefault(c.model, {})[c] = n
-    tcounts_by_model: dict[str, dict[ConfigKey, int]] = {}
-    for c, n in _counts_of(target_place).items():
-        tcounts_by_model.setdefault(c.model, {})[c] = n
+    tcounts_by_model: dict[str, dict[ConfigKey, int]] = counts_by_model if target_place is now_place else {}
+    if target_place is not now_place:
+        for c, n in _counts_of(target_place).items():
+            tcounts_by_model.setdefault(c.model, {})[c] = n
     models_with_capacity = {c.model for c in capacities}
     for m in policy.models:
         d = demands[m.name]

@@ -91,10 +91,13 @@ class _Segments:
         """`tp` GPUs of one segment: the best fit on a host not in `avoid` (hosts that already run
         the model), else the best fit anywhere."""
         if avoid:
+            segs, members = self.segs, self.members
             for k in range(tp, self.max_free + 1):
-                for i in islice(self.members.get(k, {}), SPREAD_SCAN):
-                    if self.segs[i][0] not in avoid:
-                        return self._cut(i, tp)  # its heap entry is stale from now on
+                bucket = members.get(k)
+                if bucket:
+                    for i in islice(bucket, SPREAD_SCAN):
+                        if segs[i][0] not in avoid:
+                            return self._cut(i, tp)  # its heap entry is stale from now on
         for k in range(tp, self.max_free + 1):
             heap = self.buckets.get(k)
             while heap:
@@ -108,7 +111,8 @@ class _Segments:
         del self.members[len(free)][i]
         got = tuple(free[:tp])
         del free[:tp]
-        self._push(i, len(free))
+        if free:
+            self._push(i, len(free))
         return host, got
 
 
@@ -333,15 +337,15 @@ def _pack_into(items: Sequence[tuple[ConfigKey, int]], segs: _Segments, out: lis
     left: list[tuple[ConfigKey, int]] = []
     for c, k in items:
         missing = 0
+        avoid: set[str] | None = model_hosts.setdefault(c.model, set()) if model_hosts is not None else None
         for _ in range(k):
-            avoid = model_hosts.setdefault(c.model, set()) if model_hosts is not None else ()
-            spot = segs.take(c.tp, avoid)
+            spot = segs.take(c.tp, avoid or ())
             if spot is None:
                 missing += 1
                 continue
             host, idx = spot
-            if model_hosts is not None:
-                model_hosts[c.model].add(host)
+            if avoid is not None:
+                avoid.add(host)
             out.append(Replica(new_replica_id(c, host, idx), c, host, idx, ReplicaState.STARTING, None, None))
         if missing:
             left.append((c, missing))
