@@ -694,13 +694,8 @@ def _explain(
     obs = _canonical_observations(observation, policy)
     workloads = workloads_from(observation, policy)
     binding: list[str] = list(now_sol.binding)
-    counts_by_model: dict[str, dict[ConfigKey, int]] = {}
-    for c, n in _counts_of(now_place).items():
-        counts_by_model.setdefault(c.model, {})[c] = n
-    tcounts_by_model: dict[str, dict[ConfigKey, int]] = counts_by_model if target_place is now_place else {}
-    if target_place is not now_place:
-        for c, n in _counts_of(target_place).items():
-            tcounts_by_model.setdefault(c.model, {})[c] = n
+    counts_by_model = _counts_by_model(now_place)
+    tcounts_by_model = counts_by_model if target_place is now_place else _counts_by_model(target_place)
     models_with_capacity = {c.model for c in capacities}
     for m in policy.models:
         d = demands[m.name]
@@ -768,8 +763,10 @@ def _finite(v: float | None) -> float | None:
     return v if v is not None and math.isfinite(v) else None
 
 
-def _counts_of(p: Placement) -> dict[ConfigKey, int]:
-    out: dict[ConfigKey, int] = {}
+def _counts_by_model(p: Placement) -> dict[str, dict[ConfigKey, int]]:
+    """Per model, the replicas per config of a placement."""
+    out: dict[str, dict[ConfigKey, int]] = {}
     for r in p.replicas:
-        out[r.config] = out.get(r.config, 0) + 1
+        by_config = out.setdefault(r.config.model, {})
+        by_config[r.config] = by_config.get(r.config, 0) + 1
     return out

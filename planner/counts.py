@@ -238,26 +238,23 @@ def _build(problem: CountProblem) -> tuple[_Model, list[Candidate], dict[str, in
         ub = int(mdl.ubs[i])
         lead = problem.lead_time_cost_usd_h_per_min * c.lead_s / 60.0
         per_start = problem.churn_cost_usd_h + lead
-        if per_start > 0 and ub > cur and cur == 0:
-            mdl.cost(i, per_start)  # none running: every replica is a start (exact; no start variable)
-        elif per_start > 0 and ub > cur:
-            up = mdl.var(f"start[{c.config.label()}]", ub - cur)
-            mdl.row([(up, 1.0), (i, -1.0)], -cur, None)
-            mdl.cost(up, per_start)
+        if per_start > 0 and ub > cur:
+            if cur == 0:
+                mdl.cost(i, per_start)  # none running: every replica is a start (exact; no start variable)
+            else:
+                up = mdl.var(f"start[{c.config.label()}]", ub - cur)
+                mdl.row([(up, 1.0), (i, -1.0)], -cur, None)
+                mdl.cost(up, per_start)
         if cur > 0 and problem.churn_cost_usd_h > 0:
             down = mdl.var(f"stop[{c.config.label()}]", cur)
             mdl.row([(down, 1.0), (i, 1.0)], cur, None)
             mdl.cost(down, problem.churn_cost_usd_h)
-        floor = int(problem.floors.get(c.config, 0))
-        if floor > 0:
-            miss = mdl.var(f"floormiss[{c.config.label()}]", floor)
-            mdl.row([(i, 1.0), (miss, 1.0)], floor, None)
-            mdl.cost(miss, floor_weight)
-        young = int(problem.young.get(c.config, 0))
-        if young > 0:
-            miss = mdl.var(f"youngmiss[{c.config.label()}]", young)
-            mdl.row([(i, 1.0), (miss, 1.0)], young, None)
-            mdl.cost(miss, c.usd_h)
+        for kind, bounds, weight in (("floormiss", problem.floors, floor_weight), ("youngmiss", problem.young, c.usd_h)):
+            floor = int(bounds.get(c.config, 0))
+            if floor > 0:
+                miss = mdl.var(f"{kind}[{c.config.label()}]", floor)
+                mdl.row([(i, 1.0), (miss, 1.0)], floor, None)
+                mdl.cost(miss, weight)
     return mdl, cands, unmet, minmiss
 
 
@@ -472,22 +469,16 @@ def solve_counts(problem: CountProblem) -> CountSolution:
     backend = problem.backend
     hint: list[float] | None = None
     proto = _proto(mdl)
-    mip = None
-    failed: str | None = None
-    try:
-        mip = None if backend == "cp-sat" else _linear_solver(proto, backend)
-    except (TypeError, OverflowError, ValueError) as exc:
-        failed = f"ERROR_{type(exc).__name__}"
     lp = _lp_relaxation(proto)
     if lp is not None:
         hint = _round(problem, mdl, cands, lp[0])
     try:
         if backend == "cp-sat":
             raw = _solve_cpsat(mdl, problem, hint)
-        elif mip is None:
-            raw = _Raw(failed or f"NO_SOLVER_{backend}", None, None, None, 0.0)
         else:
-            raw = _solve_mip(mip, mdl, problem, backend, hint)
+            mip = _linear_solver(proto, backend)
+            raw = (_Raw(f"NO_SOLVER_{backend}", None, None, None, 0.0) if mip is None
+                   else _solve_mip(mip, mdl, problem, backend, hint))
     except (TypeError, OverflowError, ValueError) as exc:
         # a number the backend cannot represent (CP-SAT bounds are int64): a failed solve, not a crash
         raw = _Raw(f"ERROR_{type(exc).__name__}", None, None, None, 0.0)

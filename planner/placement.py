@@ -111,8 +111,7 @@ class _Segments:
         del self.members[len(free)][i]
         got = tuple(free[:tp])
         del free[:tp]
-        if free:
-            self._push(i, len(free))
+        self._push(i, len(free))
         return host, got
 
 
