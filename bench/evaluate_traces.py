@@ -114,13 +114,19 @@ SCENARIOS = {
 }
 
 
-def scenario_hour(key: str, data: Path = DATA) -> tuple[Trace, Policy, str]:
-    """A scenario's hour as the other bench scripts replay it: (the trace prepared for the policy's
-    model, the policy restricted to that model, the model)."""
+def _scenario(key: str, data: Path) -> tuple[Trace, Trace, Policy, str, float]:
+    """(the raw trace, its hour at the scenario's rate scale, the policy, the model, the scale)."""
     fname, policy_text, model, scale = SCENARIOS[key]
     policy = load_policy_text(policy_text, f"bench:{key}")
     raw = read_trace(data / "traces" / fname, model=model)
     hour = raw if scale == 1.0 else reshape(raw, duration_s=raw.duration_s, rate_scale=scale)
+    return raw, hour, policy, model, scale
+
+
+def scenario_hour(key: str, data: Path = DATA) -> tuple[Trace, Policy, str]:
+    """A scenario's hour as the other bench scripts replay it: (the trace prepared for the policy's
+    model, the policy restricted to that model, the model)."""
+    _, hour, policy, model, _ = _scenario(key, data)
     return prepare_trace(hour, policy, model), policy_for_models(policy, [model]), model
 
 
@@ -160,10 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"traces not found at {traces}", file=sys.stderr)
         return 2
     for key in [k.strip() for k in args.traces.split(",") if k.strip()]:
-        fname, policy_text, model, scale = SCENARIOS[key]
-        policy = load_policy_text(policy_text, f"bench:{key}")
-        raw = read_trace(traces / fname, model=model)
-        hour = raw if scale == 1.0 else reshape(raw, duration_s=raw.duration_s, rate_scale=scale)
+        fname = SCENARIOS[key][0]
+        raw, hour, policy, model, scale = _scenario(key, args.data)
         shapes = [("hour", hour, scale)]
         if args.day:
             shapes.append(("compressed-day", shape_day(raw, raw.duration_s, scale), scale))

@@ -180,9 +180,11 @@ def mix_for(profile: mp.PerfProfile, workload: MixedWorkload) -> LengthMix:
 
 
 def config_capacity(profile: mp.PerfProfile, workload: MixedWorkload, m: ModelPolicy,
-                    speeds: Speeds = Speeds()) -> MixCapacity:
+                    speeds: Speeds = Speeds(), *, base: MixCapacity | None = None) -> MixCapacity:
     """One replica's max rps at the model's SLO for the workload, at the given speeds, what binds it,
-    and the share an idle replica reaches when a target's p99 is out of its reach (models/mix.py)."""
+    and the share an idle replica reaches when a target's p99 is out of its reach (models/mix.py).
+    `base`: this call's answer at the fitted speeds, when the caller has it (it bounds a trusted
+    rise; computed here otherwise)."""
     mix = mix_for(profile, workload)
     if len(mix.classes) == 1 and not mix.cached_share and speeds.ttft == 1.0 and speeds.itl == 1.0:
         isl, osl, _ = mix.classes[0]
@@ -193,7 +195,7 @@ def config_capacity(profile: mp.PerfProfile, workload: MixedWorkload, m: ModelPo
     c = capacity_mix(profile, mix, ttft_p99_ms=m.slo.ttft_p99_ms, itl_p99_ms=m.slo.itl_p99_ms,
                      ttft_speed=speeds.ttft, itl_speed=speeds.itl)
     if speeds.trusted_rps is not None and c.max_rps > speeds.trusted_rps:
-        base = config_capacity(profile, workload, m)
+        base = base if base is not None else config_capacity(profile, workload, m)
         if base.max_rps < c.max_rps:
             return MixCapacity(max(base.max_rps, speeds.trusted_rps),
                                base.binding if base.max_rps >= speeds.trusted_rps else c.binding, c.floor_share)
@@ -233,7 +235,7 @@ def capacity_table(
         sp = (speeds or {}).get(key, Speeds())
         try:
             base = config_capacity(prof, w, m)
-            applied = base if sp == Speeds() else config_capacity(prof, w, m, sp)
+            applied = base if sp == Speeds() else config_capacity(prof, w, m, sp, base=base)
             base_rps, rps, binding = base.max_rps, applied.max_rps, applied.binding
             warnings = mp.capacity(prof, mp.Workload(isl=w.isl, osl=w.osl), ttft_p99_ms=m.slo.ttft_p99_ms,
                                    itl_p99_ms=m.slo.itl_p99_ms).warnings

@@ -111,6 +111,7 @@ class _Demand:
     notes: tuple[str, ...]
     hold_rps: float | None = None  # highest rate level over the scale-down delay (None: no history)
     plan_rps: float | None = None  # what the solver sizes for, when above required_rps (hysteresis)
+    history: tuple[tuple[float, float], ...] = ()  # the observed rate history, valid samples only
 
 
 def _inventory(fleet: Fleet, policy: Policy) -> tuple[HostInventory, ...]:
@@ -294,7 +295,8 @@ def _demands(observation: Observation, policy: Policy, now_s: float,
                 notes.append(f"fail static: {why}; no scale-down for this model; the {lower:.2f} rps read is a "
                              "lower bound: it can raise capacity, never lower it")
             demand = max(0.0, lower or 0.0)
-            out[m.name] = _Demand(m.name, lower, None, demand, demand * (1 + m.headroom), False, tuple(notes))
+            out[m.name] = _Demand(m.name, lower, None, demand, demand * (1 + m.headroom), False, tuple(notes),
+                                  history=o.history if o is not None else ())
             continue
         assert o is not None and o.rate_rps is not None
         fc = forecast_rate(o.history, o.rate_rps, now_s, horizon, policy.scaling.forecast_quantile,
@@ -313,7 +315,8 @@ def _demands(observation: Observation, policy: Policy, now_s: float,
             notes.append(f"bursts: short-window peaks need {burst:.2f} rps of capacity to drain within the "
                          f"TTFT SLO (above demand x (1 + headroom) = {required:.2f}); kept for {keep_s:.0f} s")
             required = burst
-        out[m.name] = _Demand(m.name, o.rate_rps, fc.rate_rps, demand, required, True, tuple(notes), hold)
+        out[m.name] = _Demand(m.name, o.rate_rps, fc.rate_rps, demand, required, True, tuple(notes), hold,
+                              history=o.history)
     return out, tuple(memory)
 
 
@@ -570,7 +573,7 @@ def plan_with_capacities(
     target_cands = _candidates(policy, capacities, gpus, ready, now_only=False)
     # a build is a one-off cost: started only where the recent traffic's savings pay it back
     unpaid = (unpaid_builds(policy, target_cands, {m: d.required_rps for m, d in demands.items()},
-                            _canonical_observations(observation, policy), now_s,
+                            {m: d.history for m, d in demands.items()}, now_s,
                             keep=(c for c, k in (*floors.items(), *young.items()) if k > 0))
               if any(c.build_s > 0 for c in target_cands) else {})
     if unpaid:

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from fleetplan.planner.counts import Candidate
 from fleetplan.planner.policy import Policy
-from fleetplan.planner.types import ConfigKey, ModelObservation
+from fleetplan.planner.types import ConfigKey
 
 PAYBACK_S = 3600.0  # a build must pay for itself within this long of the savings the recent traffic shows
 HISTORY_S = 3600.0  # the recent traffic: the model's rate history over this long
@@ -40,10 +40,11 @@ def _fleet_usd_h(rate_rps: float, cands: Iterable[Candidate]) -> float:
 
 
 def unpaid_builds(policy: Policy, cands: Sequence[Candidate], required_rps: Mapping[str, float],
-                  observations: Mapping[str, ModelObservation], now_s: float,
+                  histories: Mapping[str, Sequence[tuple[float, float]]], now_s: float,
                   keep: Iterable[ConfigKey] = ()) -> dict[ConfigKey, str]:
     """The build candidates that would not pay back, each with a readable note ("" where it would save
-    nothing at all); `keep`: configs never dropped (a canary, a floor)."""
+    nothing at all). `histories`: per model its rate history, (time, rps) samples already checked to
+    be valid rates (planner/core.py `_demands`); `keep`: configs never dropped (a canary, a floor)."""
     kept = set(keep)
     out: dict[ConfigKey, str] = {}
     models = sorted({c.config.model for c in cands if c.build_s > 0})
@@ -53,9 +54,7 @@ def unpaid_builds(policy: Policy, cands: Sequence[Candidate], required_rps: Mapp
         m = policy.model(model)
         if not builds or m is None or math.isinf(_fleet_usd_h(1e-9, ready)):
             continue  # nothing ready serves it: the build is the only way
-        o = observations.get(model)
-        rates = [r * (1.0 + m.headroom) for t, r in (o.history if o is not None else ())
-                 if t >= now_s - HISTORY_S and math.isfinite(r) and r >= 0]
+        rates = [r * (1.0 + m.headroom) for t, r in histories.get(model, ()) if t >= now_s - HISTORY_S]
         req = required_rps.get(model)
         if req is not None and math.isfinite(req) and req > 0:
             rates.append(req)

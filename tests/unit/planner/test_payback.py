@@ -17,11 +17,14 @@ READY_V = Candidate(V, 1.75, 12.0, 60.0)
 BUILD_T = Candidate(T, 1.92, 12.0, 45.0, build_s=900.0)  # the build: $12/h x 0.25 h = $3
 
 
-def _history(rates: list[float]) -> ModelObservation:
+def _history(rates: list[float]) -> tuple[tuple[float, float], ...]:
     """One sample a minute over the last len(rates) minutes, oldest first."""
     n = len(rates)
-    return ModelObservation("m70", rates[-1], 500.0, 200.0,
-                            history=tuple((NOW - 60.0 * (n - 1 - i), r) for i, r in enumerate(rates)))
+    return tuple((NOW - 60.0 * (n - 1 - i), r) for i, r in enumerate(rates))
+
+
+def _observed(rates: list[float]) -> Observation:
+    return Observation({"m70": ModelObservation("m70", rates[-1], 500.0, 200.0, history=_history(rates))})
 
 
 def test_a_build_cheaper_only_for_a_few_minutes_is_not_started() -> None:
@@ -46,12 +49,15 @@ def test_a_model_nothing_ready_serves_builds_anyway_and_kept_configs_stay() -> N
 def test_the_plan_starts_a_build_only_where_it_pays_back_and_says_why_not() -> None:
     table = caps({V: 1.75, T: 1.92})
     fleet = Fleet(hosts(2))
-    brief = plan_with_capacities(Observation({"m70": _history([1.2] * 54 + [1.8] * 6)}), fleet, POLICY, table,
-                                 PlannerState.initial(), NOW)
+    brief = plan_with_capacities(_observed([1.2] * 54 + [1.8] * 6), fleet, POLICY, table, PlannerState.initial(), NOW)
     assert not any(a.kind is ActionKind.BUILD for a in brief.actions)
     assert {c.config for c in brief.target.counts} == {V}
     assert any("engine build not started" in n for n in brief.explanation.models[0].notes)
-    steady = plan_with_capacities(Observation({"m70": _history([1.8] * 60)}), fleet, POLICY, table,
-                                  PlannerState.initial(), NOW)
+    steady = plan_with_capacities(_observed([1.8] * 60), fleet, POLICY, table, PlannerState.initial(), NOW)
     assert any(a.kind is ActionKind.BUILD and a.replica.config == T for a in steady.actions)
     assert {c.config for c in steady.target.counts} == {T}
+    # samples that are no rate (NaN, negative, absurd) are dropped once, by the plan, before payback
+    # reads the history: the steady hour still pays back
+    noisy = plan_with_capacities(_observed([1.8] * 20 + [float("nan"), -1.0, 1e12] + [1.8] * 37), fleet, POLICY,
+                                 table, PlannerState.initial(), NOW)
+    assert {c.config for c in noisy.target.counts} == {T}
