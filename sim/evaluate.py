@@ -500,7 +500,13 @@ def evaluate(trace: Trace, policy: Policy, profiles: ProfileSet, options: Evalua
         figures[name] = _figures(res, wall, caps)
     oracle_label = ""
     notes: list[str] = []
-    if "oracle" in opts.policies:
+    # a model no config serves within the SLO even on an idle replica (its requests too long for the
+    # SLO) has no lower bound: the oracle is left out, the simulated policies still report
+    unbounded = [m for m in models if not any(caps.get(c, 0.0) > 0 for c in cands[m])]
+    if "oracle" in opts.policies and unbounded:
+        notes.append("oracle left out: no config of " + ", ".join(unbounded) + " meets the SLO for this "
+                     "trace's requests even on an idle replica (ground truth), so there is no lower bound")
+    if "oracle" in opts.policies and not unbounded:
         price = {g.value: gp.price_usd_h for g, gp in policy.gpu_types.items()}
         total_h = 0.0
         total_cost = 0.0
@@ -674,6 +680,7 @@ def render_table(ev: Evaluation) -> str:
                  f"{tr.get('duration_s')} s, mean {tr.get('mean_rps')} rps, peak(60 s) {tr.get('peak_rps_60s')} rps")
     if ev.oracle_config:
         lines.append(f"oracle config: {ev.oracle_config}")
+    lines.extend(f"note: {n}" for n in ev.notes)
     gaps = ev.capacity_gaps()
     if gaps:
         lines.append("capacity per replica at the SLO for the trace's mix, profile vs ground truth:")

@@ -20,6 +20,7 @@ from fleetplan.sim.evaluate import (
     ground_truth_capacity,
     prepare_trace,
     profiles_from_ground_truth,
+    render_table,
 )
 from fleetplan.sim.traces import Trace, TraceFormat, TraceRequest
 
@@ -214,3 +215,17 @@ def test_hpa_target_stays_finite_when_the_profile_saturates() -> None:
     assert m is not None
     conc = _concurrency(ProfileSet((small_kv,)), pol, ConfigKey("m8", VLLM, H100, 1, BF16), 12000, 343, 1.0)
     assert conc == pytest.approx(1.0 * (m.slo.ttft_p99_ms + 343 * m.slo.itl_p99_ms) / 1000.0)
+
+
+def test_a_trace_no_config_serves_within_the_slo_still_evaluates_without_an_oracle(
+        world: tuple[Policy, object, dict[ConfigKey, float]]) -> None:
+    # requests too long for the SLO even on an idle replica (ground-truth capacity 0 everywhere):
+    # there is no lower bound, but the simulated policies still run and report
+    policy, profiles, caps = world
+    trace = synthetic([(120.0, 5.0)], seed=6)
+    ev = evaluate(trace, policy, profiles, EvaluateOptions(policies=("static-mean", "oracle"), workers=1),  # type: ignore[arg-type]
+                  capacities={c: 0.0 for c in caps})
+    assert set(ev.policies) == {"static-mean"} and ev.policies["static-mean"].gpu_hours > 0
+    assert any(n.startswith(f"oracle left out: no config of {MODEL} meets the SLO") for n in ev.notes)
+    assert "note: oracle left out" in render_table(ev)
+    assert ev.to_json()["trace"]["notes"] == list(ev.notes)
