@@ -11,7 +11,15 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from fleetplan.models import profile as mp
-from fleetplan.models.mix import LengthMix, MixCapacity, attainment_mix, capacity_mix, predict_mix, scaled
+from fleetplan.models.mix import (
+    FLOOR_SLACK,
+    LengthMix,
+    MixCapacity,
+    attainment_mix,
+    capacity_mix,
+    predict_mix,
+    scaled,
+)
 from fleetplan.models.names import Engine, GpuType
 from fleetplan.planner.policy import ModelPolicy, Policy
 from fleetplan.planner.types import ConfigKey
@@ -212,6 +220,39 @@ def _prefer_reachable(table: dict[ConfigKey, CapacityInfo]) -> None:
     for k, v in list(table.items()):
         if v.floor_share is not None and k.model in reachable:
             table[k] = replace(v, max_rps=0.0)
+
+
+def below_best_reach(table: Mapping[ConfigKey, CapacityInfo], keys: Iterable[ConfigKey]) -> dict[ConfigKey, float]:
+    """Among `keys` (the configs a plan may use), for a model none of whose configs reaches the SLO's
+    p99 targets for its mix: the configs whose floor share is more than FLOOR_SLACK below the best
+    one's, each with that best share. They serve no demand (min_replicas only): a config is sized
+    to within FLOOR_SLACK of its own floor, so no count of it reaches what the best one's replicas
+    reach, and its replicas would buy misses (long prompts an L40S or a TP1 replica cannot serve
+    within the SLO at all). Where some config is reachable, `_prefer_reachable` has already left
+    the others without capacity.
+
+    >>> from fleetplan.models.names import Precision
+    >>> k = lambda gpu, tp: ConfigKey("m", Engine.VLLM, GpuType(gpu), tp, Precision.BF16)
+    >>> table = {k("h100", 2): CapacityInfo(0.8, "ttft", floor_share=0.89),
+    ...          k("h100", 1): CapacityInfo(0.5, "ttft", floor_share=0.886),
+    ...          k("l40s", 1): CapacityInfo(0.9, "ttft", floor_share=0.47)}
+    >>> below_best_reach(table, table)   # the L40S replica misses half the requests even idle
+    {ConfigKey(model='m', engine=<Engine.VLLM: 'vllm'>, gpu=<GpuType.L40S: 'l40s'>, tp=1, precision=<Precision.BF16: 'bf16'>): 0.89}
+    """
+    best: dict[str, float] = {}
+    floors: list[tuple[ConfigKey, float]] = []
+    reachable: set[str] = set()
+    for key in keys:
+        info = table.get(key)
+        if info is None or not (math.isfinite(info.max_rps) and info.max_rps > 0):
+            continue
+        if info.floor_share is None:
+            reachable.add(key.model)
+            continue
+        best[key.model] = max(best.get(key.model, 0.0), info.floor_share)
+        floors.append((key, info.floor_share))
+    return {key: best[key.model] for key, share in floors
+            if key.model not in reachable and share < best[key.model] - FLOOR_SLACK}
 
 
 def capacity_table(

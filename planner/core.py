@@ -34,6 +34,7 @@ from fleetplan.planner.capacity import (
     MixedWorkload,
     Predicted,
     Predictor,
+    below_best_reach,
     candidate_configs,
     capacity_table,
     extrapolation,
@@ -419,6 +420,28 @@ def _candidates(
     return out
 
 
+def _best_reach_only(cands: list[Candidate], capacities: Mapping[ConfigKey, CapacityInfo],
+                     demands: dict[str, _Demand] | None = None) -> tuple[list[Candidate], dict[ConfigKey, float]]:
+    """(`cands` with the configs that fall short of the best reach among them (planner/capacity.py
+    `below_best_reach`) left for min_replicas only, those configs); `demands`: where the model's
+    note says so. The best is taken over the candidates of this plan: while the config that
+    reaches most awaits its engine build, the plan for now serves with the best of the ready ones."""
+    below = below_best_reach(capacities, (c.config for c in cands))
+    if not below:
+        return cands, below
+    if demands is not None:
+        for model in sorted({c.model for c in below}):
+            if model in demands:
+                best = max(v for c, v in below.items() if c.model == model)
+                short = ", ".join(f"{c.label()} ({100.0 * (capacities[c].floor_share or 0.0):.1f}%)"
+                                  for c in sorted(below) if c.model == model)
+                note = (f"no config meets the SLO for this length mix even idle; the best reaches "
+                        f"{100.0 * best:.1f}% of requests, so these serve no demand (no count of them "
+                        f"reaches that): {short}")
+                demands[model] = replace(demands[model], notes=(*demands[model].notes, note))
+    return [replace(c, capacity_rps=UNKNOWN_CAPACITY_RPS) if c.config in below else c for c in cands], below
+
+
 def _scale_down_band(demands: dict[str, _Demand], current: Mapping[ConfigKey, int],
                      capacities: Mapping[ConfigKey, CapacityInfo], band: float) -> None:
     """Hysteresis: a model whose running replicas cover its required rate is sized for up to
@@ -570,7 +593,10 @@ def plan_with_capacities(
         demands[name] = replace(demands[name], notes=(*demands[name].notes, canary.note()))
     young = _young_floors(fleet, usable_names, demands, capacities, current, now_s,
                           YOUNG_CYCLES * policy.scaling.cycle_s)
-    target_cands = _candidates(policy, capacities, gpus, ready, now_only=False)
+    # where no config reaches the SLO, only those that reach the most serve demand (before the
+    # payback check: a build that reaches more is not priced against replicas that reach less)
+    target_cands, below_reach = _best_reach_only(_candidates(policy, capacities, gpus, ready, now_only=False),
+                                                 capacities, demands)
     # a build is a one-off cost: started only where the recent traffic's savings pay it back
     unpaid = (unpaid_builds(policy, target_cands, {m: d.required_rps for m, d in demands.items()},
                             {m: d.history for m, d in demands.items()}, now_s,
@@ -586,7 +612,7 @@ def plan_with_capacities(
 
     needs_build = sorted(c for c in target_sol.counts if policy.needs_build(c) and c not in ready)
     if needs_build:
-        now_cands = _candidates(policy, capacities, gpus, ready, now_only=True)
+        now_cands, _ = _best_reach_only(_candidates(policy, capacities, gpus, ready, now_only=True), capacities)
         now_problem = _count_problem(policy, eff, now_cands, demands, slots, current, floors, young)
         now_sol, now_place = _solve_and_place(now_problem, hosts, fleet.replicas, drained, reports)
         notes.append("engine builds pending for " + ", ".join(c.label() for c in needs_build)
@@ -656,7 +682,10 @@ def plan_with_capacities(
     explanation = _explain(policy, demands, now_sol, target_sol, now_place, target_place, capacities,
                            predictor, reports, now_plan, target_plan, notes, observation)
     if counterfactuals:
-        explanation = add_counterfactuals(explanation, policy, eff, now_problem, now_sol, ready, hosts, capacities,
+        # a config short of the best reach is explained as what it is: out of the SLO's reach
+        cf_caps = {**capacities, **{c: replace(capacities[c], max_rps=0.0) for c in below_reach}} \
+            if below_reach else capacities
+        explanation = add_counterfactuals(explanation, policy, eff, now_problem, now_sol, ready, hosts, cf_caps,
                                           relaxed_capacities)
     next_state = PlannerState(tuple(sorted(surplus_next.items())), state.cycle + 1, state.corrections, bursts,
                               state.lengths)

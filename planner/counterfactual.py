@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
+from fleetplan.models.mix import SLO_SHARE
 from fleetplan.models.names import GpuType
 from fleetplan.models.profile import PerfProfile, ProfileSet
 from fleetplan.planner.capacity import CapacityInfo, MixedWorkload, Speeds, capacity_table
@@ -321,7 +322,8 @@ def _alternatives(
             continue
         if info is None or not (math.isfinite(info.max_rps) and info.max_rps > 0):
             why = (f"the SLO is out of its reach for this length mix: an idle replica meets it for "
-                   f"{100.0 * info.floor_share:.2f}% of requests, another config reaches 99%"
+                   f"{100.0 * info.floor_share:.2f}% of requests, another config reaches "
+                   f"{_best_reach_pct(capacities, key.model)}"
                    if info is not None and info.floor_share is not None else "or no profile")
             out.append(Alternative(key, LossReason.SLO, None, None, None,
                                    f"{label}: no capacity at the SLO (TTFT p99 {m.slo.ttft_p99_ms:g} ms, "
@@ -447,6 +449,13 @@ def _relaxed_problems(
                         f"ITL p99 {me.slo_itl_p99_ms * SLO_RELAX_FACTOR:g} ms)", me.model,
                         replace(problem, candidates=tuple(cands))))
     return out
+
+
+def _best_reach_pct(capacities: Mapping[ConfigKey, CapacityInfo], model: str) -> str:
+    """The most of its requests any config of `model` with capacity serves within the SLO, as text."""
+    shares = [SLO_SHARE if v.floor_share is None else v.floor_share for c, v in capacities.items()
+              if c.model == model and math.isfinite(v.max_rps) and v.max_rps > 0]
+    return f"{100.0 * max(shares):.2f}%" if shares else "more"
 
 
 def add_counterfactuals(
