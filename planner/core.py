@@ -612,7 +612,9 @@ def plan_with_capacities(
 
     needs_build = sorted(c for c in target_sol.counts if policy.needs_build(c) and c not in ready)
     if needs_build:
-        now_cands, _ = _best_reach_only(_candidates(policy, capacities, gpus, ready, now_only=True), capacities)
+        now_cands, below_now = _best_reach_only(_candidates(policy, capacities, gpus, ready, now_only=True),
+                                                capacities)
+        below_reach = {**below_reach, **below_now}
         now_problem = _count_problem(policy, eff, now_cands, demands, slots, current, floors, young)
         now_sol, now_place = _solve_and_place(now_problem, hosts, fleet.replicas, drained, reports)
         notes.append("engine builds pending for " + ", ".join(c.label() for c in needs_build)
@@ -626,7 +628,9 @@ def plan_with_capacities(
     held: dict[ConfigKey, int] = {}
     delay = policy.scaling.scale_down_delay_s
     for c, k in sorted(current.items()):
-        if now_sol.counts.get(c, 0) < k:
+        # a config short of the best reach is no capacity the demand may need again: not held (it
+        # still serves until its replacements are READY: make-before-break)
+        if now_sol.counts.get(c, 0) < k and c not in below_reach:
             since = surplus_prev.get(c, now_s)
             surplus_next[c] = since
             if now_s - since < delay:
@@ -656,7 +660,7 @@ def plan_with_capacities(
         floors2 = dict(floors)
         for c, k in current.items():
             started = surplus_prev.get(c)
-            if started is None or now_s - started < delay:
+            if (started is None or now_s - started < delay) and c not in below_reach:
                 floors2[c] = max(floors2.get(c, 0), k)
         now_problem = CountProblem(**{**now_problem.__dict__, "floors": floors2})
         now_sol, now_place = _solve_and_place(now_problem, hosts, fleet.replicas, drained, reports)

@@ -9,7 +9,7 @@ from planner_helpers import A100, TRT, VLLM, hosts, key, observe, policy
 
 from fleetplan.planner.capacity import CapacityInfo
 from fleetplan.planner.core import plan_with_capacities
-from fleetplan.planner.types import ActionKind, Fleet, PlannerState
+from fleetplan.planner.types import ActionKind, Fleet, PlannerState, Replica, ReplicaState
 
 NOW = 1_700_000_000.0
 CHEAP = key("m8", VLLM, A100, 1)  # $1/h, 2 rps sized from its floor, but 47% of requests at best
@@ -20,9 +20,9 @@ TABLE = {CHEAP: CapacityInfo(2.0, "ttft", floor_share=0.47), V2: CapacityInfo(1.
 FLEET = Fleet(hosts(2) + hosts(2, A100, prefix="a"))
 
 
-def _policy(cached: bool):  # type: ignore[no-untyped-def]
+def _policy(cached: bool, delay_s: float = 0.0):  # type: ignore[no-untyped-def]
     return policy(models=("m8",), tps={"m8": [1, 2]}, prices={"h100": 3.0, "a100": 1.0},
-                  cached=[("m8", "h100", 2)] if cached else [])
+                  cached=[("m8", "h100", 2)] if cached else [], scaling={"scale_down_delay_s": delay_s})
 
 
 def test_only_the_configs_that_reach_the_most_serve_demand_and_the_plan_says_why() -> None:
@@ -45,3 +45,15 @@ def test_while_the_best_awaits_its_build_the_best_ready_config_serves() -> None:
     assert {c.config: c.replicas for c in res.target.counts} == {T2: 3}
     # ... and until it is built, the best of the ready configs serves the demand, not min_replicas
     assert {c.config: c.replicas for c in res.plan.counts} == {V2: 3}
+
+
+def test_replicas_short_of_the_best_reach_are_not_held_by_the_scale_down_delay() -> None:
+    # two A100 replicas run from a plan made before the long prompts were seen; the scale-down delay
+    # holds surplus CAPACITY, and these serve no demand: they go once their replacements serve
+    running = tuple(Replica(f"r{i}", CHEAP, "a00", (i,), ReplicaState.READY, 8000 + i, NOW - 600) for i in range(2))
+    res = plan_with_capacities(observe({"m8": 3.0}), Fleet(FLEET.hosts, running), _policy(cached=True, delay_s=900),
+                               TABLE, PlannerState.initial(), NOW)
+    assert {c.config: c.replicas for c in res.plan.counts} == {T2: 3}
+    assert not any("scale-down delayed" in n for n in res.explanation.notes), res.explanation.notes
+    assert any("make-before-break" in n for n in res.explanation.notes)  # serving until T2 is READY
+    assert not any(a.kind is ActionKind.DRAIN for a in res.actions)
