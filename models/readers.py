@@ -489,8 +489,8 @@ def _read_aiperf(d: Mapping[str, Any], ctx: _Ctx) -> ReadResult:
     osl = _aiperf_metric(metrics, "output_sequence_length", src).get("mean")
     isl = isl if isl is not None else ctx.hints.isl
     osl = osl if osl is not None else ctx.hints.osl
-    if isl is None:
-        raise BenchmarkFormatError(f"{src}: field 'input_sequence_length' is missing")
+    if isl is None or isl <= 0:
+        raise BenchmarkFormatError(f"{src}: field 'input_sequence_length' is missing or zero: {show_value(isl)}")
     if osl is None or osl <= 0:
         raise BenchmarkFormatError(f"{src}: field 'output_sequence_length' is missing or zero: {show_value(osl)}")
     # AIPerf: input_config.loadgen.{concurrency,request_rate}; genai-perf: input_config.{concurrency,...}

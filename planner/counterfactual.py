@@ -278,6 +278,7 @@ def _alternatives(
     capacities: Mapping[ConfigKey, CapacityInfo],
     with_flips: bool,
     allowed: list[ConfigKey],
+    best_reach: Mapping[str, float],
 ) -> tuple[Alternative, ...]:
     m = policy.model(me.model)
     if m is None:
@@ -323,7 +324,7 @@ def _alternatives(
         if info is None or not (math.isfinite(info.max_rps) and info.max_rps > 0):
             why = (f"the SLO is out of its reach for this length mix: an idle replica meets it for "
                    f"{100.0 * info.floor_share:.2f}% of requests, another config reaches "
-                   f"{_best_reach_pct(capacities, key.model)}"
+                   + (f"{100.0 * best_reach[key.model]:.2f}%" if key.model in best_reach else "more")
                    if info is not None and info.floor_share is not None else "or no profile")
             out.append(Alternative(key, LossReason.SLO, None, None, None,
                                    f"{label}: no capacity at the SLO (TTFT p99 {m.slo.ttft_p99_ms:g} ms, "
@@ -451,11 +452,15 @@ def _relaxed_problems(
     return out
 
 
-def _best_reach_pct(capacities: Mapping[ConfigKey, CapacityInfo], model: str) -> str:
-    """The most of its requests any config of `model` with capacity serves within the SLO, as text."""
-    shares = [SLO_SHARE if v.floor_share is None else v.floor_share for c, v in capacities.items()
-              if c.model == model and math.isfinite(v.max_rps) and v.max_rps > 0]
-    return f"{100.0 * max(shares):.2f}%" if shares else "more"
+def _best_reach(capacities: Mapping[ConfigKey, CapacityInfo]) -> dict[str, float]:
+    """Per model, the most of its requests any of its configs with capacity serves within the SLO
+    (SLO_SHARE where one reaches it; one pass over the table)."""
+    out: dict[str, float] = {}
+    for c, v in capacities.items():
+        if math.isfinite(v.max_rps) and v.max_rps > 0:
+            share = SLO_SHARE if v.floor_share is None else v.floor_share
+            out[c.model] = max(out.get(c.model, 0.0), share)
+    return out
 
 
 def add_counterfactuals(
@@ -481,9 +486,10 @@ def add_counterfactuals(
         notes.append(f"counterfactuals: flip loads skipped ({n_alts} alternatives; too many to scan)")
     lookup = _Problem(problem)
     placed = _Placed(explanation.models)
+    best_reach = _best_reach(capacities)
     models = tuple(
         replace(me, alternatives=_alternatives(me, policy, eff, lookup, placed, inv, ready, capacities, with_flips,
-                                               allowed[me.model]))
+                                               allowed[me.model], best_reach))
         for me in explanation.models)
 
     relaxations: list[Relaxation] = []

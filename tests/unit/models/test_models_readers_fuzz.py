@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fleetplan.models.bench import BenchmarkFormatError, Metadata
@@ -57,8 +57,12 @@ def _mutate(doc: Any, path: tuple[str, ...], value: Any, delete: bool) -> Any:
 CASES = [(name, doc, path) for name, doc in DOCS for path in _paths(doc)]
 
 
+AIPERF_ISL = next(c for c in CASES if c[0] == "profile_export_aiperf.json" and c[2] == ("input_sequence_length", "avg"))
+
+
 @settings(max_examples=300, deadline=None)
 @given(case=st.sampled_from(CASES), value=junk, delete=st.booleans())
+@example(case=AIPERF_ISL, value=0, delete=False)  # a zero mean prompt was read as a point with isl 0
 def test_mutated_json_never_crashes(case: tuple[str, dict[str, Any], tuple[str, ...]], value: Any,
                                     delete: bool) -> None:
     name, doc, path = case
