@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from fleetplan.models import profile as mp
 from fleetplan.models.mix import (
     FLOOR_SLACK,
+    SLO_SHARE,
     LengthMix,
     MixCapacity,
     attainment_mix,
@@ -222,6 +223,19 @@ def _prefer_reachable(table: dict[ConfigKey, CapacityInfo]) -> None:
             table[k] = replace(v, max_rps=0.0)
 
 
+def best_reach(table: Mapping[ConfigKey, CapacityInfo], keys: Iterable[ConfigKey]) -> dict[str, float]:
+    """Per model of `keys`, the most of its requests any of its configs with capacity serves within
+    the SLO: SLO_SHARE where one reaches the p99 targets, else the best floor share (a floor is below
+    SLO_SHARE: a target's p99 out of an idle replica's reach misses more than 1%)."""
+    out: dict[str, float] = {}
+    for key in keys:
+        info = table.get(key)
+        if info is not None and math.isfinite(info.max_rps) and info.max_rps > 0:
+            share = SLO_SHARE if info.floor_share is None else info.floor_share
+            out[key.model] = max(out.get(key.model, 0.0), share)
+    return out
+
+
 def below_best_reach(table: Mapping[ConfigKey, CapacityInfo], keys: Iterable[ConfigKey]) -> dict[ConfigKey, float]:
     """Among `keys` (the configs a plan may use), for a model none of whose configs reaches the SLO's
     p99 targets for its mix: the configs whose floor share is more than FLOOR_SLACK below the best
@@ -239,20 +253,16 @@ def below_best_reach(table: Mapping[ConfigKey, CapacityInfo], keys: Iterable[Con
     >>> below_best_reach(table, table)   # the L40S replica misses half the requests even idle
     {ConfigKey(model='m', engine=<Engine.VLLM: 'vllm'>, gpu=<GpuType.L40S: 'l40s'>, tp=1, precision=<Precision.BF16: 'bf16'>): 0.89}
     """
-    best: dict[str, float] = {}
-    floors: list[tuple[ConfigKey, float]] = []
-    reachable: set[str] = set()
+    keys = list(keys)
+    best = best_reach(table, keys)
+    out: dict[ConfigKey, float] = {}
     for key in keys:
         info = table.get(key)
-        if info is None or not (math.isfinite(info.max_rps) and info.max_rps > 0):
-            continue
-        if info.floor_share is None:
-            reachable.add(key.model)
-            continue
-        best[key.model] = max(best.get(key.model, 0.0), info.floor_share)
-        floors.append((key, info.floor_share))
-    return {key: best[key.model] for key, share in floors
-            if key.model not in reachable and share < best[key.model] - FLOOR_SLACK}
+        top = best.get(key.model, SLO_SHARE)
+        if (info is not None and info.floor_share is not None and math.isfinite(info.max_rps) and info.max_rps > 0
+                and top < SLO_SHARE and info.floor_share < top - FLOOR_SLACK):
+            out[key] = top
+    return out
 
 
 def capacity_table(

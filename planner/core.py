@@ -430,14 +430,15 @@ def _best_reach_only(cands: list[Candidate], capacities: Mapping[ConfigKey, Capa
     if not below:
         return cands, below
     if demands is not None:
-        for model in sorted({c.model for c in below}):
+        by_model: dict[str, list[ConfigKey]] = {}
+        for c in sorted(below):
+            by_model.setdefault(c.model, []).append(c)
+        for model, short in by_model.items():
             if model in demands:
-                best = max(v for c, v in below.items() if c.model == model)
-                short = ", ".join(f"{c.label()} ({100.0 * (capacities[c].floor_share or 0.0):.1f}%)"
-                                  for c in sorted(below) if c.model == model)
+                listed = ", ".join(f"{c.label()} ({100.0 * (capacities[c].floor_share or 0.0):.1f}%)" for c in short)
                 note = (f"no config meets the SLO for this length mix even idle; the best reaches "
-                        f"{100.0 * best:.1f}% of requests, so these serve no demand (no count of them "
-                        f"reaches that): {short}")
+                        f"{100.0 * below[short[0]]:.1f}% of requests, so these serve no demand (no count of them "
+                        f"reaches that): {listed}")
                 demands[model] = replace(demands[model], notes=(*demands[model].notes, note))
     return [replace(c, capacity_rps=UNKNOWN_CAPACITY_RPS) if c.config in below else c for c in cands], below
 
@@ -612,9 +613,9 @@ def plan_with_capacities(
 
     needs_build = sorted(c for c in target_sol.counts if policy.needs_build(c) and c not in ready)
     if needs_build:
-        now_cands, below_now = _best_reach_only(_candidates(policy, capacities, gpus, ready, now_only=True),
-                                                capacities)
-        below_reach = {**below_reach, **below_now}
+        # what falls short among the ready configs falls short among all of them (a superset: its best
+        # reach is at least theirs), so below_reach already holds it
+        now_cands, _ = _best_reach_only(_candidates(policy, capacities, gpus, ready, now_only=True), capacities)
         now_problem = _count_problem(policy, eff, now_cands, demands, slots, current, floors, young)
         now_sol, now_place = _solve_and_place(now_problem, hosts, fleet.replicas, drained, reports)
         notes.append("engine builds pending for " + ", ".join(c.label() for c in needs_build)

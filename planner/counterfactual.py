@@ -30,10 +30,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from fleetplan.models.mix import SLO_SHARE
 from fleetplan.models.names import GpuType
 from fleetplan.models.profile import PerfProfile, ProfileSet
-from fleetplan.planner.capacity import CapacityInfo, MixedWorkload, Speeds, capacity_table
+from fleetplan.planner.capacity import CapacityInfo, MixedWorkload, Speeds, best_reach, capacity_table
 from fleetplan.planner.counts import (
     CAPACITY_TIEBREAK_USD_H_PER_RPS,
     UNMET_TOL_RPS,
@@ -278,7 +277,7 @@ def _alternatives(
     capacities: Mapping[ConfigKey, CapacityInfo],
     with_flips: bool,
     allowed: list[ConfigKey],
-    best_reach: Mapping[str, float],
+    reach: Mapping[str, float],
 ) -> tuple[Alternative, ...]:
     m = policy.model(me.model)
     if m is None:
@@ -324,7 +323,7 @@ def _alternatives(
         if info is None or not (math.isfinite(info.max_rps) and info.max_rps > 0):
             why = (f"the SLO is out of its reach for this length mix: an idle replica meets it for "
                    f"{100.0 * info.floor_share:.2f}% of requests, another config reaches "
-                   + (f"{100.0 * best_reach[key.model]:.2f}%" if key.model in best_reach else "more")
+                   + (f"{100.0 * reach[key.model]:.2f}%" if key.model in reach else "more")
                    if info is not None and info.floor_share is not None else "or no profile")
             out.append(Alternative(key, LossReason.SLO, None, None, None,
                                    f"{label}: no capacity at the SLO (TTFT p99 {m.slo.ttft_p99_ms:g} ms, "
@@ -452,17 +451,6 @@ def _relaxed_problems(
     return out
 
 
-def _best_reach(capacities: Mapping[ConfigKey, CapacityInfo]) -> dict[str, float]:
-    """Per model, the most of its requests any of its configs with capacity serves within the SLO
-    (SLO_SHARE where one reaches it; one pass over the table)."""
-    out: dict[str, float] = {}
-    for c, v in capacities.items():
-        if math.isfinite(v.max_rps) and v.max_rps > 0:
-            share = SLO_SHARE if v.floor_share is None else v.floor_share
-            out[c.model] = max(out.get(c.model, 0.0), share)
-    return out
-
-
 def add_counterfactuals(
     explanation: Explanation,
     policy: Policy,
@@ -486,10 +474,10 @@ def add_counterfactuals(
         notes.append(f"counterfactuals: flip loads skipped ({n_alts} alternatives; too many to scan)")
     lookup = _Problem(problem)
     placed = _Placed(explanation.models)
-    best_reach = _best_reach(capacities)
+    reach = best_reach(capacities, capacities)
     models = tuple(
         replace(me, alternatives=_alternatives(me, policy, eff, lookup, placed, inv, ready, capacities, with_flips,
-                                               allowed[me.model], best_reach))
+                                               allowed[me.model], reach))
         for me in explanation.models)
 
     relaxations: list[Relaxation] = []
