@@ -197,7 +197,7 @@ def _start(view: ActView, a: Action, rows: Sequence[ReplicaRow]) -> NewReplica |
     if clash:
         # GPUs still held (an engine stopping, a build, the drained replica of a swap): take other free
         # GPUs of the type in one NVLink group now (the next plan sees them held: held_gpus)
-        spot = _free_spot(view, r.config.gpu.value, r.config.tp, rows, prefer=r.host)
+        spot = _free_spot(view, r.config.gpu.value, r.config.tp, rows, prefer=r.host, only=a.hosts)
         if spot is None:
             return Record(_note(a, ActionStatus.DEFERRED, f"GPUs {clash} on {r.host} still in use"))
         moved = f" (planned GPUs {list(gpus)} on {r.host} busy: moved)"
@@ -220,12 +220,13 @@ def _start(view: ActView, a: Action, rows: Sequence[ReplicaRow]) -> NewReplica |
                                 f"{where} port {port}, GPUs {list(gpus)}{moved}", "", where, c.model))
 
 
-def _free_spot(view: ActView, gpu: str, tp: int, rows: Sequence[ReplicaRow],
-               prefer: str) -> tuple[str, tuple[int, ...]] | None:
-    """`tp` free GPUs of type `gpu` inside one NVLink group of an online host (`prefer` first)."""
+def _free_spot(view: ActView, gpu: str, tp: int, rows: Sequence[ReplicaRow], prefer: str,
+               only: frozenset[str] | None = None) -> tuple[str, tuple[int, ...]] | None:
+    """`tp` free GPUs of type `gpu` inside one NVLink group of an online host (`prefer` first; with
+    `only`, one of those hosts: the ones holding the replica's built engine)."""
     for name in sorted(view.hosts, key=lambda h: (h != prefer, h)):
         h = view.hosts[name]
-        if not h.online or h.gpu != gpu or h.gpu_count is None:
+        if not h.online or h.gpu != gpu or h.gpu_count is None or (only is not None and name not in only):
             continue
         busy, _ = _busy(view, name, rows)
         spot = first_free(h.nvlink_groups or (tuple(range(h.gpu_count)),), busy, tp)

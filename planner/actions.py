@@ -55,6 +55,7 @@ def actions(
     hosts: tuple[HostInventory, ...],
     drained: frozenset[str],
     ready: frozenset[ConfigKey],
+    engine_hosts: Mapping[ConfigKey, frozenset[str]] | None = None,
 ) -> list[Action]:
     builds: list[Action] = []
     in_progress = {b.config() for b in fleet.builds if not b.ready}
@@ -89,9 +90,9 @@ def actions(
         freed = removed_gpus.get(r.host)
         if freed and not freed.isdisjoint(r.gpu_indices):
             starts_after.append(Action(ActionKind.START, r, why + " (after the replica there stops)",
-                                       after_stop=True))
+                                       after_stop=True, hosts=(engine_hosts or {}).get(r.config)))
         else:
-            starts_free.append(Action(ActionKind.START, r, why))
+            starts_free.append(Action(ActionKind.START, r, why, hosts=(engine_hosts or {}).get(r.config)))
 
     drains: list[Action] = []
     stops: list[Action] = []

@@ -21,7 +21,7 @@ Pure. Steps:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from fleetplan.models.mix import mix_from_quantiles
@@ -389,12 +389,37 @@ def _ready_configs(policy: Policy, fleet: Fleet) -> frozenset[ConfigKey]:
     return frozenset(ready)
 
 
+def _engine_hosts(policy: Policy, fleet: Fleet, usable: Sequence[HostInventory]) -> dict[ConfigKey, frozenset[str]]:
+    """The configs whose built engine only some usable hosts hold: config -> those hosts. An agent
+    refuses a replica of an engine it does not hold (controller/protocol.py `check_desired`), and an
+    engine is built on one host's GPUs: until the others hold it (a shared engine cache, or builds of
+    their own), its replicas run there only. The policy's `cached_builds` are stored on every host;
+    a ready build that names no host counts everywhere too."""
+    everywhere = set(policy.cached_configs())
+    where: dict[ConfigKey, set[str]] = {}
+    for b in fleet.builds:
+        if b.ready:
+            if b.host is None:
+                everywhere.add(b.config())
+            else:
+                where.setdefault(b.config(), set()).add(b.host)
+    out: dict[ConfigKey, frozenset[str]] = {}
+    for c, held in where.items():
+        if c in everywhere:
+            continue
+        of_type = {h.name for h in usable if h.gpu == c.gpu}
+        if not of_type <= held:
+            out[c] = frozenset(held & of_type)
+    return out
+
+
 def _candidates(
     policy: Policy,
     capacities: Mapping[ConfigKey, CapacityInfo],
     gpus: set[GpuType],
     ready: frozenset[ConfigKey],
     now_only: bool,
+    max_counts: Mapping[ConfigKey, int],
 ) -> list[Candidate]:
     out: list[Candidate] = []
     for key in sorted(capacities):
@@ -416,7 +441,7 @@ def _candidates(
             if now_only:
                 continue
             build = policy.build_s(key) or 0.0
-        out.append(Candidate(key, max_rps, price * key.tp, lead, info.binding, build))
+        out.append(Candidate(key, max_rps, price * key.tp, lead, info.binding, build, max_counts.get(key)))
     return out
 
 
@@ -500,11 +525,12 @@ def _solve_and_place(
     current: tuple[Replica, ...],
     drained: frozenset[str],
     reports: list[SolverReport],
+    engine_hosts: Mapping[ConfigKey, frozenset[str]],
 ) -> tuple[CountSolution, Placement]:
     """Stage 1 then stage 2; when a replica does not fit, tighten that TP slot count and re-solve."""
     sol = solve_counts(problem)
     reports.append(sol.report)
-    placement = place(sol.counts, hosts, current, drained)
+    placement = place(sol.counts, hosts, current, drained, engine_hosts)
     for _ in range(3):
         if not placement.unplaced:
             break
@@ -516,7 +542,7 @@ def _solve_and_place(
         problem = CountProblem(**{**problem.__dict__, "slots": slots})
         sol = solve_counts(problem)
         reports.append(sol.report)
-        placement = place(sol.counts, hosts, current, drained)
+        placement = place(sol.counts, hosts, current, drained, engine_hosts)
     reports.append(SolverReport("placement", "best-fit-decreasing", "OK" if not placement.unplaced
                                 else "UNPLACED", None, None, None, 0.0))
     return sol, placement
@@ -551,6 +577,9 @@ def plan_with_capacities(
 
     tp_sizes = sorted({k.tp for k in capacities})
     slots = slots_by_gpu(hosts, tp_sizes, drained)
+    engine_hosts = _engine_hosts(policy, fleet, usable)
+    max_counts = {c: slots_by_gpu([h for h in usable if h.name in held], [c.tp]).get(c.gpu, {}).get(c.tp, 0)
+                  for c, held in engine_hosts.items()}
     floors: dict[ConfigKey, int] = {}
     for c, k in current.items():
         d = demands.get(c.model)
@@ -596,7 +625,8 @@ def plan_with_capacities(
                           YOUNG_CYCLES * policy.scaling.cycle_s)
     # where no config reaches the SLO, only those that reach the most serve demand (before the
     # payback check: a build that reaches more is not priced against replicas that reach less)
-    target_cands, below_reach = _best_reach_only(_candidates(policy, capacities, gpus, ready, now_only=False),
+    target_cands, below_reach = _best_reach_only(_candidates(policy, capacities, gpus, ready, now_only=False,
+                                                                         max_counts=max_counts),
                                                  capacities, demands)
     # a build is a one-off cost: started only where the recent traffic's savings pay it back
     unpaid = (unpaid_builds(policy, target_cands, {m: d.required_rps for m, d in demands.items()},
@@ -609,19 +639,24 @@ def plan_with_capacities(
             if note:
                 demands[c.model] = replace(demands[c.model], notes=(*demands[c.model].notes, note))
     target_problem = _count_problem(policy, eff, target_cands, demands, slots, current, floors, young)
-    target_sol, target_place = _solve_and_place(target_problem, hosts, fleet.replicas, drained, reports)
+    target_sol, target_place = _solve_and_place(target_problem, hosts, fleet.replicas, drained, reports,
+                                                  engine_hosts)
 
     needs_build = sorted(c for c in target_sol.counts if policy.needs_build(c) and c not in ready)
-    if needs_build:
-        # what falls short among the ready configs falls short among all of them (a superset: its best
-        # reach is at least theirs), so below_reach already holds it
-        now_cands, _ = _best_reach_only(_candidates(policy, capacities, gpus, ready, now_only=True), capacities)
+    now_problem, now_sol, now_place = target_problem, target_sol, target_place
+    if needs_build or any(c.build_s > 0 for c in target_cands):
+        # the plan for now has only ready engines to choose from: also where the target took none
+        # of the builds, since the scale-down hold below re-solves this problem for a higher rate,
+        # where an engine still building may be the cheaper one (it would start replicas of an
+        # engine that does not exist yet). What falls short among the ready configs falls short
+        # among all of them (a superset: its best reach is at least theirs): below_reach holds it.
+        now_cands, _ = _best_reach_only(_candidates(policy, capacities, gpus, ready, now_only=True,
+                                                    max_counts=max_counts), capacities)
         now_problem = _count_problem(policy, eff, now_cands, demands, slots, current, floors, young)
-        now_sol, now_place = _solve_and_place(now_problem, hosts, fleet.replicas, drained, reports)
+    if needs_build:
+        now_sol, now_place = _solve_and_place(now_problem, hosts, fleet.replicas, drained, reports, engine_hosts)
         notes.append("engine builds pending for " + ", ".join(c.label() for c in needs_build)
                      + ": the plan for now serves with ready engines, the target switches once built")
-    else:
-        now_problem, now_sol, now_place = target_problem, target_sol, target_place
 
     # scale-down delay: hold surplus replicas until the surplus has persisted for the delay
     surplus_prev = state.surplus_map()
@@ -652,7 +687,7 @@ def plan_with_capacities(
                 x = replace(x, required_rps=max(x.required_rps, hold_req))
             md.append(x)
         now_problem = CountProblem(**{**now_problem.__dict__, "demands": tuple(md)})
-        now_sol, now_place = _solve_and_place(now_problem, hosts, fleet.replicas, drained, reports)
+        now_sol, now_place = _solve_and_place(now_problem, hosts, fleet.replicas, drained, reports, engine_hosts)
         notes.append(f"scale-down delayed ({delay:.0f} s): sized for the highest rate level of the last "
                      f"{delay:.0f} s for " + ", ".join(sorted(held_models)))
     elif held:
@@ -664,17 +699,17 @@ def plan_with_capacities(
             if (started is None or now_s - started < delay) and c not in below_reach:
                 floors2[c] = max(floors2.get(c, 0), k)
         now_problem = CountProblem(**{**now_problem.__dict__, "floors": floors2})
-        now_sol, now_place = _solve_and_place(now_problem, hosts, fleet.replicas, drained, reports)
+        now_sol, now_place = _solve_and_place(now_problem, hosts, fleet.replicas, drained, reports, engine_hosts)
         notes.append(f"scale-down delayed ({delay:.0f} s) for " + ", ".join(
             f"{c.label()} (surplus for {now_s - surplus_next[c]:.0f} s)" for c in sorted(held)))
 
     # the target continues from the now-plan's placement
     if now_place is not target_place:
-        target_place = place(target_sol.counts, hosts, now_place.replicas, drained)
+        target_place = place(target_sol.counts, hosts, now_place.replicas, drained, engine_hosts)
 
     now_plan = _make_plan(now_place, capacities, policy)
     target_plan = now_plan if target_place is now_place else _make_plan(target_place, capacities, policy)
-    actions = plan_actions(fleet, now_place, target_sol, needs_build, policy, hosts, drained, ready)
+    actions = plan_actions(fleet, now_place, target_sol, needs_build, policy, hosts, drained, ready, engine_hosts)
     actions, held_mbb = make_before_break(actions, fleet, now_place, capacities, demands, hosts)
     if held_mbb:
         notes.append("make-before-break: kept serving until their replacements are READY: " + ", ".join(

@@ -38,6 +38,9 @@ class Candidate:
     lead_s: float  # time until a new replica serves (startup)
     binding: str = ""
     build_s: float = 0.0  # > 0: the engine must be built first (a one-off cost for the config)
+    # at most this many replicas (None: no own limit): the TP groups of the hosts that hold the
+    # config's built engine, where only some do (an agent refuses a replica of an engine it lacks)
+    max_count: int | None = None
 
     @property
     def gpus(self) -> int:
@@ -146,7 +149,8 @@ def prune_dominated(problem: CountProblem) -> list[Candidate]:
                 if o is c:
                     continue
                 if (o.usd_h <= c.usd_h and o.capacity_rps >= c.capacity_rps and o.lead_s <= c.lead_s
-                        and o.build_s <= c.build_s):
+                        and o.build_s <= c.build_s and (o.max_count is None or (
+                            c.max_count is not None and o.max_count >= c.max_count))):
                     strictly = (o.usd_h < c.usd_h or o.capacity_rps > c.capacity_rps or o.lead_s < c.lead_s
                                 or o.build_s < c.build_s)
                     if strictly or o.config < c.config:
@@ -164,6 +168,8 @@ def _build(problem: CountProblem) -> tuple[_Model, list[Candidate], dict[str, in
     by_model: dict[str, list[int]] = {}
     for i, c in enumerate(cands):
         ub = problem.slots.get(c.config.gpu, {}).get(c.config.tp, 0)
+        if c.max_count is not None:
+            ub = min(ub, c.max_count)
         d = demands.get(c.config.model)
         if d is not None and d.max_replicas is not None:
             ub = min(ub, d.max_replicas)

@@ -87,9 +87,22 @@ class _Segments:
             heapq.heappush(self.buckets.setdefault(k, []), i)
             self.members.setdefault(k, {})[i] = None
 
-    def take(self, tp: int, avoid: Collection[str] = ()) -> tuple[str, tuple[int, ...]] | None:
+    def take(self, tp: int, avoid: Collection[str] = (),
+             only: Collection[str] | None = None) -> tuple[str, tuple[int, ...]] | None:
         """`tp` GPUs of one segment: the best fit on a host not in `avoid` (hosts that already run
-        the model), else the best fit anywhere."""
+        the model), else the best fit anywhere; with `only`, on one of those hosts (the hosts that
+        hold the config's built engine: a scan, such configs are few)."""
+        if only is not None:
+            fallback: int | None = None
+            for k in range(tp, self.max_free + 1):
+                for i in self.members.get(k, ()):
+                    host = self.segs[i][0]
+                    if host in only:
+                        if host not in avoid:
+                            return self._cut(i, tp)
+                        if fallback is None:
+                            fallback = i
+            return None if fallback is None else self._cut(fallback, tp)
         if avoid:
             segs, members = self.segs, self.members
             for k in range(tp, self.max_free + 1):
@@ -144,8 +157,12 @@ def place(
     hosts: Sequence[HostInventory],
     current: Sequence[Replica] = (),
     unusable_hosts: frozenset[str] = frozenset(),
+    engine_hosts: Mapping[ConfigKey, Collection[str]] | None = None,
 ) -> Placement:
-    """Place `counts` replicas; keep live current replicas in place where the counts allow."""
+    """Place `counts` replicas; keep live current replicas in place where the counts allow.
+    `engine_hosts`: configs whose built engine only some hosts hold; their new replicas go there
+    only (an agent refuses a replica of an engine it does not hold). Such configs place first."""
+    only = engine_hosts or {}
     usable = [h for h in hosts if h.online and h.name not in unusable_hosts]
     by_name = {h.name: h for h in usable}
     remaining = {c: n for c, n in counts.items() if n > 0}
@@ -175,7 +192,8 @@ def place(
         if r.state in (ReplicaState.DRAINING, *LIVE_STATES) and id(r) not in kept_ids:
             held.setdefault(r.host, set()).update(r.gpu_indices)
 
-    todo = sorted(((c, k) for c, k in remaining.items() if k > 0), key=lambda ck: (-ck[0].tp, ck[0]))
+    todo = sorted(((c, k) for c, k in remaining.items() if k > 0),
+                  key=lambda ck: (ck[0] not in only, -ck[0].tp, ck[0]))
     new: list[Replica] = []
     unplaced: dict[ConfigKey, int] = {}
     gpus_of = sorted({c.gpu for c, _ in todo})
@@ -183,19 +201,19 @@ def place(
         ghosts = [h for h in usable if h.gpu == gpu]
         items = [(c, k) for c, k in todo if c.gpu == gpu]
         placed: list[Replica] = []
-        left = _pack(items, _segments_for(ghosts, held), placed, spread_from=[*kept, *new])
+        left = _pack(items, _segments_for(ghosts, held), placed, spread_from=[*kept, *new], only=only)
         if left:
             # second pass: GPUs of replicas being removed become usable (start after their stop)
             taken_now: dict[str, set[int]] = {h: set(s) for h, s in used.items()}
             for r in placed:
                 taken_now.setdefault(r.host, set()).update(r.gpu_indices)
-            left = _pack(left, _segments_for(ghosts, taken_now), placed)
+            left = _pack(left, _segments_for(ghosts, taken_now), placed, only=only)
         if left:
             # third pass: local repair: move a few small kept replicas out of the way
             taken_now = {h: set(s) for h, s in used.items()}
             for r in placed:
                 taken_now.setdefault(r.host, set()).update(r.gpu_indices)
-            fixed = _repair(left, ghosts, taken_now, [r for r in kept if r.config.gpu == gpu])
+            fixed = _repair(left, ghosts, taken_now, [r for r in kept if r.config.gpu == gpu], only)
             if fixed is not None:
                 moved_new, evicted = fixed
                 placed += moved_new
@@ -207,10 +225,10 @@ def place(
             # fourth pass: kept replicas fragment the groups; repack this GPU type from scratch
             # (exact for TP sizes dividing each other) and keep whatever lands where it already is
             all_items = sorted(((c, k) for c, k in counts.items() if k > 0 and c.gpu == gpu),
-                               key=lambda ck: (-ck[0].tp, ck[0]))
+                               key=lambda ck: (ck[0] not in only, -ck[0].tp, ck[0]))
             fresh: list[Replica] = []
             held_only = {h.name: set(h.held_gpus) for h in ghosts if h.held_gpus}
-            if not _pack(all_items, _segments_for(ghosts, held_only), fresh):
+            if not _pack(all_items, _segments_for(ghosts, held_only), fresh, only=only):
                 where = {(r.config, r.host, r.gpu_indices): r for r in live if r.config.gpu == gpu}
                 old_kept = [r for r in kept if r.config.gpu == gpu]
                 kept = [r for r in kept if r.config.gpu != gpu]
@@ -238,6 +256,7 @@ def _repair(
     hosts: Sequence[HostInventory],
     taken: Mapping[str, set[int]],
     movable: Sequence[Replica],
+    only: Mapping[ConfigKey, Collection[str]] | None = None,
 ) -> tuple[list[Replica], list[Replica]] | None:
     """Place `items` by evicting the fewest GPUs' worth of strictly smaller kept replicas from one
     NVLink group each time, then re-placing the evicted ones the same way (sizes strictly decrease,
@@ -257,15 +276,18 @@ def _repair(
         if steps > 10_000:
             return None
         c = queue.pop(0)
+        allowed = (only or {}).get(c)
         best_fit: tuple[int, int] | None = None  # (free count, segment index)
         for si, (host, group) in enumerate(segs):
+            if allowed is not None and host not in allowed:
+                continue
             free = sum(1 for i in group if i not in busy.get(host, ()))
             if free >= c.tp and (best_fit is None or free < best_fit[0]):
                 best_fit = (free, si)
         if best_fit is None:
             best: tuple[int, int, list[Replica]] | None = None  # (GPUs moved, segment, replicas)
             for si, (host, group) in enumerate(segs):
-                if len(group) < c.tp:
+                if len(group) < c.tp or (allowed is not None and host not in allowed):
                     continue
                 gset = set(group)
                 free = sum(1 for i in group if i not in busy.get(host, ()))
@@ -306,7 +328,8 @@ def _repair(
 
 
 def _pack(items: Sequence[tuple[ConfigKey, int]], segs: list[tuple[str, list[int]]], out: list[Replica],
-          spread_from: Sequence[Replica] | None = None) -> list[tuple[ConfigKey, int]]:
+          spread_from: Sequence[Replica] | None = None,
+          only: Mapping[ConfigKey, Collection[str]] | None = None) -> list[tuple[ConfigKey, int]]:
     """Best-fit-decreasing of `items` into the free GPUs `segs` (_segments_for), appending to `out`; returns what did not fit.
 
     With `spread_from` (the replicas already placed), a model's new replica goes to a host that
@@ -318,10 +341,10 @@ def _pack(items: Sequence[tuple[ConfigKey, int]], segs: list[tuple[str, list[int
     if spread_from is not None:
         trial: list[Replica] = []
         if not _pack_into(items, _Segments([(h, list(free)) for h, free in segs]), trial,
-                          _hosts_by_model(spread_from)):
+                          _hosts_by_model(spread_from), only):
             out += trial
             return []
-    return _pack_into(items, _Segments(segs), out, None)
+    return _pack_into(items, _Segments(segs), out, None, only)
 
 
 def _hosts_by_model(replicas: Sequence[Replica]) -> dict[str, set[str]]:
@@ -332,13 +355,15 @@ def _hosts_by_model(replicas: Sequence[Replica]) -> dict[str, set[str]]:
 
 
 def _pack_into(items: Sequence[tuple[ConfigKey, int]], segs: _Segments, out: list[Replica],
-               model_hosts: dict[str, set[str]] | None) -> list[tuple[ConfigKey, int]]:
+               model_hosts: dict[str, set[str]] | None,
+               only: Mapping[ConfigKey, Collection[str]] | None = None) -> list[tuple[ConfigKey, int]]:
     left: list[tuple[ConfigKey, int]] = []
     for c, k in items:
         missing = 0
         avoid: set[str] | None = model_hosts.setdefault(c.model, set()) if model_hosts is not None else None
+        allowed = (only or {}).get(c)
         for _ in range(k):
-            spot = segs.take(c.tp, avoid or ())
+            spot = segs.take(c.tp, avoid or (), allowed)
             if spot is None:
                 missing += 1
                 continue

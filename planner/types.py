@@ -225,6 +225,9 @@ class Action:
     # DRAIN: the model's READY capacity without this replica still covers its required rate, so it
     # need not wait for the replacements still starting (make-before-break, planner/core.py)
     covered: bool = False
+    # START: the hosts it may move to when its GPUs are still held (None: any host of its GPU type):
+    # those that hold its config's built engine, where only some do (planner/core.py _engine_hosts)
+    hosts: frozenset[str] | None = None
 
 
 @dataclass(frozen=True)

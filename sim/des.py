@@ -154,7 +154,8 @@ class SimResult:
     timeline: tuple[TimelinePoint, ...]
     decisions: int
     notes: tuple[str, ...] = ()
-    placement_conflicts: int = 0  # starts refused because their GPUs were in use (a bug if > 0)
+    # starts the agent would refuse: their GPUs in use, or their engine not on that host (a bug if > 0)
+    placement_conflicts: int = 0
     swap_cycles: int = 0  # decisions that drained READY replicas of a model while starting others
     deferred_actions: int = 0  # actions the act core deferred (GPUs still busy, start before stop)
     drain_timeouts: int = 0  # drains stopped at their deadline (their requests in flight cut)
@@ -269,7 +270,16 @@ class FleetSim:
 
     # -- the engines (fleetplan.sim.control.EnginePort)
     def launch(self, row: act.ReplicaRow, t_s: float) -> None:
-        self._start_replica(t_s, row.replica_id, row.config, row.host, row.gpu_indices)
+        c = row.config
+        if self.env.build_s(c) is not None and c not in self.env.cached and not any(
+                b.config == c and b.row.host == row.host for b in self.sim_builds.values()):
+            # an agent refuses a replica of an engine it neither holds nor is building
+            # (protocol.check_desired); the planner places such configs where their engine is
+            self.conflicts += 1
+            self.notes.append(f"t={t_s:.0f}s: start of {row.replica_id} refused: {row.host} holds no "
+                              f"{c.label()} engine")
+            return
+        self._start_replica(t_s, row.replica_id, c, row.host, row.gpu_indices)
 
     def stop(self, replica_id: str, t_s: float) -> None:
         rep = self.by_id.get(replica_id)

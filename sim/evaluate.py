@@ -93,6 +93,8 @@ class PolicyFigures:
     build_gpu_hours: float = 0.0
     drain_timeouts: int = 0
     prefix_hit_rate: float | None = None  # the simulated fleet's prefix-cache hit rate (prompt tokens)
+    # starts an agent would refuse (GPUs in use, engine not on that host): 0 unless the act path errs
+    refused_starts: int = 0
 
     def gpu_hours_by_engine(self) -> dict[str, float]:
         """Per engine: its replicas' GPU-hours (+ "build": the engine builds')."""
@@ -126,6 +128,7 @@ class PolicyFigures:
                 "prefix_cache_hit_rate": r(self.prefix_hit_rate),
                 "drain_timeouts": self.drain_timeouts,
                 "swap_cycles": self.swap_cycles,
+                "refused_starts": self.refused_starts,
                 "sim_wall_s": r(self.wall_s, 2),
             })
         d.update({
@@ -650,6 +653,7 @@ def _figures(res: SimResult, wall: float, caps: Mapping[ConfigKey, float]) -> Po
         build_gpu_hours=res.build_gpu_hours,
         drain_timeouts=res.drain_timeouts,
         prefix_hit_rate=res.prefix_hit_rate,
+        refused_starts=res.placement_conflicts,
     )
 
 

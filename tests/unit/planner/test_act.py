@@ -203,6 +203,15 @@ def test_a_start_on_gpus_still_in_use_moves_to_free_gpus_or_waits() -> None:
     full = view(host("gpu-01", stopping, reported("r00001", gpus=(0,)), gpus=2), rows=(row("r00001"),))
     (eff,) = act.execute(full, [action(ActionKind.START, gpus=(1,))]).effects
     assert isinstance(eff, Record) and eff.note.status == ActionStatus.DEFERRED and "still in use" in eff.note.detail
+    # a config whose built engine only gpu-01 holds moves within gpu-01 only: never to a host whose
+    # agent would refuse it, however free its GPUs
+    both = view(host("gpu-01", stopping, reported("r00001", gpus=(0,)), gpus=2), host("gpu-02"),
+                rows=(row("r00001"),))
+    start = action(ActionKind.START, gpus=(1,))
+    (eff,) = act.execute(both, [start]).effects
+    assert isinstance(eff, NewReplica) and eff.row.host == "gpu-02"
+    (eff,) = act.execute(both, [dataclasses.replace(start, hosts=frozenset({"gpu-01"}))]).effects
+    assert isinstance(eff, Record) and eff.note.status == ActionStatus.DEFERRED and "still in use" in eff.note.detail
 
 
 def test_make_before_break_defers_the_drain_while_a_replica_of_the_model_starts() -> None:

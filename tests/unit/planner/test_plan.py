@@ -377,3 +377,65 @@ def test_a_model_whose_slo_is_out_of_reach_keeps_its_min_replicas() -> None:
     assert not [a for a in r.actions if a.kind in (ActionKind.DRAIN, ActionKind.STOP)]
     (m,) = [m for m in r.explanation.models if m.model == "m70"]
     assert any("meets the SLO at this length mix" in n for n in m.notes)
+
+
+def test_the_scale_down_hold_never_puts_an_engine_still_building_in_the_plan_for_now() -> None:
+    """The target needs no build (the ready vLLM serves this cycle's demand alone), so the plan for
+    now is solved on the target's candidates; the scale-down hold then re-solves for the recent
+    level, where the TensorRT-LLM config still building is cheaper. The plan for now must not start
+    a replica of an engine that does not exist yet (a replay of a generated day did, every swap)."""
+    from fleetplan.planner.types import EngineBuild, ModelObservation, Observation
+
+    p = policy(tps={"m8": [1], "m70": [4]}, scaling={"scale_down_delay_s": 300})
+    building = EngineBuild("m8", TRT, key("m8").gpu, 1, key("m8").precision, "h01", False, NOW + 300)
+    current = tuple(_running("m8", VLLM, 1, "h00", i) for i in range(5))  # 5 x 10 rps
+
+    def rate(t: float) -> float:  # 45 rps, 38 rps from now - 360, 8 rps from now - 100
+        return 45.0 if t < NOW - 360 else 38.0 if t < NOW - 100 else 8.0
+
+    hist = tuple((NOW - 1800 + 30 * i, rate(NOW - 1800 + 30 * i)) for i in range(61))
+    obs = Observation({"m8": ModelObservation("m8", 8.0, 500.0, 200.0, history=hist),
+                       "m70": ModelObservation("m70", 0.0, 500.0, 200.0)})
+    r = plan_with_capacities(obs, Fleet(hosts(2), current, (building,)), p, CAPS, PlannerState.initial(), NOW)
+    assert any("highest rate level of the last 300 s" in n for n in r.explanation.notes)
+    # 38 rps held: 4 of the 5 vLLM replicas (3 TRT-LLM TP1 would do it on 3 GPUs, once built)
+    assert _counts(r.plan) == {("m8", "vllm", 1): 4}
+    assert not [a for a in r.actions if a.kind == ActionKind.START]
+
+
+def test_an_engine_built_on_one_host_runs_there_only() -> None:
+    """A TensorRT-LLM engine built on h01's GPUs is held by h01's agent alone, which refuses a
+    replica of an engine it does not hold: the plan puts that config's replicas on h01 only, as many
+    as h01 holds, and serves the rest with vLLM. An engine the policy lists as cached is on every
+    host."""
+    from fleetplan.planner.types import EngineBuild
+
+    p = policy(tps={"m8": [1], "m70": [4]})
+    built = EngineBuild("m8", TRT, key("m8").gpu, 1, key("m8").precision, "h01", True, None)
+    r = plan_with_capacities(observe({"m8": 150.0, "m70": 0.0}), Fleet(hosts(3), (), (built,)), p, CAPS,
+                             PlannerState.initial(), NOW)
+    trt = [x for x in r.plan.replicas if x.config.engine == TRT]
+    assert len(trt) == 8 and {x.host for x in trt} == {"h01"}  # 8 x 14 = 112 rps
+    assert _counts(r.plan) == {("m8", "trtllm", 1): 8, ("m8", "vllm", 1): 4}  # + 4 x 10 = 152
+    assert r.explanation.models[0].unmet_rps == 0.0
+    # the counts stay within h01's GPUs: placed at the first try, no re-solve
+    assert [x.status for x in r.explanation.solver if x.stage == "placement"] == ["OK"]
+    # the same engine in the policy's cached_builds: TRT-LLM everywhere
+    everywhere = policy(tps={"m8": [1], "m70": [4]}, cached=[("m8", "h100", 1)])
+    r = plan_with_capacities(observe({"m8": 150.0, "m70": 0.0}), Fleet(hosts(3), (), (built,)), everywhere,
+                             CAPS, PlannerState.initial(), NOW)
+    assert _counts(r.plan) == {("m8", "trtllm", 1): 11}
+
+
+def test_placement_keeps_a_config_to_the_hosts_that_hold_its_engine() -> None:
+    from fleetplan.planner.placement import place
+
+    c = key("m8", TRT, tp=2)
+    p = place({c: 3}, hosts(3), (), frozenset(), {c: frozenset({"h02"})})
+    assert {r.host for r in p.replicas} == {"h02"} and not p.unplaced
+    p = place({c: 5}, hosts(3), (), frozenset(), {c: frozenset({"h02"})})
+    assert len(p.replicas) == 4 and p.unplaced == {c: 1}  # h02's 8 GPUs hold 4 TP2 groups
+    # a replica already running elsewhere stays (its agent holds the engine: it runs)
+    running = _running("m8", TRT, 2, "h00", 0)
+    p = place({c: 2}, hosts(3), (running,), frozenset(), {c: frozenset({"h02"})})
+    assert running in p.kept and {r.host for r in p.new} == {"h02"}

@@ -146,6 +146,7 @@ def test_cli_json_shape_and_charts(world: tuple[Policy, object, dict[ConfigKey, 
     for name in ("fleetplan", "static-peak", "hpa"):
         assert {"gpu_hours", "slo_attainment", "ttft_p99_ms", "itl_p99_ms"} <= set(doc["policies"][name])
         assert 0.0 <= doc["policies"][name]["slo_attainment"] <= 1.0
+    assert doc["policies"]["fleetplan"]["refused_starts"] == 0  # nothing an agent would refuse
     assert doc["policies"]["oracle"]["gpu_hours"] > 0
     # GPU-hours per engine and config add up to the total (builds apart); the idle floor per config
     for name in ("fleetplan", "static-peak", "hpa", "oracle"):

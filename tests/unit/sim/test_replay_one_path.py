@@ -115,3 +115,41 @@ def test_the_prefix_cache_is_observed_planned_with_and_routed_for() -> None:
     ctl = FleetplanController("fleetplan", policy, profiles)  # type: ignore[arg-type]
     off = FleetSim(trace, ctl, make_environment(policy), SimSettings(prefix_cache=False)).run()  # type: ignore[arg-type]
     assert not off.prefix_hit_rate
+
+
+BUILD_POLICY = """
+version: 1
+gpu_types: {h100: {price_usd_h: 2.0}}
+hosts: [{name: h1, gpu: h100, gpu_count: 8}, {name: h2, gpu: h100, gpu_count: 8},
+        {name: h3, gpu: h100, gpu_count: 8}]
+engines:
+  vllm: {launch: {command: vllm}, startup: {default_s: 30}}
+  trtllm: {launch: {command: trtllm-serve}, startup: {default_s: 30}, build: {default_s: 300}}
+scaling: {cycle_s: 60, scale_down_delay_s: 120, max_actions_per_cycle: 30, churn_cost_usd_h: 0}
+models:
+  - {name: llama-3-8b, slo: {ttft_p99_ms: 500, itl_p99_ms: 50}, allowed: {engines: [vllm, trtllm], tp: [1]},
+     workload: {isl: 4000, osl: 100}, headroom: 0.1}
+"""
+
+
+def test_a_built_engine_serves_from_the_host_that_built_it() -> None:
+    """The replay's agents hold the engines they built, as real ones do: after the TensorRT-LLM build
+    on one host, its replicas start there only (none refused elsewhere), vLLM serves the rest."""
+    from fleetplan.planner.types import Engine
+    from fleetplan.sim.evaluate import candidates_for
+
+    policy = load_policy_text(BUILD_POLICY, "p")
+    configs = candidates_for(policy, "llama-3-8b")
+    profiles = profiles_from_ground_truth(configs, [(4000, 100)] * 50, 500.0, 50.0, n=300)
+    # 28 rps of 4000/100 tokens: 12 vLLM replicas (2.6 rps each at the SLO) or 9 TRT-LLM (3.6), one
+    # more than the 8 GPUs of the host that builds the engine hold
+    trace = Trace("t", TraceFormat.AZURE, tuple(TraceRequest(k / 28.0, 4000, 100, "llama-3-8b")
+                                                 for k in range(1800 * 28)))
+    sim = FleetSim(trace, FleetplanController("fleetplan", policy, profiles), make_environment(policy),
+                   SimSettings())
+    res = sim.run()
+    assert res.builds == 1 and res.placement_conflicts == 0, res.notes
+    built_on = {b.row.host for b in sim.sim_builds.values()}
+    trt = {r.host for r in sim.replicas if r.config.engine == Engine.TRTLLM}
+    assert trt == built_on, (trt, built_on)
+    assert res.slo_attainment >= 0.98
