@@ -157,6 +157,35 @@ class Agent:
     def _mark(self) -> None:
         self._changed.set()
 
+    def _find_stored_engines(self, desired: DesiredState) -> None:
+        """Engines the desired replicas need that sit in the engine cache directory without this
+        agent having built them: prebuilt ones an operator stored there (the policy's
+        `cached_builds`), or a cache directory shared between hosts. A directory with anything in it
+        counts as the engine, as a build's does (`_build_finished`); from then on it is reported."""
+        found = False
+        for r in desired.replicas:
+            template = self.config.launch_templates.get(r.template)
+            slug = engine_slug(r.model, r.gpu, r.tp, r.precision)
+            if template is None or not template.needs_engine_dir or slug in self.engines:
+                continue
+            engine_dir = self.config.cache_dir / slug
+            try:
+                stored = engine_dir.is_dir() and any(engine_dir.iterdir())
+            except OSError as exc:
+                log.warning("cannot read %s: %s", engine_dir, exc.strerror or exc)
+                continue
+            if stored:
+                self.engines[slug] = CachedEngine(model=r.model, engine=r.engine, gpu=r.gpu, tp=r.tp,
+                                                  precision=r.precision, path=str(engine_dir))
+                log.info("engine found in the cache directory: %s", engine_dir)
+                found = True
+        if found:
+            try:
+                self._save_engines()
+            except OSError as exc:  # still held: the directory is the engine, the list only a record
+                log.warning("cannot save engines.json in %s: %s", self.config.state_dir, exc.strerror or exc)
+            self._mark()
+
     # ---- restore after restart ----
     async def restore(self) -> None:
         """Load the last accepted desired state, the engine cache and re-adopt running instances."""
@@ -177,6 +206,7 @@ class Agent:
             except (ValueError, TypeError) as exc:
                 log.error("ignoring %s: %s", engines_path, exc)
         if self.desired is not None:
+            self._find_stored_engines(self.desired)
             errors = check_desired(self.desired, self.limits())
             if errors:  # e.g. the agent config lost a template since: wait for a new desired state
                 msg = f"saved desired version {self.desired.version} no longer fits this config: {errors[0]}"
@@ -251,6 +281,8 @@ class Agent:
         if reason is None and applied == desired.version and desired != self.desired:
             reason = (f"desired version {desired.version} was already applied with different content; "
                       "publish a new version")
+        if reason is None:
+            self._find_stored_engines(desired)
         errors = [reason] if reason else check_desired(desired, self.limits())
         if errors:
             log.warning("rejected desired version %s: %s", desired.version, "; ".join(errors))

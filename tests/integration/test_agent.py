@@ -38,7 +38,8 @@ from fleetplan.harness.lab import allocate_port_ranges
 from fleetplan.harness.servers import MosquittoServer
 
 REPO = Path(__file__).resolve().parents[2]
-HOSTS = ("h-basic", "h-bad", "h-broker", "h-restart", "h-crash", "h-build", "h-kill9", "h-busy", "h-systemd", "h-hostile")
+HOSTS = ("h-basic", "h-bad", "h-broker", "h-restart", "h-crash", "h-build", "h-kill9", "h-busy", "h-systemd", "h-hostile",
+         "h-stored")
 
 FAKE_ENGINE = r'''
 import json, os, signal, sys, time
@@ -597,6 +598,28 @@ async def test_build_reports_progress_then_engine_is_cached_and_servable(
         assert ready.builds == ()
         env = await get_json(p[0], "/env")
         assert env["argv"][-1] == cached[0].path
+
+
+async def test_an_engine_stored_in_the_cache_directory_is_held_without_a_build(
+    broker: MosquittoServer, agent_factory: Callable[[str], AgentProcess]
+) -> None:
+    """A prebuilt engine an operator copied into the engine cache (what the policy's cached_builds
+    declare) serves: the agent accepts its replica and reports the engine, so the planner knows
+    the host holds it. An empty directory is no engine."""
+    agent = agent_factory("h-stored")
+    p = agent.ports
+    trt = replica("t1", p[0], [0], template="fake-trt", engine="trtllm", precision="fp8")
+    engine_dir = agent.state_dir / "engines" / f"{trt['model'].replace('/', '--')}__h100__tp1__fp8"
+    engine_dir.mkdir(parents=True)
+    async with FakeController(broker, "h-stored") as ctl:
+        await ctl.publish({"version": 1, "replicas": [trt]})
+        ack = await ctl.wait_ack(1)
+        assert not ack.accepted and "none cached, build it first" in ack.errors[0]  # empty: no engine
+        (engine_dir / "rank0.engine").write_text("prebuilt")
+        await ctl.publish({"version": 2, "replicas": [trt]})
+        assert (await ctl.wait_ack(2)).accepted
+        ready = await ctl.wait_status(all_ready("t1"), "trt replica ready")
+        assert [(e.tp, e.precision.value, e.path) for e in ready.engines_cached] == [(1, "fp8", str(engine_dir))]
 
 
 async def test_systemd_actuator_runs_engines_through_the_unit_exec_path(
