@@ -578,6 +578,9 @@ def plan_with_capacities(
     tp_sizes = sorted({k.tp for k in capacities})
     slots = slots_by_gpu(hosts, tp_sizes, drained)
     engine_hosts = _engine_hosts(policy, fleet, usable)
+    # an engine whose every holder is offline or drained is built again on a usable host
+    ready = ready - {c for c, held in engine_hosts.items() if not held}
+    engine_hosts = {c: held for c, held in engine_hosts.items() if held}
     max_counts = {c: slots_by_gpu([h for h in usable if h.name in held], [c.tp]).get(c.gpu, {}).get(c.tp, 0)
                   for c, held in engine_hosts.items()}
     floors: dict[ConfigKey, int] = {}

@@ -317,9 +317,10 @@ class FleetSim:
     def cached(self) -> list[EngineBuild]:
         out = [EngineBuild(c.model, c.engine, c.gpu, c.tp, c.precision, None, True, None)
                for c in sorted(self.env.cached)]
-        done = {b.config: b for b in sorted(self.sim_builds.values(), key=lambda b: b.done_t) if b.done}
-        out += [EngineBuild(c.model, c.engine, c.gpu, c.tp, c.precision, done[c].row.host, True, None)
-                for c in sorted(done) if c not in self.env.cached]
+        # an engine per host that built it: as each agent reports its own
+        done = sorted({(b.config, b.row.host) for b in self.sim_builds.values()
+                       if b.done and b.config not in self.env.cached})
+        out += [EngineBuild(c.model, c.engine, c.gpu, c.tp, c.precision, host, True, None) for c, host in done]
         return out
 
     def inflight(self, replica_id: str) -> float | None:

@@ -420,6 +420,13 @@ def test_an_engine_built_on_one_host_runs_there_only() -> None:
     assert r.explanation.models[0].unmet_rps == 0.0
     # the counts stay within h01's GPUs: placed at the first try, no re-solve
     assert [x.status for x in r.explanation.solver if x.stage == "placement"] == ["OK"]
+    # h01 goes offline: no usable host holds the engine, so the target builds it again elsewhere
+    down = (*hosts(3)[:1], replace(hosts(3)[1], online=False), *hosts(3)[2:])
+    r = plan_with_capacities(observe({"m8": 150.0, "m70": 0.0}), Fleet(down, (), (built,)), p, CAPS,
+                             PlannerState.initial(), NOW)
+    assert all(c.config.engine == VLLM for c in r.plan.counts)
+    assert [(a.replica.config.engine, a.replica.host != "h01") for a in r.actions
+            if a.kind == ActionKind.BUILD] == [(TRT, True)]
     # the same engine in the policy's cached_builds: TRT-LLM everywhere
     everywhere = policy(tps={"m8": [1], "m70": [4]}, cached=[("m8", "h100", 1)])
     r = plan_with_capacities(observe({"m8": 150.0, "m70": 0.0}), Fleet(hosts(3), (), (built,)), everywhere,
