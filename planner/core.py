@@ -192,7 +192,7 @@ def plan(
     # reported yet (the first cycles after a restart)
     corrections = update_corrections(forget(state.correction_map(), set(candidate_configs(policy, policy.gpu_types))),
                                      _canonical_observations(observation, policy), chosen, workloads, extrap,
-                                     now_s)
+                                     now_s, {m.name: (m.slo.ttft_p99_ms, m.slo.itl_p99_ms) for m in policy.models})
     speeds = applied_speeds(corrections, chosen, extrap)
     table, predictor = capacity_table(policy, chosen, workloads, gpus, speeds=speeds)
     for c in sorted(allowed):

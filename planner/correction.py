@@ -355,9 +355,12 @@ def update_corrections(
     workloads: Mapping[str, MixedWorkload],
     extrapolating: Mapping[ConfigKey, tuple[str, ...]],
     now_s: float,
+    slos: Mapping[str, tuple[float, float]] | None = None,
 ) -> dict[ConfigKey, Correction]:
     """The corrections after this cycle's windows; a config without evidence keeps its estimate,
-    and what the plan applies of it relaxes toward the profile (RELAX_S)."""
+    and what the plan applies of it relaxes toward the profile (RELAX_S). `slos`: per model its
+    (TTFT, ITL) p99 targets in ms, which a slower estimate inside the deadband must explain a miss
+    of to be applied (`_slower_shown`); None: the deadband alone."""
     out: dict[ConfigKey, Correction] = dict(previous)
     for config, prof in sorted(profiles.items()):
         extra = bool(extrapolating.get(config))
@@ -388,25 +391,58 @@ def update_corrections(
                          prev.applied_ttft_log, prev.applied_itl_log,
                          _points(prev.ttft_points, r_t, load, ev.requests),
                          _points(prev.itl_points, r_i, load, ev.requests))
-        a_t, a_i = _applied_logs(nxt, extra, var0, now_s, first=prev.observations == 0)
+        slo = (slos or {}).get(config.model)
+        missed = (False, False) if slo is None else (
+            slo_missed(ev.ttft_p99_ms, ev.ttft_p99_sampling_ms, slo[0]),
+            slo_missed(ev.itl_p99_ms, ev.itl_p99_sampling_ms, slo[1]))
+        a_t, a_i = _applied_logs(nxt, extra, var0, now_s, first=prev.observations == 0, missed=missed)
         out[config] = replace(nxt, applied_ttft_log=a_t, applied_itl_log=a_i)
     return out
 
 
 def _applied_logs(c: Correction, extra: bool, var0: float, now_s: float, *,
-                  first: bool = False) -> tuple[float, float]:
+                  first: bool = False, missed: tuple[bool, bool] | None = None) -> tuple[float, float]:
     """What the plan applies of an estimate at `now_s` (relaxed since its last evidence): the
-    conservative side while extrapolating, the deadband inside the data, hysteresis on top."""
+    conservative side while extrapolating, the deadband inside the data, hysteresis on top.
+    `missed`: this window's TTFT / ITL p99 missed the SLO beyond its noise (`slo_missed`); None: no
+    window this cycle (the estimate relaxes toward the profile, through the band)."""
     age_s = now_s - c.updated_s if c.updated_s is not None else 0.0
     t_log, t_var = _relaxed(c.ttft_log, c.ttft_var, var0, age_s)
     i_log, i_var = _relaxed(c.itl_log, c.itl_var, var0, age_s)
-    a_t = _hysteresis(None if first else c.applied_ttft_log,
-                      _deadband(_capped(_applied(t_log, t_var, extra and t_var > CONFIRMED_SD ** 2,
-                                                 _agreement_sd(c.ttft_points, age_s)), c.ttft_points), extra))
-    a_i = _hysteresis(None if first else c.applied_itl_log,
-                      _deadband(_capped(_applied(i_log, i_var, extra and i_var > CONFIRMED_SD ** 2,
-                                                 _agreement_sd(c.itl_points, age_s)), c.itl_points), extra))
+    cand_t = _capped(_applied(t_log, t_var, extra and t_var > CONFIRMED_SD ** 2,
+                              _agreement_sd(c.ttft_points, age_s)), c.ttft_points)
+    cand_i = _capped(_applied(i_log, i_var, extra and i_var > CONFIRMED_SD ** 2,
+                              _agreement_sd(c.itl_points, age_s)), c.itl_points)
+    shown_t = missed is not None and _slower_shown(cand_t, missed[0], c.applied_ttft_log)
+    shown_i = missed is not None and _slower_shown(cand_i, missed[1], c.applied_itl_log)
+    a_t = _hysteresis(None if first else c.applied_ttft_log, _deadband(cand_t, extra or shown_t))
+    a_i = _hysteresis(None if first else c.applied_itl_log, _deadband(cand_i, extra or shown_i))
     return a_t, a_i
+
+
+def _slower_shown(candidate: float, missed: bool, applied: float) -> bool:
+    """A slower engine the SLO itself shows passes the deadband: the replicas missed the SLO at a
+    load their profile says they hold (the fit error the band allows for does not explain a miss),
+    and once applied it stays while the estimate stays slower. The band is for windows that wander
+    around a profile that holds; a replica that misses the SLO below its planned capacity is not one
+    of them (TensorRT-LLM near its KV-memory limit read TTFT x0.83 = 740 ms against 500 ms for
+    20 minutes, inside the band, and the fleet never grew: 92.7% attainment). An estimate back within
+    NOTABLE of the profile falls into the band again."""
+    return candidate < -NOTABLE and (missed or applied < 0.0)
+
+
+def slo_missed(p99_ms: float | None, sampling_ms: tuple[float, float] | None, slo_ms: float) -> bool:
+    """A window's p99 misses the SLO beyond its sampling noise: the low end of its sampling interval
+    (what a window of as many requests would read at its luckiest) is above the SLO; without an
+    interval, the point value.
+
+    >>> slo_missed(740.0, (690.0, 800.0), 500.0), slo_missed(540.0, (450.0, 700.0), 500.0)
+    (True, False)
+    """
+    if p99_ms is None or not math.isfinite(p99_ms) or p99_ms <= slo_ms:
+        return False
+    low = sampling_ms[0] if sampling_ms is not None and math.isfinite(sampling_ms[0]) else p99_ms
+    return low > slo_ms
 
 
 MIN_AGREEMENT_SD = 0.02  # ln: windows agreeing more closely than this still leave this much doubt

@@ -311,3 +311,32 @@ def test_windows_that_scatter_more_than_assumed_are_weighed_as_the_noise_they_sh
 
     assert after(noisy) < 0.0
     assert abs(after(noisy)) < 0.6 * abs(after(calm))
+
+
+def test_a_slower_engine_inside_the_band_is_applied_where_the_slo_is_missed() -> None:
+    """Windows that read TTFT x0.85 of the profile sit inside the deadband: noise around a profile
+    that holds, unless the replicas miss the SLO at that load; then the band does not hide it, and
+    the slower speed stays applied while the windows keep reading it, miss or not."""
+    seen = predict_mix(TRUE, MIX, 2.0)
+    slo = (seen.ttft_p99_ms * 1.1, seen.itl_p99_ms * 2.0)  # the profile: 10% inside the TTFT SLO
+
+    def run(slos: dict[str, tuple[float, float]] | None, factor: float, n: int,
+            start: dict[ConfigKey, Correction] | None = None) -> dict[ConfigKey, Correction]:
+        out = dict(start or {})
+        for i in range(n):
+            obs = ConfigObservation(KEY, 1, 2.0, seen.ttft_p99_ms * factor, seen.itl_p99_ms, 300.0)
+            m = ModelObservation("m8", 2.0, 500.0, 200.0, configs=(obs,))
+            out = update_corrections(out, {"m8": m}, {KEY: TRUE}, {"m8": MixedWorkload(500.0, 200.0)}, {},
+                                     1000.0 + 60.0 * i, slos)
+        return out
+
+    slow = 1.3  # the p99 30% above the profile's: above the SLO
+    assert run(None, slow, 8)[KEY].applied_ttft_log == 0.0  # the band alone: the profile stands
+    shown = run({"m8": slo}, slow, 8)[KEY]
+    assert -0.25 < shown.ttft_log < -0.05 and shown.applied_ttft_log < -0.05
+    assert shown.applied_itl_log == 0.0  # the ITL met its SLO: nothing to show there
+    # the fleet grows, the SLO is met, the windows still read slower: it stays applied
+    kept = run({"m8": slo}, 1.08, 3, start={KEY: shown})[KEY]
+    assert kept.applied_ttft_log < -0.04
+    # a window inside the SLO that reads the profile's speed: the profile stands again
+    assert run({"m8": slo}, 1.0, 20, start={KEY: kept})[KEY].applied_ttft_log == 0.0
