@@ -13,7 +13,7 @@ starting.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Protocol
 
@@ -56,22 +56,28 @@ def actions(
     drained: frozenset[str],
     ready: frozenset[ConfigKey],
     engine_hosts: Mapping[ConfigKey, frozenset[str]] | None = None,
+    spread: Sequence[ConfigKey] = (),
 ) -> list[Action]:
+    """`spread`: configs whose engine some hosts hold, built on one more host (not a holder)."""
     builds: list[Action] = []
     in_progress = {b.config() for b in fleet.builds if not b.ready}
     occupied = tuple(r for r in fleet.replicas if r.state != ReplicaState.STOPPED) + now_place.new
-    for c in needs_build:
+    holders = engine_hosts or {}
+    for c in [*needs_build, *spread]:
         if c in in_progress:
             continue
-        spot = _free_gpus(hosts, occupied, c.gpu, c.tp, drained)
+        skip = drained | holders.get(c, frozenset())
+        spot = _free_gpus(hosts, occupied, c.gpu, c.tp, skip)
         host, idx = spot if spot is not None else (None, ())
         if host is None:
-            candidates = [h.name for h in hosts if h.gpu == c.gpu and h.online and h.name not in drained]
+            candidates = [h.name for h in hosts if h.gpu == c.gpu and h.online and h.name not in skip]
             host = candidates[0] if candidates else ""
         rep = Replica(safe_id(f"build_{c.model}_{c.engine.value}_{c.gpu.value}_tp{c.tp}_{c.precision.value}"), c,
                       host, idx, ReplicaState.STARTING, None, None)
         b_s = policy.build_s(c) or 0.0
-        why = f"target uses {c.label()}; engine not built (build ~{b_s:.0f} s)"
+        why = (f"target uses {c.label()}; engine not built (build ~{b_s:.0f} s)" if c not in holders else
+               f"{c.label()} runs only where its engine is ({', '.join(sorted(holders[c]))}) and the target "
+               f"fills those hosts: engine built on {host} too (build ~{b_s:.0f} s)")
         if spot is None:
             why += "; no free GPUs of that type now, build waits for GPUs"
         builds.append(Action(ActionKind.BUILD, rep, why))

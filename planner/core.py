@@ -413,6 +413,32 @@ def _engine_hosts(policy: Policy, fleet: Fleet, usable: Sequence[HostInventory])
     return out
 
 
+def _spread_builds(policy: Policy, fleet: Fleet, usable: Sequence[HostInventory], counts: Mapping[ConfigKey, int],
+                   cands: Sequence[Candidate], engine_hosts: Mapping[ConfigKey, frozenset[str]],
+                   max_counts: Mapping[ConfigKey, int], demands: Mapping[str, _Demand],
+                   now_s: float) -> list[ConfigKey]:
+    """The configs to build on one more host: the target runs as many replicas as the hosts holding
+    the engine hold, another usable host of that GPU type does not hold it, no build of it runs, and
+    the engine everywhere would pay its build back at the recent rates (planner/payback.py, the
+    capped config serving what it holds and the cheapest other config the rest)."""
+    building = {b.config() for b in fleet.builds if not b.ready}
+    out: list[ConfigKey] = []
+    for c, cap in sorted(max_counts.items()):
+        if counts.get(c, 0) < cap or c in building or policy.build_s(c) is None:
+            continue
+        if not any(h.gpu == c.gpu and h.name not in engine_hosts[c] for h in usable):
+            continue
+        capped = next((x for x in cands if x.config == c), None)
+        d = demands.get(c.model)
+        if capped is None or d is None:
+            continue
+        wide = replace(capped, max_count=None, build_s=policy.build_s(c) or 0.0)
+        ready = [x for x in cands if x.config.model == c.model and x.build_s <= 0]
+        if not unpaid_builds(policy, [*ready, wide], {c.model: d.required_rps}, {c.model: d.history}, now_s):
+            out.append(c)
+    return out
+
+
 def _candidates(
     policy: Policy,
     capacities: Mapping[ConfigKey, CapacityInfo],
@@ -646,6 +672,11 @@ def plan_with_capacities(
                                                   engine_hosts)
 
     needs_build = sorted(c for c in target_sol.counts if policy.needs_build(c) and c not in ready)
+    spread = _spread_builds(policy, fleet, usable, target_sol.counts, target_cands, engine_hosts, max_counts,
+                            demands, now_s)
+    for c in spread:
+        notes.append(f"{c.label()}: the target fills the hosts that hold its engine "
+                     f"({', '.join(sorted(engine_hosts[c]))}): building it on one more host")
     now_problem, now_sol, now_place = target_problem, target_sol, target_place
     if needs_build or any(c.build_s > 0 for c in target_cands):
         # the plan for now has only ready engines to choose from: also where the target took none
@@ -712,7 +743,8 @@ def plan_with_capacities(
 
     now_plan = _make_plan(now_place, capacities, policy)
     target_plan = now_plan if target_place is now_place else _make_plan(target_place, capacities, policy)
-    actions = plan_actions(fleet, now_place, target_sol, needs_build, policy, hosts, drained, ready, engine_hosts)
+    actions = plan_actions(fleet, now_place, target_sol, needs_build, policy, hosts, drained, ready, engine_hosts,
+                           spread)
     actions, held_mbb = make_before_break(actions, fleet, now_place, capacities, demands, hosts)
     if held_mbb:
         notes.append("make-before-break: kept serving until their replacements are READY: " + ", ".join(

@@ -31,11 +31,20 @@ HISTORY_S = 3600.0  # the recent traffic: the model's rate history over this lon
 
 
 def _fleet_usd_h(rate_rps: float, cands: Iterable[Candidate]) -> float:
-    """$/h of the cheapest single-config fleet of `cands` serving `rate_rps` (at least one replica)."""
+    """$/h of the cheapest single-config fleet of `cands` serving `rate_rps` (at least one replica).
+    A config capped at `max_count` replicas (its engine on some hosts only) serves what its replicas
+    hold and the cheapest uncapped config the rest."""
+    pool = [c for c in cands if c.capacity_rps > 0 and math.isfinite(c.capacity_rps)]
+    free = [c for c in pool if c.max_count is None]
     best = math.inf
-    for c in cands:
-        if c.capacity_rps > 0 and math.isfinite(c.capacity_rps):
-            best = min(best, max(1, math.ceil(rate_rps / c.capacity_rps - 1e-9)) * c.usd_h)
+    for c in pool:
+        n = max(1, math.ceil(rate_rps / c.capacity_rps - 1e-9))
+        if c.max_count is None or n <= c.max_count:
+            best = min(best, n * c.usd_h)
+        elif c.max_count > 0 and free:
+            rest = rate_rps - c.max_count * c.capacity_rps
+            best = min(best, c.max_count * c.usd_h + min(
+                math.ceil(rest / o.capacity_rps - 1e-9) * o.usd_h for o in free))
     return best
 
 

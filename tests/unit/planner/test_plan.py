@@ -420,6 +420,20 @@ def test_an_engine_built_on_one_host_runs_there_only() -> None:
     assert r.explanation.models[0].unmet_rps == 0.0
     # the counts stay within h01's GPUs: placed at the first try, no re-solve
     assert [x.status for x in r.explanation.solver if x.stage == "placement"] == ["OK"]
+    # and the target fills h01: the engine is built on one more host (11 TRT-LLM replicas would
+    # serve for $33/h against $36/h, the 15-min build on one GPU costs $0.75)
+    builds = [a for a in r.actions if a.kind == ActionKind.BUILD]
+    assert [(a.replica.config.engine, a.replica.host != "h01") for a in builds] == [(TRT, True)]
+    assert any("building it on one more host" in n for n in r.explanation.notes)
+    # a build of it already running: not ordered twice
+    more = EngineBuild("m8", TRT, key("m8").gpu, 1, key("m8").precision, "h02", False, NOW + 600)
+    r2 = plan_with_capacities(observe({"m8": 150.0, "m70": 0.0}), Fleet(hosts(3), (), (built, more)), p, CAPS,
+                              PlannerState.initial(), NOW)
+    assert not [a for a in r2.actions if a.kind == ActionKind.BUILD]
+    # a demand h01 holds alone: no second build
+    r3 = plan_with_capacities(observe({"m8": 60.0, "m70": 0.0}), Fleet(hosts(3), (), (built,)), p, CAPS,
+                              PlannerState.initial(), NOW)
+    assert _counts(r3.plan) == {("m8", "trtllm", 1): 5} and not [a for a in r3.actions if a.kind == ActionKind.BUILD]
     # h01 goes offline: no usable host holds the engine, so the target builds it again elsewhere
     down = (*hosts(3)[:1], replace(hosts(3)[1], online=False), *hosts(3)[2:])
     r = plan_with_capacities(observe({"m8": 150.0, "m70": 0.0}), Fleet(down, (), (built,)), p, CAPS,
