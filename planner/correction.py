@@ -391,6 +391,8 @@ def update_corrections(
                          prev.applied_ttft_log, prev.applied_itl_log,
                          _points(prev.ttft_points, r_t, load, ev.requests),
                          _points(prev.itl_points, r_i, load, ev.requests))
+        # a miss the profile predicts at this load (a heavy tail, an overloaded fleet) leaves the
+        # estimate near the profile's speed, so only one it does not predict passes the band
         slo = (slos or {}).get(config.model)
         missed = (False, False) if slo is None else (
             slo_missed(ev.ttft_p99_ms, ev.ttft_p99_sampling_ms, slo[0]),
@@ -426,9 +428,10 @@ def _slower_shown(candidate: float, missed: bool, applied: float) -> bool:
     and once applied it stays while the estimate stays slower. The band is for windows that wander
     around a profile that holds; a replica that misses the SLO below its planned capacity is not one
     of them (TensorRT-LLM near its KV-memory limit read TTFT x0.83 = 740 ms against 500 ms for
-    20 minutes, inside the band, and the fleet never grew: 92.7% attainment). An estimate back within
-    NOTABLE of the profile falls into the band again."""
-    return candidate < -NOTABLE and (missed or applied < 0.0)
+    20 minutes, inside the band, and the fleet never grew: 92.7% attainment). Only a speed applied
+    inside the band (one a miss showed) is held so; an estimate back within NOTABLE of the profile
+    falls into the band again, as does one that was applied beyond the band and came back into it."""
+    return candidate < -NOTABLE and (missed or -TRUSTED_BAND <= applied < 0.0)
 
 
 def slo_missed(p99_ms: float | None, sampling_ms: tuple[float, float] | None, slo_ms: float) -> bool:
