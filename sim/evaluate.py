@@ -685,6 +685,9 @@ def render_table(ev: Evaluation) -> str:
     if ev.oracle_config:
         lines.append(f"oracle config: {ev.oracle_config}")
     lines.extend(f"note: {n}" for n in ev.notes)
+    lines.extend(f"note: {name}: {p.refused_starts} starts an agent would refuse (GPUs in use, or no engine on "
+                 "that host): a defect of the act path, see the replay's notes"
+                 for name, p in ev.policies.items() if p.refused_starts)
     gaps = ev.capacity_gaps()
     if gaps:
         lines.append("capacity per replica at the SLO for the trace's mix, profile vs ground truth:")

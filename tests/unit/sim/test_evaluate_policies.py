@@ -230,3 +230,9 @@ def test_a_trace_no_config_serves_within_the_slo_still_evaluates_without_an_orac
     assert any(n.startswith(f"oracle left out: no config of {MODEL} meets the SLO") for n in ev.notes)
     assert "note: oracle left out" in render_table(ev)
     assert ev.to_json()["trace"]["notes"] == list(ev.notes)
+    # a start an agent would refuse is a defect of the act path: the table says so
+    from dataclasses import replace as _replace
+
+    bad = _replace(ev, policies={"static-mean": _replace(ev.policies["static-mean"], refused_starts=2)})
+    assert "note: static-mean: 2 starts an agent would refuse" in render_table(bad)
+    assert "would refuse" not in render_table(ev)
