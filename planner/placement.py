@@ -76,6 +76,9 @@ class _Segments:
 
     def __init__(self, segs: list[tuple[str, list[int]]]) -> None:
         self.segs = segs  # (host, sorted free GPU indices)
+        self.of_host: dict[str, list[int]] = {}  # host -> its segments (for `take(only=...)`)
+        for i, (host, _) in enumerate(segs):
+            self.of_host.setdefault(host, []).append(i)
         self.buckets: dict[int, list[int]] = {}  # free count -> heap of segment indices (may be stale)
         self.members: dict[int, dict[int, None]] = {}  # free count -> the segments with it (ordered set)
         for i, (_, free) in enumerate(segs):
@@ -91,18 +94,12 @@ class _Segments:
              only: Collection[str] | None = None) -> tuple[str, tuple[int, ...]] | None:
         """`tp` GPUs of one segment: the best fit on a host not in `avoid` (hosts that already run
         the model), else the best fit anywhere; with `only`, on one of those hosts (the hosts that
-        hold the config's built engine: a scan, such configs are few)."""
+        hold the config's built engine)."""
         if only is not None:
-            fallback: int | None = None
-            for k in range(tp, self.max_free + 1):
-                for i in self.members.get(k, ()):
-                    host = self.segs[i][0]
-                    if host in only:
-                        if host not in avoid:
-                            return self._cut(i, tp)
-                        if fallback is None:
-                            fallback = i
-            return None if fallback is None else self._cut(fallback, tp)
+            # best fit among those hosts' segments, a host not in `avoid` first (O(their segments))
+            fits = [(host in avoid, len(self.segs[i][1]), i) for host in only for i in self.of_host.get(host, ())
+                    if len(self.segs[i][1]) >= tp]
+            return self._cut(min(fits)[2], tp) if fits else None
         if avoid:
             segs, members = self.segs, self.members
             for k in range(tp, self.max_free + 1):
