@@ -96,9 +96,9 @@ def actions(
         freed = removed_gpus.get(r.host)
         if freed and not freed.isdisjoint(r.gpu_indices):
             starts_after.append(Action(ActionKind.START, r, why + " (after the replica there stops)",
-                                       after_stop=True, hosts=(engine_hosts or {}).get(r.config)))
+                                       after_stop=True, hosts=holders.get(r.config)))
         else:
-            starts_free.append(Action(ActionKind.START, r, why, hosts=(engine_hosts or {}).get(r.config)))
+            starts_free.append(Action(ActionKind.START, r, why, hosts=holders.get(r.config)))
 
     drains: list[Action] = []
     stops: list[Action] = []

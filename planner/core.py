@@ -654,9 +654,8 @@ def plan_with_capacities(
                           YOUNG_CYCLES * policy.scaling.cycle_s)
     # where no config reaches the SLO, only those that reach the most serve demand (before the
     # payback check: a build that reaches more is not priced against replicas that reach less)
-    target_cands, below_reach = _best_reach_only(_candidates(policy, capacities, gpus, ready, now_only=False,
-                                                                         max_counts=max_counts),
-                                                 capacities, demands)
+    target_cands, below_reach = _best_reach_only(
+        _candidates(policy, capacities, gpus, ready, now_only=False, max_counts=max_counts), capacities, demands)
     # a build is a one-off cost: started only where the recent traffic's savings pay it back
     unpaid = (unpaid_builds(policy, target_cands, {m: d.required_rps for m, d in demands.items()},
                             {m: d.history for m, d in demands.items()}, now_s,
