@@ -8,13 +8,18 @@ paid for, and its replica replaces the vLLM one one for one (the demo's day: 0.6
 Rule: a config that needs a build stays a candidate for the target only if, at the required rates
 of the model's last `HISTORY_S` (its observed rate history x (1 + headroom), and this cycle's
 required rate), a fleet allowed to use it would have been cheaper by enough on average to pay the
-build back within `PAYBACK_S`: mean saving ($/h) x PAYBACK_S >= the build's GPU cost ($). A model
-that nothing ready can serve builds anyway (the build is the only way to serve it).
+build back within `PAYBACK_S`: mean saving ($/h) x PAYBACK_S >= the build's GPU cost ($). The
+savings come after the build, so a past rate above this cycle's required rate (which already holds
+the forecast's rise and margin over the lead time) counts at this cycle's rate: on the way down
+from a peak the peak's savings are not expected again. A model that nothing ready can serve builds
+anyway (the build is the only way to serve it).
 
 Worked example: vLLM 1.75 rps / $12/h per replica, TRT-LLM 1.92 rps / $12/h, a 15-min build on its
 4 GPUs costs $3. Over the last hour the required rate sat in 1.75-1.92 rps (one TRT-LLM replica
 where vLLM needs two) for 6 of 60 minutes: the mean saving is $1.20/h, the build would pay back in
-2.5 h: not started. At a steady 1.8 rps it saves $12/h and pays back in 15 min: started.
+2.5 h: not started. At a steady 1.8 rps it saves $12/h and pays back in 15 min: started. An hour
+at 1.8 rps that has fallen to 1.5 rps (one replica of either engine): the past hour's rates count
+at 1.5 rps, nothing is saved: not started.
 """
 
 from __future__ import annotations
@@ -66,6 +71,10 @@ def unpaid_builds(policy: Policy, cands: Sequence[Candidate], required_rps: Mapp
         rates = [r * (1.0 + m.headroom) for t, r in histories.get(model, ()) if t >= now_s - HISTORY_S]
         req = required_rps.get(model)
         if req is not None and math.isfinite(req) and req > 0:
+            # the savings come after the build: a past rate above what this cycle requires (its forecast
+            # over the lead time, margin included) is not expected again soon, so it counts at this
+            # cycle's rate (the evening after a peak would otherwise start a build the peak paid for)
+            rates = [min(r, req) for r in rates]
             rates.append(req)
         if not rates:
             continue

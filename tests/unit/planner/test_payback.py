@@ -38,6 +38,18 @@ def test_a_build_cheaper_only_for_a_few_minutes_is_not_started() -> None:
     assert steady == {}
 
 
+def test_the_savings_of_a_peak_that_has_passed_do_not_start_a_build() -> None:
+    # 50 minutes at 1.8 rps (TRT-LLM saves a replica), then the rate falls to 1.5 (one replica of either)
+    evening = [1.8] * 50 + [1.5] * 10
+    got = unpaid_builds(POLICY, [READY_V, BUILD_T], {"m70": 1.5}, {"m70": _history(evening)}, NOW)
+    assert got == {T: ""}  # the past hour saved $10/h, but not at any rate the plan expects now
+    # the same hour while the required rate is still at the peak: the build pays back
+    assert unpaid_builds(POLICY, [READY_V, BUILD_T], {"m70": 1.8}, {"m70": _history(evening)}, NOW) == {}
+    # a rising morning is unchanged: rates below this cycle's count as they were
+    morning = [1.2] * 30 + [1.8] * 30
+    assert unpaid_builds(POLICY, [READY_V, BUILD_T], {"m70": 1.8}, {"m70": _history(morning)}, NOW) == {}
+
+
 def test_a_model_nothing_ready_serves_builds_anyway_and_kept_configs_stay() -> None:
     trough = _history([1.2] * 60)
     assert unpaid_builds(POLICY, [BUILD_T], {"m70": 1.2}, {"m70": trough}, NOW) == {}
