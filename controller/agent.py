@@ -43,7 +43,13 @@ from fleetplan.controller.actuators import (
     LaunchSpec,
     StartError,
 )
-from fleetplan.controller.agent_config import AgentConfig, engine_slug, make_actuator, substitute
+from fleetplan.controller.agent_config import (
+    ENGINE_MANIFEST,
+    AgentConfig,
+    engine_slug,
+    make_actuator,
+    substitute,
+)
 from fleetplan.controller.mqtt import session_loop
 from fleetplan.controller.protocol import (
     Ack,
@@ -156,6 +162,44 @@ class Agent:
 
     def _mark(self) -> None:
         self._changed.set()
+
+    def _scan_engine_cache(self) -> None:
+        """Engines another host built into a cache directory shared with this one (NFS and the like):
+        every finished build leaves a manifest (ENGINE_MANIFEST) in its engine directory, and an
+        engine for this host's GPU type found with one is held and reported from then on. Without
+        this a shared cache is never used: the planner places an engine's replicas only on the
+        hosts that report it, so this host would never be asked for one and never look."""
+        try:
+            dirs = [d for d in self.config.cache_dir.iterdir() if d.name not in self.engines]
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            log.warning("cannot read %s: %s", self.config.cache_dir, exc.strerror or exc)
+            return
+        found = False
+        for d in dirs:
+            manifest = d / ENGINE_MANIFEST
+            try:
+                engine = CachedEngine.model_validate_json(manifest.read_bytes())
+            except FileNotFoundError:
+                continue  # not an engine, or one still being built
+            except (OSError, ValueError) as exc:
+                log.warning("ignoring %s: %s", manifest, exc)
+                continue
+            if engine_slug(engine.model, engine.gpu, engine.tp, engine.precision) != d.name:
+                log.warning("ignoring %s: it describes another engine than its directory's", manifest)
+                continue
+            if engine.gpu != self.config.gpu:
+                continue  # built for another GPU type: not usable here
+            self.engines[d.name] = engine.model_copy(update={"path": str(d)})
+            log.info("engine found in the shared cache directory: %s", d)
+            found = True
+        if found:
+            try:
+                self._save_engines()
+            except OSError as exc:
+                log.warning("cannot save engines.json in %s: %s", self.config.state_dir, exc.strerror or exc)
+            self._mark()
 
     def _find_stored_engines(self, desired: DesiredState) -> None:
         """Engines the desired replicas need that sit in the engine cache directory without this
@@ -382,6 +426,7 @@ class Agent:
         return None
 
     async def reconcile_once(self) -> None:
+        self._scan_engine_cache()
         if self.desired is None:
             # Nothing accepted yet (first start, no broker): leave re-adopted instances alone.
             await self._poll_all()
@@ -588,10 +633,13 @@ class Agent:
         self._drop_record(d.build_id)
         if ok:
             b.state, b.progress = BuildPhase.DONE, 1.0
-            self.engines[engine_slug(d.model, d.gpu, d.tp, d.precision)] = CachedEngine(
-                model=d.model, engine=d.engine, gpu=d.gpu, tp=d.tp, precision=d.precision,
-                path=str(engine_dir), built_s=time.time(),
-            )
+            engine = CachedEngine(model=d.model, engine=d.engine, gpu=d.gpu, tp=d.tp, precision=d.precision,
+                                  path=str(engine_dir), built_s=time.time())
+            self.engines[engine_slug(d.model, d.gpu, d.tp, d.precision)] = engine
+            try:  # written last: hosts sharing the cache directory take the engine as finished from here
+                atomic_write_text(engine_dir / ENGINE_MANIFEST, engine.model_dump_json(exclude={"path"}, indent=1))
+            except OSError as exc:  # held here still; only other hosts will not find it
+                log.warning("cannot write %s in %s: %s", ENGINE_MANIFEST, engine_dir, exc.strerror or exc)
             self._save_engines()
             log.info("build %s done: %s", d.build_id, engine_dir)
         else:

@@ -246,6 +246,11 @@ def substitute(item: str, values: Mapping[str, str]) -> str:
     return _PLACEHOLDER_RE.sub(lambda m: values[m.group(1)], item)
 
 
+# written into an engine's directory when its build finished: what the engine is, for hosts that share
+# the cache directory (controller/agent.py `_scan_engine_cache`)
+ENGINE_MANIFEST = "fleetplan-engine.json"
+
+
 def engine_slug(model: str, gpu: GpuType, tp: int, precision: Precision) -> str:
     safe = model.replace("/", "--").replace(":", "-")
     return f"{safe}__{gpu.value}__tp{tp}__{precision.value}"

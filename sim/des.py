@@ -119,6 +119,10 @@ class SimSettings:
     prefix_cache: bool = True
     routing: RouteMode = RouteMode.LEAST_LOADED  # how the router spreads requests over replicas
     drain_timeout_s: float = 3600.0  # after the trace ends, in-flight requests get this long
+    # the hosts share one engine cache directory (NFS and the like): a finished build is held by every
+    # host of its GPU type, as their agents find its manifest (controller/agent.py `_scan_engine_cache`);
+    # False: only the host that built it holds it
+    shared_engine_cache: bool = False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -272,7 +276,8 @@ class FleetSim:
     def launch(self, row: act.ReplicaRow, t_s: float) -> None:
         c = row.config
         if self.env.build_s(c) is not None and c not in self.env.cached and not any(
-                b.config == c and b.row.host == row.host for b in self.sim_builds.values()):
+                b.config == c and (b.row.host == row.host or (b.done and self.s.shared_engine_cache))
+                for b in self.sim_builds.values()):
             # an agent refuses a replica of an engine it neither holds nor is building
             # (protocol.check_desired); the planner places such configs where their engine is
             self.conflicts += 1
@@ -317,9 +322,11 @@ class FleetSim:
     def cached(self) -> list[EngineBuild]:
         out = [EngineBuild(c.model, c.engine, c.gpu, c.tp, c.precision, None, True, None)
                for c in sorted(self.env.cached)]
-        # an engine per host that built it: as each agent reports its own
-        done = sorted({(b.config, b.row.host) for b in self.sim_builds.values()
-                       if b.done and b.config not in self.env.cached})
+        # an engine per host that built it: as each agent reports its own; with a shared cache, per host
+        # of its GPU type
+        done = sorted({(b.config, h.name if self.s.shared_engine_cache else b.row.host)
+                       for b in self.sim_builds.values() if b.done and b.config not in self.env.cached
+                       for h in self.env.hosts if h.gpu == b.config.gpu})
         out += [EngineBuild(c.model, c.engine, c.gpu, c.tp, c.precision, host, True, None) for c, host in done]
         return out
 

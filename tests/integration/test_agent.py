@@ -39,7 +39,7 @@ from fleetplan.harness.servers import MosquittoServer
 
 REPO = Path(__file__).resolve().parents[2]
 HOSTS = ("h-basic", "h-bad", "h-broker", "h-restart", "h-crash", "h-build", "h-kill9", "h-busy", "h-systemd", "h-hostile",
-         "h-stored")
+         "h-stored", "h-shared")
 
 FAKE_ENGINE = r'''
 import json, os, signal, sys, time
@@ -592,6 +592,10 @@ async def test_build_reports_progress_then_engine_is_cached_and_servable(
         assert [(e.model, e.gpu.value if e.gpu else None, e.tp, e.precision.value) for e in cached] == [
             (trt["model"], "h100", 1, "fp8")]
         assert cached[0].path is not None and (Path(cached[0].path) / "rank0.engine").is_file()
+        # the manifest hosts sharing the cache directory find it by: what the engine is, no path
+        manifest = json.loads((Path(cached[0].path) / "fleetplan-engine.json").read_text())
+        assert (manifest["model"], manifest["gpu"], manifest["tp"], manifest["precision"]) == (
+            trt["model"], "h100", 1, "fp8") and "path" not in manifest
         await ctl.publish({"version": 3, "replicas": [trt]})
         assert (await ctl.wait_ack(3)).accepted
         ready = await ctl.wait_status(all_ready("t1"), "trt replica ready")
@@ -620,6 +624,39 @@ async def test_an_engine_stored_in_the_cache_directory_is_held_without_a_build(
         assert (await ctl.wait_ack(2)).accepted
         ready = await ctl.wait_status(all_ready("t1"), "trt replica ready")
         assert [(e.tp, e.precision.value, e.path) for e in ready.engines_cached] == [(1, "fp8", str(engine_dir))]
+
+
+async def test_an_engine_another_host_built_into_a_shared_cache_is_found_and_reported(
+    broker: MosquittoServer, agent_factory: Callable[[str], AgentProcess]
+) -> None:
+    """A cache directory shared between hosts: an engine another host's build finished (its manifest
+    written last) is held and reported without any desired replica asking for it, so the planner
+    can place replicas here; one still being built (no manifest yet) or built for another GPU type
+    is not."""
+    agent = agent_factory("h-shared")
+    cache = agent.state_dir / "engines"
+    model = "org/shared-model"
+
+    def engine(gpu: str, tp: int, manifest: bool) -> Path:
+        d = cache / f"{model.replace('/', '--')}__{gpu}__tp{tp}__fp8"
+        d.mkdir(parents=True)
+        (d / "rank0.engine").write_text("built elsewhere")
+        if manifest:
+            (d / "fleetplan-engine.json").write_text(json.dumps(
+                {"model": model, "engine": "trtllm", "gpu": gpu, "tp": tp, "precision": "fp8", "built_s": 1.7e9}))
+        return d
+
+    async with FakeController(broker, "h-shared") as ctl:
+        await ctl.wait_status(lambda s: s.online, "online")
+        building = engine("h100", 2, manifest=False)
+        engine("a100", 1, manifest=True)
+        done = engine("h100", 1, manifest=True)
+        found = await ctl.wait_status(lambda s: len(s.engines_cached) > 0, "shared engine found")
+        assert [(e.model, e.tp, e.path) for e in found.engines_cached] == [(model, 1, str(done))]
+        (building / "fleetplan-engine.json").write_text(json.dumps(
+            {"model": model, "engine": "trtllm", "gpu": "h100", "tp": 2, "precision": "fp8"}))
+        both = await ctl.wait_status(lambda s: len(s.engines_cached) == 2, "the second build finished")
+        assert sorted(e.tp for e in both.engines_cached) == [1, 2]
 
 
 async def test_systemd_actuator_runs_engines_through_the_unit_exec_path(

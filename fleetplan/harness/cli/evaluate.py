@@ -38,6 +38,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--routing", choices=("least-loaded", "round-robin", "affinity"), default="least-loaded",
                    help="how the simulated router spreads requests: fewest in flight (default), round-robin, or "
                         "prefix/session affinity with a bound on imbalance (consistent hashing)")
+    p.add_argument("--shared-engine-cache", action="store_true",
+                   help="the hosts share one engine cache directory: a TensorRT-LLM engine built on one host "
+                   "serves on every host of its GPU type (default: only where it was built)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="engines compute every prompt in full (default: their prefix caches hold the trace's "
                         "shared prompt blocks, where the trace has them)")
@@ -81,7 +84,8 @@ def _handle(args: argparse.Namespace) -> int:
             trace = reshape(trace, duration_s=trace.duration_s, rate_scale=args.rate_scale)
         from fleetplan.sim.router import RouteMode
 
-        settings = SimSettings(routing=RouteMode(args.routing), prefix_cache=not args.no_prefix_cache)
+        settings = SimSettings(routing=RouteMode(args.routing), prefix_cache=not args.no_prefix_cache,
+                               shared_engine_cache=args.shared_engine_cache)
         ev = evaluate(trace, policy, profiles,
                       EvaluateOptions(policies=policies, model=args.model, workers=max(1, args.workers),
                                       settings=settings),

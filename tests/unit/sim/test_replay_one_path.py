@@ -153,3 +153,26 @@ def test_a_built_engine_serves_from_the_host_that_built_it() -> None:
     trt = {r.host for r in sim.replicas if r.config.engine == Engine.TRTLLM}
     assert trt == built_on, (trt, built_on)
     assert res.slo_attainment >= 0.98
+
+
+def test_with_a_shared_engine_cache_one_build_serves_every_host() -> None:
+    """Hosts that share one engine cache directory (`--shared-engine-cache`): the engine one host
+    built is held by every host of its GPU type, as their agents find its manifest; TRT-LLM replicas
+    then run beyond the builder's GPUs, from one build, and no start is refused."""
+    from fleetplan.planner.types import Engine
+    from fleetplan.sim.evaluate import candidates_for
+
+    policy = load_policy_text(BUILD_POLICY, "p")
+    profiles = profiles_from_ground_truth(candidates_for(policy, "llama-3-8b"), [(4000, 100)] * 50, 500.0, 50.0,
+                                          n=300)
+    trace = Trace("t", TraceFormat.AZURE, tuple(TraceRequest(k / 28.0, 4000, 100, "llama-3-8b")
+                                                 for k in range(1800 * 28)))
+    sim = FleetSim(trace, FleetplanController("fleetplan", policy, profiles), make_environment(policy),
+                   SimSettings(shared_engine_cache=True))
+    res = sim.run()
+    assert res.builds == 1 and res.placement_conflicts == 0, res.notes
+    built_on = {b.row.host for b in sim.sim_builds.values()}
+    trt = {r.host for r in sim.replicas if r.config.engine == Engine.TRTLLM}
+    assert trt > built_on, (trt, built_on)  # beyond the host that built it
+    assert {(b.host, b.ready) for b in sim.cached()} == {(h.name, True) for h in make_environment(policy).hosts}
+    assert res.slo_attainment >= 0.98
