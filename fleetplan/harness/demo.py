@@ -79,6 +79,9 @@ class EngineOptions:
     max_num_seqs: int | None = None  # None: the persona's default
     min_chunk_interval_ms: float = 150.0  # coalesce SSE chunks (wall ms)
     build_s: float = 600.0  # simulated seconds of a TensorRT-LLM engine build (the lab's build template)
+    # trtllm serves from {engine_dir}, as real trtllm-serve does: the agent then starts it only where the
+    # engine was built or stored (the demo; the shared e2e rig keeps engines that need no build)
+    engine_dir: bool = False
 
     def build_argv(self) -> list[str]:
         """A stand-in for trtllm-build: progress lines, then an engine file in {engine_dir}."""
@@ -93,6 +96,7 @@ class EngineOptions:
             "--time-scale", f"{self.time_scale:g}", "--startup-s", f"{self.startup_s:g}",
             *(["--max-num-seqs", str(self.max_num_seqs)] if self.max_num_seqs else []),
             "--min-chunk-interval-ms", f"{self.min_chunk_interval_ms:g}",
+            *(["--engine-dir", "{engine_dir}"] if self.engine_dir and persona == "trtllm" else []),
         ]
 
 
@@ -180,6 +184,9 @@ class Rig:
     launch_templates: dict[str, Any] | None = None  # default: simulated vllm/trtllm engines
     gpu: str = "h100"
     tag: str = field(default_factory=lambda: f"rig-{uuid.uuid4().hex}")
+    # the agents share one engine cache directory (as hosts mounting one NFS export do): an engine one
+    # host built serves on all; False: each agent keeps its own under its state directory
+    shared_engine_cache: bool = False
 
     def start(self) -> Rig:
         from fleetplan.harness.lab import Lab
@@ -218,6 +225,7 @@ class Rig:
             },
             "build_templates": {"trtllm-build": {"argv": self.engine.build_argv(), "cwd": str(REPO),
                                            "timeout_s": 600}},
+            **({"engine_cache_dir": str(self.dir / "engine-cache")} if self.shared_engine_cache else {}),
             "status_interval_s": 1.0,
             "reconcile_interval_s": 0.5,
             "restart_backoff_s": [1.0, 10.0],
@@ -462,8 +470,13 @@ def bench_and_fit(engine_opts: EngineOptions, out_dir: Path, models: Sequence[st
         for m in models:
             for e in engines:
                 port = free_port()
+                # the benchmark host holds a built engine (a user benchmarks the engine they built)
+                engine_dir = bench_dir / f"engine-{m}-{e}"
+                engine_dir.mkdir(exist_ok=True)
+                (engine_dir / "rank0.engine").write_text("benchmark engine\n")
                 argv = [a.format(model=m, gpu=gpu, tp=str(tp), precision="bf16", port=port,
-                                 replica_id=f"bench-{e}", gpu_indices=",".join(str(i) for i in range(tp)))
+                                 replica_id=f"bench-{e}", gpu_indices=",".join(str(i) for i in range(tp)),
+                                 engine_dir=str(engine_dir))
                         for a in engine_opts.argv(e)]
                 argv[argv.index("--startup-s") + 1] = "0"
                 lf = open(bench_dir / f"engine-{m}-{e}.log", "wb")
@@ -563,7 +576,8 @@ async def _demo(args: argparse.Namespace, work: Path) -> int:
     # long outputs and a tight ITL SLO: a replica serves well under 1 simulated rps, so a day that needs
     # several replicas stays within what 2 CPU cores can simulate at 20x (SSE chunks every 300 ms wall)
     rig = Rig(work, hosts=args.hosts, gpus_per_host=args.gpus_per_host,
-              engine=EngineOptions(time_scale=k, startup_s=40.0, min_chunk_interval_ms=300.0))
+              engine=EngineOptions(time_scale=k, startup_s=40.0, min_chunk_interval_ms=300.0, engine_dir=True),
+              shared_engine_cache=True)
     print(f"== fleetplan demo in {work} (simulated time runs {k:g}x wall time)", flush=True)
     t_start = time.monotonic()
     ctrl = None
@@ -607,8 +621,9 @@ async def _demo(args: argparse.Namespace, work: Path) -> int:
             reqs: list[Any] = [(r.t_s, r.prompt_tokens, r.output_tokens, model) for r in tr.requests]
             what = f"{args.trace} shaped into a day"
         else:
-            reqs = day_requests(sim_duration, base_rps=0.1, peak_rps=2.0, isl=isl, osl=osl, model=model)
-            what = "a generated day (night trough 0.1 rps, afternoon peak 2.0 rps)"
+            reqs = day_requests(sim_duration, base_rps=args.base_rps, peak_rps=args.peak_rps, isl=isl, osl=osl,
+                                model=model)
+            what = f"a generated day (night trough {args.base_rps:g} rps, afternoon peak {args.peak_rps:g} rps)"
         write_trace(work / TRACE_FILE, reqs)
         day = {"source": what, "trace": str(work / TRACE_FILE), "requests": len(reqs),
                "span_s": round(reqs[-1][0] - reqs[0][0], 1) if reqs else 0.0, "speed": k,

@@ -31,7 +31,7 @@ TRACE_FILE = "requests.jsonl"
 POLICY_FILE = "policy.yaml"
 PROFILES_FILE = "PROFILES.json"
 SUMMARY_FILE = "summary.json"
-REPLAY_POLICIES = ("fleetplan", "static-peak", "static-mean", "hpa", "oracle")
+REPLAY_POLICIES = ("fleetplan", "fleetplan-vllm-only", "static-peak", "static-mean", "hpa", "oracle")
 ENGINES = ("vllm", "trtllm")
 # the key another part of the evaluation may carry per policy; used as is when present
 BY_ENGINE_KEY = "gpu_hours_by_engine"
@@ -72,11 +72,22 @@ class LiveGpuMeter:
     gpu_s: dict[str, float] = field(default_factory=dict)
     build_gpu_s: float = 0.0
     samples: int = 0
+    # the graduation as the controller's records show it (simulated s, None: not seen): the first
+    # engine build, the first TensorRT-LLM replica, the first moment after it with no vLLM replica
+    build_started_s: float | None = None
+    trtllm_serving_s: float | None = None
+    vllm_gone_s: float | None = None
     _last_t: float | None = None
     _last_held: dict[str, int] = field(default_factory=dict)
     _last_builds: int = 0
 
     def sample(self, t_s: float, held: Mapping[str, int], build_gpus: int = 0) -> None:
+        if build_gpus > 0 and self.build_started_s is None:
+            self.build_started_s = t_s
+        if held.get("trtllm", 0) > 0 and self.trtllm_serving_s is None:
+            self.trtllm_serving_s = t_s
+        if self.trtllm_serving_s is not None and self.vllm_gone_s is None and held.get("vllm", 0) == 0:
+            self.vllm_gone_s = t_s
         if self._last_t is not None:
             lo, hi = max(self._last_t, self.t_from_s), min(t_s, self.t_to_s)
             if hi > lo:
@@ -141,6 +152,9 @@ def live_figures(results: Sequence[Any], *, ttft_slo_ms: float, itl_slo_ms: floa
         "build_gpu_hours": round(meter.build_gpu_s / 3600.0, 4),
         "gpu_hours_window_s": [round(meter.t_from_s, 1), round(meter.t_to_s, 1)],
         "gpu_samples": meter.samples,
+        "graduation": {"build_started_s": _r(meter.build_started_s, 1),
+                       "trtllm_serving_s": _r(meter.trtllm_serving_s, 1),
+                       "vllm_gone_s": _r(meter.vllm_gone_s, 1)},
     }
     if price_usd_h is not None:
         out["cost_usd"] = round(gpu_h * price_usd_h, 2)
@@ -159,7 +173,7 @@ def evaluate_argv(work: Path, model: str, *, policies: Sequence[str] = REPLAY_PO
     """`fleetplan evaluate` on the demo's own files: the command that reproduces the replay."""
     return ["fleetplan", "evaluate", "--trace", str(work / TRACE_FILE), "--policy", str(work / POLICY_FILE),
             "--profiles", str(work / PROFILES_FILE), "--model", model, "--policies", ",".join(policies),
-            "--json"]
+            "--shared-engine-cache", "--json"]
 
 
 @dataclass(frozen=True)
@@ -173,7 +187,8 @@ class Replay:
 def run_replay(work: Path, model: str, *, policies: Sequence[str] = REPLAY_POLICIES, workers: int = 2) -> Replay:
     """`fleetplan.sim.evaluate.evaluate` on work/requests.jsonl, work/policy.yaml, work/PROFILES.json,
     each read as `fleetplan evaluate` reads it (fleetplan/harness/cli/evaluate.py), with the options of
-    `evaluate_argv` (the default simulation settings, rate scale 1, no day shaping)."""
+    `evaluate_argv` (the default simulation settings but a shared engine cache, as the demo's agents
+    share one; rate scale 1, no day shaping)."""
     from fleetplan.planner.policy import load_policy_text
     from fleetplan.shared.benchfiles import load_profiles
     from fleetplan.sim.des import SimSettings
@@ -188,7 +203,7 @@ def run_replay(work: Path, model: str, *, policies: Sequence[str] = REPLAY_POLIC
                             "skipped_rows": trace.skipped, "rate_scale": 1.0, "day_s": None}
     ev = evaluate(trace, policy, profiles,
                   EvaluateOptions(policies=tuple(policies), model=model, workers=max(1, workers),
-                                  settings=SimSettings()),
+                                  settings=SimSettings(shared_engine_cache=True)),
                   trace_info=info)
     engine, label = _baseline(trace, policy, profiles, model)
     return Replay(ev, ev.to_json(), engine, label)
@@ -245,6 +260,7 @@ def build_summary(*, work: Path, model: str, day: Mapping[str, Any], slo: Mappin
     if replay_error is not None:
         rep["error"] = replay_error
     comparison: dict[str, Any] = {}
+    graduation: dict[str, Any] = {}
     if replay is not None:
         pol_out: dict[str, Any] = {}
         for name in policies:
@@ -268,6 +284,7 @@ def build_summary(*, work: Path, model: str, day: Mapping[str, Any], slo: Mappin
             ratio = lv / fp
             comparison = {"live_gpu_hours": lv, "replay_fleetplan_gpu_hours": fp,
                           "live_over_replay": round(ratio, 4), "within_10_percent": abs(ratio - 1.0) <= 0.10}
+        graduation = graduation_figures(live, pol_out)
     return {
         "version": 1,
         "model": model,
@@ -276,7 +293,36 @@ def build_summary(*, work: Path, model: str, day: Mapping[str, Any], slo: Mappin
         "live": dict(live),
         "replay": rep,
         "live_vs_replay": comparison,
+        "graduation": graduation,
     }
+
+
+def graduation_figures(live: Mapping[str, Any], replay_policies: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """What TensorRT-LLM did on the day: when the live run built its engine, first served on it and had no
+    vLLM replica left (simulated s; None: it did not), TensorRT-LLM's share of the live GPU-hours (its
+    builds included), and the GPU-hours it saved: the replay of fleetplan restricted to vLLM
+    (`fleetplan-vllm-only`, same day, policy and profiles) minus the live run and minus the replay's
+    fleetplan. Negative: the build cost more than it saved on this day.
+
+    >>> g = graduation_figures({"gpu_hours": 8.0, "gpu_hours_by_engine": {"vllm": 2.0, "trtllm": 6.0}},
+    ...                        {"fleetplan": {"gpu_hours": 8.2}, "fleetplan-vllm-only": {"gpu_hours": 9.0}})
+    >>> g["live_trtllm_share"], g["live_saved_gpu_hours"], g["replay_saved_gpu_hours"]
+    (0.75, 1.0, 0.8)
+    """
+    out: dict[str, Any] = dict(live.get("graduation") or {})
+    by = live.get(BY_ENGINE_KEY) or {}
+    total = live.get("gpu_hours")
+    if isinstance(total, (int, float)) and total > 0:
+        out["live_trtllm_share"] = round(float(by.get("trtllm", 0.0)) / total, 4)
+    only = (replay_policies.get("fleetplan-vllm-only") or {}).get("gpu_hours")
+    fp = (replay_policies.get("fleetplan") or {}).get("gpu_hours")
+    if isinstance(only, (int, float)):
+        out["replay_vllm_only_gpu_hours"] = only
+        if isinstance(total, (int, float)):
+            out["live_saved_gpu_hours"] = round(only - total, 4)
+        if isinstance(fp, (int, float)):
+            out["replay_saved_gpu_hours"] = round(only - fp, 4)
+    return out
 
 
 def write_summary(work: Path, summary: Mapping[str, Any]) -> Path:
@@ -301,18 +347,18 @@ def render_summary(summary: Mapping[str, Any]) -> str:
             return ["n/a"] * len(ENGINES)
         return [f(by.get(e, 0.0), ".2f") for e in ENGINES]
 
-    head = (f"{'':<24} {'GPU-h':>7} {'vLLM':>7} {'TRT-LLM':>7} {'SLO att.':>8} {'TTFT p99':>9} {'ITL p99':>8} "
+    head = (f"{'':<28} {'GPU-h':>7} {'vLLM':>7} {'TRT-LLM':>7} {'SLO att.':>8} {'TTFT p99':>9} {'ITL p99':>8} "
             f"{'requests':>8} {'failed':>7}")
     lines = [head, "-" * len(head)]
     live = summary.get("live", {})
-    lines.append(f"{'live (the daemon)':<24} {f(live.get('gpu_hours'), '.2f'):>7} "
+    lines.append(f"{'live (the daemon)':<28} {f(live.get('gpu_hours'), '.2f'):>7} "
                  + " ".join(f"{x:>7}" for x in engines(live.get(BY_ENGINE_KEY)))
                  + f" {pct(live.get('slo_attainment')):>8} {f(live.get('ttft_p99_ms'), '.0f'):>9} "
                  f"{f(live.get('itl_p99_ms'), '.1f'):>8} {live.get('requests', '-')!s:>8} {live.get('failed', '-')!s:>7}")
     rep = summary.get("replay", {})
     for name, p in rep.get("policies", {}).items():
         label = f"replay {name}" + (" (bound)" if name == "oracle" else "")
-        lines.append(f"{label:<24} {f(p.get('gpu_hours'), '.2f'):>7} "
+        lines.append(f"{label:<28} {f(p.get('gpu_hours'), '.2f'):>7} "
                      + " ".join(f"{x:>7}" for x in engines(p.get(BY_ENGINE_KEY)))
                      + f" {pct(p.get('slo_attainment')):>8} {f(p.get('ttft_p99_ms'), '.0f'):>9} "
                      f"{f(p.get('itl_p99_ms'), '.1f'):>8} {'':>8} {p.get('unmet_requests', '-')!s:>7}")
@@ -325,6 +371,9 @@ def render_summary(summary: Mapping[str, Any]) -> str:
     if cmp_:
         lines.append(f"live / replay fleetplan GPU-hours: {cmp_['live_over_replay']:.3f} "
                      f"({'within' if cmp_['within_10_percent'] else 'NOT within'} 10%)")
+    grad = summary.get("graduation") or {}
+    if grad:
+        lines.append(_graduation_line(grad))
     missing = [n for n, p in rep.get("policies", {}).items() if p.get(BY_ENGINE_KEY) is None]
     if missing:
         lines.append(f"n/a: GPU-hours per engine not reported by this evaluation for {', '.join(missing)}")
@@ -332,6 +381,31 @@ def render_summary(summary: Mapping[str, Any]) -> str:
         lines.append(f"replay failed: {rep['error']}")
     lines.append(f"reproduce the replay: {rep.get('command', '')}")
     return "\n".join(lines)
+
+
+def _graduation_line(g: Mapping[str, Any]) -> str:
+    """One line on the graduation (graduation_figures): when, TensorRT-LLM's share, what it saved."""
+
+    def t(key: str) -> str | None:
+        v = g.get(key)
+        return None if not isinstance(v, (int, float)) else f"t = {v:.0f} s"
+
+    steps = [f"{what} {t(key)}" for key, what in (("build_started_s", "engine build started"),
+                                                  ("trtllm_serving_s", "first replica serving"),
+                                                  ("vllm_gone_s", "no vLLM replica left"))
+             if t(key) is not None]
+    head = "graduation to TensorRT-LLM (live): " + (", ".join(steps) if steps else "not on this day")
+    share = g.get("live_trtllm_share")
+    if isinstance(share, (int, float)) and steps:
+        head += f"; TensorRT-LLM carried {100 * share:.0f}% of the GPU-hours (its builds included)"
+    only = g.get("replay_vllm_only_gpu_hours")
+    if isinstance(only, (int, float)) and steps:
+        saved = [f"{g[k]:+.2f} {what}" for k, what in (("live_saved_gpu_hours", "live"),
+                                                      ("replay_saved_gpu_hours", "replayed"))
+                 if isinstance(g.get(k), (int, float))]
+        head += (f"; saved against fleetplan restricted to vLLM ({only:.2f} GPU-h replayed): "
+                 + ", ".join(saved) + " GPU-h")
+    return head
 
 
 def held_gpus(store: Any) -> tuple[dict[str, int], int]:

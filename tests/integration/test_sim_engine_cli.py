@@ -107,3 +107,32 @@ def test_sim_engine_rejects_an_unknown_model() -> None:
                               "--port", "1"), cwd=REPO, capture_output=True, text=True, timeout=30)
     assert run.returncode == 2
     assert "unknown model 'mystery-7b'" in run.stderr
+
+
+def test_engine_dir_without_an_engine_is_refused_with_one_built_it_serves(tmp_path: Path) -> None:
+    """The lab's trtllm stand-in serves from {engine_dir} as trtllm-serve does: nothing there, no engine."""
+    engine_dir = tmp_path / "llama-3.1-8b-h100-tp1-bf16"
+    engine_dir.mkdir()
+
+    def argv(port: int) -> list[str]:
+        return _cli("sim-engine", "--persona", "trtllm", "--model", "llama-3.1-8b", "--gpu", "h100", "--tp", "1",
+                    "--port", str(port), "--time-scale", "20", "--startup-s", "0", "--engine-dir", str(engine_dir))
+
+    empty = subprocess.run(argv(_free_port()), cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert empty.returncode == 1
+    assert f"--engine-dir {engine_dir}: no engine there" in empty.stderr
+    (engine_dir / "rank0.engine").write_text("engine")
+    proc = subprocess.Popen(argv(_free_port()), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().decode()
+        assert "listening on http://127.0.0.1:" in line, line
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            assert proc.wait(timeout=20) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from fleetplan.harness.cli.ops import DEFAULT_REPORT
+from fleetplan.harness.cli.sim import _positive_float
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -59,6 +60,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--trace", default=None, help="replay this trace instead of a generated day")
     p.add_argument("--minutes", type=float, default=3.0, help="wall minutes of replay (default 3)")
     p.add_argument("--speed", type=float, default=20.0, help="time compression (default 20x)")
+    p.add_argument("--peak-rps", type=_positive_float, default=2.0,
+                   help="the generated day's afternoon peak, simulated requests/s (default 2)")
+    p.add_argument("--base-rps", type=_positive_float, default=0.1,
+                   help="the generated day's night trough, simulated requests/s (default 0.1)")
     p.add_argument("--hosts", type=int, default=4)
     p.add_argument("--gpus-per-host", type=int, default=8)
     p.add_argument("--keep", action="store_true", help="leave the working directory in place")

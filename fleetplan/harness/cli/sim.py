@@ -41,6 +41,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         help="trtllm: a built engine is cached (default)")
     cached.add_argument("--no-engine-cached", dest="engine_cached", action="store_false",
                         help="trtllm: build the engine at startup (adds the build time)")
+    p.add_argument("--engine-dir", default=None,
+                   help="trtllm: serve the engine built into this directory; exit 1 when it holds none "
+                   "(as trtllm-serve does): the lab's stand-in for an agent's {engine_dir}")
     p.add_argument("--replica-id", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--min-chunk-interval-ms", type=float, default=0.0,
@@ -111,9 +114,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def _sim_engine(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from fleetplan.models.names import UnknownNameError, parse_engine, parse_gpu, parse_precision
     from fleetplan.sim.engine import EngineConfig, run_engine
 
+    if args.engine_dir is not None:
+        d = Path(args.engine_dir)
+        try:
+            held = d.is_dir() and any(d.iterdir())
+        except OSError as exc:
+            print(f"sim-engine: --engine-dir {d}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
+        if not held:
+            print(f"sim-engine: --engine-dir {d}: no engine there (build it first)", file=sys.stderr)
+            return 1
     try:
         cfg = EngineConfig(
             persona=parse_engine(args.persona),

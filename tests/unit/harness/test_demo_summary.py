@@ -24,6 +24,7 @@ from fleetplan.harness.demo_summary import (
     TRACE_FILE,
     LiveGpuMeter,
     build_summary,
+    graduation_figures,
     live_figures,
     render_summary,
     request_meets_slo,
@@ -69,6 +70,44 @@ def test_live_gpu_meter_clips_to_the_day_and_splits_engines() -> None:
     assert live["gpu_hours"] == pytest.approx(8.0) and live["cost_usd"] == pytest.approx(24.0)
     assert live["build_gpu_hours"] == pytest.approx(2.0)
     assert live["slo_p99_met"] is False  # the p99 per-request ITL (45 ms) is over 30 ms
+    # the graduation's steps as the records showed them: build and TRT-LLM replica first seen at 1900 s,
+    # no vLLM replica at 5000 s
+    assert live["graduation"] == {"build_started_s": 1900.0, "trtllm_serving_s": 1900.0, "vllm_gone_s": 5000.0}
+
+
+def test_live_gpu_meter_records_each_graduation_step_once() -> None:
+    m = LiveGpuMeter(t_from_s=0.0, t_to_s=4000.0)
+    m.sample(0.0, {"vllm": 4}, 0)
+    m.sample(100.0, {"vllm": 8}, 4)  # the build starts
+    m.sample(200.0, {"vllm": 8}, 4)
+    m.sample(700.0, {"vllm": 8, "trtllm": 4}, 0)  # the engine serves beside vLLM
+    m.sample(900.0, {"trtllm": 8}, 0)  # the swap is done
+    m.sample(1000.0, {"vllm": 4, "trtllm": 8}, 4)  # vLLM back and a second build: the first steps stay
+    m.sample(1100.0, {"trtllm": 8}, 0)
+    assert (m.build_started_s, m.trtllm_serving_s, m.vllm_gone_s) == (100.0, 700.0, 900.0)
+    never = LiveGpuMeter(t_from_s=0.0, t_to_s=100.0)
+    never.sample(0.0, {"vllm": 4}, 0)
+    never.sample(50.0, {}, 0)  # no vLLM replica, but no TRT-LLM one either: not a graduation
+    assert (never.build_started_s, never.trtllm_serving_s, never.vllm_gone_s) == (None, None, None)
+
+
+def test_graduation_figures_and_line() -> None:
+    live = {"gpu_hours": 8.0, BY_ENGINE_KEY: {"vllm": 2.0, "trtllm": 6.0},
+            "graduation": {"build_started_s": 600.0, "trtllm_serving_s": 1300.0, "vllm_gone_s": 2100.0}}
+    pols = {"fleetplan": {"gpu_hours": 8.4}, "fleetplan-vllm-only": {"gpu_hours": 9.5}}
+    g = graduation_figures(live, pols)
+    assert g["live_trtllm_share"] == 0.75
+    assert g["live_saved_gpu_hours"] == pytest.approx(1.5) and g["replay_saved_gpu_hours"] == pytest.approx(1.1)
+    line = render_summary({"graduation": g, "replay": {}})
+    assert "engine build started t = 600 s, first replica serving t = 1300 s, no vLLM replica left t = 2100 s" in line
+    assert "carried 75%" in line and "(9.50 GPU-h replayed): +1.50 live, +1.10 replayed GPU-h" in line
+    # no build live: says so, and claims no saving from the live run's distance to the replay
+    none = graduation_figures({"gpu_hours": 5.0, BY_ENGINE_KEY: {"vllm": 5.0}, "graduation": {
+        "build_started_s": None, "trtllm_serving_s": None, "vllm_gone_s": None}},
+        {"fleetplan": {"gpu_hours": 5.2}, "fleetplan-vllm-only": {"gpu_hours": 5.2}})
+    assert none["live_trtllm_share"] == 0.0 and none["live_saved_gpu_hours"] == pytest.approx(0.2)
+    line = render_summary({"graduation": none, "replay": {}})
+    assert "graduation to TensorRT-LLM (live): not on this day" in line and "saved" not in line
 
 
 def test_summary_of_a_tiny_day_with_a_real_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -96,7 +135,7 @@ def test_summary_of_a_tiny_day_with_a_real_replay(tmp_path: Path, capsys: pytest
     path = write_summary(tmp_path, summary)
     doc = json.loads(path.read_text())
     assert path.name == SUMMARY_FILE
-    assert set(doc) == {"version", "model", "day", "slo", "live", "replay", "live_vs_replay"}
+    assert set(doc) == {"version", "model", "day", "slo", "live", "replay", "live_vs_replay", "graduation"}
     assert "per-request ITL" in doc["slo"]["definition"]
     assert doc["live"]["gpu_hours"] == pytest.approx(meter.gpu_hours(), abs=1e-4)
     rep = doc["replay"]
@@ -114,6 +153,10 @@ def test_summary_of_a_tiny_day_with_a_real_replay(tmp_path: Path, capsys: pytest
     cmp_ = doc["live_vs_replay"]
     assert cmp_["live_over_replay"] == pytest.approx(live["gpu_hours"] / rep["policies"]["fleetplan"]["gpu_hours"],
                                                     rel=1e-3)
+    grad = doc["graduation"]  # the vLLM-only replay is the yardstick of what TRT-LLM saved
+    assert grad["replay_vllm_only_gpu_hours"] == rep["policies"]["fleetplan-vllm-only"]["gpu_hours"]
+    assert grad["live_saved_gpu_hours"] == pytest.approx(grad["replay_vllm_only_gpu_hours"] - live["gpu_hours"],
+                                                        abs=1e-3)
     table = render_summary(doc)
     assert "live (the daemon)" in table and "replay oracle (bound)" in table and rep["command"] in table
 
