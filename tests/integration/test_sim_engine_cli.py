@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -29,20 +30,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def engine_url() -> Iterator[str]:
-    port = _free_port()
-    proc = subprocess.Popen(
-        _cli("sim-engine", "--persona", "trtllm", "--model", "llama-3.1-8b", "--gpu", "H100 SXM5", "--tp", "1",
-             "--port", str(port), "--time-scale", "20", "--startup-s", "0", "--min-chunk-interval-ms", "10",
-             "--replica-id", "host-a-0", "--gpu-indices", "0"),
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+@contextlib.contextmanager
+def _serving(argv: list[str]) -> Iterator[subprocess.Popen[bytes]]:
+    """A sim-engine process, once it says it listens; SIGTERM at the end (it must exit 0), else killed."""
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline().decode()
         assert "listening on http://127.0.0.1:" in line, line
-        yield f"http://127.0.0.1:{port}"
+        yield proc
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -51,6 +48,15 @@ def engine_url() -> Iterator[str]:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+@pytest.fixture(scope="module")
+def engine_url() -> Iterator[str]:
+    port = _free_port()
+    with _serving(_cli("sim-engine", "--persona", "trtllm", "--model", "llama-3.1-8b", "--gpu", "H100 SXM5",
+                       "--tp", "1", "--port", str(port), "--time-scale", "20", "--startup-s", "0",
+                       "--min-chunk-interval-ms", "10", "--replica-id", "host-a-0", "--gpu-indices", "0")):
+        yield f"http://127.0.0.1:{port}"
 
 
 def test_replay_load_writes_per_request_results(engine_url: str, tmp_path: Path) -> None:
@@ -122,17 +128,5 @@ def test_engine_dir_without_an_engine_is_refused_with_one_built_it_serves(tmp_pa
     assert empty.returncode == 1
     assert f"--engine-dir {engine_dir}: no engine there" in empty.stderr
     (engine_dir / "rank0.engine").write_text("engine")
-    proc = subprocess.Popen(argv(_free_port()), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline().decode()
-        assert "listening on http://127.0.0.1:" in line, line
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            assert proc.wait(timeout=20) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    with _serving(argv(_free_port())) as proc:
+        assert proc.poll() is None  # an engine there: it serves
