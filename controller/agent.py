@@ -126,6 +126,9 @@ class Agent:
         self.instances: dict[str, _Instance] = {}
         self.builds: dict[str, _Build] = {}
         self.engines: dict[str, CachedEngine] = {}
+        # engine directories of the cache whose manifest this host cannot use (another GPU type, or a
+        # manifest describing another engine): read once, not every reconcile pass, and warned once
+        self._foreign_engines: set[str] = set()
         self.connected = False
         self._changed = asyncio.Event()
         self._wake = asyncio.Event()
@@ -170,7 +173,8 @@ class Agent:
         this a shared cache is never used: the planner places an engine's replicas only on the
         hosts that report it, so this host would never be asked for one and never look."""
         try:
-            dirs = [d for d in self.config.cache_dir.iterdir() if d.name not in self.engines]
+            dirs = [d for d in self.config.cache_dir.iterdir()
+                    if d.name not in self.engines and d.name not in self._foreign_engines]
         except FileNotFoundError:
             return
         except OSError as exc:
@@ -188,9 +192,11 @@ class Agent:
                 continue
             if engine_slug(engine.model, engine.gpu, engine.tp, engine.precision) != d.name:
                 log.warning("ignoring %s: it describes another engine than its directory's", manifest)
+                self._foreign_engines.add(d.name)
                 continue
             if engine.gpu != self.config.gpu:
-                continue  # built for another GPU type: not usable here
+                self._foreign_engines.add(d.name)  # built for another GPU type: not usable here
+                continue
             self.engines[d.name] = engine.model_copy(update={"path": str(d)})
             log.info("engine found in the shared cache directory: %s", d)
             found = True
