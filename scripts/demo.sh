@@ -3,7 +3,7 @@
 # (Mosquitto, Prometheus, nginx, one agent per host), benchmark + fit of the simulated engines, the
 # controller, and a day of traffic replayed at 20x for about 3 minutes; everything is stopped, the same day is
 # replayed in the simulator (fleetplan evaluate) and D/summary.json holds live vs replay (docs/lab.md).
-# Usage: scripts/demo.sh [--trace FILE] [--minutes M] [--dir D --keep]      (make demo is the same)
+# Usage: scripts/demo.sh [--trace FILE] [--minutes M] [--peak-rps R] [--dir D --keep]      (make demo is the same)
 #   e.g. scripts/demo.sh --trace data/traces/azure_llm_conv_2023.csv --dir /tmp/demo --keep
 set -euo pipefail
 cd "$(dirname "$0")/.."
