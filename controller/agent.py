@@ -77,6 +77,50 @@ from fleetplan.shared.atomic import atomic_write_text
 
 log = logging.getLogger(__name__)
 
+SCAN_WAIT_S = 2.0  # a reconcile pass waits at most this long for the engine cache directory's read
+
+
+@dataclass(frozen=True)
+class CacheScan:
+    """What one read of the engine cache directory found (read_engine_manifests)."""
+
+    found: tuple[tuple[str, CachedEngine], ...] = ()  # (directory name, the engine with its path)
+    foreign: tuple[str, ...] = ()  # directories whose manifest this host cannot use: not read again
+    warnings: tuple[str, ...] = ()
+
+
+def read_engine_manifests(cache_dir: Path, skip: frozenset[str], gpu: Any) -> CacheScan:
+    """The engine directories of `cache_dir` (those not in `skip`) whose manifest describes an engine
+    for GPU type `gpu`. Blocking file I/O: the agent runs it in a thread. A directory without a
+    manifest is not an engine yet (a build still writing); one built for another GPU type, or whose
+    manifest describes another engine than its name says, is `foreign`."""
+    try:
+        dirs = [d for d in cache_dir.iterdir() if d.name not in skip]
+    except FileNotFoundError:
+        return CacheScan()
+    except OSError as exc:
+        return CacheScan(warnings=(f"cannot read {cache_dir}: {exc.strerror or exc}",))
+    found: list[tuple[str, CachedEngine]] = []
+    foreign: list[str] = []
+    warnings: list[str] = []
+    for d in dirs:
+        manifest = d / ENGINE_MANIFEST
+        try:
+            engine = CachedEngine.model_validate_json(manifest.read_bytes())
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # not an engine, or one still being built
+        except (OSError, ValueError) as exc:
+            warnings.append(f"ignoring {manifest}: {exc}")
+            continue
+        if engine_slug(engine.model, engine.gpu, engine.tp, engine.precision) != d.name:
+            warnings.append(f"ignoring {manifest}: it describes another engine than its directory's")
+            foreign.append(d.name)
+        elif engine.gpu != gpu:
+            foreign.append(d.name)  # built for another GPU type: not usable here
+        else:
+            found.append((d.name, engine.model_copy(update={"path": str(d)})))
+    return CacheScan(tuple(found), tuple(foreign), tuple(warnings))
+
 _PROGRESS_RE = re.compile(r"FLEETPLAN_PROGRESS[ =:]+([0-9]*\.?[0-9]+)")
 
 
@@ -129,6 +173,8 @@ class Agent:
         # engine directories of the cache whose manifest this host cannot use (another GPU type, or a
         # manifest describing another engine): read once, not every reconcile pass, and warned once
         self._foreign_engines: set[str] = set()
+        self._scan: asyncio.Task[CacheScan] | None = None  # a cache directory read still running
+        self._scan_slow = False  # its slowness was logged
         self.connected = False
         self._changed = asyncio.Event()
         self._wake = asyncio.Event()
@@ -166,40 +212,38 @@ class Agent:
     def _mark(self) -> None:
         self._changed.set()
 
-    def _scan_engine_cache(self) -> None:
+    async def _scan_engine_cache(self) -> None:
         """Engines another host built into a cache directory shared with this one (NFS and the like):
         every finished build leaves a manifest (ENGINE_MANIFEST) in its engine directory, and an
         engine for this host's GPU type found with one is held and reported from then on. Without
         this a shared cache is never used: the planner places an engine's replicas only on the
-        hosts that report it, so this host would never be asked for one and never look."""
-        try:
-            dirs = [d for d in self.config.cache_dir.iterdir()
-                    if d.name not in self.engines and d.name not in self._foreign_engines]
-        except FileNotFoundError:
+        hosts that report it, so this host would never be asked for one and never look.
+
+        The directory is read in a thread, waited for at most SCAN_WAIT_S: a network filesystem that
+        hangs delays neither the event loop (MQTT, statuses) nor this reconcile pass; a scan still
+        running is not started again, and its result is taken when it returns."""
+        if self._scan is None:
+            skip = frozenset(self.engines) | frozenset(self._foreign_engines)
+            self._scan = asyncio.create_task(asyncio.to_thread(
+                read_engine_manifests, self.config.cache_dir, skip, self.config.gpu), name="engine-cache-scan")
+        done, _ = await asyncio.wait({self._scan}, timeout=SCAN_WAIT_S)
+        if not done:
+            if not self._scan_slow:
+                log.warning("reading the engine cache directory %s takes over %.0f s; reconciling without it",
+                            self.config.cache_dir, SCAN_WAIT_S)
+                self._scan_slow = True
             return
-        except OSError as exc:
-            log.warning("cannot read %s: %s", self.config.cache_dir, exc.strerror or exc)
-            return
+        task, self._scan, self._scan_slow = self._scan, None, False
+        scan = task.result()
+        for message in scan.warnings:
+            log.warning("%s", message)
+        self._foreign_engines.update(scan.foreign)
         found = False
-        for d in dirs:
-            manifest = d / ENGINE_MANIFEST
-            try:
-                engine = CachedEngine.model_validate_json(manifest.read_bytes())
-            except FileNotFoundError:
-                continue  # not an engine, or one still being built
-            except (OSError, ValueError) as exc:
-                log.warning("ignoring %s: %s", manifest, exc)
-                continue
-            if engine_slug(engine.model, engine.gpu, engine.tp, engine.precision) != d.name:
-                log.warning("ignoring %s: it describes another engine than its directory's", manifest)
-                self._foreign_engines.add(d.name)
-                continue
-            if engine.gpu != self.config.gpu:
-                self._foreign_engines.add(d.name)  # built for another GPU type: not usable here
-                continue
-            self.engines[d.name] = engine.model_copy(update={"path": str(d)})
-            log.info("engine found in the shared cache directory: %s", d)
-            found = True
+        for name, engine in scan.found:
+            if name not in self.engines:
+                self.engines[name] = engine
+                log.info("engine found in the shared cache directory: %s", engine.path)
+                found = True
         if found:
             try:
                 self._save_engines()
@@ -432,7 +476,7 @@ class Agent:
         return None
 
     async def reconcile_once(self) -> None:
-        self._scan_engine_cache()
+        await self._scan_engine_cache()
         if self.desired is None:
             # Nothing accepted yet (first start, no broker): leave re-adopted instances alone.
             await self._poll_all()
@@ -759,5 +803,7 @@ class Agent:
             for b in self.builds.values():
                 if b.task is not None:
                     b.task.cancel()
+            if self._scan is not None:
+                self._scan.cancel()
             await asyncio.gather(*tasks, stopper, return_exceptions=True)
         log.info("agent stopped; %d engine instances left running", len(self.instances))

@@ -314,3 +314,68 @@ def test_limits_from_status_match_the_agent_own_limits(tmp_path: Path) -> None:
     assert limits_from_status(parse_status(b'{"host": "h1", "online": false}')) is None
     desired = parse_desired(_desired(1, template="nope"))
     assert check_desired(desired, limits) == check_desired(desired, agent.limits()) != []
+
+
+def _engine_dir(cache: Path, model: str, gpu: str, tp: int, manifest: dict[str, object] | None) -> Path:
+    d = cache / f"{model}__{gpu}__tp{tp}__fp8"
+    d.mkdir(parents=True)
+    (d / "rank0.engine").write_text("engine")
+    if manifest is not None:
+        (d / "fleetplan-engine.json").write_text(json.dumps(manifest))
+    return d
+
+
+def test_read_engine_manifests_takes_finished_engines_of_this_gpu_type_only(tmp_path: Path) -> None:
+    from fleetplan.controller.agent import read_engine_manifests
+    from fleetplan.models.names import GpuType
+
+    cache = tmp_path / "cache"
+    assert read_engine_manifests(cache, frozenset(), GpuType.H100).found == ()  # no directory yet: nothing
+    ok = _engine_dir(cache, "m", "h100", 1, {"model": "m", "gpu": "h100", "tp": 1, "precision": "fp8"})
+    _engine_dir(cache, "m", "h100", 2, None)  # still being built
+    _engine_dir(cache, "m", "a100", 1, {"model": "m", "gpu": "a100", "tp": 1, "precision": "fp8"})
+    _engine_dir(cache, "m", "h100", 4, {"model": "other", "gpu": "h100", "tp": 4, "precision": "fp8"})
+    _engine_dir(cache, "m", "h100", 8, {"model": "m", "gpu": "h100"})  # no tp: not a manifest
+    (cache / "notes.txt").write_text("a file, not an engine")
+    scan = read_engine_manifests(cache, frozenset(), GpuType.H100)
+    assert [(name, e.tp, e.path) for name, e in scan.found] == [(ok.name, 1, str(ok))]
+    assert sorted(scan.foreign) == ["m__a100__tp1__fp8", "m__h100__tp4__fp8"]
+    assert len(scan.warnings) == 2 and any("describes another engine" in w for w in scan.warnings)
+    assert any("m__h100__tp8__fp8" in w for w in scan.warnings)  # the bad manifest is named
+    again = read_engine_manifests(cache, frozenset({ok.name, *scan.foreign}), GpuType.H100)
+    assert again.found == () and again.foreign == ()  # what was read is not read again
+
+
+async def test_a_hung_engine_cache_read_does_not_hold_up_reconcile(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A network filesystem that hangs: the pass goes on after SCAN_WAIT_S, the next passes do not
+    start another read, and what the read finds once it returns is held and reported."""
+    import threading
+    import time as time_mod
+
+    from fleetplan.controller import agent as agent_mod
+
+    release = threading.Event()
+    calls = []
+    real = agent_mod.read_engine_manifests
+
+    def hung(cache_dir: Path, skip: frozenset[str], gpu: object) -> agent_mod.CacheScan:
+        calls.append(cache_dir)
+        release.wait(10.0)
+        return real(cache_dir, skip, gpu)
+
+    monkeypatch.setattr(agent_mod, "read_engine_manifests", hung)
+    monkeypatch.setattr(agent_mod, "SCAN_WAIT_S", 0.2)
+    config = _config(tmp_path)
+    agent = Agent(config, actuator=ProcessActuator(tmp_path / "logs"))
+    t0 = time_mod.monotonic()
+    await agent.reconcile_once()
+    await agent.reconcile_once()
+    assert time_mod.monotonic() - t0 < 2.0 and len(calls) == 1  # one read, not one per pass
+    _engine_dir(config.cache_dir, "m", "h100", 1, {"model": "m", "gpu": "h100", "tp": 1, "precision": "fp8"})
+    release.set()
+    for _ in range(50):
+        await agent.reconcile_once()
+        if agent.status().engines_cached:
+            break
+    assert [(e.model, e.tp) for e in agent.status().engines_cached] == [("m", 1)]
