@@ -322,13 +322,17 @@ class FleetSim:
     def cached(self) -> list[EngineBuild]:
         out = [EngineBuild(c.model, c.engine, c.gpu, c.tp, c.precision, None, True, None)
                for c in sorted(self.env.cached)]
-        # an engine per host that built it: as each agent reports its own; with a shared cache, per host
-        # of its GPU type
-        done = sorted({(b.config, h.name if self.s.shared_engine_cache else b.row.host)
-                       for b in self.sim_builds.values() if b.done and b.config not in self.env.cached
-                       for h in self.env.hosts if h.gpu == b.config.gpu})
+        # an engine per host that holds it, as each agent reports its own: the host that built it; with a
+        # shared cache, every host of its GPU type
+        done = sorted({(b.config, host) for b in self.sim_builds.values()
+                       if b.done and b.config not in self.env.cached for host in self._holders(b)})
         out += [EngineBuild(c.model, c.engine, c.gpu, c.tp, c.precision, host, True, None) for c, host in done]
         return out
+
+    def _holders(self, b: _SimBuild) -> list[str]:
+        if not self.s.shared_engine_cache:
+            return [b.row.host]
+        return [h.name for h in self.env.hosts if h.gpu == b.config.gpu]
 
     def inflight(self, replica_id: str) -> float | None:
         rep = self.by_id.get(replica_id)
