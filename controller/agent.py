@@ -47,6 +47,7 @@ from fleetplan.controller.agent_config import (
     ENGINE_MANIFEST,
     AgentConfig,
     engine_slug,
+    holds_engine,
     make_actuator,
     substitute,
 )
@@ -264,7 +265,7 @@ class Agent:
                 continue
             engine_dir = self.config.cache_dir / slug
             try:
-                stored = engine_dir.is_dir() and any(engine_dir.iterdir())
+                stored = holds_engine(engine_dir)
             except OSError as exc:
                 log.warning("cannot read %s: %s", engine_dir, exc.strerror or exc)
                 continue
@@ -677,7 +678,7 @@ class Agent:
     def _build_finished(self, b: _Build, exited: Exited) -> None:
         d = b.build
         engine_dir = self.config.cache_dir / engine_slug(d.model, d.gpu, d.tp, d.precision)
-        ok = exited.code == 0 or (exited.code is None and engine_dir.is_dir() and any(engine_dir.iterdir()))
+        ok = exited.code == 0 or (exited.code is None and holds_engine(engine_dir))
         b.handle = None
         b.since_s = time.time()
         self._drop_record(d.build_id)

@@ -251,6 +251,12 @@ def substitute(item: str, values: Mapping[str, str]) -> str:
 ENGINE_MANIFEST = "fleetplan-engine.json"
 
 
+def holds_engine(engine_dir: Path) -> bool:
+    """An engine directory with anything in it is the engine (what a build leaves, what an operator
+    stores, what trtllm-serve loads). Raises OSError when the directory cannot be read."""
+    return engine_dir.is_dir() and any(engine_dir.iterdir())
+
+
 def engine_slug(model: str, gpu: GpuType, tp: int, precision: Precision) -> str:
     safe = model.replace("/", "--").replace(":", "-")
     return f"{safe}__{gpu.value}__tp{tp}__{precision.value}"

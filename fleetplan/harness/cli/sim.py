@@ -120,9 +120,11 @@ def _sim_engine(args: argparse.Namespace) -> int:
     from fleetplan.sim.engine import EngineConfig, run_engine
 
     if args.engine_dir is not None:
+        from fleetplan.controller.agent_config import holds_engine
+
         d = Path(args.engine_dir)
         try:
-            held = d.is_dir() and any(d.iterdir())
+            held = holds_engine(d)
         except OSError as exc:
             print(f"sim-engine: --engine-dir {d}: {exc.strerror or exc}", file=sys.stderr)
             return 1
