@@ -13,7 +13,7 @@ import pytest
 from fleetplan.models import profile as mp
 from fleetplan.models.mix import LengthMix, capacity_mix, predict_mix, scaled
 from fleetplan.planner.capacity import MixedWorkload, capacity_table
-from fleetplan.planner.correction import MIN_REQUESTS, applied_speeds, regression_cap, update_corrections
+from fleetplan.planner.correction import MAX_STEP_DOWN, MIN_REQUESTS, applied_speeds, regression_cap, update_corrections
 from fleetplan.planner.serde import state_from_dict, state_to_dict
 from fleetplan.planner.types import ConfigKey, ConfigObservation, Correction, ModelObservation, PlannerState
 from tests.unit.planner.planner_helpers import BF16, H100, VLLM, policy
@@ -221,6 +221,25 @@ def test_a_lone_surprise_toward_faster_is_noise_and_a_slower_one_is_followed_at_
     assert _kalman(0.0, 0.01, slow, z_prev=math.log(1.1))[0] == pytest.approx(-MAX_STEP_DOWN)
 
 
+def test_a_lone_slower_window_at_a_load_the_config_held_is_averaged_not_followed() -> None:
+    # mooncake, 2x pessimistic profiles: a window read ITL 34 ms at 0.78 rps per replica, the next
+    # 156 ms at 0.51 (a long prompt's prefill stalled the others' decode). An engine that is slower
+    # would have been slower at the higher load too: the window is averaged, and the fleet does not
+    # double for it. The same reading above every load that held is followed at once (SLO first)
+    held = tuple((2.0, 0.0, 300.0) for _ in range(4))
+    settled = Correction(KEY, 0.0, 0.01, 0.0, 0.01, 4, None, 900.0, 1.0, 1.0, 0.0, 0.0, held, held)
+
+    def after(load: float) -> Correction:
+        seen = predict_mix(TRUE, MIX, load)
+        obs = ConfigObservation(KEY, 1, load, seen.ttft_p99_ms, seen.itl_p99_ms / 0.45, 300.0)
+        return observe_once({KEY: settled}, obs)[KEY]
+
+    lower, same, higher = after(1.0), after(2.0), after(3.0)
+    assert -0.1 < same.itl_log < 0.0  # the load a window held: a lone window is averaged too
+    assert -0.1 < lower.itl_log < 0.0 and lower.applied_itl_log == 0.0
+    assert higher.itl_log == pytest.approx(-MAX_STEP_DOWN) and higher.applied_itl_log == higher.itl_log
+
+
 def test_a_faster_engine_is_trusted_up_to_twice_the_load_it_was_seen_at() -> None:
     # the demo's day: ITL x1.27 seen at 0.5-1.3 rps per replica said 2.55 rps where the truth is 1.66;
     # the correction's capacity is bounded by TRUST_GROWTH x the highest load per replica seen
@@ -299,11 +318,11 @@ def test_windows_that_scatter_more_than_assumed_are_weighed_as_the_noise_they_sh
     # after windows that agreed, so the plan does not swap configs on every such window
     from fleetplan.planner.correction import scatter
 
-    seen = predict_mix(TRUE, MIX, 2.0)
+    seen = predict_mix(TRUE, MIX, 2.5)  # above the loads seen: a slower reading is followed at once
     noisy = tuple((2.0, math.log(s), 300.0) for s in (0.55, 1.8, 0.6, 1.7))
     calm = tuple((2.0, math.log(s), 300.0) for s in (1.0, 1.02, 0.98, 1.0))
     assert scatter(noisy) > 3.0 and scatter(calm) == 1.0
-    slow = ConfigObservation(KEY, 1, 2.0, seen.ttft_p99_ms * 2.0, seen.itl_p99_ms, 300.0)
+    slow = ConfigObservation(KEY, 1, 2.5, seen.ttft_p99_ms * 2.0, seen.itl_p99_ms, 300.0)
 
     def after(points: tuple[tuple[float, float, float], ...]) -> float:
         prior = Correction(KEY, 0.0, 0.03, 0.0, 0.03, observations=4, updated_s=940.0, ttft_points=points)
