@@ -13,7 +13,13 @@ import pytest
 from fleetplan.models import profile as mp
 from fleetplan.models.mix import LengthMix, capacity_mix, predict_mix, scaled
 from fleetplan.planner.capacity import MixedWorkload, capacity_table
-from fleetplan.planner.correction import MAX_STEP_DOWN, MIN_REQUESTS, applied_speeds, regression_cap, update_corrections
+from fleetplan.planner.correction import (
+    MAX_STEP_DOWN,
+    MIN_REQUESTS,
+    applied_speeds,
+    regression_cap,
+    update_corrections,
+)
 from fleetplan.planner.serde import state_from_dict, state_to_dict
 from fleetplan.planner.types import ConfigKey, ConfigObservation, Correction, ModelObservation, PlannerState
 from tests.unit.planner.planner_helpers import BF16, H100, VLLM, policy
