@@ -30,6 +30,7 @@ import json
 import logging
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,15 +87,21 @@ class CacheScan:
     """What one read of the engine cache directory found (read_engine_manifests)."""
 
     found: tuple[tuple[str, CachedEngine], ...] = ()  # (directory name, the engine with its path)
-    foreign: tuple[str, ...] = ()  # directories whose manifest this host cannot use: not read again
+    # (directory name, its manifest's mtime in ns) of manifests this host cannot use: not read again
+    # until the manifest changes
+    foreign: tuple[tuple[str, int], ...] = ()
     warnings: tuple[str, ...] = ()
 
 
-def read_engine_manifests(cache_dir: Path, skip: frozenset[str], gpu: Any) -> CacheScan:
+def read_engine_manifests(cache_dir: Path, skip: frozenset[str], gpu: Any,
+                          foreign: Mapping[str, int] | None = None) -> CacheScan:
     """The engine directories of `cache_dir` (those not in `skip`) whose manifest describes an engine
     for GPU type `gpu`. Blocking file I/O: the agent runs it in a thread. A directory without a
-    manifest is not an engine yet (a build still writing); one built for another GPU type, or whose
-    manifest describes another engine than its name says, is `foreign`."""
+    manifest is not an engine yet (a build still writing); one built for another GPU type, one whose
+    manifest describes another engine than its name says, or one whose manifest does not parse is
+    `foreign`, with its manifest's mtime: `foreign` (name -> mtime) of an earlier scan are not read
+    (nor warned of) again until their manifest changes, e.g. when an operator mends it."""
+    known = foreign or {}
     try:
         dirs = [d for d in cache_dir.iterdir() if d.name not in skip]
     except FileNotFoundError:
@@ -102,25 +109,30 @@ def read_engine_manifests(cache_dir: Path, skip: frozenset[str], gpu: Any) -> Ca
     except OSError as exc:
         return CacheScan(warnings=(f"cannot read {cache_dir}: {exc.strerror or exc}",))
     found: list[tuple[str, CachedEngine]] = []
-    foreign: list[str] = []
+    unusable: list[tuple[str, int]] = []
     warnings: list[str] = []
     for d in dirs:
         manifest = d / ENGINE_MANIFEST
         try:
+            stamp = manifest.stat().st_mtime_ns
+            if known.get(d.name) == stamp:
+                continue  # unusable when read, and not changed since
             engine = CachedEngine.model_validate_json(manifest.read_bytes())
         except (FileNotFoundError, NotADirectoryError):
             continue  # not an engine, or one still being built
         except (OSError, ValueError) as exc:
             warnings.append(f"ignoring {manifest}: {exc}")
+            if not isinstance(exc, OSError):
+                unusable.append((d.name, stamp))
             continue
         if engine_slug(engine.model, engine.gpu, engine.tp, engine.precision) != d.name:
             warnings.append(f"ignoring {manifest}: it describes another engine than its directory's")
-            foreign.append(d.name)
+            unusable.append((d.name, stamp))
         elif engine.gpu != gpu:
-            foreign.append(d.name)  # built for another GPU type: not usable here
+            unusable.append((d.name, stamp))  # built for another GPU type: not usable here
         else:
             found.append((d.name, engine.model_copy(update={"path": str(d)})))
-    return CacheScan(tuple(found), tuple(foreign), tuple(warnings))
+    return CacheScan(tuple(found), tuple(unusable), tuple(warnings))
 
 _PROGRESS_RE = re.compile(r"FLEETPLAN_PROGRESS[ =:]+([0-9]*\.?[0-9]+)")
 
@@ -173,7 +185,7 @@ class Agent:
         self.engines: dict[str, CachedEngine] = {}
         # engine directories of the cache whose manifest this host cannot use (another GPU type, or a
         # manifest describing another engine): read once, not every reconcile pass, and warned once
-        self._foreign_engines: set[str] = set()
+        self._foreign_engines: dict[str, int] = {}  # name -> manifest mtime (read_engine_manifests)
         self._scan: asyncio.Task[CacheScan] | None = None  # a cache directory read still running
         self._scan_slow = False  # its slowness was logged
         self.connected = False
@@ -224,9 +236,9 @@ class Agent:
         hangs delays neither the event loop (MQTT, statuses) nor this reconcile pass; a scan still
         running is not started again, and its result is taken when it returns."""
         if self._scan is None:
-            skip = frozenset(self.engines) | frozenset(self._foreign_engines)
             self._scan = asyncio.create_task(asyncio.to_thread(
-                read_engine_manifests, self.config.cache_dir, skip, self.config.gpu), name="engine-cache-scan")
+                read_engine_manifests, self.config.cache_dir, frozenset(self.engines), self.config.gpu,
+                dict(self._foreign_engines)), name="engine-cache-scan")
         done, _ = await asyncio.wait({self._scan}, timeout=SCAN_WAIT_S)
         if not done:
             if not self._scan_slow:

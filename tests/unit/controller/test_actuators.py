@@ -339,11 +339,18 @@ def test_read_engine_manifests_takes_finished_engines_of_this_gpu_type_only(tmp_
     (cache / "notes.txt").write_text("a file, not an engine")
     scan = read_engine_manifests(cache, frozenset(), GpuType.H100)
     assert [(name, e.tp, e.path) for name, e in scan.found] == [(ok.name, 1, str(ok))]
-    assert sorted(scan.foreign) == ["m__a100__tp1__fp8", "m__h100__tp4__fp8"]
+    assert sorted(name for name, _ in scan.foreign) == ["m__a100__tp1__fp8", "m__h100__tp4__fp8",
+                                                        "m__h100__tp8__fp8"]
     assert len(scan.warnings) == 2 and any("describes another engine" in w for w in scan.warnings)
     assert any("m__h100__tp8__fp8" in w for w in scan.warnings)  # the bad manifest is named
-    again = read_engine_manifests(cache, frozenset({ok.name, *scan.foreign}), GpuType.H100)
-    assert again.found == () and again.foreign == ()  # what was read is not read again
+    again = read_engine_manifests(cache, frozenset({ok.name}), GpuType.H100, dict(scan.foreign))
+    assert again == type(scan)()  # what was read is not read (nor warned of) again
+    # an operator mends the bad manifest: it is read again, and the engine is taken
+    bad = cache / "m__h100__tp8__fp8" / "fleetplan-engine.json"
+    bad.write_text(json.dumps({"model": "m", "gpu": "h100", "tp": 8, "precision": "fp8"}))
+    os.utime(bad, ns=(bad.stat().st_atime_ns, bad.stat().st_mtime_ns + 1_000_000_000))
+    mended = read_engine_manifests(cache, frozenset({ok.name}), GpuType.H100, dict(scan.foreign))
+    assert [(name, e.tp) for name, e in mended.found] == [("m__h100__tp8__fp8", 8)] and mended.warnings == ()
 
 
 async def test_a_hung_engine_cache_read_does_not_hold_up_reconcile(tmp_path: Path,
@@ -359,10 +366,10 @@ async def test_a_hung_engine_cache_read_does_not_hold_up_reconcile(tmp_path: Pat
     calls = []
     real = agent_mod.read_engine_manifests
 
-    def hung(cache_dir: Path, skip: frozenset[str], gpu: object) -> agent_mod.CacheScan:
+    def hung(cache_dir: Path, skip: frozenset[str], gpu: object, foreign: dict[str, int]) -> agent_mod.CacheScan:
         calls.append(cache_dir)
         release.wait(10.0)
-        return real(cache_dir, skip, gpu)
+        return real(cache_dir, skip, gpu, foreign)
 
     monkeypatch.setattr(agent_mod, "read_engine_manifests", hung)
     monkeypatch.setattr(agent_mod, "SCAN_WAIT_S", 0.2)
