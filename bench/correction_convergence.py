@@ -67,8 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         wc = [g for _, g in gpus[::per]]
         bc = [g for _, g in base_gpus[::per]]
         n = min(len(wc), len(bc))
-        roll = [(sum(wc[i:i + 10]) / len(wc[i:i + 10]), sum(bc[i:i + 10]) / len(bc[i:i + 10])) for i in range(n)]
-        settle_mean = next((i for i in range(n) if all(abs(a - b) <= step for a, b in roll[i:])), None)
+        # full windows only: the last few cycles alone are not a 10-cycle mean
+        roll = [(sum(wc[i:i + 10]) / 10, sum(bc[i:i + 10]) / 10) for i in range(n - 9)]
+        settle_mean = next((i for i in range(len(roll)) if all(abs(a - b) <= step for a, b in roll[i:])), None)
         after30 = sum(wc[30:n]) / max(1, sum(bc[30:n]))
         after = "-"
         if settle is not None:
