@@ -66,6 +66,7 @@ class ControlSettings:
     drain_timeout_s: float = 120.0
     drain_settle_s: float = 1.0
     drain_poll_s: float = 0.5
+    cycle_s: float | None = None  # the daemon's override of the policy's scaling.cycle_s; None: the policy's
 
 
 class EnginePort(Protocol):

@@ -104,8 +104,10 @@ class Environment:
 class SimSettings:
     scrape_s: float = 15.0
     scrape_delay_s: float = 5.0  # a scrape becomes visible this long after it is taken
+    # the observation windows: the daemon's defaults (controller/settings.py; `fleetplan evaluate
+    # --controller-config` takes them from the daemon's own config: fleetplan/harness/replay_settings.py)
     window_s: float = 60.0  # rate()/histogram window
-    history_s: float = 3600.0
+    history_s: float = 3 * 86400.0
     history_step_s: float = 30.0
     timeline_s: float = 10.0  # resolution of the demand/capacity timeline
     demand_window_s: float = 60.0  # true demand for timeline / lag / unmet: trailing window
@@ -543,6 +545,8 @@ class FleetSim:
             self._push(k * s.scrape_s, self._P_SCRAPE, "scrape", None)
             k += 1
         period = self.ctl.period_s
+        if self.control is not None and self.control.s.cycle_s is not None:
+            period = self.control.s.cycle_s  # the daemon's config overrides the policy's period
         k = 1 if s.warm_start else 0  # a cold start plans at t = 0, as a daemon started with the traffic
         while k * period <= end_s:
             self._push(k * period, self._P_TICK, "tick", None)

@@ -43,7 +43,7 @@ from fleetplan.sim.baselines import (
     static_targets,
     trace_mix,
 )
-from fleetplan.sim.control import FleetplanController
+from fleetplan.sim.control import ControlSettings, FleetplanController
 from fleetplan.sim.core import capacity_at_slo, replay_on_core
 from fleetplan.sim.des import (
     Controller,
@@ -194,6 +194,8 @@ class EvaluateOptions:
     policies: tuple[str, ...] = POLICY_NAMES
     model: str | None = None  # the model a trace without a model column is served as
     settings: SimSettings = field(default_factory=SimSettings)
+    # the daemon's timeouts (ready, ack, drain; fleetplan/harness/replay_settings.py maps them from its config)
+    control: ControlSettings = field(default_factory=ControlSettings)
     workers: int = 2
     hpa_target_fraction: float = 0.8
 
@@ -309,11 +311,12 @@ def make_controller(name: str, trace: Trace, policy: Policy, profiles: ProfileSe
 
 
 def simulate_policy(name: str, trace: Trace, policy: Policy, profiles: ProfileSet,
-                    settings: SimSettings, hpa_target_fraction: float = 0.8) -> tuple[SimResult, float]:
+                    settings: SimSettings, hpa_target_fraction: float = 0.8,
+                    control: ControlSettings | None = None) -> tuple[SimResult, float]:
     """Run one policy (in a worker process); returns the result and its wall time."""
     t0 = time.perf_counter()
     ctl = make_controller(name, trace, policy, profiles, hpa_target_fraction)
-    sim = FleetSim(trace, ctl, make_environment(policy), settings)
+    sim = FleetSim(trace, ctl, make_environment(policy), settings, control=control)
     res = sim.run()
     return res, time.perf_counter() - t0
 
@@ -463,7 +466,7 @@ def evaluate(trace: Trace, policy: Policy, profiles: ProfileSet, options: Evalua
             # longest jobs first: fleetplan variants, then the rest, capacities interleaved
             for name in sims:
                 sim_f[name] = pool.submit(simulate_policy, name, trace, policy, profiles, opts.settings,
-                                          opts.hpa_target_fraction)
+                                          opts.hpa_target_fraction, opts.control)
             for m in models:
                 mp = policy.model(m)
                 assert mp is not None
@@ -485,7 +488,8 @@ def evaluate(trace: Trace, policy: Policy, profiles: ProfileSet, options: Evalua
                     caps[c] = ground_truth_capacity(c, trace_lengths(trace, m), mp.slo.ttft_p99_ms,
                                                     mp.slo.itl_p99_ms)
         for name in sims:
-            results[name] = simulate_policy(name, trace, policy, profiles, opts.settings, opts.hpa_target_fraction)
+            results[name] = simulate_policy(name, trace, policy, profiles, opts.settings, opts.hpa_target_fraction,
+                                            opts.control)
 
     floors: dict[str, float] = {}
     for m in models:

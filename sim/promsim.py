@@ -314,8 +314,12 @@ class PromSim:
         n = int(self.history_s // self.history_step_s)
         out = []
         for model in sorted(self.model_done):
+            hist = self.model_done[model]
+            # no rate before the model's first scrape: a history of days is not walked from its start
+            first = hist[0][0] if hist else t_s
+            avail = min(n, int(max(0.0, t_s - first) // self.history_step_s) + 1)
             pts = []
-            for k in range(n, -1, -1):
+            for k in range(avail, -1, -1):
                 end = t_s - k * self.history_step_s
                 r = self._model_rate(model, end, w, vis)
                 if r is not None:

@@ -38,6 +38,7 @@ from typing import Any
 import yaml
 
 from fleetplan.harness.demo_summary import (
+    CONTROLLER_FILE,
     POLICY_FILE,
     REPLAY_POLICIES,
     TRACE_FILE,
@@ -602,7 +603,10 @@ async def _demo(args: argparse.Namespace, work: Path) -> int:
                              hosts=[(h.name, h.gpu_count) for h in rig.lab.hosts])
         policy["models"][0]["allowed"]["tp"] = [4]
         policy_path.write_text(yaml.safe_dump(policy, sort_keys=False))
-        settings, reload = settings_from_lab(rig.controller_settings(observe_window_s=12.0, history_s=40.0))
+        # the replay reads the same windows and waits the same timeouts (run_replay: CONTROLLER_FILE)
+        live_over = {"observe_window_s": 12.0, "history_s": 40.0}
+        settings, reload = settings_from_lab(rig.controller_settings(**live_over))
+        rig.write_controller_config(work / CONTROLLER_FILE, **live_over)
         store = StateStore(work / "state.db")
         ctrl = Controller(settings=settings, policy_path=policy_path, profiles_path=profiles, store=store,
                           time_scale=k, nginx_reload=reload, report_listen="127.0.0.1:0")
@@ -714,18 +718,20 @@ async def _demo(args: argparse.Namespace, work: Path) -> int:
             with contextlib.suppress(Exception):
                 await ctrl.stop()
         await asyncio.to_thread(rig.stop)
-    await _replay_and_summarise(work, model, day, {"ttft_p99_ms": slo_ttft_ms, "itl_p99_ms": slo_itl_ms}, live)
+    await _replay_and_summarise(work, model, day, {"ttft_p99_ms": slo_ttft_ms, "itl_p99_ms": slo_itl_ms}, live,
+                                time_scale=k)
     return rc
 
 
 async def _replay_and_summarise(work: Path, model: str, day: dict[str, Any], slo: dict[str, float],
-                                live: dict[str, Any], *, workers: int = 2, progress_s: float = 10.0) -> dict[str, Any]:
+                                live: dict[str, Any], *, workers: int = 2, progress_s: float = 10.0,
+                                time_scale: float | None = None) -> dict[str, Any]:
     """Replay the demo's day, policy and profiles (fleetplan.sim.evaluate.evaluate, after the lab has
     stopped: the CPU is the replay's), write summary.json and print the table."""
-    argv = evaluate_argv(work, model)
+    argv = evaluate_argv(work, model, time_scale=time_scale)
     print(f"== replaying the same day, policy and profiles in the simulator: {' '.join(argv)}", flush=True)
     t0 = time.monotonic()
-    task = asyncio.create_task(asyncio.to_thread(run_replay, work, model, workers=workers))
+    task = asyncio.create_task(asyncio.to_thread(run_replay, work, model, workers=workers, time_scale=time_scale))
     tick = progress_printer(f"{', '.join(REPLAY_POLICIES)} and the ground-truth capacities on {workers} workers",
                             lambda m: print(m, flush=True))
     while True:
@@ -739,7 +745,7 @@ async def _replay_and_summarise(work: Path, model: str, day: dict[str, Any], slo
     except Exception as exc:  # the live figures are still written
         error = f"{type(exc).__name__}: {exc}"
     summary = build_summary(work=work, model=model, day=day, slo=slo, live=live, replay=replay,
-                            replay_wall_s=time.monotonic() - t0, replay_error=error)
+                            replay_wall_s=time.monotonic() - t0, replay_error=error, time_scale=time_scale)
     path = write_summary(work, summary)
     print(f"== summary ({path}): live vs replay, same day, policy and profiles", flush=True)
     print(render_summary(summary), flush=True)

@@ -30,6 +30,7 @@ from typing import Any
 TRACE_FILE = "requests.jsonl"
 POLICY_FILE = "policy.yaml"
 PROFILES_FILE = "PROFILES.json"
+CONTROLLER_FILE = "controller.yaml"  # the live daemon's controller config: the replay's windows and timeouts
 SUMMARY_FILE = "summary.json"
 REPLAY_POLICIES = ("fleetplan", "fleetplan-vllm-only", "static-peak", "static-mean", "hpa", "oracle")
 ENGINES = ("vllm", "trtllm")
@@ -169,11 +170,17 @@ def _r(x: float | None, nd: int) -> float | None:
 # the replay
 
 
-def evaluate_argv(work: Path, model: str, *, policies: Sequence[str] = REPLAY_POLICIES) -> list[str]:
-    """`fleetplan evaluate` on the demo's own files: the command that reproduces the replay."""
-    return ["fleetplan", "evaluate", "--trace", str(work / TRACE_FILE), "--policy", str(work / POLICY_FILE),
+def evaluate_argv(work: Path, model: str, *, policies: Sequence[str] = REPLAY_POLICIES,
+                  time_scale: float | None = None) -> list[str]:
+    """`fleetplan evaluate` on the demo's own files: the command that reproduces the replay.
+    `time_scale`: the live daemon ran with work/CONTROLLER_FILE at this speed-up; the replay reads its
+    windows and waits its timeouts (None: the daemon's defaults)."""
+    argv = ["fleetplan", "evaluate", "--trace", str(work / TRACE_FILE), "--policy", str(work / POLICY_FILE),
             "--profiles", str(work / PROFILES_FILE), "--model", model, "--policies", ",".join(policies),
-            "--shared-engine-cache", "--json"]
+            "--shared-engine-cache"]
+    if time_scale is not None:
+        argv += ["--controller-config", str(work / CONTROLLER_FILE), "--time-scale", f"{time_scale:g}"]
+    return [*argv, "--json"]
 
 
 @dataclass(frozen=True)
@@ -184,14 +191,17 @@ class Replay:
     baseline_config: str | None
 
 
-def run_replay(work: Path, model: str, *, policies: Sequence[str] = REPLAY_POLICIES, workers: int = 2) -> Replay:
+def run_replay(work: Path, model: str, *, policies: Sequence[str] = REPLAY_POLICIES, workers: int = 2,
+               time_scale: float | None = None) -> Replay:
     """`fleetplan.sim.evaluate.evaluate` on work/requests.jsonl, work/policy.yaml, work/PROFILES.json,
     each read as `fleetplan evaluate` reads it (fleetplan/harness/cli/evaluate.py), with the options of
-    `evaluate_argv` (the default simulation settings but a shared engine cache, as the demo's agents
-    share one; rate scale 1, no day shaping)."""
+    `evaluate_argv`: a shared engine cache, as the demo's agents share one; the live daemon's windows
+    and timeouts from work/controller.yaml at `time_scale` (None: the daemon's defaults); rate scale
+    1, no day shaping."""
+    from fleetplan.controller.settings import ControllerSettings, load_settings
+    from fleetplan.harness.replay_settings import replay_settings
     from fleetplan.planner.policy import load_policy_text
     from fleetplan.shared.benchfiles import load_profiles
-    from fleetplan.sim.des import SimSettings
     from fleetplan.sim.evaluate import EvaluateOptions, evaluate
     from fleetplan.sim.traces import read_trace
 
@@ -201,9 +211,11 @@ def run_replay(work: Path, model: str, *, policies: Sequence[str] = REPLAY_POLIC
     trace = read_trace(trace_path)
     info: dict[str, Any] = {"file": str(trace_path), "requests_in_file": len(trace.requests),
                             "skipped_rows": trace.skipped, "rate_scale": 1.0, "day_s": None}
+    live_config = ControllerSettings() if time_scale is None else load_settings(work / CONTROLLER_FILE)
+    rs = replay_settings(live_config, time_scale=time_scale or 1.0, shared_engine_cache=True)
     ev = evaluate(trace, policy, profiles,
                   EvaluateOptions(policies=tuple(policies), model=model, workers=max(1, workers),
-                                  settings=SimSettings(shared_engine_cache=True)),
+                                  settings=rs.sim, control=rs.control),
                   trace_info=info)
     engine, label = _baseline(trace, policy, profiles, model)
     return Replay(ev, ev.to_json(), engine, label)
@@ -248,10 +260,11 @@ def replay_by_engine(name: str, figures: Mapping[str, Any], replay: Replay) -> t
 def build_summary(*, work: Path, model: str, day: Mapping[str, Any], slo: Mapping[str, float],
                   live: Mapping[str, Any], replay: Replay | None, replay_wall_s: float | None = None,
                   replay_error: str | None = None,
-                  policies: Sequence[str] = REPLAY_POLICIES) -> dict[str, Any]:
-    """summary.json: the live figures, the replay's per policy (same day, policy, profiles), the
-    command that reproduces the replay, and live vs replay fleetplan GPU-hours."""
-    argv = evaluate_argv(work, model, policies=policies)
+                  policies: Sequence[str] = REPLAY_POLICIES, time_scale: float | None = None) -> dict[str, Any]:
+    """summary.json: the live figures, the replay's per policy (same day, policy, profiles, and the
+    live daemon's windows at `time_scale`), the command that reproduces the replay, and live vs
+    replay fleetplan GPU-hours."""
+    argv = evaluate_argv(work, model, policies=policies, time_scale=time_scale)
     rep: dict[str, Any] = {"command": shlex.join(argv), "argv": argv,
                            "files": {"trace": str(work / TRACE_FILE), "policy": str(work / POLICY_FILE),
                                      "profiles": str(work / PROFILES_FILE)}}

@@ -28,6 +28,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from fleetplan.controller.settings import load_settings
+from fleetplan.harness.replay_settings import replay_settings
 from fleetplan.harness.rig_tools import (
     ISL,
     MAX_NUM_SEQS,
@@ -40,8 +42,8 @@ from fleetplan.harness.rig_tools import (
 )
 from fleetplan.planner.policy import load_policy_dict
 from fleetplan.shared.benchfiles import load_profiles
-from fleetplan.sim.control import ControlSettings, FleetplanController
-from fleetplan.sim.des import FleetSim, SimSettings
+from fleetplan.sim.control import FleetplanController
+from fleetplan.sim.des import FleetSim
 from fleetplan.sim.evaluate import make_environment
 from fleetplan.sim.groundtruth import build_params
 from fleetplan.sim.traces import Trace, TraceFormat, TraceRequest
@@ -102,7 +104,7 @@ def lab_lead_times(db: Path) -> tuple[float, float | None]:
     return startup, (builds[len(builds) // 2] - CYCLE_S / 2) if builds else None
 
 
-def _replay_decisions(trace: Trace, policy: Any, profiles: Any, startup_s: float, build_s: float | None,
+def _replay_decisions(trace: Trace, policy: Any, profiles: Any, config: Path, startup_s: float, build_s: float | None,
                       reloads: tuple[tuple[float, Any], ...] = ()) -> list[tuple[float, dict[str, int],
                                                                                 Counter[tuple[str, str]]]]:
     base = make_environment(policy)
@@ -110,11 +112,11 @@ def _replay_decisions(trace: Trace, policy: Any, profiles: Any, startup_s: float
         base, params_for=lambda c: build_params(c.engine, c.model, c.gpu, c.tp, c.precision, max_num_seqs=MAX_NUM_SEQS),
         startup_s=lambda c: startup_s,
         build_s=lambda c: build_s if build_s is not None and base.build_s(c) is not None else base.build_s(c))
-    settings = SimSettings(scrape_s=1.0 * K, scrape_delay_s=0.5 * K, window_s=8.0 * K, history_s=120.0 * K,
-                           history_step_s=2.0 * K, peak_window_s=2.0 * K, length_window_s=30.0 * K,
-                           warm_start=False)
-    control = ControlSettings(ready_timeout_s=60.0 * K, ack_timeout_s=5.0 * K, host_offline_grace_s=30.0 * K,
-                              drain_timeout_s=30.0 * K, drain_settle_s=1.5 * K, drain_poll_s=0.5 * K)
+    # the daemon's own controller config, at the lab's speed (`fleetplan evaluate --controller-config`);
+    # the lab's Prometheus scrapes every wall second
+    rs = replay_settings(load_settings(config), time_scale=K, scrape_s=1.0 * K, scrape_delay_s=0.5 * K,
+                         warm_start=False)
+    settings, control = rs.sim, rs.control
     ctl = FleetplanController("fleetplan", policy, profiles, reloads=reloads)
     sim = FleetSim(trace, ctl, env, settings, control=control)
     sim.run()
@@ -191,7 +193,8 @@ async def test_daemon_on_the_lab_and_replay_decide_alike(rig, controller_factory
     (tmp_path / "parity-trace.json").write_text(json.dumps(
         {"t0": t0, "reload_s": reloads[0][0],
          "requests": [[r.t_s, r.prompt_tokens, r.output_tokens] for r in trace.requests]}))
-    replay = _replay_decisions(trace, policy, load_profiles(PROFILES), *lab_lead_times(db), reloads=reloads)
+    replay = _replay_decisions(trace, policy, load_profiles(PROFILES), ctrl.config, *lab_lead_times(db),
+                               reloads=reloads)
     daemon_rel = [(t - t0, c, a) for t, c, a in daemon if t - t0 <= trace.requests[-1].t_s]
     # the scenario did what it is for: a build, a step up and down, the swap to vLLM
     kinds = Counter(k for _, _, acts in daemon_rel for (k, _) in acts)

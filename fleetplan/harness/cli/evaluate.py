@@ -2,6 +2,7 @@
 
     fleetplan evaluate --trace FILE --policy P.yaml --profiles PROFILES.json [--json] [--out DIR]
                        [--day-s S] [--rate-scale R] [--model M] [--policies a,b,...] [--workers N]
+                       [--controller-config controller.yaml [--time-scale K]]
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--shared-engine-cache", action="store_true",
                    help="the hosts share one engine cache directory: a TensorRT-LLM engine built on one host "
                    "serves on every host of its GPU type (default: only where it was built)")
+    p.add_argument("--controller-config", type=Path, default=None,
+                   help="the daemon's controller config (YAML, as `fleetplan daemon --config`): the replay "
+                        "reads its observation windows and waits its timeouts (default: the daemon's defaults)")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="with --controller-config: its wall seconds are this many simulated seconds (a lab whose "
+                        "engines run K x faster, as the demo's; default 1)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="engines compute every prompt in full (default: their prefix caches hold the trace's "
                         "shared prompt blocks, where the trace has them)")
@@ -48,10 +55,10 @@ def register(subparsers: Any) -> None:
 
 
 def _handle(args: argparse.Namespace) -> int:
+    from fleetplan.harness.replay_settings import replay_settings
     from fleetplan.planner.policy import PolicyError, load_policy_text
     from fleetplan.shared.atomic import atomic_write_text
     from fleetplan.shared.benchfiles import load_profiles
-    from fleetplan.sim.des import SimSettings
     from fleetplan.sim.evaluate import (
         EvaluateError,
         EvaluateOptions,
@@ -66,6 +73,10 @@ def _handle(args: argparse.Namespace) -> int:
         policies = parse_policy_list(args.policies)
         if args.rate_scale <= 0:
             raise EvaluateError(f"--rate-scale must be > 0, got {args.rate_scale}")
+        if not args.time_scale > 0:
+            raise EvaluateError(f"--time-scale must be > 0, got {args.time_scale}")
+        if args.time_scale != 1.0 and args.controller_config is None:
+            raise EvaluateError("--time-scale scales the wall seconds of --controller-config; give both")
         if args.day_s is not None and args.day_s <= 0:
             raise EvaluateError(f"--day-s must be > 0, got {args.day_s}")
         try:
@@ -84,11 +95,12 @@ def _handle(args: argparse.Namespace) -> int:
             trace = reshape(trace, duration_s=trace.duration_s, rate_scale=args.rate_scale)
         from fleetplan.sim.router import RouteMode
 
-        settings = SimSettings(routing=RouteMode(args.routing), prefix_cache=not args.no_prefix_cache,
-                               shared_engine_cache=args.shared_engine_cache)
+        replay = replay_settings(_controller_settings(args.controller_config), time_scale=args.time_scale,
+                                 routing=RouteMode(args.routing), prefix_cache=not args.no_prefix_cache,
+                                 shared_engine_cache=args.shared_engine_cache)
         ev = evaluate(trace, policy, profiles,
                       EvaluateOptions(policies=policies, model=args.model, workers=max(1, args.workers),
-                                      settings=settings),
+                                      settings=replay.sim, control=replay.control),
                       trace_info=info)
     except (EvaluateError, TraceError, PolicyError, ValueError) as exc:
         print(f"fleetplan evaluate: {exc}", file=sys.stderr)
@@ -105,3 +117,16 @@ def _handle(args: argparse.Namespace) -> int:
         if args.out is not None:
             print(f"charts: {args.out / 'evaluation.png'} {args.out / 'evaluation.html'}")
     return 0
+
+
+def _controller_settings(path: Path | None) -> Any:
+    """The daemon's controller config at `path` (its defaults when None), read as the daemon reads it."""
+    from fleetplan.controller.settings import ControllerSettings, load_settings
+    from fleetplan.sim.evaluate import EvaluateError
+
+    if path is None:
+        return ControllerSettings()
+    try:
+        return load_settings(path)
+    except SystemExit as exc:  # load_settings' message names the file, the field and the value
+        raise EvaluateError(f"--controller-config {exc.code}") from None

@@ -1,0 +1,92 @@
+"""The replay reads the daemon's own config (fleetplan/harness/replay_settings.py): its observation
+windows and timeouts, in simulated seconds; a replay without one is the daemon with its defaults."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fleetplan.controller.settings import ControllerSettings, load_settings
+from fleetplan.harness.cli import main as cli_main
+from fleetplan.harness.demo import DEMO_MODEL_70B, day_requests, demo_policy
+from fleetplan.harness.demo_summary import write_trace
+from fleetplan.harness.replay_settings import ReplaySettings, replay_settings
+from fleetplan.harness.rig_tools import PROFILES  # the lab's profiles (70B TP4, vLLM + TRT-LLM)
+from fleetplan.planner.policy import load_policy_text
+from fleetplan.shared.benchfiles import load_profiles
+from fleetplan.sim.des import FleetSim
+from fleetplan.sim.evaluate import make_controller, make_environment, prepare_trace
+from fleetplan.sim.traces import read_trace
+
+
+def test_a_replay_without_a_config_is_the_daemon_with_its_defaults() -> None:
+    # SimSettings and ControlSettings repeat the daemon's defaults; this is where they must agree
+    assert replay_settings(ControllerSettings()) == ReplaySettings()
+
+
+def test_wall_seconds_of_a_lab_at_k_times_real_time_are_k_simulated_seconds() -> None:
+    live = ControllerSettings(observe_window_s=12.0, history_s=40.0, history_step_s=2.0, peak_window_s=2.0,
+                              length_window_s=30.0, ready_timeout_s=60.0, drain_timeout_s=30.0, cycle_s=90.0)
+    rs = replay_settings(live, time_scale=20.0, shared_engine_cache=True)
+    assert (rs.sim.window_s, rs.sim.history_s, rs.sim.history_step_s, rs.sim.peak_window_s,
+            rs.sim.length_window_s) == (240.0, 800.0, 40.0, 40.0, 600.0)
+    assert (rs.control.ready_timeout_s, rs.control.drain_timeout_s) == (1200.0, 600.0)
+    assert rs.control.cycle_s == 90.0  # already simulated seconds (the policy's unit)
+    assert rs.sim.shared_engine_cache
+    with pytest.raises(ValueError, match="time_scale"):
+        replay_settings(live, time_scale=0.0)
+
+
+def test_the_daemons_history_fits_one_prometheus_range_query(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="history_s 691200 / history_step_s 30 = 23040 points"):
+        ControllerSettings(history_s=8 * 86400.0)
+    ControllerSettings(history_s=8 * 86400.0, history_step_s=300.0)  # coarser steps: fits
+    bad = tmp_path / "controller.yaml"
+    bad.write_text("history_s: 691200\n")
+    with pytest.raises(SystemExit, match=r"controller.yaml: history_s 691200 / history_step_s 30 .* raise "
+                                         r"history_step_s to 63 or more"):
+        load_settings(bad)
+
+
+def _demo_files(tmp_path: Path) -> tuple[Path, Path]:
+    reqs = day_requests(900.0, base_rps=0.05, peak_rps=0.4, isl=512, osl=128, model=DEMO_MODEL_70B, seed=5)
+    write_trace(tmp_path / "requests.jsonl", reqs)
+    policy = demo_policy(models=(DEMO_MODEL_70B,), isl=512, osl=128, ttft_p99_ms=1000.0, itl_p99_ms=30.0,
+                         cycle_s=60.0, max_actions=4, trtllm_cached=False, hosts=[("host-a", 8)])
+    policy["models"][0]["allowed"]["tp"] = [4]
+    (tmp_path / "policy.yaml").write_text(json.dumps(policy))
+    return tmp_path / "requests.jsonl", tmp_path / "policy.yaml"
+
+
+def test_the_replay_cycles_and_reads_as_the_config_says(tmp_path: Path) -> None:
+    trace_path, policy_path = _demo_files(tmp_path)
+    policy = load_policy_text(policy_path.read_text(), str(policy_path))
+    trace = prepare_trace(read_trace(trace_path), policy, DEMO_MODEL_70B)
+    rs = replay_settings(ControllerSettings(cycle_s=120.0, observe_window_s=12.0), time_scale=10.0)
+    sim = FleetSim(trace, make_controller("fleetplan", trace, policy, load_profiles(PROFILES)),
+                   make_environment(policy), rs.sim, control=rs.control)
+    sim.run()
+    assert sim.control is not None and sim.prom.window_s == 120.0
+    times = sorted({t for t, _ in sim.control.decisions})
+    assert len(times) >= 5 and {round(b - a) for a, b in zip(times, times[1:], strict=False)} == {120}
+
+
+def test_evaluate_takes_the_daemons_config_and_refuses_a_bad_one(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    trace_path, policy_path = _demo_files(tmp_path)
+    base = ["evaluate", "--trace", str(trace_path), "--policy", str(policy_path), "--profiles", str(PROFILES),
+            "--model", DEMO_MODEL_70B, "--policies", "fleetplan", "--workers", "1", "--json"]
+    cfg = tmp_path / "controller.yaml"
+    cfg.write_text(yaml.safe_dump({"observe_window_s": 6.0, "history_s": 600.0, "history_step_s": 3.0}))
+    assert cli_main([*base, "--controller-config", str(cfg), "--time-scale", "20"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["policies"]["fleetplan"]["gpu_hours"] > 0
+    cfg.write_text("observe_window_s: -1\n")
+    assert cli_main([*base, "--controller-config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "controller.yaml: observe_window_s = -1" in err and err.count("\n") == 1
+    assert cli_main([*base, "--time-scale", "20"]) == 2
+    assert "give both" in capsys.readouterr().err
