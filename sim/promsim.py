@@ -154,6 +154,7 @@ class PromSim:
         self.model_done: dict[str, list[tuple[float, float]]] = {}
         self._done_total: dict[str, float] = {}
         self._last_done: dict[str, float] = {}
+        self._history_done: dict[str, dict[float, float | None]] = {}  # model -> end -> final history rate
 
     # ---- scraping ------------------------------------------------------------------------------
     def set_targets(self, targets: Iterable[tuple[str, str]]) -> None:
@@ -318,12 +319,25 @@ class PromSim:
             # no rate before the model's first scrape: a history of days is not walked from its start
             first = hist[0][0] if hist else t_s
             avail = min(n, int(max(0.0, t_s - first) // self.history_step_s) + 1)
+            # a point whose window ends before the visible data does is final: read once, kept (a
+            # replay of days reads 8,640 points per cycle, as the daemon keeps what it read)
+            done = self._history_done.setdefault(model, {})
             pts = []
             for k in range(avail, -1, -1):
                 end = t_s - k * self.history_step_s
-                r = self._model_rate(model, end, w, vis)
+                key = round(end, 6)
+                if key in done:
+                    r = done[key]
+                else:
+                    r = self._model_rate(model, end, w, vis)
+                    if end <= vis:
+                        done[key] = r
                 if r is not None:
                     pts.append((self._wall(end), r))
+            if len(done) > 2 * (n + 2):
+                oldest = t_s - (n + 1) * self.history_step_s
+                for key in [x for x in done if x < oldest]:
+                    del done[key]
             if pts:
                 out.append(Series({"model": model}, tuple(pts)))
         return tuple(out)
