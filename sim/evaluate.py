@@ -17,7 +17,7 @@ import random
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -562,6 +562,11 @@ def evaluate(trace: Trace, policy: Policy, profiles: ProfileSet, options: Evalua
         "models": models,
         "mean_prompt_tokens": {m: round(mixes[m][0], 1) for m in models},
         "mean_output_tokens": {m: round(mixes[m][1], 1) for m in models},
+        # what the replayed daemon read and waited (simulated seconds): its config's, or its defaults
+        "replay_settings": {
+            **{k: getattr(opts.settings, k) for k in ("window_s", "peak_window_s", "length_window_s", "history_s",
+                                                      "history_step_s", "scrape_s", "scrape_delay_s")},
+            **asdict(opts.control)},
     })
     return Evaluation(
         trace=info,

@@ -88,7 +88,9 @@ def _handle(args: argparse.Namespace) -> int:
         trace = read_trace(args.trace)
         info: dict[str, Any] = {"file": str(args.trace), "requests_in_file": len(trace.requests),
                                 "skipped_rows": trace.skipped, "rate_scale": args.rate_scale,
-                                "day_s": args.day_s}
+                                "day_s": args.day_s,
+                                "controller_config": None if args.controller_config is None else str(args.controller_config),
+                                "time_scale": args.time_scale}
         if args.day_s is not None:
             trace = shape_day(trace, args.day_s, args.rate_scale)
         elif args.rate_scale != 1.0:

@@ -85,6 +85,9 @@ def test_evaluate_takes_the_daemons_config_and_refuses_a_bad_one(tmp_path: Path,
     assert cli_main([*base, "--controller-config", str(cfg), "--time-scale", "20"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["policies"]["fleetplan"]["gpu_hours"] > 0
+    read = doc["trace"]["replay_settings"]  # what the replay read, in simulated seconds
+    assert (read["window_s"], read["history_s"], read["history_step_s"]) == (120.0, 12000.0, 60.0)
+    assert read["cycle_s"] is None and doc["trace"]["controller_config"] == str(cfg)
     cfg.write_text("observe_window_s: -1\n")
     assert cli_main([*base, "--controller-config", str(cfg)]) == 2
     err = capsys.readouterr().err
