@@ -183,8 +183,9 @@ class Agent:
         self.instances: dict[str, _Instance] = {}
         self.builds: dict[str, _Build] = {}
         self.engines: dict[str, CachedEngine] = {}
-        # engine directories of the cache whose manifest this host cannot use (another GPU type, or a
-        # manifest describing another engine): read once, not every reconcile pass, and warned once
+        # engine directories of the cache whose manifest this host cannot use (another GPU type, a
+        # manifest describing another engine, or one that does not parse): read again, and warned of
+        # again, only when the manifest changes, not every reconcile pass
         self._foreign_engines: dict[str, int] = {}  # name -> manifest mtime (read_engine_manifests)
         self._scan: asyncio.Task[CacheScan] | None = None  # a cache directory read still running
         self._scan_slow = False  # its slowness was logged
