@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,13 @@ import yaml
 from fleetplan.controller.settings import ControllerSettings, load_settings
 from fleetplan.harness.cli import main as cli_main
 from fleetplan.harness.demo import DEMO_MODEL_70B, day_requests, demo_policy
-from fleetplan.harness.demo_summary import write_trace
+from fleetplan.harness.demo_summary import (
+    CONTROLLER_FILE,
+    PROFILES_FILE,
+    evaluate_argv,
+    run_replay,
+    write_trace,
+)
 from fleetplan.harness.replay_settings import ReplaySettings, replay_settings
 from fleetplan.harness.rig_tools import PROFILES  # the lab's profiles (70B TP4, vLLM + TRT-LLM)
 from fleetplan.planner.policy import load_policy_text
@@ -94,3 +101,25 @@ def test_evaluate_takes_the_daemons_config_and_refuses_a_bad_one(tmp_path: Path,
     assert "controller.yaml: observe_window_s = -1" in err and err.count("\n") == 1
     assert cli_main([*base, "--time-scale", "20"]) == 2
     assert "give both" in capsys.readouterr().err
+
+
+def test_the_demos_recorded_command_reproduces_its_replay_with_the_live_config(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The demo writes the live daemon's config (D/controller.yaml, as `Rig.write_controller_config`
+    dumps it) and records `fleetplan evaluate ... --controller-config D/controller.yaml --time-scale
+    20`: that command gives the figures of the demo's own replay."""
+    _demo_files(tmp_path)
+    shutil.copy(PROFILES, tmp_path / PROFILES_FILE)
+    live = ControllerSettings(lab_dir=tmp_path, observe_window_s=12.0, history_s=40.0, history_step_s=2.0,
+                              peak_window_s=2.0, length_window_s=30.0, ready_timeout_s=60.0)
+    (tmp_path / CONTROLLER_FILE).write_text(yaml.safe_dump(json.loads(live.model_dump_json(exclude_none=True))))
+    replay = run_replay(tmp_path, DEMO_MODEL_70B, policies=("fleetplan",), workers=1, time_scale=20.0)
+    argv = evaluate_argv(tmp_path, DEMO_MODEL_70B, policies=("fleetplan",), time_scale=20.0)
+    assert argv[argv.index("--controller-config") + 1] == str(tmp_path / CONTROLLER_FILE)
+    assert cli_main([*argv[1:], "--workers", "1"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["trace"]["replay_settings"]["window_s"] == 240.0
+    assert doc["policies"]["fleetplan"]["gpu_hours"] == pytest.approx(
+        replay.doc["policies"]["fleetplan"]["gpu_hours"], abs=1e-9)
+    default = run_replay(tmp_path, DEMO_MODEL_70B, policies=("fleetplan",), workers=1)
+    assert default.doc["trace"]["replay_settings"]["window_s"] == 60.0  # without the config: the defaults
