@@ -105,15 +105,19 @@ def forecast_rate(
     """The q-quantile of the request rate over (now, now + horizon]. `sample_window_s`: the window
     each history rate was read over; the margin then leaves out their Poisson count noise
     (`_without_count_noise`). None: the residuals are taken as they are."""
-    pts = sorted((float(t), float(r)) for t, r in history
-                 if math.isfinite(t) and math.isfinite(r) and r >= 0 and t <= now_s)
-    cur = current_rps if current_rps is not None else (pts[-1][1] if pts else None)
+    # in numpy: a day at 30 s steps is 2,880 samples per model and cycle, 3 days 8,640 (a Python sort
+    # of them took half of the forecast's time: 8.8 -> 4.7 ms per call at 8,640)
+    raw = np.array(history, dtype=float).reshape(-1, 2)
+    with np.errstate(invalid="ignore"):
+        raw = raw[np.isfinite(raw).all(axis=1) & (raw[:, 1] >= 0) & (raw[:, 0] <= now_s)]
+    raw = raw[np.lexsort((raw[:, 1], raw[:, 0]))]  # by time, then rate: as sorted() on the pairs
+    cur = current_rps if current_rps is not None else (float(raw[-1, 1]) if len(raw) else None)
     if cur is None:
         return Forecast(0.0, "none", horizon_s, quantile)
-    if len(pts) < MIN_SAMPLES:
+    if len(raw) < MIN_SAMPLES:
         return Forecast(float(cur), "current", horizon_s, quantile, float(cur))
-    t = np.array([p[0] for p in pts], dtype=float) - now_s
-    y = np.array([p[1] for p in pts], dtype=float)
+    t = raw[:, 0] - now_s
+    y = raw[:, 1].copy()
     if current_rps is not None and t[-1] < -1.0:
         t = np.append(t, 0.0)  # the current rate is the newest sample
         y = np.append(y, float(current_rps))

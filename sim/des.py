@@ -107,7 +107,7 @@ class SimSettings:
     # the observation windows: the daemon's defaults (controller/settings.py; `fleetplan evaluate
     # --controller-config` takes them from the daemon's own config: fleetplan/harness/replay_settings.py)
     window_s: float = 60.0  # rate()/histogram window
-    history_s: float = 3 * 86400.0
+    history_s: float = 86400.0
     history_step_s: float = 30.0
     timeline_s: float = 10.0  # resolution of the demand/capacity timeline
     demand_window_s: float = 60.0  # true demand for timeline / lag / unmet: trailing window

@@ -320,7 +320,7 @@ class PromSim:
             first = hist[0][0] if hist else t_s
             avail = min(n, int(max(0.0, t_s - first) // self.history_step_s) + 1)
             # a point whose window ends before the visible data does is final: read once, kept (a
-            # replay of days reads 8,640 points per cycle, as the daemon keeps what it read)
+            # replay of days reads 2,880 points per cycle and model, as the daemon keeps what it read)
             done = self._history_done.setdefault(model, {})
             pts = []
             for k in range(avail, -1, -1):
