@@ -30,12 +30,26 @@ class ReplaySettings:
     control: ControlSettings = field(default_factory=ControlSettings)
 
 
-def replay_settings(cs: ControllerSettings, *, time_scale: float = 1.0, **sim_over: Any) -> ReplaySettings:
-    """The replay's windows and timeouts for a daemon run with `cs` at `time_scale`; `sim_over`:
-    further SimSettings fields (routing, prefix cache, the shared engine cache, the scrape)."""
+def replay_settings(cs: ControllerSettings, *, time_scale: float = 1.0, scrape_interval_s: float | None = None,
+                    **sim_over: Any) -> ReplaySettings:
+    """The replay's windows and timeouts for a daemon run with `cs` at `time_scale`;
+    `scrape_interval_s`: the Prometheus' scrape interval for the engines, wall seconds (None: the
+    replay's default); `sim_over`: further SimSettings fields (routing, prefix cache, the shared
+    engine cache). A burst window shorter than two scrape intervals is refused: the daemon's burst
+    query needs two samples in it (controller/settings.py `peak_window_s`), so the config is wrong
+    for the live daemon as well."""
     if not time_scale > 0:
         raise ValueError(f"time_scale must be > 0, got {time_scale!r}")
     k = time_scale
+    if scrape_interval_s is not None:
+        if not scrape_interval_s > 0:
+            raise ValueError(f"the scrape interval must be > 0 s, got {scrape_interval_s!r}")
+        if cs.peak_window_s < 2 * scrape_interval_s:
+            raise ValueError(f"peak_window_s {cs.peak_window_s:g} of the controller config is shorter than two "
+                             f"scrape intervals (2 x {scrape_interval_s:g} s): the burst query sees one sample or "
+                             f"none; set peak_window_s >= {2 * scrape_interval_s:g}")
+        sim_over = {"scrape_s": scrape_interval_s * k,
+                    "scrape_delay_s": min(SimSettings().scrape_delay_s, scrape_interval_s * k / 2), **sim_over}
     sim = replace(SimSettings(), window_s=cs.observe_window_s * k, peak_window_s=cs.peak_window_s * k,
                   length_window_s=cs.length_window_s * k, history_s=cs.history_s * k,
                   history_step_s=cs.history_step_s * k, **sim_over)

@@ -2,7 +2,7 @@
 
     fleetplan evaluate --trace FILE --policy P.yaml --profiles PROFILES.json [--json] [--out DIR]
                        [--day-s S] [--rate-scale R] [--model M] [--policies a,b,...] [--workers N]
-                       [--controller-config controller.yaml [--time-scale K]]
+                       [--controller-config controller.yaml [--time-scale K]] [--scrape-interval-s S]
 """
 
 from __future__ import annotations
@@ -48,6 +48,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="with --controller-config: its wall seconds are this many simulated seconds (a lab whose "
                         "engines run K x faster, as the demo's; default 1)")
+    p.add_argument("--scrape-interval-s", type=float, default=None,
+                   help="your Prometheus' scrape_interval for the engines, in the config's wall seconds "
+                        "(default 15); a controller config whose peak_window_s is shorter than two of them is refused")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="engines compute every prompt in full (default: their prefix caches hold the trace's "
                         "shared prompt blocks, where the trace has them)")
@@ -98,7 +101,7 @@ def _handle(args: argparse.Namespace) -> int:
         from fleetplan.sim.router import RouteMode
 
         replay = replay_settings(_controller_settings(args.controller_config), time_scale=args.time_scale,
-                                 routing=RouteMode(args.routing), prefix_cache=not args.no_prefix_cache,
+                                 scrape_interval_s=args.scrape_interval_s, routing=RouteMode(args.routing), prefix_cache=not args.no_prefix_cache,
                                  shared_engine_cache=args.shared_engine_cache)
         ev = evaluate(trace, policy, profiles,
                       EvaluateOptions(policies=policies, model=args.model, workers=max(1, args.workers),

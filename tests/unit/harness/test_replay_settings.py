@@ -101,6 +101,13 @@ def test_evaluate_takes_the_daemons_config_and_refuses_a_bad_one(tmp_path: Path,
     assert "controller.yaml: observe_window_s = -1" in err and err.count("\n") == 1
     assert cli_main([*base, "--time-scale", "20"]) == 2
     assert "give both" in capsys.readouterr().err
+    # a Prometheus scraping every 60 s: the default 30 s burst window sees one sample; said, exit 2
+    assert cli_main([*base, "--scrape-interval-s", "60"]) == 2
+    err = capsys.readouterr().err
+    assert "peak_window_s 30 of the controller config is shorter than two scrape intervals" in err
+    cfg.write_text(yaml.safe_dump({"peak_window_s": 120.0}))
+    assert cli_main([*base, "--controller-config", str(cfg), "--scrape-interval-s", "60"]) == 0
+    assert json.loads(capsys.readouterr().out)["trace"]["replay_settings"]["scrape_s"] == 60.0
 
 
 def test_the_demos_recorded_command_reproduces_its_replay_with_the_live_config(
