@@ -117,7 +117,7 @@ def forecast_rate(
     if len(raw) < MIN_SAMPLES:
         return Forecast(float(cur), "current", horizon_s, quantile, float(cur))
     t = raw[:, 0] - now_s
-    y = raw[:, 1].copy()
+    y = raw[:, 1]
     if current_rps is not None and t[-1] < -1.0:
         t = np.append(t, 0.0)  # the current rate is the newest sample
         y = np.append(y, float(current_rps))
