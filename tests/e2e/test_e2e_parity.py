@@ -113,8 +113,8 @@ def _replay_decisions(trace: Trace, policy: Any, profiles: Any, config: Path, st
         startup_s=lambda c: startup_s,
         build_s=lambda c: build_s if build_s is not None and base.build_s(c) is not None else base.build_s(c))
     # the daemon's own controller config, at the lab's speed (`fleetplan evaluate --controller-config`);
-    # the lab's Prometheus scrapes every wall second
-    rs = replay_settings(load_settings(config), time_scale=K, scrape_s=1.0 * K, scrape_delay_s=0.5 * K,
+    # the lab's Prometheus scrapes every wall second, its samples visible half a second later
+    rs = replay_settings(load_settings(config), time_scale=K, scrape_interval_s=1.0, scrape_delay_s=0.5 * K,
                          warm_start=False)
     settings, control = rs.sim, rs.control
     ctl = FleetplanController("fleetplan", policy, profiles, reloads=reloads)
