@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fleetplan.controller.reporting import audit_log
-from fleetplan.controller.settings import ControllerSettings, load_settings
+from fleetplan.controller.settings import ControllerSettings, SettingsError, load_settings
 from fleetplan.controller.state import StateStore
 
 if TYPE_CHECKING:
@@ -168,7 +168,10 @@ def run_from_args(args: argparse.Namespace, prepare: SettingsHook | None = None)
         audit_log.setLevel(logging.INFO)
         audit_log.propagate = False
     config = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
-    settings = load_settings(config)
+    try:
+        settings = load_settings(config)
+    except SettingsError as exc:
+        raise SystemExit(str(exc)) from None
     reload: Callable[[], None] | None = None
     if prepare is not None:
         settings, reload = prepare(settings)

@@ -90,19 +90,26 @@ class ControllerSettings(BaseModel):
         return self
 
 
+class SettingsError(ValueError):
+    """A controller config that cannot be read or is not valid; the message names the file, the
+    field and the value. The daemon's entry point turns it into its exit; `fleetplan evaluate` and
+    the demo into theirs."""
+
+
 def load_settings(path: str | Path | None) -> ControllerSettings:
+    """The controller config at `path` (the defaults when None); SettingsError when it cannot be used."""
     if path is None:
         return ControllerSettings()
     p = Path(path)
     try:
         data = yaml.safe_load(p.read_text()) or {}
     except (OSError, yaml.YAMLError) as exc:
-        raise SystemExit(f"{p}: cannot read controller config: {exc}") from None
+        raise SettingsError(f"{p}: cannot read controller config: {exc}") from None
     try:
         return ControllerSettings.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = ".".join(str(x) for x in err["loc"])
         if not loc:  # a rule across fields: its message names them
-            raise SystemExit(f"{p}: {err['msg'].removeprefix('Value error, ')}") from None
-        raise SystemExit(f"{p}: {loc} = {err.get('input')!r}: {err['msg']}") from None
+            raise SettingsError(f"{p}: {err['msg'].removeprefix('Value error, ')}") from None
+        raise SettingsError(f"{p}: {loc} = {err.get('input')!r}: {err['msg']}") from None

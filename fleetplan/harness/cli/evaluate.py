@@ -126,12 +126,12 @@ def _handle(args: argparse.Namespace) -> int:
 
 def _controller_settings(path: Path | None) -> Any:
     """The daemon's controller config at `path` (its defaults when None), read as the daemon reads it."""
-    from fleetplan.controller.settings import ControllerSettings, load_settings
+    from fleetplan.controller.settings import ControllerSettings, SettingsError, load_settings
     from fleetplan.sim.evaluate import EvaluateError
 
     if path is None:
         return ControllerSettings()
     try:
         return load_settings(path)
-    except SystemExit as exc:  # load_settings' message names the file, the field and the value
-        raise EvaluateError(f"--controller-config {exc.code}") from None
+    except SettingsError as exc:  # its message names the file, the field and the value
+        raise EvaluateError(f"--controller-config {exc}") from None

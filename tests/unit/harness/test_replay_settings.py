@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fleetplan.controller.settings import ControllerSettings, load_settings
+from fleetplan.controller.settings import ControllerSettings, SettingsError, load_settings
 from fleetplan.harness.cli import main as cli_main
 from fleetplan.harness.demo import DEMO_MODEL_70B, day_requests, demo_policy
 from fleetplan.harness.demo_summary import (
@@ -54,9 +54,26 @@ def test_the_daemons_history_fits_one_prometheus_range_query(tmp_path: Path) -> 
     ControllerSettings(history_s=8 * 86400.0, history_step_s=300.0)  # coarser steps: fits
     bad = tmp_path / "controller.yaml"
     bad.write_text("history_s: 691200\n")
-    with pytest.raises(SystemExit, match=r"controller.yaml: history_s 691200 / history_step_s 30 .* raise "
+    with pytest.raises(SettingsError, match=r"controller.yaml: history_s 691200 / history_step_s 30 .* raise "
                                          r"history_step_s to 63 or more"):
         load_settings(bad)
+
+
+def test_the_daemon_refuses_a_bad_controller_config_naming_the_file_and_the_fields(tmp_path: Path) -> None:
+    """load_settings raises SettingsError (a ValueError: the demo's and evaluate's handlers catch it);
+    the daemon's entry point turns it into its exit with the same line."""
+    import subprocess
+    import sys
+
+    bad = tmp_path / "controller.yaml"
+    bad.write_text("history_s: 691200\n")
+    policy = Path(__file__).resolve().parents[3] / "config" / "example-policy.yaml"
+    out = subprocess.run([sys.executable, "-m", "fleetplan", "controller", "--policy", str(policy), "--config",
+                          str(bad), "--state-db", str(tmp_path / "state.db")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert f"{bad}: history_s 691200 / history_step_s 30" in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "state.db").exists()  # refused before anything was opened
 
 
 def _demo_files(tmp_path: Path) -> tuple[Path, Path]:
