@@ -263,6 +263,9 @@ class Observer:
         q[Query.UP] = up
         q[Query.REPLICA_RUNNING] = f"sum by ({REPLICA_LABEL}) ({self._sel(_RUNNING)})"
         q[Query.REPLICA_WAITING] = f"sum by ({REPLICA_LABEL}) ({self._sel(_WAITING)})"
+        # a replica ready inside the window is counted from its start (planner/observation.py)
+        q[Query.REPLICA_RATE] = self._arrival_rate_query(REPLICA_LABEL)
+        q[Query.REPLICA_DONE] = f"sum by ({REPLICA_LABEL}) ({self._sel(_REQ_SUCCESS)})"
         # how much of the window each target's samples cover (planner/observation.py window_full).
         # The first sample in the window: a subquery of the samples' own timestamps, each step
         # looking back only one step (else the 5 min lookback would find a sample from before a
@@ -316,15 +319,16 @@ class Observer:
                           time_scale=self.config.time_scale, replica_label=REPLICA_LABEL, moments=moments,
                           length_window_s=max(self.config.length_window_s, self.config.window_s))
 
-    def _arrival_rate_query(self) -> str:
+    def _arrival_rate_query(self, *more: str) -> str:
         """Arrivals = completions + growth of the requests in the engine (running + waiting).
 
         Engines export no arrival counter, and the completion rate stops rising once a fleet
         saturates while the queue grows: e.g. 10 rps completed with a queue growing by 3 per second
         is an arrival rate of 13 rps, the number the planner must size for. A model whose queue
-        gauges are missing falls back to the completion rate.
+        gauges are missing falls back to the completion rate. `more`: labels to keep besides the
+        model's (per replica: `replica`).
         """
-        w, by = self._window(), self._by()
+        w, by = self._window(), self._by(*more)
         done = f"sum by ({by}) (rate({self._sel(_REQ_SUCCESS)}[{w}]))"
         # one deriv() per gauge: deriv drops the name, and two names in one vector would clash
         growth = " + ".join(f"sum by ({by}) (deriv({self._sel(g)}[{w}]))" for g in (_WAITING, _RUNNING))
@@ -375,18 +379,20 @@ class Observer:
         expected_replicas: Iterable[str] | None = None,
         serving: Mapping[str, str] | None = None,
         router_down: bool = False,
+        ready_wall_s: Mapping[str, float] | None = None,
     ) -> Snapshot:
         """Observe `models` (plus any model seen in Prometheus). `now_s`: controller clock.
 
         `expected_replicas`: the replicas the controller runs; a down target outside this set
         (a replica being removed, not yet gone from file_sd) does not make its model stale.
         `serving`: replica id -> model of the replicas nginx sends requests to (planner/observation.py).
+        `ready_wall_s`: replica id -> when it became ready (unix seconds, the state store's records).
         """
         readings = await self.fetch(with_history=with_history)
         now = readings.wall_s if now_s is None else now_s
         view = interpret(readings, models, now_s=now, rules=self.config.rules(), canonical=self.canonical,
                          expected_replicas=frozenset(expected_replicas) if expected_replicas is not None else None,
-                         serving=serving, router_down=router_down)
+                         serving=serving, router_down=router_down, ready_wall_s=ready_wall_s)
         if readings.error is not None:
             log.warning("fail static: %s", readings.error)
             return Snapshot(view.models, view.replicas, view.alerts, False, readings.wall_s, now)

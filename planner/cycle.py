@@ -91,14 +91,15 @@ def _window_mean(moments: Mapping[str, tuple[float, float]] | None, model: str, 
 def observe(readings: Readings, evidence: ev.Evidence | None, models: Iterable[str], *, now_s: float,
             rules: ObserveRules, replicas: Sequence[Replica] | None,
             canonical: Callable[[str], str] = str, expected_replicas: Collection[str] | None = None,
-            serving: Mapping[str, str] | None = None) -> Observed:
+            serving: Mapping[str, str] | None = None, ready_wall_s: Mapping[str, float] | None = None) -> Observed:
     """Raw readings (and evidence) -> what they mean. `replicas`: the fleet the evidence is read
     against (None: per-model numbers only). `expected_replicas`: the replicas the controller runs;
-    `serving`: replica id -> model of the replicas the router sends requests to."""
+    `serving`: replica id -> model of the replicas the router sends requests to; `ready_wall_s`:
+    replica id -> when it became ready (unix seconds: planner/observation.py `interpret`)."""
     names = list(models)
     view = interpret(readings, names, now_s=now_s, rules=rules, canonical=canonical,
                      expected_replicas=frozenset(expected_replicas) if expected_replicas is not None else None,
-                     serving=serving)
+                     serving=serving, ready_wall_s=ready_wall_s)
     if readings.error is not None:
         evidence = None
     wanted = list(dict.fromkeys([canonical(m) for m in names]))

@@ -88,6 +88,11 @@ class Query(Enum):
     # prompt tokens looked up in the prefix cache, and found there, per wall second (per model)
     PREFIX_QUERIES = "prefix_queries"
     PREFIX_HITS = "prefix_hits"
+    # per scrape target: its arrival rate (as RATE, wall rps) and its completions counter's latest
+    # value (requests completed since its process started): a replica started inside the window is
+    # counted exactly from them (see `interpret`, `started_inside`)
+    REPLICA_RATE = "replica_rate"
+    REPLICA_DONE = "replica_done"
 
 
 @dataclass(frozen=True)
@@ -342,10 +347,37 @@ def _history(readings: Readings, rules: ObserveRules, now_s: float,
     return out
 
 
+def started_inside(ready_wall_s: float | None, *, eval_s: float, window_s: float) -> bool:
+    """Whether a replica became ready inside the rate window (eval_s - window_s, eval_s]: it served
+    no request before (the router sends none to a replica that is not ready), so its counters, at
+    0 when its process started, hold exactly the window's requests.
+
+    >>> started_inside(970.0, eval_s=1000.0, window_s=60.0), started_inside(900.0, eval_s=1000.0, window_s=60.0)
+    (True, False)
+    >>> started_inside(None, eval_s=1000.0, window_s=60.0)   # not known when: not counted exactly
+    False
+    """
+    return ready_wall_s is not None and math.isfinite(ready_wall_s) and ready_wall_s > eval_s - window_s
+
+
+def arrivals_since_start(done: float | None, running: float | None, waiting: float | None) -> float | None:
+    """The requests a replica received since its process started: those it completed (its success
+    counter's latest value) and those in it now (running + waiting); None without the counter.
+    Missing gauges count 0, as the arrival rate query falls back to completions without them.
+
+    >>> arrivals_since_start(40.0, 3.0, 1.0), arrivals_since_start(None, 3.0, 1.0)
+    (44.0, None)
+    """
+    if done is None or not math.isfinite(done) or done < 0:
+        return None
+    return done + (finite(running) or 0.0) + (finite(waiting) or 0.0)
+
+
 def interpret(readings: Readings, models: Iterable[str], *, now_s: float, rules: ObserveRules,
               canonical: Callable[[str], str] = str,
               expected_replicas: Collection[str] | None = None,
-              serving: Mapping[str, str] | None = None, router_down: bool = False) -> Interpreted:
+              serving: Mapping[str, str] | None = None, router_down: bool = False,
+              ready_wall_s: Mapping[str, float] | None = None) -> Interpreted:
     """Observe `models` (plus any model seen in the readings). `now_s`: the controller clock.
 
     `expected_replicas`: the replicas the controller runs; a down target outside this set (a
@@ -355,7 +387,16 @@ def interpret(readings: Readings, models: Iterable[str], *, now_s: float, rules:
     nobody counts, so its model's rate is a lower bound: stale (found by replaying the lab: the
     under-read drained a replica the load still needed). `router_down`: the router is down (or was
     within the rate window): requests never reach the engines, so every rate is a lower bound (the
-    fault suite saw a killed nginx read as a drop in demand and drain a replica)."""
+    fault suite saw a killed nginx read as a drop in demand and drain a replica). `ready_wall_s`:
+    replica id -> when it became ready (unix wall seconds, the controller's records). A replica
+    ready inside the rate window whose samples do not cover it (a new replica, the window partial)
+    is counted exactly instead of making its model stale: its arrivals since its start
+    (`arrivals_since_start`) over the window replace what rate() reads of it, which is nothing
+    with one sample and an under-read when its first scrape came late. Why: with the daemon's
+    defaults every start made its model fail-static for a window, a third of the cycles of a
+    fleet that scales (benchmark-fitted mooncake: 19 of 60), and a fail-static model neither
+    forecasts nor scales down. A Prometheus restart leaves the window partial for replicas ready
+    long before: those stay a lower bound, as before."""
     wanted = [canonical(m) for m in models]
     if readings.error is not None:
         unknown = {m: ModelMetrics(model=m, stale=True, reasons=(readings.error,)) for m in wanted}
@@ -373,6 +414,8 @@ def interpret(readings: Readings, models: Iterable[str], *, now_s: float, rules:
     running = group(res.get(Query.RUNNING, ()), model)
     kv = group(res.get(Query.KV, ()), model, take_max=True)
     peak = group(res.get(Query.PEAK_RATE, ()), model)
+    replica_rate = _per_replica(res.get(Query.REPLICA_RATE, ()))
+    replica_done = _per_replica(res.get(Query.REPLICA_DONE, ()))
     pq = group(res.get(Query.PREFIX_QUERIES, ()), model)
     ph = group(res.get(Query.PREFIX_HITS, ()), model)
     # several label groups of one model: the worst quantile is the conservative merge
@@ -389,8 +432,20 @@ def interpret(readings: Readings, models: Iterable[str], *, now_s: float, rules:
         up_n = sum(1 for r in reps if r.up)
         down_n = len(reps) - up_n
         partial = sorted(r.replica_id for r in reps if r.up and not r.window_full)
+        exact: dict[str, float] = {}  # replicas ready inside the window: their arrivals since start
+        for r in reps:
+            if r.replica_id in partial and started_inside((ready_wall_s or {}).get(r.replica_id),
+                                                          eval_s=readings.wall_s, window_s=rules.window_s):
+                n = arrivals_since_start(replica_done.get(r.replica_id), r.running, r.waiting)
+                if n is not None:
+                    exact[r.replica_id] = n
+        partial = [rid for rid in partial if rid not in exact]
         reasons: list[str] = []
-        r_wall = rate.get(m)
+        r_read = r_wall = rate.get(m)
+        if exact and (r_wall is None or math.isfinite(r_wall)):
+            # what rate() read of them is replaced by their exact count over the window
+            read = sum(finite(replica_rate.get(rid)) or 0.0 for rid in exact)
+            r_wall = max(0.0, (r_wall or 0.0) - read) + sum(exact.values()) / rules.window_s
         if r_wall is None and up_n > 0 and down_n == 0 and not partial:
             r_wall = 0.0  # targets up for the whole window, no request finished: idle, not unknown
         if r_wall is None:
@@ -411,11 +466,12 @@ def interpret(readings: Readings, models: Iterable[str], *, now_s: float, rules:
                            + ", ".join(partial) + " (Prometheus restarted or a new replica)")
         k = rules.time_scale
         r_raw = finite(r_wall)
+        r_tok = finite(r_read)  # the token rates were read as the request rate was, by rate()
         isl = osl = None
-        if r_raw is not None and r_raw > 0:
+        if r_tok is not None and r_tok > 0:
             p, g = finite(prompt.get(m)), finite(gen.get(m))
-            isl = p / r_raw if p is not None else None
-            osl = g / r_raw if g is not None else None
+            isl = p / r_tok if p is not None else None
+            osl = g / r_tok if g is not None else None
 
         def ms(q: Query, model_name: str = m) -> float | None:
             v = finite(quant[q].get(model_name))
@@ -465,9 +521,11 @@ __all__ = [
     "ReplicaMetrics",
     "Sample",
     "Series",
+    "arrivals_since_start",
     "finite",
     "group",
     "interpret",
     "model_of",
+    "started_inside",
     "window_full",
 ]

@@ -211,7 +211,9 @@ class ReplayControl:
         fleet = self.fleet(view)
         now = self.wall(t_s)
         obs = observe(readings, evidence, self.models, now_s=now, rules=self.rules, replicas=fleet.replicas,
-                      expected_replicas=frozenset(self.rows), serving=self.serving).observation
+                      expected_replicas=frozenset(self.rows), serving=self.serving,
+                      ready_wall_s={rid: r.ready_s for rid, r in self.rows.items() if r.ready_s is not None}
+                      ).observation
         if self.keep_observations:
             self.observations.append((t_s, obs))
         return self.decide_and_act(t_s, obs, view, fleet)

@@ -15,7 +15,8 @@ Only the I/O is simulated; no rule of the planner lives here. What each query re
 - histograms: per-bucket rates summed by model (or by replica), cumulative `le` buckets, and the
   quantile queries by Prometheus' own histogram_quantile (the one implementation,
   fleetplan.planner.evidence.histogram_quantile);
-- `up` and the window coverage (first/last sample time, samples) per current target;
+- `up` and the window coverage (first/last sample time, samples) per current target; per target
+  its arrival rate and its completions counter's latest value;
 - the request-rate history: the model's completions over `max(window, step)` at `step` intervals.
 """
 
@@ -229,6 +230,7 @@ class PromSim:
                 res[Query.UP_LAST_S].append(Sample(lab, self._wall(last.t_s)))
                 res[Query.REPLICA_RUNNING].append(Sample(lab, last.running))
                 res[Query.REPLICA_WAITING].append(Sample(lab, last.waiting))
+                res[Query.REPLICA_DONE].append(Sample(lab, last.completed))
                 add("running", model, last.running)
                 add("waiting", model, last.waiting)
                 add("kv", model, last.kv)
@@ -240,15 +242,19 @@ class PromSim:
             if f is None:
                 continue
             a, b = win[0], win[-1]
-            add("done", model, (b.completed - a.completed) * f)
+            done = (b.completed - a.completed) * f
+            add("done", model, done)
             add("prompt", model, (b.prompt_tokens - a.prompt_tokens) * f)
             add("gen", model, (b.gen_tokens - a.gen_tokens) * f)
             add("prefix_q", model, (b.prefix_queries - a.prefix_queries) * f)
             add("prefix_h", model, (b.prefix_hits - a.prefix_hits) * f)
+            growth = 0.0
             for gauge in ("running", "waiting"):
                 slope = _deriv([x.t_s for x in win], [getattr(x, gauge) for x in win])
                 if slope is not None:
                     add("growth", model, slope)
+                    growth += slope
+            res[Query.REPLICA_RATE].append(Sample(lab, max(0.0, done + growth)))
             acc_t = ttft_b.setdefault(model, [0.0] * len(b.ttft))
             for j, (x, y) in enumerate(zip(a.ttft, b.ttft, strict=True)):
                 acc_t[j] += (y - x) * f

@@ -244,6 +244,54 @@ async def test_observe_both_spellings_and_trtllm_then_fail_static(prom_lab) -> N
         assert snap.alerts and "unreachable" in snap.alerts[0]
 
 
+async def test_a_new_replica_is_counted_from_its_start_in_its_first_window(prom_lab, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A replica that becomes ready joins qwen-7b (1 req/s beside r-trt's 1 req/s). In its first
+    rate window its samples do not cover the window: told when it became ready, the Observer counts
+    it from its start (its counter began at 0 then) and the model stays known at the window's true
+    rate, 1 + (the new replica's age in the window) / 5 s; not told, the model is fail-static (a
+    lower bound) for that window, as before."""
+    import json
+
+    url, _exps, _proc = prom_lab
+    async with PromClient(url) as client:
+        obs = Observer(client, ObserverConfig(window_s=5, history_s=30, history_step_s=1))
+
+        async def steady() -> bool:
+            m = (await obs.snapshot(["qwen-7b"])).models["qwen-7b"]
+            return not m.stale and m.rate_rps == pytest.approx(1.0, rel=0.15)
+
+        await wait_for(steady, 30)
+        ready_s = time.time()
+        new = Exporter(lambda t: f'trtllm_request_success_total{{model_name="qwen-7b"}} {1.0 * t}\n'
+                                 'trtllm_num_requests_running{model_name="qwen-7b"} 0\n'
+                                 'trtllm_num_requests_waiting{model_name="qwen-7b"} 0\n')
+        try:
+            sd = tmp_path / "targets.json"
+            targets = json.loads(sd.read_text())
+            targets.append({"targets": [f"127.0.0.1:{new.port}"], "labels": {"replica": "r-new", "model": "qwen-7b"}})
+            sd.write_text(json.dumps(targets))
+            told, untold = [], []
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                a = await obs.snapshot(["qwen-7b"], ready_wall_s={"r-new": ready_s})
+                b = await obs.snapshot(["qwen-7b"])
+                for snap, seen in ((a, told), (b, untold)):
+                    r = snap.replicas.get("r-new")
+                    if r is not None and r.up and not r.window_full:
+                        seen.append((snap.wall_s, snap.models["qwen-7b"]))
+                if told and a.replicas["r-new"].window_full:
+                    break
+                await asyncio.sleep(0.2)
+        finally:
+            new.stop()
+    assert told and untold, "the new replica's first window was never observed"
+    assert all(not m.stale for _, m in told), [m.reasons for _, m in told if m.stale]
+    # the true rate over the window; its last scrape may be up to 1 s old (an under-read of <= 0.2)
+    true = [(1.0 + min(wall - ready_s, 5.0) / 5.0, m.rate_rps) for wall, m in told]
+    assert all(r is not None and t - 0.3 <= r <= t + 0.1 for t, r in true), true
+    assert all(m.stale and any("r-new" in x for x in m.reasons) for _, m in untold)
+
+
 async def test_prometheus_restarted_with_empty_data_reads_unknown_not_zero(prom_lab, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Issue 11 item 3: right after Prometheus comes back with empty data, the rate windows are empty
     or partial. Until they are covered, the model is stale (no scale-down) with its rate unknown or a

@@ -88,6 +88,49 @@ def test_a_new_replica_in_its_first_window_makes_the_model_stale_until_it_is_cov
     assert not later.stale
 
 
+def per_replica(rid: str, *, rate: float | None = None, done: float | None = None, running: float = 0.0,
+                waiting: float = 0.0) -> dict[Query, list[Sample]]:
+    """A target's per-replica answers: its arrival rate, its completions counter, its queue gauges."""
+    labels = {"replica": rid, "model": M}
+    out = {Query.REPLICA_RUNNING: [Sample(labels, running)], Query.REPLICA_WAITING: [Sample(labels, waiting)]}
+    if rate is not None:
+        out[Query.REPLICA_RATE] = [Sample(labels, rate)]
+    if done is not None:
+        out[Query.REPLICA_DONE] = [Sample(labels, done)]
+    return out
+
+
+def test_a_replica_ready_inside_the_window_is_counted_from_its_start_not_stale() -> None:
+    """A new replica's first window: two old replicas served 4 rps each for the whole window; r3,
+    ready 30 s ago, received 2 rps since: 55 completed, 5 in it now. rate() reads r3 only from its
+    first scrape (0.5 rps here); counted from its start the model's rate is 8 + 60 / 60 = 9 rps, known:
+    no fail-static cycle for every start (a third of the cycles of a scaling fleet)."""
+    old = [target("r1"), target("r2"), per_replica("r1", rate=4.0), per_replica("r2", rate=4.0)]
+    new = [target("r3", since_s=WALL - 30), per_replica("r3", rate=0.5, done=55.0, running=4.0, waiting=1.0)]
+    r = readings(*old, *new, rate=4.0 + 4.0 + 0.5, prompt=8.5 * 500, gen=8.5 * 100)  # rate() of all three
+    out = interpret(r, [M], now_s=WALL, rules=RULES, ready_wall_s={"r3": WALL - 30, "r1": WALL - 900})
+    m = out.models[M]
+    assert not m.stale and m.reasons == ()
+    assert m.rate_rps == pytest.approx(8.5 - 0.5 + 60.0 / 60.0)
+    assert m.isl == pytest.approx(500.0) and m.osl == pytest.approx(100.0)  # tokens / the rate() they share
+    # not known when it became ready, or ready before the window (Prometheus restarted): a lower bound
+    for ready in ({}, {"r3": WALL - 120}):
+        m = interpret(r, [M], now_s=WALL, rules=RULES, ready_wall_s=ready).models[M]
+        assert m.stale and any("not yet covered" in x and "r3" in x for x in m.reasons)
+    # without its completions counter it cannot be counted: stale, as before
+    blind = readings(*old, target("r3", since_s=WALL - 30), per_replica("r3", rate=1.0), rate=8.0)
+    assert interpret(blind, [M], now_s=WALL, rules=RULES, ready_wall_s={"r3": WALL - 30}).models[M].stale
+
+
+def test_a_model_whose_only_replica_is_new_and_has_one_sample_is_counted_from_its_start() -> None:
+    """One sample: rate() answers nothing for it (no RATE series at all), its counter still counts."""
+    r = readings(target("r1", since_s=WALL - 5), per_replica("r1", done=12.0, running=3.0))
+    m = interpret(r, [M], now_s=WALL, rules=ObserveRules(window_s=W, time_scale=2.0),
+                  ready_wall_s={"r1": WALL - 8}).models[M]
+    assert not m.stale and m.rate_rps == pytest.approx(15.0 / 60.0 / 2.0)
+    assert m.isl is None  # no token rates read yet: the policy's mix
+
+
 def test_a_down_target_makes_the_model_stale_unless_it_is_being_removed() -> None:
     r = readings(target("r1"), target("r2", up=False), rate=6.0)
     m = interpret(r, [M], now_s=WALL, rules=RULES).models[M]
