@@ -323,7 +323,9 @@ class Controller:
             self._router_seen_down_wall = self.wall()
         router_down = (self._router_seen_down_wall is not None
                        and self.wall() - self._router_seen_down_wall < self.settings.observe_window_s)
-        ready = {r.replica_id: r.ready_s for r in active if r.ready_s is not None}
+        from fleetplan.planner.act import ready_since
+
+        ready = ready_since(active, self.hosts.reports())  # a replica serves from its agent's READY on
         snap = await self._observer.snapshot(self.model_names(), now_s=now_s, expected_replicas=expected,
                                              serving=serving, router_down=router_down, ready_wall_s=ready)
         self.last_snapshot = snap

@@ -45,6 +45,7 @@ from fleetplan.planner.act_drain import (
     drain_deadline_s,
     drain_step,
     model_drain_deadline_s,
+    ready_since,
     routes,
 )
 from fleetplan.planner.act_execute import execute, held_gpus, incomplete, plan_deferred, template_for
@@ -109,6 +110,7 @@ __all__ = [
     "incomplete",
     "model_drain_deadline_s",
     "plan_deferred",
+    "ready_since",
     "reconcile",
     "rejected",
     "reported_by_id",

@@ -1,10 +1,11 @@
 """The act core's routing and draining: which replicas nginx routes to and Prometheus scrapes
-(`routes`), one poll of a draining replica (`drain_step`) and how long a drain may wait
+(`routes`), since when each serves (`ready_since`), one poll of a draining replica (`drain_step`) and how long a drain may wait
 (`drain_deadline_s`). Pure; see `fleetplan.planner.act`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
@@ -59,6 +60,32 @@ def routes(replicas: Sequence[ReplicaRow], hosts: Mapping[str, HostReport], mode
         if ready or row.phase == Phase.DRAINING:
             scraped.append(row.replica_id)
     return Routes({m: tuple(ids) for m, ids in serving.items()}, tuple(scraped))
+
+def ready_since(replicas: Sequence[ReplicaRow], hosts: Mapping[str, HostReport]) -> dict[str, float]:
+    """Per replica its hosts report READY, when it became ready (unix seconds): the earlier of the
+    agent's `since_s` and this controller's record (`ready_s`). The router sends a replica requests
+    from the agent's READY on (routed at once, before the next cycle records it), so the agent's
+    time is the start; an agent restarted since reports a later one, which the record caps; a
+    record made late (a replica adopted after a lost state database) is capped by the agent's.
+
+    >>> from fleetplan.planner.act_types import ReportedReplica
+    >>> row = ReplicaRow("r1", "h1", "m", "vllm", "h100", 1, "bf16", (0,), 8000, "vllm", Phase.DESIRED,
+    ...                  "planned", 0.0, 0.0, None, 130.0)
+    >>> rep = ReportedReplica("r1", ReplicaState.READY, "m", "vllm", "h100", 1, "bf16", (0,), 8000, since_s=100.0)
+    >>> ready_since([row], {"h1": HostReport("h1", True, replicas=(rep,))})
+    {'r1': 100.0}
+    """
+    reported = reported_by_id(hosts)
+    out: dict[str, float] = {}
+    for row in replicas:
+        rep = reported.get(row.replica_id)
+        if rep is None or rep[1].state != ReplicaState.READY:
+            continue
+        times = [t for t in (rep[1].since_s, row.ready_s) if t is not None and math.isfinite(t)]
+        if times:
+            out[row.replica_id] = min(times)
+    return out
+
 
 # ---- draining -------------------------------------------------------------------------------
 

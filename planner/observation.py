@@ -90,7 +90,7 @@ class Query(Enum):
     PREFIX_HITS = "prefix_hits"
     # per scrape target: its arrival rate (as RATE, wall rps) and its completions counter's latest
     # value (requests completed since its process started): a replica started inside the window is
-    # counted exactly from them (see `interpret`, `started_inside`)
+    # counted from them (see `interpret`, `window_arrivals`)
     REPLICA_RATE = "replica_rate"
     REPLICA_DONE = "replica_done"
 
@@ -347,30 +347,28 @@ def _history(readings: Readings, rules: ObserveRules, now_s: float,
     return out
 
 
-def started_inside(ready_wall_s: float | None, *, eval_s: float, window_s: float) -> bool:
-    """Whether a replica became ready inside the rate window (eval_s - window_s, eval_s]: it served
-    no request before (the router sends none to a replica that is not ready), so its counters, at
-    0 when its process started, hold exactly the window's requests.
-
-    >>> started_inside(970.0, eval_s=1000.0, window_s=60.0), started_inside(900.0, eval_s=1000.0, window_s=60.0)
-    (True, False)
-    >>> started_inside(None, eval_s=1000.0, window_s=60.0)   # not known when: not counted exactly
-    False
-    """
-    return ready_wall_s is not None and math.isfinite(ready_wall_s) and ready_wall_s > eval_s - window_s
-
-
-def arrivals_since_start(done: float | None, running: float | None, waiting: float | None) -> float | None:
-    """The requests a replica received since its process started: those it completed (its success
-    counter's latest value) and those in it now (running + waiting); None without the counter.
+def window_arrivals(done: float | None, running: float | None, waiting: float | None, *, ready_s: float,
+                    last_s: float | None, eval_s: float) -> float | None:
+    """A replica's arrivals over its part of the rate window, when it became ready (`ready_s`) inside
+    the window: the requests it received by its last scrape (`last_s`): completed (its success
+    counter, at 0 when its process started) plus running and waiting, extrapolated to `eval_s` at
+    their own rate since it became ready, as rate() extrapolates every other target to the
+    window's end. None: no counter, no scrape after it became ready, or the last scrape covering
+    less than half of its time in the window (the extrapolation would be most of the count).
     Missing gauges count 0, as the arrival rate query falls back to completions without them.
 
-    >>> arrivals_since_start(40.0, 3.0, 1.0), arrivals_since_start(None, 3.0, 1.0)
-    (44.0, None)
+    >>> window_arrivals(40.0, 3.0, 1.0, ready_s=960.0, last_s=980.0, eval_s=1000.0)  # 44 in 20 s, 40 s
+    88.0
+    >>> window_arrivals(40.0, 3.0, 1.0, ready_s=960.0, last_s=965.0, eval_s=1000.0) is None  # 5 s of 40
+    True
     """
-    if done is None or not math.isfinite(done) or done < 0:
+    if done is None or not math.isfinite(done) or done < 0 or last_s is None or not math.isfinite(last_s):
         return None
-    return done + (finite(running) or 0.0) + (finite(waiting) or 0.0)
+    seen_s = last_s - ready_s
+    if not seen_s > 0 or eval_s - last_s > seen_s:
+        return None
+    n = done + (finite(running) or 0.0) + (finite(waiting) or 0.0)
+    return n * (max(eval_s, last_s) - ready_s) / seen_s
 
 
 def interpret(readings: Readings, models: Iterable[str], *, now_s: float, rules: ObserveRules,
@@ -388,15 +386,15 @@ def interpret(readings: Readings, models: Iterable[str], *, now_s: float, rules:
     under-read drained a replica the load still needed). `router_down`: the router is down (or was
     within the rate window): requests never reach the engines, so every rate is a lower bound (the
     fault suite saw a killed nginx read as a drop in demand and drain a replica). `ready_wall_s`:
-    replica id -> when it became ready (unix wall seconds, the controller's records). A replica
+    replica id -> when it became ready (unix wall seconds: the act core's `ready_since`). A replica
     ready inside the rate window whose samples do not cover it (a new replica, the window partial)
-    is counted exactly instead of making its model stale: its arrivals since its start
-    (`arrivals_since_start`) over the window replace what rate() reads of it, which is nothing
-    with one sample and an under-read when its first scrape came late. Why: with the daemon's
-    defaults every start made its model fail-static for a window, a third of the cycles of a
-    fleet that scales (benchmark-fitted mooncake: 19 of 60), and a fail-static model neither
-    forecasts nor scales down. A Prometheus restart leaves the window partial for replicas ready
-    long before: those stay a lower bound, as before."""
+    is counted from its start instead of making its model stale: its arrivals since then
+    (`window_arrivals`) replace what rate() reads of it, which is nothing with one sample and an
+    under-read when its first scrape came late. Why: with the daemon's defaults every start made
+    its model fail-static for a window, a third of the cycles of a fleet that scales
+    (benchmark-fitted mooncake: 19 of 60), and a fail-static model neither forecasts nor scales
+    down. A Prometheus restart leaves the window partial for replicas ready long before: those
+    stay a lower bound, as before."""
     wanted = [canonical(m) for m in models]
     if readings.error is not None:
         unknown = {m: ModelMetrics(model=m, stale=True, reasons=(readings.error,)) for m in wanted}
@@ -416,6 +414,7 @@ def interpret(readings: Readings, models: Iterable[str], *, now_s: float, rules:
     peak = group(res.get(Query.PEAK_RATE, ()), model)
     replica_rate = _per_replica(res.get(Query.REPLICA_RATE, ()))
     replica_done = _per_replica(res.get(Query.REPLICA_DONE, ()))
+    last_scrape = _per_replica(res.get(Query.UP_LAST_S, ()))
     pq = group(res.get(Query.PREFIX_QUERIES, ()), model)
     ph = group(res.get(Query.PREFIX_HITS, ()), model)
     # several label groups of one model: the worst quantile is the conservative merge
@@ -432,11 +431,12 @@ def interpret(readings: Readings, models: Iterable[str], *, now_s: float, rules:
         up_n = sum(1 for r in reps if r.up)
         down_n = len(reps) - up_n
         partial = sorted(r.replica_id for r in reps if r.up and not r.window_full)
-        exact: dict[str, float] = {}  # replicas ready inside the window: their arrivals since start
+        exact: dict[str, float] = {}  # replicas ready inside the window: their arrivals since then
         for r in reps:
-            if r.replica_id in partial and started_inside((ready_wall_s or {}).get(r.replica_id),
-                                                          eval_s=readings.wall_s, window_s=rules.window_s):
-                n = arrivals_since_start(replica_done.get(r.replica_id), r.running, r.waiting)
+            ready = (ready_wall_s or {}).get(r.replica_id)
+            if r.replica_id in partial and ready is not None and ready > readings.wall_s - rules.window_s:
+                n = window_arrivals(replica_done.get(r.replica_id), r.running, r.waiting, ready_s=ready,
+                                    last_s=last_scrape.get(r.replica_id), eval_s=readings.wall_s)
                 if n is not None:
                     exact[r.replica_id] = n
         partial = [rid for rid in partial if rid not in exact]
@@ -521,11 +521,10 @@ __all__ = [
     "ReplicaMetrics",
     "Sample",
     "Series",
-    "arrivals_since_start",
     "finite",
     "group",
     "interpret",
     "model_of",
-    "started_inside",
+    "window_arrivals",
     "window_full",
 ]

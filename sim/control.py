@@ -212,7 +212,7 @@ class ReplayControl:
         now = self.wall(t_s)
         obs = observe(readings, evidence, self.models, now_s=now, rules=self.rules, replicas=fleet.replicas,
                       expected_replicas=frozenset(self.rows), serving=self.serving,
-                      ready_wall_s={rid: r.ready_s for rid, r in self.rows.items() if r.ready_s is not None}
+                      ready_wall_s=act.ready_since(tuple(self.rows.values()), self.engines.reports(t_s))
                       ).observation
         if self.keep_observations:
             self.observations.append((t_s, obs))

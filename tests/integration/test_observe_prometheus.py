@@ -247,9 +247,9 @@ async def test_observe_both_spellings_and_trtllm_then_fail_static(prom_lab) -> N
 async def test_a_new_replica_is_counted_from_its_start_in_its_first_window(prom_lab, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """A replica that becomes ready joins qwen-7b (1 req/s beside r-trt's 1 req/s). In its first
     rate window its samples do not cover the window: told when it became ready, the Observer counts
-    it from its start (its counter began at 0 then) and the model stays known at the window's true
-    rate, 1 + (the new replica's age in the window) / 5 s; not told, the model is fail-static (a
-    lower bound) for that window, as before."""
+    it from then (its counter began at 0) and the model stays known at the window's true rate,
+    1 + (the new replica's age in the window) / 5 s; not told, the model is fail-static (a lower
+    bound) for that window, as before."""
     import json
 
     url, _exps, _proc = prom_lab
@@ -281,14 +281,20 @@ async def test_a_new_replica_is_counted_from_its_start_in_its_first_window(prom_
                         seen.append((snap.wall_s, snap.models["qwen-7b"]))
                 if told and a.replicas["r-new"].window_full:
                     break
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(0.1)
         finally:
             new.stop()
-    assert told and untold, "the new replica's first window was never observed"
-    assert all(not m.stale for _, m in told), [m.reasons for _, m in told if m.stale]
-    # the true rate over the window; its last scrape may be up to 1 s old (an under-read of <= 0.2)
-    true = [(1.0 + min(wall - ready_s, 5.0) / 5.0, m.rate_rps) for wall, m in told]
-    assert all(r is not None and t - 0.3 <= r <= t + 0.1 for t, r in true), true
+    assert untold, "the new replica's first window was never observed"
+    # until its scrapes cover half its time since READY (file_sd picks it up, 1 s scrapes: ~2 s),
+    # its count would be mostly extrapolation: a lower bound; from then on it is counted while it
+    # became ready inside the window (later, a first scrape that came late leaves the window
+    # partial for a replica ready before it: a lower bound again, until its samples cover it)
+    counted = [(wall, m) for wall, m in told if 2.5 <= wall - ready_s < 4.9]
+    assert len(counted) >= 2 and all(not m.stale for _, m in counted), \
+        [(round(w - ready_s, 2), m.reasons) for w, m in counted if m.stale]
+    # the true rate over the window (its count extrapolated from its last scrape, as rate() does)
+    true = [(1.0 + min(wall - ready_s, 5.0) / 5.0, m.rate_rps) for wall, m in told if not m.stale]
+    assert all(r is not None and abs(r - t) <= 0.15 for t, r in true), true
     assert all(m.stale and any("r-new" in x for x in m.reasons) for _, m in untold)
 
 

@@ -123,12 +123,16 @@ def test_a_replica_ready_inside_the_window_is_counted_from_its_start_not_stale()
 
 
 def test_a_model_whose_only_replica_is_new_and_has_one_sample_is_counted_from_its_start() -> None:
-    """One sample: rate() answers nothing for it (no RATE series at all), its counter still counts."""
-    r = readings(target("r1", since_s=WALL - 5), per_replica("r1", done=12.0, running=3.0))
+    """One sample: rate() answers nothing for it (no RATE series at all), its counter still counts:
+    15 requests in the 4 s from its READY to its scrape, at that rate to now (6 s), over the window."""
+    r = readings(target("r1", since_s=WALL - 2), per_replica("r1", done=12.0, running=3.0))
     m = interpret(r, [M], now_s=WALL, rules=ObserveRules(window_s=W, time_scale=2.0),
-                  ready_wall_s={"r1": WALL - 8}).models[M]
-    assert not m.stale and m.rate_rps == pytest.approx(15.0 / 60.0 / 2.0)
+                  ready_wall_s={"r1": WALL - 6}).models[M]
+    assert not m.stale and m.rate_rps == pytest.approx(15.0 * 6.0 / 4.0 / 60.0 / 2.0)
     assert m.isl is None  # no token rates read yet: the policy's mix
+    # scraped 1 s after its READY, 5 s ago: most of the count would be extrapolated: a lower bound
+    r = readings(target("r1", since_s=WALL - 5), per_replica("r1", done=2.0))
+    assert interpret(r, [M], now_s=WALL, rules=RULES, ready_wall_s={"r1": WALL - 6}).models[M].stale
 
 
 def test_a_down_target_makes_the_model_stale_unless_it_is_being_removed() -> None:

@@ -77,6 +77,31 @@ def test_the_replay_reads_prometheus_answers_and_drains_through_drain_step() -> 
     assert all(row.phase == act.Phase.DESIRED for row in control.rows.values())
 
 
+def test_a_new_replicas_first_window_is_read_exactly_not_as_a_lower_bound() -> None:
+    """A step up starts replicas: the cycles after each start read the window's true rate (the new
+    replica counted from its start, planner/observation.py) instead of a fail-static lower bound;
+    fail static is left only where a replica serves before Prometheus' first scrape of it."""
+    policy, profiles = _world(4.0)
+    trace = _trace([(600.0, 15.0), (900.0, 90.0)])
+    ctl = FleetplanController("fleetplan", policy, profiles)  # type: ignore[arg-type]
+    sim = FleetSim(trace, ctl, make_environment(policy), SimSettings())  # type: ignore[arg-type]
+    control = sim.control
+    assert control is not None
+    control.keep_observations = True
+    sim.run()
+    starts = sorted(r.t_ready for r in sim.replicas if r.t_ready is not None and r.t_ready > 600.0)
+    assert len(starts) >= 4, starts  # the step up started replicas
+    after = [(t, obs) for t, obs in control.observations if 720.0 <= t <= 1500.0]
+    assert after
+    stale = [(t, obs.alerts) for t, obs in after if obs.models["llama-3-8b"].stale]
+    assert all(any("serving but not scraped yet" in a for a in alerts) for _, alerts in stale), stale
+    assert len(stale) <= len(after) // 3, stale
+    for t, obs in after:  # the rate read over the 60 s window: the true 90 rps once the step is a window old
+        m = obs.models["llama-3-8b"]
+        if not m.stale and t >= 660.0:
+            assert m.rate_rps is not None and math.isclose(m.rate_rps, 90.0, rel_tol=0.1), (t, m.rate_rps)
+
+
 def _conversations(n_conv: int, turns: int, gap_s: float, rps: float) -> Trace:
     """Conversations whose turns resend the conversation so far (4 blocks of 512 tokens, one more per
     turn): a prefix cache serves most of every later turn's prompt."""
