@@ -263,7 +263,7 @@ class Observer:
         q[Query.UP] = up
         q[Query.REPLICA_RUNNING] = f"sum by ({REPLICA_LABEL}) ({self._sel(_RUNNING)})"
         q[Query.REPLICA_WAITING] = f"sum by ({REPLICA_LABEL}) ({self._sel(_WAITING)})"
-        # a replica ready inside the window is counted from its start (planner/observation.py)
+        # a replica ready inside the window is counted from its READY (planner/observation.py)
         q[Query.REPLICA_RATE] = self._arrival_rate_query(REPLICA_LABEL)
         q[Query.REPLICA_DONE] = f"sum by ({REPLICA_LABEL}) ({self._sel(_REQ_SUCCESS)})"
         # how much of the window each target's samples cover (planner/observation.py window_full).
@@ -386,7 +386,8 @@ class Observer:
         `expected_replicas`: the replicas the controller runs; a down target outside this set
         (a replica being removed, not yet gone from file_sd) does not make its model stale.
         `serving`: replica id -> model of the replicas nginx sends requests to (planner/observation.py).
-        `ready_wall_s`: replica id -> when it became ready (unix seconds, the state store's records).
+        `ready_wall_s`: replica id -> when it became ready (unix seconds: planner/act_drain.py
+        `ready_since`, from the agents' reports and the state store's records).
         """
         readings = await self.fetch(with_history=with_history)
         now = readings.wall_s if now_s is None else now_s

@@ -1,6 +1,6 @@
 """The act core's routing and draining: which replicas nginx routes to and Prometheus scrapes
-(`routes`), since when each serves (`ready_since`), one poll of a draining replica (`drain_step`) and how long a drain may wait
-(`drain_deadline_s`). Pure; see `fleetplan.planner.act`.
+(`routes`), since when each serves (`ready_since`), one poll of a draining replica (`drain_step`)
+and how long a drain may wait (`drain_deadline_s`). Pure; see `fleetplan.planner.act`.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ def routes(replicas: Sequence[ReplicaRow], hosts: Mapping[str, HostReport], mode
         if ready or row.phase == Phase.DRAINING:
             scraped.append(row.replica_id)
     return Routes({m: tuple(ids) for m, ids in serving.items()}, tuple(scraped))
+
 
 def ready_since(replicas: Sequence[ReplicaRow], hosts: Mapping[str, HostReport]) -> dict[str, float]:
     """Per replica its hosts report READY, when it became ready (unix seconds): the earlier of the

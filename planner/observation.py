@@ -443,7 +443,7 @@ def interpret(readings: Readings, models: Iterable[str], *, now_s: float, rules:
         reasons: list[str] = []
         r_read = r_wall = rate.get(m)
         if exact and (r_wall is None or math.isfinite(r_wall)):
-            # what rate() read of them is replaced by their exact count over the window
+            # what rate() read of them is replaced by their count since READY (window_arrivals)
             read = sum(finite(replica_rate.get(rid)) or 0.0 for rid in exact)
             r_wall = max(0.0, (r_wall or 0.0) - read) + sum(exact.values()) / rules.window_s
         if r_wall is None and up_n > 0 and down_n == 0 and not partial:
