@@ -212,8 +212,7 @@ class ReplayControl:
         now = self.wall(t_s)
         obs = observe(readings, evidence, self.models, now_s=now, rules=self.rules, replicas=fleet.replicas,
                       expected_replicas=frozenset(self.rows), serving=self.serving,
-                      ready_wall_s=act.ready_since(tuple(self.rows.values()), self.engines.reports(t_s))
-                      ).observation
+                      ready_wall_s=act.ready_since(view.replicas, view.hosts)).observation
         if self.keep_observations:
             self.observations.append((t_s, obs))
         return self.decide_and_act(t_s, obs, view, fleet)
