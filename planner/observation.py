@@ -155,6 +155,7 @@ class ReplicaMetrics:
     running: float | None = None
     waiting: float | None = None
     window_full: bool = False  # its samples cover the whole rate window (see window_full)
+    last_s: float | None = None  # unix time of its latest sample (None: unknown)
 
 
 @dataclass(frozen=True)
@@ -316,6 +317,7 @@ def _replicas(readings: Readings, rules: ObserveRules,
             running=finite(running.get(rid)) if up else None,
             waiting=finite(waiting.get(rid)) if up else None,
             window_full=full,
+            last_s=finite(last.get(rid)),
         )
     return out
 
@@ -414,7 +416,6 @@ def interpret(readings: Readings, models: Iterable[str], *, now_s: float, rules:
     peak = group(res.get(Query.PEAK_RATE, ()), model)
     replica_rate = _per_replica(res.get(Query.REPLICA_RATE, ()))
     replica_done = _per_replica(res.get(Query.REPLICA_DONE, ()))
-    last_scrape = _per_replica(res.get(Query.UP_LAST_S, ()))
     pq = group(res.get(Query.PREFIX_QUERIES, ()), model)
     ph = group(res.get(Query.PREFIX_HITS, ()), model)
     # several label groups of one model: the worst quantile is the conservative merge
@@ -436,7 +437,7 @@ def interpret(readings: Readings, models: Iterable[str], *, now_s: float, rules:
             ready = (ready_wall_s or {}).get(r.replica_id)
             if r.replica_id in partial and ready is not None and ready > readings.wall_s - rules.window_s:
                 n = window_arrivals(replica_done.get(r.replica_id), r.running, r.waiting, ready_s=ready,
-                                    last_s=last_scrape.get(r.replica_id), eval_s=readings.wall_s)
+                                    last_s=r.last_s, eval_s=readings.wall_s)
                 if n is not None:
                     exact[r.replica_id] = n
         partial = [rid for rid in partial if rid not in exact]
