@@ -27,7 +27,7 @@ benchmarks: the lowest $/h per rps of profile capacity among the configs that ca
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from fleetplan.models import profile as mp
@@ -40,8 +40,11 @@ from fleetplan.sim.des import ControllerView, Decision
 from fleetplan.sim.traces import Trace, iter_rates
 
 POLICY_NAMES: tuple[str, ...] = (
-    "fleetplan", "fleetplan-vllm-only", "fleetplan-trtllm-only", "static-peak", "static-mean", "hpa", "oracle",
+    "fleetplan", "fleetplan-vllm-only", "fleetplan-trtllm-only", "static-peak", "static-mean", "hpa",
+    "best-fixed", "oracle",
 )
+# with hindsight, not policies: they are searched for or bounded on the trace itself (sim/evaluate.py)
+HINDSIGHT_NAMES: tuple[str, ...] = ("best-fixed", "oracle")
 # selectable with --policies, not run by default: fleetplan without the rate history (its forecast
 # then only sees the current rate), to separate the forecast's effect from the optimizer's
 EXTRA_POLICY_NAMES: tuple[str, ...] = ("fleetplan-no-history",)
@@ -59,6 +62,41 @@ def restrict_policy(policy: Policy, engines: Sequence[Engine]) -> Policy:
 
 def inventory(policy: Policy) -> tuple[HostInventory, ...]:
     return tuple(sorted((h.inventory() for h in policy.hosts), key=lambda h: h.name))
+
+
+def max_replicas(policy: Policy, config: ConfigKey) -> int:
+    """How many replicas of `config` the inventory holds at most: per host of its GPU type, its GPUs
+    (within NVLink groups where the host lists them) in whole TP groups."""
+    n = 0
+    for h in policy.hosts:
+        if h.gpu != config.gpu:
+            continue
+        groups = h.nvlink_groups or [list(range(h.gpu_count))]
+        n += sum(len(g) // config.tp for g in groups)
+    return n
+
+
+def smallest_count(reaches: Callable[[int], bool], n_max: int) -> int | None:
+    """The smallest count n in [1, n_max] with `reaches(n)`, for a `reaches` that more replicas never
+    turn false (more capacity never serves worse): bisection, about log2(n_max) + 1 calls, the
+    largest first. None: not even n_max reaches it.
+
+    >>> calls = []
+    >>> smallest_count(lambda n: calls.append(n) or n >= 5, 16), calls
+    (5, [16, 8, 4, 6, 5])
+    >>> smallest_count(lambda n: n >= 17, 16) is None
+    True
+    """
+    if n_max < 1 or not reaches(n_max):
+        return None
+    lo, hi = 0, n_max  # reaches(hi); lo = 0 never serves
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if reaches(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
 
 
 # ----------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from fleetplan.models.mix import QUANTILE_LEVELS, mix_from_quantiles
+from fleetplan.models.mix import QUANTILE_LEVELS, SLO_SHARE, mix_from_quantiles
 from fleetplan.models.names import Engine
 from fleetplan.models.profile import ProfileSet
 from fleetplan.planner.capacity import MixedWorkload, candidate_configs, capacity_table
@@ -31,15 +31,18 @@ from fleetplan.planner.policy import Policy
 from fleetplan.planner.types import ConfigKey
 from fleetplan.sim.baselines import (
     EXTRA_POLICY_NAMES,
+    HINDSIGHT_NAMES,
     POLICY_NAMES,
     HpaController,
     StaticController,
     baseline_config,
     inventory,
+    max_replicas,
     mean_rate,
     oracle,
     peak_rate,
     restrict_policy,
+    smallest_count,
     static_targets,
     trace_mix,
 )
@@ -55,7 +58,7 @@ from fleetplan.sim.des import (
 from fleetplan.sim.groundtruth import EngineParams, build_params
 from fleetplan.sim.traces import Trace, TraceRequest
 
-SIMULATED = tuple(p for p in (*POLICY_NAMES, *EXTRA_POLICY_NAMES) if p != "oracle")
+SIMULATED = tuple(p for p in (*POLICY_NAMES, *EXTRA_POLICY_NAMES) if p not in HINDSIGHT_NAMES)
 KNOWN = (*POLICY_NAMES, *EXTRA_POLICY_NAMES)
 
 
@@ -156,6 +159,7 @@ class Evaluation:
     profile_capacities: Mapping[str, tuple[float, tuple[str, ...]]] = field(default_factory=dict)
     # per config label: the share of the trace's requests that miss the SLO even on an idle replica
     attainment_floors: Mapping[str, float] = field(default_factory=dict)
+    best_fixed_fleet: str = ""  # the fleet `best-fixed` held ("" where it did not run)
 
     def capacity_gaps(self) -> list[str]:
         """One line per config: profile vs ground-truth capacity per replica at the SLO."""
@@ -176,6 +180,8 @@ class Evaluation:
             policies["oracle"]["config"] = self.oracle_config
             policies["oracle"]["ground_truth_capacity_rps"] = {
                 k: round(v, 3) for k, v in sorted(self.capacities.items())}
+        if "best-fixed" in policies:
+            policies["best-fixed"]["fleet"] = self.best_fixed_fleet
         trace = dict(self.trace)
         trace["evaluation_wall_s"] = round(self.wall_s, 2)
         trace["profile_vs_ground_truth_rps"] = {
@@ -321,6 +327,47 @@ def simulate_policy(name: str, trace: Trace, policy: Policy, profiles: ProfileSe
     return res, time.perf_counter() - t0
 
 
+def fixed_count(trace: Trace, policy: Policy, config: ConfigKey, settings: SimSettings,
+                target: float = SLO_SHARE) -> tuple[int, float] | None:
+    """The smallest count of `config` that, held fixed for the whole of `trace` (one model's
+    requests), serves at least `target` of them within the SLO, and what it reaches; None: no count
+    the inventory holds does (in a worker process). A replay per count tried (bisection)."""
+    reached: dict[int, float] = {}
+
+    def reaches(n: int) -> bool:
+        res = FleetSim(trace, StaticController("best-fixed", {config: n}), make_environment(policy), settings).run()
+        reached[n] = res.slo_attainment
+        return res.slo_attainment >= target
+
+    n = smallest_count(reaches, max_replicas(policy, config))
+    return None if n is None else (n, reached[n])
+
+
+def _best_fixed(models: Sequence[str], policy: Policy, counts: Mapping[tuple[str, ConfigKey], tuple[int, float] | None],
+                ) -> tuple[dict[ConfigKey, int], list[str], list[str]]:
+    """Per model the config whose smallest fixed count reaching the target costs least: (the fleet,
+    its description per model, the models no fixed count of any config serves)."""
+    fleet: dict[ConfigKey, int] = {}
+    labels: list[str] = []
+    missing: list[str] = []
+    for m in models:
+        best: tuple[float, ConfigKey, int, float] | None = None
+        for (model, c), found in sorted(counts.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+            usd = policy.replica_usd_h(c)
+            if model != m or found is None or usd is None:
+                continue
+            n, att = found
+            if best is None or (n * usd, -att) < (best[0], -best[3]):  # a tie: the higher attainment
+                best = (n * usd, c, n, att)
+        if best is None:
+            missing.append(m)
+            continue
+        _, c, n, att = best
+        fleet[c] = n
+        labels.append(f"{c.label()} x {n} ({100.0 * att:.2f}% of {m}'s requests alone)")
+    return fleet, labels, missing
+
+
 def ground_truth_capacity(c: ConfigKey, lengths: Sequence[tuple[int, int]], ttft_ms: float, itl_ms: float,
                           seed: int = 0, n: int = 2000, repeats: int = 3) -> float:
     """fleetplan.sim.des.capacity_at_slo on the config's ground-truth engine with the trace's own length mix."""
@@ -454,6 +501,9 @@ def evaluate(trace: Trace, policy: Policy, profiles: ProfileSet, options: Evalua
         mixes[m] = trace_mix(sub)
         cands[m] = candidates_for(policy, m)
     sims = [p for p in opts.policies if p in SIMULATED]
+    subs = {m: Trace(trace.source, trace.format, tuple(r for r in trace.requests if r.model == m)) for m in models}
+    searches = ([(m, c) for m in models for c in cands[m]] if "best-fixed" in opts.policies else [])
+    counts: dict[tuple[str, ConfigKey], tuple[int, float] | None] = {}
     results: dict[str, tuple[SimResult, float]] = {}
     known_caps = dict(capacities or {})
     caps: dict[ConfigKey, float] = dict(known_caps)
@@ -475,8 +525,11 @@ def evaluate(trace: Trace, policy: Policy, profiles: ProfileSet, options: Evalua
                         continue
                     cap_f[c] = pool.submit(ground_truth_capacity, c, trace_lengths(trace, m),
                                            mp.slo.ttft_p99_ms, mp.slo.itl_p99_ms)
+            count_f = {(m, c): pool.submit(fixed_count, subs[m], policy, c, opts.settings) for m, c in searches}
             for c, f in cap_f.items():
                 caps[c] = f.result()
+            for key, cf in count_f.items():
+                counts[key] = cf.result()
             for name, sf in sim_f.items():
                 results[name] = sf.result()
     else:
@@ -490,6 +543,8 @@ def evaluate(trace: Trace, policy: Policy, profiles: ProfileSet, options: Evalua
         for name in sims:
             results[name] = simulate_policy(name, trace, policy, profiles, opts.settings, opts.hpa_target_fraction,
                                             opts.control)
+        for m, c in searches:
+            counts[(m, c)] = fixed_count(subs[m], policy, c, opts.settings)
 
     floors: dict[str, float] = {}
     for m in models:
@@ -499,14 +554,28 @@ def evaluate(trace: Trace, policy: Policy, profiles: ProfileSet, options: Evalua
             fl = attainment_floor(c, trace_lengths(trace, m), mp.slo.ttft_p99_ms, mp.slo.itl_p99_ms)
             if fl is not None:
                 floors[c.label()] = fl
+    notes: list[str] = []
+    fixed_label = ""
+    if "best-fixed" in opts.policies:
+        # with hindsight: per model the cheapest config at the smallest count that, held all along,
+        # serves SLO_SHARE of its requests; the fleet of them replayed on the whole trace. What no
+        # policy undercuts at that attainment by holding one fleet (the oracle is a bound, this a run)
+        fleet, labels, missing = _best_fixed(models, policy, counts)
+        if missing:
+            notes.append("best-fixed left out: no count of any config held all along serves "
+                         f"{100.0 * SLO_SHARE:g}% of the requests of " + ", ".join(missing))
+        else:
+            t0 = time.perf_counter()
+            res = FleetSim(trace, StaticController("best-fixed", fleet), make_environment(policy), opts.settings).run()
+            results["best-fixed"] = (res, time.perf_counter() - t0)
+            fixed_label = "; ".join(labels)
     figures: dict[str, PolicyFigures] = {}
     for name in opts.policies:
-        if name == "oracle":
+        if name == "oracle" or name not in results:
             continue
         res, wall = results[name]
         figures[name] = _figures(res, wall, caps)
     oracle_label = ""
-    notes: list[str] = []
     # a model no config serves within the SLO even on an idle replica (its requests too long for the
     # SLO) has no lower bound: the oracle is left out, the simulated policies still report
     unbounded = [m for m in models if not any(caps.get(c, 0.0) > 0 for c in cands[m])]
@@ -577,6 +646,7 @@ def evaluate(trace: Trace, policy: Policy, profiles: ProfileSet, options: Evalua
         notes=tuple(notes),
         profile_capacities=profile_capacities(trace, policy, profiles, models),
         attainment_floors=floors,
+        best_fixed_fleet=fixed_label,
     )
 
 
@@ -693,6 +763,8 @@ def render_table(ev: Evaluation) -> str:
                  f"{tr.get('duration_s')} s, mean {tr.get('mean_rps')} rps, peak(60 s) {tr.get('peak_rps_60s')} rps")
     if ev.oracle_config:
         lines.append(f"oracle config: {ev.oracle_config}")
+    if ev.best_fixed_fleet:
+        lines.append(f"best-fixed fleet: {ev.best_fixed_fleet}")
     lines.extend(f"note: {n}" for n in ev.notes)
     lines.extend(f"note: {name}: {p.refused_starts} starts an agent would refuse (GPUs in use, or no engine on "
                  "that host): a defect of the act path, see the replay's notes"

@@ -10,8 +10,8 @@ The demo (fleetplan/harness/demo.py) keeps in its directory the day of requests 
   replay's: a request meets the SLO when it was served, its TTFT <= the policy's `ttft_p99_ms` and
   its per-request ITL, (last token - first token) / (output tokens - 1), <= `itl_p99_ms`);
 - replays the same files with `fleetplan.sim.evaluate.evaluate`, read exactly as
-  `fleetplan evaluate` reads them (`run_replay`), for fleetplan, static-peak, static-mean, hpa and
-  the oracle, and records the command line that reproduces it (`evaluate_argv`);
+  `fleetplan evaluate` reads them (`run_replay`), for fleetplan, static-peak, static-mean, hpa, the
+  cheapest fixed fleet in hindsight (best-fixed) and the oracle, and records the command line that reproduces it (`evaluate_argv`);
 - builds summary.json (`build_summary`) and renders the table the demo prints (`render_summary`).
 
 No baseline is derived from the live run itself: every baseline is the replay's.
@@ -32,7 +32,7 @@ POLICY_FILE = "policy.yaml"
 PROFILES_FILE = "PROFILES.json"
 CONTROLLER_FILE = "controller.yaml"  # the live daemon's controller config: the replay's windows and timeouts
 SUMMARY_FILE = "summary.json"
-REPLAY_POLICIES = ("fleetplan", "fleetplan-vllm-only", "static-peak", "static-mean", "hpa", "oracle")
+REPLAY_POLICIES = ("fleetplan", "fleetplan-vllm-only", "static-peak", "static-mean", "hpa", "best-fixed", "oracle")
 ENGINES = ("vllm", "trtllm")
 # the key another part of the evaluation may carry per policy; used as is when present
 BY_ENGINE_KEY = "gpu_hours_by_engine"
@@ -288,6 +288,8 @@ def build_summary(*, work: Path, model: str, day: Mapping[str, Any], slo: Mappin
             row[BY_ENGINE_KEY + "_source"] = source
             if name == "oracle":
                 row["config"] = fig.get("config")
+            if name == "best-fixed":
+                row["fleet"] = fig.get("fleet")
             pol_out[name] = row
         rep["policies"] = pol_out
         rep["trace"] = replay.doc.get("trace", {})
@@ -370,7 +372,7 @@ def render_summary(summary: Mapping[str, Any]) -> str:
                  f"{f(live.get('itl_p99_ms'), '.1f'):>8} {live.get('requests', '-')!s:>8} {live.get('failed', '-')!s:>7}")
     rep = summary.get("replay", {})
     for name, p in rep.get("policies", {}).items():
-        label = f"replay {name}" + (" (bound)" if name == "oracle" else "")
+        label = f"replay {name}" + {"oracle": " (bound)", "best-fixed": " (hindsight)"}.get(name, "")
         lines.append(f"{label:<28} {f(p.get('gpu_hours'), '.2f'):>7} "
                      + " ".join(f"{x:>7}" for x in engines(p.get(BY_ENGINE_KEY)))
                      + f" {pct(p.get('slo_attainment')):>8} {f(p.get('ttft_p99_ms'), '.0f'):>9} "

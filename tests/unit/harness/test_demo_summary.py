@@ -159,6 +159,7 @@ def test_summary_of_a_tiny_day_with_a_real_replay(tmp_path: Path, capsys: pytest
                                                         abs=1e-3)
     table = render_summary(doc)
     assert "live (the daemon)" in table and "replay oracle (bound)" in table and rep["command"] in table
+    assert "replay best-fixed (hindsight)" in table and " x " in rep["policies"]["best-fixed"]["fleet"]
 
     # the recorded command reproduces the replay's figures
     argv = shlex.split(rep["command"])

@@ -236,3 +236,49 @@ def test_a_trace_no_config_serves_within_the_slo_still_evaluates_without_an_orac
     bad = _replace(ev, policies={"static-mean": _replace(ev.policies["static-mean"], refused_starts=2)})
     assert "note: static-mean: 2 starts an agent would refuse" in render_table(bad)
     assert "would refuse" not in render_table(ev)
+
+
+def test_best_fixed_is_the_cheapest_fleet_held_all_along_that_reaches_the_target(
+        world: tuple[Policy, object, dict[ConfigKey, float]]) -> None:
+    """With hindsight, a run and not a bound: one replica fewer than the fleet it found misses 99%,
+    and the oracle (capacity per window under Poisson arrivals) spends no more."""
+    from fleetplan.sim.baselines import StaticController
+    from fleetplan.sim.des import FleetSim
+    from fleetplan.sim.evaluate import fixed_count, make_environment
+
+    policy, _profiles, caps = world
+    trace = synthetic([(300.0, 20.0), (300.0, 40.0), (300.0, 20.0)], seed=7)
+    ev = _run(world, trace, ("best-fixed", "oracle"))
+    bf = ev.policies["best-fixed"]
+    assert bf.slo_attainment is not None and bf.slo_attainment >= 0.99
+    assert bf.replica_starts == 0 and bf.served + bf.unmet_requests == bf.arrived
+    assert ev.policies["oracle"].gpu_hours <= bf.gpu_hours + 1e-9
+    label, n_text = ev.best_fixed_fleet.split(" (")[0].split(" x ")
+    config = next(c for c in caps if c.label() == label)
+    n = int(n_text)
+    assert fixed_count(prepare_trace(trace, policy, None), policy, config, SimSettings()) == (n, pytest.approx(
+        bf.slo_attainment))
+    if n > 1:
+        fewer = FleetSim(prepare_trace(trace, policy, None), StaticController("x", {config: n - 1}),
+                         make_environment(policy), SimSettings()).run()
+        assert fewer.slo_attainment < 0.99
+    assert ev.to_json()["policies"]["best-fixed"]["fleet"] == ev.best_fixed_fleet
+    assert f"best-fixed fleet: {label} x {n}" in render_table(ev)
+    # an SLO no count of any config meets (a 1 ms TTFT): left out with a note, the others report
+    strict = load_policy_text(POLICY.replace(f"ttft_p99_ms: {TTFT_MS:g}", "ttft_p99_ms: 1"), "strict")
+    ev = evaluate(synthetic([(120.0, 5.0)], seed=8), strict, _profiles,  # type: ignore[arg-type]
+                  EvaluateOptions(policies=("static-mean", "best-fixed"), workers=1), capacities=caps)
+    assert set(ev.policies) == {"static-mean"} and ev.best_fixed_fleet == ""
+    assert any(x.startswith(f"best-fixed left out: no count of any config held all along serves 99% of the "
+                            f"requests of {MODEL}") for x in ev.notes)
+
+
+def test_max_replicas_counts_whole_tp_groups_within_nvlink_groups() -> None:
+    from fleetplan.sim.baselines import max_replicas
+
+    text = POLICY.replace("  - {name: h1, gpu: h100, gpu_count: 8}",
+                          "  - {name: h1, gpu: h100, gpu_count: 8, nvlink_groups: [[0, 1, 2], [3, 4, 5, 6, 7]]}\n"
+                          "  - {name: h2, gpu: h100, gpu_count: 8}")
+    policy = load_policy_text(text.replace("tp: [1]", "tp: [1, 2, 4]"), "nvlink")
+    by_tp = {c.tp: max_replicas(policy, c) for c in candidates_for(policy, MODEL)}
+    assert by_tp == {1: 16, 2: 1 + 2 + 4, 4: 0 + 1 + 2}
