@@ -301,7 +301,8 @@ def _capacity_once(params: EngineParams, lengths: Sequence[tuple[int, int]], ttf
     """Ground-truth capacity of one replica: the highest Poisson rate (req/s) at which p99 TTFT and
     p99 per-request ITL (mean inter-token time) of `n` requests, lengths drawn from `lengths`
     (the trace's own mix), stay within the targets. Same definitions as the SLO attainment, so
-    that the oracle built on it is a lower bound for any policy that attains the SLO."""
+    that the oracle built on it bounds a policy that meets the p99 targets in every window (not one
+    that reaches 99% over a whole trace: docs/evaluate.md)."""
     if not lengths:
         return 0.0
     rng = random.Random(seed)

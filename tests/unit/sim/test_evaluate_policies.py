@@ -240,8 +240,9 @@ def test_a_trace_no_config_serves_within_the_slo_still_evaluates_without_an_orac
 
 def test_best_fixed_is_the_cheapest_fleet_held_all_along_that_reaches_the_target(
         world: tuple[Policy, object, dict[ConfigKey, float]]) -> None:
-    """With hindsight, a run and not a bound: one replica fewer than the fleet it found misses 99%,
-    and the oracle (capacity per window under Poisson arrivals) spends no more."""
+    """With hindsight, a run and not a bound: one replica fewer than the fleet it found misses 99%.
+    (The oracle is no bound for it: the oracle meets the p99 targets in every window, best-fixed 99%
+    of the trace's requests, which a fleet below the peak's p99 capacity can reach over a whole day.)"""
     from fleetplan.sim.baselines import StaticController
     from fleetplan.sim.des import FleetSim
     from fleetplan.sim.evaluate import fixed_count, make_environment
@@ -252,7 +253,7 @@ def test_best_fixed_is_the_cheapest_fleet_held_all_along_that_reaches_the_target
     bf = ev.policies["best-fixed"]
     assert bf.slo_attainment is not None and bf.slo_attainment >= 0.99
     assert bf.replica_starts == 0 and bf.served + bf.unmet_requests == bf.arrived
-    assert ev.policies["oracle"].gpu_hours <= bf.gpu_hours + 1e-9
+    assert ev.policies["oracle"].gpu_hours > 0
     label, n_text = ev.best_fixed_fleet.split(" (")[0].split(" x ")
     config = next(c for c in caps if c.label() == label)
     n = int(n_text)
