@@ -265,6 +265,10 @@ def test_best_fixed_is_the_cheapest_fleet_held_all_along_that_reaches_the_target
         assert fewer.slo_attainment < 0.99
     assert ev.to_json()["policies"]["best-fixed"]["fleet"] == ev.best_fixed_fleet
     assert f"best-fixed fleet: {label} x {n}" in render_table(ev)
+    assert "fleetplan / best-fixed" not in render_table(ev)  # fleetplan did not run
+    both = _run(world, trace, ("fleetplan", "best-fixed"))
+    ratio = both.policies["fleetplan"].gpu_hours / both.policies["best-fixed"].gpu_hours
+    assert f"fleetplan / best-fixed GPU-hours: {ratio:.2f}" in render_table(both)
     # an SLO no count of any config meets (a 1 ms TTFT): left out with a note, the others report
     strict = load_policy_text(POLICY.replace(f"ttft_p99_ms: {TTFT_MS:g}", "ttft_p99_ms: 1"), "strict")
     ev = evaluate(synthetic([(120.0, 5.0)], seed=8), strict, _profiles,  # type: ignore[arg-type]
