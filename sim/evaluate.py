@@ -565,6 +565,16 @@ def evaluate(trace: Trace, policy: Policy, profiles: ProfileSet, options: Evalua
             notes.append("best-fixed left out: no count of any config held all along serves "
                          f"{100.0 * SLO_SHARE:g}% of the requests of " + ", ".join(missing))
         else:
+            need: dict[str, int] = {}
+            for c, n in fleet.items():
+                need[c.gpu.value] = need.get(c.gpu.value, 0) + n * c.tp
+            have: dict[str, int] = {}
+            for host in policy.hosts:
+                have[host.gpu.value] = have.get(host.gpu.value, 0) + host.gpu_count
+            over = sorted(g for g, k in need.items() if k > have.get(g, 0))
+            if over:  # each model's fleet was found alone: together they need more than the hosts hold
+                notes.append("best-fixed: the models' fleets together need more " + ", ".join(over)
+                             + " GPUs than the inventory holds; replayed as the simulator places them")
             t0 = time.perf_counter()
             res = FleetSim(trace, StaticController("best-fixed", fleet), make_environment(policy), opts.settings).run()
             results["best-fixed"] = (res, time.perf_counter() - t0)

@@ -287,3 +287,23 @@ def test_max_replicas_counts_whole_tp_groups_within_nvlink_groups() -> None:
     policy = load_policy_text(text.replace("tp: [1]", "tp: [1, 2, 4]"), "nvlink")
     by_tp = {c.tp: max_replicas(policy, c) for c in candidates_for(policy, MODEL)}
     assert by_tp == {1: 16, 2: 1 + 2 + 4, 4: 0 + 1 + 2}
+
+
+def test_best_fixed_says_when_the_models_fleets_together_exceed_the_inventory(
+        world: tuple[Policy, object, dict[ConfigKey, float]]) -> None:
+    """Each model's fleet is found alone; two models that each need most of the one host's GPUs do
+    not fit beside each other: the note says so (the replay still runs what the simulator places)."""
+    from dataclasses import replace as _replace
+
+    _policy, profiles, _caps = world
+    second = POLICY.split("models:\n")[1].replace(f"name: {MODEL}", "name: llama-3.1-8b")
+    policy = load_policy_text(POLICY + second, "two-models")
+    base = synthetic([(90.0, 200.0)], seed=9).requests
+    trace = Trace("two", TraceFormat.AZURE, tuple(_replace(r, model=MODEL if k % 2 else "llama-3.1-8b")
+                                                   for k, r in enumerate(base)))
+    ev = evaluate(trace, policy, profiles, EvaluateOptions(policies=("best-fixed",), workers=2))  # type: ignore[arg-type]
+    fleet = ev.best_fixed_fleet
+    assert MODEL in fleet and "llama-3.1-8b" in fleet
+    counts = [int(part.split(" x ")[1].split(" ")[0]) for part in fleet.split("; ")]
+    assert sum(counts) > 8
+    assert any(n.startswith("best-fixed: the models' fleets together need more h100 GPUs") for n in ev.notes)
