@@ -15,8 +15,8 @@ import math
 import multiprocessing
 import random
 import time
-from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -477,11 +477,18 @@ def candidates_for(policy: Policy, model: str) -> list[ConfigKey]:
     return out
 
 
+def _tell(progress: Callable[[str], None] | None, line: str) -> None:
+    if progress is not None:
+        progress(line)
+
+
 def evaluate(trace: Trace, policy: Policy, profiles: ProfileSet, options: EvaluateOptions | None = None,
              *, trace_info: Mapping[str, Any] | None = None,
-             capacities: Mapping[ConfigKey, float] | None = None) -> Evaluation:
+             capacities: Mapping[ConfigKey, float] | None = None,
+             progress: Callable[[str], None] | None = None) -> Evaluation:
     """Every policy of `options.policies` on `trace`; `capacities`: ground-truth capacities already
-    computed (fleetplan.sim.des.capacity_at_slo with the trace's mix), the rest are computed here."""
+    computed (fleetplan.sim.des.capacity_at_slo with the trace's mix), the rest are computed here;
+    `progress`: told one line as each job finishes (a long evaluation is not silent)."""
     opts = options or EvaluateOptions()
     t_start = time.perf_counter()
     unknown = [p for p in opts.policies if p not in KNOWN]
@@ -526,6 +533,13 @@ def evaluate(trace: Trace, policy: Policy, profiles: ProfileSet, options: Evalua
                     cap_f[c] = pool.submit(ground_truth_capacity, c, trace_lengths(trace, m),
                                            mp.slo.ttft_p99_ms, mp.slo.itl_p99_ms)
             count_f = {(m, c): pool.submit(fixed_count, subs[m], policy, c, opts.settings) for m, c in searches}
+            what: dict[Future[Any], str] = {
+                **{f: f"{name} replayed" for name, f in sim_f.items()},
+                **{f: f"ground-truth capacity of {c.label()}" for c, f in cap_f.items()},
+                **{f: f"best-fixed count of {c.label()}" for (_m, c), f in count_f.items()}}
+            for done, f in enumerate(as_completed(what), 1):
+                f.result()  # a worker's error surfaces here, as it would below
+                _tell(progress, f"{done}/{len(what)} {what[f]} ({time.perf_counter() - t_start:.0f} s)")
             for c, f in cap_f.items():
                 caps[c] = f.result()
             for key, cf in count_f.items():
@@ -540,11 +554,14 @@ def evaluate(trace: Trace, policy: Policy, profiles: ProfileSet, options: Evalua
                 if c not in known_caps:
                     caps[c] = ground_truth_capacity(c, trace_lengths(trace, m), mp.slo.ttft_p99_ms,
                                                     mp.slo.itl_p99_ms)
+                    _tell(progress, f"ground-truth capacity of {c.label()} ({time.perf_counter() - t_start:.0f} s)")
         for name in sims:
             results[name] = simulate_policy(name, trace, policy, profiles, opts.settings, opts.hpa_target_fraction,
                                             opts.control)
+            _tell(progress, f"{name} replayed ({time.perf_counter() - t_start:.0f} s)")
         for m, c in searches:
             counts[(m, c)] = fixed_count(subs[m], policy, c, opts.settings)
+            _tell(progress, f"best-fixed count of {c.label()} ({time.perf_counter() - t_start:.0f} s)")
 
     floors: dict[str, float] = {}
     for m in models:

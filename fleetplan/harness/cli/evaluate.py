@@ -106,7 +106,8 @@ def _handle(args: argparse.Namespace) -> int:
         ev = evaluate(trace, policy, profiles,
                       EvaluateOptions(policies=policies, model=args.model, workers=max(1, args.workers),
                                       settings=replay.sim, control=replay.control),
-                      trace_info=info)
+                      trace_info=info,
+                      progress=lambda line: print(f"fleetplan evaluate: {line}", file=sys.stderr, flush=True))
     except (EvaluateError, TraceError, PolicyError, ValueError) as exc:
         print(f"fleetplan evaluate: {exc}", file=sys.stderr)
         return 2

@@ -141,8 +141,13 @@ def test_cli_json_shape_and_charts(world: tuple[Policy, object, dict[ConfigKey, 
                    "--profiles", str(tmp_path / "profiles.json"), "--json", "--out", str(out),
                    "--policies", "fleetplan,static-peak,hpa,oracle"])
     assert rc == 0
-    doc = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
     assert set(doc) == {"policies", "trace"}
+    # a line per finished job on stderr, stdout stays one JSON document
+    progress = [x for x in captured.err.splitlines() if x.startswith("fleetplan evaluate: ")]
+    assert any("fleetplan replayed" in x for x in progress) and progress[-1].split()[2].split("/")[0] == \
+        progress[-1].split()[2].split("/")[1]
     for name in ("fleetplan", "static-peak", "hpa"):
         assert {"gpu_hours", "slo_attainment", "ttft_p99_ms", "itl_p99_ms"} <= set(doc["policies"][name])
         assert 0.0 <= doc["policies"][name]["slo_attainment"] <= 1.0
