@@ -11,7 +11,8 @@ The demo (fleetplan/harness/demo.py) keeps in its directory the day of requests 
   its per-request ITL, (last token - first token) / (output tokens - 1), <= `itl_p99_ms`);
 - replays the same files with `fleetplan.sim.evaluate.evaluate`, read exactly as
   `fleetplan evaluate` reads them (`run_replay`), for fleetplan, static-peak, static-mean, hpa, the
-  cheapest fixed fleet in hindsight (best-fixed) and the oracle, and records the command line that reproduces it (`evaluate_argv`);
+  cheapest fixed fleet in hindsight (best-fixed) and the oracle, and records the command line that
+  reproduces it (`evaluate_argv`);
 - builds summary.json (`build_summary`) and renders the table the demo prints (`render_summary`).
 
 No baseline is derived from the live run itself: every baseline is the replay's.
