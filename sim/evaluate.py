@@ -16,7 +16,7 @@ import multiprocessing
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -328,10 +328,11 @@ def simulate_policy(name: str, trace: Trace, policy: Policy, profiles: ProfileSe
 
 
 def fixed_count(trace: Trace, policy: Policy, config: ConfigKey, settings: SimSettings,
-                target: float = SLO_SHARE) -> tuple[int, float] | None:
+                capacity_rps: float | None = None, target: float = SLO_SHARE) -> tuple[int, float] | None:
     """The smallest count of `config` that, held fixed for the whole of `trace` (one model's
     requests), serves at least `target` of them within the SLO, and what it reaches; None: no count
-    the inventory holds does (in a worker process). A replay per count tried (bisection)."""
+    the inventory holds does (in a worker process). A replay per count tried: from the mean rate over
+    `capacity_rps` (its ground-truth capacity) where known, else bisection (`smallest_count`)."""
     reached: dict[int, float] = {}
 
     def reaches(n: int) -> bool:
@@ -339,7 +340,8 @@ def fixed_count(trace: Trace, policy: Policy, config: ConfigKey, settings: SimSe
         reached[n] = res.slo_attainment
         return res.slo_attainment >= target
 
-    n = smallest_count(reaches, max_replicas(policy, config))
+    start = math.ceil(mean_rate(trace) / capacity_rps) if capacity_rps is not None and capacity_rps > 0 else None
+    n = smallest_count(reaches, max_replicas(policy, config), start)
     return None if n is None else (n, reached[n])
 
 
@@ -532,14 +534,31 @@ def evaluate(trace: Trace, policy: Policy, profiles: ProfileSet, options: Evalua
                         continue
                     cap_f[c] = pool.submit(ground_truth_capacity, c, trace_lengths(trace, m),
                                            mp.slo.ttft_p99_ms, mp.slo.itl_p99_ms)
-            count_f = {(m, c): pool.submit(fixed_count, subs[m], policy, c, opts.settings) for m, c in searches}
+            # a best-fixed search starts from its config's ground-truth capacity: submitted once known
+            count_f: dict[tuple[str, ConfigKey], Future[tuple[int, float] | None]] = {}
             what: dict[Future[Any], str] = {
                 **{f: f"{name} replayed" for name, f in sim_f.items()},
-                **{f: f"ground-truth capacity of {c.label()}" for c, f in cap_f.items()},
-                **{f: f"best-fixed count of {c.label()}" for (_m, c), f in count_f.items()}}
-            for done, f in enumerate(as_completed(what), 1):
-                f.result()  # a worker's error surfaces here, as it would below
-                _tell(progress, f"{done}/{len(what)} {what[f]} ({time.perf_counter() - t_start:.0f} s)")
+                **{f: f"ground-truth capacity of {c.label()}" for c, f in cap_f.items()}}
+
+            def search(m: str, c: ConfigKey, cap: float | None) -> None:
+                count_f[(m, c)] = f = pool.submit(fixed_count, subs[m], policy, c, opts.settings, cap)
+                what[f] = f"best-fixed count of {c.label()}"
+
+            for m, c in searches:
+                if c not in cap_f:
+                    search(m, c, caps.get(c))
+            total = len(what) + sum(1 for _m, c in searches if c in cap_f)
+            pending, done = set(what), 0
+            while pending:
+                finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for f in finished:
+                    f.result()  # a worker's error surfaces here, as it would below
+                    done += 1
+                    _tell(progress, f"{done}/{total} {what[f]} ({time.perf_counter() - t_start:.0f} s)")
+                    for m, c in searches:
+                        if cap_f.get(c) is f:
+                            search(m, c, f.result())
+                            pending.add(count_f[(m, c)])
             for c, f in cap_f.items():
                 caps[c] = f.result()
             for key, cf in count_f.items():
@@ -560,7 +579,7 @@ def evaluate(trace: Trace, policy: Policy, profiles: ProfileSet, options: Evalua
                                             opts.control)
             _tell(progress, f"{name} replayed ({time.perf_counter() - t_start:.0f} s)")
         for m, c in searches:
-            counts[(m, c)] = fixed_count(subs[m], policy, c, opts.settings)
+            counts[(m, c)] = fixed_count(subs[m], policy, c, opts.settings, caps.get(c))
             _tell(progress, f"best-fixed count of {c.label()} ({time.perf_counter() - t_start:.0f} s)")
 
     floors: dict[str, float] = {}

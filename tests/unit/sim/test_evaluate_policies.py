@@ -262,7 +262,7 @@ def test_best_fixed_is_the_cheapest_fleet_held_all_along_that_reaches_the_target
     label, n_text = ev.best_fixed_fleet.split(" (")[0].split(" x ")
     config = next(c for c in caps if c.label() == label)
     n = int(n_text)
-    assert fixed_count(prepare_trace(trace, policy, None), policy, config, SimSettings()) == (n, pytest.approx(
+    assert fixed_count(prepare_trace(trace, policy, None), policy, config, SimSettings(), caps[config]) == (n, pytest.approx(
         bf.slo_attainment))
     if n > 1:
         fewer = FleetSim(prepare_trace(trace, policy, None), StaticController("x", {config: n - 1}),
