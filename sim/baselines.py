@@ -34,6 +34,7 @@ from fleetplan.models import profile as mp
 from fleetplan.models.names import Engine
 from fleetplan.models.profile import ProfileSet
 from fleetplan.planner.capacity import MixedWorkload, capacity_table
+from fleetplan.planner.counts import tp_slots
 from fleetplan.planner.policy import Policy
 from fleetplan.planner.types import ConfigKey, HostInventory
 from fleetplan.sim.des import ControllerView, Decision
@@ -67,13 +68,7 @@ def inventory(policy: Policy) -> tuple[HostInventory, ...]:
 def max_replicas(policy: Policy, config: ConfigKey) -> int:
     """How many replicas of `config` the inventory holds at most: per host of its GPU type, its GPUs
     (within NVLink groups where the host lists them) in whole TP groups."""
-    n = 0
-    for h in policy.hosts:
-        if h.gpu != config.gpu:
-            continue
-        groups = h.nvlink_groups or [list(range(h.gpu_count))]
-        n += sum(len(g) // config.tp for g in groups)
-    return n
+    return sum(tp_slots([len(g) for g in h.groups()], config.tp) for h in inventory(policy) if h.gpu == config.gpu)
 
 
 def smallest_count(reaches: Callable[[int], bool], n_max: int, start: int | None = None) -> int | None:

@@ -503,14 +503,10 @@ def evaluate(trace: Trace, policy: Policy, profiles: ProfileSet, options: Evalua
     trace = prepare_trace(trace, policy, opts.model)
     models = sorted({r.model for r in trace.requests if r.model is not None})
     policy = policy_for_models(policy, models)
-    mixes: dict[str, tuple[float, float]] = {}
-    cands: dict[str, list[ConfigKey]] = {}
-    for m in models:
-        sub = Trace(trace.source, trace.format, tuple(r for r in trace.requests if r.model == m))
-        mixes[m] = trace_mix(sub)
-        cands[m] = candidates_for(policy, m)
-    sims = [p for p in opts.policies if p in SIMULATED]
     subs = {m: Trace(trace.source, trace.format, tuple(r for r in trace.requests if r.model == m)) for m in models}
+    mixes = {m: trace_mix(subs[m]) for m in models}
+    cands = {m: candidates_for(policy, m) for m in models}
+    sims = [p for p in opts.policies if p in SIMULATED]
     searches = ([(m, c) for m in models for c in cands[m]] if "best-fixed" in opts.policies else [])
     counts: dict[tuple[str, ConfigKey], tuple[int, float] | None] = {}
     results: dict[str, tuple[SimResult, float]] = {}
@@ -544,10 +540,11 @@ def evaluate(trace: Trace, policy: Policy, profiles: ProfileSet, options: Evalua
                 count_f[(m, c)] = f = pool.submit(fixed_count, subs[m], policy, c, opts.settings, cap)
                 what[f] = f"best-fixed count of {c.label()}"
 
+            after_cap = {cap_f[c]: (m, c) for m, c in searches if c in cap_f}  # searched once it is known
             for m, c in searches:
                 if c not in cap_f:
                     search(m, c, caps.get(c))
-            total = len(what) + sum(1 for _m, c in searches if c in cap_f)
+            total = len(what) + len(after_cap)
             pending, done = set(what), 0
             while pending:
                 finished, pending = wait(pending, return_when=FIRST_COMPLETED)
@@ -555,10 +552,10 @@ def evaluate(trace: Trace, policy: Policy, profiles: ProfileSet, options: Evalua
                     f.result()  # a worker's error surfaces here, as it would below
                     done += 1
                     _tell(progress, f"{done}/{total} {what[f]} ({time.perf_counter() - t_start:.0f} s)")
-                    for m, c in searches:
-                        if cap_f.get(c) is f:
-                            search(m, c, f.result())
-                            pending.add(count_f[(m, c)])
+                    if f in after_cap:
+                        m, c = after_cap[f]
+                        search(m, c, f.result())
+                        pending.add(count_f[(m, c)])
             for c, f in cap_f.items():
                 caps[c] = f.result()
             for key, cf in count_f.items():
@@ -640,7 +637,7 @@ def evaluate(trace: Trace, policy: Policy, profiles: ProfileSet, options: Evalua
         for m in models:
             mp = policy.model(m)
             assert mp is not None
-            sub = Trace(trace.source, trace.format, tuple(r for r in trace.requests if r.model == m))
+            sub = subs[m]
             o = oracle(sub, cands[m], caps, price, policy.scaling.cycle_s, min_replicas=0)
             total_h += o.gpu_hours
             total_cost += o.cost_usd
