@@ -52,6 +52,12 @@ class ControllerMetrics:
             "fleetplan_uncertainty_usd_per_hour",
             "$/h the plan spends above what its corrected profiles would need with no uncertainty left",
             ["model"], registry=r)
+        # planner/evidence.py slo_missed_share: the engines' histograms bound the share (at least,
+        # at most; equal where the SLO's targets are bucket edges)
+        self.slo_missed_ratio = Gauge(
+            "fleetplan_observed_slo_missed_ratio",
+            "share of the last window's requests that missed the SLO (TTFT or ITL above its target), "
+            "as the engines' histogram buckets bound it", ["model", "bound"], registry=r)
         self.actions = Counter(
             "fleetplan_actions", "actions executed", ["kind", "status"], registry=r
         )
@@ -98,11 +104,11 @@ class ControllerMetrics:
         )
 
     def per_model(self) -> tuple[Gauge, ...]:
-        """The gauges labelled by model alone."""
+        """The gauges labelled by model first."""
         return (self.planned_replicas, self.running_replicas, self.desired_replicas, self.predicted_ttft_p99_seconds,
                 self.observed_ttft_p99_seconds, self.predicted_itl_p99_seconds, self.observed_itl_p99_seconds, self.demand_rps,
                 self.capacity_rps, self.slo_ttft_p99_seconds, self.slo_itl_p99_seconds, self.unmet_demand_rps,
-                self.uncertainty_usd_h)
+                self.uncertainty_usd_h, self.slo_missed_ratio)
 
     def keep_models(self, models: set[str]) -> None:
         """Remove the series of models that left the policy (a stale gauge would keep alerting)."""

@@ -33,6 +33,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from fleetplan.controller.page import attainment_lines
+from fleetplan.models.mix import SLO_SHARE
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
@@ -497,6 +498,20 @@ def render_relaxations(relaxations: list[Mapping[str, Any]], model: str | None =
             f"{r['unmet_rps_before']:.2f} -> {r['unmet_rps_after']:.2f} rps)" for r in rows]
 
 
+def missed_line(m: Mapping[str, Any], indent: str = "  ") -> str | None:
+    """The share of the last window's requests that missed the SLO, as the engines' histograms bound
+    it (one figure where a target is a bucket edge), against the 1% a p99 target allows."""
+    share = m.get("observed_missed_share")
+    if not share:
+        return None
+    lo, hi = (100.0 * x for x in share)
+    what = f"{lo:.2f}%" if hi - lo < 0.005 else f"{lo:.2f}-{hi:.2f}%"
+    verdict = "within" if hi <= 100.0 * (1.0 - SLO_SHARE) + 1e-9 else (
+        "above" if lo > 100.0 * (1.0 - SLO_SHARE) + 1e-9 else "perhaps above")
+    return (f"{indent}missed the SLO (TTFT or ITL), last window: {what} of requests ({verdict} the "
+            f"{100.0 * (1.0 - SLO_SHARE):g}% the p99 targets allow; the engines' histogram buckets bound it)")
+
+
 def render_explain(data: Mapping[str, Any], model: str) -> str | None:
     m = explanation_for(data, model)
     if m is None:
@@ -519,6 +534,9 @@ def render_explain(data: Mapping[str, Any], model: str) -> str | None:
     )
     if m.get("length_mix"):
         lines.append(f"  length mix used for capacity: {m['length_mix']}")
+    missed = missed_line(m)
+    if missed:
+        lines.append(missed)
     lines.extend(uncertainty_lines(m))
     plan = data.get("plan") or {}
     for c in m["configs"]:

@@ -67,6 +67,10 @@ def update_metrics(ctrl: Controller, doc: Mapping[str, Any], snap: Snapshot) -> 
         m.unmet_demand_rps.labels(name).set(me["unmet_rps"])
         if me.get("uncertainty_usd_h") is not None:
             m.uncertainty_usd_h.labels(name).set(me["uncertainty_usd_h"])
+        if me.get("observed_missed_share"):
+            low, high = me["observed_missed_share"]
+            m.slo_missed_ratio.labels(name, "low").set(low)
+            m.slo_missed_ratio.labels(name, "high").set(high)
         ttfts = [c["predicted_ttft_p99_ms"] for c in me["configs"] if c["predicted_ttft_p99_ms"] is not None]
         itls = [c["predicted_itl_p99_ms"] for c in me["configs"] if c["predicted_itl_p99_ms"] is not None]
         if ttfts:

@@ -55,6 +55,7 @@ from fleetplan.planner.counts import (
     ModelDemand,
     solve_counts,
 )
+from fleetplan.planner.evidence import slo_missed_share
 from fleetplan.planner.explore import canaries
 from fleetplan.planner.forecast import forecast_rate, recent_level_max
 from fleetplan.planner.lengths import held_note, hold_lengths
@@ -858,11 +859,20 @@ def _explain(
         models.append(ModelExplanation(
             m.name, d.observed_rps, d.forecast_rps, d.demand_rps, m.headroom, d.required_rps, cap, tcap,
             unmet if unmet > UNMET_TOL_RPS else 0.0, m.slo.ttft_p99_ms, m.slo.itl_p99_ms, usd, tuple(configs),
-            tuple(mnotes), workloads[m.name].length_mix().describe()))
+            tuple(mnotes), workloads[m.name].length_mix().describe(),
+            observed_missed_share=_missed_share(obs.get(m.name), m)))
     solve_s = sum(r.wall_s for r in reports)
     main = now_sol.report
     return Explanation(tuple(models), tuple(dict.fromkeys(binding)), tuple(reports), main.objective, main.gap,
                        solve_s, now_plan.usd_h, target_plan.usd_h, tuple(notes))
+
+
+def _missed_share(o: ModelObservation | None, m: ModelPolicy) -> tuple[float, float] | None:
+    """The share of the window's requests that missed the model's SLO, bounded by the engines'
+    histograms (planner/evidence.py `slo_missed_share`); None: stale or nothing observed."""
+    if o is None or o.stale:
+        return None
+    return slo_missed_share(o.ttft_buckets, o.tpot_buckets, m.slo.ttft_p99_ms / 1000.0, m.slo.itl_p99_ms / 1000.0)
 
 
 def _finite(v: float | None) -> float | None:

@@ -75,6 +75,8 @@ def observation_from(interpreted: Interpreted, evidence: ev.Evidence | None, mod
             peak_rps=mm.peak_rps, peak_window_s=mm.peak_window_s, isl_p99_low=me.isl_p99_low(),
             history_window_s=mm.history_window_s,
             prefix_hit_rate=mm.prefix_hit_rate,
+            ttft_buckets=me.ttft if replicas is not None else (),
+            tpot_buckets=me.tpot if replicas is not None else (),
         )
     return Observation(models=obs, alerts=tuple(interpreted.alerts)), tuple(notes)
 

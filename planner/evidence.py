@@ -98,6 +98,44 @@ def histogram_quantile(q: float, buckets: Iterable[tuple[float, float]]) -> floa
     return cleaned[-1][0]  # not reached: the +Inf bucket's cumulative count is the total
 
 
+def share_above(buckets: Iterable[tuple[float, float]], limit: float) -> tuple[float, float] | None:
+    """The share of a histogram's observations above `limit`, as its buckets bound it: (low, high),
+    the bucket holding `limit` counted out of low and into high (equal where `limit` is a bucket
+    edge, as SLO targets often are). None: no observations.
+
+    >>> share_above(((0.25, 90.0), (0.5, 98.0), (1.0, 100.0), (math.inf, 100.0)), 0.5)
+    (0.02, 0.02)
+    >>> share_above(((0.25, 90.0), (0.5, 98.0), (1.0, 100.0), (math.inf, 100.0)), 0.3)
+    (0.02, 0.1)
+    """
+    cleaned = _cleaned(buckets)
+    if cleaned is None:
+        return None
+    total = sum(c for _, _, c in cleaned)
+    surely = maybe = 0.0
+    for lo, hi, c in cleaned:
+        if lo >= limit:
+            surely += c
+        elif hi > limit:
+            maybe += c
+    return surely / total, min(1.0, (surely + maybe) / total)
+
+
+def slo_missed_share(ttft: Buckets, tpot: Buckets, ttft_slo_s: float,
+                     itl_slo_s: float) -> tuple[float, float] | None:
+    """The share of a window's requests that missed the SLO (TTFT or per-request TPOT above its
+    target), bounded from the engines' two histograms: at least the larger share of either, at most
+    both added. None: neither histogram has observations.
+
+    >>> slo_missed_share(((0.5, 99.0), (math.inf, 100.0)), ((0.05, 98.0), (math.inf, 100.0)), 0.5, 0.05)
+    (0.02, 0.03)
+    """
+    parts = [x for x in (share_above(ttft, ttft_slo_s), share_above(tpot, itl_slo_s)) if x is not None]
+    if not parts:
+        return None
+    return max(lo for lo, _ in parts), min(1.0, sum(hi for _, hi in parts))
+
+
 @dataclass(frozen=True)
 class QuantileEstimate:
     """A quantile read from a histogram: the estimate, and the bounds of the bucket holding its rank
@@ -316,6 +354,10 @@ class ModelEvidence:
     # extrapolation guard reads the most favourable side (planner/capacity.py `extrapolation`)
     isl_estimates: tuple[QuantileEstimate, ...] = ()
     osl_estimates: tuple[QuantileEstimate, ...] = ()
+    # the model's TTFT and per-request TPOT histograms summed over every replica with a series
+    # (cumulative bucket rates): the share of its requests that missed the SLO (`slo_missed_share`)
+    ttft: Buckets = ()
+    tpot: Buckets = ()
 
     def isl_p99_low(self) -> float | None:
         """The lowest prompt-length p99 the histogram allows (its bucket's lower bound); None: unknown."""
@@ -422,9 +464,12 @@ def interpret(model: str, evidence: Evidence | None, replicas: Sequence[Replica]
     osl_e = length_estimates(evidence.gen_len.get(model, ()), lw, (evidence.gen_len_moments or {}).get(model))
 
     by_config: dict[ConfigKey, list[ReplicaSeries]] = {}
+    every: list[ReplicaSeries] = []  # every replica with a series: what the model's requests met
     for r in sorted(replicas, key=lambda r: r.replica_id):
         if r.config.model != model:
             continue
+        if (series_any := evidence.replicas.get(r.replica_id)) is not None:
+            every.append(series_any)
         if not serving_whole_window(r, now_s, w * k):
             continue
         s = evidence.replicas.get(r.replica_id)
@@ -448,7 +493,8 @@ def interpret(model: str, evidence: Evidence | None, replicas: Sequence[Replica]
                                          ttft_p99_range_ms=ttft_range, itl_p99_range_ms=itl_range,
                                          ttft_p99_sampling_ms=ttft_spread, itl_p99_sampling_ms=itl_spread))
     return ModelEvidence(tuple((e.q, e.value) for e in isl_e), tuple((e.q, e.value) for e in osl_e),
-                         tuple(configs), tuple(notes), isl_e, osl_e)
+                         tuple(configs), tuple(notes), isl_e, osl_e,
+                         _sum_buckets(s.ttft for s in every), _sum_buckets(s.tpot for s in every))
 
 
 class _Sample(Protocol):

@@ -71,6 +71,8 @@ def plan_to_dict(result: PlanResult) -> dict[str, Any]:
                 "length_mix": m.length_mix,
                 "uncertainty_usd_h": m.uncertainty_usd_h,
                 "uncertainty_why": list(m.uncertainty_why),
+                "observed_missed_share": (list(m.observed_missed_share)
+                                          if m.observed_missed_share is not None else None),
                 "alternatives": [alternative_to_dict(a) for a in m.alternatives],
             } for m in e.models],
             "relaxations": [relaxation_to_dict(r) for r in e.relaxations],

@@ -136,6 +136,10 @@ class ModelObservation:
     # the share of prompt tokens served from the engines' prefix caches over the window (their
     # prefix-cache counters, planner/prefix.py); None: unknown (the plan assumes none)
     prefix_hit_rate: float | None = None
+    # the model's TTFT and per-request TPOT histograms over the window, every replica's summed
+    # (cumulative (le seconds, rate) pairs): the share of requests that missed the SLO
+    ttft_buckets: tuple[tuple[float, float], ...] = ()
+    tpot_buckets: tuple[tuple[float, float], ...] = ()
 
 
 def _empty_models() -> Mapping[str, ModelObservation]:
@@ -344,6 +348,9 @@ class ModelExplanation:
     # (planner/uncertainty.py); None: not computed
     uncertainty_usd_h: float | None = None
     uncertainty_why: tuple[str, ...] = ()
+    # the share of the last window's requests that missed the SLO (TTFT or ITL), as the engines'
+    # histograms bound it: (at least, at most); None: no histogram observations
+    observed_missed_share: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)

@@ -103,17 +103,25 @@ def _shown(url: str) -> None:
         time.sleep(1.0)
     assert cj["observed_ttft_p99_ms"] is not None and cj["observed_rps_per_replica"] is not None
     assert _vllm_correction(doc["plan"]) is not None
+    # the share of requests that missed the SLO, bounded by the engines' histograms
+    me = next(m for m in doc["plan"]["explanation"]["models"] if m["model"] == MODEL)
+    low, high = me["observed_missed_share"]
+    assert 0.0 <= low <= high <= 1.0, me["observed_missed_share"]
     out = cli("explain", MODEL)
     assert out.returncode == 0, out.stderr
     print(out.stdout)
     assert "correction: engine speed vs profile" in out.stdout and "in force since" in out.stdout, out.stdout
     assert "length mix used for capacity: isl mean" in out.stdout and "observed at" in out.stdout
+    assert "missed the SLO (TTFT or ITL), last window: " in out.stdout, out.stdout
     out = cli("report")
     assert out.returncode == 0 and "(corrected)" in out.stdout, out.stdout
     metrics = httpx.get(url + "/metrics", timeout=5).text
     line = next(ln for ln in metrics.splitlines()
                 if ln.startswith(f'fleetplan_profile_correction_ratio{{config="{CONFIG}",model="{MODEL}"}}'))
     assert float(line.rsplit(" ", 1)[1]) < 0.85, line
+    bounds = {b: float(ln.rsplit(" ", 1)[1]) for ln in metrics.splitlines() for b in ("low", "high")
+              if ln.startswith(f'fleetplan_observed_slo_missed_ratio{{bound="{b}",model="{MODEL}"}}')}
+    assert set(bounds) == {"low", "high"} and 0.0 <= bounds["low"] <= bounds["high"] <= 1.0, bounds
 
 
 async def test_optimistic_profiles_corrected_persisted_across_restart_and_shown(

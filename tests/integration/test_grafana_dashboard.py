@@ -40,6 +40,7 @@ REQUIRED = {
     "policy reloads": "fleetplan_policy_reloads_total",
     "last cycle age": "fleetplan_last_cycle_timestamp_seconds",
     "cost of uncertainty": "fleetplan_uncertainty_usd_per_hour",
+    "requests that missed the SLO": "fleetplan_observed_slo_missed_ratio",
 }
 
 
