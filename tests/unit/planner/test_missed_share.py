@@ -9,28 +9,18 @@ import math
 from types import MappingProxyType
 
 import pytest
-from planner_helpers import policy
+from planner_helpers import hosts, key, policy
 
 from fleetplan.controller.report import render_explain
-from fleetplan.models.names import Engine, GpuType, Precision
 from fleetplan.planner import cycle
 from fleetplan.planner.core import plan_to_dict, plan_with_capacities
 from fleetplan.planner.evidence import Evidence, ReplicaSeries, interpret, share_above, slo_missed_share
 from fleetplan.planner.observation import Interpreted, ModelMetrics
-from fleetplan.planner.types import (
-    ConfigKey,
-    Fleet,
-    HostInventory,
-    ModelObservation,
-    Observation,
-    PlannerState,
-    Replica,
-    ReplicaState,
-)
+from fleetplan.planner.types import Fleet, ModelObservation, Observation, PlannerState, Replica, ReplicaState
 
 INF = math.inf
 M = "m8"
-KEY = ConfigKey(M, Engine.VLLM, GpuType.H100, 1, Precision.BF16)
+KEY = key(M)
 NOW = 10_000.0
 # vLLM's edges around the targets: TTFT (s) and per-request TPOT (s)
 TTFT = ((0.25, 95.0), (0.5, 98.0), (0.75, 99.0), (1.0, 99.5), (2.5, 100.0), (INF, 100.0))
@@ -88,7 +78,7 @@ def test_the_plan_and_the_explain_report_carry_it() -> None:
     from fleetplan.planner.capacity import CapacityInfo
 
     p = _policy()
-    fleet = Fleet((HostInventory("h00", GpuType.H100, 8, (tuple(range(8)),), True),), (_rep("r0", 0.0),))
+    fleet = Fleet(hosts(1), (_rep("r0", 0.0),))
     # the observation as the daemon builds it from Prometheus' answers and the engines' series
     series = ReplicaSeries(2.0, tuple((le, 2.0 * c / 100.0) for le, c in TTFT),
                            tuple((le, 2.0 * c / 100.0) for le, c in TPOT))
