@@ -468,11 +468,11 @@ def interpret(model: str, evidence: Evidence | None, replicas: Sequence[Replica]
     for r in sorted(replicas, key=lambda r: r.replica_id):
         if r.config.model != model:
             continue
-        if (series_any := evidence.replicas.get(r.replica_id)) is not None:
-            every.append(series_any)
+        s = evidence.replicas.get(r.replica_id)
+        if s is not None:
+            every.append(s)
         if not serving_whole_window(r, now_s, w * k):
             continue
-        s = evidence.replicas.get(r.replica_id)
         if s is None or s.done_rps is None or not math.isfinite(s.done_rps):
             notes.append(f"{r.replica_id}: no series in Prometheus (not scraped yet?): left out of "
                          f"{r.config.label()}")

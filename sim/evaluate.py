@@ -352,11 +352,15 @@ def _best_fixed(models: Sequence[str], policy: Policy, counts: Mapping[tuple[str
     fleet: dict[ConfigKey, int] = {}
     labels: list[str] = []
     missing: list[str] = []
+    by_model: dict[str, list[tuple[ConfigKey, tuple[int, float]]]] = {}
+    for (model, c), found in sorted(counts.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        if found is not None:
+            by_model.setdefault(model, []).append((c, found))
     for m in models:
         best: tuple[float, ConfigKey, int, float] | None = None
-        for (model, c), found in sorted(counts.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        for c, found in by_model.get(m, ()):
             usd = policy.replica_usd_h(c)
-            if model != m or found is None or usd is None:
+            if usd is None:
                 continue
             n, att = found
             if best is None or (n * usd, -att) < (best[0], -best[3]):  # a tie: the higher attainment
