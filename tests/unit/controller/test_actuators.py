@@ -326,7 +326,7 @@ def _engine_dir(cache: Path, model: str, gpu: str, tp: int, manifest: dict[str, 
 
 
 def test_read_engine_manifests_takes_finished_engines_of_this_gpu_type_only(tmp_path: Path) -> None:
-    from fleetplan.controller.agent import read_engine_manifests
+    from fleetplan.controller.agent_cache import read_engine_manifests
     from fleetplan.models.names import GpuType
 
     cache = tmp_path / "cache"
@@ -360,7 +360,7 @@ async def test_a_hung_engine_cache_read_does_not_hold_up_reconcile(tmp_path: Pat
     import threading
     import time as time_mod
 
-    from fleetplan.controller import agent as agent_mod
+    from fleetplan.controller import agent_cache as agent_mod
 
     release = threading.Event()
     calls = []
