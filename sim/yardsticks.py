@@ -1,0 +1,231 @@
+"""Yardsticks a policy can reach, found with hindsight: the clairvoyant autoscaler and hpa at its best
+target utilisation.
+
+Every one is a run, not a bound: a schedule or a setting chosen knowing the whole trace, then
+replayed through the same simulated fleet as the policies (`FleetSim`), so it pays every start, drain
+and engine build at the simulator's real lead times and is judged by the same SLO in the same run.
+
+**The clairvoyant** knows the request rate of every window of the trace. Per model it solves one
+CP-SAT model over windows of `window_s`: replicas per candidate config and window, enough
+ground-truth capacity at the SLO for `margin` x the window's rate, each start paying its config's
+lead time (startup) in GPU-time, a config that needs an engine build paying the build once and
+serving only from when it can have been built. The cheapest such schedule is replayed with every
+replica asked for one lead time ahead of its window (`ScheduleController`); the smallest margin whose
+replay serves the objective is the yardstick. Why a margin: the ground-truth capacity is what one
+replica sustains at the p99 targets under Poisson arrivals of the window's mean rate; real arrivals
+burst inside a window, and the objective counts requests over the whole trace, so neither 1.0 nor
+any fixed factor is right for every trace: the replay decides.
+
+**hpa, tuned**: the HPA baseline at the target utilisation (fraction of the per-replica concurrency
+at the SLO) with the fewest GPU-hours among those whose replay serves the objective.
+
+Both are deterministic: the solve is limited by work (one worker, a deterministic time limit), the
+replays are functions of their inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from fleetplan.planner.types import ConfigKey
+from fleetplan.sim.des import ControllerView, Decision, Environment, FleetSim, SimResult, SimSettings
+from fleetplan.sim.traces import Trace, iter_rates
+
+# the margins tried, in order of the search: the first that serves the objective, then the ones
+# below it between it and the last that did not
+MARGIN_LADDER: tuple[float, ...] = (0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0)
+HPA_TARGETS: tuple[float, ...] = (0.95, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
+SOLVE_DETERMINISTIC_S = 5.0  # CP-SAT's deterministic time (work, not wall-clock seconds)
+SOLVE_RELATIVE_GAP = 0.005  # a schedule within 0.5% of the cheapest is taken: proving the last 0.5% costs minutes
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Replicas per config per window, and when each config can first serve."""
+
+    window_s: float
+    counts: Mapping[ConfigKey, tuple[int, ...]]  # per config: replicas serving in window k
+    lead_s: Mapping[ConfigKey, float]  # asked for this long before the window (the replica's startup)
+    first_lead_s: Mapping[ConfigKey, float]  # the same for its first use (startup + engine build)
+
+    def targets_at(self, t_s: float) -> dict[ConfigKey, int]:
+        """The replicas of each config to hold at `t_s`: the most any window starting within one lead
+        time from now needs (asked for ahead, kept through a gap shorter than a start).
+
+        >>> from fleetplan.models.names import Engine, GpuType, Precision
+        >>> c = ConfigKey("m", Engine.VLLM, GpuType.H100, 1, Precision.FP16)
+        >>> s = Schedule(60.0, {c: (1, 0, 0, 3)}, {c: 90.0}, {c: 90.0})
+        >>> [s.targets_at(t)[c] for t in (0.0, 59.0, 60.0, 89.0, 90.0, 179.0, 180.0)]
+        [1, 1, 0, 0, 3, 3, 3]
+        """
+        out: dict[ConfigKey, int] = {}
+        for c, n in self.counts.items():
+            first = next((k for k, x in enumerate(n) if x > 0), None)
+            best = 0
+            k = max(0, int(t_s // self.window_s))
+            while k < len(n) and k * self.window_s - self.first_lead_s[c] <= t_s:
+                lead = self.first_lead_s[c] if k == first else self.lead_s[c]
+                if k * self.window_s - lead <= t_s:
+                    best = max(best, n[k])
+                k += 1
+            out[c] = best
+        return out
+
+
+@dataclass
+class ScheduleController:
+    """A baseline that follows a schedule known in advance (the clairvoyant's)."""
+
+    name: str
+    schedule: Schedule
+    period_s: float = 15.0
+
+    def decide(self, view: ControllerView) -> Decision:
+        return Decision(targets=self.schedule.targets_at(view.t_s))
+
+
+def window_rates(trace: Trace, window_s: float) -> np.ndarray:
+    """Requests per second in each window of the trace; the last, partial window at its own rate."""
+    rates = iter_rates(trace.requests, window_s, trace.duration_s)
+    last_span = trace.duration_s - (len(rates) - 1) * window_s
+    if len(rates) and 0 < last_span < window_s:
+        rates[-1] *= window_s / last_span
+    return rates
+
+
+def clairvoyant_schedule(rates_rps: Sequence[float], window_s: float, configs: Sequence[ConfigKey],
+                         capacity_rps: Mapping[ConfigKey, float], price_usd_h: Mapping[str, float],
+                         env: Environment, max_count: Callable[[ConfigKey], int], gpus_of_type: Mapping[str, int],
+                         margin: float) -> Schedule | None:
+    """The cheapest schedule (CP-SAT) that holds `margin` x each window's rate in ground-truth capacity,
+    paying each start its lead time and each engine build once; None: no schedule the inventory
+    holds does. Deterministic: one worker, a deterministic time limit."""
+    from ortools.sat.python import cp_model
+
+    usable = [c for c in configs if capacity_rps.get(c, 0.0) > 0 and max_count(c) > 0]
+    if not usable:
+        return None
+    nwin = len(rates_rps)
+    scale = 1000  # capacities in milli-rps
+    m = cp_model.CpModel()
+    n: dict[ConfigKey, list[cp_model.IntVar]] = {}
+    cost_terms = []
+    lead: dict[ConfigKey, float] = {}
+    first_lead: dict[ConfigKey, float] = {}
+    for c in usable:
+        hi = max_count(c)
+        startup = env.startup_s(c)
+        build = env.build_s(c) if c not in env.cached else None
+        lead[c] = startup
+        first_lead[c] = startup + (build or 0.0)
+        gpu_price_s = price_usd_h.get(c.gpu.value, 0.0) * c.tp / 3600.0 * 1e6  # micro-USD per second
+        xs = [m.new_int_var(0, hi, f"n_{c.label()}_{k}") for k in range(nwin)]
+        n[c] = xs
+        if build is not None:
+            for k in range(nwin):
+                if k * window_s <= first_lead[c]:
+                    m.add(xs[k] == 0)  # it cannot serve before its engine can have been built and started
+        # the first window's fleet is warm, as every policy's is (FleetSim's warm start): no start paid
+        starts = []
+        for k in range(1, nwin):
+            s = m.new_int_var(0, hi, f"s_{c.label()}_{k}")
+            m.add(s >= xs[k] - xs[k - 1])
+            starts.append(s)
+        cost_terms.append(round(gpu_price_s * window_s) * sum(xs))
+        cost_terms.append(round(gpu_price_s * startup) * sum(starts))
+        if build is not None:
+            used = m.new_bool_var(f"built_{c.label()}")
+            for x in xs:
+                m.add(x <= hi * used)
+            cost_terms.append(round(gpu_price_s * build) * used)
+    for k, r in enumerate(rates_rps):
+        need = math.ceil(margin * float(r) * scale)
+        if need > 0:
+            m.add(sum(round(capacity_rps[c] * scale) * n[c][k] for c in usable) >= need)
+        for g, have in gpus_of_type.items():
+            on_g = [c for c in usable if c.gpu.value == g]
+            if on_g:
+                m.add(sum(c.tp * n[c][k] for c in on_g) <= have)
+    m.minimize(sum(cost_terms))
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    solver.parameters.max_deterministic_time = SOLVE_DETERMINISTIC_S
+    solver.parameters.random_seed = 0
+    solver.parameters.relative_gap_limit = SOLVE_RELATIVE_GAP
+    solver.parameters.linearization_level = 2  # an LP-shaped model: its relaxation prunes most of the search
+    status = solver.solve(m)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    counts = {c: tuple(int(solver.value(x)) for x in n[c]) for c in usable}
+    counts = {c: v for c, v in counts.items() if any(v)}
+    return Schedule(window_s, counts, {c: lead[c] for c in counts}, {c: first_lead[c] for c in counts})
+
+
+@dataclass(frozen=True)
+class Yardstick:
+    """A yardstick's replay and the setting it was found at (the clairvoyant's margin, hpa's target)."""
+
+    result: SimResult
+    setting: float
+    tried: tuple[tuple[float, float, float], ...]  # (setting, GPU-hours, attainment) of every replay
+
+
+def _ladder_search(values: Sequence[float], run: Callable[[float], SimResult | None],
+                   objective: float) -> Yardstick | None:
+    """Along `values` (from the cheapest setting to the most generous), the cheapest whose replay
+    serves `objective`: from the middle, up until one serves it, then down while they still do.
+    None: not even the most generous one does."""
+    tried: dict[float, SimResult | None] = {}
+
+    def ok(i: int) -> bool:
+        v = values[i]
+        if v not in tried:
+            tried[v] = run(v)
+        res = tried[v]
+        return res is not None and res.slo_attainment >= objective
+
+    i = len(values) // 2
+    if ok(i):
+        while i > 0 and ok(i - 1):
+            i -= 1
+    else:
+        while i + 1 < len(values) and not ok(i + 1):
+            i += 1
+        if i + 1 >= len(values):
+            return None
+        i += 1
+    best = tried[values[i]]
+    assert best is not None
+    log = tuple((v, float(r.gpu_hours), float(r.slo_attainment)) for v, r in sorted(tried.items()) if r is not None)
+    return Yardstick(best, values[i], log)
+
+
+def clairvoyant(trace: Trace, configs: Sequence[ConfigKey], capacity_rps: Mapping[ConfigKey, float],
+                env: Environment, settings: SimSettings, max_count: Callable[[ConfigKey], int],
+                gpus_of_type: Mapping[str, int], objective: float, window_s: float) -> Yardstick | None:
+    """The clairvoyant autoscaler on one model's `trace` (module docstring): the smallest margin of
+    MARGIN_LADDER whose schedule, replayed, serves `objective` of the requests."""
+    rates = [float(r) for r in window_rates(trace, window_s)]
+    replayed: dict[tuple[tuple[ConfigKey, tuple[int, ...]], ...], SimResult] = {}
+
+    def run(margin: float) -> SimResult | None:
+        sched = clairvoyant_schedule(rates, window_s, configs, capacity_rps, env.price_usd_h, env, max_count,
+                                     gpus_of_type, margin)
+        if sched is None:
+            return None
+        key = tuple(sorted(sched.counts.items()))
+        if key not in replayed:  # two margins often round to the same schedule: one replay
+            replayed[key] = FleetSim(trace, ScheduleController("clairvoyant", sched), env, settings).run()
+        return replayed[key]
+
+    return _ladder_search(MARGIN_LADDER, run, objective)
+
+
+def tuned_hpa(run_at: Callable[[float], SimResult], objective: float) -> Yardstick | None:
+    """hpa at the target utilisation of HPA_TARGETS (the highest first: the fewest replicas) with the
+    fewest GPU-hours whose replay serves `objective`; `run_at(target)` replays hpa at that target."""
+    return _ladder_search(HPA_TARGETS, run_at, objective)
