@@ -123,6 +123,7 @@ async def test_a_sick_prometheus_fails_static_with_an_alert_naming_the_query(
         assert "no full answer within 3 s" in alert, alert
     # each cycle ended within the observation's deadline (4 s) and its own work, not the fault's
     # 20 s (late) or ~50 s (a 500-byte answer at a byte per 0.1 s)
+    print(f"prometheus {fault}: cycle {took_s:.2f} s (observation deadline 4 s, query deadline 3 s)")
     assert took_s < 12.0, took_s
 
     prom.mode = "ok"
