@@ -53,7 +53,7 @@ class ClockGuard:
 
     def check(self, alerts: MutableMapping[str, str]) -> float | None:
         reading = clockstep.ClockReading(self.clock.wall(), self.clock.mono())
-        self.state, verdict = clockstep.watch(self.state, reading, name="the clock", tolerance_s=self.tolerance_s,
+        self.state, verdict = clockstep.watch(self.state, reading, name=clockstep.WhichClock.CONTROLLER.value, tolerance_s=self.tolerance_s,
                                               alert_hold_s=self.alert_hold_s)
         if verdict.stepped_s is not None:
             log.warning("%s", verdict.alert)

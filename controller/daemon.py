@@ -44,6 +44,7 @@ from fleetplan.controller.protocol import HostStatus
 from fleetplan.controller.runner import sd_notify
 from fleetplan.controller.settings import ControllerSettings, RoutingSettings
 from fleetplan.controller.state import Phase, StateStore
+from fleetplan.planner import clockstep
 
 __all__ = ["Clock", "Controller", "ControllerSettings", "RoutingSettings"]
 
@@ -289,8 +290,9 @@ class Controller:
             await self.executor.reconcile()
             snap = await self._observe(cid, now_s, stepped is not None)
             self.executor.adopt_orphans()  # statuses may have arrived while observing: never plan around an unknown engine
-            if stepped is not None or snap.clock_step_s is not None:
-                summary.update(self._no_action_on_step(cid, snap, stepped))
+            step = clockstep.step_this_cycle(stepped, snap.clock_step_s)
+            if step is not None:
+                summary.update(self._no_action_on_step(cid, snap, step))
             else:
                 summary.update(await self._plan_and_act(cid, now_s, snap))
         except asyncio.CancelledError:
@@ -385,12 +387,10 @@ class Controller:
         summary["alerts"] = self._set_alerts(snap, reporting.plan_alerts(doc))
         return summary
 
-    def _no_action_on_step(self, cid: int, snap: Snapshot, stepped_s: float | None) -> dict[str, Any]:
+    def _no_action_on_step(self, cid: int, snap: Snapshot, step: clockstep.StepSeen) -> dict[str, Any]:
         """A cycle on which a clock stepped (the controller's, or Prometheus's) acts on nothing: the
         time ranges it read may not mean what they say (planner/clockstep.py). The next plans."""
-        which = "the clock" if stepped_s is not None else "Prometheus's clock"
-        step = stepped_s if stepped_s is not None else snap.clock_step_s
-        why = f"{which} stepped {step:+.0f} s: no action on this cycle"
+        why = f"{step.clock.value} stepped {step.step_s:+.0f} s: no action on this cycle"
         log.warning("cycle %s: %s", cid, why)
         return {"deferred": why, "alerts": self._set_alerts(snap, [why])}
 

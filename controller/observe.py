@@ -393,7 +393,7 @@ class Observer:
     def _watch_prom_clock(self, prom_s: float) -> None:
         """Prometheus's clock against the monotonic one: a step forgets the history read."""
         self._prom_clock, verdict = clockstep.watch(
-            self._prom_clock, clockstep.ClockReading(prom_s, self.mono()), name="Prometheus's clock",
+            self._prom_clock, clockstep.ClockReading(prom_s, self.mono()), name=clockstep.WhichClock.PROMETHEUS.value,
             tolerance_s=self.step_tolerance_s + self.client.deadline_s, alert_hold_s=self.step_alert_hold_s)
         self.prom_clock = verdict
         if verdict.stepped_s is not None:

@@ -24,6 +24,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import Enum
+
+
+class WhichClock(Enum):
+    """The wall clocks a cycle reads; the value is how alerts name it."""
+
+    CONTROLLER = "the clock"
+    PROMETHEUS = "Prometheus's clock"
 
 
 @dataclass(frozen=True)
@@ -82,6 +90,27 @@ def watch(state: ClockWatch, reading: ClockReading, *, name: str, tolerance_s: f
                  "the monotonic clock between two cycles): no action was taken on that cycle and the "
                  "request-rate history was read afresh; the controller's timers run on the monotonic clock")
     return ClockWatch(reading, step), ClockVerdict(stepped, alert)
+
+
+@dataclass(frozen=True)
+class StepSeen:
+    clock: WhichClock
+    step_s: float
+
+
+def step_this_cycle(controller_step_s: float | None, prometheus_step_s: float | None) -> StepSeen | None:
+    """The step this cycle must not act on (the controller's clock first), or None: act.
+
+    >>> step_this_cycle(None, None) is None
+    True
+    >>> step_this_cycle(None, -3600.0)
+    StepSeen(clock=<WhichClock.PROMETHEUS: "Prometheus's clock">, step_s=-3600.0)
+    """
+    if controller_step_s is not None:
+        return StepSeen(WhichClock.CONTROLLER, controller_step_s)
+    if prometheus_step_s is not None:
+        return StepSeen(WhichClock.PROMETHEUS, prometheus_step_s)
+    return None
 
 
 def history_from(last_point_s: float | None, start_s: float, end_s: float) -> float | None:

@@ -7,9 +7,11 @@ import pytest
 from fleetplan.planner.clockstep import (
     ClockReading,
     ClockWatch,
+    WhichClock,
     history_from,
     range_makes_sense,
     step_between,
+    step_this_cycle,
     watch,
 )
 
@@ -68,3 +70,11 @@ def test_a_range_ending_before_it_starts_makes_no_sense() -> None:
     assert range_makes_sense(0.0, 0.0) and range_makes_sense(-3600.0, 0.0)
     assert not range_makes_sense(3600.0, 0.0)
     assert not range_makes_sense(float("-inf"), 0.0)
+
+
+def test_a_cycle_acts_only_when_neither_clock_stepped() -> None:
+    assert step_this_cycle(None, None) is None
+    own = step_this_cycle(-3600.0, 5.0)
+    assert own is not None and own.clock is WhichClock.CONTROLLER and own.step_s == -3600.0
+    prom = step_this_cycle(None, 3600.0)
+    assert prom is not None and prom.clock is WhichClock.PROMETHEUS and prom.step_s == 3600.0
