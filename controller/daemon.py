@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetplan.controller import reporting
+from fleetplan.controller.clocks import ClockGuard, SteadyClock, observe_deadlines
 from fleetplan.controller.executor import Executor
 from fleetplan.controller.failsafe import ROUTER_ALERT
 from fleetplan.controller.hosts import HostBook
@@ -43,6 +44,7 @@ from fleetplan.controller.protocol import HostStatus
 from fleetplan.controller.runner import sd_notify
 from fleetplan.controller.settings import ControllerSettings, RoutingSettings
 from fleetplan.controller.state import Phase, StateStore
+from fleetplan.planner import clockstep
 
 __all__ = ["Clock", "Controller", "ControllerSettings", "RoutingSettings"]
 
@@ -94,12 +96,16 @@ class Controller:
     report_listen: str = "127.0.0.1:9470"
     report_token: str | None = None
     metrics: ControllerMetrics = field(default_factory=ControllerMetrics)
-    wall: Callable[[], float] = time.time  # the one clock of the controller and its pieces (wall seconds)
+    # the wall and monotonic clocks (injectable); `wall` below is the one clock of the controller and
+    # its pieces: unix seconds that never step (controller/clocks.py)
+    clocks: SteadyClock = field(default_factory=SteadyClock)
 
     def __post_init__(self) -> None:
         from fleetplan.controller.actuation import PauseState
         from fleetplan.controller.fleetview import policy_inventory
 
+        self.wall: Callable[[], float] = self.clocks.now
+        self.clock_guard = ClockGuard(self.clocks, self.settings.clock_step_tolerance_s)
         self.runtime_alerts: dict[str, str] = {}
         self.policy = PolicySource(self.policy_path, self.profiles_path, self.store, self.metrics,
                                    self.runtime_alerts, wall=self.wall)
@@ -123,7 +129,7 @@ class Controller:
         self.report_runner: Any = None
         self.report_url: str | None = None
         self.correction_labels: set[tuple[str, str]] = set()  # label sets of profile_correction_ratio
-        self._progress_wall = self.wall()  # last finished cycle (or the start)
+        self._progress_mono = self.clocks.mono()  # last finished cycle (or the start)
         self._routing_task: asyncio.Task[None] | None = None
         self.pause = PauseState(False)  # loaded from the store at start
         self._watchdog_period_s: float | None = None
@@ -208,7 +214,7 @@ class Controller:
         elif mqtt.done():
             exc = None if mqtt.cancelled() else mqtt.exception()
             problems.append(f"MQTT task ended ({type(exc).__name__}: {exc})" if exc else "MQTT task ended")
-        stalled = self.wall() - self._progress_wall
+        stalled = self.clocks.mono() - self._progress_mono
         if self.policy.policy is not None:
             limit = max(3 * self.cycle_s() / self.time_scale, self._watchdog_period_s or 0.0, 60.0)
             if stalled > limit:
@@ -269,6 +275,7 @@ class Controller:
         from fleetplan.controller import failsafe
 
         now_s = self.clock.now()
+        stepped = self.clock_guard.check(self.runtime_alerts)  # the wall clock stepped: no action this cycle
         cid: int | None = None
         status = "ok"
         summary: dict[str, Any] = {"now_s": now_s}
@@ -281,9 +288,13 @@ class Controller:
             failsafe.store_probe(self)
             await failsafe.watch_router(self)
             await self.executor.reconcile()
-            snap = await self._observe(cid, now_s)
+            snap = await self._observe(cid, now_s, stepped is not None)
             self.executor.adopt_orphans()  # statuses may have arrived while observing: never plan around an unknown engine
-            summary.update(await self._plan_and_act(cid, now_s, snap))
+            step = clockstep.step_this_cycle(stepped, snap.clock_step_s)
+            if step is not None:
+                summary.update(self._no_action_on_step(cid, snap, step))
+            else:
+                summary.update(await self._plan_and_act(cid, now_s, snap))
         except asyncio.CancelledError:
             status = "cancelled"
             raise
@@ -300,7 +311,7 @@ class Controller:
                 failsafe.finish_cycle(self, cid, status, summary)
             self.metrics.cycles.labels(status).inc()
             self.metrics.last_cycle_timestamp.set(self.wall())
-            self._progress_wall = self.wall()
+            self._progress_mono = self.clocks.mono()
             self.cycle_count += 1
             self._ping_watchdog()
         if status == "ok":
@@ -308,13 +319,18 @@ class Controller:
         failsafe.cycle_done(self, status)
         return summary
 
-    async def _observe(self, cid: int, now_s: float) -> Snapshot:
+    async def _observe(self, cid: int, now_s: float, clock_stepped: bool) -> Snapshot:
+        s = self.settings
         if self._observer is None:  # one Observer: it keeps the rate history it has read
-            s = self.settings
             self._observer = Observer(self.prom, ObserverConfig(
                 window_s=s.observe_window_s, history_s=s.history_s, history_step_s=s.history_step_s,
                 peak_window_s=s.peak_window_s, length_window_s=s.length_window_s,
-                time_scale=self.time_scale), canonical=self.policy.canonical, clock=self.wall)
+                time_scale=self.time_scale), canonical=self.policy.canonical, clock=self.wall,
+                mono=self.clocks.mono, step_tolerance_s=s.clock_step_tolerance_s)
+        if clock_stepped:
+            self._observer.forget_history()
+        self.prom.deadline_s, self._observer.deadline_s = observe_deadlines(
+            max(0.5, self.cycle_s() / self.time_scale), s.prometheus_query_deadline_s, s.observe_deadline_s)
         active = self.store.active_replicas()
         expected = {r.replica_id for r in active}
         serving = {r.replica_id: r.model for r in active if r.replica_id in self.executor.routed}
@@ -370,6 +386,13 @@ class Controller:
         reporting.update_metrics(self, doc, snap)
         summary["alerts"] = self._set_alerts(snap, reporting.plan_alerts(doc))
         return summary
+
+    def _no_action_on_step(self, cid: int, snap: Snapshot, step: clockstep.StepSeen) -> dict[str, Any]:
+        """A cycle on which a clock stepped (the controller's, or Prometheus's) acts on nothing: the
+        time ranges it read may not mean what they say (planner/clockstep.py). The next plans."""
+        why = f"{step.clock.value} stepped {step.step_s:+.0f} s: no action on this cycle"
+        log.warning("cycle %s: %s", cid, why)
+        return {"deferred": why, "alerts": self._set_alerts(snap, [why])}
 
     def _set_alerts(self, snap: Snapshot, plan_alerts: list[str]) -> int:
         """The cycle's alerts (observation, plan, runtime) replace the stored ones; returns how many."""

@@ -53,7 +53,7 @@ class MqttLink:
         self._client: Any = None
         self.connected = asyncio.Event()
         self.last_error: str | None = None
-        self._log_wall: dict[str, float] = {}  # host -> last rejection logged (wall)
+        self._log_wall: dict[str, float] = {}  # host -> last rejection logged (monotonic)
         self._suppressed: dict[str, int] = {}
 
     async def run(self) -> None:
@@ -112,8 +112,8 @@ class MqttLink:
             self._reject(host, f"message on {topic} could not be handled: {type(exc).__name__}: {exc}"[:500])
 
     def _reject(self, host: str, text: str) -> None:
-        now = time.time()
-        if now - self._log_wall.get(host, 0.0) >= 1.0:  # at most one line per host per second
+        now = time.monotonic()
+        if now - self._log_wall.get(host, -1.0e18) >= 1.0:  # at most one line per host per second
             more = self._suppressed.pop(host, 0)
             log.warning("rejected message: %s%s", text, f" (+{more} more from {host} not logged)" if more else "")
             self._log_wall[host] = now

@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
+from fleetplan.controller.prom_answer import PrometheusError, data_of, matrix_of, scalar_of, short, vector_of
+from fleetplan.planner import clockstep
 from fleetplan.planner import evidence as ev
 from fleetplan.planner.observation import (
     MODEL_LABELS,
@@ -44,6 +45,7 @@ from fleetplan.planner.observation import (
 )
 
 log = logging.getLogger(__name__)
+K = TypeVar("K")
 
 # re-exported: the snapshot's parts are imported from here by the daemon, the CLI and the tests
 __all__ = [
@@ -81,15 +83,18 @@ _PREFIX_QUERIES = r"vllm[:_]prefix_cache_queries_total|trtllm_prompt_tokens_tota
 _PREFIX_HITS = r"vllm[:_]prefix_cache_hits_total|trtllm_prompt_cached_tokens_total"
 
 
-class PrometheusError(RuntimeError):
-    """Prometheus unreachable or answered an error."""
-
-
 class PromClient:
-    """A small async Prometheus HTTP API client (instant and range queries)."""
+    """A small async Prometheus HTTP API client (instant and range queries).
 
-    def __init__(self, base_url: str, *, timeout_s: float = 5.0, token: str | None = None) -> None:
+    `deadline_s` bounds each request as a whole, the answer's body included (httpx's timeout is
+    per read: an answer trickling a byte a second would never trip it); `timeout_s` stays httpx's
+    connect/read timeout. An answer of the wrong shape is a PrometheusError (controller/prom_answer.py).
+    """
+
+    def __init__(self, base_url: str, *, timeout_s: float = 5.0, token: str | None = None,
+                 deadline_s: float = 10.0) -> None:
         self.base_url = base_url.rstrip("/")
+        self.deadline_s = deadline_s
         headers = {"Authorization": f"Bearer {token}"} if token else None
         self._client = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, headers=headers)
 
@@ -102,39 +107,42 @@ class PromClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def _get(self, path: str, params: Mapping[str, str]) -> Any:
+    def _where(self, expr: str, name: str) -> str:
+        """How errors name the server and the query: `name` (the observation's) and the PromQL."""
+        return f"prometheus at {self.base_url}, query {name + ' ' if name else ''}{short(expr)!r}"
+
+    async def _get(self, path: str, params: Mapping[str, str], name: str) -> Mapping[str, Any]:
+        where = self._where(params.get("query", ""), name)
         try:
-            resp = await self._client.get(path, params=dict(params))
+            async with asyncio.timeout(self.deadline_s):
+                resp = await self._client.get(path, params=dict(params))
+        except TimeoutError:
+            raise PrometheusError(f"{where}: no full answer within {self.deadline_s:g} s") from None
         except httpx.HTTPError as exc:
-            raise PrometheusError(f"prometheus at {self.base_url} unreachable: {exc!r}") from exc
+            raise PrometheusError(f"{where}: unreachable: {exc!r}") from exc
         try:
             body = resp.json()
         except ValueError as exc:
-            raise PrometheusError(
-                f"prometheus at {self.base_url} answered HTTP {resp.status_code} with non-JSON body"
-            ) from exc
-        if body.get("status") != "success":
-            raise PrometheusError(
-                f"prometheus at {self.base_url}: {body.get('errorType')}: {body.get('error')}"
-            )
-        return body["data"]
+            raise PrometheusError(f"{where}: answered HTTP {resp.status_code} with a body that is not JSON") from exc
+        return data_of(body, where)
 
-    async def query(self, expr: str, at_s: float | None = None) -> list[Sample]:
+    async def query(self, expr: str, at_s: float | None = None, *, name: str = "") -> list[Sample]:
         params = {"query": expr}
         if at_s is not None:
             params["time"] = f"{at_s:.3f}"
-        data = await self._get("/api/v1/query", params)
-        if data.get("resultType") == "scalar":
-            return [Sample({}, _num(data["result"][1]))]
-        return [Sample(r.get("metric", {}), _num(r["value"][1])) for r in data.get("result", [])]
+        data = await self._get("/api/v1/query", params, name)
+        return vector_of(data, self._where(expr, name))
 
-    async def query_range(self, expr: str, start_s: float, end_s: float, step_s: float) -> list[Series]:
+    async def time_s(self) -> float:
+        """Prometheus's own clock: `time()` evaluated at its now (unix seconds)."""
+        data = await self._get("/api/v1/query", {"query": "time()"}, "clock")
+        return scalar_of(data, self._where("time()", "clock"))[1]
+
+    async def query_range(self, expr: str, start_s: float, end_s: float, step_s: float, *,
+                          name: str = "") -> list[Series]:
         params = {"query": expr, "start": f"{start_s:.3f}", "end": f"{end_s:.3f}", "step": f"{step_s:.3f}"}
-        data = await self._get("/api/v1/query_range", params)
-        return [
-            Series(r.get("metric", {}), tuple((float(t), _num(v)) for t, v in r.get("values", [])))
-            for r in data.get("result", [])
-        ]
+        data = await self._get("/api/v1/query_range", params, name)
+        return matrix_of(data, self._where(expr, name))
 
 
 def merge_history(old: Iterable[Series], new: Iterable[Series], since_s: float) -> tuple[Series, ...]:
@@ -154,13 +162,6 @@ def merge_history(old: Iterable[Series], new: Iterable[Series], since_s: float) 
     return tuple(out)
 
 
-def _num(text: str) -> float:
-    try:
-        return float(text)
-    except (TypeError, ValueError):
-        return math.nan
-
-
 @dataclass(frozen=True)
 class Snapshot:
     models: Mapping[str, ModelMetrics]
@@ -171,6 +172,9 @@ class Snapshot:
     now_s: float  # on the (possibly simulated) controller clock
     # length histograms per model and latency series per replica (planner/evidence.py); None: not read
     evidence: ev.Evidence | None = None
+    # Prometheus's clock stepped since the last observation by this many seconds (planner/clockstep.py:
+    # the cycle takes no action); None: it did not
+    clock_step_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -213,10 +217,21 @@ class Observer:
     client: PromClient
     config: ObserverConfig = field(default_factory=ObserverConfig)
     canonical: Callable[[str], str] = lambda name: name
-    clock: Callable[[], float] = time.time  # wall clock (unix seconds)
+    # the controller's clock (unix seconds): the time of an observation Prometheus did not date
+    clock: Callable[[], float] = time.time
+    mono: Callable[[], float] = time.monotonic
+    # the whole observation (every query, the history, the evidence) ends within this many seconds
+    # (each query within `client.deadline_s`); late: the cycle fails static, as on an unreachable one
+    deadline_s: float = 30.0
+    # Prometheus's clock (its `time()`, the time every query is evaluated at) against the monotonic
+    # one: a step is alerted and makes the cycle take no action (planner/clockstep.py)
+    step_tolerance_s: float = 2.0
+    step_alert_hold_s: float = 600.0
     # the request-rate history already read: (query, step, series); each fetch asks Prometheus
     # only for the steps since (8 days at 300 s steps is ~2,300 points per model otherwise)
     _history: tuple[str, float, tuple[Series, ...]] | None = None
+    _prom_clock: clockstep.ClockWatch = field(default_factory=clockstep.ClockWatch)
+    prom_clock: clockstep.ClockVerdict = field(default_factory=clockstep.ClockVerdict)  # the last fetch's
 
     def _sel(self, name_re: str) -> str:
         extra = f",{self.config.extra_selector}" if self.config.extra_selector else ""
@@ -303,14 +318,11 @@ class Observer:
 
     async def _evidence(self, wall: float) -> ev.Evidence | None:
         """The evidence queries; a failure here leaves the evidence unknown, not the model stale."""
-        queries = self.evidence_queries()
         try:
-            names = list(queries)
-            results = await asyncio.gather(*(self.client.query(queries[n], wall) for n in names))
+            r = await self._query_all(self.evidence_queries(), wall)
         except PrometheusError as exc:
             log.warning("length/latency evidence unavailable: %s", exc)
             return None
-        r = dict(zip(names, results, strict=True))
         moments = ev.MomentSamples(r.get("ev_prompt_sum"), r.get("ev_prompt_count"), r.get("ev_gen_sum"),
                                    r.get("ev_gen_count"), r.get("ev_ttft_sum"), r.get("ev_ttft_count"),
                                    r.get("ev_tpot_sum"), r.get("ev_tpot_count"))
@@ -318,6 +330,20 @@ class Observer:
                           model_of=self._model_of, window_s=self.config.window_s,
                           time_scale=self.config.time_scale, replica_label=REPLICA_LABEL, moments=moments,
                           length_window_s=max(self.config.length_window_s, self.config.window_s))
+
+    async def _query_all(self, queries: Mapping[K, str], at_s: float) -> dict[K, list[Sample]]:
+        """Every query at `at_s`, concurrently; the first failure cancels the others and is raised,
+        naming the query."""
+
+        tasks = {n: asyncio.ensure_future(self.client.query(q, at_s, name=str(n.value if isinstance(n, Query) else n)))
+                 for n, q in queries.items()}
+        try:
+            await asyncio.gather(*tasks.values())
+        finally:
+            for t in tasks.values():
+                t.cancel()
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
+        return {n: t.result() for n, t in tasks.items()}
 
     def _arrival_rate_query(self, *more: str) -> str:
         """Arrivals = completions + growth of the requests in the engine (running + waiting).
@@ -339,36 +365,68 @@ class Observer:
         w = f"{max(1, round(max(self.config.window_s, self.config.history_step_s)))}s"
         return f"sum by ({self._by()}) (rate({self._sel(_REQ_SUCCESS)}[{w}]))"
 
-    async def fetch(self, *, with_history: bool = True) -> Readings:
-        """Every query of one observation, evaluated at one wall time; the raw answers, no rules.
-        A Prometheus failure is returned as `Readings.error`, not raised."""
+    async def fetch(self, *, with_history: bool = True, deadline: float | None = None) -> Readings:
+        """Every query of one observation, evaluated at Prometheus's own time (its `time()`: a step
+        of the controller's clock does not move the windows read); the raw answers, no rules.
+        `deadline`: on the event loop's clock (default: `deadline_s` from now). A Prometheus
+        failure, a late or a wrong-shaped answer is returned as `Readings.error`, not raised."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.deadline_s if deadline is None else deadline
         wall = self.clock()
-        queries = self.queries()
+        self.prom_clock = clockstep.ClockVerdict()
         try:
-            names = list(queries)
-            results = await asyncio.gather(*(self.client.query(queries[n], wall) for n in names))
-            history: tuple[Series, ...] = ()
-            if with_history:
-                history = await self._history_until(wall)
+            async with asyncio.timeout_at(deadline):
+                wall = await self.client.time_s()
+                self._watch_prom_clock(wall)
+                queries = self.queries()
+                results = await self._query_all(queries, wall)
+                history: tuple[Series, ...] = ()
+                if with_history:
+                    history = await self._history_until(wall)
+        except TimeoutError:
+            return Readings(wall, error=f"prometheus at {self.client.base_url}: the observation did not finish "
+                                        f"within {self.deadline_s:g} s")
         except PrometheusError as exc:
             return Readings(wall, error=str(exc))
-        return Readings(wall, {n: tuple(r) for n, r in zip(names, results, strict=True)}, tuple(history))
+        return Readings(wall, {n: tuple(r) for n, r in results.items()}, tuple(history))
+
+    def _watch_prom_clock(self, prom_s: float) -> None:
+        """Prometheus's clock against the monotonic one: a step forgets the history read."""
+        self._prom_clock, verdict = clockstep.watch(
+            self._prom_clock, clockstep.ClockReading(prom_s, self.mono()), name=clockstep.WhichClock.PROMETHEUS.value,
+            tolerance_s=self.step_tolerance_s + self.client.deadline_s, alert_hold_s=self.step_alert_hold_s)
+        self.prom_clock = verdict
+        if verdict.stepped_s is not None:
+            log.warning("%s", verdict.alert)
+            self._history = None
+
+    def forget_history(self) -> None:
+        """The next fetch reads the request-rate history afresh (the controller's clock stepped)."""
+        self._history = None
 
     async def _history_until(self, wall: float) -> tuple[Series, ...]:
         """The rate history over `history_s` up to `wall`, at `history_step_s`: what was read before
-        plus the steps since (the last step read is read again: its window may have grown)."""
+        plus the steps since (the last step read is read again: its window may have grown); read
+        afresh when what was read does not fit the span (planner/clockstep.py history_from)."""
         query, step, start = self.history_query(), self.config.history_step_s, wall - self.config.history_s
+        if not clockstep.range_makes_sense(start, wall):
+            raise PrometheusError(f"prometheus at {self.client.base_url}: history range [{start}, {wall}] "
+                                  "makes no sense")
         old = self._history
         if old is not None and old[0] == query and old[1] == step:
             last = max((pt[0] for s in old[2] for pt in s.points[-1:]), default=None)
-            if last is not None and last >= start:
-                new = await self.client.query_range(query, last, wall, step)
+            since = clockstep.history_from(last, start, wall)
+            if since is not None:
+                new = await self._range(query, since, wall, step)
                 merged = merge_history(old[2], new, start)
                 self._history = (query, step, merged)
                 return merged
-        fresh = tuple(await self.client.query_range(query, start, wall, step))
+        fresh = tuple(await self._range(query, start, wall, step))
         self._history = (query, step, fresh)
         return fresh
+
+    async def _range(self, query: str, start_s: float, end_s: float, step_s: float) -> list[Series]:
+        return await self.client.query_range(query, start_s, end_s, step_s, name="history")
 
     async def snapshot(
         self,
@@ -389,16 +447,25 @@ class Observer:
         `ready_wall_s`: replica id -> when it became ready (unix seconds: planner/act_drain.py
         `ready_since`, from the agents' reports and the state store's records).
         """
-        readings = await self.fetch(with_history=with_history)
+        deadline = asyncio.get_running_loop().time() + self.deadline_s  # the whole observation's
+        readings = await self.fetch(with_history=with_history, deadline=deadline)
         now = readings.wall_s if now_s is None else now_s
+        step = self.prom_clock
         view = interpret(readings, models, now_s=now, rules=self.config.rules(), canonical=self.canonical,
                          expected_replicas=frozenset(expected_replicas) if expected_replicas is not None else None,
                          serving=serving, router_down=router_down, ready_wall_s=ready_wall_s)
+        alerts = (*view.alerts, step.alert) if step.alert is not None else view.alerts
         if readings.error is not None:
             log.warning("fail static: %s", readings.error)
-            return Snapshot(view.models, view.replicas, view.alerts, False, readings.wall_s, now)
-        evidence = await self._evidence(readings.wall_s)
-        return Snapshot(view.models, view.replicas, view.alerts, view.prometheus_ok, readings.wall_s, now, evidence)
+            return Snapshot(view.models, view.replicas, alerts, False, readings.wall_s, now)
+        try:
+            async with asyncio.timeout_at(deadline):
+                evidence = await self._evidence(readings.wall_s)
+        except TimeoutError:
+            log.warning("length/latency evidence unavailable: not read within the observation's %g s", self.deadline_s)
+            evidence = None
+        return Snapshot(view.models, view.replicas, alerts, view.prometheus_ok, readings.wall_s, now, evidence,
+                        clock_step_s=step.stepped_s)
 
 
 def to_observation(snapshot: Snapshot, models: Sequence[str] | None = None,

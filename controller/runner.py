@@ -188,12 +188,14 @@ def run_from_args(args: argparse.Namespace, prepare: SettingsHook | None = None)
             f"--report-listen {args.report_listen}: a bearer token is required when not bound to loopback "
             "(--report-token-file)"
         )
+    from fleetplan.controller.clocks import SteadyClock
     from fleetplan.controller.daemon import Controller
 
-    store = StateStore(args.state_db)
+    clocks = SteadyClock()  # one clock that never steps for the controller and its records
+    store = StateStore(args.state_db, clock=clocks.now)
     ctrl = Controller(
         settings=settings, policy_path=Path(args.policy), profiles_path=Path(args.profiles) if args.profiles else None,
         store=store, time_scale=args.time_scale, nginx_reload=reload, report_listen=args.report_listen,
-        report_token=token,
+        report_token=token, clocks=clocks,
     )
     return asyncio.run(run_controller(ctrl, once=args.once))

@@ -73,6 +73,15 @@ class ControllerSettings(BaseModel):
     history_s: float = Field(default=86400.0, gt=0)
     history_step_s: float = Field(default=30.0, gt=0)
     cycle_s: float | None = None  # override the policy's scaling.cycle_s (simulated seconds)
+    # wall seconds within which each Prometheus query, and the whole observation, must be answered
+    # (body included); late: the cycle fails static with an alert naming the query. None: from the
+    # cycle period (controller/clocks.py observe_deadlines: the observation half a period, 2-30 s;
+    # each query 0.4 of a period, 2-10 s)
+    prometheus_query_deadline_s: float | None = Field(default=None, gt=0)
+    observe_deadline_s: float | None = Field(default=None, gt=0)
+    # the wall clock (the controller's, Prometheus's) moving this much more or less than the
+    # monotonic clock between two cycles is a step: alerted, no action on that cycle
+    clock_step_tolerance_s: float = Field(default=2.0, gt=0)
     report_token_file: Path | None = None
     # names the token-less report API answers to besides the loopback ones (the Host header; "name"
     # for any port, "name:port" for one), e.g. an /etc/hosts alias used through an SSH tunnel
