@@ -9,10 +9,10 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from fleetplan.controller.report import config_lines
+from fleetplan.harness.cli.files import load_yaml_or_json, read_text
 
 
 def register(subparsers: Any) -> None:
@@ -36,29 +36,10 @@ def register(subparsers: Any) -> None:
     p.set_defaults(handler=cmd_plan)
 
 
-def _read(path: str, what: str) -> str | None:
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        print(f"{path}: cannot read {what}: {exc.strerror or exc}", file=sys.stderr)
-        return None
-
-
-def _load_yaml_or_json(text: str, path: str) -> Any:
-    import yaml
-
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}" if mark is not None else "?"
-        raise ValueError(f"{path}: syntax error at {where}: {getattr(exc, 'problem', exc)}") from None
-
-
 def cmd_policy_check(args: argparse.Namespace) -> int:
     from fleetplan.planner.policy import PolicyError, effective, load_policy_text
 
-    text = _read(args.file, "policy")
+    text = read_text(args.file, "policy")
     if text is None:
         return 2
     try:
@@ -109,19 +90,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from fleetplan.planner.types import Fleet, PlannerState
     from fleetplan.shared.benchfiles import load_profiles
 
-    ptext = _read(args.policy, "policy")
-    dtext = _read(args.demand, "demand")
+    ptext = read_text(args.policy, "policy")
+    dtext = read_text(args.demand, "demand")
     if ptext is None or dtext is None:
         return 2
     try:
         policy = load_policy_text(ptext, args.policy)
-        observation, time_s = observation_from_dict(_load_yaml_or_json(dtext, args.demand), args.demand)
+        observation, time_s = observation_from_dict(load_yaml_or_json(dtext, args.demand), args.demand)
         fleet, state = Fleet(), PlannerState.initial()
         if args.fleet:
-            ftext = _read(args.fleet, "fleet")
+            ftext = read_text(args.fleet, "fleet")
             if ftext is None:
                 return 2
-            fleet, state = fleet_from_dict(_load_yaml_or_json(ftext, args.fleet), args.fleet)
+            fleet, state = fleet_from_dict(load_yaml_or_json(ftext, args.fleet), args.fleet)
         profiles: ProfileSet = load_profiles(args.profiles)
     except (PolicyError, ValueError) as exc:  # ProfilesFileError is a ValueError
         print(str(exc), file=sys.stderr)

@@ -56,13 +56,13 @@ def _from_file_or_controller(path: str | None, kind: str, state_doc: dict[str, A
                              controller: str | None, parse: Any) -> Any:
     """`parse(doc, where)` of the file at `path`, else of the controller's copy (`state_doc[key]`),
     else None. The one rule for every input `what-if` takes from a file or a running controller."""
-    from fleetplan.harness.cli.plan import _load_yaml_or_json, _read
+    from fleetplan.harness.cli.files import load_yaml_or_json, read_text
 
     if path is not None:
-        text = _read(path, kind)
+        text = read_text(path, kind)
         if text is None:
             raise _Stop("")
-        return parse(_load_yaml_or_json(text, path), path)
+        return parse(load_yaml_or_json(text, path), path)
     if state_doc.get(key) is not None:
         return parse(state_doc[key], f"{controller} ({key})")
     return None
@@ -70,7 +70,7 @@ def _from_file_or_controller(path: str | None, kind: str, state_doc: dict[str, A
 
 def _inputs(policy: str, against: str | None, controller: str | None, token: str | None,
             profiles: str | None, demand: str | None, fleet: str | None) -> dict[str, Any]:
-    from fleetplan.harness.cli.plan import _read
+    from fleetplan.harness.cli.files import read_text
     from fleetplan.models.profile import ProfileError, ProfileSet
     from fleetplan.planner.policy import load_policy_dict, load_policy_text
     from fleetplan.planner.serde import fleet_from_dict, observation_from_dict
@@ -85,12 +85,12 @@ def _inputs(policy: str, against: str | None, controller: str | None, token: str
             state_doc = fetch(controller, "/api/state", token or os.environ.get("FLEETPLAN_REPORT_TOKEN"))
         except RuntimeError as exc:
             raise _Stop(f"fleetplan what-if: {exc}") from None
-    ptext = _read(policy, "policy")
+    ptext = read_text(policy, "policy")
     if ptext is None:
         raise _Stop("")
     new = load_policy_text(ptext, policy)
     if against is not None:
-        otext = _read(against, "policy")
+        otext = read_text(against, "policy")
         if otext is None:
             raise _Stop("")
         old, old_name = load_policy_text(otext, against), against
