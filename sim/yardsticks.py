@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -172,6 +172,7 @@ class Yardstick:
     result: SimResult
     setting: float
     tried: tuple[tuple[float, float, float], ...]  # (setting, GPU-hours, attainment) of every replay
+    schedule: Schedule | None = None  # the clairvoyant's schedule at that setting
 
 
 def _ladder_search(values: Sequence[float], run: Callable[[float], SimResult | None],
@@ -211,18 +212,21 @@ def clairvoyant(trace: Trace, configs: Sequence[ConfigKey], capacity_rps: Mappin
     MARGIN_LADDER whose schedule, replayed, serves `objective` of the requests."""
     rates = [float(r) for r in window_rates(trace, window_s)]
     replayed: dict[tuple[tuple[ConfigKey, tuple[int, ...]], ...], SimResult] = {}
+    schedules: dict[float, Schedule] = {}
 
     def run(margin: float) -> SimResult | None:
         sched = clairvoyant_schedule(rates, window_s, configs, capacity_rps, env.price_usd_h, env, max_count,
                                      gpus_of_type, margin)
         if sched is None:
             return None
+        schedules[margin] = sched
         key = tuple(sorted(sched.counts.items()))
         if key not in replayed:  # two margins often round to the same schedule: one replay
             replayed[key] = FleetSim(trace, ScheduleController("clairvoyant", sched), env, settings).run()
         return replayed[key]
 
-    return _ladder_search(MARGIN_LADDER, run, objective)
+    found = _ladder_search(MARGIN_LADDER, run, objective)
+    return None if found is None else replace(found, schedule=schedules[found.setting])
 
 
 def tuned_hpa(run_at: Callable[[float], SimResult], objective: float) -> Yardstick | None:

@@ -1,0 +1,70 @@
+"""The evaluation's yardsticks a policy can reach (sim/yardsticks.py), run on the trace being evaluated:
+`clairvoyant` (per model the clairvoyant's schedule, then the models' schedules replayed together)
+and `hpa-tuned` (hpa at its best target utilisation). Called by `evaluate()`; each returns its replay
+and a label saying what it was found at."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from fleetplan.planner.policy import Policy
+from fleetplan.planner.types import ConfigKey
+from fleetplan.sim.des import Environment, FleetSim, SimResult, SimSettings
+from fleetplan.sim.traces import Trace
+from fleetplan.sim.yardsticks import Schedule, ScheduleController, clairvoyant, tuned_hpa
+
+YARDSTICK_NAMES: tuple[str, ...] = ("clairvoyant", "hpa-tuned")
+
+
+@dataclass(frozen=True)
+class YardstickRun:
+    result: SimResult
+    label: str  # what it was found at, for the table and the JSON
+    setting: float | None  # the margin (clairvoyant) or target utilisation (hpa-tuned); None: not found
+
+
+def clairvoyant_window_s(cycle_s: float, duration_s: float) -> float:
+    """The clairvoyant's window: the control cycle, but no more than 300 windows over the trace and
+    no window longer than 5 minutes (a day: 288 windows of 300 s).
+
+    >>> clairvoyant_window_s(60.0, 3600.0), clairvoyant_window_s(60.0, 86400.0), clairvoyant_window_s(5.0, 3600.0)
+    (60.0, 300.0, 12.0)
+    """
+    return min(300.0, max(cycle_s, duration_s / 300.0))
+
+
+def run_clairvoyant(trace: Trace, subs: Mapping[str, Trace], cands: Mapping[str, Sequence[ConfigKey]],
+                    caps: Mapping[ConfigKey, float], policy: Policy, env: Environment, settings: SimSettings,
+                    max_count: Callable[[ConfigKey], int], objective: float) -> YardstickRun | None:
+    """Per model the clairvoyant (the smallest margin whose schedule, replayed on the model's requests,
+    serves `objective`), then every model's schedule replayed together on the whole trace. None: some
+    model has no schedule that serves it within the inventory."""
+    window_s = clairvoyant_window_s(policy.scaling.cycle_s, trace.duration_s)
+    have: dict[str, int] = {}
+    for h in policy.hosts:
+        have[h.gpu.value] = have.get(h.gpu.value, 0) + h.gpu_count
+    counts: dict[ConfigKey, tuple[int, ...]] = {}
+    lead: dict[ConfigKey, float] = {}
+    first_lead: dict[ConfigKey, float] = {}
+    labels = []
+    for m, sub in sorted(subs.items()):
+        found = clairvoyant(sub, cands[m], caps, env, settings, max_count, have, objective, window_s)
+        if found is None or found.schedule is None:
+            return None
+        counts.update(found.schedule.counts)
+        lead.update(found.schedule.lead_s)
+        first_lead.update(found.schedule.first_lead_s)
+        labels.append(f"{m} at {found.setting:g}x the window's rate")
+    schedule = Schedule(window_s, counts, lead, first_lead)
+    res = FleetSim(trace, ScheduleController("clairvoyant", schedule), env, settings).run()
+    return YardstickRun(res, f"{window_s:g} s windows; " + "; ".join(labels), None)
+
+
+def run_hpa_tuned(replay_hpa: Callable[[float], SimResult], objective: float) -> YardstickRun | None:
+    """hpa at the target utilisation with the fewest GPU-hours whose replay serves `objective`."""
+    found = tuned_hpa(replay_hpa, objective)
+    if found is None:
+        return None
+    res = found.result
+    return YardstickRun(res, f"target utilisation {found.setting:g}", found.setting)
