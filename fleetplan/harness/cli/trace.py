@@ -54,10 +54,8 @@ def register(subparsers: Any) -> None:
     c.add_argument("--seed", type=int, required=True)
     c.add_argument("--out", type=Path, required=True)
     c.set_defaults(handler=_coding)
-    try:
-        from fleetplan.harness.cli import trace_prom
-    except ModuleNotFoundError as exc:  # pragma: no cover - the module is part of the package
-        raise RuntimeError("fleetplan.harness.cli.trace_prom missing") from exc
+    from fleetplan.harness.cli import trace_prom  # light: its heavy imports live in its handler
+
     trace_prom.register(sub)
     p.set_defaults(handler=lambda args: (p.print_help(), 2)[1])
 

@@ -146,17 +146,19 @@ async def fetch_and_build(url: str, start: float, end: float, model: str, *, ste
                              f"(query {q[Query.RATE]})")
         rates = [(t, rate.get(t, math.nan)) for t in steps]
         lw = length_window_s
-        w_ends = [round(start + lw * (i + 1), 3) for i in range(math.floor((end - start) / lw + 1e-9))]
+        full = math.floor((end - start) / lw + 1e-9)
+        w_ends = [round(start + lw * (i + 1), 3) for i in range(full)]
         if not w_ends or w_ends[-1] < end - 1e-3:
             w_ends.append(round(end, 3))  # the last, partial window (its rates over a full window)
 
         async def at_windows(expr: str, by: str | None = None) -> dict[Any, dict[float, float]]:
-            out: dict[Any, dict[float, float]] = {}
-            for t in w_ends:
-                for s in await client.query(expr, t):
+            """`expr` at each window's end: one range query, plus the last, partial window's end."""
+            out = await _range(client, expr, start, end, lw, keep, by)
+            if len(w_ends) > full:  # the last, partial window
+                for s in await client.query(expr, w_ends[-1]):
                     if keep(s.labels) and math.isfinite(s.value):
                         acc = out.setdefault(s.labels.get(by) if by else None, {})
-                        acc[t] = acc.get(t, 0.0) + s.value
+                        acc[w_ends[-1]] = acc.get(w_ends[-1], 0.0) + s.value
             return out
 
         hist = {k: await at_windows(e[f"ev_{k}_len"], "le") for k in ("prompt", "gen")}

@@ -104,7 +104,7 @@ def test_the_weeks_own_band_is_reached_at_its_rate(week: tb.WeekRate, azure: tb.
 def test_conversations_and_prefix_reuse_survive(week: tb.WeekRate, mooncake: tb.SourceLog) -> None:
     env = tb.envelope(week, tb.Shape.DAY)[:360]  # six hours
     built = tb.build_on_shape(mooncake, env, 6.0, seed=5)  # ~2 lanes: conversations thinned whole
-    reqs = list(built.requests())
+    reqs = built.to_trace("day", model="llama-3-8b").requests
     src_share = block_reuse_share(mooncake.trace.requests)
     assert src_share is not None and src_share > 0.3
     assert block_reuse_share(reqs) == pytest.approx(src_share, abs=0.04)
