@@ -114,6 +114,8 @@ def test_conversations_and_prefix_reuse_survive(week: tb.WeekRate, mooncake: tb.
     # the JSONL written is what the reader reads back
     head = tb.BuiltTrace(built.source, built.t_s[:3000], built.index[:3000], built.namespace[:3000])
     text = "".join(tb.jsonl_chunks(head, chunk=700))
+    assert text == "".join(tb.jsonl_requests(head.requests()))
+    assert len(set(head.namespace.tolist())) > 1  # some rows moved to other lanes' or passes' block ids
     back = parse_trace_text(text, "built.jsonl")
     t0 = head.t_s[0]
     for a, b in zip(back.requests, head.requests(), strict=True):
