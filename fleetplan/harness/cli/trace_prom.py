@@ -135,6 +135,7 @@ async def fetch_and_build(url: str, start: float, end: float, model: str, *, ste
     from fleetplan.sim.trace_prom import LengthWindow, trace_from_series
 
     keep = _matches(model)
+    start, end = math.floor(start), math.floor(end)  # whole seconds: the steps' times match the answers'
     async with PromClient(url, timeout_s=60.0, token=token) as client:
         obs = Observer(client, ObserverConfig(window_s=step_s, length_window_s=length_window_s,
                                               extra_selector=selector))

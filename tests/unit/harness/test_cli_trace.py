@@ -59,3 +59,15 @@ def test_the_committed_coding_hour_is_the_generators(tmp_path: Path, shared_data
     out = tmp_path / "coding.jsonl"
     assert main(["trace", "coding", "--seed", "0", "--out", str(out)]) == 0
     assert out.read_bytes() == (shared_data / "traces" / "coding_like_hour.jsonl").read_bytes()
+
+
+def test_prometheus_times() -> None:
+    from fleetplan.harness.cli.trace_prom import parse_time
+
+    now = 1_800_000_000.0
+    assert parse_time("now", now) == now and parse_time("now-7d", now) == now - 7 * 86400
+    assert parse_time("now-90m", now) == now - 5400 and parse_time("1700000000.5", now) == 1_700_000_000.5
+    assert parse_time("2024-05-12T00:00:00Z", now) == parse_time("2024-05-12 00:00:00", now) == 1_715_472_000
+    assert parse_time("2024-05-12T02:00:00+02:00", now) == 1_715_472_000
+    with pytest.raises(ValueError, match="time 'yesterday'"):
+        parse_time("yesterday", now)
