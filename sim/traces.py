@@ -369,6 +369,16 @@ def reshape(
 SHARED_BLOCK_SHARE = 0.01  # a block in more than 1% of the requests is a shared prefix (a system prompt)
 
 
+def shared_blocks(reqs: Sequence[TraceRequest]) -> frozenset[int]:
+    """The blocks in more than SHARED_BLOCK_SHARE of the requests: shared prefixes (system prompts),
+    which every copy of a tiled or resampled trace keeps; every other block belongs to one conversation."""
+    counts: dict[int, int] = {}
+    for r in reqs:
+        for h in set(r.blocks or ()):
+            counts[h] = counts.get(h, 0) + 1
+    return frozenset(h for h, c in counts.items() if c > SHARED_BLOCK_SHARE * len(reqs))
+
+
 def _tile_blocks(reqs: Sequence[TraceRequest]) -> Callable[[int, int], tuple[int, ...] | None]:
     """Block ids of request i in tile copy k: copy 0 keeps the trace's ids; a later copy is new
     conversations with the same shape, so its ids are offset by k x (largest id + 1), except the
@@ -378,11 +388,7 @@ def _tile_blocks(reqs: Sequence[TraceRequest]) -> Callable[[int, int], tuple[int
     if not ids:
         return lambda i, k: reqs[i].blocks
     span = max(ids) + 1
-    counts: dict[int, int] = {}
-    for r in reqs:
-        for h in set(r.blocks or ()):
-            counts[h] = counts.get(h, 0) + 1
-    shared = {h for h, c in counts.items() if c > SHARED_BLOCK_SHARE * len(reqs)}
+    shared = shared_blocks(reqs)
 
     def blocks(i: int, k: int) -> tuple[int, ...] | None:
         b = reqs[i].blocks

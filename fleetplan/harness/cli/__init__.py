@@ -27,6 +27,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "fleetplan.harness.cli.daemon",  # controller, report, explain, observe, demo
     "fleetplan.harness.cli.ops",  # pause, resume, history
     "fleetplan.harness.cli.evaluate",  # evaluate
+    "fleetplan.harness.cli.trace",  # trace build | coding | from-prometheus
 )
 
 Handler = Callable[[argparse.Namespace], int]
