@@ -41,6 +41,7 @@ from fleetplan.controller.metrics import ControllerMetrics
 from fleetplan.controller.observe import Observer, ObserverConfig, PromClient, Snapshot, to_observation
 from fleetplan.controller.policy_source import PolicySource
 from fleetplan.controller.protocol import HostStatus
+from fleetplan.controller.report_snapshot import ReportSnapshot
 from fleetplan.controller.runner import sd_notify
 from fleetplan.controller.settings import ControllerSettings, RoutingSettings
 from fleetplan.controller.state import Phase, StateStore
@@ -134,6 +135,7 @@ class Controller:
         self.pause = PauseState(False)  # loaded from the store at start
         self._watchdog_period_s: float | None = None
         self._router_seen_down_wall: float | None = None  # the last cycle that saw the router alert
+        self.reports = ReportSnapshot()  # what the report API serves, made at the end of each cycle
 
     # ---- the pieces' faces, for the report API, the CLI and the tests ------------------------
     @property
@@ -317,6 +319,7 @@ class Controller:
         if status == "ok":
             self.runtime_alerts.pop("cycle", None)
         failsafe.cycle_done(self, status)
+        self.reports.refresh(self)
         return summary
 
     async def _observe(self, cid: int, now_s: float, clock_stepped: bool) -> Snapshot:

@@ -97,6 +97,10 @@ class ControllerMetrics:
         self.router_reload_failures = Counter(
             "fleetplan_router_reload_failures", "routing reloads the router refused or could not take", registry=r
         )
+        self.report_refused = Counter(
+            "fleetplan_report_refused",
+            "report API reads answered 503 because report_max_concurrent were in flight", registry=r,
+        )
         self.inventory_mismatch = Gauge(
             "fleetplan_inventory_mismatch",
             "1 if the host's agent reports GPUs its policy inventory does not have (the planner uses the agreed "

@@ -20,22 +20,35 @@ pause/resume` send both. With a token, the token is the check.
 
 The plan and its explanation are rendered from the plan dict stored by the cycle that made it
 (fleetplan.planner.core.plan_to_dict), never recomputed.
+
+Under load: the reads (/api/report, /api/explain, /api/state, /plan, /metrics) are served from a
+snapshot made once per cycle and rendered in a worker thread (controller/report_snapshot.py); at
+most `report_max_concurrent` of them are in flight, answered at most `report_max_rps` a second in
+the order they came (controller/report_gate.py); beyond that the answer is 503 with Retry-After.
+/healthz and pause/resume are never refused nor paced.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hmac
 import json
 import sqlite3
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
+from fleetplan.controller import reporting
 from fleetplan.controller.page import attainment_lines
+from fleetplan.controller.report_gate import ReadGate
+from fleetplan.controller.report_snapshot import Rendered, ReportSnapshot
+from fleetplan.controller.settings import ControllerSettings
 from fleetplan.models.mix import SLO_SHARE
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
+RETRY_AFTER_S = 1
 
 
 async def start_report_server(ctrl: Any, listen: str, token: str | None) -> tuple[Any, str]:
@@ -47,6 +60,7 @@ async def start_report_server(ctrl: Any, listen: str, token: str | None) -> tupl
     host = host.strip("[]") or "127.0.0.1"
     if host not in LOOPBACK and not token:
         raise SystemExit(f"report API on {listen}: a bearer token is required when not bound to loopback")
+    ctrl.reports.serve(ctrl)  # the first snapshot; then one per cycle (Controller.cycle)
     runner = web.AppRunner(_app(ctrl, token), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, int(port_s))
@@ -83,24 +97,68 @@ def _app(ctrl: Any, token: str | None) -> Any:
         result: web.StreamResponse = await handler(request)
         return result
 
+    snapshot: ReportSnapshot = ctrl.reports
+    cfg = settings or ControllerSettings()
+    gate = ReadGate(cfg.report_max_concurrent, cfg.report_max_rps)
+
+    @web.middleware
+    async def bounded(request: web.Request, handler: Any) -> web.StreamResponse:
+        # the reads are bounded and paced (controller/report_gate.py); /healthz and pause/resume are
+        # answered whatever the readers do
+        if request.method not in SAFE_METHODS or request.path == "/healthz":
+            result: web.StreamResponse = await handler(request)
+            return result
+        if not gate.admit():
+            ctrl.metrics.report_refused.inc()
+            return web.json_response(
+                {"error": f"the report API is busy: {gate.inflight} reads in flight, the limit is {gate.limit} "
+                          f"(controller setting report_max_concurrent); retry in {RETRY_AFTER_S} s"},
+                status=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+        try:  # the slot is held while the read waits its turn and until its body is sent
+            delay = gate.delay_s(asyncio.get_running_loop().time())
+            if delay > 0:
+                await asyncio.sleep(delay)
+            resp: web.StreamResponse = await handler(request)
+            if isinstance(resp, web.Response):
+                await resp.prepare(request)
+                await resp.write_eof()
+            return resp
+        finally:
+            gate.release()
+
+    def _json_bytes(body: bytes) -> web.Response:
+        return web.Response(body=body, content_type="application/json", charset="utf-8")
+
+    async def rendered() -> Rendered:
+        r = await snapshot.latest()
+        if r is None:
+            raise web.HTTPServiceUnavailable(
+                text=json.dumps({"error": "no report rendered yet (see the controller's log)"}),
+                content_type="application/json", headers={"Retry-After": str(RETRY_AFTER_S)})
+        return r
+
     async def report(_: web.Request) -> web.Response:
-        return web.json_response(ctrl.report(), dumps=lambda d: json.dumps(d, default=str))
+        return _json_bytes((await rendered()).report)
 
     async def explain(request: web.Request) -> web.Response:
-        data = ctrl.report()
         model = request.match_info["model"]
-        m = explanation_for(data, model)
-        if m is None:
+        body = (await rendered()).explain.get(model)
+        if body is None:
             return web.json_response({"error": f"model {model!r} is not in the current plan"}, status=404)
-        return web.json_response(m, dumps=lambda d: json.dumps(d, default=str))
+        return _json_bytes(body)
 
     async def state(_: web.Request) -> web.Response:
-        return web.json_response(ctrl.state(), dumps=lambda d: json.dumps(d, default=str))
+        def gather() -> Callable[[], dict[str, Any]]:  # the loop's part; state_doc runs in a worker thread
+            return functools.partial(reporting.state_doc, reporting.state_inputs(ctrl))
+
+        return _json_bytes(await snapshot.state(gather))
 
     async def metrics(_: web.Request) -> web.Response:
         from fleetplan.controller.metrics import CONTENT_TYPE_LATEST
 
-        resp = web.Response(body=ctrl.metrics.render())
+        exposition = snapshot.exposition
+        assert exposition is not None  # start_report_server serves the snapshot before it listens
+        resp = web.Response(body=await exposition.get())
         resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return resp
 
@@ -115,16 +173,16 @@ def _app(ctrl: Any, token: str | None) -> Any:
                 return web.json_response({"error": f"body.reason = {body!r}: expected a string"}, status=400)
             reason = body.get("reason", "")[:500]
         try:
-            return web.json_response(ctrl.set_paused(request.path.endswith("/pause"), reason))
+            done = ctrl.set_paused(request.path.endswith("/pause"), reason)
+            snapshot.refresh(ctrl)  # the report shows it from now on
+            return web.json_response(done)
         except sqlite3.OperationalError as exc:  # not recorded, so not done: a restart would forget it
             return web.json_response({"error": f"not {'paused' if request.path.endswith('/pause') else 'resumed'}: "
                                                f"the state store {ctrl.store.path} cannot be written: {exc}"},
                                      status=503)
 
     async def plan_page(_: web.Request) -> web.Response:
-        from fleetplan.controller.page import plan_page as render
-
-        return web.Response(text=render(ctrl), content_type="text/html", charset="utf-8",
+        return web.Response(body=(await rendered()).page, content_type="text/html", charset="utf-8",
                             headers={"Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; "
                                      "script-src 'unsafe-inline'; img-src data:"})
 
@@ -140,7 +198,7 @@ def _app(ctrl: Any, token: str | None) -> Any:
         return web.json_response({"ok": not problems, "status": status, "cycles": ctrl.cycle_count,
                                   "problems": problems, "degraded": slow}, status=503 if problems else 200)
 
-    app = web.Application(middlewares=[auth])
+    app = web.Application(middlewares=[auth, bounded])
     app.router.add_get("/api/report", report)
     app.router.add_get("/api/explain/{model:.+}", explain)
     app.router.add_get("/api/state", state)

@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fleetplan.controller.observe import Snapshot, to_observation
@@ -120,26 +121,54 @@ def audit(ctrl: Controller, cid: int, now_s: float, doc: dict[str, Any], snap: S
     return str(rec["decision_id"])
 
 
-def state(ctrl: Controller) -> dict[str, Any]:
-    """The planner's inputs as the controller holds them (GET /api/state, for `fleetplan what-if`):
-    the loaded policy, the fleet + planner state (a CURRENT document), the last observation (a DEMAND
-    document) and the profiles."""
-    from fleetplan.planner.serde import fleet_to_dict, observation_to_dict
+@dataclass(frozen=True)
+class StateInputs:
+    """What GET /api/state serializes, as the controller holds it (immutable objects)."""
 
+    generated_s: float
+    now_s: float
+    policy_path: str
+    policy: Any  # the loaded Policy (frozen) or None
+    fleet: Any  # planner Fleet or None
+    planner_state: Any
+    observation: Any  # planner Observation of the last snapshot, or None
+    observed_s: float | None
+    profiles: Any
+
+
+def state_inputs(ctrl: Controller) -> StateInputs:
+    """The planner's inputs as the controller holds them now (event loop: reads the hosts and the store)."""
     policy = ctrl.policy.policy
     snap = ctrl.last_snapshot
-    demand = None
+    obs = None
     if snap is not None and policy is not None:
-        demand = observation_to_dict(to_observation(snap, ctrl.model_names()), snap.now_s)
+        obs = to_observation(snap, ctrl.model_names())
+    return StateInputs(
+        generated_s=ctrl.wall(), now_s=ctrl.clock.now(), policy_path=str(ctrl.policy_path), policy=policy,
+        fleet=ctrl.build_fleet() if policy is not None else None, planner_state=ctrl.planner_state,
+        observation=obs, observed_s=snap.now_s if snap is not None else None, profiles=ctrl.profiles)
+
+
+def state_doc(i: StateInputs) -> dict[str, Any]:
+    """GET /api/state (for `fleetplan what-if`): the loaded policy, the fleet + planner state (a
+    CURRENT document), the last observation (a DEMAND document) and the profiles. Pure: it may run
+    in a worker thread."""
+    from fleetplan.planner.serde import fleet_to_dict, observation_to_dict
+
     return {
-        "generated_s": ctrl.wall(),
-        "now_s": ctrl.clock.now(),
-        "policy_path": str(ctrl.policy_path),
-        "policy": policy.model_dump(mode="json") if policy is not None else None,
-        "fleet": fleet_to_dict(ctrl.build_fleet(), ctrl.planner_state) if policy is not None else None,
-        "demand": demand,
-        "profiles": ctrl.profiles.to_json_dict() if ctrl.profiles is not None else None,
+        "generated_s": i.generated_s,
+        "now_s": i.now_s,
+        "policy_path": i.policy_path,
+        "policy": i.policy.model_dump(mode="json") if i.policy is not None else None,
+        "fleet": fleet_to_dict(i.fleet, i.planner_state) if i.fleet is not None else None,
+        "demand": observation_to_dict(i.observation, i.observed_s) if i.observation is not None else None,
+        "profiles": i.profiles.to_json_dict() if i.profiles is not None else None,
     }
+
+
+def state(ctrl: Controller) -> dict[str, Any]:
+    """The planner's inputs as the controller holds them (GET /api/state)."""
+    return state_doc(state_inputs(ctrl))
 
 def report(ctrl: Controller) -> dict[str, Any]:
     """Everything the report API serves; the plan is the STORED plan dict, never recomputed."""
@@ -167,10 +196,10 @@ def report(ctrl: Controller) -> dict[str, Any]:
             "ack_errors": list(d.ack_errors), "published_s": d.published_s}
         for h, d in ctrl.store.desired_rows().items()
     }
-    alerts = [a["text"] for a in ctrl.store.active_alerts()]
-    for k, v in ctrl.runtime_alerts.items():
-        if f"rt/{k}" not in {a["key"] for a in ctrl.store.active_alerts()}:
-            alerts.append(v)
+    stored = ctrl.store.active_alerts()
+    keys = {a["key"] for a in stored}
+    alerts = [a["text"] for a in stored]
+    alerts.extend(v for k, v in ctrl.runtime_alerts.items() if f"rt/{k}" not in keys)
     return {
         "generated_s": ctrl.wall(),
         "now_s": ctrl.clock.now(),
@@ -184,7 +213,7 @@ def report(ctrl: Controller) -> dict[str, Any]:
         "fleet": fleet,
         "hosts": hosts,
         "desired": desired,
-        "builds": [b.to_json() for b in ctrl.store.builds()][-20:],
+        "builds": [b.to_json() for b in ctrl.store.builds()[-20:]],
         "actions": ctrl.store.actions(limit=40),
         "action_counts": ctrl.store.action_counts(),
         "history": ctrl.store.cycles(limit=30),

@@ -86,6 +86,10 @@ class ControllerSettings(BaseModel):
     # names the token-less report API answers to besides the loopback ones (the Host header; "name"
     # for any port, "name:port" for one), e.g. an /etc/hosts alias used through an SSH tunnel
     report_hosts: tuple[str, ...] = ()
+    # report API reads (/api/report, /plan, /metrics, ...): at most this many in flight (beyond: 503
+    # + Retry-After), answered at most report_max_rps a second in arrival order (controller/report_gate.py)
+    report_max_concurrent: int = Field(default=256, ge=1)
+    report_max_rps: float = Field(default=50.0, gt=0)
 
 
     @model_validator(mode="after")

@@ -133,18 +133,26 @@ def test_sd_notify_sends_datagrams(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
 
 class _FakeCtrl:
-    """Only what the report server reads: a report dict, metrics and a cycle count."""
+    """Only what the report server reads: a report dict, the decisions of a store, metrics and a
+    cycle count."""
 
     cycle_count = 3
+    time_scale = 1.0
 
     def __init__(self) -> None:
         from fleetplan.controller.metrics import ControllerMetrics
+        from fleetplan.controller.report_snapshot import ReportSnapshot
 
         self.metrics = ControllerMetrics()
         self.metrics.planned_replicas.labels("m").set(2)
+        self.reports = ReportSnapshot()
+        self.store = StateStore(":memory:")
 
     def report(self) -> dict[str, object]:
         return {"plan": None, "fleet": [], "alerts": ["x"], "actions": [], "policy": {}, "generated_s": time.time()}
+
+    def wall(self) -> float:
+        return time.time()
 
     def health(self) -> list[str]:
         return list(self.problems)
