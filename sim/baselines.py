@@ -27,7 +27,7 @@ benchmarks: the lowest $/h per rps of profile capacity among the configs that ca
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from fleetplan.models import profile as mp
@@ -38,6 +38,7 @@ from fleetplan.planner.counts import tp_slots
 from fleetplan.planner.policy import Policy
 from fleetplan.planner.types import ConfigKey, HostInventory
 from fleetplan.sim.des import ControllerView, Decision
+from fleetplan.sim.search import smallest_count as smallest_count  # evaluate's best-fixed search
 from fleetplan.sim.traces import Trace, iter_rates
 
 POLICY_NAMES: tuple[str, ...] = (
@@ -69,60 +70,6 @@ def max_replicas(policy: Policy, config: ConfigKey) -> int:
     """How many replicas of `config` the inventory holds at most: per host of its GPU type, its GPUs
     (within NVLink groups where the host lists them) in whole TP groups."""
     return sum(tp_slots([len(g) for g in h.groups()], config.tp) for h in inventory(policy) if h.gpu == config.gpu)
-
-
-def smallest_count(reaches: Callable[[int], bool], n_max: int, start: int | None = None) -> int | None:
-    """The smallest count n in [1, n_max] with `reaches(n)`, for a `reaches` that more replicas never
-    turn false (more capacity never serves worse). None: not even n_max reaches it.
-
-    Without `start`: bisection, the largest count first (about log2(n_max) + 1 calls). With a
-    `start` near the answer (e.g. the mean rate over a replica's capacity): from there, steps that
-    double until the answer is bracketed, then bisection; a few calls, and few far below the
-    answer, where a replay is slowest (an overloaded fleet queues every request).
-
-    >>> calls = []
-    >>> smallest_count(lambda n: calls.append(n) or n >= 5, 16), calls
-    (5, [16, 8, 4, 6, 5])
-    >>> calls = []
-    >>> smallest_count(lambda n: calls.append(n) or n >= 5, 16, start=6), calls
-    (5, [6, 5, 3, 4])
-    >>> calls = []
-    >>> smallest_count(lambda n: calls.append(n) or n >= 9, 16, start=4), calls
-    (9, [4, 5, 7, 11, 9, 8])
-    >>> smallest_count(lambda n: n >= 17, 16, start=4) is None
-    True
-    """
-    if n_max < 1:
-        return None
-    if start is None:
-        if not reaches(n_max):
-            return None
-        lo, hi = 0, n_max  # reaches(hi); lo = 0 never serves
-    else:
-        n = min(max(start, 1), n_max)
-        step = 1
-        if reaches(n):
-            hi, lo = n, n - step
-            while lo >= 1 and reaches(lo):  # walk down in doubling steps until one fails
-                hi, step = lo, step * 2
-                lo = hi - step
-            lo = max(lo, 0)
-        else:
-            lo = n
-            while True:  # walk up in doubling steps until one reaches it
-                if lo >= n_max:
-                    return None
-                hi = min(lo + step, n_max)
-                if reaches(hi):
-                    break
-                lo, step = hi, step * 2
-    while hi - lo > 1:  # reaches(hi), not reaches(lo)
-        mid = (lo + hi) // 2
-        if reaches(mid):
-            hi = mid
-        else:
-            lo = mid
-    return hi
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Simulated runs of one engine and its ground-truth capacity: `simulate` (an open-loop run through
 `fleetplan.sim.batching.BatchCore`), `poisson_arrivals`, and `max_rate_at_slo` (the highest rate
-whose p99 TTFT and ITL meet an SLO, by search over simulated runs).
+whose p99 TTFT and per-request ITL meet an SLO: the ground-truth capacity search of `fleetplan.sim.core`
+for fixed-size requests).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import random
 from dataclasses import dataclass
 
 from fleetplan.sim.batching import BatchCore
-from fleetplan.sim.groundtruth import EngineParams, RequestTooLongError, step_time_s
+from fleetplan.sim.core import capacity_at_slo
+from fleetplan.sim.groundtruth import EngineParams, RequestTooLongError
 
 
 @dataclass(frozen=True)
@@ -126,43 +128,9 @@ def poisson_arrivals(rate_rps: float, n: int, isl: int, osl: int, seed: int = 0)
     return out
 
 
-def _meets_slo(params: EngineParams, rate: float, isl: int, osl: int, ttft_p99_s: float, itl_p99_s: float,
-               n: int, seed: int) -> bool:
-    arr = poisson_arrivals(rate, n, isl, osl, seed=seed)
-    stats = simulate(params, arr, seed=seed, warmup=n // 10, max_sim_s=arr[-1][0] * 3 + 60.0)
-    if len(stats.ttft_s) < (n - n // 10) * 0.9:
-        return False  # fell behind: requests still queued when the run was cut
-    return _quantile(list(stats.ttft_s), 0.99) <= ttft_p99_s and stats.itl_p99_s <= itl_p99_s
-
-
 @functools.lru_cache(maxsize=4096)
-def _max_rate_cached(params: EngineParams, isl: int, osl: int, ttft_ms: float, itl_ms: float) -> float:
-    ttft_s, itl_s = ttft_ms / 1000.0, itl_ms / 1000.0
-    # upper bound: throughput of a saturated engine (all seats busy, no queueing limit)
-    batch = min(params.max_num_seqs, max(1, params.kv_blocks * params.block_size // (isl + osl)))
-    ctx = batch * (isl + osl / 2)
-    t_dec = step_time_s(params, decode_seqs=batch, prefill_tokens=0, context_tokens=ctx)
-    t_pre = step_time_s(params, decode_seqs=0, prefill_tokens=isl, context_tokens=0) / max(
-        1, params.max_num_batched_tokens // max(1, isl)
-    )
-    upper = 1.0 / (t_dec * osl / batch + t_pre) * 1.2
-    if not _meets_slo(params, upper / 64, isl, osl, ttft_s, itl_s, 200, 1):
-        return 0.0
-    lo, hi = upper / 64, upper
-    n = max(200, min(800, 120_000 // max(osl, 1)))  # ~100k output tokens per run
-    for _ in range(9):
-        mid = math.sqrt(lo * hi) if hi / lo > 1.5 else (lo + hi) / 2
-        if _meets_slo(params, mid, isl, osl, ttft_s, itl_s, n, 1):
-            lo = mid
-        else:
-            hi = mid
-        if hi - lo <= 0.02 * lo:
-            break
-    return lo
-
-
 def max_rate_at_slo(params: EngineParams, isl: float, osl: float, ttft_p99_ms: float, itl_p99_ms: float) -> float:
-    """Ground-truth capacity: the highest Poisson rate (req/s) at which a short simulated run of
-    fixed-size requests meets p99 TTFT and p99 inter-token latency. 0.0 when even a trickle fails.
-    Cached; deterministic for given arguments."""
-    return _max_rate_cached(params, max(1, round(isl)), max(1, round(osl)), float(ttft_p99_ms), float(itl_p99_ms))
+    """Ground-truth capacity of fixed-size requests: the highest Poisson rate (req/s) at which p99 TTFT
+    and p99 per-request ITL meet the SLO, by the one capacity search (`fleetplan.sim.core.capacity_at_slo`,
+    the SLO's definitions). 0.0 when even a trickle fails. Cached; deterministic for given arguments."""
+    return capacity_at_slo(params, [(max(1, round(isl)), max(1, round(osl)))], float(ttft_p99_ms), float(itl_p99_ms))

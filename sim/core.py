@@ -28,6 +28,10 @@ import numpy as np
 from fleetplan.models.mix import QUANTILE_LEVELS
 from fleetplan.sim.batching import BatchState, StepPlan, admission
 from fleetplan.sim.groundtruth import EngineParams, RequestTooLongError, step_time_s
+from fleetplan.sim.search import smallest_count
+
+RATE_FLOOR_RPS = 1e-3  # below it a config has no capacity at the SLO (0.0)
+RATE_CEIL_RPS = 1e5  # the search stops there
 
 # vLLM bucket edges (vllm/v1/metrics/loggers.py), seconds
 TTFT_BUCKETS_S: tuple[float, ...] = (
@@ -331,24 +335,16 @@ def _capacity_once(params: EngineParams, lengths: Sequence[tuple[int, int]], ttf
         return bool(np.quantile(tt, 0.99) * 1000.0 <= ttft_p99_ms
                     and (it.size == 0 or np.quantile(it, 0.99) * 1000.0 <= itl_p99_ms))
 
-    lo = 0.25
-    if ok(lo):
-        hi = lo * 2.0
-        while ok(hi):
-            lo, hi = hi, hi * 2.0
-            if hi > 1e5:
-                return lo
-    else:
-        hi = lo
-        lo = hi / 2.0
-        while not ok(lo):
-            hi, lo = lo, lo / 2.0
-            if lo < 1e-3:
-                return 0.0
-    while hi - lo > rel_tol * lo:
-        mid = math.sqrt(lo * hi) if hi / lo > 2.0 else 0.5 * (lo + hi)
-        if ok(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    # the rates searched: a geometric grid (steps of rel_tol) from RATE_FLOOR_RPS to RATE_CEIL_RPS;
+    # the capacity is the last rate of the grid that meets the SLO, the first that does not found by
+    # the one bracket-and-bisect (fleetplan.sim.search), from 0.25 rps
+    step = math.log1p(rel_tol)
+    n_max = math.ceil(math.log(RATE_CEIL_RPS / RATE_FLOOR_RPS) / step)
+
+    def rate(i: int) -> float:
+        return RATE_FLOOR_RPS * math.exp(i * step)
+
+    first_miss = smallest_count(lambda i: not ok(rate(i)), n_max, start=round(math.log(0.25 / RATE_FLOOR_RPS) / step))
+    if first_miss is None:
+        return rate(n_max)
+    return 0.0 if first_miss <= 1 else rate(first_miss - 1)
