@@ -119,8 +119,9 @@ def _names(hosts: Sequence[str]) -> str:
 def unreachable(view: ActView, actions: Sequence[Action]) -> str | None:
     """Why the plan cannot be carried out, or None: it starts or builds on hosts no agent serves (never
     reported, or lost past the offline grace; an agent restarting within the grace is not counted),
-    named together with the agents online for hosts the policy does not list (a misnamed agent, or a
-    policy for another fleet).
+    or no host the policy lists has an online agent while agents are online for hosts it does not list
+    (held: planner/inventory.py), named together with those agents (misnamed agents, or a policy for
+    another fleet).
 
     >>> from fleetplan.planner.act_types import ActSettings, HostReport
     >>> from fleetplan.planner.types import ConfigKey, Replica
@@ -131,6 +132,8 @@ def unreachable(view: ActView, actions: Sequence[Action]) -> str | None:
     ...             ActSettings(listed_hosts=frozenset({"gpu-01", "gpu-02"})))
     >>> print(unreachable(v, [start, start]))
     the plan cannot be carried out: it needs gpu-01, where no agent is online (2 action(s) deferred), while agents are online for host-a, which the policy's hosts do not list (an agent's `host` must be the policy's name for it; a host to add: list it in the policy or `fleetplan hosts confirm HOST`)
+    >>> print(unreachable(v, []).split(", while")[0])
+    the plan cannot be carried out: no host the policy lists has an online agent (gpu-01, gpu-02)
     """
     grace = view.settings.host_offline_grace_s
 
@@ -140,12 +143,16 @@ def unreachable(view: ActView, actions: Sequence[Action]) -> str | None:
 
     needing = [a.replica.host for a in actions
                if a.kind in (ActionKind.START, ActionKind.BUILD) and a.replica.host and gone(a.replica.host)]
-    if not needing:
-        return None
     listed = view.settings.listed_hosts
     strangers = sorted(h for h, r in view.hosts.items() if r.online and listed and h not in listed)
-    text = (f"the plan cannot be carried out: it needs {_names(sorted(set(needing)))}, where no agent is online "
-            f"({len(needing)} action(s) deferred)")
+    deserted = bool(strangers) and all(view.hosts.get(h) is None or not view.hosts[h].online for h in listed)
+    if needing:
+        text = (f"the plan cannot be carried out: it needs {_names(sorted(set(needing)))}, where no agent is "
+                f"online ({len(needing)} action(s) deferred)")
+    elif deserted:
+        text = f"the plan cannot be carried out: no host the policy lists has an online agent ({_names(sorted(listed))})"
+    else:
+        return None
     if strangers:
         return (f"{text}, while agents are online for {_names(strangers)}, which the policy's hosts do not list "
                 "(an agent's `host` must be the policy's name for it; a host to add: list it in the policy or "

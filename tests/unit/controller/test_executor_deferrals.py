@@ -45,3 +45,19 @@ def test_unknown_agents_and_a_plan_on_policy_hosts_alert_once_and_log_once_with_
         assert any("host-a" in a and "not in the policy's hosts" in a for a in report_alerts)
     finally:
         c.store.close()
+
+
+def test_the_lab_agents_under_the_example_policy_are_told_without_a_plan_on_them(tmp_path: Path) -> None:
+    c = make(tmp_path)
+    try:
+        for h in ("host-a", "host-b"):
+            c._on_status(h, parse_status(status(h), host=h))
+        c.link.connected.set()
+        c.executor.connected_wall = c.wall() - 3600
+        assert {h.name: h.gpu_count for h in c.build_fleet().hosts} == {"host-a": 0, "host-b": 0}  # held
+        asyncio.run(c.executor.execute(1, []))
+        text = c.runtime_alerts["unreachable"]
+        assert "no host the policy lists has an online agent (gpu-01, gpu-02, gpu-03, gpu-04)" in text
+        assert "host-a, host-b" in text
+    finally:
+        c.store.close()

@@ -31,6 +31,15 @@ def test_a_plan_on_hosts_without_agents_is_one_alert_naming_both_sides() -> None
     assert [e.note.cause for e in d.effects if isinstance(e, Record)] == [DeferCause.NO_AGENT] * 3
 
 
+def test_agents_only_for_hosts_the_policy_does_not_list_are_one_alert_without_any_action() -> None:
+    # the unlisted agents are held (planner/inventory.py): the plan places nothing, nothing is deferred
+    d = act.execute(view(host("host-a"), host("host-b"), settings=LISTED), [])
+    assert "no host the policy lists has an online agent (gpu-01, gpu-02)" in d.alerts[KEY]
+    assert "host-a, host-b" in d.alerts[KEY]
+    # one listed host with an agent: the others are its business (maintenance), no alert
+    assert KEY not in act.execute(view(host("gpu-02"), host("host-a"), settings=LISTED), []).alerts
+
+
 def test_the_alert_clears_once_the_plan_can_be_carried_out() -> None:
     d = act.execute(view(host("gpu-01"), settings=LISTED), starts_on_gpu01())
     assert KEY not in d.alerts and KEY in d.cleared
