@@ -10,9 +10,9 @@ alerts, removed replicas and finished builds. Kept for `keep_documents_s`: the p
 decisions). Above `max_bytes` (live pages), the oldest rows go first whatever their age, plans and
 observations before the audit trail, never below the floors.
 
-Each cycle deletes at most `rows_per_cycle` rows, `rows_per_step` per transaction (a short write
-lock: the report API and `fleetplan hosts confirm` never wait long), then gives at most
-`vacuum_pages` free pages back to the file system (a database created with incremental auto-vacuum,
+Each cycle deletes at most `rows_per_cycle` rows, `rows_per_step` per transaction (25 for the plan
+and observation documents: a short write lock, the report API and `fleetplan hosts confirm` never
+wait long), then gives at most `vacuum_pages` free pages back to the file system, 256 per step (a database created with incremental auto-vacuum,
 as StateStore creates new ones; an older file keeps its size and reuses its free pages). The WAL is
 truncated after checkpoints (StateStore's journal_size_limit). Figures: bench/store_growth.py.
 """
@@ -44,7 +44,9 @@ class RetentionRules:
     max_bytes: int = 1024 * 1024 * 1024  # live pages of the main file
     rows_per_cycle: int = 2000
     rows_per_step: int = 200  # rows per transaction
+    document_rows_per_step: int = 25  # plans/observations per transaction (~9 KB per model each)
     vacuum_pages: int = 2048  # free pages given back per cycle (4 KiB each: 8 MiB)
+    vacuum_pages_per_step: int = 256
     floor_s: float = HOUR_S  # never pruned, whatever the size
 
 
@@ -135,30 +137,35 @@ def prune_step(store: StateStore, rules: RetentionRules, now_s: float, *,
     for t in TABLES:  # by age
         keep = rules.keep_documents_s if t.documents else rules.keep_s
         cond = _cut(t, now_s - max(keep, rules.floor_s if t.floored else 0.0))
+        step = rules.document_rows_per_step if t.documents else rules.rows_per_step
         while budget > 0:
-            n = _delete(store, t, cond, min(rules.rows_per_step, budget), out, perf)
+            n = _delete(store, t, cond, min(step, budget), out, perf)
             budget -= n
-            if n < rules.rows_per_step:
+            if n < step:
                 break
     size = live_bytes(db)
     for t in TABLES:  # by size: the oldest first whatever their age, down to the floors
         if size <= rules.max_bytes or budget <= 0:
             break
         cond = _cut(t, now_s - rules.floor_s) if t.floored else "1"
+        step = rules.document_rows_per_step if t.documents else rules.rows_per_step
         while size > rules.max_bytes and budget > 0:
-            n = _delete(store, t, cond, min(rules.rows_per_step, budget), out, perf)
+            n = _delete(store, t, cond, min(step, budget), out, perf)
             budget -= n
             size = live_bytes(db)
             if n == 0:
                 break
     out.over = size > rules.max_bytes and budget > 0
-    if int(db.execute("PRAGMA auto_vacuum").fetchone()[0]) == 2 and rules.vacuum_pages > 0:  # incremental
-        free = int(db.execute("PRAGMA freelist_count").fetchone()[0])
-        if free:
+    if int(db.execute("PRAGMA auto_vacuum").fetchone()[0]) == 2:  # incremental: give free pages back
+        while out.vacuumed_pages < rules.vacuum_pages:
+            free = int(db.execute("PRAGMA freelist_count").fetchone()[0])
+            pages = min(free, rules.vacuum_pages_per_step, rules.vacuum_pages - out.vacuumed_pages)
+            if pages <= 0:
+                break
             t0 = perf()
             # stepped to the end (a single execute() frees one page): executescript runs it through
-            db.executescript(f"PRAGMA incremental_vacuum({min(free, rules.vacuum_pages)});")
-            out.vacuumed_pages = min(free, rules.vacuum_pages)
+            db.executescript(f"PRAGMA incremental_vacuum({pages});")
+            out.vacuumed_pages += pages
             out.longest_step_s = max(out.longest_step_s, perf() - t0)
             out.steps += 1
     out.live_bytes = live_bytes(db)
