@@ -24,8 +24,8 @@ hours); the daemon runs FULL.
 from __future__ import annotations
 
 import argparse
-import os
 import random
+import sqlite3
 import sys
 import tempfile
 import time
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     rules = RetentionRules(keep_s=args.keep_days * DAY_S, keep_documents_s=args.keep_plans_days * DAY_S,
                            max_bytes=int(args.max_mb * 2**20), rows_per_cycle=args.rows_per_cycle)
     print(f"retention: keep {args.keep_days:g} days, plans {args.keep_plans_days:g} days, bound {args.max_mb:g} MiB, "
-          f"at most {args.rows_per_cycle} rows per cycle; SQLite {os.environ.get('SQLITE_VERSION', '')}".rstrip())
+          f"at most {args.rows_per_cycle} rows per cycle; SQLite {sqlite3.sqlite_version}")
     for case in args.cases.split(","):
         cycle_s, models = float(case.split(":")[0]), int(case.split(":")[1])
         t = time.perf_counter()
