@@ -6,6 +6,11 @@ its decisions: rows committed in one transaction (`apply`), then desired states 
 here: the next reconcile republishes what stays unacked and acts on refusals), routing files
 written (`update_routing`), drains run (`drain`: out of the upstream, wait for in-flight requests
 to reach 0 or the drain deadline, then out of the desired state).
+
+Each reconcile also keeps the records: the hosts' inventory records in step with the store
+(`HostBook.sync_inventory`) and one bounded step of the store's retention
+(controller/state_retention.py). A deferral the act core repeats is one action-log row with a
+count (`deferrals`), logged once when it begins.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import json
 import logging
 import math
 import re
+import sqlite3
 import time
 from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
@@ -28,8 +34,10 @@ from fleetplan.controller.policy_source import PolicySource
 from fleetplan.controller.protocol import desired_topic
 from fleetplan.controller.settings import ControllerSettings
 from fleetplan.controller.state import ActionStatus, Phase, ReplicaRow, StateStore
+from fleetplan.controller.state_retention import DAY_S, RetentionRules, prune_step
 from fleetplan.planner import act
 from fleetplan.planner.act import ActDecision, ActSettings, ActView
+from fleetplan.planner.act_types import DeferKey, Deferral, Repeat
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +134,17 @@ class Executor:
     noted: set[tuple[str, str]] = field(default_factory=set)
     pending_publish: set[str] = field(default_factory=set)
     drains: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    deferrals: dict[DeferKey, Deferral] = field(default_factory=dict)  # open since an earlier cycle
     _routing_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    RETENTION_ALERT = "retention"
+
+    def __post_init__(self) -> None:
+        if self.hosts is not None and self.store is not None:  # (tests build an Executor of parts)
+            self.hosts.sync_inventory(self.store)  # the recorded inventories, before any report is judged
+        r = self.settings.retention
+        self.retention = RetentionRules(keep_s=r.keep_days * DAY_S, keep_documents_s=r.keep_plans_days * DAY_S,
+                                        max_bytes=int(r.max_mb * 1024 * 1024), rows_per_cycle=r.rows_per_cycle)
 
     def address(self, host: str) -> str:
         return self.settings.host_addresses.get(host) or self.settings.default_host_address or host
@@ -209,19 +227,32 @@ class Executor:
             replicas=tuple(self.store.active_replicas()), builds=tuple(self.store.builds((Phase.DESIRED,))),
             desired=self.store.desired_rows(), known_ids=frozenset(self.store.known_ids()),
             settings=ActSettings(s.ready_timeout_s, s.ack_timeout_s, s.host_offline_grace_s, s.default_port_range,
-                                 pol.agent_templates(), pol.agent_templates(build=True)),
+                                 pol.agent_templates(), pol.agent_templates(build=True),
+                                 frozenset(h.name for h in pol.hosts)),
             retained={h: tuple(retained_replica(r) for r in d.replicas)
                       for h, d in self.hosts.retained_desired.items()},
             connected_since_s=self.connected_wall if self.link.connected.is_set() else None,
-            republish_all=self.republish_all, noted=frozenset(self.noted),
+            republish_all=self.republish_all, noted=frozenset(self.noted), deferrals=dict(self.deferrals),
         )
 
     def apply(self, d: ActDecision, cycle_id: int | None) -> None:
-        """Persist the decision's effects (one transaction), count its actions, raise/clear alerts."""
+        """Persist the decision's effects (one transaction), count its actions, raise/clear alerts;
+        a decision about deferrals replaces the open ones (a repeated one counts on its first row)."""
+        opened: dict[DeferKey, Deferral] = {}
         for note in self.store.apply(d.effects, cycle_id):
             self.metrics.actions.labels(note.kind, note.status).inc()
+            opens = note.defer_key()
+            if opens is not None and note.action_id is not None:
+                opened[opens] = Deferral(note.action_id, 1, self.wall())
+                log.info("%s %s on %s deferred: %s", note.kind, note.subject.split("#")[0], note.host or "-",
+                         note.detail)
+        for e in d.effects:
+            if isinstance(e, Repeat):
+                self.metrics.actions.labels(e.note.kind, e.note.status).inc()
+        if d.deferrals is not None:
+            self.deferrals = {**d.deferrals, **opened}
         for key, text in d.alerts.items():
-            if key.startswith(("orphan/", "rejected/")) and self.alerts.get(key) != text:
+            if key.startswith(("orphan/", "rejected/", "unreachable")) and self.alerts.get(key) != text:
                 log.warning("%s", text)
             self.alerts[key] = text
         for key in d.cleared:
@@ -229,7 +260,9 @@ class Executor:
         self.noted |= set(d.noted)
 
     async def reconcile(self) -> None:
-        """Bring the records in line with what the agents report (before planning)."""
+        """Bring the records in line with what the agents report (before planning), then keep the
+        store within its retention (one bounded step)."""
+        self.hosts.sync_inventory(self.store)
         self.store.note_version_floors({h: st.desired_version for h, st in self.hosts.statuses.items() if st.online})
         d = act.reconcile(self.view())
         self.apply(d, None)
@@ -238,6 +271,29 @@ class Executor:
         self.republish_all = False
         if changed and self.link.connected.is_set():
             await self.publish_hosts(changed)
+        self.prune_store()
+
+    def prune_store(self) -> None:
+        """One bounded retention step (controller/state_retention.py); a store above its size bound
+        with nothing left that may go is an alert, a failed step a log line (the next cycle tries
+        again)."""
+        try:
+            p = prune_step(self.store, self.retention, self.store._clock())
+        except sqlite3.OperationalError as exc:
+            log.warning("state store retention step failed: %s", exc)
+            return
+        if p.rows:
+            log.debug("state store retention: %d row(s) pruned in %d step(s) (longest %.3f s), %.1f MiB live",
+                      p.rows, p.steps, p.longest_step_s, p.live_bytes / 2**20)
+        if p.over:
+            text = (f"state store {self.store.path} holds {p.live_bytes / 2**20:.0f} MiB, above its bound "
+                    f"retention.max_mb {self.retention.max_bytes / 2**20:.0f}, and only what the reports, audit "
+                    "and brakes need is left: raise retention.max_mb")
+            if self.alerts.get(self.RETENTION_ALERT) is None:
+                log.warning("%s", text)
+            self.alerts[self.RETENTION_ALERT] = text
+        else:
+            self.alerts.pop(self.RETENTION_ALERT, None)
 
     def adopt_orphans(self) -> set[str]:
         """Adopt engines the agents run that this database never allocated (act.adopt); returns the

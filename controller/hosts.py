@@ -1,7 +1,8 @@
 """What the controller knows of its hosts: each agent's last status (from MQTT), when it came and
 went, the retained desired states the broker holds from this controller, malformed messages and
-flapping hosts. Only bookkeeping: the decisions on it are the act core's (planner/act.py), which
-sees a host through `host_report`."""
+flapping hosts, and each host's recorded inventory. Only bookkeeping: the decisions on it are the
+act core's (planner/act.py), which sees a host through `host_report`, and the inventory rule's
+(planner/inventory.py `judge`: believe a report, or hold it and plan only on what is vouched for)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fleetplan.controller.protocol import DesiredState, HostStatus
+from fleetplan.controller.state import StateStore
+from fleetplan.controller.state_inventory import generation, load_records, save_records
 from fleetplan.planner.act import BuildState, HostReport, ReportedBuild, ReportedReplica
+from fleetplan.planner.inventory import Inventory, InventoryRecord, judge
 from fleetplan.planner.types import ReplicaState
+
+PolicyHosts = dict[str, tuple[str, int, tuple[tuple[int, ...], ...]]]  # host -> (gpu, gpu_count, nvlink_groups)
 
 log = logging.getLogger(__name__)
 
@@ -40,38 +46,6 @@ def host_report(st: HostStatus, offline_since_s: float | None = None) -> HostRep
     )
 
 
-def agree(report: HostReport, gpu: str | None, gpu_count: int | None,
-          nvlink_groups: tuple[tuple[int, ...], ...] = ()) -> tuple[HostReport, str | None]:
-    """The host as the planner and the act core may use it: the agent's report where the policy's
-    inventory (`gpu`, `gpu_count`, `nvlink_groups`; None: not in the policy) agrees, the smaller
-    one where they differ; and what contradicts the policy (more GPUs, another type), or None. A
-    status cannot add GPUs to a host (a lying or misconfigured agent would have replicas placed on
-    GPUs the host does not have); fewer GPUs than the policy (one failed) are believed.
-
-    >>> r = HostReport("h", True, "h100", 24, (tuple(range(24)),))
-    >>> ok, why = agree(r, "h100", 8)
-    >>> ok.gpu_count, ok.nvlink_groups, why
-    (8, ((0, 1, 2, 3, 4, 5, 6, 7),), 'host h reports 24 h100 GPU(s), its policy inventory 8 h100: planning on 8')
-    >>> agree(HostReport("h", True, "h100", 4, ((0, 1, 2, 3),)), "h100", 8)[0].gpu_count  # one failed: believed
-    4
-    >>> bad, why = agree(HostReport("h", True, "a100", 8), "h100", 8)
-    >>> bad.gpu_count, why
-    (0, 'host h reports 8 a100 GPU(s), its policy inventory 8 h100: planning on none of them')
-    >>> agree(r, None, None)[0] is r
-    True
-    """
-    if gpu is None or gpu_count is None or report.gpu is None or report.gpu_count is None:
-        return report, None
-    said = f"host {report.name} reports {report.gpu_count} {report.gpu} GPU(s), its policy inventory {gpu_count} {gpu}"
-    if report.gpu.lower() != gpu.lower():
-        return replace(report, gpu_count=0, nvlink_groups=()), f"{said}: planning on none of them"
-    if report.gpu_count <= gpu_count:
-        return report, None
-    groups = nvlink_groups or tuple(g for g in (tuple(i for i in grp if i < gpu_count)
-                                                for grp in report.nvlink_groups) if g)
-    return replace(report, gpu_count=gpu_count, nvlink_groups=groups), f"{said}: planning on {gpu_count}"
-
-
 @dataclass
 class HostBook:
     """The agents' last statuses and what came with them (wall-clock seconds from `wall`).
@@ -94,9 +68,15 @@ class HostBook:
     # the act core's view of each host, built once per status (routing asks for it on every change:
     # rebuilding 10,000 hosts' reports each time held the loop for seconds per cycle at 10,000 hosts)
     _reports: dict[str, HostReport] = field(default_factory=dict)
-    # the policy's inventory: host -> (gpu, gpu_count, nvlink_groups); a status claiming more GPUs or
-    # another type is cut to the agreed inventory (`agree`) and alerted as inventory/<host>
-    inventory: Callable[[], dict[str, tuple[str, int, tuple[tuple[int, ...], ...]]]] = dict
+    # the policy's inventory: host -> (gpu, gpu_count, nvlink_groups); each report is judged against
+    # it and the host's record (planner/inventory.py), a held one alerted as inventory/<host>
+    inventory: Callable[[], PolicyHosts] = dict
+    records: dict[str, InventoryRecord] = field(default_factory=dict)  # host -> recorded inventory
+    unsaved: dict[str, InventoryRecord] = field(default_factory=dict)  # records not yet in the store
+    _generation: int | None = None  # the store's inventory generation the records were read at
+    # per host: (report, record, policy entry, policy lists hosts) -> the judged report (a report is
+    # judged again only when one of them changed)
+    _judged: dict[str, tuple[tuple[Any, ...], HostReport]] = field(default_factory=dict)
 
     WIRE_ALERT_QUIET_S = 300.0  # a host's malformed-message alert clears after this long without one
     FLAP_WINDOW_S = 60.0
@@ -167,30 +147,58 @@ class HostBook:
         return {rs.replica_id: (host, rs) for host, st in self.statuses.items() for rs in st.replicas}
 
     def reports(self) -> dict[str, HostReport]:
-        """The act core's view of each host, cut to the policy's inventory where a status claims more."""
+        """The act core's view of each host, as far as its inventory is believed (`judge`)."""
         out = self._reports
         for h, st in self.statuses.items():
             if h not in out:
                 out[h] = host_report(st, self.offline_since.get(h))
-        inventory = self.inventory()
-        if not inventory:
-            return dict(out)
-        agreed = {}
+        policy = self.inventory()
+        lists = bool(policy)
+        judged = {}
         for h, r in out.items():
-            spec = inventory.get(h)
-            if spec is None:
-                agreed[h] = r
-                self.alerts.pop(f"inventory/{h}", None)
+            spec = policy.get(h)
+            rec = self.records.get(h)
+            key = (r, rec, spec, lists)
+            seen = self._judged.get(h)
+            if seen is not None and seen[0][0] is r and seen[0][1] is rec and seen[0][2:] == key[2:]:
+                judged[h] = seen[1]
                 continue
-            agreed[h], why = agree(r, *spec)
-            key = f"inventory/{h}"
-            if why is None:
-                self.alerts.pop(key, None)
-            else:
-                if self.alerts.get(key) != why:
-                    log.warning("%s", why)
-                self.alerts[key] = why
-        return agreed
+            judged[h] = self._judge(h, r, rec, spec, lists)
+            self._judged[h] = ((r, self.records.get(h), spec, lists), judged[h])
+        return judged
+
+    def _judge(self, h: str, r: HostReport, rec: InventoryRecord | None,
+               spec: tuple[str, int, tuple[tuple[int, ...], ...]] | None, lists: bool) -> HostReport:
+        reported = (Inventory(r.gpu, r.gpu_count, r.nvlink_groups)
+                    if r.gpu is not None and r.gpu_count is not None else None)
+        j = judge(h, reported, rec, Inventory(*spec) if spec is not None else None, policy_lists_hosts=lists,
+                  now_s=self.wall())
+        if j.record is not None:
+            self.records[h] = self.unsaved[h] = j.record
+            log.info("host %s: inventory recorded: %s (%s)", h, j.record.inventory.describe(), j.record.voucher.value)
+        key = f"inventory/{h}"
+        if j.alert is None:
+            self.alerts.pop(key, None)
+        else:
+            if self.alerts.get(key) != j.alert:
+                log.warning("%s", j.alert)
+            self.alerts[key] = j.alert
+        if j.plan_on is None:
+            return r
+        return replace(r, gpu_count=j.plan_on.gpu_count, nvlink_groups=j.plan_on.groups())
+
+    def sync_inventory(self, store: StateStore) -> None:
+        """Once per cycle: the new records into the store; the store's records read again when
+        something else changed them (`fleetplan hosts confirm`). The first call reads them before
+        any report is judged."""
+        if self.unsaved:
+            save_records(store, self.unsaved)
+            self.unsaved.clear()
+        gen = generation(store)
+        if gen != self._generation:
+            self.records = load_records(store._db)
+            self._generation = gen
+            self._judged.clear()
 
     def take_dirty(self) -> dict[str, dict[str, Any]]:
         """The statuses that changed since the last call, as JSON for the state store (one commit per

@@ -38,6 +38,18 @@ class RoutingSettings(BaseModel):
         return v
 
 
+class RetentionSettings(BaseModel):
+    """How long the state store keeps its history and how large it may grow
+    (controller/state_retention.py; what the reports, audit and brakes need is always kept)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    keep_days: float = Field(default=7.0, gt=0)  # decisions, actions, cycles, acks, cleared alerts
+    keep_plans_days: float = Field(default=1.0, gt=0)  # plan and observation documents
+    max_mb: float = Field(default=1024.0, gt=0)  # live size of the database file, MiB
+    rows_per_cycle: int = Field(default=2000, ge=1)  # deleted per cycle at most, 200 per transaction
+
+
 class ControllerSettings(BaseModel):
     """The controller's own config (YAML, `--config`); the policy is a separate file."""
 
@@ -46,6 +58,7 @@ class ControllerSettings(BaseModel):
     prometheus_url: str = "http://127.0.0.1:9090"
     mqtt: MqttSettings = MqttSettings()
     routing: RoutingSettings = RoutingSettings()
+    retention: RetentionSettings = RetentionSettings()
     lab_dir: Path | None = None  # take Prometheus, MQTT, nginx and paths from a lab's lab.json
     host_addresses: dict[str, str] = Field(default_factory=dict)  # host -> address engines listen on
     default_host_address: str | None = None  # None: the host name itself

@@ -14,6 +14,11 @@ What is stored (all JSON columns are plain dicts, never pickles):
 - ``kv``: small values such as the planner state, the policy error and the actuation pause.
 - ``decisions``: one record per cycle (planner/audit.py: id, inputs digest, plan summary, actions
   issued and held back, why); the audit trail `fleetplan history` and the plan page read.
+- ``host_inventory``: per host, the GPUs recorded from its first report, the policy or an operator's
+  confirmation (planner/inventory.py judges each report against it; controller/state_inventory.py).
+
+The history tables are pruned in small steps (controller/state_retention.py); a new database uses
+incremental auto-vacuum so the file shrinks as they are.
 
 Crash recovery (kill -9 at any moment): on start the daemon re-derives each host's desired state
 from ``replicas`` (phase desired/draining), bumps the version and republishes; draining replicas
@@ -53,10 +58,12 @@ from fleetplan.planner.act import (
     ReplicaRow,
     SetPhase,
 )
+from fleetplan.planner.act_types import Repeat
 
 __all__ = ["ActionStatus", "BuildRow", "DesiredRow", "Phase", "ReplicaRow", "StateStore", "read_history"]
 
 SCHEMA_VERSION = 1
+WAL_LIMIT_BYTES = 8 * 1024 * 1024
 MAX_VERSION = 2**53 - 1  # desired versions stay exact integers (fleetplan.controller.protocol.MAX_WIRE_INT)
 
 _SCHEMA = """
@@ -167,6 +174,14 @@ CREATE TABLE IF NOT EXISTS decisions (
     payload TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS decisions_created ON decisions(created_s);
+CREATE TABLE IF NOT EXISTS host_inventory (
+    host TEXT PRIMARY KEY,
+    gpu TEXT NOT NULL,
+    gpu_count INTEGER NOT NULL,
+    nvlink_groups TEXT NOT NULL,
+    since_s REAL NOT NULL,
+    voucher TEXT NOT NULL
+);
 """
 
 log = logging.getLogger(__name__)
@@ -209,10 +224,16 @@ class StateStore:
         self.write_error: str | None = None  # the last failed write (what, where); cleared by the next commit
         self._db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
         self._db.row_factory = sqlite3.Row
+        # a new database frees the pages of pruned rows back to the file system in small steps
+        # (controller/state_retention.py); an existing one keeps its mode (changing it takes a VACUUM)
+        self._db.execute("PRAGMA auto_vacuum=INCREMENTAL")
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")  # a committed step survives power loss too
         self._db.execute("PRAGMA busy_timeout=5000")
+        self._db.execute(f"PRAGMA journal_size_limit={WAL_LIMIT_BYTES}")  # the WAL shrinks back after a checkpoint
         self._db.executescript(_SCHEMA)
+        if "repeats" not in {r[1] for r in self._db.execute("PRAGMA table_info(actions)").fetchall()}:
+            self._db.execute("ALTER TABLE actions ADD COLUMN repeats INTEGER NOT NULL DEFAULT 1")
         with self.tx() as c:
             c.execute("INSERT OR IGNORE INTO kv(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
 
@@ -454,12 +475,16 @@ class StateStore:
             return []
         if isinstance(e, Record):
             return [self._note(c, e.note, cycle_id)]
+        if isinstance(e, Repeat):  # the same deferral again: one row, its count and time move on
+            c.execute("UPDATE actions SET updated_s=?, repeats=?, detail=? WHERE action_id=?",
+                      (now, e.count, e.note.detail, e.action_id))
+            return []
         raise TypeError(f"unknown effect {e!r}")
 
     def _note(self, c: sqlite3.Connection, n: Note, cycle_id: int | None) -> Note:
-        self.add_action(c, cycle_id=cycle_id, kind=n.kind, replica_id=n.replica_id, host=n.host, model=n.model,
-                        status=n.status, reason=n.reason, detail=n.detail)
-        return n
+        aid = self.add_action(c, cycle_id=cycle_id, kind=n.kind, replica_id=n.replica_id, host=n.host,
+                              model=n.model, status=n.status, reason=n.reason, detail=n.detail)
+        return replace(n, action_id=aid)
 
     # -- desired state per host ---------------------------------------------------------------
     def desired_rows(self) -> dict[str, DesiredRow]:

@@ -3,6 +3,10 @@ row on free GPUs and a free port, BUILD -> a build row, DRAIN/STOP -> removal or
 make-before-break), whether the view is complete enough to act or plan on (`incomplete`,
 `plan_deferred`), the GPUs held outside the plan (`held_gpus`) and the agent template of an engine
 (`template_for`). Pure; see `fleetplan.planner.act`.
+
+An action deferred for the same cause as in the cycle before is not a new action-log row: the row
+of its first deferral gets the count (`Repeat`). A plan that needs hosts no agent serves is one
+alert naming them and the agents online for hosts the policy does not list (`unreachable`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ from fleetplan.planner.act_types import (
     AlertKind,
     BuildRow,
     BuildState,
+    DeferCause,
+    DeferKey,
+    Deferral,
     Effect,
     HostReport,
     NewBuild,
@@ -24,6 +31,7 @@ from fleetplan.planner.act_types import (
     Note,
     Phase,
     Record,
+    Repeat,
     ReplicaRow,
     SetPhase,
     alert_key,
@@ -91,9 +99,92 @@ def held_gpus(view: ActView, host: str) -> tuple[int, ...]:
 
 
 def _note(a: Action, status: ActionStatus, detail: str, kind: str | None = None,
-          replica_id: str | None = None) -> Note:
+          replica_id: str | None = None, cause: DeferCause | None = None) -> Note:
     return Note(kind or a.kind.value, status, a.reason, detail, replica_id or a.replica.replica_id,
-                a.replica.host, a.replica.config.model)
+                a.replica.host, a.replica.config.model, cause, a.replica.replica_id or a.replica.config.label())
+
+
+def _deferred(a: Action, cause: DeferCause, detail: str) -> Record:
+    return Record(_note(a, ActionStatus.DEFERRED, detail, cause=cause))
+
+
+LIST_MAX = 8  # hosts named in one alert; the rest counted
+
+
+def _names(hosts: Sequence[str]) -> str:
+    more = len(hosts) - LIST_MAX
+    return ", ".join(hosts[:LIST_MAX]) + (f" and {more} more" if more > 0 else "")
+
+
+def unreachable(view: ActView, actions: Sequence[Action]) -> str | None:
+    """Why the plan cannot be carried out, or None: it starts or builds on hosts no agent serves (never
+    reported, or lost past the offline grace; an agent restarting within the grace is not counted),
+    or no host the policy lists has an online agent while agents are online for hosts it does not list
+    (held: planner/inventory.py), named together with those agents (misnamed agents, or a policy for
+    another fleet).
+
+    >>> from fleetplan.planner.act_types import ActSettings, HostReport
+    >>> from fleetplan.planner.types import ConfigKey, Replica
+    >>> from fleetplan.models.names import parse_engine, parse_gpu, parse_precision
+    >>> c = ConfigKey("m", parse_engine("vllm"), parse_gpu("h100"), 1, parse_precision("bf16"))
+    >>> start = Action(ActionKind.START, Replica("", c, "gpu-01", (0,), ReplicaState.STARTING, None, None), "")
+    >>> v = ActView(0.0, {"host-a": HostReport("host-a", True)}, (), (), {}, frozenset(),
+    ...             ActSettings(listed_hosts=frozenset({"gpu-01", "gpu-02"})))
+    >>> print(unreachable(v, [start, start]))
+    the plan cannot be carried out: it needs gpu-01, where no agent is online (2 action(s) deferred), while agents are online for host-a, which the policy's hosts do not list (an agent's `host` must be the policy's name for it; a host to add: list it in the policy or `fleetplan hosts confirm HOST`)
+    >>> print(unreachable(v, []).split(", while")[0])
+    the plan cannot be carried out: no host the policy lists has an online agent (gpu-01, gpu-02)
+    """
+    grace = view.settings.host_offline_grace_s
+
+    def gone(name: str) -> bool:
+        h = view.hosts.get(name)
+        return h is None or h.lost(view.now_s, grace)
+
+    needing = [a.replica.host for a in actions
+               if a.kind in (ActionKind.START, ActionKind.BUILD) and a.replica.host and gone(a.replica.host)]
+    listed = view.settings.listed_hosts
+    strangers = sorted(h for h, r in view.hosts.items() if r.online and listed and h not in listed)
+    deserted = bool(strangers) and all(view.hosts.get(h) is None or not view.hosts[h].online for h in listed)
+    if needing:
+        text = (f"the plan cannot be carried out: it needs {_names(sorted(set(needing)))}, where no agent is "
+                f"online ({len(needing)} action(s) deferred)")
+    elif deserted:
+        text = f"the plan cannot be carried out: no host the policy lists has an online agent ({_names(sorted(listed))})"
+    else:
+        return None
+    if strangers:
+        return (f"{text}, while agents are online for {_names(strangers)}, which the policy's hosts do not list "
+                "(an agent's `host` must be the policy's name for it; a host to add: list it in the policy or "
+                "`fleetplan hosts confirm HOST`)")
+    return f"{text}; no agent is online for a host the policy does not list"
+
+
+def repeat_deferrals(effects: Sequence[Effect], open_: Mapping[DeferKey, Deferral],
+                     now_s: float) -> tuple[list[Effect], dict[DeferKey, Deferral]]:
+    """A deferral open since the last cycle (same action, same cause: `Note.defer_key`, the n-th of
+    identical ones counted apart) becomes a `Repeat` of its row with the count; the others stay
+    new `Record`s. Returns the effects and the repeated deferrals still open (the new ones get their
+    row ids once written)."""
+    out: list[Effect] = []
+    still: dict[DeferKey, Deferral] = {}
+    seen: dict[DeferKey, int] = {}
+    for e in effects:
+        key = e.note.defer_key() if isinstance(e, Record) else None
+        if not isinstance(e, Record) or key is None:
+            out.append(e)
+            continue
+        nth = seen[key] = seen.get(key, -1) + 1
+        note = replace(e.note, subject=f"{e.note.subject}#{nth}")
+        key = note.defer_key()
+        prev = open_.get(key) if key is not None else None
+        if prev is None or key is None:
+            out.append(Record(note))
+            continue
+        d = still[key] = Deferral(prev.action_id, prev.count + 1, prev.since_s)
+        out.append(Repeat(d.action_id, d.count, replace(
+            note, detail=f"{note.detail} (deferred {d.count} times in {max(0.0, now_s - d.since_s):.0f} s)")))
+    return out, still
 
 
 def incomplete(view: ActView) -> str | None:
@@ -135,10 +226,12 @@ def execute(view: ActView, actions: Sequence[Action], *, planned_on: ActView | N
     was made from; incomplete (statuses still arriving after a restart) -> nothing is done, even if
     the view is complete by now: a plan made without the hosts' reports stops what it did not see."""
     if view.connected_since_s is None:
-        return _defer_all(actions, "MQTT down", {alert_key(AlertKind.MQTT): "not connected to MQTT; not acting"})
+        return _defer_all(view, actions, "MQTT down", DeferCause.MQTT_DOWN,
+                          {alert_key(AlertKind.MQTT): "not connected to MQTT; not acting"})
     why = incomplete(view) or (incomplete(planned_on) if planned_on is not None else None)
     if why is not None:
-        return _defer_all(actions, why if planned_on is None or incomplete(view) else f"planned while {why}", {})
+        return _defer_all(view, actions, why if planned_on is None or incomplete(view) else f"planned while {why}",
+                          DeferCause.INCOMPLETE, {})
     effects: list[Effect] = []
     counts = {"start": 0, "drain": 0, "stop": 0, "deferred": 0}
     rows = list(view.replicas)
@@ -174,22 +267,27 @@ def execute(view: ActView, actions: Sequence[Action], *, planned_on: ActView | N
         if eff is not None:
             effects.append(eff)
     drains, removed_hosts = _stop_or_drain(view, actions, rows, effects, counts, blocked, unstarted)
-    return ActDecision(tuple(effects), publish_first=frozenset(first), publish=frozenset(removed_hosts),
-                       drains=tuple(drains), cleared=frozenset({alert_key(AlertKind.MQTT)}), counts=counts,
-                       noted=frozenset(noted))
+    out, still = repeat_deferrals(effects, view.deferrals, view.now_s)
+    key = alert_key(AlertKind.UNREACHABLE)
+    cannot = unreachable(view, actions)
+    return ActDecision(tuple(out), publish_first=frozenset(first), publish=frozenset(removed_hosts),
+                       drains=tuple(drains), alerts={key: cannot} if cannot is not None else {},
+                       cleared=frozenset({alert_key(AlertKind.MQTT)} | ({key} if cannot is None else set())),
+                       counts=counts, noted=frozenset(noted), deferrals=still)
 
 
-def _defer_all(actions: Sequence[Action], why: str, alerts: Mapping[str, str]) -> ActDecision:
-    effects = tuple(Record(_note(a, ActionStatus.DEFERRED, why)) for a in actions)
-    return ActDecision(effects, alerts=alerts, counts={"start": 0, "drain": 0, "stop": 0,
-                                                       "deferred": len(actions)})
+def _defer_all(view: ActView, actions: Sequence[Action], why: str, cause: DeferCause,
+               alerts: Mapping[str, str]) -> ActDecision:
+    effects, still = repeat_deferrals([_deferred(a, cause, why) for a in actions], view.deferrals, view.now_s)
+    return ActDecision(tuple(effects), alerts=alerts, counts={"start": 0, "drain": 0, "stop": 0,
+                                                              "deferred": len(actions)}, deferrals=still)
 
 
 def _start(view: ActView, a: Action, rows: Sequence[ReplicaRow]) -> NewReplica | Record:
     r = a.replica
     host = view.hosts.get(r.host)
     if host is None or not host.online:
-        return Record(_note(a, ActionStatus.DEFERRED, f"host {r.host} has no online agent"))
+        return _deferred(a, DeferCause.NO_AGENT, f"host {r.host} has no online agent")
     where, gpus = r.host, tuple(r.gpu_indices)
     busy_gpus, busy_ports = _busy(view, where, rows)
     clash = sorted(busy_gpus & set(gpus))
@@ -199,7 +297,7 @@ def _start(view: ActView, a: Action, rows: Sequence[ReplicaRow]) -> NewReplica |
         # GPUs of the type in one NVLink group now (the next plan sees them held: held_gpus)
         spot = _free_spot(view, r.config.gpu.value, r.config.tp, rows, prefer=r.host, only=a.hosts)
         if spot is None:
-            return Record(_note(a, ActionStatus.DEFERRED, f"GPUs {clash} on {r.host} still in use"))
+            return _deferred(a, DeferCause.GPUS_BUSY, f"GPUs {clash} on {r.host} still in use")
         moved = f" (planned GPUs {list(gpus)} on {r.host} busy: moved)"
         where, gpus = spot
         host = view.hosts[where]
@@ -207,12 +305,12 @@ def _start(view: ActView, a: Action, rows: Sequence[ReplicaRow]) -> NewReplica |
     lo, hi = host.port_range or view.settings.default_port_range
     port = next((p for p in range(lo, hi + 1) if p not in busy_ports), None)
     if port is None:
-        return Record(_note(a, ActionStatus.DEFERRED, f"no free port in {lo}-{hi} on {where}"))
+        return _deferred(a, DeferCause.NO_PORT, f"no free port in {lo}-{hi} on {where}")
     c = r.config
     template = template_for(view, c.engine.value)
     why_not = _unoffered(view, where, template)
     if why_not is not None:
-        return Record(_note(a, ActionStatus.DEFERRED, why_not))
+        return _deferred(a, DeferCause.UNOFFERED, why_not)
     row = ReplicaRow("", where, c.model, c.engine.value, c.gpu.value, c.tp, c.precision.value,
                      gpus, port, template, Phase.DESIRED,
                      "planned", view.now_s, view.now_s, None, None)
@@ -309,13 +407,13 @@ def _stop_or_drain(view: ActView, actions: Sequence[Action], rows: Sequence[Repl
             # make-before-break (one rule, planner/core.py `_make_before_break`): the planner marks a
             # drain `covered` when READY capacity without it covers the required rate; any other
             # drain waits while a replacement of its model is starting (this view is the freshest)
-            effects.append(Record(_note(a, ActionStatus.DEFERRED,
-                                        "start before stop: a replica of this model is still starting")))
+            effects.append(_deferred(a, DeferCause.STARTING,
+                                     "start before stop: a replica of this model is still starting"))
             counts["deferred"] += 1
             continue
         if row.model in unstarted:
-            effects.append(Record(_note(a, ActionStatus.DEFERRED,
-                                        "start before stop: this model's replacement could not start")))
+            effects.append(_deferred(a, DeferCause.NOT_STARTED,
+                                     "start before stop: this model's replacement could not start"))
             counts["deferred"] += 1
             continue
         waits = blocked.get(row.model, set())
@@ -324,8 +422,8 @@ def _stop_or_drain(view: ActView, actions: Sequence[Action], rows: Sequence[Repl
         if waits - {(row.host, g) for g in row.gpu_indices} or (waits and not others_serving):
             # the replacement waits for GPUs this drain does not free, or for this replica's own GPUs
             # while nothing else of the model serves: draining now would be an outage
-            effects.append(Record(_note(a, ActionStatus.DEFERRED,
-                                        "start before stop: this model's replacement waits for busy GPUs")))
+            effects.append(_deferred(a, DeferCause.WAITS_GPUS,
+                                     "start before stop: this model's replacement waits for busy GPUs"))
             counts["deferred"] += 1
             continue
         effects.append(SetPhase(rid, Phase.DRAINING, _note(a, ActionStatus.PUBLISHED, "draining: removed from routing",

@@ -53,6 +53,22 @@ class AlertKind(StrEnum):
     DRAIN_TIMEOUT = "drain"
     ACK_TIMEOUT = "ack"
     REJECTED = "rejected"
+    UNREACHABLE = "unreachable"  # the plan needs hosts no agent serves (act_execute.unreachable)
+
+
+class DeferCause(StrEnum):
+    """Why an action was deferred; the same action deferred for the same cause cycle after cycle is
+    one action-log row with a count (`Repeat`), not a row per cycle."""
+
+    MQTT_DOWN = "mqtt-down"
+    INCOMPLETE = "incomplete"  # statuses still arriving after a (re)connect
+    NO_AGENT = "no-agent"  # the host has no online agent
+    GPUS_BUSY = "gpus-busy"
+    NO_PORT = "no-port"
+    UNOFFERED = "unoffered"  # the host's agent offers no template for it
+    STARTING = "starting"  # start before stop: a replica of the model is still starting
+    NOT_STARTED = "not-started"  # start before stop: the replacement could not start
+    WAITS_GPUS = "waits-gpus"  # start before stop: the replacement waits for busy GPUs
 
 
 def alert_key(kind: AlertKind, subject: str = "") -> str:
@@ -212,6 +228,7 @@ class ActSettings:
     # ("vllm", "trtllm") for launches and "<engine>-build" for builds
     launch_templates: Mapping[str, str] = field(default_factory=dict)
     build_templates: Mapping[str, str] = field(default_factory=dict)
+    listed_hosts: frozenset[str] = frozenset()  # the policy's `hosts:` (empty: it lists none)
 
 
 @dataclass(frozen=True)
@@ -229,6 +246,7 @@ class ActView:
     connected_since_s: float | None = None  # MQTT connected since (None: not connected)
     republish_all: bool = False  # after a (re)connect: the broker may have lost retained states
     noted: frozenset[tuple[str, str]] = frozenset()  # (config label, why) build deferrals already recorded
+    deferrals: Mapping[DeferKey, Deferral] = field(default_factory=dict)  # deferred last time, still open
 
     @cached_property
     def replica_ids(self) -> frozenset[str]:
@@ -259,6 +277,28 @@ class Note:
     replica_id: str | None = None
     host: str | None = None
     model: str | None = None
+    cause: DeferCause | None = None  # a deferral's cause
+    subject: str = ""  # what a deferral is of: the replica id, or a new replica's config label
+    action_id: int | None = None  # its row, once written (the store allocates it)
+
+    def defer_key(self) -> DeferKey | None:
+        """The identity of a deferral across cycles: the same action, the same cause."""
+        if self.cause is None:
+            return None
+        return (self.kind, self.subject, self.host or "", self.model or "", self.cause)
+
+
+# (kind, subject, host, model, cause): one deferral, whatever its reason text and detail say
+DeferKey = tuple[str, str, str, str, DeferCause]
+
+
+@dataclass(frozen=True)
+class Deferral:
+    """A deferral open since an earlier cycle: its action-log row and how often it was deferred."""
+
+    action_id: int
+    count: int
+    since_s: float
 
 
 @dataclass(frozen=True)
@@ -300,7 +340,16 @@ class Record:
     note: Note
 
 
-Effect = NewReplica | NewBuild | SetPhase | MarkReady | FinishBuild | Record
+@dataclass(frozen=True)
+class Repeat:
+    """The deferral of row `action_id` again: its count is now `count` (`note`: the latest detail)."""
+
+    action_id: int
+    count: int
+    note: Note
+
+
+Effect = NewReplica | NewBuild | SetPhase | MarkReady | FinishBuild | Record | Repeat
 
 
 @dataclass(frozen=True)
@@ -316,3 +365,6 @@ class ActDecision:
     cleared: frozenset[str] = frozenset()
     counts: Mapping[str, int] = field(default_factory=dict)
     noted: frozenset[tuple[str, str]] = frozenset()
+    # this decision's deferrals still open (new ones get their row id once written); None: the
+    # decision says nothing about deferrals (reconcile, adopt)
+    deferrals: Mapping[DeferKey, Deferral] | None = None

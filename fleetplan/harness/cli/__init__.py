@@ -26,6 +26,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "fleetplan.harness.cli.agent",  # agent
     "fleetplan.harness.cli.daemon",  # controller, report, explain, observe, demo
     "fleetplan.harness.cli.ops",  # pause, resume, history
+    "fleetplan.harness.cli.hosts",  # hosts confirm | list
     "fleetplan.harness.cli.evaluate",  # evaluate
     "fleetplan.harness.cli.trace",  # trace build | coding | from-prometheus
 )
