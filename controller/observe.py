@@ -66,6 +66,9 @@ __all__ = [
 ]
 
 _REQ_SUCCESS = r"vllm[:_]request_success_total|trtllm_request_success_total"
+# when that counter started at 0: prometheus_client's `_created` series, which vLLM exports (trtllm-serve's
+# multiprocess collector does not)
+_REQ_SUCCESS_CREATED = r"vllm[:_]request_success_created"
 _PROMPT_TOK = r"vllm[:_]prompt_tokens_total|trtllm_prompt_tokens_total"
 _GEN_TOK = r"vllm[:_]generation_tokens_total|trtllm_generation_tokens_total"
 _TTFT_BUCKET = r"(vllm[:_]|trtllm_)time_to_first_token_seconds_bucket"
@@ -278,9 +281,10 @@ class Observer:
         q[Query.UP] = up
         q[Query.REPLICA_RUNNING] = f"sum by ({REPLICA_LABEL}) ({self._sel(_RUNNING)})"
         q[Query.REPLICA_WAITING] = f"sum by ({REPLICA_LABEL}) ({self._sel(_WAITING)})"
-        # a replica ready inside the window is counted from its READY (planner/observation.py)
+        # a replica whose counters started inside the window is counted whole (planner/observation.py)
         q[Query.REPLICA_RATE] = self._arrival_rate_query(REPLICA_LABEL)
         q[Query.REPLICA_DONE] = f"sum by ({REPLICA_LABEL}) ({self._sel(_REQ_SUCCESS)})"
+        q[Query.REPLICA_STARTED_S] = f"min by ({REPLICA_LABEL}) ({self._sel(_REQ_SUCCESS_CREATED)})"
         # how much of the window each target's samples cover (planner/observation.py window_full).
         # The first sample in the window: a subquery of the samples' own timestamps, each step
         # looking back only one step (else the 5 min lookback would find a sample from before a

@@ -19,6 +19,14 @@ without a server, so the rules are unit-tested:
   start, where Prometheus' own rate() extrapolates to the start (promql/functions.go
   extrapolatedRate); see `window_full`. The model's window is full when every target of it that
   is up has a full window.
+- **A new replica has a rate from its first scrape.** Its counters started at 0 inside the window,
+  and the engine says when: prometheus_client exports a `_created` series per counter, and vLLM's
+  (`vllm:request_success_created`) is set as the engine finishes loading, seconds before its
+  /health answers. Everything such a replica counted arrived inside the window, so its arrivals
+  there are its counters' values (`window_arrivals`), known, not an under-read. Engines without
+  `_created` (trtllm-serve's multiprocess collector, the simulated engines) are taken to start at
+  their READY, the controller's record (`counters_start_s`). A target whose counters started
+  before the window (Prometheus restarted, or scraped late) stays a lower bound.
 - A model whose targets are all up and full but that completed no request is idle: 0 rps, known.
 
 Time scale: in the lab the engines' simulated clock runs K times faster than wall time. Counters
@@ -93,6 +101,9 @@ class Query(Enum):
     # counted from them (see `interpret`, `window_arrivals`)
     REPLICA_RATE = "replica_rate"
     REPLICA_DONE = "replica_done"
+    # per scrape target: when its request counters started at 0 (unix seconds), as the engine says:
+    # the `_created` series of its completions counter (see `counters_start_s`)
+    REPLICA_STARTED_S = "replica_started_s"
 
 
 @dataclass(frozen=True)
@@ -349,28 +360,45 @@ def _history(readings: Readings, rules: ObserveRules, now_s: float,
     return out
 
 
-def window_arrivals(done: float | None, running: float | None, waiting: float | None, *, ready_s: float,
-                    last_s: float | None, eval_s: float) -> float | None:
-    """A replica's arrivals over its part of the rate window, when it became ready (`ready_s`) inside
-    the window: the requests it received by its last scrape (`last_s`): completed (its success
-    counter, at 0 when its process started) plus running and waiting, extrapolated to `eval_s` at
-    their own rate since it became ready, as rate() extrapolates every other target to the
-    window's end. None: no counter, no scrape after it became ready, or the last scrape covering
-    less than half of its time in the window (the extrapolation would be most of the count).
-    Missing gauges count 0, as the arrival rate query falls back to completions without them.
+def counters_start_s(created_s: float | None, ready_s: float | None) -> float | None:
+    """When a replica's request counters were at 0 (unix seconds; None: unknown).
 
-    >>> window_arrivals(40.0, 3.0, 1.0, ready_s=960.0, last_s=980.0, eval_s=1000.0)  # 44 in 20 s, 40 s
+    The engine's own word first: the `_created` timestamp of its completions counter (vLLM: set as
+    the engine finishes loading, before /health answers; its counters are created at 0 then).
+    Engines that export no `_created` (trtllm-serve, the simulated engines): when it became ready,
+    as the controller recorded it (its process served nothing before). The engine's time wins over
+    the record: a record can be newer than the counters (an engine adopted by a restarted agent
+    keeps counting from its own start).
+
+    >>> counters_start_s(970.0, 975.0), counters_start_s(None, 975.0), counters_start_s(math.nan, None)
+    (970.0, 975.0, None)
+    """
+    created = finite(created_s)
+    return created if created is not None else finite(ready_s)
+
+
+def window_arrivals(done: float | None, running: float | None, waiting: float | None, *, start_s: float,
+                    last_s: float | None, eval_s: float) -> float | None:
+    """A replica's arrivals over its part of the rate window, when its counters started at 0 inside
+    the window (`start_s`, see `counters_start_s`): the requests it received by its last scrape
+    (`last_s`): completed (its success counter) plus running and waiting, extrapolated to `eval_s`
+    at their own rate since `start_s`, as rate() extrapolates every other target to the window's
+    end. None: no counter, no scrape after the start, or the last scrape covering less than half of
+    its time in the window (the extrapolation would be most of the count). Missing gauges count 0,
+    as the arrival rate query falls back to completions without them.
+
+    >>> window_arrivals(40.0, 3.0, 1.0, start_s=960.0, last_s=980.0, eval_s=1000.0)  # 44 in 20 s, 40 s
     88.0
-    >>> window_arrivals(40.0, 3.0, 1.0, ready_s=960.0, last_s=965.0, eval_s=1000.0) is None  # 5 s of 40
+    >>> window_arrivals(40.0, 3.0, 1.0, start_s=960.0, last_s=965.0, eval_s=1000.0) is None  # 5 s of 40
     True
     """
     if done is None or not math.isfinite(done) or done < 0 or last_s is None or not math.isfinite(last_s):
         return None
-    seen_s = last_s - ready_s
+    seen_s = last_s - start_s
     if not seen_s > 0 or eval_s - last_s > seen_s:
         return None
     n = done + (finite(running) or 0.0) + (finite(waiting) or 0.0)
-    return n * (max(eval_s, last_s) - ready_s) / seen_s
+    return n * (max(eval_s, last_s) - start_s) / seen_s
 
 
 def interpret(readings: Readings, models: Iterable[str], *, now_s: float, rules: ObserveRules,
@@ -388,9 +416,10 @@ def interpret(readings: Readings, models: Iterable[str], *, now_s: float, rules:
     under-read drained a replica the load still needed). `router_down`: the router is down (or was
     within the rate window): requests never reach the engines, so every rate is a lower bound (the
     fault suite saw a killed nginx read as a drop in demand and drain a replica). `ready_wall_s`:
-    replica id -> when it became ready (unix wall seconds: the act core's `ready_since`). A replica
-    ready inside the rate window whose samples do not cover it (a new replica, the window partial)
-    is counted from its start instead of making its model stale: its arrivals since then
+    replica id -> when it became ready (unix wall seconds: the act core's `ready_since`), for engines
+    that do not say when their counters started (`counters_start_s`). A replica whose counters
+    started at 0 inside the rate window and whose samples do not cover it (a new replica, the window
+    partial) is counted from that start instead of making its model stale: its arrivals since then
     (`window_arrivals`) replace what rate() reads of it, which is nothing with one sample and an
     under-read when its first scrape came late. Why: with the daemon's defaults every start made
     its model fail-static for a window, a third of the cycles of a fleet that scales
@@ -416,6 +445,7 @@ def interpret(readings: Readings, models: Iterable[str], *, now_s: float, rules:
     peak = group(res.get(Query.PEAK_RATE, ()), model)
     replica_rate = _per_replica(res.get(Query.REPLICA_RATE, ()))
     replica_done = _per_replica(res.get(Query.REPLICA_DONE, ()))
+    started = _per_replica(res.get(Query.REPLICA_STARTED_S, ()))
     pq = group(res.get(Query.PREFIX_QUERIES, ()), model)
     ph = group(res.get(Query.PREFIX_HITS, ()), model)
     # several label groups of one model: the worst quantile is the conservative merge
@@ -432,11 +462,11 @@ def interpret(readings: Readings, models: Iterable[str], *, now_s: float, rules:
         up_n = sum(1 for r in reps if r.up)
         down_n = len(reps) - up_n
         partial = sorted(r.replica_id for r in reps if r.up and not r.window_full)
-        exact: dict[str, float] = {}  # replicas ready inside the window: their arrivals since then
+        exact: dict[str, float] = {}  # counters started inside the window: their arrivals since then
         for r in reps:
-            ready = (ready_wall_s or {}).get(r.replica_id)
-            if r.replica_id in partial and ready is not None and ready > readings.wall_s - rules.window_s:
-                n = window_arrivals(replica_done.get(r.replica_id), r.running, r.waiting, ready_s=ready,
+            start = counters_start_s(started.get(r.replica_id), (ready_wall_s or {}).get(r.replica_id))
+            if r.replica_id in partial and start is not None and start > readings.wall_s - rules.window_s:
+                n = window_arrivals(replica_done.get(r.replica_id), r.running, r.waiting, start_s=start,
                                     last_s=r.last_s, eval_s=readings.wall_s)
                 if n is not None:
                     exact[r.replica_id] = n
@@ -444,7 +474,7 @@ def interpret(readings: Readings, models: Iterable[str], *, now_s: float, rules:
         reasons: list[str] = []
         r_read = r_wall = rate.get(m)
         if exact and (r_wall is None or math.isfinite(r_wall)):
-            # what rate() read of them is replaced by their count since READY (window_arrivals)
+            # what rate() read of them is replaced by their count since they started (window_arrivals)
             read = sum(finite(replica_rate.get(rid)) or 0.0 for rid in exact)
             r_wall = max(0.0, (r_wall or 0.0) - read) + sum(exact.values()) / rules.window_s
         if r_wall is None and up_n > 0 and down_n == 0 and not partial:
@@ -464,7 +494,7 @@ def interpret(readings: Readings, models: Iterable[str], *, now_s: float, rules:
         if partial:
             # a rate over a window its samples do not cover under-reads: not evidence for a scale-down
             reasons.append(f"rate window ({rules.window_s:g} s) not yet covered by the samples of "
-                           + ", ".join(partial) + " (Prometheus restarted or a new replica)")
+                           + ", ".join(partial) + " (Prometheus restarted, or a new replica not yet countable from its start)")
         k = rules.time_scale
         r_raw = finite(r_wall)
         r_tok = finite(r_read)  # the token rates were read as the request rate was, by rate()
@@ -522,6 +552,7 @@ __all__ = [
     "ReplicaMetrics",
     "Sample",
     "Series",
+    "counters_start_s",
     "finite",
     "group",
     "interpret",

