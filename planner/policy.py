@@ -332,9 +332,13 @@ class Scaling(_Strict):
     # exploration (planner/explore.py): the most GPUs one canary replica of a config never measured
     # may use; 0 (the default, opt-in: on the traces measured it did not pay, docs/evaluate.md): never
     explore_max_gpus: int = Field(default=0, ge=0, le=MAX_GPUS)
-    # hysteresis (planner/core.py _scale_down_band): a model scales down only when the smaller fleet
-    # still covers its required rate x (1 + this), the margin at most half a replica; 0: none
+    # hysteresis (planner/scale_down.py apply_band): a model scales down only when the smaller fleet
+    # still covers its required rate x (1 + band), the margin at most half a replica; the band is the
+    # rate's Poisson noise over its window, at least this floor; 0: the noise alone
     scale_down_band: float = Field(default=0.1, ge=0, le=1)
+    # a replica is not drained before it has served (READY) this long, nor while its config's latency
+    # correction settles (planner/scale_down.py); None: max(60 s, its startup time, the rate window)
+    min_replica_age_s: Seconds | None = None
     # blast-radius limits (planner/brakes.py; None: no limit): what may change per hour / per cycle
     max_gpus_started_per_hour: int | None = Field(default=None, ge=0, le=MAX_GPUS)
     max_gpus_stopped_per_hour: int | None = Field(default=None, ge=0, le=MAX_GPUS)

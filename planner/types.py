@@ -130,6 +130,9 @@ class ModelObservation:
     # the window each `history` rate was read over (s): their Poisson count noise (planner/forecast.py);
     # None: unknown (the forecast then takes the samples' scatter as it is)
     history_window_s: float | None = None
+    # the window `rate_rps` was read over (s): its Poisson count noise, the scale-down band
+    # (planner/scale_down.py); None: unknown (the band then takes `history_window_s`, else its floor)
+    rate_window_s: float | None = None
     # the lowest prompt-length p99 the engines' histogram allows (planner/evidence.py): a coarse
     # bucket is no evidence of long prompts (capacity.extrapolation); None: unknown
     isl_p99_low: float | None = None
