@@ -83,6 +83,7 @@ from fleetplan.planner.scale_down import (
     unproven_floors,
     young_floors,
 )
+from fleetplan.planner.slo import BudgetSlice, error_budget, record
 from fleetplan.planner.types import (
     ConfigCount,
     ConfigExplanation,
@@ -106,6 +107,9 @@ __all__ = ["MAX_PLAUSIBLE_RPS", "UNKNOWN_CAPACITY_RPS", "plan", "plan_to_dict", 
 
 # the capacity of a config nothing is known about: a candidate for min_replicas, never for demand
 UNKNOWN_CAPACITY_RPS = 1e-6
+# the share a window is sized for: the capacity model's p99 of TTFT and ITL at the targets (an
+# objective or window floor above it is reported, not planned for)
+PLANNED_GOOD_SHARE = 0.99
 
 def _inventory(fleet: Fleet, policy: Policy) -> tuple[HostInventory, ...]:
     """The hosts (the fleet's report, else the policy's), minus GPUs busy with engine builds."""
@@ -551,9 +555,35 @@ def plan_with_capacities(
             if below_reach else capacities
         explanation = add_counterfactuals(explanation, policy, eff, now_problem, now_sol, ready, hosts, cf_caps,
                                           relaxed_capacities)
+    ledger, explanation = _budgets(policy, state, explanation, now_s)
     next_state = PlannerState(tuple(sorted(surplus_next.items())), state.cycle + 1, state.corrections, bursts,
-                              state.lengths)
+                              state.lengths, ledger)
     return PlanResult(now_plan, target_plan, next_state, explanation, tuple(act), tuple(deferred))
+
+
+def _budgets(policy: Policy, state: PlannerState, explanation: Explanation,
+             now_s: float) -> tuple[tuple[BudgetSlice, ...], Explanation]:
+    """The SLO ledger after this cycle's readings (planner/slo.py: the window's rate and missed share,
+    a stale model's none) and each model's error budget in its explanation."""
+    ledger: list[BudgetSlice] = []
+    models = []
+    for me in explanation.models:
+        m = policy.model(me.model)
+        if m is None:
+            models.append(me)
+            continue
+        read = me.observed_rps if me.observed_missed_share is not None else None
+        mine = record(state.budget, m.name, now_s, read, me.observed_missed_share, m.slo.period_s,
+                      policy.scaling.cycle_s)
+        ledger.extend(mine)
+        budget = error_budget(mine, m.name, now_s, m.slo.kind, m.slo.objective, m.slo.period_s, m.slo.floor)
+        notes = me.notes
+        if max(m.slo.objective, m.slo.floor) > PLANNED_GOOD_SHARE:
+            notes = (*notes, f"objective {100 * m.slo.objective:g}% (window floor {100 * m.slo.floor:g}%): each "
+                             "window is sized for the p99 of TTFT and ITL at the targets, not above; the error "
+                             "budget shows what that keeps")
+        models.append(replace(me, error_budget=budget, notes=notes))
+    return tuple(ledger), replace(explanation, models=tuple(models))
 
 
 def _make_plan(placement: Placement, capacities: Mapping[ConfigKey, CapacityInfo], policy: Policy) -> Plan:
