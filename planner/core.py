@@ -2,7 +2,7 @@
 
 Pure. Steps:
 1. the policy at `now_s` (schedules), the usable inventory (online, not drained for maintenance);
-2. demand per model: max(observed, forecast quantile over the lead time); fail static when the
+2. demand per model (planner/demand.py): max(observed, forecast quantile over the lead time); fail static when the
    observation is stale or unknown: no scale-DOWN for that model (its running replicas are floors),
    while the rate a stale observation still carries is a lower bound that can scale it UP (said in
    the explanation);
@@ -10,8 +10,11 @@ Pure. Steps:
 4. stage 1 (counts, CP-SAT) for the TARGET (every allowed config, builds included) and, when the
    target needs a TensorRT-LLM engine that is not built yet, for NOW (only ready configs: vLLM
    serves the gap until the build is done);
-5. scale-down delay: while a surplus config's clock runs, the plan is held - on demand (the highest
-   rate level of the last delay) when the rate history covers the delay, else on replica counts;
+5. scale-down (planner/scale_down.py): a replica that has not proved itself (its minimum age, its
+   config's correction settling) is kept unless its host failed; the band above the required rate
+   spans the rate's own Poisson noise; while a surplus config's clock runs, the plan is held - on
+   demand (the highest rate level of the last delay) when the rate history covers the delay, else
+   on replica counts;
 6. stage 2 (placement), re-solving stage 1 with tightened slots if a replica cannot be placed;
 7. the diff against the current fleet as ordered actions (make-before-break: a READY replica is not
    drained while its model's replacements start, unless READY capacity without it covers the
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from fleetplan.models.mix import mix_from_quantiles
 from fleetplan.models.names import GpuType
@@ -55,15 +58,32 @@ from fleetplan.planner.counts import (
     ModelDemand,
     solve_counts,
 )
+from fleetplan.planner.demand import (
+    MAX_PLAUSIBLE_RPS,
+    Demand,
+    canonical_observations,
+    model_demands,
+    valid_rps,
+)
 from fleetplan.planner.evidence import slo_missed_share
 from fleetplan.planner.explore import canaries
-from fleetplan.planner.forecast import forecast_rate, recent_level_max
 from fleetplan.planner.lengths import held_note, hold_lengths
 from fleetplan.planner.payback import unpaid_builds
 from fleetplan.planner.placement import LIVE_STATES, Placement, place, slots_by_gpu
 from fleetplan.planner.plan_json import plan_to_dict, replica_to_dict
 from fleetplan.planner.policy import Effective, ModelPolicy, Policy, effective
 from fleetplan.planner.prefix import planning_share
+from fleetplan.planner.scale_down import (
+    YOUNG_CYCLES,
+    apply_band,
+    hold_surplus,
+    min_age_s,
+    running_capacity,
+    settling,
+    unproven_floors,
+    young_floors,
+)
+from fleetplan.planner.slo import BudgetSlice, error_budget, record
 from fleetplan.planner.types import (
     ConfigCount,
     ConfigExplanation,
@@ -78,7 +98,6 @@ from fleetplan.planner.types import (
     PlannerState,
     PlanResult,
     Replica,
-    ReplicaState,
     SolverReport,
 )
 from fleetplan.planner.uncertainty import cost_of_uncertainty, mean_speeds
@@ -88,33 +107,9 @@ __all__ = ["MAX_PLAUSIBLE_RPS", "UNKNOWN_CAPACITY_RPS", "plan", "plan_to_dict", 
 
 # the capacity of a config nothing is known about: a candidate for min_replicas, never for demand
 UNKNOWN_CAPACITY_RPS = 1e-6
-# The scale-down band (policy scaling.scale_down_band, _scale_down_band) is at most this fraction of
-# the model's smallest running replica's capacity: a large fleet keeps at most one replica for it.
-SCALE_DOWN_BAND_REPLICAS = 0.5
-# The reason of a START whose GPUs a leaving replica still holds (it launches after that one stops).
-# A rate above this is a broken counter, not demand (no fleet this plans serves a million requests
-# per second of one model), and the count model's numbers break down long before 1e300 (SCIP's
-# infinity is 1e20, CP-SAT counts milli-rps in int64): such a rate is invalid, i.e. unknown.
-MAX_PLAUSIBLE_RPS = 1e6
-
-
-def _valid_rps(rps: float) -> bool:
-    return math.isfinite(rps) and 0.0 <= rps <= MAX_PLAUSIBLE_RPS
-
-
-@dataclass(frozen=True)
-class _Demand:
-    model: str
-    observed_rps: float | None
-    forecast_rps: float | None
-    demand_rps: float
-    required_rps: float
-    known: bool
-    notes: tuple[str, ...]
-    hold_rps: float | None = None  # highest rate level over the scale-down delay (None: no history)
-    plan_rps: float | None = None  # what the solver sizes for, when above required_rps (hysteresis)
-    history: tuple[tuple[float, float], ...] = ()  # the observed rate history, valid samples only
-
+# the share a window is sized for: the capacity model's p99 of TTFT and ITL at the targets (an
+# objective or window floor above it is reported, not planned for)
+PLANNED_GOOD_SHARE = 0.99
 
 def _inventory(fleet: Fleet, policy: Policy) -> tuple[HostInventory, ...]:
     """The hosts (the fleet's report, else the policy's), minus GPUs busy with engine builds."""
@@ -133,18 +128,11 @@ def _inventory(fleet: Fleet, policy: Policy) -> tuple[HostInventory, ...]:
     return tuple(out)
 
 
-def _canonical_observations(observation: Observation, policy: Policy) -> dict[str, ModelObservation]:
-    aliases = policy.aliases()
-    out: dict[str, ModelObservation] = {}
-    for name, obs in sorted(observation.models.items()):
-        out[aliases.canonical(name)] = obs
-    return out
-
 
 def workloads_from(observation: Observation, policy: Policy) -> dict[str, MixedWorkload]:
     """Per model the request-length mix: the observed distribution (quantiles of the engines'
     prompt/output length histograms), else the observed means, else the policy's `workload`."""
-    obs = _canonical_observations(observation, policy)
+    obs = canonical_observations(observation, policy)
     out: dict[str, MixedWorkload] = {}
     for m in policy.models:
         o = obs.get(m.name)
@@ -192,7 +180,7 @@ def plan(
     # evidence is dropped only for configs the POLICY no longer allows, never because hosts have not
     # reported yet (the first cycles after a restart)
     corrections = update_corrections(forget(state.correction_map(), set(candidate_configs(policy, policy.gpu_types))),
-                                     _canonical_observations(observation, policy), chosen, workloads, extrap,
+                                     canonical_observations(observation, policy), chosen, workloads, extrap,
                                      now_s, {m.name: (m.slo.ttft_p99_ms, m.slo.itl_p99_ms) for m in policy.models})
     speeds = applied_speeds(corrections, chosen, extrap)
     table, predictor = capacity_table(policy, chosen, workloads, gpus, speeds=speeds)
@@ -222,164 +210,32 @@ def plan(
     return replace(result, explanation=replace(result.explanation, models=tuple(models)))
 
 
-# the highest of a window's few short-window rates sits about this many Poisson standard deviations
-# above the mean on steady traffic: a peak within it is noise, not a burst
-POISSON_Z = 3.0
 
 
-def burst_need_rps(peak_rps: float, window_s: float, ttft_slo_ms: float) -> float:
-    """The least capacity that serves a burst within the TTFT SLO: a burst at `peak_rps` for
-    `window_s` on capacity C leaves a backlog (peak - C) x window that drains at C; its last request
-    waits backlog / C <= SLO  <=>  C >= peak x window / (window + SLO).
-
-    >>> round(burst_need_rps(40.0, 15.0, 1000.0), 2)   # 4x a 10 rps mean, chat SLO: keep ~3.75x
-    37.5
-    >>> round(burst_need_rps(40.0, 15.0, 15000.0), 2)  # long-context SLO: the queue absorbs half
-    20.0
-    """
-    return peak_rps * window_s / (window_s + ttft_slo_ms / 1000.0)
-
-
-def _bursts(o: ModelObservation | None, m: ModelPolicy, state: PlannerState, now_s: float,
-            keep_s: float) -> tuple[float, tuple[tuple[float, float], ...]]:
-    """(the highest burst need over the last `keep_s`, this model's burst memory for the next state)."""
-    past = tuple((t, v) for name, t, v in state.bursts if name == m.name and now_s - t < keep_s
-                 and _valid_rps(v))
-    if o is not None and o.peak_rps is not None and _valid_rps(o.peak_rps) and o.peak_rps > 0 \
-            and o.peak_window_s > 0:
-        # a short window's rate of Poisson arrivals scatters by sqrt(rate / window): capacity at the
-        # SLO (models/mix.py) is already sized for Poisson arrivals, so only the excess is a burst
-        peak = o.peak_rps - POISSON_Z * math.sqrt(o.peak_rps / o.peak_window_s)
-        if peak > 0:
-            past = (*past, (now_s, burst_need_rps(peak, o.peak_window_s, m.slo.ttft_p99_ms)))
-    return max((v for _, v in past), default=0.0), past
-
-
-def _demands(observation: Observation, policy: Policy, now_s: float,
-             state: PlannerState | None = None) -> tuple[dict[str, _Demand], tuple[tuple[str, float, float], ...]]:
-    """Per model what the plan serves, and the burst memory for the next state."""
-    obs = _canonical_observations(observation, policy)
-    out: dict[str, _Demand] = {}
-    memory: list[tuple[str, float, float]] = []
-    keep_s = max(policy.scaling.scale_down_delay_s, 2 * policy.scaling.cycle_s)
-    for m in policy.models:
-        o = obs.get(m.name)
-        notes: list[str] = []
-        if o is not None and o.rate_rps is not None and not _valid_rps(o.rate_rps):
-            notes.append(f"observed rate {o.rate_rps!r} is not a valid rate (negative, not finite or above "
-                         f"{MAX_PLAUSIBLE_RPS:g} rps); treated as unknown")
-            o = replace(o, rate_rps=None)
-        if o is not None and o.peak_rps is not None and not _valid_rps(o.peak_rps):
-            notes.append(f"observed peak rate {o.peak_rps!r} is not a valid rate; ignored")
-            o = replace(o, peak_rps=None)
-        if o is not None and any(not _valid_rps(r) for _, r in o.history):
-            bad = [r for _, r in o.history if not _valid_rps(r)]
-            notes.append(f"{len(bad)} rate sample(s) in the history are not valid rates (e.g. {bad[0]!r}); "
-                         "ignored")
-            o = replace(o, history=tuple((t, r) for t, r in o.history if _valid_rps(r)))
-        known = o is not None and not o.stale and o.rate_rps is not None
-        lead = max((policy.startup_s(ConfigKey(m.name, e, g, t, m.precision))
-                    for e in m.allowed.engines for g in (m.allowed.gpus or tuple(policy.gpu_types))
-                    for t in m.allowed.tp), default=0.0)
-        horizon = lead + policy.scaling.cycle_s
-        if not known:
-            # Fail static means no scale-DOWN on missing data, not no scaling: the floors keep every
-            # running replica of this model (plan_with_capacities), and a stale model's rate, when
-            # one was read, is a LOWER BOUND (the targets that are up, a window not yet full:
-            # planner/observation.py) that still raises capacity when it exceeds what runs - a lost
-            # host is replaced on the evidence that remains. No forecast on it: the history of a
-            # window that is filling up ramps towards the true rate and would extrapolate past it.
-            why = "no observation" if o is None else ("stale observation" if o.stale else "request rate unknown")
-            lower = o.rate_rps if o is not None and o.rate_rps is not None else None
-            if lower is None:
-                notes.append(f"fail static: {why}; no scale-down for this model")
-            else:
-                notes.append(f"fail static: {why}; no scale-down for this model; the {lower:.2f} rps read is a "
-                             "lower bound: it can raise capacity, never lower it")
-            demand = max(0.0, lower or 0.0)
-            out[m.name] = _Demand(m.name, lower, None, demand, demand * (1 + m.headroom), False, tuple(notes),
-                                  history=o.history if o is not None else ())
-            continue
-        assert o is not None and o.rate_rps is not None
-        fc = forecast_rate(o.history, o.rate_rps, now_s, horizon, policy.scaling.forecast_quantile,
-                           sample_window_s=o.history_window_s)
-        demand = max(o.rate_rps, fc.rate_rps)
-        notes.append(f"forecast {fc.method}: q{policy.scaling.forecast_quantile:g} over {horizon:.0f} s "
-                     f"= {fc.rate_rps:.2f} rps")
-        hold = recent_level_max(o.history, o.rate_rps, now_s, policy.scaling.scale_down_delay_s)
-        if hold is not None:
-            hold = max(demand, hold + fc.margin_rps)  # what the forecast said at that level
-        required = demand * (1 + m.headroom)
-        burst, mem = _bursts(o, m, state or PlannerState.initial(), now_s, keep_s)
-        memory.extend((m.name, t, v) for t, v in mem)
-        if burst > required:
-            # bursts shorter than the lead time cannot be chased: keep what drains them within the SLO
-            notes.append(f"bursts: short-window peaks need {burst:.2f} rps of capacity to drain within the "
-                         f"TTFT SLO (above demand x (1 + headroom) = {required:.2f}); kept for {keep_s:.0f} s")
-            required = burst
-        out[m.name] = _Demand(m.name, o.rate_rps, fc.rate_rps, demand, required, True, tuple(notes), hold,
-                              history=o.history)
-    return out, tuple(memory)
-
-
-def _running_capacity(current: Mapping[ConfigKey, int], capacities: Mapping[ConfigKey, CapacityInfo]) -> dict[str, float]:
-    """Per model, the capacity (rps) of the replicas running now, at the configs' planned capacities."""
-    out: dict[str, float] = {}
-    for c, k in current.items():
+def _young(policy: Policy, fleet: Fleet, usable: set[str], demands: dict[str, Demand],
+           capacities: Mapping[ConfigKey, CapacityInfo], current: Mapping[ConfigKey, int], state: PlannerState,
+           now_s: float) -> dict[ConfigKey, int]:
+    """CountProblem.young: per config the replicas no saving takes away - those not yet proven
+    (planner/scale_down.py `unproven_floors`: never drained, whatever the demand) and those started a
+    few cycles ago (`young_floors`: not swapped away unless the demand fell). A note names the
+    unproven replicas of a model whose running capacity exceeds what it plans for."""
+    unproven = unproven_floors(fleet, usable, now_s,
+                               lambda c: min_age_s(policy, c, demands[c.model].rate_window_s
+                                                   if c.model in demands else None),
+                               settling(state.correction_map(), current))
+    young = young_floors(fleet, usable, demands, capacities, current, now_s, YOUNG_CYCLES * policy.scaling.cycle_s)
+    cap_now = running_capacity(current, capacities)
+    for c, u in unproven.items():
+        young[c] = max(young.get(c, 0), u.floor)
+        d = demands.get(c.model)
         info = capacities.get(c)
-        if info is not None and math.isfinite(info.max_rps):
-            out[c.model] = out.get(c.model, 0.0) + info.max_rps * k
-    return out
-
-
-YOUNG_CYCLES = 3  # a replica started or ready for less than this many cycles is not swapped away
-
-
-def _young_floors(fleet: Fleet, usable: set[str], demands: Mapping[str, _Demand],
-                  capacities: Mapping[ConfigKey, CapacityInfo], current: Mapping[ConfigKey, int],
-                  now_s: float, young_s: float) -> dict[ConfigKey, int]:
-    """Per config, how many of its replicas started (or READY) less than `young_s` ago are kept (as
-    CountProblem.young: no saving takes them away, demand that needs their GPUs does): a
-    replica started in one cycle is not drained in the next few unless its model's demand fell,
-    i.e. unless the model's running capacity covers its required rate without it (a scale-down,
-    which the scale-down rules govern); a drain that would need a replacement (a swap) waits.
-    Why: at a cold start the first plan sizes the fleet for the policy's default length mix, the
-    next one for the observed mix, and the first TensorRT-LLM replica was replaced within ~15 s of
-    starting (issue 19); a swap a few cycles later costs less than a start thrown away.
-
-    >>> from fleetplan.planner.types import ReplicaState
-    >>> from fleetplan.models.names import Engine, GpuType, Precision
-    >>> k = ConfigKey("m", Engine.TRTLLM, GpuType("h100"), 4, Precision.BF16)
-    >>> r1, r2 = (Replica(f"r{i}", k, "h1", (i,), ReplicaState.STARTING, 8000 + i, 990.0) for i in (1, 2))
-    >>> d = _Demand("m", 3.0, 3.0, 3.0, 3.6, True, ())
-    >>> floors = _young_floors(Fleet((), (r1,)), {"h1"}, {"m": d}, {k: CapacityInfo(8.0, "itl")}, {k: 1}, 1000.0, 90.0)
-    >>> list(floors.values())  # without it nothing serves the 3.6 rps: a drain would be a swap
-    [1]
-    >>> floors = _young_floors(Fleet((), (r1, r2)), {"h1"}, {"m": d}, {k: CapacityInfo(8.0, "itl")}, {k: 2}, 1000.0, 90.0)
-    >>> list(floors.values())  # demand fell below one replica: one of the two may go
-    [1]
-    """
-    surplus = _running_capacity(current, capacities)
-    for m, dm in demands.items():
-        surplus[m] = surplus.get(m, 0.0) - dm.required_rps
-
-    def cap_of(r: Replica) -> float:
-        info = capacities.get(r.config)
-        return info.max_rps if info is not None else 0.0
-
-    young = [r for r in fleet.replicas if r.state in LIVE_STATES and r.host in usable
-             and (r.state != ReplicaState.READY or (r.since_s is not None and now_s - r.since_s < young_s))]
-    out: dict[ConfigKey, int] = {}
-    for r in sorted(young, key=lambda r: (-cap_of(r), r.replica_id)):
-        known = demands.get(r.config.model)
-        if known is None or not known.known:
-            continue  # fail static has its own floor
-        cap = cap_of(r)
-        if math.isfinite(cap) and cap <= surplus.get(r.config.model, 0.0):
-            surplus[r.config.model] -= cap  # surplus: demand fell, this one may go
-            continue
-        out[r.config] = out.get(r.config, 0) + 1
-    return out
+        if d is not None and d.known and info is not None and \
+                cap_now.get(c.model, 0.0) - max(d.required_rps, d.plan_rps or 0.0) >= info.max_rps:
+            until = "once READY" if u.until_s is None else f"for {max(0.0, u.until_s - now_s):.0f} s more"
+            demands[c.model] = replace(d, notes=(*d.notes, f"{c.label()}: not yet proven, kept {until} "
+                                                 f"(never drained before, unless its host fails): "
+                                                 + ", ".join(u.replicas)))
+    return young
 
 
 def _ready_configs(policy: Policy, fleet: Fleet) -> frozenset[ConfigKey]:
@@ -416,7 +272,7 @@ def _engine_hosts(policy: Policy, fleet: Fleet, usable: Sequence[HostInventory])
 
 def _spread_builds(policy: Policy, fleet: Fleet, usable: Sequence[HostInventory], counts: Mapping[ConfigKey, int],
                    cands: Sequence[Candidate], engine_hosts: Mapping[ConfigKey, frozenset[str]],
-                   max_counts: Mapping[ConfigKey, int], demands: Mapping[str, _Demand],
+                   max_counts: Mapping[ConfigKey, int], demands: Mapping[str, Demand],
                    now_s: float) -> list[ConfigKey]:
     """The configs to build on one more host: the target runs as many replicas as the hosts holding
     the engine hold, another usable host of that GPU type does not hold it, no build of it runs, and
@@ -453,7 +309,7 @@ def _candidates(
         info = capacities[key]
         m = policy.model(key.model)
         price = policy.price_usd_h(key.gpu)
-        if m is None or price is None or key.gpu not in gpus or not _valid_rps(info.max_rps):
+        if m is None or price is None or key.gpu not in gpus or not valid_rps(info.max_rps):
             continue
         # capacity 0: the SLO is out of reach for this length mix even unloaded. Still a candidate
         # for min_replicas (best effort beats an outage), never for demand (as an unknown capacity)
@@ -473,7 +329,7 @@ def _candidates(
 
 
 def _best_reach_only(cands: list[Candidate], capacities: Mapping[ConfigKey, CapacityInfo],
-                     demands: dict[str, _Demand] | None = None) -> tuple[list[Candidate], dict[ConfigKey, float]]:
+                     demands: dict[str, Demand] | None = None) -> tuple[list[Candidate], dict[ConfigKey, float]]:
     """(`cands` with the configs that fall short of the best reach among them (planner/capacity.py
     `below_best_reach`) left for min_replicas only, those configs); `demands`: where the model's
     note says so. The best is taken over the candidates of this plan: while the config that
@@ -495,36 +351,11 @@ def _best_reach_only(cands: list[Candidate], capacities: Mapping[ConfigKey, Capa
     return [replace(c, capacity_rps=UNKNOWN_CAPACITY_RPS) if c.config in below else c for c in cands], below
 
 
-def _scale_down_band(demands: dict[str, _Demand], current: Mapping[ConfigKey, int],
-                     capacities: Mapping[ConfigKey, CapacityInfo], band: float) -> None:
-    """Hysteresis: a model whose running replicas cover its required rate is sized for up to
-    `band` (policy scaling.scale_down_band, default 0.1) more (at most half a replica: a large fleet
-    keeps no more than one replica for it), never more than what runs, so it scales down only when the smaller fleet
-    keeps that margin. Without it a rate hovering at a replica boundary drains a replica one cycle
-    and starts one the next (the fault suite saw 1.37 -> 1.47 rps against 1.44 rps of two
-    replicas). Scale-up is unchanged: the band never asks for more than runs now.
-
-    Example: required 1.37 rps, 3 replicas of 0.72 rps run (2.16): sized for min(1.37 x 1.1, 2.16)
-    = 1.51 rps, which 2 replicas (1.44) do not cover, so 3 stay until the rate falls below 1.31."""
-    cap_now: dict[str, float] = {}
-    replica_min: dict[str, float] = {}
-    for c, k in current.items():
-        info = capacities.get(c)
-        if info is not None and math.isfinite(info.max_rps) and info.max_rps > UNKNOWN_CAPACITY_RPS:
-            cap_now[c.model] = cap_now.get(c.model, 0.0) + info.max_rps * k
-            replica_min[c.model] = min(replica_min.get(c.model, math.inf), info.max_rps)
-    for name, d in demands.items():
-        cap = cap_now.get(name, 0.0)
-        if d.known and 0.0 < d.required_rps <= cap:
-            margin = min(d.required_rps * band, SCALE_DOWN_BAND_REPLICAS * replica_min[name])
-            demands[name] = replace(d, plan_rps=min(d.required_rps + margin, cap))
-
-
 def _count_problem(
     policy: Policy,
     eff: Effective,
     cands: list[Candidate],
-    demands: Mapping[str, _Demand],
+    demands: Mapping[str, Demand],
     slots: Mapping[GpuType, Mapping[int, int]],
     current: Mapping[ConfigKey, int],
     floors: Mapping[ConfigKey, int],
@@ -593,7 +424,7 @@ def plan_with_capacities(
     drained = eff.drain_hosts
     usable = [h for h in hosts if h.online and h.name not in drained]
     gpus = {h.gpu for h in usable}
-    demands, bursts = _demands(observation, policy, now_s, state)
+    demands, bursts = model_demands(observation, policy, now_s, state)
     ready = _ready_configs(policy, fleet)
     usable_names = {h.name for h in usable}
 
@@ -644,15 +475,14 @@ def plan_with_capacities(
                "this model (fleetplan models fit) to size it to its demand")
         demands[name] = replace(d, required_rps=0.0, notes=(*d.notes, why))
 
-    _scale_down_band(demands, current, capacities, policy.scaling.scale_down_band)
+    apply_band(demands, current, capacities, policy.scaling.scale_down_band, UNKNOWN_CAPACITY_RPS)
     # exploration: a canary of a config never measured whose profile promises a cheaper fleet
     trials = canaries(policy, capacities, state.correction_map(),
                       {m: d.required_rps for m, d in demands.items() if d.known and m not in unknown}, ready)
     for name, canary in trials.items():
         floors[canary.config] = max(floors.get(canary.config, 0), 1)
         demands[name] = replace(demands[name], notes=(*demands[name].notes, canary.note()))
-    young = _young_floors(fleet, usable_names, demands, capacities, current, now_s,
-                          YOUNG_CYCLES * policy.scaling.cycle_s)
+    young = _young(policy, fleet, usable_names, demands, capacities, current, state, now_s)
     # where no config reaches the SLO, only those that reach the most serve demand (before the
     # payback check: a build that reaches more is not priced against replicas that reach less)
     target_cands, below_reach = _best_reach_only(
@@ -693,49 +523,12 @@ def plan_with_capacities(
                      + ": the plan for now serves with ready engines, the target switches once built")
 
     # scale-down delay: hold surplus replicas until the surplus has persisted for the delay
-    surplus_prev = state.surplus_map()
-    surplus_next: dict[ConfigKey, float] = {}
-    held: dict[ConfigKey, int] = {}
-    delay = policy.scaling.scale_down_delay_s
-    for c, k in sorted(current.items()):
-        # a config short of the best reach is no capacity the demand may need again: not held (it
-        # still serves until its replacements are READY: make-before-break)
-        if now_sol.counts.get(c, 0) < k and c not in below_reach:
-            since = surplus_prev.get(c, now_s)
-            surplus_next[c] = since
-            if now_s - since < delay:
-                held[c] = k
-    held_models = {c.model for c in held}
-    if held and all(demands[m].hold_rps is not None for m in held_models):
-        # the rate history covers the delay: hold the DEMAND, not the replicas - the plan serves the
-        # highest rate level of the last delay (x (1 + headroom), at most what runs now), so the fleet
-        # steps down as that window slides instead of all at once when a surplus clock runs out
-        cap_now = _running_capacity(current, capacities)
-        md = []
-        for x in now_problem.demands:
-            d = demands[x.model]
-            if x.model in held_models and d.hold_rps is not None:
-                mp_ = policy.model(x.model)
-                hr = mp_.headroom if mp_ is not None else 0.0
-                hold_req = min(d.hold_rps * (1 + hr), cap_now.get(x.model, 0.0))
-                x = replace(x, required_rps=max(x.required_rps, hold_req))
-            md.append(x)
-        now_problem = CountProblem(**{**now_problem.__dict__, "demands": tuple(md)})
-        now_sol, now_place = _solve_and_place(now_problem, hosts, fleet.replicas, drained, reports, engine_hosts)
-        notes.append(f"scale-down delayed ({delay:.0f} s): sized for the highest rate level of the last "
-                     f"{delay:.0f} s for " + ", ".join(sorted(held_models)))
-    elif held:
-        # hold every running config whose surplus clock has not run out (not only the ones the ideal
-        # plan cut: with those held, the solver might otherwise cut a config that was never surplus)
-        floors2 = dict(floors)
-        for c, k in current.items():
-            started = surplus_prev.get(c)
-            if (started is None or now_s - started < delay) and c not in below_reach:
-                floors2[c] = max(floors2.get(c, 0), k)
-        now_problem = CountProblem(**{**now_problem.__dict__, "floors": floors2})
-        now_sol, now_place = _solve_and_place(now_problem, hosts, fleet.replicas, drained, reports, engine_hosts)
-        notes.append(f"scale-down delayed ({delay:.0f} s) for " + ", ".join(
-            f"{c.label()} (surplus for {now_s - surplus_next[c]:.0f} s)" for c in sorted(held)))
+    held = hold_surplus(policy, demands, current, capacities, state.surplus_map(), below_reach, now_s,
+                        now_problem, now_sol, now_place,
+                        lambda p: _solve_and_place(p, hosts, fleet.replicas, drained, reports, engine_hosts))
+    now_problem, now_sol, now_place, surplus_next = held.problem, held.solution, held.placement, held.surplus_since_s
+    if held.note is not None:
+        notes.append(held.note)
 
     # the target continues from the now-plan's placement
     if now_place is not target_place:
@@ -762,9 +555,35 @@ def plan_with_capacities(
             if below_reach else capacities
         explanation = add_counterfactuals(explanation, policy, eff, now_problem, now_sol, ready, hosts, cf_caps,
                                           relaxed_capacities)
+    ledger, explanation = _budgets(policy, state, explanation, now_s)
     next_state = PlannerState(tuple(sorted(surplus_next.items())), state.cycle + 1, state.corrections, bursts,
-                              state.lengths)
+                              state.lengths, ledger)
     return PlanResult(now_plan, target_plan, next_state, explanation, tuple(act), tuple(deferred))
+
+
+def _budgets(policy: Policy, state: PlannerState, explanation: Explanation,
+             now_s: float) -> tuple[tuple[BudgetSlice, ...], Explanation]:
+    """The SLO ledger after this cycle's readings (planner/slo.py: the window's rate and missed share,
+    a stale model's none) and each model's error budget in its explanation."""
+    ledger: list[BudgetSlice] = []
+    models = []
+    for me in explanation.models:
+        m = policy.model(me.model)
+        if m is None:
+            models.append(me)
+            continue
+        read = me.observed_rps if me.observed_missed_share is not None else None
+        mine = record(state.budget, m.name, now_s, read, me.observed_missed_share, m.slo.period_s,
+                      policy.scaling.cycle_s)
+        ledger.extend(mine)
+        budget = error_budget(mine, m.name, now_s, m.slo.kind, m.slo.objective, m.slo.period_s, m.slo.floor)
+        notes = me.notes
+        if max(m.slo.objective, m.slo.floor) > PLANNED_GOOD_SHARE:
+            notes = (*notes, f"objective {100 * m.slo.objective:g}% (window floor {100 * m.slo.floor:g}%): each "
+                             "window is sized for the p99 of TTFT and ITL at the targets, not above; the error "
+                             "budget shows what that keeps")
+        models.append(replace(me, error_budget=budget, notes=notes))
+    return tuple(ledger), replace(explanation, models=tuple(models))
 
 
 def _make_plan(placement: Placement, capacities: Mapping[ConfigKey, CapacityInfo], policy: Policy) -> Plan:
@@ -784,7 +603,7 @@ def _make_plan(placement: Placement, capacities: Mapping[ConfigKey, CapacityInfo
 
 def _explain(
     policy: Policy,
-    demands: Mapping[str, _Demand],
+    demands: Mapping[str, Demand],
     now_sol: CountSolution,
     target_sol: CountSolution,
     now_place: Placement,
@@ -798,7 +617,7 @@ def _explain(
     observation: Observation,
 ) -> Explanation:
     models: list[ModelExplanation] = []
-    obs = _canonical_observations(observation, policy)
+    obs = canonical_observations(observation, policy)
     workloads = workloads_from(observation, policy)
     binding: list[str] = list(now_sol.binding)
     counts_by_model = _counts_by_model(now_place)

@@ -6,9 +6,10 @@ from typing import Any
 
 from fleetplan.planner.counterfactual import alternative_to_dict, relaxation_to_dict
 from fleetplan.planner.serde import state_to_dict
+from fleetplan.planner.slo import ErrorBudget
 from fleetplan.planner.types import ConfigKey, Plan, PlanResult, Replica, SolverReport
 
-__all__ = ["plan_to_dict", "replica_to_dict"]
+__all__ = ["budget_to_dict", "plan_to_dict", "replica_to_dict"]
 
 
 def _config_dict(c: ConfigKey) -> dict[str, Any]:
@@ -29,6 +30,16 @@ def _plan_dict(p: Plan) -> dict[str, Any]:
         "gpus": p.gpus,
         "usd_h": p.usd_h,
     }
+
+
+def budget_to_dict(b: ErrorBudget | None) -> dict[str, Any] | None:
+    """A model's SLO over its period (planner/slo.py); each [lo, hi] bounds the truth (the engines'
+    histogram buckets); budget_left < 0: overspent. None: no request counted yet."""
+    if b is None:
+        return None
+    return {"kind": b.kind.value, "objective": b.objective, "period_s": b.period_s, "window_floor": b.window_floor,
+            "requests": b.requests, "covered_s": b.covered_s, "good_share": list(b.good_share),
+            "budget_left": list(b.budget_left), "worst_slice_good_share": b.worst_slice_good_share}
 
 
 def _report_dict(r: SolverReport) -> dict[str, Any]:
@@ -74,6 +85,7 @@ def plan_to_dict(result: PlanResult) -> dict[str, Any]:
                 "observed_missed_share": (list(m.observed_missed_share)
                                           if m.observed_missed_share is not None else None),
                 "alternatives": [alternative_to_dict(a) for a in m.alternatives],
+                "error_budget": budget_to_dict(m.error_budget),
             } for m in e.models],
             "relaxations": [relaxation_to_dict(r) for r in e.relaxations],
             "binding_constraints": list(e.binding_constraints),

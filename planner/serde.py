@@ -16,6 +16,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from fleetplan.models.names import Engine, GpuType, Precision, parse_engine, parse_gpu, parse_precision
 from fleetplan.planner.policy import PolicyError, format_loc, short_repr
+from fleetplan.planner.slo import BudgetSlice
 from fleetplan.planner.types import (
     ConfigKey,
     Correction,
@@ -145,12 +146,22 @@ class LengthsDoc(_Strict):
     isl_p99_low: float | None = Field(default=None, gt=0)
 
 
+class BudgetSliceDoc(_Strict):
+    model: str
+    t_s: float
+    updated_s: float
+    requests: float = Field(ge=0)
+    missed_lo: float = Field(ge=0)
+    missed_hi: float = Field(ge=0)
+
+
 class StateDoc(_Strict):
     cycle: int = 0
     surplus_since_s: tuple[SurplusDoc, ...] = ()
     corrections: tuple[CorrectionDoc, ...] = ()
     bursts: tuple[tuple[str, float, float], ...] = ()
     lengths: tuple[LengthsDoc, ...] = ()
+    budget: tuple[BudgetSliceDoc, ...] = Field(default=(), max_length=100_000)
 
 
 class FleetDoc(_Strict):
@@ -225,6 +236,8 @@ def state_to_dict(state: PlannerState) -> dict[str, Any]:
                      "isl_quantiles": [list(q) for q in h.isl_quantiles],
                      "osl_quantiles": [list(q) for q in h.osl_quantiles], "isl_p99_low": h.isl_p99_low}
                     for h in state.lengths],
+        "budget": [{"model": b.model, "t_s": b.t_s, "updated_s": b.updated_s, "requests": b.requests,
+                    "missed_lo": b.missed_lo, "missed_hi": b.missed_hi} for b in state.budget],
     }
 
 
@@ -242,6 +255,7 @@ def _state(doc: StateDoc) -> PlannerState:
         tuple(doc.bursts),
         tuple(HeldLengths(h.model, h.t_s, h.isl, h.osl, tuple(h.isl_quantiles), tuple(h.osl_quantiles),
                           h.isl_p99_low) for h in doc.lengths),
+        tuple(BudgetSlice(b.model, b.t_s, b.updated_s, b.requests, b.missed_lo, b.missed_hi) for b in doc.budget),
     )
 
 

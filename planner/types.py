@@ -13,6 +13,7 @@ from types import MappingProxyType
 
 from fleetplan.models.names import Engine, GpuType, Precision
 from fleetplan.models.profile import ConfigKey as ConfigKey  # the one configuration identity
+from fleetplan.planner.slo import BudgetSlice, ErrorBudget
 
 
 class ReplicaState(StrEnum):
@@ -130,6 +131,9 @@ class ModelObservation:
     # the window each `history` rate was read over (s): their Poisson count noise (planner/forecast.py);
     # None: unknown (the forecast then takes the samples' scatter as it is)
     history_window_s: float | None = None
+    # the window `rate_rps` was read over (s): its Poisson count noise, the scale-down band
+    # (planner/scale_down.py); None: unknown (the band then takes `history_window_s`, else its floor)
+    rate_window_s: float | None = None
     # the lowest prompt-length p99 the engines' histogram allows (planner/evidence.py): a coarse
     # bucket is no evidence of long prompts (capacity.extrapolation); None: unknown
     isl_p99_low: float | None = None
@@ -207,6 +211,7 @@ class PlannerState:
     corrections: tuple[Correction, ...] = ()  # per config, from observed latency (planner/correction.py)
     bursts: tuple[tuple[str, float, float], ...] = ()  # (model, t_s, capacity a burst needed), recent
     lengths: tuple[HeldLengths, ...] = ()  # per model, the last length mix a reading showed
+    budget: tuple[BudgetSlice, ...] = ()  # per model, the SLO's ledger over its period (planner/slo.py)
 
     @staticmethod
     def initial() -> PlannerState:
@@ -351,6 +356,9 @@ class ModelExplanation:
     # the share of the last window's requests that missed the SLO (TTFT or ITL), as the engines'
     # histograms bound it: (at least, at most); None: no histogram observations
     observed_missed_share: tuple[float, float] | None = None
+    # the SLO over its rolling period from the budget ledger (planner/slo.py): good share, budget left;
+    # None: no request counted yet
+    error_budget: ErrorBudget | None = None
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""Issue 19 item 5: a replica started in one cycle is not swapped away in the next few unless its
-model's demand fell (the cold-start churn: the first TensorRT-LLM replica replaced within ~15 s)."""
+"""A replica started in one cycle is not swapped away in the next few unless its model's demand fell
+(the cold-start churn: the first TensorRT-LLM replica replaced within ~15 s), and not drained at all
+before it has proved itself (planner/scale_down.py)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,10 @@ def test_a_young_replica_is_not_swapped_away_and_an_old_one_is() -> None:
     assert target(old) == {VLLM1: 1}  # the swap, once they are older (make-before-break: started first)
 
 
-def test_a_young_replica_goes_when_demand_fell() -> None:
-    r = plan_with_capacities(observe({"m8": 1.0}), fleet(0.0), P, CAPS, PlannerState.initial(), NOW)
-    assert len(drains(r)) == 1  # 1 rps: one of the two TRT-LLM replicas is surplus
+def test_a_young_replica_goes_when_demand_fell_once_it_has_proved_itself() -> None:
+    young = plan_with_capacities(observe({"m8": 1.0}), fleet(0.0), P, CAPS, PlannerState.initial(), NOW)
+    assert not drains(young)  # 1 rps: one of the two is surplus, but neither has served a minute yet
+    assert any("not yet proven" in n for n in young.explanation.models[0].notes)
+    old = plan_with_capacities(observe({"m8": 1.0}), fleet((YOUNG_CYCLES + 1) * P.scaling.cycle_s), P, CAPS,
+                               PlannerState.initial(), NOW)
+    assert len(drains(old)) == 1

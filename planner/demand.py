@@ -1,0 +1,152 @@
+"""Per model, the demand a plan serves: the observed rate, its forecast over the lead time, the
+short bursts it must absorb, and what fail static leaves of it. Pure.
+
+`model_demands` is step 2 of `planner.core.plan` (see its docstring); the scale-down rules that
+read these demands live in planner/scale_down.py.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from fleetplan.planner.forecast import forecast_rate, recent_level_max
+from fleetplan.planner.policy import ModelPolicy, Policy
+from fleetplan.planner.types import ConfigKey, ModelObservation, Observation, PlannerState
+
+__all__ = ["MAX_PLAUSIBLE_RPS", "POISSON_Z", "Demand", "burst_need_rps", "bursts", "canonical_observations",
+           "model_demands", "valid_rps"]
+
+# A rate above this is a broken counter, not demand (no fleet this plans serves a million requests
+# per second of one model), and the count model's numbers break down long before 1e300 (SCIP's
+# infinity is 1e20, CP-SAT counts milli-rps in int64): such a rate is invalid, i.e. unknown.
+MAX_PLAUSIBLE_RPS = 1e6
+
+
+def valid_rps(rps: float) -> bool:
+    return math.isfinite(rps) and 0.0 <= rps <= MAX_PLAUSIBLE_RPS
+
+
+@dataclass(frozen=True)
+class Demand:
+    model: str
+    observed_rps: float | None
+    forecast_rps: float | None
+    demand_rps: float
+    required_rps: float
+    known: bool
+    notes: tuple[str, ...]
+    hold_rps: float | None = None  # highest rate level over the scale-down delay (None: no history)
+    plan_rps: float | None = None  # what the solver sizes for, when above required_rps (hysteresis)
+    history: tuple[tuple[float, float], ...] = ()  # the observed rate history, valid samples only
+    rate_window_s: float | None = None  # the window observed_rps was read over (None: unknown)
+
+
+
+def canonical_observations(observation: Observation, policy: Policy) -> dict[str, ModelObservation]:
+    aliases = policy.aliases()
+    out: dict[str, ModelObservation] = {}
+    for name, obs in sorted(observation.models.items()):
+        out[aliases.canonical(name)] = obs
+    return out
+
+
+# the highest of a window's few short-window rates sits about this many Poisson standard deviations
+# above the mean on steady traffic: a peak within it is noise, not a burst
+POISSON_Z = 3.0
+
+
+def burst_need_rps(peak_rps: float, window_s: float, ttft_slo_ms: float) -> float:
+    """The least capacity that serves a burst within the TTFT SLO: a burst at `peak_rps` for
+    `window_s` on capacity C leaves a backlog (peak - C) x window that drains at C; its last request
+    waits backlog / C <= SLO  <=>  C >= peak x window / (window + SLO).
+
+    >>> round(burst_need_rps(40.0, 15.0, 1000.0), 2)   # 4x a 10 rps mean, chat SLO: keep ~3.75x
+    37.5
+    >>> round(burst_need_rps(40.0, 15.0, 15000.0), 2)  # long-context SLO: the queue absorbs half
+    20.0
+    """
+    return peak_rps * window_s / (window_s + ttft_slo_ms / 1000.0)
+
+
+def bursts(o: ModelObservation | None, m: ModelPolicy, state: PlannerState, now_s: float,
+            keep_s: float) -> tuple[float, tuple[tuple[float, float], ...]]:
+    """(the highest burst need over the last `keep_s`, this model's burst memory for the next state)."""
+    past = tuple((t, v) for name, t, v in state.bursts if name == m.name and now_s - t < keep_s
+                 and valid_rps(v))
+    if o is not None and o.peak_rps is not None and valid_rps(o.peak_rps) and o.peak_rps > 0 \
+            and o.peak_window_s > 0:
+        # a short window's rate of Poisson arrivals scatters by sqrt(rate / window): capacity at the
+        # SLO (models/mix.py) is already sized for Poisson arrivals, so only the excess is a burst
+        peak = o.peak_rps - POISSON_Z * math.sqrt(o.peak_rps / o.peak_window_s)
+        if peak > 0:
+            past = (*past, (now_s, burst_need_rps(peak, o.peak_window_s, m.slo.ttft_p99_ms)))
+    return max((v for _, v in past), default=0.0), past
+
+
+def model_demands(observation: Observation, policy: Policy, now_s: float,
+             state: PlannerState | None = None) -> tuple[dict[str, Demand], tuple[tuple[str, float, float], ...]]:
+    """Per model what the plan serves, and the burst memory for the next state."""
+    obs = canonical_observations(observation, policy)
+    out: dict[str, Demand] = {}
+    memory: list[tuple[str, float, float]] = []
+    keep_s = max(policy.scaling.scale_down_delay_s, 2 * policy.scaling.cycle_s)
+    for m in policy.models:
+        o = obs.get(m.name)
+        notes: list[str] = []
+        if o is not None and o.rate_rps is not None and not valid_rps(o.rate_rps):
+            notes.append(f"observed rate {o.rate_rps!r} is not a valid rate (negative, not finite or above "
+                         f"{MAX_PLAUSIBLE_RPS:g} rps); treated as unknown")
+            o = replace(o, rate_rps=None)
+        if o is not None and o.peak_rps is not None and not valid_rps(o.peak_rps):
+            notes.append(f"observed peak rate {o.peak_rps!r} is not a valid rate; ignored")
+            o = replace(o, peak_rps=None)
+        if o is not None and any(not valid_rps(r) for _, r in o.history):
+            bad = [r for _, r in o.history if not valid_rps(r)]
+            notes.append(f"{len(bad)} rate sample(s) in the history are not valid rates (e.g. {bad[0]!r}); "
+                         "ignored")
+            o = replace(o, history=tuple((t, r) for t, r in o.history if valid_rps(r)))
+        known = o is not None and not o.stale and o.rate_rps is not None
+        lead = max((policy.startup_s(ConfigKey(m.name, e, g, t, m.precision))
+                    for e in m.allowed.engines for g in (m.allowed.gpus or tuple(policy.gpu_types))
+                    for t in m.allowed.tp), default=0.0)
+        horizon = lead + policy.scaling.cycle_s
+        if not known:
+            # Fail static means no scale-DOWN on missing data, not no scaling: the floors keep every
+            # running replica of this model (plan_with_capacities), and a stale model's rate, when
+            # one was read, is a LOWER BOUND (the targets that are up, a window not yet full:
+            # planner/observation.py) that still raises capacity when it exceeds what runs - a lost
+            # host is replaced on the evidence that remains. No forecast on it: the history of a
+            # window that is filling up ramps towards the true rate and would extrapolate past it.
+            why = "no observation" if o is None else ("stale observation" if o.stale else "request rate unknown")
+            lower = o.rate_rps if o is not None and o.rate_rps is not None else None
+            if lower is None:
+                notes.append(f"fail static: {why}; no scale-down for this model")
+            else:
+                notes.append(f"fail static: {why}; no scale-down for this model; the {lower:.2f} rps read is a "
+                             "lower bound: it can raise capacity, never lower it")
+            demand = max(0.0, lower or 0.0)
+            out[m.name] = Demand(m.name, lower, None, demand, demand * (1 + m.headroom), False, tuple(notes),
+                                 history=o.history if o is not None else ())
+            continue
+        assert o is not None and o.rate_rps is not None
+        fc = forecast_rate(o.history, o.rate_rps, now_s, horizon, policy.scaling.forecast_quantile,
+                           sample_window_s=o.history_window_s)
+        demand = max(o.rate_rps, fc.rate_rps)
+        notes.append(f"forecast {fc.method}: q{policy.scaling.forecast_quantile:g} over {horizon:.0f} s "
+                     f"= {fc.rate_rps:.2f} rps")
+        hold = recent_level_max(o.history, o.rate_rps, now_s, policy.scaling.scale_down_delay_s)
+        if hold is not None:
+            hold = max(demand, hold + fc.margin_rps)  # what the forecast said at that level
+        required = demand * (1 + m.headroom)
+        burst, mem = bursts(o, m, state or PlannerState.initial(), now_s, keep_s)
+        memory.extend((m.name, t, v) for t, v in mem)
+        if burst > required:
+            # bursts shorter than the lead time cannot be chased: keep what drains them within the SLO
+            notes.append(f"bursts: short-window peaks need {burst:.2f} rps of capacity to drain within the "
+                         f"TTFT SLO (above demand x (1 + headroom) = {required:.2f}); kept for {keep_s:.0f} s")
+            required = burst
+        out[m.name] = Demand(m.name, o.rate_rps, fc.rate_rps, demand, required, True, tuple(notes), hold,
+                             history=o.history,
+                             rate_window_s=o.rate_window_s if o.rate_window_s is not None else o.history_window_s)
+    return out, tuple(memory)
