@@ -480,38 +480,66 @@ def speed_from_latency(profile: PerfProfile, mix: LengthMix, rate_rps: float, ob
     The prediction at speed s is the profile's at rate/s with every duration x 1/s, which falls as s
     rises: bisection on log s. None when the observation cannot be used (not finite, not positive).
     """
-    if not (observed_p99_ms > 0 and math.isfinite(rate_rps) and rate_rps >= 0):
-        return None  # NaN, negative: not a latency
-    if math.isinf(observed_p99_ms):
-        return _SPEED_LO  # saturated: slower than anything the profile explains (steps are capped)
-    lo, hi = math.log(_SPEED_LO), math.log(_SPEED_HI)
-    at_hi, at_lo = _latency_at_speeds(profile, mix, rate_rps, [hi, lo], itl=itl)
-    if at_hi >= observed_p99_ms:
-        return _SPEED_HI
-    if at_lo <= observed_p99_ms:
-        return _SPEED_LO
-    # 40 halvings; the midpoints the next BISECT_DEPTH of them may visit are predicted in one batch
-    # (a tree in heap order: node i's interval halves into 2i+1, the upper half, and 2i+2), then the
-    # walk down the tree takes exactly the path the halvings one by one take
+    return speeds_from_latency(profile, mix, rate_rps, [observed_p99_ms], itl=itl)[0]
+
+
+def speeds_from_latency(profile: PerfProfile, mix: LengthMix, rate_rps: float, observed_p99_ms: Sequence[float],
+                        *, itl: bool) -> list[float | None]:
+    """`speed_from_latency` of each observation (a p99 and its bounds) at the same load, in one pass:
+    the same speeds to the last bit, the midpoints the bisections share predicted once."""
+    out: list[float | None] = [None] * len(observed_p99_ms)
+    if not (math.isfinite(rate_rps) and rate_rps >= 0):
+        return out  # NaN, negative: not a latency
+    lo0, hi0 = math.log(_SPEED_LO), math.log(_SPEED_HI)
+    todo: dict[int, tuple[float, float]] = {}  # observation -> its bisection's interval
+    for j, obs in enumerate(observed_p99_ms):
+        if not obs > 0:
+            continue
+        if math.isinf(obs):
+            out[j] = _SPEED_LO  # saturated: slower than anything the profile explains (steps are capped)
+        else:
+            todo[j] = (lo0, hi0)
+    if not todo:
+        return out
+    at_hi, at_lo = _latency_at_speeds(profile, mix, rate_rps, [hi0, lo0], itl=itl)
+    for j in list(todo):
+        if at_hi >= observed_p99_ms[j]:
+            out[j] = _SPEED_HI
+            del todo[j]
+        elif at_lo <= observed_p99_ms[j]:
+            out[j] = _SPEED_LO
+            del todo[j]
+    # 40 halvings each; the midpoints the next BISECT_DEPTH of them may visit are predicted in one batch
+    # (per interval a tree in heap order: node i's interval halves into 2i+1, the upper half, and 2i+2),
+    # then each walk down its tree takes exactly the path its halvings one by one take
     left = 40
-    while left > 0:
+    while left > 0 and todo:
         depth = min(BISECT_DEPTH, left)
-        bounds = [(lo, hi)]
+        trees: dict[tuple[float, float], int] = {}  # interval -> the offset of its tree's midpoints
         mids: list[float] = []
-        for i in range(2 ** depth - 1):
-            a, b = bounds[i]
-            mid = 0.5 * (a + b)
-            mids.append(mid)
-            bounds += [(mid, b), (a, mid)]
+        for interval in todo.values():
+            if interval in trees:
+                continue
+            trees[interval] = len(mids)
+            bounds = [interval]
+            for i in range(2 ** depth - 1):
+                a, b = bounds[i]
+                mid = 0.5 * (a + b)
+                mids.append(mid)
+                bounds += [(mid, b), (a, mid)]
         lat = _latency_at_speeds(profile, mix, rate_rps, mids, itl=itl)
-        i = 0
-        for _ in range(depth):
-            if lat[i] > observed_p99_ms:
-                lo, i = mids[i], 2 * i + 1
-            else:
-                hi, i = mids[i], 2 * i + 2
+        for j, (lo, hi) in todo.items():
+            base, i = trees[(lo, hi)], 0
+            for _ in range(depth):
+                if lat[base + i] > observed_p99_ms[j]:
+                    lo, i = mids[base + i], 2 * i + 1
+                else:
+                    hi, i = mids[base + i], 2 * i + 2
+            todo[j] = (lo, hi)
         left -= depth
-    return math.exp(0.5 * (lo + hi))
+    for j, (lo, hi) in todo.items():
+        out[j] = math.exp(0.5 * (lo + hi))
+    return out
 
 
 BISECT_DEPTH = 5  # halvings predicted per batch: 31 speeds (numpy on small arrays: the calls cost, not the rows)
