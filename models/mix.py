@@ -198,7 +198,8 @@ def _x_mem(profile: PerfProfile, isl: np.ndarray, osl: np.ndarray, w: np.ndarray
     b_max = profile.kv_tokens / max(tokens, 1.0)
     if b_max <= 0:
         return 0.0
-    return float(b_max / (float(np.sum(w * (osl - 1.0))) * profile.params.s0_ms + b_max * wbar))
+    x = b_max / (float(np.sum(w * (osl - 1.0))) * profile.params.s0_ms + b_max * wbar)
+    return x if isinstance(x, np.ndarray) else float(x)  # an array: one row per speed (`_latency_at_speeds`)
 
 
 @dataclass(frozen=True)
@@ -216,14 +217,23 @@ class _Terms:
     mean_chunks: float
 
 
+def _wsum(a: np.ndarray) -> Any:
+    """The sum over the length classes (the last axis): a float, or a column with one row per speed
+    when `a` has one (the same pairwise sum per row: `_latency_at_speeds` relies on it)."""
+    s = np.sum(a, axis=-1)
+    return float(s) if s.ndim == 0 else s[:, None]
+
+
 def _terms(p: PerfParams, isl: np.ndarray, osl: np.ndarray, w: np.ndarray, cached_share: float = 0.0) -> _Terms:
+    """The terms of `p` on the mix; `p`'s durations may be columns (one row per speed, `_latency_at_speeds`):
+    the per-request arrays then have a row per speed, `wbar`, `resid` and `per_chunk` are columns."""
     prefill, work = _work_terms(p, isl, osl, cached_share)
-    wbar = float(np.sum(w * work))
+    wbar = _wsum(w * work)
     computed = isl if cached_share <= 0.0 else np.maximum(isl * (1.0 - cached_share), 1.0)  # chunks: computed tokens
     chunks = 1.0 + p.chunk_per_token * computed
     mean_chunks = float(np.sum(w * chunks))
-    return _Terms(p, w, computed, osl, prefill, wbar, float(np.sum(w * prefill * queued_work(p, prefill, work))) / wbar,
-                  float(np.sum(w * prefill)) / mean_chunks, mean_chunks)
+    return _Terms(p, w, computed, osl, prefill, wbar, _wsum(w * prefill * queued_work(p, prefill, work)) / wbar,
+                  _wsum(w * prefill) / mean_chunks, mean_chunks)
 
 
 def _ttft_p99(t: _Terms, x: float) -> float:
@@ -233,13 +243,17 @@ def _ttft_p99(t: _Terms, x: float) -> float:
 def _ttft_quantiles(t: _Terms, xs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(p50, p99) of each length class's TTFT at each throughput in xs (req/ms, rho < 1): rows are
     loads, columns classes."""
+    return _ttft_quantiles_at(t, (xs * t.wbar)[:, None])
+
+
+def _ttft_quantiles_at(t: _Terms, rho: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`_ttft_quantiles` at the utilisations `rho` (a column: one row per load, or per speed)."""
     p = t.p
-    rho = (xs * t.wbar)[:, None]
     itl = p.s0_ms / (1.0 - rho)
     tau = p.q * t.resid / (1.0 - rho)
     q50, q99 = queue_quantiles(p, rho, tau)
     fixed = p.ttft_fixed_ms + (0.5 + p.chunk_per_token * t.isl)[None, :] * itl
-    own = (p.prefill_latency_factor * t.prefill)[None, :]
+    own = np.atleast_2d(p.prefill_latency_factor * t.prefill)
     return fixed + p.ttft_p50_factor * own + q50, fixed + p.ttft_p99_factor * own + q99
 
 
@@ -275,14 +289,19 @@ def _itl_quantiles(t: _Terms, xs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(p50, p99) of each length class's per-request ITL at each throughput in xs: rows are loads,
     columns classes. One decode batch for all classes (the mean step, k99 x it); prefill stalls from
     everyone's chunks, which a request's own osl - 1 gaps average (models.profile.itl_p99_request)."""
+    return _itl_quantiles_at(t, (xs * t.wbar)[:, None], xs[:, None])
+
+
+def _itl_quantiles_at(t: _Terms, rho: np.ndarray, x: Any) -> tuple[np.ndarray, np.ndarray]:
+    """`_itl_quantiles` at the utilisations `rho` (a column) and throughput `x` (a column, or one
+    throughput for every row: `_latency_at_speeds`)."""
     p = t.p
-    rho = (xs * t.wbar)[:, None]
     itl = p.s0_ms / (1.0 - rho)
     base = p.itl_p99_factor * itl * (1.0 + p.itl_p99_load * rho)
-    p99 = np.broadcast_to(base, (len(xs), len(t.w)))
+    p99 = np.broadcast_to(base, (rho.shape[0], len(t.w)))
     if p.itl_stall_weight > 0.0:
         stall = p.itl_stall_weight * p.prefill_latency_factor * t.per_chunk
-        p99 = base + request_stall_ms(stall, xs[:, None] * t.mean_chunks * itl, t.osl[None, :])
+        p99 = base + request_stall_ms(stall, x * t.mean_chunks * itl, t.osl[None, :])
     return np.broadcast_to(p.itl_p50_factor * itl, p99.shape), p99
 
 
@@ -311,15 +330,17 @@ def _mixture_p99(p50: np.ndarray, p99: np.ndarray, w: np.ndarray) -> np.ndarray:
     return np.asarray(hi, dtype=float)
 
 
+def _scaled_params(p: PerfParams, k: Any) -> PerfParams:
+    """`p` with every duration x `k` (a float, or a column of them: one row per speed)."""
+    return replace(p, s0_ms=p.s0_ms * k, s1_ms=p.s1_ms * k, s2_ms=p.s2_ms * k, p0_ms=p.p0_ms * k,
+                   p1_ms=p.p1_ms * k, p2_ms=p.p2_ms * k, ttft_fixed_ms=p.ttft_fixed_ms * k)
+
+
 def scaled(profile: PerfProfile, speed: float) -> PerfProfile:
     """The profile of an engine `speed` times as fast: every duration divided by `speed`."""
     if speed == 1.0:
         return profile
-    p = profile.params
-    k = 1.0 / speed
-    params = replace(p, s0_ms=p.s0_ms * k, s1_ms=p.s1_ms * k, s2_ms=p.s2_ms * k, p0_ms=p.p0_ms * k,
-                     p1_ms=p.p1_ms * k, p2_ms=p.p2_ms * k, ttft_fixed_ms=p.ttft_fixed_ms * k)
-    return replace(profile, params=params)
+    return replace(profile, params=_scaled_params(profile.params, 1.0 / speed))
 
 
 def predict_mix(profile: PerfProfile, mix: LengthMix, rate_rps: float) -> MixPrediction:
@@ -459,25 +480,84 @@ def speed_from_latency(profile: PerfProfile, mix: LengthMix, rate_rps: float, ob
     The prediction at speed s is the profile's at rate/s with every duration x 1/s, which falls as s
     rises: bisection on log s. None when the observation cannot be used (not finite, not positive).
     """
-    if not (observed_p99_ms > 0 and math.isfinite(rate_rps) and rate_rps >= 0):
-        return None  # NaN, negative: not a latency
-    if math.isinf(observed_p99_ms):
-        return _SPEED_LO  # saturated: slower than anything the profile explains (steps are capped)
-    which = 1 if itl else 0
+    return speeds_from_latency(profile, mix, rate_rps, [observed_p99_ms], itl=itl)[0]
 
-    def latency(log_s: float) -> float:
-        pred = predict_mix(scaled(profile, math.exp(log_s)), mix, rate_rps)
-        return pred.itl_p99_ms if which else pred.ttft_p99_ms
 
-    lo, hi = math.log(_SPEED_LO), math.log(_SPEED_HI)
-    if latency(hi) >= observed_p99_ms:
-        return _SPEED_HI
-    if latency(lo) <= observed_p99_ms:
-        return _SPEED_LO
-    for _ in range(40):
-        mid = 0.5 * (lo + hi)
-        if latency(mid) > observed_p99_ms:
-            lo = mid
+def speeds_from_latency(profile: PerfProfile, mix: LengthMix, rate_rps: float, observed_p99_ms: Sequence[float],
+                        *, itl: bool) -> list[float | None]:
+    """`speed_from_latency` of each observation (a p99 and its bounds) at the same load, in one pass:
+    the same speeds to the last bit, the midpoints the bisections share predicted once."""
+    out: list[float | None] = [None] * len(observed_p99_ms)
+    if not (math.isfinite(rate_rps) and rate_rps >= 0):
+        return out  # NaN, negative: not a latency
+    lo0, hi0 = math.log(_SPEED_LO), math.log(_SPEED_HI)
+    todo: dict[int, tuple[float, float]] = {}  # observation -> its bisection's interval
+    for j, obs in enumerate(observed_p99_ms):
+        if not obs > 0:
+            continue
+        if math.isinf(obs):
+            out[j] = _SPEED_LO  # saturated: slower than anything the profile explains (steps are capped)
         else:
-            hi = mid
-    return math.exp(0.5 * (lo + hi))
+            todo[j] = (lo0, hi0)
+    if not todo:
+        return out
+    at_hi, at_lo = _latency_at_speeds(profile, mix, rate_rps, [hi0, lo0], itl=itl)
+    for j in list(todo):
+        if at_hi >= observed_p99_ms[j]:
+            out[j] = _SPEED_HI
+            del todo[j]
+        elif at_lo <= observed_p99_ms[j]:
+            out[j] = _SPEED_LO
+            del todo[j]
+    # 40 halvings each; the midpoints the next BISECT_DEPTH of them may visit are predicted in one batch
+    # (per interval a tree in heap order: node i's interval halves into 2i+1, the upper half, and 2i+2),
+    # then each walk down its tree takes exactly the path its halvings one by one take
+    left = 40
+    while left > 0 and todo:
+        depth = min(BISECT_DEPTH, left)
+        trees: dict[tuple[float, float], int] = {}  # interval -> the offset of its tree's midpoints
+        mids: list[float] = []
+        for interval in todo.values():
+            if interval in trees:
+                continue
+            trees[interval] = len(mids)
+            bounds = [interval]
+            for i in range(2 ** depth - 1):
+                a, b = bounds[i]
+                mid = 0.5 * (a + b)
+                mids.append(mid)
+                bounds += [(mid, b), (a, mid)]
+        lat = _latency_at_speeds(profile, mix, rate_rps, mids, itl=itl)
+        for j, (lo, hi) in todo.items():
+            base, i = trees[(lo, hi)], 0
+            for _ in range(depth):
+                if lat[base + i] > observed_p99_ms[j]:
+                    lo, i = mids[base + i], 2 * i + 1
+                else:
+                    hi, i = mids[base + i], 2 * i + 2
+            todo[j] = (lo, hi)
+        left -= depth
+    for j, (lo, hi) in todo.items():
+        out[j] = math.exp(0.5 * (lo + hi))
+    return out
+
+
+BISECT_DEPTH = 5  # halvings predicted per batch: 31 speeds (numpy on small arrays: the calls cost, not the rows)
+
+
+def _latency_at_speeds(profile: PerfProfile, mix: LengthMix, rate_rps: float, log_speeds: Sequence[float],
+                       *, itl: bool) -> list[float]:
+    """`predict_mix(scaled(profile, exp(z)), mix, rate_rps)`'s TTFT p99 (per-request ITL p99 when `itl`)
+    for each z in `log_speeds`, in one pass with a row per speed: every row does the same float
+    operations as the one-speed prediction (tests/unit/models/test_mix.py holds it bit for bit)."""
+    isl, osl, w = _arrays(mix)
+    k = np.array([1.0 / math.exp(z) for z in log_speeds])[:, None]
+    p = _scaled_params(profile.params, k)
+    t = _terms(p, isl, osl, w, mix.cached_share)
+    x = max(rate_rps, 0.0) / 1000.0
+    saturated = x >= np.minimum(1.0 / t.wbar, _x_mem(replace(profile, params=p), isl, osl, w, t.wbar))
+    rho = np.asarray(x * t.wbar)
+    with np.errstate(all="ignore"):  # saturated rows compute nonsense and are replaced by inf
+        p50, p99 = _itl_quantiles_at(t, rho, x) if itl else _ttft_quantiles_at(t, rho)
+        out = _mixture_p99(np.asarray(p50), np.asarray(p99), t.w)
+    return [float(v) for v in np.where(saturated[:, 0], math.inf, out)]

@@ -30,6 +30,7 @@ Every function here is pure; the equation helpers work on floats and on numpy ar
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -517,6 +518,20 @@ def _bisect_x(ok: Callable[[float], bool], work: float) -> float:
 
 
 def capacity(profile: PerfProfile, workload: Workload, *, ttft_p99_ms: float, itl_p99_ms: float) -> Capacity:
+    """`_capacity`, remembered on its exact inputs (a plan asks it twice for the same config and mix: the
+    capacity and its warnings; the answer is immutable)."""
+    try:
+        return _capacity_memo(profile, workload, ttft_p99_ms, itl_p99_ms)
+    except TypeError:  # an unhashable field (a profile built with lists): computed as it is
+        return _capacity(profile, workload, ttft_p99_ms=ttft_p99_ms, itl_p99_ms=itl_p99_ms)
+
+
+@functools.lru_cache(maxsize=1024)
+def _capacity_memo(profile: PerfProfile, workload: Workload, ttft_p99_ms: float, itl_p99_ms: float) -> Capacity:
+    return _capacity(profile, workload, ttft_p99_ms=ttft_p99_ms, itl_p99_ms=itl_p99_ms)
+
+
+def _capacity(profile: PerfProfile, workload: Workload, *, ttft_p99_ms: float, itl_p99_ms: float) -> Capacity:
     """The largest request rate one replica sustains with TTFT p99 and ITL p99 under the targets.
 
     Both limits are closed forms in the utilisation rho = x*W:

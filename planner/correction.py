@@ -41,7 +41,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from fleetplan.models.mix import LengthMix, speed_from_latency
+from fleetplan.models.mix import LengthMix, speeds_from_latency
 from fleetplan.models.profile import PerfProfile
 from fleetplan.planner.capacity import MixedWorkload, Speeds, mix_for
 from fleetplan.planner.types import ConfigKey, Correction, ModelObservation
@@ -170,38 +170,36 @@ def _reading(prof: PerfProfile, mix: LengthMix, rps: float, p99_ms: float | None
     requests the window happened to hold: the p99's sampling interval (`sampling_ms`, planner/
     evidence.py _p99_ms: +-2 sd of its rank) mapped to ln speed, where the histograms give it, else
     OBS_VAR_PER_REQUEST / completions; plus its bucket's width (the value may sit anywhere in it)."""
-    z = _log_speed(prof, mix, rps, p99_ms, itl=itl)
-    z_slow = z_fast = None
-    if range_ms is not None:
-        lo, hi = range_ms
-        z_slow = _bound_speed(prof, mix, rps, hi, itl=itl)
-        z_fast = _bound_speed(prof, mix, rps, lo, itl=itl) if z is not None else None
+    # the p99, its bucket's bounds and its sampling interval's ends, inverted together (one pass)
+    rng, smp = range_ms or (math.nan, math.nan), sampling_ms or (math.nan, math.nan)
+    z, z_slow, z_fast, s_slow, s_fast = _log_speeds(
+        prof, mix, rps, (p99_ms, _bound(rng[1]), _bound(rng[0]), _bound(smp[1]), _bound(smp[0])), itl=itl)
+    if range_ms is None:
+        z_slow = z_fast = None
+    elif z is None:
+        z_fast = None
     if z is None and z_slow is None:
         return None
-    var = OBS_VAR + _sampling_var(prof, mix, rps, sampling_ms, requests, itl=itl)
+    var = OBS_VAR + _sampling_var(s_slow, s_fast, requests)
     if z is not None and z_slow is not None and z_fast is not None:
         var += min((z_fast - z_slow) ** 2 / 12.0, BUCKET_VAR_CAP)  # uniform over the bucket
     return _Reading(z, z_slow, z_fast, var)
 
 
+def _bound(ms: float) -> float | None:
+    """A latency bound (a bucket's edge, a sampling interval's end); None: an open bound (0, NaN, or
+    the +Inf bucket)."""
+    return ms if math.isfinite(ms) and ms > 0 else None
+
+
 SAMPLING_VAR_CAP = 1.0  # ln^2: the most a p99's sampling interval adds (a window then counts ~1/16 of a typical one)
 
 
-def _bound_speed(prof: PerfProfile, mix: LengthMix, rps: float, ms: float, *, itl: bool) -> float | None:
-    """ln speed at a latency bound (a bucket's edge, a sampling interval's end); None: an open bound
-    (0, or the +Inf bucket)."""
-    return _log_speed(prof, mix, rps, ms, itl=itl) if math.isfinite(ms) and ms > 0 else None
-
-
-def _sampling_var(prof: PerfProfile, mix: LengthMix, rps: float, sampling_ms: tuple[float, float] | None,
-                  requests: float, *, itl: bool) -> float:
-    """The variance of a window's p99 from the requests it happened to hold, in ln speed."""
-    if sampling_ms is not None:
-        lo, hi = sampling_ms
-        z_lo = _bound_speed(prof, mix, rps, hi, itl=itl)
-        z_hi = _bound_speed(prof, mix, rps, lo, itl=itl)
-        if z_lo is not None and z_hi is not None:
-            return min(((z_hi - z_lo) / 4.0) ** 2, SAMPLING_VAR_CAP)  # +-2 sd
+def _sampling_var(z_slow: float | None, z_fast: float | None, requests: float) -> float:
+    """The variance of a window's p99 from the requests it happened to hold, in ln speed: from the
+    ln speeds at its sampling interval's ends where the histograms give them."""
+    if z_slow is not None and z_fast is not None:
+        return min(((z_fast - z_slow) / 4.0) ** 2, SAMPLING_VAR_CAP)  # +-2 sd
     return OBS_VAR_PER_REQUEST / max(requests, 1.0)
 
 
@@ -532,16 +530,20 @@ def _hysteresis(applied: float | None, candidate: float) -> float:
     return applied
 
 
-def _log_speed(prof: PerfProfile, mix: LengthMix, rps: float, observed_ms: float | None, *, itl: bool) -> float | None:
-    if observed_ms is None or math.isnan(observed_ms) or observed_ms <= 0:
-        return None  # inf stays: a saturated replica is evidence of a slow engine
+def _log_speeds(prof: PerfProfile, mix: LengthMix, rps: float, observed_ms: Sequence[float | None], *,
+                itl: bool) -> list[float | None]:
+    """ln speed (clamped to SPEED_BOUNDS) of each observed latency at this load; None where it is
+    no latency (None, NaN, <= 0: inf stays, a saturated replica is evidence of a slow engine)."""
+    usable = [j for j, ms in enumerate(observed_ms) if ms is not None and not math.isnan(ms) and ms > 0]
+    out: list[float | None] = [None] * len(observed_ms)
     try:
-        s = speed_from_latency(prof, mix, rps, observed_ms, itl=itl)
+        speeds = speeds_from_latency(prof, mix, rps, [float(observed_ms[j] or 0.0) for j in usable], itl=itl)
     except (ValueError, ArithmeticError):
-        return None
-    if s is None:
-        return None
-    return min(max(math.log(s), SPEED_BOUNDS[0]), SPEED_BOUNDS[1])
+        return out
+    for j, s in zip(usable, speeds, strict=True):
+        if s is not None:
+            out[j] = min(max(math.log(s), SPEED_BOUNDS[0]), SPEED_BOUNDS[1])
+    return out
 
 
 UP_TRUST_SD = 0.5  # a faster engine is trusted up to mean - 0.5 sd (the evidence's lower side)

@@ -108,3 +108,48 @@ def test_a_target_out_of_reach_is_sized_from_its_floor_not_to_zero() -> None:
     assert at_cap.share == pytest.approx(cap.floor_share - FLOOR_SLACK, abs=5e-4)
     # reachable targets keep their p99 capacity and no floor
     assert capacity_mix(PROFILE, mix, ttft_p99_ms=2000.0, itl_p99_ms=80.0).floor_share is None
+
+
+def _speed_one_by_one(profile: mp.PerfProfile, mix: LengthMix, rate: float, observed: float, *, itl: bool) -> float:
+    """The inversion as 40 halvings, one prediction each (what the batched halvings must equal)."""
+    def latency(z: float) -> float:
+        pred = predict_mix(scaled(profile, math.exp(z)), mix, rate)
+        return pred.itl_p99_ms if itl else pred.ttft_p99_ms
+
+    lo, hi = math.log(0.1), math.log(10.0)
+    if latency(hi) >= observed:
+        return 10.0
+    if latency(lo) <= observed:
+        return 0.1
+    for _ in range(40):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if latency(mid) > observed else (lo, mid)
+    return math.exp(0.5 * (lo + hi))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_batched_inversion_is_the_halvings_bit_for_bit(seed: int) -> None:
+    """speed_from_latency predicts several halvings' midpoints at once: the same speed to the last
+    bit as one prediction per halving, on mixes with and without prefix caching, stalls, saturation."""
+    import random
+
+    rng = random.Random(seed)
+    params = mp.PerfParams(s0_ms=rng.uniform(5, 20), s1_ms=rng.uniform(0.01, 0.1), s2_ms=rng.uniform(1e-5, 5e-4),
+                           p0_ms=rng.uniform(1, 10), p1_ms=rng.uniform(0.01, 0.1), p2_ms=rng.uniform(0, 5e-7),
+                           q=rng.uniform(0.5, 2), queue_tail=rng.choice([0.0, 0.5, 1.0]),
+                           itl_stall_weight=rng.choice([0.0, 0.3]), itl_p99_load=rng.choice([0.0, 0.4]))
+    prof = mp.PerfProfile(KEY, params, kv_tokens=rng.choice([None, 200_000.0]))
+    mix = mix_from_quantiles([(0.5, rng.uniform(300, 3000)), (0.9, 6000), (0.99, rng.uniform(8000, 30000))],
+                             [(0.5, rng.uniform(50, 400)), (0.9, 700)],
+                             cached_share=rng.choice([None, 0.3]))
+    cap = capacity_mix(prof, mix, ttft_p99_ms=5000, itl_p99_ms=100).max_rps
+    for frac in (0.0, 0.7, 1.3):
+        rate = frac * cap
+        for itl in (False, True):
+            base = predict_mix(prof, mix, max(rate, 1e-3))
+            for obs in (0.5, 1.0, 1.7, 40.0):
+                want = (base.itl_p99_ms if itl else base.ttft_p99_ms) * obs
+                if not math.isfinite(want):
+                    want = 1e4
+                assert speed_from_latency(prof, mix, rate, want, itl=itl) == _speed_one_by_one(
+                    prof, mix, rate, want, itl=itl)

@@ -3,8 +3,11 @@ extrapolating because of bucket width, and the correction weighs a p99 by its bu
 
 from __future__ import annotations
 
+import itertools
 import math
 from types import MappingProxyType
+
+import pytest
 
 from fleetplan.models import profile as mp
 from fleetplan.models.mix import mix_from_quantiles
@@ -40,3 +43,48 @@ def test_a_fixed_length_load_on_the_length_the_profile_was_fitted_on_is_not_extr
     assert pmix.isl_quantile(0.99) > 80.0
     assert extrapolation(PROF, pmix) != ()  # the interpolated p99 alone
     assert extrapolation(PROF, pmix, plain.isl_p99_low()) == ()
+
+
+def _fit_shape_one_by_one(occupied: list[tuple[float, float, float]], mean: float) -> tuple[float, float]:
+    """evidence._fit_shape as 36 halvings placed one at a time (what the batched fit must equal)."""
+    import numpy as np
+
+    from fleetplan.planner import evidence as e
+
+    lo = np.array([b[0] for b in occupied])
+    hi = np.array([b[1] for b in occupied])
+    n = np.array([b[2] for b in occupied])
+    total = float(n.sum())
+    with np.errstate(divide="ignore"):
+        llo, lhi = np.log(lo), np.log(hi)
+    bounds = np.concatenate([lo[lo > 0], hi])
+    s = e._SCALES[:, None]
+    a_lo = np.full(len(e._SCALES), math.log(float(bounds.min())) - 2.0)
+    a_hi = np.full(len(e._SCALES), math.log(float(bounds.max())) + 2.0)
+    for _ in range(36):
+        mid = 0.5 * (a_lo + a_hi)
+        x, _, _ = e._placed(mid[:, None], s, llo, lhi, lo, hi, e._GL_X)
+        below = ((x * e._GL_W).sum(-1) * n).sum(-1) / total < mean
+        a_lo, a_hi = np.where(below, mid, a_lo), np.where(below, a_hi, mid)
+    a = 0.5 * (a_lo + a_hi)
+    _, gl, gu = e._placed(a[:, None], s, llo, lhi, lo, hi, e._GL_X)
+    ll = (n * np.log(np.maximum(gu - gl, 1e-300))).sum(-1)
+    best = int(np.argmax(ll >= ll.max() - 1e-9 * max(1.0, abs(float(ll.max())))))
+    return float(a[best]), float(e._SCALES[best])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_batched_shape_fit_is_the_halvings_bit_for_bit(seed: int) -> None:
+    """_fit_shape places several halvings' midpoints per pass: the same shape to the last bit."""
+    import random
+
+    from fleetplan.planner.evidence import _fit_shape
+
+    rng = random.Random(seed)
+    for _ in range(20):
+        edges = sorted({round(rng.uniform(0, 5000), 1) for _ in range(rng.randint(2, 16))})
+        occupied = [(a, b, float(rng.randint(1, 500))) for a, b in itertools.pairwise(edges)]
+        m_lo = sum(a * c for a, _, c in occupied) / sum(c for *_, c in occupied)
+        m_hi = sum(b * c for _, b, c in occupied) / sum(c for *_, c in occupied)
+        mean = rng.uniform(m_lo, m_hi)
+        assert _fit_shape(occupied, mean) == _fit_shape_one_by_one(occupied, mean)
