@@ -39,14 +39,14 @@ from fleetplan.planner.policy import Policy
 from fleetplan.planner.types import ConfigKey, HostInventory
 from fleetplan.sim.des import ControllerView, Decision
 from fleetplan.sim.search import smallest_count as smallest_count  # evaluate's best-fixed search
-from fleetplan.sim.traces import Trace, iter_rates
+from fleetplan.sim.traces import Trace, iter_rates, window_rates
 
 POLICY_NAMES: tuple[str, ...] = (
     "fleetplan", "fleetplan-vllm-only", "fleetplan-trtllm-only", "static-peak", "static-mean", "hpa",
-    "best-fixed", "oracle",
+    "best-fixed", "hpa-tuned", "clairvoyant", "oracle",
 )
 # with hindsight, not policies: they are searched for or bounded on the trace itself (sim/evaluate.py)
-HINDSIGHT_NAMES: tuple[str, ...] = ("best-fixed", "oracle")
+HINDSIGHT_NAMES: tuple[str, ...] = ("best-fixed", "hpa-tuned", "clairvoyant", "oracle")
 # selectable with --policies, not run by default: fleetplan without the rate history (its forecast
 # then only sees the current rate), to separate the forecast's effect from the optimizer's
 EXTRA_POLICY_NAMES: tuple[str, ...] = ("fleetplan-no-history",)
@@ -275,11 +275,7 @@ def oracle(
     price = {c: price_usd_h.get(c.gpu.value, 0.0) * c.tp for c in usable}
     best = min(usable, key=lambda c: (price[c] / gt_capacity[c], c))
     duration = trace.duration_s
-    rates = iter_rates(trace.requests, window_s, duration)
-    if len(rates) and duration > 0:
-        last_span = duration - (len(rates) - 1) * window_s
-        if 0 < last_span < window_s:
-            rates[-1] *= window_s / last_span  # the last, partial window's rate
+    rates = window_rates(trace.requests, window_s, duration)
     reps: list[int] = []
     gpus: list[int] = []
     caps: list[float] = []

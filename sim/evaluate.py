@@ -51,8 +51,9 @@ from fleetplan.sim.des import (
     SimResult,
     SimSettings,
 )
+from fleetplan.sim.evaluate_yardsticks import run_yardsticks
 from fleetplan.sim.groundtruth import EngineParams, build_params
-from fleetplan.sim.traces import Trace, TraceRequest
+from fleetplan.sim.traces import Trace, TraceRequest, window_rates
 
 SIMULATED = tuple(p for p in (*POLICY_NAMES, *EXTRA_POLICY_NAMES) if p not in HINDSIGHT_NAMES)
 KNOWN = (*POLICY_NAMES, *EXTRA_POLICY_NAMES)
@@ -156,6 +157,7 @@ class Evaluation:
     # per config label: the share of the trace's requests that miss the SLO even on an idle replica
     attainment_floors: Mapping[str, float] = field(default_factory=dict)
     best_fixed_fleet: str = ""  # the fleet `best-fixed` held ("" where it did not run)
+    found_at: Mapping[str, str] = field(default_factory=dict)  # per yardstick (clairvoyant, hpa-tuned): its setting
 
     def capacity_gaps(self) -> list[str]:
         """One line per config: profile vs ground-truth capacity per replica at the SLO."""
@@ -178,6 +180,8 @@ class Evaluation:
                 k: round(v, 3) for k, v in sorted(self.capacities.items())}
         if "best-fixed" in policies:
             policies["best-fixed"]["fleet"] = self.best_fixed_fleet
+        for name, label in self.found_at.items():
+            policies[name]["found_at"] = label
         trace = dict(self.trace)
         trace["evaluation_wall_s"] = round(self.wall_s, 2)
         trace["profile_vs_ground_truth_rps"] = {
@@ -612,6 +616,12 @@ def evaluate(trace: Trace, policy: Policy, profiles: ProfileSet, options: Evalua
             res = FleetSim(trace, StaticController("best-fixed", fleet), make_environment(policy), opts.settings).run()
             results["best-fixed"] = (res, time.perf_counter() - t0)
             fixed_label = "; ".join(labels)
+    yards, yard_notes = run_yardsticks(
+        opts.policies, trace, subs, cands, caps, policy, make_environment(policy), opts.settings,
+        lambda t: simulate_policy("hpa", trace, policy, profiles, opts.settings, t, opts.control)[0],
+        lambda c: max_replicas(policy, c), SLO_SHARE, lambda line: _tell(progress, line))
+    results.update({name: (run.result, run.wall_s) for name, run in yards.items()})
+    notes.extend(yard_notes)
     figures: dict[str, PolicyFigures] = {}
     for name in opts.policies:
         if name == "oracle" or name not in results:
@@ -645,7 +655,7 @@ def evaluate(trace: Trace, policy: Policy, profiles: ProfileSet, options: Evalua
             for c, h in o.gpu_hours_by_config:
                 orc_by_config[c.label()] = orc_by_config.get(c.label(), 0.0) + h
             labels.append(f"{o.config.label()} @ {o.capacity_rps:.2f} rps/replica")
-            rates = _window_rates(sub, o.window_s, trace.duration_s)
+            rates = window_rates(sub.requests, o.window_s, trace.duration_s)
             for k, n in enumerate(o.gpus_per_window):
                 t = k * o.window_s
                 acc = timeline_acc.setdefault(t, [0.0, 0.0])
@@ -690,6 +700,7 @@ def evaluate(trace: Trace, policy: Policy, profiles: ProfileSet, options: Evalua
         profile_capacities=profile_capacities(trace, policy, profiles, models),
         attainment_floors=floors,
         best_fixed_fleet=fixed_label,
+        found_at={name: run.label for name, run in yards.items()},
     )
 
 
@@ -711,16 +722,6 @@ def profile_capacities(trace: Trace, policy: Policy, profiles: ProfileSet,
     table, _ = capacity_table(policy, profiles, workloads, gpus)
     return {c.label(): (info.profile_rps or info.max_rps, info.extrapolating) for c, info in table.items()
             if c.model in workloads}
-
-
-def _window_rates(trace: Trace, window_s: float, duration_s: float) -> np.ndarray:
-    from fleetplan.sim.traces import iter_rates
-
-    rates = iter_rates(trace.requests, window_s, duration_s)
-    last_span = duration_s - (len(rates) - 1) * window_s
-    if len(rates) and 0 < last_span < window_s:
-        rates[-1] *= window_s / last_span
-    return rates
 
 
 def _q(a: np.ndarray, q: float) -> float | None:

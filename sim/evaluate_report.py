@@ -40,10 +40,13 @@ def render_table(ev: Evaluation) -> str:
         lines.append(f"oracle config: {ev.oracle_config}")
     if ev.best_fixed_fleet:
         lines.append(f"best-fixed fleet: {ev.best_fixed_fleet}")
-        bf, fp = ev.policies.get("best-fixed"), ev.policies.get("fleetplan")
-        if bf is not None and fp is not None and bf.gpu_hours > 0:
-            lines.append(f"fleetplan / best-fixed GPU-hours: {fp.gpu_hours / bf.gpu_hours:.2f} (SLO attainment "
-                         f"{100 * (fp.slo_attainment or 0.0):.2f}% vs {100 * (bf.slo_attainment or 0.0):.2f}%)")
+    lines.extend(f"{name} found at: {label}" for name, label in ev.found_at.items())
+    fp = ev.policies.get("fleetplan")
+    for name in ("best-fixed", "hpa-tuned", "clairvoyant"):  # the yardsticks a policy can reach
+        y = ev.policies.get(name)
+        if y is not None and fp is not None and y.gpu_hours > 0:
+            lines.append(f"fleetplan / {name} GPU-hours: {fp.gpu_hours / y.gpu_hours:.2f} (SLO attainment "
+                         f"{100 * (fp.slo_attainment or 0.0):.2f}% vs {100 * (y.slo_attainment or 0.0):.2f}%)")
     lines.extend(f"note: {n}" for n in ev.notes)
     lines.extend(f"note: {name}: {p.refused_starts} starts an agent would refuse (GPUs in use, or no engine on "
                  "that host): a defect of the act path, see the replay's notes"

@@ -5,8 +5,9 @@ and a label saying what it was found at."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fleetplan.planner.policy import Policy
 from fleetplan.planner.types import ConfigKey
@@ -19,9 +20,9 @@ YARDSTICK_NAMES: tuple[str, ...] = ("clairvoyant", "hpa-tuned")
 
 @dataclass(frozen=True)
 class YardstickRun:
-    result: SimResult
+    result: SimResult  # its replay, named after the yardstick
     label: str  # what it was found at, for the table and the JSON
-    setting: float | None  # the margin (clairvoyant) or target utilisation (hpa-tuned); None: not found
+    wall_s: float  # the search's and the replays' wall time
 
 
 def clairvoyant_window_s(cycle_s: float, duration_s: float) -> float:
@@ -58,7 +59,7 @@ def run_clairvoyant(trace: Trace, subs: Mapping[str, Trace], cands: Mapping[str,
         labels.append(f"{m} at {found.setting:g}x the window's rate")
     schedule = Schedule(window_s, counts, lead, first_lead)
     res = FleetSim(trace, ScheduleController("clairvoyant", schedule), env, settings).run()
-    return YardstickRun(res, f"{window_s:g} s windows; " + "; ".join(labels), None)
+    return YardstickRun(res, f"{window_s:g} s windows; " + "; ".join(labels), 0.0)
 
 
 def run_hpa_tuned(replay_hpa: Callable[[float], SimResult], objective: float) -> YardstickRun | None:
@@ -66,5 +67,27 @@ def run_hpa_tuned(replay_hpa: Callable[[float], SimResult], objective: float) ->
     found = tuned_hpa(replay_hpa, objective)
     if found is None:
         return None
-    res = found.result
-    return YardstickRun(res, f"target utilisation {found.setting:g}", found.setting)
+    tried = ", ".join(f"{t:g}: {h:.2f} GPU-h / {100 * a:.2f}%" for t, h, a in found.tried)
+    return YardstickRun(replace(found.result, policy="hpa-tuned"),
+                        f"target utilisation {found.setting:g} (tried {tried})", 0.0)
+
+
+def run_yardsticks(names: Sequence[str], trace: Trace, subs: Mapping[str, Trace],
+                   cands: Mapping[str, Sequence[ConfigKey]], caps: Mapping[ConfigKey, float], policy: Policy,
+                   env: Environment, settings: SimSettings, replay_hpa: Callable[[float], SimResult],
+                   max_count: Callable[[ConfigKey], int], objective: float,
+                   progress: Callable[[str], None]) -> tuple[dict[str, YardstickRun], list[str]]:
+    """The yardsticks of `names` (YARDSTICK_NAMES) on the trace: their runs, and a note for each that
+    no setting makes serve `objective`."""
+    runs: dict[str, YardstickRun] = {}
+    notes: list[str] = []
+    for name in (n for n in YARDSTICK_NAMES if n in names):
+        t0 = time.perf_counter()
+        run = (run_clairvoyant(trace, subs, cands, caps, policy, env, settings, max_count, objective)
+               if name == "clairvoyant" else run_hpa_tuned(replay_hpa, objective))
+        if run is None:
+            notes.append(f"{name} left out: no setting it searches serves {100.0 * objective:g}% of the requests")
+            continue
+        runs[name] = replace(run, wall_s=time.perf_counter() - t0)
+        progress(f"{name} found ({runs[name].wall_s:.0f} s)")
+    return runs, notes

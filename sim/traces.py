@@ -429,3 +429,18 @@ def iter_rates(requests: Iterable[TraceRequest], window_s: float, duration_s: fl
         if 0 <= k < nwin:
             counts[k] += 1
     return counts / window_s
+
+
+def window_rates(requests: Iterable[TraceRequest], window_s: float, duration_s: float) -> np.ndarray:
+    """`iter_rates`, the last, partial window at its own rate (its arrivals over its own span).
+
+    >>> from fleetplan.sim.traces import TraceRequest
+    >>> reqs = [TraceRequest(t_s=t, prompt_tokens=1, output_tokens=1) for t in (1.0, 2.0, 11.0)]
+    >>> window_rates(reqs, 10.0, 15.0).tolist()
+    [0.2, 0.2]
+    """
+    rates = iter_rates(requests, window_s, duration_s)
+    last_span = duration_s - (len(rates) - 1) * window_s
+    if len(rates) and 0 < last_span < window_s:
+        rates[-1] *= window_s / last_span
+    return rates

@@ -29,11 +29,9 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-import numpy as np
-
 from fleetplan.planner.types import ConfigKey
 from fleetplan.sim.des import ControllerView, Decision, Environment, FleetSim, SimResult, SimSettings
-from fleetplan.sim.traces import Trace, iter_rates
+from fleetplan.sim.traces import Trace, window_rates
 
 # the margins tried, in order of the search: the first that serves the objective, then the ones
 # below it between it and the last that did not
@@ -86,15 +84,6 @@ class ScheduleController:
 
     def decide(self, view: ControllerView) -> Decision:
         return Decision(targets=self.schedule.targets_at(view.t_s))
-
-
-def window_rates(trace: Trace, window_s: float) -> np.ndarray:
-    """Requests per second in each window of the trace; the last, partial window at its own rate."""
-    rates = iter_rates(trace.requests, window_s, trace.duration_s)
-    last_span = trace.duration_s - (len(rates) - 1) * window_s
-    if len(rates) and 0 < last_span < window_s:
-        rates[-1] *= window_s / last_span
-    return rates
 
 
 def clairvoyant_schedule(rates_rps: Sequence[float], window_s: float, configs: Sequence[ConfigKey],
@@ -210,7 +199,7 @@ def clairvoyant(trace: Trace, configs: Sequence[ConfigKey], capacity_rps: Mappin
                 gpus_of_type: Mapping[str, int], objective: float, window_s: float) -> Yardstick | None:
     """The clairvoyant autoscaler on one model's `trace` (module docstring): the smallest margin of
     MARGIN_LADDER whose schedule, replayed, serves `objective` of the requests."""
-    rates = [float(r) for r in window_rates(trace, window_s)]
+    rates = [float(r) for r in window_rates(trace.requests, window_s, trace.duration_s)]
     replayed: dict[tuple[tuple[ConfigKey, tuple[int, ...]], ...], SimResult] = {}
     schedules: dict[float, Schedule] = {}
 
