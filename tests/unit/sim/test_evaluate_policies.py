@@ -312,3 +312,22 @@ def test_best_fixed_says_when_the_models_fleets_together_exceed_the_inventory(
     counts = [int(part.split(" x ")[1].split(" ")[0]) for part in fleet.split("; ")]
     assert sum(counts) > 8
     assert any(n.startswith("best-fixed: the models' fleets together need more h100 GPUs") for n in ev.notes)
+
+
+def test_the_yardsticks_serve_the_objective_and_fleetplan_is_printed_over_each(
+        world: tuple[Policy, object, dict[ConfigKey, float]]) -> None:
+    """A step from 5 to 25 rps: hpa-tuned and the clairvoyant are found with hindsight, each serves 99%,
+    the clairvoyant (knowing the step) needs no more GPU-hours than the cheapest fleet held all along,
+    and the table prints fleetplan over each."""
+    trace = synthetic([(300.0, 5.0), (300.0, 25.0)], seed=3)
+    ev = _run(world, trace, ("fleetplan", "best-fixed", "hpa-tuned", "clairvoyant"))
+    for name in ("hpa-tuned", "clairvoyant"):
+        y = ev.policies[name]
+        assert y.slo_attainment is not None and y.slo_attainment >= 0.99, (name, y.slo_attainment)
+        assert name in ev.found_at and ev.to_json()["policies"][name]["found_at"] == ev.found_at[name]
+    assert "x the window's rate" in ev.found_at["clairvoyant"]
+    assert ev.found_at["hpa-tuned"].startswith("target utilisation ")
+    assert ev.policies["clairvoyant"].gpu_hours <= ev.policies["best-fixed"].gpu_hours + 1e-9
+    table = render_table(ev)
+    for name in ("best-fixed", "hpa-tuned", "clairvoyant"):
+        assert f"fleetplan / {name} GPU-hours: " in table
