@@ -475,7 +475,8 @@ def plan_with_capacities(
                "this model (fleetplan models fit) to size it to its demand")
         demands[name] = replace(d, required_rps=0.0, notes=(*d.notes, why))
 
-    apply_band(demands, current, capacities, policy.scaling.scale_down_band, UNKNOWN_CAPACITY_RPS)
+    apply_band(demands, current, capacities, policy.scaling.scale_down_band, UNKNOWN_CAPACITY_RPS,
+               policy.scaling.scale_down_delay_s)
     # exploration: a canary of a config never measured whose profile promises a cheaper fleet
     trials = canaries(policy, capacities, state.correction_map(),
                       {m: d.required_rps for m, d in demands.items() if d.known and m not in unknown}, ready)

@@ -15,7 +15,8 @@ cycle to the next. Four rules keep the fleet from drain/start flip-flops:
    only where its model's demand fell (a swap a few cycles later costs less than a start thrown away).
 3. **The band** (`apply_band`): a model whose running replicas cover its required rate is sized for
    up to the rate estimate's own noise more: the width of the Poisson interval of the count its rate
-   window holds (2 x BAND_Z / sqrt(rate x window), `noise_band`), at least the policy's
+   window or the scale-down delay holds, the longer (2 x BAND_Z / sqrt(rate x span), `noise_band`),
+   at least the policy's
    `scale_down_band`, at most half a replica.
 4. **The delay** (`hold_surplus`): a surplus must persist for `scaling.scale_down_delay_s`.
 """
@@ -211,10 +212,12 @@ def noise_band(rate_rps: float | None, window_s: float | None) -> float | None:
 
 
 def apply_band(demands: dict[str, Demand], current: Mapping[ConfigKey, int],
-               capacities: Mapping[ConfigKey, CapacityInfo], floor: float, unknown_rps: float) -> None:
+               capacities: Mapping[ConfigKey, CapacityInfo], floor: float, unknown_rps: float,
+               delay_s: float = 0.0) -> None:
     """Hysteresis: a model whose running replicas cover its required rate is sized for up to `band`
     more, never more than what runs, so it scales down only when the smaller fleet keeps that margin.
-    The band is the rate's own noise (`noise_band` of its observed rate over its rate window), at
+    The band is the rate's own noise (`noise_band` of its observed rate over its rate window or the
+    scale-down delay `delay_s`, the longer: every reading over the delay must show the surplus), at
     least `floor` (policy scaling.scale_down_band, default 0.1: the rate also wanders beyond Poisson
     counting; the fault suite saw 1.37 -> 1.47 rps against 1.44 rps of two replicas), and the margin
     is at most half the smallest running replica (a large fleet keeps no more than one replica for
@@ -236,14 +239,17 @@ def apply_band(demands: dict[str, Demand], current: Mapping[ConfigKey, int],
     for name, d in demands.items():
         cap = cap_now.get(name, 0.0)
         if d.known and 0.0 < d.required_rps <= cap:
-            noise = noise_band(d.observed_rps, d.rate_window_s)
+            # the readings a scale-down rests on span the delay (its surplus must persist that long),
+            # at least one rate window
+            span = max(d.rate_window_s, delay_s) if d.rate_window_s is not None else None
+            noise = noise_band(d.observed_rps, span)
             band = max(floor, noise or 0.0)
             margin = min(d.required_rps * band, SCALE_DOWN_BAND_REPLICAS * replica_min[name])
             notes = d.notes
             if noise is not None and noise > floor:
                 notes = (*notes, f"scale-down band {100.0 * band:.0f}%: the rate's Poisson interval "
-                                 f"({d.observed_rps or 0.0:.2f} rps x {d.rate_window_s or 0.0:.0f} s window = "
-                                 f"{(d.observed_rps or 0.0) * (d.rate_window_s or 0.0):.0f} requests; "
+                                 f"({d.observed_rps or 0.0:.2f} rps x {span or 0.0:.0f} s = "
+                                 f"{(d.observed_rps or 0.0) * (span or 0.0):.0f} requests; "
                                  f"floor {100.0 * floor:.0f}%)")
             demands[name] = replace(d, plan_rps=min(d.required_rps + margin, cap), notes=notes)
 
