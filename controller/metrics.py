@@ -58,6 +58,13 @@ class ControllerMetrics:
             "fleetplan_observed_slo_missed_ratio",
             "share of the last window's requests that missed the SLO (TTFT or ITL above its target), "
             "as the engines' histogram buckets bound it", ["model", "bound"], registry=r)
+        # planner/slo.py: the SLO over its period and the error budget left, bounded by the buckets
+        self.slo_good_ratio = Gauge(
+            "fleetplan_slo_good_ratio", "share of the SLO period's requests served within the SLO",
+            ["model", "bound"], registry=r)
+        self.slo_budget_remaining_ratio = Gauge(
+            "fleetplan_slo_error_budget_remaining_ratio",
+            "share of the SLO period's error budget left (below 0: overspent)", ["model", "bound"], registry=r)
         self.actions = Counter(
             "fleetplan_actions", "actions executed", ["kind", "status"], registry=r
         )
@@ -112,7 +119,8 @@ class ControllerMetrics:
         return (self.planned_replicas, self.running_replicas, self.desired_replicas, self.predicted_ttft_p99_seconds,
                 self.observed_ttft_p99_seconds, self.predicted_itl_p99_seconds, self.observed_itl_p99_seconds, self.demand_rps,
                 self.capacity_rps, self.slo_ttft_p99_seconds, self.slo_itl_p99_seconds, self.unmet_demand_rps,
-                self.uncertainty_usd_h, self.slo_missed_ratio)
+                self.uncertainty_usd_h, self.slo_missed_ratio, self.slo_good_ratio,
+                self.slo_budget_remaining_ratio)
 
     def keep_models(self, models: set[str]) -> None:
         """Remove the series of models that left the policy (a stale gauge would keep alerting)."""

@@ -155,6 +155,32 @@ def attainment_lines(c: Mapping[str, Any], *, indent: str = "    ") -> list[str]
     return [text]
 
 
+def budget_line(m: Mapping[str, Any], *, indent: str = "  ") -> str | None:
+    """A model's SLO over its period and the error budget left (planner/slo.py, the plan's
+    `error_budget`); each figure a range where the engines' histogram buckets bound it. None: no
+    request counted yet.
+
+    >>> budget_line({"error_budget": {"kind": "period", "objective": 0.99, "period_s": 3600.0,
+    ...     "window_floor": 0.95, "requests": 1200.0, "covered_s": 3600.0, "good_share": [0.9962, 0.997],
+    ...     "budget_left": [0.62, 0.7], "worst_slice_good_share": 0.98}})
+    '  SLO over the last 1 h (99% of requests): 99.62-99.70% good, 62-70% of the error budget left; worst slice 98.00% (window floor 95%)'
+    """
+    b = m.get("error_budget")
+    if not b:
+        return None
+
+    def rng(pair: Sequence[float], digits: int) -> str:
+        lo, hi = (100.0 * x for x in pair)
+        return f"{lo:.{digits}f}%" if abs(hi - lo) < 0.5 * 10 ** -digits else f"{lo:.{digits}f}-{hi:.{digits}f}%"
+
+    period = b["period_s"]
+    span = f"{period / 3600.0:g} h" if period >= 3600.0 else f"{period / 60.0:g} min"
+    covered = "" if b["covered_s"] >= period - 1e-6 else f", {b['covered_s'] / 60.0:.0f} min of it counted so far"
+    return (f"{indent}SLO over the last {span} ({100.0 * b['objective']:g}% of requests{covered}): "
+            f"{rng(b['good_share'], 2)} good, {rng(b['budget_left'], 0)} of the error budget left; worst slice "
+            f"{100.0 * b['worst_slice_good_share']:.2f}% (window floor {100.0 * b['window_floor']:g}%)")
+
+
 def _plan_html(plan: Mapping[str, Any]) -> list[str]:
     """The current plan: per model table, why (binding constraints, notes, alternatives), held actions."""
     e = plan.get("explanation") or {}
@@ -232,6 +258,11 @@ def render_page(data: Mapping[str, Any], series: Mapping[str, Mapping[str, Seque
     h.append(f"<h2>Alerts ({len(alerts)})</h2>")
     h.append("<ul>" + "".join(f'<li class="alert">{_e(a)}</li>' for a in alerts) + "</ul>" if alerts
              else '<p class="muted">none</p>')
+
+    budgets = [(m["model"], budget_line(m, indent="")) for m in (plan.get("explanation") or {}).get("models", [])]
+    h.append("<h2>SLO and error budget</h2>")
+    h.append("<ul>" + "".join(f"<li><b>{_e(name)}</b>: {_e(line)}</li>" for name, line in budgets if line) + "</ul>"
+             if any(line for _, line in budgets) else '<p class="muted">no request counted yet</p>')
 
     h.extend(_plan_html(plan))
 

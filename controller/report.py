@@ -41,7 +41,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from fleetplan.controller import reporting
-from fleetplan.controller.page import attainment_lines
+from fleetplan.controller.page import attainment_lines, budget_line
 from fleetplan.controller.report_gate import ReadGate
 from fleetplan.controller.report_snapshot import Rendered, ReportSnapshot
 from fleetplan.controller.settings import ControllerSettings
@@ -595,6 +595,9 @@ def render_explain(data: Mapping[str, Any], model: str) -> str | None:
     missed = missed_line(m)
     if missed:
         lines.append(missed)
+    budget = budget_line(m)
+    if budget:
+        lines.append(budget)
     lines.extend(uncertainty_lines(m))
     plan = data.get("plan") or {}
     for c in m["configs"]:

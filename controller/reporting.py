@@ -72,6 +72,11 @@ def update_metrics(ctrl: Controller, doc: Mapping[str, Any], snap: Snapshot) -> 
             low, high = me["observed_missed_share"]
             m.slo_missed_ratio.labels(name, "low").set(low)
             m.slo_missed_ratio.labels(name, "high").set(high)
+        if me.get("error_budget"):
+            b = me["error_budget"]
+            for bound, good, left in zip(("low", "high"), b["good_share"], b["budget_left"], strict=True):
+                m.slo_good_ratio.labels(name, bound).set(good)
+                m.slo_budget_remaining_ratio.labels(name, bound).set(left)
         ttfts = [c["predicted_ttft_p99_ms"] for c in me["configs"] if c["predicted_ttft_p99_ms"] is not None]
         itls = [c["predicted_itl_p99_ms"] for c in me["configs"] if c["predicted_itl_p99_ms"] is not None]
         if ttfts:

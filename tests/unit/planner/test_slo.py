@@ -120,3 +120,20 @@ def test_a_target_inside_a_bucket_is_a_range_and_a_stricter_objective_is_said() 
     assert b.good_share == pytest.approx((0.95, 0.99))
     assert b.budget_left[0] < b.budget_left[1] < 0  # overspent whichever way the bucket reads
     assert any("sized for the p99" in n for n in r.explanation.models[0].notes)
+
+
+def test_explain_and_the_plan_page_show_the_budget_left() -> None:
+    from fleetplan.controller.page import render_page
+    from fleetplan.controller.report import render_explain
+
+    readings = [(2.0, MISS_1PCT if i % 3 else NO_MISS, False) for i in range(30)]
+    r, _ = _cycles(_policy(), readings)
+    doc = json.loads(json.dumps(plan_to_dict(r)))
+    text = render_explain({"plan": doc}, M) or ""
+    # 30 of the 60 minutes counted, 2/3 of the 1% spent
+    assert ("SLO over the last 1 h (99% of requests, 30 min of it counted so far): 99.33% good, 33% of the "
+            "error budget left; worst slice 99.00%") in text
+    page = render_page({"plan": doc, "cycle_id": 30}, {}, T0 + 60.0 * 30)
+    assert "<h2>SLO and error budget</h2>" in page and "33% of the error budget left" in page
+    empty = render_page({"plan": {"explanation": {"models": []}}}, {}, T0)
+    assert "no request counted yet" in empty
