@@ -373,7 +373,7 @@ def _count_problem(
         max_gpus=eff.budget.max_gpus, max_usd_h=eff.budget.max_usd_h,
         churn_cost_usd_h=s.churn_cost_usd_h, lead_time_cost_usd_h_per_min=s.lead_time_cost_usd_h_per_min,
         time_limit_s=policy.solver.time_limit_s, relative_gap=policy.solver.relative_gap,
-        workers=policy.solver.workers, backend=policy.solver.backend,
+        workers=policy.solver.workers, backend=policy.solver.backend, work_limit=policy.solver.work_limit,
     )
 
 

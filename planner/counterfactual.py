@@ -496,7 +496,8 @@ def add_counterfactuals(
         base_usd, base_unmet = _usd_unmet(problem, solution)
         share = problem.time_limit_s / max(1, len(todo))  # all re-solves within one plan solve's limit
         for constraint, step, model, relaxed in todo:
-            relaxed = replace(relaxed, time_limit_s=share)
+            relaxed = replace(relaxed, time_limit_s=share, work_limit=None if problem.work_limit is None
+                              else problem.work_limit / max(1, len(todo)))
             sol = solve(relaxed)
             reports.append(replace(sol.report, stage="counterfactual"))
             usd, unmet = _usd_unmet(relaxed, sol)

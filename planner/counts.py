@@ -10,8 +10,15 @@ subject to capacity >= demand x (1 + headroom)   (soft: slack priced by priority
 The model is built backend-neutral and solved by SCIP through pywraplp (default: single thread,
 deterministic) or CP-SAT (integers only: capacities in milli-rps, money in milli-$/h; deterministic
 with one worker). Dominated configs are pruned first (exact); the LP relaxation (GLOP) rounded per
-model is a warm start and the fallback when the solver returns nothing. Time-limited; status,
-objective, bound and gap are reported from the solver itself (the planner reads no clock).
+model is a warm start and the fallback when the solver returns nothing. Status, objective, bound and
+gap are reported from the solver itself (the planner reads no clock).
+
+Limits: `time_limit_s` of wall-clock time (the daemon's: a plan on time), or, when `work_limit` is
+given, a limit on the solver's work and no clock at all (the replay's: a solve that stops at its limit
+stops at the same point on a busy machine as on an idle one, so the same problem gets the same
+counts). A work unit is about one second of one core: CP-SAT's deterministic time
+(`max_deterministic_time`; several workers interleave their search, deterministic whatever their
+number), SCIP's branch-and-bound nodes (`limits/totalnodes`, SCIP_NODES_PER_WORK per unit).
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ _RPS_SCALE = 1000  # milli-rps
 _USD_SCALE = 1000  # milli-$/h
 UNMET_TOL_RPS = 1e-3  # demand is met to within this
 CAPACITY_TIEBREAK_USD_H_PER_RPS = 1e-3
+# SCIP branch-and-bound nodes per work unit (about a second of one core on stage-1 models)
+SCIP_NODES_PER_WORK = 1000
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,9 @@ class CountProblem:
     relative_gap: float = 0.001
     workers: int = 1
     backend: str = "SCIP"  # "SCIP" (pywraplp) | "cp-sat"
+    # a limit on the solver's work instead of its wall-clock time (see the module docstring); None:
+    # time_limit_s
+    work_limit: float | None = None
 
 
 @dataclass(frozen=True)
@@ -285,7 +297,11 @@ def _solve_cpsat(mdl: _Model, problem: CountProblem, hint: list[float] | None) -
             m.add_hint(x, math.ceil(v * sc - 1e-9))
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = problem.workers
-    solver.parameters.max_time_in_seconds = problem.time_limit_s
+    if problem.work_limit is None:
+        solver.parameters.max_time_in_seconds = problem.time_limit_s
+    else:
+        solver.parameters.max_deterministic_time = problem.work_limit
+        solver.parameters.interleave_search = problem.workers > 1  # deterministic for any worker count
     solver.parameters.relative_gap_limit = problem.relative_gap
     solver.parameters.random_seed = 0
     status = solver.solve(m)
@@ -339,7 +355,14 @@ def _solve_mip(solver: Any, mdl: _Model, problem: CountProblem, backend: str, hi
     obj = solver.Objective()
     if hint is not None:
         solver.SetHint(xs, hint)
-    solver.SetTimeLimit(max(1, int(problem.time_limit_s * 1000)))
+    if problem.work_limit is None:
+        solver.SetTimeLimit(max(1, int(problem.time_limit_s * 1000)))
+    elif backend == "SCIP":
+        nodes = max(1, math.ceil(problem.work_limit * SCIP_NODES_PER_WORK))
+        if not solver.SetSolverSpecificParametersAsString(f"limits/totalnodes = {nodes}\n"):
+            raise ValueError(f"SCIP refused limits/totalnodes = {nodes}")
+    else:
+        raise ValueError(f"backend {backend}: no limit on work (work_limit is for SCIP and cp-sat)")
     if backend == "SCIP":
         solver.SetNumThreads(1)
     params = pywraplp.MPSolverParameters()

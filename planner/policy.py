@@ -380,6 +380,9 @@ class SolverSettings(_Strict):
     relative_gap: float = Field(default=0.005, ge=0, le=1)
     workers: int = Field(default=1, ge=1, le=64)  # CP-SAT: >1 is faster but not bit-for-bit deterministic
     backend: Literal["SCIP", "cp-sat"] = "SCIP"  # stage-1 solver (placement is always exact packing)
+    # a limit on the solver's work instead of time_limit_s (planner/counts.py: units of about a second
+    # of one core; no clock read): the same plan on a busy machine as on an idle one. None: the clock
+    work_limit: float | None = Field(default=None, gt=0, le=3_600)
 
 
 class ScheduleOverride(_Strict):

@@ -53,6 +53,7 @@ from fleetplan.sim.des import (
 )
 from fleetplan.sim.evaluate_yardsticks import run_yardsticks
 from fleetplan.sim.groundtruth import EngineParams, build_params
+from fleetplan.sim.solve_limits import replay_policy
 from fleetplan.sim.traces import Trace, TraceRequest, window_rates
 
 SIMULATED = tuple(p for p in (*POLICY_NAMES, *EXTRA_POLICY_NAMES) if p not in HINDSIGHT_NAMES)
@@ -220,9 +221,8 @@ def prepare_trace(trace: Trace, policy: Policy, model: str | None) -> Trace:
         return trace.as_single_model(name)
     if any(r.model is None for r in trace.requests):
         default = policy.models[0].name
-        reqs = tuple(r if r.model is not None else TraceRequest(r.t_s, r.prompt_tokens, r.output_tokens, default)
-                     for r in trace.requests)
-        trace = Trace(trace.source, trace.format, reqs, trace.skipped, trace.skip_reasons)
+        trace = replace(trace, requests=tuple(r if r.model is not None else replace(r, model=default)
+                                              for r in trace.requests))
     out: list[TraceRequest] = []
     for r in trace.requests:
         assert r.model is not None
@@ -232,8 +232,8 @@ def prepare_trace(trace: Trace, policy: Policy, model: str | None) -> Trace:
                 f"{trace.source}: model {r.model!r} of the trace is not in the policy "
                 f"(models: {', '.join(sorted(known))}); pass --model to serve the trace as one model"
             )
-        out.append(r if name == r.model else TraceRequest(r.t_s, r.prompt_tokens, r.output_tokens, name))
-    return Trace(trace.source, trace.format, tuple(out), trace.skipped, trace.skip_reasons)
+        out.append(r if name == r.model else replace(r, model=name))  # its blocks and all else kept
+    return replace(trace, requests=tuple(out))
 
 
 def policy_for_models(policy: Policy, models: Sequence[str]) -> Policy:
@@ -506,7 +506,7 @@ def evaluate(trace: Trace, policy: Policy, profiles: ProfileSet, options: Evalua
         raise EvaluateError("the policy lists no hosts: the simulated fleet is the policy's `hosts` inventory")
     trace = prepare_trace(trace, policy, opts.model)
     models = sorted({r.model for r in trace.requests if r.model is not None})
-    policy = policy_for_models(policy, models)
+    policy = replay_policy(policy_for_models(policy, models))  # the solve limited by work: a function
     subs = {m: Trace(trace.source, trace.format, tuple(r for r in trace.requests if r.model == m)) for m in models}
     mixes = {m: trace_mix(subs[m]) for m in models}
     cands = {m: candidates_for(policy, m) for m in models}

@@ -70,7 +70,7 @@ def _handle(args: argparse.Namespace) -> int:
         render_table,
         write_charts,
     )
-    from fleetplan.sim.traces import TraceError, read_trace, reshape, shape_day
+    from fleetplan.sim.traces import TraceError, block_reuse_share, read_trace, reshape, shape_day
 
     try:
         policies = parse_policy_list(args.policies)
@@ -91,6 +91,8 @@ def _handle(args: argparse.Namespace) -> int:
         trace = read_trace(args.trace)
         info: dict[str, Any] = {"file": str(args.trace), "requests_in_file": len(trace.requests),
                                 "skipped_rows": trace.skipped, "rate_scale": args.rate_scale,
+                                # the prefix-cache hit-rate bound: one replica, unlimited cache (in blocks)
+                                "block_reuse_share": _round4(block_reuse_share(trace.requests)),
                                 "day_s": args.day_s,
                                 "controller_config": None if args.controller_config is None else str(args.controller_config),
                                 "time_scale": args.time_scale}
@@ -123,6 +125,10 @@ def _handle(args: argparse.Namespace) -> int:
         if args.out is not None:
             print(f"charts: {args.out / 'evaluation.png'} {args.out / 'evaluation.html'}")
     return 0
+
+
+def _round4(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
 
 
 def _controller_settings(path: Path | None) -> Any:

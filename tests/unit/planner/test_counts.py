@@ -67,3 +67,12 @@ def test_invalid_observed_rate_is_unknown_and_fails_static() -> None:
     assert any("fail static" in n for n in r.explanation.models[0].notes)
     assert any("no usable hosts" in n for n in r.explanation.notes)
     assert r.plan.replicas == ()
+
+
+@pytest.mark.parametrize("backend", ["SCIP", "cp-sat"])
+def test_a_work_limit_replaces_the_clock_and_a_generous_one_still_finds_the_optimum(backend: str) -> None:
+    sol = solve_counts(dataclasses.replace(PROBLEM, backend=backend, work_limit=5.0, time_limit_s=1e-6))
+    # a wall-clock limit of a microsecond would stop it at once: the work limit alone applies
+    assert sol.report.status == "OPTIMAL"
+    assert {(c.model, c.engine.value, c.tp): n for c, n in sol.counts.items()} == {
+        ("a", "trtllm", 1): 4, ("b", "vllm", 4): 3}
