@@ -126,7 +126,16 @@ def model_demands(observation: Observation, policy: Policy, now_s: float,
                 notes.append(f"fail static: {why}; no scale-down for this model; the {lower:.2f} rps read is a "
                              "lower bound: it can raise capacity, never lower it")
             demand = max(0.0, lower or 0.0)
-            out[m.name] = Demand(m.name, lower, None, demand, demand * (1 + m.headroom), False, tuple(notes),
+            # the burst memory outlives a stale cycle (a start inside a burst makes the next reading
+            # stale), and a stale peak, like the rate, is a lower bound that may raise capacity
+            burst, mem = bursts(o, m, state or PlannerState.initial(), now_s, keep_s)
+            memory.extend((m.name, t, v) for t, v in mem)
+            required = demand * (1 + m.headroom)
+            if burst > required:
+                notes.append(f"bursts: short-window peaks need {burst:.2f} rps of capacity to drain within the "
+                             f"TTFT SLO (above {required:.2f}); kept for {keep_s:.0f} s")
+                required = burst
+            out[m.name] = Demand(m.name, lower, None, demand, required, False, tuple(notes),
                                  history=o.history if o is not None else ())
             continue
         assert o is not None and o.rate_rps is not None
