@@ -37,7 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from fleetplan.harness.demo import EngineOptions, Rig
+from fleetplan.harness.fault_controlplane import faketime_env
 from fleetplan.harness.fault_suite import ALL_FAULTS, HEADER, BadPayloads, FaultSuite, summary
+from fleetplan.harness.prom_proxy import PromProxy
 from fleetplan.harness.rig_tools import (
     ISL,
     MAX_NUM_SEQS,
@@ -138,11 +140,23 @@ async def run(args: argparse.Namespace, work: Path, names: Sequence[str]) -> int
     load: Load | None = None
     suite: FaultSuite | None = None
     ctrl: ControllerProc | None = None
+    proxy: PromProxy | None = None
+    # the clock faults: the controller under libfaketime, its wall clock offset by what this file says
+    clock_file = ctrl_dir / "faketime-offset"
+    env = faketime_env(clock_file) if any(n.startswith("clock_step") for n in names) else None
+    if env is None and any(n.startswith("clock_step") for n in names):
+        print("== libfaketime is not installed (apt-get install libfaketime): the clock faults will report "
+              "a harness error", flush=True)
     try:
         print(f"== lab in {work}: {args.hosts} hosts x 8 H100, simulated engines at {K:g}x", flush=True)
         await asyncio.to_thread(rig.start)
         over["hosts"] = [(h.name, 8) for h in rig.lab.hosts]  # the policy's inventory (lying_status)
-        ctrl = ControllerProc(rig, ctrl_dir, policy_doc(**over))
+        settings: dict[str, Any] = {}
+        if any(n.startswith("prometheus_") and n != "prometheus_empty" for n in names):
+            # the controller's Prometheus is a proxy that passes everything through until a fault
+            proxy = await asyncio.to_thread(PromProxy(work / "prom-proxy", rig.lab.prometheus.url).start)
+            settings["prometheus_url"] = proxy.url
+        ctrl = ControllerProc(rig, ctrl_dir, policy_doc(**over), env=env, **settings)
         if state_mount is not None:
             ctrl.state_db = state_mount / "state.db"
         await asyncio.to_thread(ctrl.start)
@@ -153,7 +167,9 @@ async def run(args: argparse.Namespace, work: Path, names: Sequence[str]) -> int
         suite = FaultSuite(rig, ctrl, load, seconds=args.seconds, seed=args.seed, policy_over=over,
                            bad_payloads=bad_payloads(args.generated) if "bad_messages" in names else None,
                            log=lambda s: print(s, flush=True), state_mount=state_mount, hold_s=args.hold,
-                           router_hold_s=args.router_hold)
+                           router_hold_s=args.router_hold, prom_proxy=proxy,
+                           clock_file=clock_file if env is not None else None, sick_s=args.sick,
+                           readers=args.readers)
         await suite.start()
         # warm-up: the load observed, the fleet sized for it and unchanged past the scale-down delay
         why = await suite.settle(timeout_s=120, stable_s=8.0)
@@ -168,6 +184,8 @@ async def run(args: argparse.Namespace, work: Path, names: Sequence[str]) -> int
         for r in results:
             if r.notes:
                 print(f"  {r.name}: " + "; ".join(r.notes))
+            if r.missed:
+                print(f"  {r.name} MISSED: " + "; ".join(r.missed))
         missed = [r for r in results if not r.goals_met]
         for r in missed:
             lines = log_excerpt(r.log_lines)
@@ -182,6 +200,8 @@ async def run(args: argparse.Namespace, work: Path, names: Sequence[str]) -> int
             await load.stop()
         if ctrl is not None:
             await asyncio.to_thread(ctrl.stop)
+        if proxy is not None:
+            await asyncio.to_thread(proxy.stop)
         await asyncio.to_thread(rig.stop)
         if state_mount is not None:
             await asyncio.to_thread(subprocess.run, ["umount", str(state_mount)], check=False, capture_output=True)
@@ -214,6 +234,9 @@ def main() -> int:
                     help="wall seconds the disk stays full and the status lies (default 8)")
     ap.add_argument("--router-hold", type=float, default=4.0,
                     help="wall seconds nginx stays down (default 4: under the policy's 6 s scale-down delay)")
+    ap.add_argument("--sick", type=float, default=30.0,
+                    help="wall seconds Prometheus stays sick and the report readers read (default 30)")
+    ap.add_argument("--readers", type=int, default=200, help="concurrent report readers (default 200)")
     ap.add_argument("--state-fs-mb", type=int, default=128, help="size of the tmpfs of the state database")
     args = ap.parse_args()
     names = [n for n in args.faults.split(",") if n]

@@ -8,7 +8,7 @@ The scenario is bench/controller_scale.py's (one Mosquitto, the fleet simulator 
 Prometheus, a real Controller with its real report server on a loopback port). After the rollout
 the controller's cycles run as the service runs them (one start per `--interval-s`; a late cycle is
 not made up for) for three phases of `--phase-s`: quiet, with `--readers` concurrent readers, quiet
-again. The readers run in a child process (aiohttp): each loops GET /plan and GET /api/report (the
+again. The readers run in a child process (fleetplan/harness/report_readers.py, aiohttp): each loops GET /plan and GET /api/report (the
 `--paths`) as fast as it is answered, ignoring Retry-After, as a load tool would.
 
 Printed per phase: cycles, the period (start to start) mean and max, the cycle's wall time mean
@@ -32,7 +32,6 @@ import itertools
 import json
 import math
 import os
-import re
 import shutil
 import signal
 import statistics
@@ -40,7 +39,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -48,57 +46,6 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from controller_scale import Bench, calibrate_demand, log, policy_doc, profiles_for
-
-CYCLE_ID = re.compile(rb'"cycle_id": (\d+|null)')
-
-
-# ---------------------------------------------------------------------------------------------
-# the readers (child process)
-
-
-async def _readers_main(cfg: dict[str, Any]) -> dict[str, Any]:
-    import aiohttp
-
-    url, paths, n = cfg["url"], cfg["paths"], int(cfg["readers"])
-    until = time.time() + float(cfg["duration_s"])
-    status: Counter[str] = Counter()
-    latency: list[float] = []
-    seen: list[tuple[float, int]] = []  # (sent, cycle_id) of each /api/report answer
-
-    async def reader(i: int, http: aiohttp.ClientSession) -> None:
-        k = i
-        while time.time() < until:
-            path = paths[k % len(paths)]
-            k += 1
-            sent = time.time()
-            try:
-                async with http.get(url + path) as r:
-                    body = await r.read()
-                    status[str(r.status)] += 1
-            except (aiohttp.ClientError, OSError) as exc:
-                status[type(exc).__name__] += 1
-                await asyncio.sleep(0.1)
-                continue
-            latency.append(time.time() - sent)
-            if r.status == 200 and path == "/api/report":
-                m = CYCLE_ID.search(body, 0, 4096)
-                if m is not None and m.group(1) != b"null":
-                    seen.append((sent, int(m.group(1))))
-
-    timeout = aiohttp.ClientTimeout(total=120)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as http:
-        await asyncio.gather(*(reader(i, http) for i in range(n)))
-    latency.sort()
-    pct = {q: latency[min(len(latency) - 1, int(q / 100 * len(latency)))] if latency else math.nan for q in (50, 99)}
-    return {"status": dict(status), "p50_s": pct[50], "p99_s": pct[99], "seen": seen}
-
-
-def readers_child(config_path: str) -> int:
-    cfg = json.loads(Path(config_path).read_text())
-    out = asyncio.run(_readers_main(cfg))
-    Path(cfg["out"]).write_text(json.dumps(out))
-    return 0
-
 
 # ---------------------------------------------------------------------------------------------
 # the controller side
@@ -216,7 +163,7 @@ class Run:
                "duration_s": duration_s, "out": str(out)}
         path = self.work / "readers-config.json"
         path.write_text(json.dumps(cfg))
-        self.reader_proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--readers-child", str(path)],
+        self.reader_proc = subprocess.Popen([sys.executable, "-m", "fleetplan.harness.report_readers", str(path)],
                                             stdin=subprocess.DEVNULL, start_new_session=True)
         return out
 
@@ -323,10 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--status-interval-s", type=float, default=15.0)
     ap.add_argument("--connect-timeout-s", type=float, default=300.0)
     ap.add_argument("--rollout-timeout-s", type=float, default=600.0)
-    ap.add_argument("--readers-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.readers_child:
-        return readers_child(args.readers_child)
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

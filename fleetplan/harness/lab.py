@@ -446,7 +446,8 @@ def _attached_proc(name: str, info: Mapping[str, Any] | None) -> ManagedProcess 
 
 
 def settings_from_lab(settings: ControllerSettings) -> tuple[ControllerSettings, Callable[[], None] | None]:
-    """Fill a ControllerSettings' Prometheus/MQTT/routing from lab.json when its `lab_dir` is set;
+    """Fill a ControllerSettings' Prometheus/MQTT/routing from lab.json when its `lab_dir` is set
+    (a `prometheus_url` the settings name wins: e.g. a proxy in front of the lab's Prometheus);
     returns the settings and the lab's nginx reloader (the daemon's `prepare` hook)."""
     from fleetplan.controller.daemon import RoutingSettings
     from fleetplan.controller.mqtt import MqttSettings
@@ -465,7 +466,9 @@ def settings_from_lab(settings: ControllerSettings) -> tuple[ControllerSettings,
         password=lab.controller_password, keepalive_s=5, backoff_initial_s=0.2, backoff_max_s=2.0,
     )
     new = settings.model_copy(update={
-        "prometheus_url": lab.prometheus_url, "mqtt": mqtt, "routing": routing,
+        "prometheus_url": (settings.prometheus_url if "prometheus_url" in settings.model_fields_set
+                           else lab.prometheus_url),
+        "mqtt": mqtt, "routing": routing,
         "default_host_address": settings.default_host_address or "127.0.0.1",
     })
     return new, lab.reload_nginx

@@ -65,8 +65,9 @@ class ControllerProc:
     """`fleetplan controller` as a subprocess on a Rig, plus its report API."""
 
     def __init__(self, rig: Rig, work: Path, policy: dict[str, Any], *, time_scale: float = K,
-                 profiles: Path | None = PROFILES, **settings: Any) -> None:
+                 profiles: Path | None = PROFILES, env: dict[str, str] | None = None, **settings: Any) -> None:
         self.rig = rig
+        self.env = dict(env or {})  # added to the environment of every start (e.g. libfaketime's)
         self.time_scale = time_scale
         self.profiles = profiles
         self.work = work
@@ -93,7 +94,7 @@ class ControllerProc:
              "--state-db", str(self.state_db), "--report-listen",
              f"127.0.0.1:{self.port}", "--time-scale", f"{self.time_scale:g}", "--config", str(self.config)],
             stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO), start_new_session=True,
-            env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
+            env=dict(os.environ, PYTHONUNBUFFERED="1", **self.env, **(env or {})),
         )
         log.close()
         deadline = time.monotonic() + 30
