@@ -335,15 +335,23 @@ class Observer:
                           time_scale=self.config.time_scale, replica_label=REPLICA_LABEL, moments=moments,
                           length_window_s=max(self.config.length_window_s, self.config.window_s))
 
-    async def _query_all(self, queries: Mapping[K, str], at_s: float) -> dict[K, list[Sample]]:
+    async def _query_all(self, queries: Mapping[K, str], at_s: float,
+                         pending: list[str] | None = None) -> dict[K, list[Sample]]:
         """Every query at `at_s`, concurrently; the first failure cancels the others and is raised,
-        naming the query."""
+        naming the query. `pending`, when given, is left holding the names of the queries still
+        unanswered when this ends early (a deadline: the alert names them)."""
 
-        tasks = {n: asyncio.ensure_future(self.client.query(q, at_s, name=str(n.value if isinstance(n, Query) else n)))
-                 for n, q in queries.items()}
+        def name(n: K) -> str:
+            return str(n.value if isinstance(n, Query) else n)
+
+        tasks = {n: asyncio.ensure_future(self.client.query(q, at_s, name=name(n))) for n, q in queries.items()}
+        if pending is not None:
+            pending[:] = [name(n) for n in tasks]
         try:
             await asyncio.gather(*tasks.values())
         finally:
+            if pending is not None:
+                pending[:] = [name(n) for n, t in tasks.items() if not t.done() or t.cancelled()]
             for t in tasks.values():
                 t.cancel()
             await asyncio.gather(*tasks.values(), return_exceptions=True)
@@ -378,18 +386,20 @@ class Observer:
         deadline = loop.time() + self.deadline_s if deadline is None else deadline
         wall = self.clock()
         self.prom_clock = clockstep.ClockVerdict()
+        pending = ["clock"]  # the queries not answered yet: a deadline's alert names them
         try:
             async with asyncio.timeout_at(deadline):
                 wall = await self.client.time_s()
                 self._watch_prom_clock(wall)
                 queries = self.queries()
-                results = await self._query_all(queries, wall)
+                results = await self._query_all(queries, wall, pending)
                 history: tuple[Series, ...] = ()
                 if with_history:
+                    pending[:] = ["history"]
                     history = await self._history_until(wall)
         except TimeoutError:
-            return Readings(wall, error=f"prometheus at {self.client.base_url}: the observation did not finish "
-                                        f"within {self.deadline_s:g} s")
+            return Readings(wall, error=f"prometheus at {self.client.base_url}, query {', '.join(pending)}: no full "
+                                        f"answer before the observation's deadline ({self.deadline_s:g} s)")
         except PrometheusError as exc:
             return Readings(wall, error=str(exc))
         return Readings(wall, {n: tuple(r) for n, r in results.items()}, tuple(history))

@@ -51,12 +51,13 @@ async def prom() -> AsyncIterator[FakePrometheus]:
 
 
 async def _controller(mosquitto: MosquittoServer, prom: FakePrometheus, tmp_path: Path,
-                      wall: SteppableWall) -> Controller:
+                      wall: SteppableWall, *, query_deadline_s: float = 3.0, observe_deadline_s: float = 4.0) -> Controller:
     policy = tmp_path / "policy.yaml"
     policy.write_text((REPO / "config" / "example-policy.yaml").read_text())
     settings = ControllerSettings(
         prometheus_url=prom.url, history_s=600.0, cycle_s=3.0, host_offline_grace_s=0.0,
-        prometheus_query_deadline_s=3.0, observe_deadline_s=4.0,  # generous: a busy test machine
+        # generous: a busy test machine
+        prometheus_query_deadline_s=query_deadline_s, observe_deadline_s=observe_deadline_s,
         mqtt=MqttSettings(host=mosquitto.host, port=mosquitto.port, username=mosquitto.controller_user,
                           password=mosquitto.controller_password, keepalive_s=5, backoff_initial_s=0.1,
                           backoff_max_s=0.5))
@@ -180,3 +181,24 @@ async def test_prometheus_clock_stepped_back_reads_the_history_afresh(
     nxt = await ctrl.cycle()
     assert "stepped" not in str(nxt.get("deferred")), nxt
     assert _known(ctrl) == pytest.approx(DEMAND)
+
+
+async def test_the_observations_deadline_names_the_queries_still_unanswered(
+        mosquitto: MosquittoServer, prom: FakePrometheus, tmp_path: Path, wall: SteppableWall) -> None:
+    """The observation's deadline before the query's (a short cycle: both 2 s at 1.5 s): the alert
+    still names Prometheus and the queries it was waiting for, not only that the observation was late."""
+    c = await _controller(mosquitto, prom, tmp_path, wall, query_deadline_s=10.0, observe_deadline_s=2.0)
+    try:
+        await c.cycle()
+        prom.mode, prom.sick_match = "late", "time_to_first_token"
+        summary = await c.cycle()
+        assert summary.get("error") is None, summary
+        snap = c.last_snapshot
+        assert snap is not None and not snap.prometheus_ok
+        alert = " ".join(snap.alerts)
+        assert f"prometheus at {prom.url}, query " in alert and "ttft_p" in alert, alert
+        assert "no full answer before the observation's deadline (2 s)" in alert, alert
+    finally:
+        with contextlib.suppress(Exception):
+            await c.stop()
+
