@@ -1,8 +1,9 @@
 """The simulated engine server: an OpenAI-compatible HTTP server driving a BatchCore.
 
-This module holds the engine (`EngineConfig`, `SimEngine`: the step loop and the HTTP handlers) and
-`run_engine`; its metrics are in `fleetplan.sim.engine_metrics`, the parsing of request bodies in
-`fleetplan.sim.engine_requests`.
+This module holds the engine (`SimEngine`: the step loop and the request handlers) and `run_engine`;
+its configuration is `fleetplan.sim.engine_config.EngineConfig`, its clock and status and metrics
+endpoints `fleetplan.sim.engine_endpoints`, its metrics `fleetplan.sim.engine_metrics`, the parsing
+of request bodies `fleetplan.sim.engine_requests`.
 
 One process (or one in-process server) per replica. Persona vllm serves `/v1/completions`,
 `/v1/chat/completions` (SSE streaming and not), `/v1/models`, `/health` (503 while starting or
@@ -46,14 +47,15 @@ import signal
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 
-from fleetplan.models.names import Engine, GpuType, Precision, model_key
+from fleetplan.models.names import Engine, model_key
 from fleetplan.sim.batching import BatchCore, StepResult
+from fleetplan.sim.engine_config import EngineConfig
+from fleetplan.sim.engine_endpoints import EngineEndpoints
 from fleetplan.sim.engine_metrics import EngineStats, TrtllmCollector, VllmCollector
 from fleetplan.sim.engine_requests import (
     RequestError,
@@ -62,51 +64,10 @@ from fleetplan.sim.engine_requests import (
     prompt_blocks,
     prompt_length,
 )
-from fleetplan.sim.groundtruth import EngineParams, build_params
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class EngineConfig:
-    persona: Engine
-    model: str  # served model name (also selects the architecture)
-    gpu: GpuType
-    tp: int = 1
-    precision: Precision = Precision.BF16
-    time_scale: float = 1.0
-    startup_s: float | None = None  # simulated; None: the persona's default (+ build if not cached)
-    engine_cached: bool = True  # trtllm: a built engine exists (no build at startup)
-    replica_id: str | None = None
-    seed: int = 0
-    min_chunk_interval_ms: float = 0.0  # wall
-    natural_mean_tokens: float = 180.0
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    noise_sigma: float = 0.03
-    lag_tolerance_s: float = math.inf  # wall; beyond it a lagging clock jumps forward (inf: never)
-    drain_timeout_s: float = 600.0  # wall
-    prefix_caching: bool = True  # vLLM's automatic prefix caching / TensorRT-LLM's KV cache reuse (both default on)
-
-    def params(self) -> EngineParams:
-        overrides: dict[str, Any] = {}
-        if self.max_num_seqs is not None:
-            overrides["max_num_seqs"] = self.max_num_seqs
-        if self.max_num_batched_tokens is not None:
-            overrides["max_num_batched_tokens"] = self.max_num_batched_tokens
-        return build_params(
-            self.persona, self.model, self.gpu, self.tp, self.precision, noise_sigma=self.noise_sigma, **overrides
-        )
-
-    def startup_sim_s(self, params: EngineParams) -> float:
-        if self.startup_s is not None:
-            return max(0.0, self.startup_s)
-        size = max(1.0, params.weight_bytes_per_gpu * params.tp / 16e9)  # relative to an 8B BF16 model
-        load = params.factors.startup_s * (0.5 + 0.5 * math.sqrt(size) / 3.0)
-        build = 0.0
-        if self.persona is Engine.TRTLLM and not self.engine_cached:
-            build = params.factors.build_s * (0.75 + 0.25 * math.sqrt(size))
-        return load + build
+__all__ = ["EngineConfig", "SimEngine", "run_engine"]
 
 
 class _Req:
@@ -137,7 +98,7 @@ class _Req:
         self.done_event = asyncio.Event()  # wakes a coalescing stream early: the last chunk goes out at once
 
 
-class SimEngine:
+class SimEngine(EngineEndpoints):
     """The engine state and its HTTP app. Use `start()` / `stop()` (or run `run_engine`)."""
 
     def __init__(self, cfg: EngineConfig) -> None:
@@ -169,17 +130,6 @@ class SimEngine:
         self.vllm_registry.register(VllmCollector(self))
         self.trtllm_registry = CollectorRegistry(auto_describe=False)
         self.trtllm_registry.register(TrtllmCollector(self))
-
-    # -- clock ---------------------------------------------------------------------------------
-    def wall_sim_now(self) -> float:
-        return (time.monotonic() - self._t0_wall) * self.cfg.time_scale
-
-    def sim_now(self) -> float:
-        return max(self._sim_t, self.wall_sim_now()) if self.core.idle() else self._sim_t
-
-    @property
-    def ready(self) -> bool:
-        return self.wall_sim_now() >= self.startup_sim_s
 
     # -- lifecycle -----------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -345,59 +295,6 @@ class SimEngine:
         if r.out_tokens > 1:
             s.tpot_req.observe((end - first) / (r.out_tokens - 1))
 
-    # -- handlers ------------------------------------------------------------------------------
-    async def h_health(self, request: web.Request) -> web.Response:
-        if self.draining:
-            return web.Response(status=503, text="draining")
-        if not self.ready:
-            return web.Response(status=503, text="starting")
-        return web.Response(status=200)
-
-    async def h_version(self, request: web.Request) -> web.Response:
-        return web.json_response({"version": "fleetplan-sim", "persona": self.cfg.persona.value})
-
-    async def h_models(self, request: web.Request) -> web.Response:
-        return web.json_response({
-            "object": "list",
-            "data": [{"id": self.cfg.model, "object": "model", "created": int(time.time()), "owned_by": "fleetplan-sim",
-                      "root": self.cfg.model, "parent": None, "max_model_len": self.params.max_model_len}],
-        })
-
-    async def h_metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.vllm_registry),
-                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
-
-    async def h_trt_metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.trtllm_registry),
-                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
-
-    async def h_trt_iteration_stats(self, request: web.Request) -> web.Response:
-        """trtllm-serve's `/metrics`: JSON iteration stats, not Prometheus text (the keys the
-        MetricsCollector reads from them; NVIDIA/TensorRT-LLM tensorrt_llm/metrics/collector.py
-        `log_iteration_stats`)."""
-        core, p = self.core, self.params
-        used = round(core.kv_usage * p.kv_blocks)
-        return web.json_response([{
-            "iter": self.steps,
-            "iterLatencyMS": self.last_step_s * 1000.0,
-            "numActiveRequests": core.num_running,
-            "numQueuedRequests": core.num_waiting + len(self.incoming),
-            "maxNumActiveRequests": p.max_num_seqs,
-            "kvCacheStats": {"maxNumBlocks": p.kv_blocks, "usedNumBlocks": used, "freeNumBlocks": p.kv_blocks - used,
-                             "tokensPerBlock": p.block_size},
-        }])
-
-    async def h_state(self, request: web.Request) -> web.Response:
-        return web.json_response({
-            "persona": self.cfg.persona.value, "model": self.cfg.model, "replica_id": self.cfg.replica_id,
-            "gpu": self.cfg.gpu.value, "tp": self.cfg.tp, "precision": self.cfg.precision.value,
-            "sim_time_s": self.sim_now(), "time_scale": self.cfg.time_scale, "ready": self.ready,
-            "draining": self.draining, "startup_s": self.startup_sim_s, "running": self.core.num_running,
-            "waiting": self.core.num_waiting + len(self.incoming), "kv_usage": self.core.kv_usage,
-            "kv_blocks": self.params.kv_blocks, "max_num_seqs": self.params.max_num_seqs,
-            "steps": self.steps, "lag_events": self.lag_events, "lag_sim_s": self.lag_sim_s,
-            "behind_max_wall_s": self.behind_max_wall_s,
-        })
 
     async def h_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, chat=False)

@@ -1,0 +1,142 @@
+"""The replay's types: what it is given (the world, its settings, the baselines' view and decisions)
+and what it returns (SimResult and its timeline)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from fleetplan.planner.types import ConfigKey, Fleet, HostInventory
+from fleetplan.sim.control import FleetplanController
+from fleetplan.sim.groundtruth import EngineParams
+from fleetplan.sim.router import RouteMode
+
+# request status codes
+PENDING, SERVED, REJECTED = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    running: float
+    waiting: float
+    kv_usage: float
+
+
+@dataclass(frozen=True)
+class ControllerView:
+    t_s: float  # simulated seconds since the start of the trace
+    epoch_s: float  # the same instant as epoch seconds (for the planner's schedules)
+    fleet: Fleet
+    replica_load: Mapping[str, ReplicaLoad]  # as last scraped, READY replicas only
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A baseline's target replica counts per config (they model other controllers; fleetplan runs
+    the daemon's own decision path, fleetplan.sim.control)."""
+
+    targets: Mapping[ConfigKey, int] | None = None
+    note: str = ""
+
+
+class Baseline(Protocol):
+    name: str
+    period_s: float
+
+    def decide(self, view: ControllerView) -> Decision: ...
+
+
+Controller = Baseline | FleetplanController
+
+
+@dataclass(frozen=True)
+class Environment:
+    """What the simulated world is made of (from the policy file)."""
+
+    hosts: tuple[HostInventory, ...]
+    price_usd_h: Mapping[str, float]  # GPU type value -> $/GPU-hour
+    params_for: Callable[[ConfigKey], EngineParams]  # ground-truth engine of a config
+    startup_s: Callable[[ConfigKey], float]
+    build_s: Callable[[ConfigKey], float | None]  # None: no build step for this engine
+    cached: frozenset[ConfigKey]  # configs whose engine build exists at t = 0
+    ttft_slo_ms: Mapping[str, float]  # per model
+    itl_slo_ms: Mapping[str, float]
+    epoch0_s: float = 1_767_571_200.0  # 2026-01-05 00:00 UTC (a Monday) = simulated t 0
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    scrape_s: float = 15.0
+    scrape_delay_s: float = 5.0  # a scrape becomes visible this long after it is taken
+    # the observation windows: the daemon's defaults (controller/settings.py; `fleetplan evaluate
+    # --controller-config` takes them from the daemon's own config: fleetplan/harness/replay_settings.py)
+    window_s: float = 60.0  # rate()/histogram window
+    history_s: float = 86400.0
+    history_step_s: float = 30.0
+    timeline_s: float = 10.0  # resolution of the demand/capacity timeline
+    demand_window_s: float = 60.0  # true demand for timeline / lag / unmet: trailing window
+    warm_start: bool = True  # the fleet at t=0 is what the controller wants for the first window
+    seed: int = 0
+    macro_steps: bool = True
+    peak_window_s: float = 30.0  # the Observer's burst sub-window (controller ObserverConfig.peak_window_s)
+    length_window_s: float = 600.0  # the length histograms' window (ObserverConfig.length_window_s)
+    # the engines' prefix caches hold the trace's shared prompt blocks (hash_ids; vLLM's automatic
+    # prefix caching is on by default); False: every prompt computed in full
+    prefix_cache: bool = True
+    routing: RouteMode = RouteMode.LEAST_LOADED  # how the router spreads requests over replicas
+    drain_timeout_s: float = 3600.0  # after the trace ends, in-flight requests get this long
+    # the hosts share one engine cache directory (NFS and the like): a finished build is held by every
+    # host of its GPU type, as their agents find its manifest (controller/agent.py `_scan_engine_cache`);
+    # False: only the host that built it holds it
+    shared_engine_cache: bool = False
+
+
+# ----------------------------------------------------------------------------------------------
+# Results
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TimelinePoint:
+    t_s: float
+    demand_rps: float  # true arrivals over the trailing demand window
+    ready: tuple[tuple[ConfigKey, int], ...]  # READY replicas per config
+    ready_gpus: int
+    gpus: int  # all GPUs held (starting, ready, draining, building)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    policy: str
+    duration_s: float
+    arrived: int
+    served: int
+    rejected: int  # no READY replica, or a request too long for the engine
+    unfinished: int  # still in flight when the drain timeout ended the run
+    slo_met: int
+    gpu_hours: float
+    build_gpu_hours: float
+    cost_usd: float
+    ttft_ms: np.ndarray  # per served request
+    itl_ms: np.ndarray  # per served request with >= 2 output tokens (mean inter-token time)
+    replica_starts: int
+    builds: int
+    timeline: tuple[TimelinePoint, ...]
+    decisions: int
+    notes: tuple[str, ...] = ()
+    # starts the agent would refuse: their GPUs in use, or their engine not on that host (a bug if > 0)
+    placement_conflicts: int = 0
+    swap_cycles: int = 0  # decisions that drained READY replicas of a model while starting others
+    deferred_actions: int = 0  # actions the act core deferred (GPUs still busy, start before stop)
+    drain_timeouts: int = 0  # drains stopped at their deadline (their requests in flight cut)
+    prefix_hit_rate: float | None = None  # prompt tokens found in a prefix cache / looked up (all replicas)
+    gpu_hours_by_config: tuple[tuple[ConfigKey, float], ...] = ()  # replicas' GPU-hours (builds apart)
+    met: np.ndarray | None = None  # per arrived request (trace order): served within both SLOs
+
+    @property
+    def slo_attainment(self) -> float:
+        return self.slo_met / self.arrived if self.arrived else 1.0
+
