@@ -4,13 +4,14 @@ A scale-down is a bet that the demand stays low: a replica drained and needed ag
 startup, and a rate read near a replica boundary swings with the window's Poisson noise from one
 cycle to the next. Four rules keep the fleet from drain/start flip-flops:
 
-1. **A replica proves itself first** (`unproven_floors`): a replica is not drained, for a scale-down
-   or a swap, while it is STARTING, while it has been READY for less than its minimum age (policy
+1. **A replica proves itself first** (`unproven_floors`): a READY replica is not drained, for a
+   scale-down or a swap, while it has been READY for less than its minimum age (policy
    `scaling.min_replica_age_s`; by default the largest of 60 s, its config's startup time and the
    model's rate window: the GPU time a restart costs, and a whole window of its own evidence), nor
    while its config's latency correction is still settling (`settling`), for at most
-   SETTLE_AGES minimum ages. A replica on a host that failed or is drained is no live replica of
-   the plan (planner/core.py drops it from the usable fleet): it is replaced at once.
+   SETTLE_AGES minimum ages. A replica still STARTING has served nothing: whether it is kept is
+   rule 2's. A replica on a host that failed or is drained is no live replica of the plan
+   (planner/core.py drops it from the usable fleet): it is replaced at once.
 2. **Young replicas are not swapped away** (`young_floors`): for YOUNG_CYCLES cycles a replica goes
    only where its model's demand fell (a swap a few cycles later costs less than a start thrown away).
 3. **The band** (`apply_band`): a model whose running replicas cover its required rate is sized for
@@ -101,7 +102,7 @@ class Unproven:
 
     floor: int  # the config keeps at least this many replicas (placement drains its youngest first)
     replicas: tuple[str, ...]  # their ids
-    until_s: float | None  # when the last of them has proved itself (None: still STARTING)
+    until_s: float | None  # when the last of them has proved itself (None: unknown)
 
 
 def unproven_floors(fleet: Fleet, usable: Collection[str], now_s: float, min_age: Callable[[ConfigKey], float],
@@ -133,9 +134,11 @@ def unproven_floors(fleet: Fleet, usable: Collection[str], now_s: float, min_age
         until: float | None = -math.inf
         for i, r in enumerate(sorted(reps, key=_keep_order)):
             if r.state != ReplicaState.READY:
-                floor, until = i + 1, None
-                ids.append(r.replica_id)
-            elif r.since_s is not None and now_s - r.since_s < protect:
+                # still starting: it has served nothing, so stopping it drains nothing (whether it
+                # is kept is the young-replica rule's, young_floors). Flooring it kept the READY
+                # replicas ahead of it too: azure x4 98.30% / 30.83 GPU-h against 99.54% / 30.24
+                continue
+            if r.since_s is not None and now_s - r.since_s < protect:
                 floor = i + 1
                 ids.append(r.replica_id)
                 if until is not None:
