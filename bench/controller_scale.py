@@ -64,11 +64,11 @@ from typing import Any
 
 import yaml
 
+# the fleet simulator (child process): agents + fake Prometheus (bench/ is the script's own directory)
+from scale_fleet import ISL, OSL, fleet_child
+
 REPO = Path(__file__).resolve().parents[1]
 BASE_MODEL = "llama-3.1-70b"  # whose roofline prior every synthetic model gets
-ISL, OSL = 500, 200
-TEMPLATE = "vllm"  # the policy's default agent template for the engine
-PORT_RANGE = (20000, 20099)
 HEADROOM = 0.2
 
 
@@ -133,8 +133,6 @@ def calibrate_demand(policy: Any, profiles: Any, models: list[str], hosts: int, 
     return demand, len(check.plan.replicas)
 
 
-# the fleet simulator (child process): agents + fake Prometheus (bench/ is the script's own directory)
-from scale_fleet import fleet_child  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # timing the controller's steps from outside

@@ -16,22 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-BASE_MODEL = "llama-3.1-70b"  # whose roofline prior every synthetic model gets
-ISL, OSL = 500, 200
+ISL, OSL = 500, 200  # the synthetic models' mean prompt and output tokens
 TEMPLATE = "vllm"  # the policy's default agent template for the engine
 PORT_RANGE = (20000, 20099)
-HEADROOM = 0.2
-
-
-
-
-def log(text: str) -> None:
-    print(text, flush=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# the scenario: policy, profiles, demand
 
 
 class SimAgent:

@@ -34,22 +34,6 @@ class BaselineExecutor(FleetWorld):
                 break
         return best
 
-    def _scrape(self, t: float) -> None:
-        for r in self.replicas:
-            if r.state in (ReplicaState.READY, ReplicaState.DRAINING):
-                r.counters.prefix_queries = float(r.core.prefix_queries_tokens)
-                r.counters.prefix_hits = float(r.core.prefix_hit_tokens)
-        if self.control is not None:
-            self.prom.scrape(t, {r.rid: (r.counters, float(r.core.num_running), float(r.core.num_waiting),
-                                         r.core.kv_usage)
-                                 for r in self.replicas if r.state in (ReplicaState.READY, ReplicaState.DRAINING)})
-        else:
-            loads = {r.rid: ReplicaLoad(float(r.core.num_running), float(r.core.num_waiting), r.core.kv_usage)
-                     for r in self.replicas if r.state == ReplicaState.READY}
-            self.replica_scrape_hist.append((t, loads))
-            if len(self.replica_scrape_hist) > 16:
-                del self.replica_scrape_hist[:-16]
-
     def _reconcile(self, t: float, targets: Mapping[ConfigKey, int]) -> None:
         """A baseline's targets, carried out directly (they model other controllers)."""
         live: dict[ConfigKey, list[_SimReplica]] = {}

@@ -198,7 +198,6 @@ class FleetWorld(FleetSimBase):
                 return h.name, spot
         return None
 
-
     def _scrape(self, t: float) -> None:
         for r in self.replicas:
             if r.state in (ReplicaState.READY, ReplicaState.DRAINING):
