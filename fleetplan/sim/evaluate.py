@@ -9,11 +9,10 @@ mean ISL/OSL) for the oracle and the charts, and returns an `Evaluation`; `to_js
 from __future__ import annotations
 
 import math
-import multiprocessing
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -53,6 +52,7 @@ from fleetplan.sim.des import (
 )
 from fleetplan.sim.evaluate_yardsticks import run_yardsticks
 from fleetplan.sim.groundtruth import EngineParams, build_params
+from fleetplan.sim.jobs import open_jobs
 from fleetplan.sim.solve_limits import replay_policy
 from fleetplan.sim.traces import Trace, TraceRequest, window_rates
 
@@ -203,8 +203,10 @@ class EvaluateOptions:
     settings: SimSettings = field(default_factory=SimSettings)
     # the daemon's timeouts (ready, ack, drain; fleetplan/harness/replay_settings.py maps them from its config)
     control: ControlSettings = field(default_factory=ControlSettings)
-    workers: int = 2
+    workers: int = 2  # processes of this machine the replays run in (1: this process)
     hpa_target_fraction: float = 0.8
+    # a Ray cluster's address the replays run on instead ("auto", "ray://HOST:10001", "local"; None: this machine)
+    ray_address: str | None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -516,72 +518,53 @@ def evaluate(trace: Trace, policy: Policy, profiles: ProfileSet, options: Evalua
     results: dict[str, tuple[SimResult, float]] = {}
     known_caps = dict(capacities or {})
     caps: dict[ConfigKey, float] = dict(known_caps)
-    workers = max(1, opts.workers)
-    ctx = multiprocessing.get_context("fork") if workers > 1 else None
-    if workers > 1 and ctx is not None:
-        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-            cap_f: dict[ConfigKey, Future[float]] = {}
-            sim_f: dict[str, Future[tuple[SimResult, float]]] = {}
-            # longest jobs first: fleetplan variants, then the rest, capacities interleaved
-            for name in sims:
-                sim_f[name] = pool.submit(simulate_policy, name, trace, policy, profiles, opts.settings,
-                                          opts.hpa_target_fraction, opts.control)
-            for m in models:
-                mp = policy.model(m)
-                assert mp is not None
-                for c in cands[m]:
-                    if c in known_caps:
-                        continue
-                    cap_f[c] = pool.submit(ground_truth_capacity, c, trace_lengths(trace, m),
-                                           mp.slo.ttft_p99_ms, mp.slo.itl_p99_ms)
-            # a best-fixed search starts from its config's ground-truth capacity: submitted once known
-            count_f: dict[tuple[str, ConfigKey], Future[tuple[int, float] | None]] = {}
-            what: dict[Future[Any], str] = {
-                **{f: f"{name} replayed" for name, f in sim_f.items()},
-                **{f: f"ground-truth capacity of {c.label()}" for c, f in cap_f.items()}}
-
-            def search(m: str, c: ConfigKey, cap: float | None) -> None:
-                count_f[(m, c)] = f = pool.submit(fixed_count, subs[m], policy, c, opts.settings, cap)
-                what[f] = f"best-fixed count of {c.label()}"
-
-            after_cap = {cap_f[c]: (m, c) for m, c in searches if c in cap_f}  # searched once it is known
-            for m, c in searches:
-                if c not in cap_f:
-                    search(m, c, caps.get(c))
-            total = len(what) + len(after_cap)
-            pending, done = set(what), 0
-            while pending:
-                finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-                for f in finished:
-                    f.result()  # a worker's error surfaces here, as it would below
-                    done += 1
-                    _tell(progress, f"{done}/{total} {what[f]} ({time.perf_counter() - t_start:.0f} s)")
-                    if f in after_cap:
-                        m, c = after_cap[f]
-                        search(m, c, f.result())
-                        pending.add(count_f[(m, c)])
-            for c, f in cap_f.items():
-                caps[c] = f.result()
-            for key, cf in count_f.items():
-                counts[key] = cf.result()
-            for name, sf in sim_f.items():
-                results[name] = sf.result()
-    else:
+    with open_jobs(workers=max(1, opts.workers), ray_address=opts.ray_address) as jobs:
+        cap_f: dict[ConfigKey, Future[float]] = {}
+        sim_f: dict[str, Future[tuple[SimResult, float]]] = {}
+        # longest jobs first: fleetplan variants, then the rest, capacities interleaved
+        for name in sims:
+            sim_f[name] = jobs.submit(simulate_policy, name, trace, policy, profiles, opts.settings,
+                                      opts.hpa_target_fraction, opts.control)
         for m in models:
             mp = policy.model(m)
             assert mp is not None
             for c in cands[m]:
-                if c not in known_caps:
-                    caps[c] = ground_truth_capacity(c, trace_lengths(trace, m), mp.slo.ttft_p99_ms,
-                                                    mp.slo.itl_p99_ms)
-                    _tell(progress, f"ground-truth capacity of {c.label()} ({time.perf_counter() - t_start:.0f} s)")
-        for name in sims:
-            results[name] = simulate_policy(name, trace, policy, profiles, opts.settings, opts.hpa_target_fraction,
-                                            opts.control)
-            _tell(progress, f"{name} replayed ({time.perf_counter() - t_start:.0f} s)")
+                if c in known_caps:
+                    continue
+                cap_f[c] = jobs.submit(ground_truth_capacity, c, trace_lengths(trace, m),
+                                       mp.slo.ttft_p99_ms, mp.slo.itl_p99_ms)
+        # a best-fixed search starts from its config's ground-truth capacity: submitted once known
+        count_f: dict[tuple[str, ConfigKey], Future[tuple[int, float] | None]] = {}
+        what: dict[Future[Any], str] = {
+            **{f: f"{name} replayed" for name, f in sim_f.items()},
+            **{f: f"ground-truth capacity of {c.label()}" for c, f in cap_f.items()}}
+
+        def search(m: str, c: ConfigKey, cap: float | None) -> None:
+            count_f[(m, c)] = f = jobs.submit(fixed_count, subs[m], policy, c, opts.settings, cap)
+            what[f] = f"best-fixed count of {c.label()}"
+
+        after_cap = {cap_f[c]: (m, c) for m, c in searches if c in cap_f}  # searched once it is known
         for m, c in searches:
-            counts[(m, c)] = fixed_count(subs[m], policy, c, opts.settings, caps.get(c))
-            _tell(progress, f"best-fixed count of {c.label()} ({time.perf_counter() - t_start:.0f} s)")
+            if c not in cap_f:
+                search(m, c, caps.get(c))
+        total = len(what) + len(after_cap)
+        pending, done = set(what), 0
+        while pending:
+            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for f in sorted(finished, key=list(what).index):  # in submission order where several finish
+                f.result()  # a worker's error surfaces here
+                done += 1
+                _tell(progress, f"{done}/{total} {what[f]} ({time.perf_counter() - t_start:.0f} s)")
+                if f in after_cap:
+                    m, c = after_cap[f]
+                    search(m, c, f.result())
+                    pending.add(count_f[(m, c)])
+        for c, f in cap_f.items():
+            caps[c] = f.result()
+        for key, cf in count_f.items():
+            counts[key] = cf.result()
+        for name, sf in sim_f.items():
+            results[name] = sf.result()
 
     floors: dict[str, float] = {}
     for m in models:

@@ -1,7 +1,7 @@
 """`fleetplan evaluate`: replay a trace through a simulated fleet under every policy.
 
     fleetplan evaluate --trace FILE --policy P.yaml --profiles PROFILES.json [--json] [--out DIR]
-                       [--day-s S] [--rate-scale R] [--model M] [--policies a,b,...] [--workers N]
+                       [--day-s S] [--rate-scale R] [--model M] [--policies a,b,...] [--workers N | --ray ADDRESS]
                        [--controller-config controller.yaml [--time-scale K]] [--scrape-interval-s S]
 """
 
@@ -35,7 +35,10 @@ def register(subparsers: Any) -> None:
                    help="serve the whole trace as this policy model (default: the trace's model column, "
                    "else the policy's first model)")
     p.add_argument("--policies", default=None, help="comma-separated subset (default: all)")
-    p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    p.add_argument("--workers", type=int, default=2, help="worker processes of this machine (default 2)")
+    p.add_argument("--ray", metavar="ADDRESS", default=None,
+                   help="run the replays as tasks on the Ray cluster at ADDRESS instead (auto, ray://HOST:10001, "
+                        "or local; needs the ray extra: pip install 'fleetplan[ray]'); the figures are the same")
     p.add_argument("--routing", choices=("least-loaded", "round-robin", "affinity"), default="least-loaded",
                    help="how the simulated router spreads requests: fewest in flight (default), round-robin, or "
                         "prefix/session affinity with a bound on imbalance (consistent hashing)")
@@ -70,6 +73,7 @@ def _handle(args: argparse.Namespace) -> int:
         render_table,
         write_charts,
     )
+    from fleetplan.sim.jobs import JobsError
     from fleetplan.sim.traces import TraceError, block_reuse_share, read_trace, reshape, shape_day
 
     try:
@@ -107,10 +111,10 @@ def _handle(args: argparse.Namespace) -> int:
                                  shared_engine_cache=args.shared_engine_cache)
         ev = evaluate(trace, policy, profiles,
                       EvaluateOptions(policies=policies, model=args.model, workers=max(1, args.workers),
-                                      settings=replay.sim, control=replay.control),
+                                      ray_address=args.ray, settings=replay.sim, control=replay.control),
                       trace_info=info,
                       progress=lambda line: print(f"fleetplan evaluate: {line}", file=sys.stderr, flush=True))
-    except (EvaluateError, TraceError, PolicyError, ValueError) as exc:
+    except (EvaluateError, TraceError, PolicyError, JobsError, ValueError) as exc:
         print(f"fleetplan evaluate: {exc}", file=sys.stderr)
         return 2
     doc = ev.to_json()
