@@ -37,6 +37,13 @@ from typing import Any
 
 import yaml
 
+from fleetplan.harness.demo_day import (
+    REAL_DAY_POLICIES,
+    real_day_section,
+    render_real_day,
+    run_real_day,
+    write_real_day,
+)
 from fleetplan.harness.demo_summary import (
     CONTROLLER_FILE,
     POLICY_FILE,
@@ -620,6 +627,7 @@ async def _demo(args: argparse.Namespace, work: Path) -> int:
                 break
             await asyncio.sleep(0.3)
         sim_duration = args.minutes * 60.0 * k
+        real_day_requests: int | None = None
         if args.trace:
             from fleetplan.sim.traces import read_trace, shape_day
 
@@ -630,6 +638,9 @@ async def _demo(args: argparse.Namespace, work: Path) -> int:
             reqs = day_requests(sim_duration, base_rps=args.base_rps, peak_rps=args.peak_rps, isl=isl, osl=osl,
                                 model=model)
             what = f"a generated day (night trough {args.base_rps:g} rps, afternoon peak {args.peak_rps:g} rps)"
+            if args.real_day:  # the same day at its real length, replayed after the live run
+                real_day_requests = write_real_day(work, day_requests, base_rps=args.base_rps, peak_rps=args.peak_rps,
+                                                   isl=isl, osl=osl, model=model)[1]
         write_trace(work / TRACE_FILE, reqs)
         day = {"source": what, "trace": str(work / TRACE_FILE), "requests": len(reqs),
                "span_s": round(reqs[-1][0] - reqs[0][0], 1) if reqs else 0.0, "speed": k,
@@ -720,9 +731,39 @@ async def _demo(args: argparse.Namespace, work: Path) -> int:
             with contextlib.suppress(Exception):
                 await ctrl.stop()
         await asyncio.to_thread(rig.stop)
-    await _replay_and_summarise(work, model, day, {"ttft_p99_ms": slo_ttft_ms, "itl_p99_ms": slo_itl_ms}, live,
-                                time_scale=k)
+    summary = await _replay_and_summarise(work, model, day, {"ttft_p99_ms": slo_ttft_ms, "itl_p99_ms": slo_itl_ms},
+                                          live, time_scale=k)
+    if real_day_requests is not None:
+        await _replay_real_day(work, model, summary, real_day_requests)
     return rc
+
+
+async def _replay_real_day(work: Path, model: str, summary: dict[str, Any], requests: int, *, workers: int = 2,
+                           progress_s: float = 10.0) -> None:
+    """Replay the demo's day at its real length (fleetplan/harness/demo_day.py), add it to summary.json
+    and print its lines."""
+    section = real_day_section(work, model, None, requests=requests)
+    print(f"== replaying the same day at its real length (24 h, {requests} requests): {section['command']}",
+          flush=True)
+    t0 = time.monotonic()
+    task = asyncio.create_task(asyncio.to_thread(run_real_day, work, model, workers=workers))
+    tick = progress_printer(f"{', '.join(REAL_DAY_POLICIES)} over 24 h on {workers} workers",
+                            lambda m: print(m, flush=True))
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=progress_s)
+        if done:
+            break
+        tick(time.monotonic() - t0)
+    doc, error = None, None
+    try:
+        doc = task.result()
+    except Exception as exc:  # the hour's figures are already written
+        error = f"{type(exc).__name__}: {exc}"
+    summary["real_length_day"] = real_day_section(work, model, doc, requests=requests,
+                                                  wall_s=time.monotonic() - t0, error=error)
+    path = write_summary(work, summary)
+    print(f"== summary ({path}): the real-length day added", flush=True)
+    print("\n".join(render_real_day(summary["real_length_day"])), flush=True)
 
 
 async def _replay_and_summarise(work: Path, model: str, day: dict[str, Any], slo: dict[str, float],

@@ -172,11 +172,11 @@ def _r(x: float | None, nd: int) -> float | None:
 
 
 def evaluate_argv(work: Path, model: str, *, policies: Sequence[str] = REPLAY_POLICIES,
-                  time_scale: float | None = None) -> list[str]:
+                  time_scale: float | None = None, trace_file: str = TRACE_FILE) -> list[str]:
     """`fleetplan evaluate` on the demo's own files: the command that reproduces the replay.
     `time_scale`: the live daemon ran with work/CONTROLLER_FILE at this speed-up; the replay reads its
     windows and waits its timeouts (None: the daemon's defaults)."""
-    argv = ["fleetplan", "evaluate", "--trace", str(work / TRACE_FILE), "--policy", str(work / POLICY_FILE),
+    argv = ["fleetplan", "evaluate", "--trace", str(work / trace_file), "--policy", str(work / POLICY_FILE),
             "--profiles", str(work / PROFILES_FILE), "--model", model, "--policies", ",".join(policies),
             "--shared-engine-cache"]
     if time_scale is not None:
@@ -193,7 +193,7 @@ class Replay:
 
 
 def run_replay(work: Path, model: str, *, policies: Sequence[str] = REPLAY_POLICIES, workers: int = 2,
-               time_scale: float | None = None) -> Replay:
+               time_scale: float | None = None, trace_file: str = TRACE_FILE) -> Replay:
     """`fleetplan.sim.evaluate.evaluate` on work/requests.jsonl, work/policy.yaml, work/PROFILES.json,
     each read as `fleetplan evaluate` reads it (fleetplan/harness/cli/evaluate.py), with the options of
     `evaluate_argv`: a shared engine cache, as the demo's agents share one; the live daemon's windows
@@ -206,7 +206,7 @@ def run_replay(work: Path, model: str, *, policies: Sequence[str] = REPLAY_POLIC
     from fleetplan.sim.evaluate import EvaluateOptions, evaluate
     from fleetplan.sim.traces import read_trace
 
-    trace_path, policy_path = work / TRACE_FILE, work / POLICY_FILE
+    trace_path, policy_path = work / trace_file, work / POLICY_FILE
     policy = load_policy_text(policy_path.read_text(encoding="utf-8"), str(policy_path))
     profiles = load_profiles(work / PROFILES_FILE)
     trace = read_trace(trace_path)

@@ -88,4 +88,6 @@ class FleetMeter(FleetSimBase):
             drain_timeouts=c.drain_timeouts if c is not None else 0,
             gpu_hours_by_config=tuple(sorted(by_config.items())),
             prefix_hit_rate=hits / queried if queried > 0 else None,
+            build_windows=tuple(sorted((b.done_t - (self.env.build_s(b.config) or 0.0), b.done_t, b.config)
+                                       for b in self.sim_builds.values())),
         )

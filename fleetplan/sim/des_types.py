@@ -135,6 +135,7 @@ class SimResult:
     prefix_hit_rate: float | None = None  # prompt tokens found in a prefix cache / looked up (all replicas)
     gpu_hours_by_config: tuple[tuple[ConfigKey, float], ...] = ()  # replicas' GPU-hours (builds apart)
     met: np.ndarray | None = None  # per arrived request (trace order): served within both SLOs
+    build_windows: tuple[tuple[float, float, ConfigKey], ...] = ()  # engine builds: (start_s, done_s, config)
 
     @property
     def slo_attainment(self) -> float:

@@ -51,6 +51,7 @@ from fleetplan.sim.des import (
     SimSettings,
 )
 from fleetplan.sim.evaluate_yardsticks import run_yardsticks
+from fleetplan.sim.graduation import Graduation, graduation
 from fleetplan.sim.groundtruth import EngineParams, build_params
 from fleetplan.sim.jobs import open_jobs
 from fleetplan.sim.solve_limits import replay_policy
@@ -96,6 +97,7 @@ class PolicyFigures:
     prefix_hit_rate: float | None = None  # the simulated fleet's prefix-cache hit rate (prompt tokens)
     # starts an agent would refuse (GPUs in use, engine not on that host): 0 unless the act path errs
     refused_starts: int = 0
+    graduation: Graduation | None = None  # its builds and when each engine served (None: not replayed)
 
     def gpu_hours_by_engine(self) -> dict[str, float]:
         """Per engine: its replicas' GPU-hours (+ "build": the engine builds')."""
@@ -130,6 +132,7 @@ class PolicyFigures:
                 "drain_timeouts": self.drain_timeouts,
                 "swap_cycles": self.swap_cycles,
                 "refused_starts": self.refused_starts,
+                "graduation": None if self.graduation is None else self.graduation.to_json(),
                 "sim_wall_s": r(self.wall_s, 2),
             })
         d.update({
@@ -760,6 +763,7 @@ def _figures(res: SimResult, wall: float, caps: Mapping[ConfigKey, float]) -> Po
         drain_timeouts=res.drain_timeouts,
         prefix_hit_rate=res.prefix_hit_rate,
         refused_starts=res.placement_conflicts,
+        graduation=graduation(res.timeline, res.build_windows) if res.timeline else None,
     )
 
 

@@ -67,6 +67,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--hosts", type=int, default=4)
     p.add_argument("--gpus-per-host", type=int, default=8)
     p.add_argument("--keep", action="store_true", help="leave the working directory in place")
+    p.add_argument("--no-real-day", dest="real_day", action="store_false",
+                   help="skip the replay of the generated day at its real length (24 h; a few minutes)")
     p.set_defaults(handler=_demo)
 
 
