@@ -196,9 +196,12 @@ def replicas_for(need_rps: float, per_replica_rps: float) -> int:
 
 
 def disagg_capacity(pools: PoolProfiles, mix: LengthMix, *, ttft_p99_ms: float, itl_p99_ms: float,
-                    link: KvLink, kv_bytes: float | None = None) -> DisaggCapacity | None:
+                    link: KvLink, kv_bytes: float | None = None, prefill_speed: float = 1.0,
+                    decode_speed: float = 1.0) -> DisaggCapacity | None:
     """One prefill replica's and one decode replica's capacity for `mix` at the SLO over `link`
     (None: the KV bytes per token are unknown: neither given nor in the model's architecture).
+    `prefill_speed` / `decode_speed`: each pool's engine speed relative to its profile (the online
+    correction's TTFT speed of the prefill pool and ITL speed of the decode pool; `models.mix.scaled`).
 
     >>> from fleetplan.models.names import Engine, Precision
     >>> from fleetplan.models.profile import roofline_profile
@@ -218,10 +221,11 @@ def disagg_capacity(pools: PoolProfiles, mix: LengthMix, *, ttft_p99_ms: float, 
     join = d.ttft_fixed_ms + itl_p99_ms / d.itl_p99_factor  # the decode step at the ITL target (mean)
     added = [kv_transfer_ms(per_token, isl, link, key.tp) + join for isl, _, _ in mix.classes]
     prefill = capacity_mix(pools.prefill, prefill_mix(mix), ttft_p99_ms=ttft_p99_ms, itl_p99_ms=math.inf,
-                           ttft_added_ms=added)
+                           ttft_speed=prefill_speed, ttft_added_ms=added)
     if max(o for _, o, _ in mix.classes) <= 1.0:
         decode = MixCapacity(math.inf, "itl")  # one output token each: nothing to decode
     else:
-        decode = capacity_mix(pools.decode, mix, ttft_p99_ms=math.inf, itl_p99_ms=itl_p99_ms)
+        decode = capacity_mix(pools.decode, mix, ttft_p99_ms=math.inf, itl_p99_ms=itl_p99_ms,
+                              itl_speed=decode_speed)
     return DisaggCapacity(prefill, decode, kv_transfer_ms(per_token, mix.isl_quantile(0.99), link, key.tp),
                           join, link, key.tp, pools.extrapolated)

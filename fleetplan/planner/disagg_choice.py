@@ -117,6 +117,15 @@ class ServingChoice:
 
 
 @dataclass(frozen=True)
+class PhaseSpeeds:
+    """Engine speeds relative to the profiles (the online correction's; 1.0: as fitted)."""
+
+    ttft: float = 1.0  # observed through the aggregated replicas' TTFT: the aggregated and the prefill side
+    itl: float = 1.0  # observed through the aggregated replicas' ITL: the aggregated side only
+    decode_itl: float = 1.0  # observed through a decode pool's ITL (1.0 until one runs)
+
+
+@dataclass(frozen=True)
 class _Inputs:
     profile: PerfProfile
     pools: PoolProfiles
@@ -125,6 +134,7 @@ class _Inputs:
     link: KvLink
     price_usd_h: float
     headroom: float
+    speeds: PhaseSpeeds
 
 
 def _pool(need_rps: float, cap: MixCapacity, tp: int, price_usd_h: float) -> Pool:
@@ -156,17 +166,29 @@ def _decide(a: Pool, d: DisaggFleet | None) -> tuple[Serving, bool]:
 
 
 def _capacities(inp: _Inputs, mix: LengthMix, link: KvLink) -> tuple[MixCapacity, DisaggCapacity | None]:
-    agg = capacity_mix(inp.profile, mix, ttft_p99_ms=inp.ttft_p99_ms, itl_p99_ms=inp.itl_p99_ms)
-    dis = disagg_capacity(inp.pools, mix, ttft_p99_ms=inp.ttft_p99_ms, itl_p99_ms=inp.itl_p99_ms, link=link)
-    return agg, dis
+    sp = inp.speeds
+    agg = capacity_mix(inp.profile, mix, ttft_p99_ms=inp.ttft_p99_ms, itl_p99_ms=inp.itl_p99_ms,
+                       ttft_speed=sp.ttft, itl_speed=sp.itl)
+    return agg, _disagg(inp, mix, link)
+
+
+def _disagg(inp: _Inputs, mix: LengthMix, link: KvLink) -> DisaggCapacity | None:
+    return disagg_capacity(inp.pools, mix, ttft_p99_ms=inp.ttft_p99_ms, itl_p99_ms=inp.itl_p99_ms, link=link,
+                           prefill_speed=inp.speeds.ttft, decode_speed=inp.speeds.decode_itl)
 
 
 def choose_serving(profile: PerfProfile, mix: LengthMix, rate_rps: float, *, ttft_p99_ms: float,
                    itl_p99_ms: float, link: KvLink, price_usd_h: float, headroom: float = 0.0,
-                   pools: PoolProfiles | None = None, flips: bool = True) -> ServingChoice:
+                   pools: PoolProfiles | None = None, speeds: PhaseSpeeds = PhaseSpeeds(),
+                   flips: bool = True) -> ServingChoice:
     """The cheaper of the aggregated fleet and the disaggregated pair for `rate_rps` of `mix` at the
     SLO, on `profile`'s configuration, the pools' KV moving over `link`; `pools`: the pool profiles
     (default: derived from `profile`, extrapolated); `flips`: also search what would flip it.
+
+    `speeds`: the online correction's. The TTFT speed seen on aggregated replicas applies to the
+    prefill pool too (the same prefill); the ITL speed seen on them does not reach the decode pool:
+    an ITL slower than the profile says on aggregated replicas is mostly the prefill interference the
+    profile misses, which a decode pool does not have (its own speed, `decode_itl`, once one runs).
 
     >>> from fleetplan.models.disagg import NVLINK4, ETH_25G
     >>> from fleetplan.models.names import Engine, GpuType, Precision
@@ -190,7 +212,7 @@ def choose_serving(profile: PerfProfile, mix: LengthMix, rate_rps: float, *, ttf
     if not price_usd_h >= 0:
         raise ValueError(f"price_usd_h={price_usd_h!r}: expected a price >= 0")
     inp = _Inputs(profile, pools if pools is not None else pool_profiles(profile), ttft_p99_ms, itl_p99_ms,
-                  link, price_usd_h, headroom)
+                  link, price_usd_h, headroom, speeds)
     agg, dis = _capacities(inp, mix, link)
     a, d = _fleets(inp, rate_rps, agg, dis)
     chosen, reachable = _decide(a, d)
@@ -208,9 +230,7 @@ def _flips(inp: _Inputs, mix: LengthMix, rate_rps: float, chosen: Serving, agg: 
         return _decide(*_fleets(inp, rate_rps, *_capacities(inp, scaled, inp.link)))[0]
 
     def mode_at_link(gb_s: float) -> Serving:
-        link = replace(inp.link, gb_s=gb_s)
-        d = disagg_capacity(inp.pools, mix, ttft_p99_ms=inp.ttft_p99_ms, itl_p99_ms=inp.itl_p99_ms, link=link)
-        return _decide(*_fleets(inp, rate_rps, agg, d))[0]
+        return _decide(*_fleets(inp, rate_rps, agg, _disagg(inp, mix, replace(inp.link, gb_s=gb_s))))[0]
 
     return Flips(_nearest_rate(mode_at_rate, rate_rps, chosen),
                  _nearest_scale(mode_at_isl, 1.0, chosen, 1.0 / ISL_RANGE, ISL_RANGE),

@@ -11,7 +11,7 @@ from fleetplan.models import profile as mp
 from fleetplan.models.disagg import ETH_25G, NVLINK4, KvLink, LinkKind
 from fleetplan.models.mix import LengthMix
 from fleetplan.models.names import Engine, GpuType, Precision
-from fleetplan.planner.disagg_choice import Serving, choose_serving
+from fleetplan.planner.disagg_choice import PhaseSpeeds, Serving, choose_serving
 
 KEY = mp.ConfigKey("llama-3-8b", Engine.VLLM, GpuType.H100, 1, Precision.BF16)
 PROFILE = mp.roofline_profile(KEY)
@@ -122,3 +122,21 @@ def test_bad_inputs_name_the_value() -> None:
     with pytest.raises(ValueError, match="price_usd_h"):
         choose_serving(PROFILE, RAG, 1.0, ttft_p99_ms=600.0, itl_p99_ms=20.0, price_usd_h=-3.0,
                        link=KvLink(LinkKind.NETWORK, 10.0, 0.5))
+
+
+def test_an_itl_slower_than_the_profile_on_aggregated_replicas_chooses_disaggregated() -> None:
+    # the online correction saw the aggregated replicas' ITL 3x what the profile says (the prefill
+    # interference it misses): the aggregated fleet is sized on it, the decode pool is not
+    base = choose_serving(PROFILE, RAG, 20.0, **LOOSE, link=NVLINK4, flips=False)
+    slow = choose_serving(PROFILE, RAG, 20.0, **LOOSE, link=NVLINK4, flips=False, speeds=PhaseSpeeds(itl=1 / 3))
+    assert base.chosen is Serving.AGGREGATED and slow.chosen is Serving.DISAGGREGATED
+    assert slow.aggregated.binding == "itl" and slow.aggregated.replicas > base.aggregated.replicas
+    assert slow.disaggregated == base.disaggregated
+    # a slower prefill (TTFT speed) slows the aggregated replica and the prefill pool alike
+    ttft = choose_serving(PROFILE, RAG, 20.0, **LOOSE, link=NVLINK4, flips=False, speeds=PhaseSpeeds(ttft=0.8))
+    assert ttft.disaggregated is not None and base.disaggregated is not None
+    assert ttft.disaggregated.prefill.capacity_rps < base.disaggregated.prefill.capacity_rps
+    assert ttft.aggregated.capacity_rps < base.aggregated.capacity_rps
+    assert ttft.disaggregated.decode == base.disaggregated.decode
+    dec = choose_serving(PROFILE, RAG, 20.0, **LOOSE, link=NVLINK4, flips=False, speeds=PhaseSpeeds(decode_itl=0.5))
+    assert dec.disaggregated is not None and dec.disaggregated.decode.capacity_rps < base.disaggregated.decode.capacity_rps
