@@ -137,7 +137,8 @@ class _Inputs:
     speeds: PhaseSpeeds
 
 
-def _pool(need_rps: float, cap: MixCapacity, tp: int, price_usd_h: float) -> Pool:
+def size_pool(need_rps: float, cap: MixCapacity, tp: int, price_usd_h: float) -> Pool:
+    """Replicas of capacity `cap` (TP `tp`, `price_usd_h` a GPU) that carry `need_rps`."""
     reachable = cap.floor_share is None and cap.max_rps > 0.0
     replicas = replicas_for(need_rps, cap.max_rps) if cap.max_rps > 0.0 else 0
     gpus = replicas * tp
@@ -148,15 +149,15 @@ def _fleets(inp: _Inputs, rate_rps: float, agg: MixCapacity,
             dis: DisaggCapacity | None) -> tuple[Pool, DisaggFleet | None]:
     tp = inp.profile.key.tp
     need = max(rate_rps, 0.0) * (1.0 + inp.headroom)
-    a = _pool(need, agg, tp, inp.price_usd_h)
+    a = size_pool(need, agg, tp, inp.price_usd_h)
     if dis is None:
         return a, None
-    d = DisaggFleet(_pool(need, dis.prefill, tp, inp.price_usd_h), _pool(need, dis.decode, tp, inp.price_usd_h),
+    d = DisaggFleet(size_pool(need, dis.prefill, tp, inp.price_usd_h), size_pool(need, dis.decode, tp, inp.price_usd_h),
                     dis.transfer_p99_ms, dis.extrapolated)
     return a, d
 
 
-def _decide(a: Pool, d: DisaggFleet | None) -> tuple[Serving, bool]:
+def decide(a: Pool, d: DisaggFleet | None) -> tuple[Serving, bool]:
     """(the mode, whether it meets the SLO): the cheaper reachable one; on a tie aggregated."""
     if d is None or not d.reachable:
         return Serving.AGGREGATED, a.reachable
@@ -170,6 +171,16 @@ def _capacities(inp: _Inputs, mix: LengthMix, link: KvLink) -> tuple[MixCapacity
     agg = capacity_mix(inp.profile, mix, ttft_p99_ms=inp.ttft_p99_ms, itl_p99_ms=inp.itl_p99_ms,
                        ttft_speed=sp.ttft, itl_speed=sp.itl)
     return agg, _disagg(inp, mix, link)
+
+
+def serving_capacities(profile: PerfProfile, mix: LengthMix, *, ttft_p99_ms: float, itl_p99_ms: float,
+                       link: KvLink, pools: PoolProfiles | None = None,
+                       speeds: PhaseSpeeds = PhaseSpeeds()) -> tuple[MixCapacity, DisaggCapacity | None]:
+    """One aggregated replica's capacity and one prefill and one decode replica's, as `choose_serving`
+    computes them (`pools`, `speeds`: as there)."""
+    inp = _Inputs(profile, pools if pools is not None else pool_profiles(profile), ttft_p99_ms, itl_p99_ms,
+                  link, 0.0, 0.0, speeds)
+    return _capacities(inp, mix, link)
 
 
 def _disagg(inp: _Inputs, mix: LengthMix, link: KvLink) -> DisaggCapacity | None:
@@ -215,7 +226,7 @@ def choose_serving(profile: PerfProfile, mix: LengthMix, rate_rps: float, *, ttf
                   link, price_usd_h, headroom, speeds)
     agg, dis = _capacities(inp, mix, link)
     a, d = _fleets(inp, rate_rps, agg, dis)
-    chosen, reachable = _decide(a, d)
+    chosen, reachable = decide(a, d)
     found = _flips(inp, mix, rate_rps, chosen, agg, dis) if flips and d is not None else None
     return ServingChoice(chosen, a, d, reachable, found)
 
@@ -223,14 +234,14 @@ def choose_serving(profile: PerfProfile, mix: LengthMix, rate_rps: float, *, ttf
 def _flips(inp: _Inputs, mix: LengthMix, rate_rps: float, chosen: Serving, agg: MixCapacity,
            dis: DisaggCapacity | None) -> Flips:
     def mode_at_rate(r: float) -> Serving:
-        return _decide(*_fleets(inp, r, agg, dis))[0]
+        return decide(*_fleets(inp, r, agg, dis))[0]
 
     def mode_at_isl(scale: float) -> Serving:
         scaled = replace(mix, classes=tuple((i * scale, o, w) for i, o, w in mix.classes))
-        return _decide(*_fleets(inp, rate_rps, *_capacities(inp, scaled, inp.link)))[0]
+        return decide(*_fleets(inp, rate_rps, *_capacities(inp, scaled, inp.link)))[0]
 
     def mode_at_link(gb_s: float) -> Serving:
-        return _decide(*_fleets(inp, rate_rps, agg, _disagg(inp, mix, replace(inp.link, gb_s=gb_s))))[0]
+        return decide(*_fleets(inp, rate_rps, agg, _disagg(inp, mix, replace(inp.link, gb_s=gb_s))))[0]
 
     return Flips(_nearest_rate(mode_at_rate, rate_rps, chosen),
                  _nearest_scale(mode_at_isl, 1.0, chosen, 1.0 / ISL_RANGE, ISL_RANGE),
