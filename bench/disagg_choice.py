@@ -92,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no profile for {key.label()}", file=sys.stderr)
         return 2
     mix = trace_mix(args.trace)
+    isl_p99 = None
     if prof.data_range is not None and prof.data_range.length_spread:  # as the planner does (capacity.mix_for)
+        isl_p99 = mix.isl_quantile(0.99)
         mix = LengthMix.single(mix.mean().isl, mix.mean().osl)
     variants = [("profile", prof)]
     if args.stall_weight is not None:
@@ -105,17 +107,18 @@ def main(argv: list[str] | None = None) -> int:
                 link = _link(link_name, key)
                 for rate in (float(v) for v in args.rates.split(",")):
                     c = choose_serving(p, mix, rate, ttft_p99_ms=args.ttft_ms, itl_p99_ms=itl, link=link,
-                                       price_usd_h=args.price, headroom=args.headroom)
+                                       price_usd_h=args.price, headroom=args.headroom, transfer_isl_p99=isl_p99)
                     d = c.disaggregated
                     assert d is not None and c.flips is not None
                     rows.append({"variant": label, "itl_ms": itl, "link": link_name, "rate_rps": rate,
                                  "agg_rps": c.aggregated.capacity_rps, "agg_binding": c.aggregated.binding,
                                  "prefill_rps": d.prefill.capacity_rps, "decode_rps": d.decode.capacity_rps,
+                                 "prefill_reachable": d.prefill.reachable,
                                  "agg_gpus": c.aggregated.gpus, "disagg_gpus": d.gpus, "ratio": d.ratio(),
                                  "transfer_p99_ms": d.transfer_p99_ms, "chosen": c.chosen.value,
                                  "flip_rate_rps": c.flips.rate_rps, "flip_isl_scale": c.flips.isl_scale,
                                  "flip_link_gb_s": c.flips.link_gb_s})
-    truth = _truth(args, key, lengths, prof, mix) if args.truth else []
+    truth = _truth(args, key, lengths, prof, mix, isl_p99) if args.truth else []
     if args.json:
         print(json.dumps({"profile": prof.key.label(), "source": prof.source, "mix": mix.describe(), "rows": rows,
                           "truth": truth}))
@@ -127,9 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         f = [("-" if r[k] is None else f"{r[k]:.3g}") for k in ("flip_rate_rps", "flip_isl_scale", "flip_link_gb_s")]
         print(f"{r['variant']:10} {r['itl_ms']:>4g} {r['link']:6} {r['rate_rps']:>4g} "
-              f"{r['agg_rps']:>6.2f} {r['agg_binding']:>5} {r['prefill_rps']:>7.2f} {r['decode_rps']:>7.1f} "
+              f"{r['agg_rps']:>6.2f} {r['agg_binding']:>5} {r['prefill_rps']:>6.2f}{' ' if r['prefill_reachable'] else '*'}"
+              f" {r['decode_rps']:>7.1f} "
               f"{r['transfer_p99_ms']:>7.1f} {r['agg_gpus']:>6} {r['disagg_gpus']:>6} {r['ratio']:>5} "
               f"{r['chosen']:>13}  {', '.join(f)}")
+    print("* the TTFT target is out of the prefill pool's reach for this mix (sized from its floor share)")
     for t in truth:
         print(f"truth: ITL {t['itl_ms']:g} ms: aggregated {t['agg_rps']:.2f} rps a replica, prefill-only "
               f"{t['prefill_rps']:.2f}, decode (model) {t['decode_rps']:.1f}; GPUs aggregated / disaggregated: "
@@ -138,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _truth(args: argparse.Namespace, key: ConfigKey, lengths: list[tuple[int, int]], prof: PerfProfile,
-           mix: LengthMix) -> list[dict[str, object]]:
+           mix: LengthMix, isl_p99: float | None) -> list[dict[str, object]]:
     from fleetplan.sim.core import capacity_at_slo
     from fleetplan.sim.groundtruth import build_params
 
@@ -152,7 +157,7 @@ def _truth(args: argparse.Namespace, key: ConfigKey, lengths: list[tuple[int, in
         join = prof.params.ttft_fixed_ms + itl / prof.params.itl_p99_factor
         pre = capacity_at_slo(params, [(p, 1) for p, _ in lengths], args.ttft_ms - transfer - join, 1e9, repeats=3)
         dec = disagg.disagg_capacity(disagg.pool_profiles(prof), mix, ttft_p99_ms=args.ttft_ms, itl_p99_ms=itl,
-                                     link=link)
+                                     link=link, transfer_isl_p99=isl_p99)
         dec_rps = dec.decode.max_rps if dec is not None else float("inf")
         gpus = []
         for rate in (float(v) for v in args.rates.split(",")):

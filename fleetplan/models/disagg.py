@@ -197,11 +197,14 @@ def replicas_for(need_rps: float, per_replica_rps: float) -> int:
 
 def disagg_capacity(pools: PoolProfiles, mix: LengthMix, *, ttft_p99_ms: float, itl_p99_ms: float,
                     link: KvLink, kv_bytes: float | None = None, prefill_speed: float = 1.0,
-                    decode_speed: float = 1.0) -> DisaggCapacity | None:
+                    decode_speed: float = 1.0, transfer_isl_p99: float | None = None) -> DisaggCapacity | None:
     """One prefill replica's and one decode replica's capacity for `mix` at the SLO over `link`
     (None: the KV bytes per token are unknown: neither given nor in the model's architecture).
     `prefill_speed` / `decode_speed`: each pool's engine speed relative to its profile (the online
     correction's TTFT speed of the prefill pool and ITL speed of the decode pool; `models.mix.scaled`).
+    `transfer_isl_p99`: the prompt-length p99 when `mix` stands for a wider distribution (a profile
+    fitted on a length spread is evaluated at the mean lengths): every class's TTFT then carries at
+    least that prompt's transfer, whose tail the mean would miss (None: each class its own prompt's).
 
     >>> from fleetplan.models.names import Engine, Precision
     >>> from fleetplan.models.profile import roofline_profile
@@ -219,7 +222,8 @@ def disagg_capacity(pools: PoolProfiles, mix: LengthMix, *, ttft_p99_ms: float, 
         return None
     d = pools.decode.params
     join = d.ttft_fixed_ms + itl_p99_ms / d.itl_p99_factor  # the decode step at the ITL target (mean)
-    added = [kv_transfer_ms(per_token, isl, link, key.tp) + join for isl, _, _ in mix.classes]
+    floor = 0.0 if transfer_isl_p99 is None else transfer_isl_p99
+    added = [kv_transfer_ms(per_token, max(isl, floor), link, key.tp) + join for isl, _, _ in mix.classes]
     prefill = capacity_mix(pools.prefill, prefill_mix(mix), ttft_p99_ms=ttft_p99_ms, itl_p99_ms=math.inf,
                            ttft_speed=prefill_speed, ttft_added_ms=added)
     if max(o for _, o, _ in mix.classes) <= 1.0:
@@ -227,5 +231,6 @@ def disagg_capacity(pools: PoolProfiles, mix: LengthMix, *, ttft_p99_ms: float, 
     else:
         decode = capacity_mix(pools.decode, mix, ttft_p99_ms=math.inf, itl_p99_ms=itl_p99_ms,
                               itl_speed=decode_speed)
-    return DisaggCapacity(prefill, decode, kv_transfer_ms(per_token, mix.isl_quantile(0.99), link, key.tp),
+    p99 = max(mix.isl_quantile(0.99), floor)
+    return DisaggCapacity(prefill, decode, kv_transfer_ms(per_token, p99, link, key.tp),
                           join, link, key.tp, pools.extrapolated)

@@ -135,6 +135,7 @@ class _Inputs:
     price_usd_h: float
     headroom: float
     speeds: PhaseSpeeds
+    transfer_isl_p99: float | None = None
 
 
 def size_pool(need_rps: float, cap: MixCapacity, tp: int, price_usd_h: float) -> Pool:
@@ -174,24 +175,25 @@ def _capacities(inp: _Inputs, mix: LengthMix, link: KvLink) -> tuple[MixCapacity
 
 
 def serving_capacities(profile: PerfProfile, mix: LengthMix, *, ttft_p99_ms: float, itl_p99_ms: float,
-                       link: KvLink, pools: PoolProfiles | None = None,
-                       speeds: PhaseSpeeds = PhaseSpeeds()) -> tuple[MixCapacity, DisaggCapacity | None]:
+                       link: KvLink, pools: PoolProfiles | None = None, speeds: PhaseSpeeds = PhaseSpeeds(),
+                       transfer_isl_p99: float | None = None) -> tuple[MixCapacity, DisaggCapacity | None]:
     """One aggregated replica's capacity and one prefill and one decode replica's, as `choose_serving`
-    computes them (`pools`, `speeds`: as there)."""
+    computes them (`pools`, `speeds`, `transfer_isl_p99`: as there)."""
     inp = _Inputs(profile, pools if pools is not None else pool_profiles(profile), ttft_p99_ms, itl_p99_ms,
-                  link, 0.0, 0.0, speeds)
+                  link, 0.0, 0.0, speeds, transfer_isl_p99)
     return _capacities(inp, mix, link)
 
 
 def _disagg(inp: _Inputs, mix: LengthMix, link: KvLink) -> DisaggCapacity | None:
     return disagg_capacity(inp.pools, mix, ttft_p99_ms=inp.ttft_p99_ms, itl_p99_ms=inp.itl_p99_ms, link=link,
-                           prefill_speed=inp.speeds.ttft, decode_speed=inp.speeds.decode_itl)
+                           prefill_speed=inp.speeds.ttft, decode_speed=inp.speeds.decode_itl,
+                           transfer_isl_p99=inp.transfer_isl_p99)
 
 
 def choose_serving(profile: PerfProfile, mix: LengthMix, rate_rps: float, *, ttft_p99_ms: float,
                    itl_p99_ms: float, link: KvLink, price_usd_h: float, headroom: float = 0.0,
                    pools: PoolProfiles | None = None, speeds: PhaseSpeeds = PhaseSpeeds(),
-                   flips: bool = True) -> ServingChoice:
+                   transfer_isl_p99: float | None = None, flips: bool = True) -> ServingChoice:
     """The cheaper of the aggregated fleet and the disaggregated pair for `rate_rps` of `mix` at the
     SLO, on `profile`'s configuration, the pools' KV moving over `link`; `pools`: the pool profiles
     (default: derived from `profile`, extrapolated); `flips`: also search what would flip it.
@@ -200,6 +202,7 @@ def choose_serving(profile: PerfProfile, mix: LengthMix, rate_rps: float, *, ttf
     prefill pool too (the same prefill); the ITL speed seen on them does not reach the decode pool:
     an ITL slower than the profile says on aggregated replicas is mostly the prefill interference the
     profile misses, which a decode pool does not have (its own speed, `decode_itl`, once one runs).
+    `transfer_isl_p99`: the prompt p99 when `mix` is the mean of a spread (`models.disagg.disagg_capacity`).
 
     >>> from fleetplan.models.disagg import NVLINK4, ETH_25G
     >>> from fleetplan.models.names import Engine, GpuType, Precision
@@ -223,7 +226,7 @@ def choose_serving(profile: PerfProfile, mix: LengthMix, rate_rps: float, *, ttf
     if not price_usd_h >= 0:
         raise ValueError(f"price_usd_h={price_usd_h!r}: expected a price >= 0")
     inp = _Inputs(profile, pools if pools is not None else pool_profiles(profile), ttft_p99_ms, itl_p99_ms,
-                  link, price_usd_h, headroom, speeds)
+                  link, price_usd_h, headroom, speeds, transfer_isl_p99)
     agg, dis = _capacities(inp, mix, link)
     a, d = _fleets(inp, rate_rps, agg, dis)
     chosen, reachable = decide(a, d)

@@ -116,11 +116,13 @@ def _pair_order(pre: ConfigPool, dec: ConfigPool) -> tuple[bool, float, int]:
 
 def choose_for_model(policy: Policy, model: str, profiles: Mapping[ConfigKey, PerfProfile], mix: LengthMix,
                      rate_rps: float, *, link_for: Callable[[GpuType], KvLink] = host_link,
-                     speeds: Mapping[ConfigKey, PhaseSpeeds] | None = None) -> ModelServing:
+                     speeds: Mapping[ConfigKey, PhaseSpeeds] | None = None,
+                     transfer_isl_p99: float | None = None) -> ModelServing:
     """The cheaper of `model`'s best aggregated fleet and best disaggregated pair for `rate_rps` of
     `mix` at its SLO and headroom, over the configurations in `profiles` (those of `model` whose GPU
     type has a price in the policy; `planner.capacity.resolve_profiles` gives them), each at its
-    speeds (none: as profiled).
+    speeds (none: as profiled). `transfer_isl_p99`: the prompt p99 when `mix` is the mean of a spread
+    (`planner.capacity.mix_for` evaluates length-spread profiles at the mean).
 
     On Llama-3-8B vLLM H100 TP1 and TP2 (roofline priors), 4,096-token prompts and 32-token outputs
     at 20 rps, TTFT 600 ms and ITL 20 ms, no headroom: aggregated TP1 x 8 (8 GPUs) against 6 prefill
@@ -138,7 +140,8 @@ def choose_for_model(policy: Policy, model: str, profiles: Mapping[ConfigKey, Pe
             continue
         try:
             agg, dis = serving_capacities(prof, mix, ttft_p99_ms=m.slo.ttft_p99_ms, itl_p99_ms=m.slo.itl_p99_ms,
-                                          link=link_for(key.gpu), speeds=(speeds or {}).get(key, PhaseSpeeds()))
+                                          link=link_for(key.gpu), speeds=(speeds or {}).get(key, PhaseSpeeds()),
+                                          transfer_isl_p99=transfer_isl_p99)
         except (ValueError, ArithmeticError):
             continue  # a profile that cannot answer for this mix: not a candidate
         configs.append(_Config(key, price, agg, dis))

@@ -152,3 +152,15 @@ def test_pool_counts() -> None:
     assert replicas_for(10.0, 2.5) == 4 and replicas_for(10.1, 2.5) == 5 and replicas_for(0.1, math.inf) == 1
     with pytest.raises(ValueError, match="serves nothing"):
         replicas_for(1.0, 0.0)
+
+
+def test_a_mean_standing_for_a_spread_carries_the_p99_transfer() -> None:
+    mean = LengthMix.single(2000.0, 30.0)
+    pools = pool_profiles(PROFILE)
+    plain = disagg_capacity(pools, mean, **SLO, link=ETH_25G)
+    tail = disagg_capacity(pools, mean, **SLO, link=ETH_25G, transfer_isl_p99=8000.0)
+    assert plain is not None and tail is not None
+    assert tail.transfer_p99_ms == pytest.approx(kv_transfer_ms(131072.0, 8000.0, ETH_25G))
+    assert tail.prefill.max_rps < plain.prefill.max_rps and tail.decode == plain.decode
+    # a floor below every class changes nothing
+    assert disagg_capacity(pools, mean, **SLO, link=ETH_25G, transfer_isl_p99=100.0) == plain
