@@ -281,3 +281,43 @@ def _nearest_scale(mode: Callable[[float], Serving], at: float, chosen: Serving,
                 other = mid
         return math.exp(other)
     return None
+
+
+def explain_lines(choice: ServingChoice) -> tuple[str, ...]:
+    """What the explanation says about the choice: both fleets, why, and what would flip it.
+
+    >>> a = Pool(8, 8, 24.0, 2.83, "itl", True)
+    >>> d = DisaggFleet(Pool(6, 6, 18.0, 3.93, "ttft", True), Pool(1, 1, 3.0, 45.4, "itl", True), 1.6, True)
+    >>> for line in explain_lines(ServingChoice(Serving.DISAGGREGATED, a, d, True, Flips(16.8, 0.38, 6.71))):
+    ...     print(line)
+    disaggregated: 6 prefill + 1 decode replicas (6:1), 7 GPUs, $21.00/h; aggregated: 8 replicas, 8 GPUs, $24.00/h
+    one replica: aggregated 2.83 req/s (itl binds), prefill 3.93 (ttft), decode 45.4 (itl); KV transfer of the p99 prompt 1.6 ms
+    aggregated would win at 16.8 req/s; with prompts x0.38; over a 6.71 GB/s link
+    the pools are extrapolated from the aggregated profile (no disaggregated benchmark)
+    """
+    a, d = choice.aggregated, choice.disaggregated
+    agg = f"aggregated: {a.replicas} replicas, {a.gpus} GPUs, ${a.usd_h:.2f}/h"
+    if d is None:
+        return (f"{agg}; no disaggregated pair (the model's KV bytes per token are unknown)",)
+    dis = (f"disaggregated: {d.prefill.replicas} prefill + {d.decode.replicas} decode replicas ({d.ratio()}), "
+           f"{d.gpus} GPUs, ${d.usd_h:.2f}/h")
+    lines = [f"{dis}; {agg}" if choice.chosen is Serving.DISAGGREGATED else f"{agg}; {dis}"]
+    if not choice.slo_reachable:
+        lines.append("neither fleet meets the p99 targets for this mix: aggregated kept")
+    lines.append(f"one replica: aggregated {a.capacity_rps:.3g} req/s ({a.binding} binds), prefill "
+                 f"{d.prefill.capacity_rps:.3g} ({d.prefill.binding}), decode {d.decode.capacity_rps:.3g} "
+                 f"({d.decode.binding}); KV transfer of the p99 prompt {d.transfer_p99_ms:.2g} ms")
+    for what, pool in (("prefill", d.prefill), ("decode", d.decode), ("aggregated", a)):
+        if not pool.reachable:
+            lines.append(f"the {what} replicas cannot meet their p99 target for this mix at any count")
+    if choice.flips is not None:
+        f = choice.flips
+        said = [s for s in (f"at {f.rate_rps:.3g} req/s" if f.rate_rps is not None else None,
+                            f"with prompts x{f.isl_scale:.2f}" if f.isl_scale is not None else None,
+                            f"over a {f.link_gb_s:.3g} GB/s link" if f.link_gb_s is not None else None)
+                if s is not None]
+        other = Serving.AGGREGATED if choice.chosen is Serving.DISAGGREGATED else Serving.DISAGGREGATED
+        lines.append(f"{other.value} would win " + ("; ".join(said) if said else "nowhere in the searched range"))
+    if d.extrapolated:
+        lines.append("the pools are extrapolated from the aggregated profile (no disaggregated benchmark)")
+    return tuple(lines)

@@ -82,7 +82,7 @@ def capacity_disagg(args: argparse.Namespace, profile: Any, workload: Any, extra
         d = choice.disaggregated
         assert d is not None and choice.flips is not None
         f = choice.flips
-        doc["choice"] = {"chosen": choice.chosen.value, "slo_reachable": choice.slo_reachable,
+        doc["choice"] = {"rate_rps": args.rate, "chosen": choice.chosen.value, "slo_reachable": choice.slo_reachable,
                          "aggregated": _pool_doc(choice.aggregated), "prefill": _pool_doc(d.prefill),
                          "decode": _pool_doc(d.decode),
                          "flips": {"rate_rps": f.rate_rps, "isl_scale": f.isl_scale, "link_gb_s": f.link_gb_s}}
@@ -105,21 +105,15 @@ def _print(doc: dict[str, Any], workload: Any, dis: Any, choice: Any) -> None:
         print(f"  {what:19} max {rps} req/s (binding: {c['binding']}{floor})")
     print(f"  KV transfer of the p99 prompt {dis.transfer_p99_ms:.1f} ms; the decode side's front end and first step "
           f"{dis.join_ms:.1f} ms")
-    if dis.extrapolated:
+    if dis.extrapolated and choice is None:  # else the choice's explanation says it
         print("  pools extrapolated from the aggregated profile (no disaggregated benchmark)")
     for w in doc["warnings"]:
         print(f"  warning: {w}")
     if choice is None:
         return
-    a, d, f = choice.aggregated, choice.disaggregated, choice.flips
-    mark = {"aggregated": "", "disaggregated": ""}
-    mark[choice.chosen.value] = "  <- cheaper" if choice.slo_reachable else "  <- kept (SLO out of reach)"
-    print(f"  aggregated:    {a.replicas} replicas, {a.gpus} GPUs, ${a.usd_h:.2f}/h{mark['aggregated']}")
-    print(f"  disaggregated: {d.prefill.replicas} prefill + {d.decode.replicas} decode ({d.ratio()}), "
-          f"{d.gpus} GPUs, ${d.usd_h:.2f}/h{mark['disaggregated']}")
-    flips = [f"at {f.rate_rps:.3g} req/s" if f.rate_rps is not None else None,
-             f"with prompts x{f.isl_scale:.2f}" if f.isl_scale is not None else None,
-             f"over a {f.link_gb_s:.3g} GB/s link" if f.link_gb_s is not None else None]
-    said = [s for s in flips if s is not None]
-    other = "aggregated" if choice.chosen.value == "disaggregated" else "disaggregated"
-    print(f"  {other} would win " + ("; ".join(said) if said else "nowhere in the searched range"))
+    from fleetplan.planner.disagg_choice import explain_lines
+
+    print(f"at {doc['choice']['rate_rps']:g} req/s:")
+    for line in explain_lines(choice):
+        print(f"  {line}")
+

@@ -36,9 +36,13 @@ def test_prints_both_pools_and_the_cheaper_fleet(profiles: Path, capsys: pytest.
     out = capsys.readouterr().out
     assert "prefill replica     max 3.929 req/s (binding: ttft)" in out
     assert "decode replica      max 45.421 req/s (binding: itl)" in out
-    assert "aggregated:    8 replicas, 8 GPUs, $24.00/h\n" in out
-    assert "disaggregated: 6 prefill + 1 decode (6:1), 7 GPUs, $21.00/h  <- cheaper" in out
-    assert "pools extrapolated from the aggregated profile" in out
+    assert ("at 20 req/s:\n  disaggregated: 6 prefill + 1 decode replicas (6:1), 7 GPUs, $21.00/h; "
+            "aggregated: 8 replicas, 8 GPUs, $24.00/h\n") in out
+    assert "  aggregated would win at 16.8 req/s; with prompts x0.38; over a 6.71 GB/s link\n" in out
+    assert out.count("extrapolated from the aggregated profile") == 1
+    assert main([*ARGS, "--profiles", str(profiles)]) == 0  # without a rate: the capacities only
+    out = capsys.readouterr().out
+    assert "pools extrapolated from the aggregated profile" in out and "req/s:" not in out
 
 
 def test_json_over_a_slow_link(profiles: Path, capsys: pytest.CaptureFixture[str]) -> None:
