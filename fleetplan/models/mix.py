@@ -215,6 +215,9 @@ class _Terms:
     resid: float  # the residual prefill work a new prompt queues behind, E[P*Q]/E[W] (ms)
     per_chunk: float  # mean prefill time per chunk (ms)
     mean_chunks: float
+    # latency each class's TTFT carries outside this replica's GPU work (ms; 0.0, or one per class):
+    # a disaggregated prefill's KV transfer and the decode side's first step (models/disagg.py)
+    ttft_added: Any = 0.0
 
 
 def _wsum(a: np.ndarray) -> Any:
@@ -252,7 +255,7 @@ def _ttft_quantiles_at(t: _Terms, rho: np.ndarray) -> tuple[np.ndarray, np.ndarr
     itl = p.s0_ms / (1.0 - rho)
     tau = p.q * t.resid / (1.0 - rho)
     q50, q99 = queue_quantiles(p, rho, tau)
-    fixed = p.ttft_fixed_ms + (0.5 + p.chunk_per_token * t.isl)[None, :] * itl
+    fixed = p.ttft_fixed_ms + t.ttft_added + (0.5 + p.chunk_per_token * t.isl)[None, :] * itl
     own = np.atleast_2d(p.prefill_latency_factor * t.prefill)
     return fixed + p.ttft_p50_factor * own + q50, fixed + p.ttft_p99_factor * own + q99
 
@@ -408,8 +411,19 @@ def _sized(ok: Callable[[np.ndarray], np.ndarray], share: Callable[[np.ndarray],
     return _largest_x(lambda xs: share(xs) >= floor - FLOOR_SLACK, x_hi), floor
 
 
+def _with_added(t: _Terms, ttft_added_ms: Sequence[float] | None) -> _Terms:
+    """`t` whose classes' TTFTs each carry the given latency (ms, one per class; None: none)."""
+    if ttft_added_ms is None:
+        return t
+    added = np.asarray(ttft_added_ms, dtype=float)
+    if added.shape != t.w.shape:
+        raise ValueError(f"ttft_added_ms: one latency per length class ({t.w.shape[0]}), got {added.shape}")
+    return replace(t, ttft_added=added[None, :])
+
+
 def capacity_mix(profile: PerfProfile, mix: LengthMix, *, ttft_p99_ms: float, itl_p99_ms: float,
-                 ttft_speed: float = 1.0, itl_speed: float = 1.0) -> MixCapacity:
+                 ttft_speed: float = 1.0, itl_speed: float = 1.0,
+                 ttft_added_ms: Sequence[float] | None = None) -> MixCapacity:
     """The largest rate one replica sustains with the mix's TTFT p99 and ITL p99 under the targets.
 
     `ttft_speed` / `itl_speed`: the engine's speed relative to the profile as observed through each
@@ -417,10 +431,12 @@ def capacity_mix(profile: PerfProfile, mix: LengthMix, *, ttft_p99_ms: float, it
     the memory limit on the slower of the two. A target whose p99 even an idle replica misses (more
     than 1% of the mix cannot meet it at any load) limits the rate to where the share meeting it is
     within FLOOR_SLACK of the idle share (`floor_share` says so): more replicas would not help.
+    `ttft_added_ms`: a latency per length class (in `mix.classes` order) that each class's TTFT
+    carries beyond what this replica computes (a disaggregated prefill's KV transfer, models/disagg.py).
     """
     isl, osl, w = _arrays(mix)
 
-    t_t = _terms(scaled(profile, ttft_speed).params, isl, osl, w, mix.cached_share)
+    t_t = _with_added(_terms(scaled(profile, ttft_speed).params, isl, osl, w, mix.cached_share), ttft_added_ms)
     x_t, floor_t = _sized(lambda xs: _ttft_p99_many(t_t, xs) <= ttft_p99_ms,
                           lambda xs: _ttft_share_many(t_t, xs, ttft_p99_ms), (1.0 - 1e-9) / t_t.wbar)
     t_i = _terms(scaled(profile, itl_speed).params, isl, osl, w, mix.cached_share)

@@ -35,6 +35,9 @@ def register(subparsers: Any) -> None:
     cap.add_argument("--ttft-p99-ms", type=float, required=True, metavar="X")
     cap.add_argument("--itl-p99-ms", type=float, required=True, metavar="Y")
     cap.set_defaults(handler=_capacity)
+    from fleetplan.harness.cli.models_disagg import disagg_args
+
+    disagg_args(cap)
 
 
 def _meta_args(p: argparse.ArgumentParser) -> None:
@@ -214,6 +217,10 @@ def _capacity(args: argparse.Namespace) -> int:
     if found is None:
         return code
     profile, workload, extra = found
+    if args.disagg:
+        from fleetplan.harness.cli.models_disagg import capacity_disagg
+
+        return capacity_disagg(args, profile, workload, extra)
     cap = capacity(profile, workload, ttft_p99_ms=args.ttft_p99_ms, itl_p99_ms=args.itl_p99_ms)
     doc = {"max_rps": cap.max_rps, "binding": cap.binding.value, "profile": profile.key.label(),
            "warnings": [*extra, *cap.warnings]}
