@@ -11,10 +11,11 @@ import pytest
 
 from fleetplan import models, planner
 
-MODULES = sorted(f"{pkg.__name__}.{m.name}" for pkg in (planner, models)
-                 for m in pkgutil.iter_modules(pkg.__path__)) + [
-    # adapters' modules whose docstrings carry a worked example
-    "fleetplan.sim.graduation", "fleetplan.sim.jobs", "fleetplan.harness.demo_day", "fleetplan.harness.demo_summary"]
+MODULES = [*sorted(f"{pkg.__name__}.{m.name}" for pkg in (planner, models)
+                   for m in pkgutil.iter_modules(pkg.__path__)),
+           # adapters' modules whose docstrings carry a worked example
+           "fleetplan.sim.graduation", "fleetplan.sim.jobs", "fleetplan.harness.demo_day",
+           "fleetplan.harness.demo_summary"]
 
 
 @pytest.mark.parametrize("name", MODULES)
