@@ -40,18 +40,22 @@ from fleetplan.harness.fault_core import (
     CONTROL_PLANE_FAULTS,
     CONTROLLER_FAULTS,
     HEADER,
+    INVENTORY_FAULTS,
+    LAB_FAULTS,
     MACHINE_FAULTS,
+    OWN_ROWS,
     BadPayloads,
     FaultResult,
     Injection,
 )
 from fleetplan.harness.fault_injections import MachineFaults, ProcessFaults
+from fleetplan.harness.fault_inventory import InventoryFaults
 
-__all__ = ["ALL_FAULTS", "CONTROLLER_FAULTS", "CONTROL_PLANE_FAULTS", "HEADER", "MACHINE_FAULTS", "BadPayloads", "FaultResult",
-           "FaultSuite", "Injection", "summary"]
+__all__ = ["ALL_FAULTS", "CONTROLLER_FAULTS", "CONTROL_PLANE_FAULTS", "HEADER", "INVENTORY_FAULTS", "LAB_FAULTS",
+           "MACHINE_FAULTS", "OWN_ROWS", "BadPayloads", "FaultResult", "FaultSuite", "Injection", "summary"]
 
 
-class FaultSuite(ProcessFaults, MachineFaults, ControlPlaneFaults):
+class FaultSuite(ProcessFaults, MachineFaults, ControlPlaneFaults, InventoryFaults):
     """Runs faults one after the other on the lab, each from a settled fleet, and measures each the
     same way (the module's docstring)."""
 
