@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -185,12 +186,14 @@ async def own_rows(args: argparse.Namespace, work: Path, names: Sequence[str]) -
 
 async def run(args: argparse.Namespace, work: Path, names: Sequence[str]) -> int:
     t_start = time.monotonic()
+    load_start = os.getloadavg()[0]  # the figures depend on it: a busy machine stretches every cycle
     on_lab = [n for n in names if n in LAB_FAULTS]
     results = await run_lab(args, work, on_lab) if on_lab else []
     results += await own_rows(args, work, [n for n in names if n not in LAB_FAULTS])
     print("", flush=True)
     print(f"== summary ({len(results)} faults, --seconds {args.seconds:g}, --rps {args.rps:g}, "
-          f"seed {args.seed}; wall time {time.monotonic() - t_start:.0f} s)")
+          f"seed {args.seed}; wall time {time.monotonic() - t_start:.0f} s; load average {load_start:.1f} at the "
+          f"start, {os.getloadavg()[0]:.1f} at the end)")
     print(summary(results))
     for r in results:
         if r.notes:
