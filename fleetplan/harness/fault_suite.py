@@ -109,7 +109,9 @@ class FaultSuite(ProcessFaults, MachineFaults, ControlPlaneFaults, InventoryFaul
         if inj.floor is not None:  # an intended change during the injection: count from here on
             self._min_present = floor
         t_rec = time.monotonic()
-        deadline = inj.t_s + self.recover_timeout_s
+        # within recover_timeout_s of the fault, or of the injection's end when it watched longer
+        # (a busy machine stretches a fault that waits for cycles)
+        deadline = max(inj.t_s, t_rec) + self.recover_timeout_s
         last_why: str | None = "not checked"
         while time.monotonic() < deadline:
             last_why = await asyncio.to_thread(self.health, cycle0 + 2)  # a whole cycle after the fault
