@@ -15,6 +15,11 @@ the fault caused, time to recover (s). Then a summary table; exit 1 when a goal 
 duplicate, 0 orphan, 0 scale-down, 0 unexplained failure, recovered), after printing everything,
 with the controller's log lines of the faults that missed one.
 
+Two rows are measured off the shared lab, after its faults: `cold_starts` (--cold-starts fresh labs
+and controllers, each watched --cold-seconds: no replica drained in its first minute) and
+`store_week` (bench/store_growth.py's `run` for --store-days with the default retention: the store
+within its bound).
+
 The bad messages are built by the generators of tests/unit/controller/test_wire_fuzz.py (loaded
 like bench/fuzz_wire.py does): the hostile tokens (NaN, Infinity, 1e999, 5,000-digit integers,
 200,000-level nesting) put into the host's real status, huge versions in statuses and acks, a status
