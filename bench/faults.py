@@ -15,6 +15,11 @@ the fault caused, time to recover (s). Then a summary table; exit 1 when a goal 
 duplicate, 0 orphan, 0 scale-down, 0 unexplained failure, recovered), after printing everything,
 with the controller's log lines of the faults that missed one.
 
+Two rows are measured off the shared lab, after its faults: `cold_starts` (--cold-starts fresh labs
+and controllers, each watched --cold-seconds: no replica drained in its first minute) and
+`store_week` (bench/store_growth.py's `run` for --store-days with the default retention: the store
+within its bound).
+
 The bad messages are built by the generators of tests/unit/controller/test_wire_fuzz.py (loaded
 like bench/fuzz_wire.py does): the hostile tokens (NaN, Infinity, 1e999, 5,000-digit integers,
 200,000-level nesting) put into the host's real status, huge versions in statuses and acks, a status
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -37,8 +43,17 @@ from pathlib import Path
 from typing import Any
 
 from fleetplan.harness.demo import EngineOptions, Rig
+from fleetplan.harness.fault_coldstart import cold_starts
 from fleetplan.harness.fault_controlplane import faketime_env
-from fleetplan.harness.fault_suite import ALL_FAULTS, HEADER, BadPayloads, FaultSuite, summary
+from fleetplan.harness.fault_suite import (
+    ALL_FAULTS,
+    HEADER,
+    LAB_FAULTS,
+    BadPayloads,
+    FaultResult,
+    FaultSuite,
+    summary,
+)
 from fleetplan.harness.prom_proxy import PromProxy
 from fleetplan.harness.rig_tools import (
     ISL,
@@ -129,7 +144,79 @@ def bad_payloads(n_generated: int) -> BadPayloads:
     return make
 
 
+def store_week(case: str, days: float, without_days: float) -> FaultResult:
+    """The `store_week` row: bench/store_growth.py's store driven for `days` simulated days with the
+    controller's default retention. Goal: the file (database + WAL) never above the retention bound
+    (`retention.max_mb`); printed beside it, the week without retention (extrapolated from
+    `without_days`)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import store_growth
+
+    from fleetplan.controller.settings import RetentionSettings
+    from fleetplan.controller.state_retention import DAY_S, RetentionRules
+
+    d = RetentionSettings()
+    rules = RetentionRules(keep_s=d.keep_days * DAY_S, keep_documents_s=d.keep_plans_days * DAY_S,
+                           max_bytes=int(d.max_mb * 2**20), rows_per_cycle=d.rows_per_cycle)
+    cycle_s, models = float(case.split(":")[0]), int(case.split(":")[1])
+    res = FaultResult("store_week", lab=False)
+    t = time.monotonic()
+    without = store_growth.run(cycle_s, models, without_days, None)
+    week = without["final_mb"] / without_days * 7
+    got = store_growth.run(cycle_s, models, days, rules)
+    res.notes.append(f"{cycle_s:g} s cycles, {models} model(s), {days:g} simulated days: {got['final_mb']:.1f} MiB "
+                     f"at the end, peak {got['peak_mb']:.1f} MiB (bound {d.max_mb:g} MiB), {got['pruned']:.0f} rows "
+                     f"pruned, longest prune transaction {got['longest_s'] * 1000:.0f} ms; without retention "
+                     f"{week:.0f} MiB a week; {time.monotonic() - t:.0f} s")
+    if got["peak_mb"] > d.max_mb:
+        res.missed.append(f"the store reached {got['peak_mb']:.1f} MiB (goal <= {d.max_mb:g} MiB)")
+    return res
+
+
+async def own_rows(args: argparse.Namespace, work: Path, names: Sequence[str]) -> list[FaultResult]:
+    """The rows measured off the shared lab (fault_core.OWN_ROWS), in the order asked."""
+    out = []
+    for name in names:
+        if name == "cold_starts":
+            res = await cold_starts(work / "cold", count=args.cold_starts, hosts=args.hosts,
+                                    rps=args.cold_rps if args.cold_rps is not None else args.rps,
+                                    seconds=args.cold_seconds, seed=args.seed, log=lambda s: print(s, flush=True))
+        else:
+            res = await asyncio.to_thread(store_week, args.store_case, args.store_days, args.store_without_days)
+        print(res.line() + ("  " + "; ".join(res.notes) if res.notes else "")
+              + ("  MISSED: " + "; ".join(res.missed) if res.missed else ""), flush=True)
+        out.append(res)
+    return out
+
+
 async def run(args: argparse.Namespace, work: Path, names: Sequence[str]) -> int:
+    t_start = time.monotonic()
+    load_start = os.getloadavg()[0]  # the figures depend on it: a busy machine stretches every cycle
+    on_lab = [n for n in names if n in LAB_FAULTS]
+    results = await run_lab(args, work, on_lab) if on_lab else []
+    results += await own_rows(args, work, [n for n in names if n not in LAB_FAULTS])
+    print("", flush=True)
+    print(f"== summary ({len(results)} faults, --seconds {args.seconds:g}, --rps {args.rps:g}, "
+          f"seed {args.seed}; wall time {time.monotonic() - t_start:.0f} s; load average {load_start:.1f} at the "
+          f"start, {os.getloadavg()[0]:.1f} at the end)")
+    print(summary(results))
+    for r in results:
+        if r.notes:
+            print(f"  {r.name}: " + "; ".join(r.notes))
+        if r.missed:
+            print(f"  {r.name} MISSED: " + "; ".join(r.missed))
+    missed = [r for r in results if not r.goals_met]
+    for r in missed:
+        lines = log_excerpt(r.log_lines)
+        if lines:
+            print(f"\n== controller log during {r.name} ({len(lines)} lines of interest of {len(r.log_lines)}):")
+        for ln in lines[:60]:
+            print("  " + ln)
+    return 1 if missed else 0
+
+
+async def run_lab(args: argparse.Namespace, work: Path, names: Sequence[str]) -> list[FaultResult]:
+    """The faults on the shared lab, one after the other; their results."""
     t_start = time.monotonic()
     rig = Rig(work / "rig", hosts=args.hosts, gpus_per_host=8,
               engine=EngineOptions(time_scale=K, startup_s=40.0, build_s=200.0, max_num_seqs=MAX_NUM_SEQS))
@@ -176,23 +263,7 @@ async def run(args: argparse.Namespace, work: Path, names: Sequence[str]) -> int
         print(f"== warmed up in {time.monotonic() - t_start:.0f} s: {suite.fleet_size()} replicas"
               + ("" if why is None else f" (not settled: {why})"), flush=True)
         print(HEADER, flush=True)
-        results = await suite.run(names)
-        print("", flush=True)
-        print(f"== summary ({len(results)} faults, --seconds {args.seconds:g}, --rps {args.rps:g}, "
-              f"seed {args.seed}; wall time {time.monotonic() - t_start:.0f} s)")
-        print(summary(results))
-        for r in results:
-            if r.notes:
-                print(f"  {r.name}: " + "; ".join(r.notes))
-            if r.missed:
-                print(f"  {r.name} MISSED: " + "; ".join(r.missed))
-        missed = [r for r in results if not r.goals_met]
-        for r in missed:
-            lines = log_excerpt(r.log_lines)
-            print(f"\n== controller log during {r.name} ({len(lines)} lines of interest of {len(r.log_lines)}):")
-            for ln in lines[:60]:
-                print("  " + ln)
-        return 1 if missed else 0
+        return await suite.run(names)
     finally:
         if suite is not None:
             await suite.close()
@@ -205,7 +276,7 @@ async def run(args: argparse.Namespace, work: Path, names: Sequence[str]) -> int
         await asyncio.to_thread(rig.stop)
         if state_mount is not None:
             await asyncio.to_thread(subprocess.run, ["umount", str(state_mount)], check=False, capture_output=True)
-        print(f"== stopped; total wall time {time.monotonic() - t_start:.0f} s", flush=True)
+        print(f"== lab stopped; its wall time {time.monotonic() - t_start:.0f} s", flush=True)
 
 
 def mount_state_fs(path: Path, size_mb: int) -> Path | None:
@@ -238,6 +309,15 @@ def main() -> int:
                     help="wall seconds Prometheus stays sick and the report readers read (default 30)")
     ap.add_argument("--readers", type=int, default=200, help="concurrent report readers (default 200)")
     ap.add_argument("--state-fs-mb", type=int, default=128, help="size of the tmpfs of the state database")
+    ap.add_argument("--cold-starts", type=int, default=10, help="cold starts of the cold_starts row (default 10)")
+    ap.add_argument("--cold-seconds", type=float, default=75.0,
+                    help="wall seconds each cold start is watched after its first replica serves (default 75)")
+    ap.add_argument("--cold-rps", type=float, help="simulated requests/s of the cold starts (default --rps)")
+    ap.add_argument("--store-case", default="60:10",
+                    help="cycle_s:models of the store_week row (default 60:10: over the bound in a week without retention)")
+    ap.add_argument("--store-days", type=float, default=7.0, help="simulated days of the store_week row")
+    ap.add_argument("--store-without-days", type=float, default=1.0,
+                    help="simulated days without retention, extrapolated to the week (default 1)")
     args = ap.parse_args()
     names = [n for n in args.faults.split(",") if n]
     unknown = [n for n in names if n not in ALL_FAULTS]

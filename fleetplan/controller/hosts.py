@@ -16,7 +16,7 @@ from fleetplan.controller.protocol import DesiredState, HostStatus
 from fleetplan.controller.state import StateStore
 from fleetplan.controller.state_inventory import generation, load_records, save_records
 from fleetplan.planner.act import BuildState, HostReport, ReportedBuild, ReportedReplica
-from fleetplan.planner.inventory import Inventory, InventoryRecord, judge
+from fleetplan.planner.inventory import Inventory, InventoryRecord, judge, keep_in_use
 from fleetplan.planner.types import ReplicaState
 
 PolicyHosts = dict[str, tuple[str, int, tuple[tuple[int, ...], ...]]]  # host -> (gpu, gpu_count, nvlink_groups)
@@ -185,7 +185,8 @@ class HostBook:
             self.alerts[key] = j.alert
         if j.plan_on is None:
             return r
-        return replace(r, gpu_count=j.plan_on.gpu_count, nvlink_groups=j.plan_on.groups())
+        held = keep_in_use(j.plan_on, (x.gpu_indices for x in r.replicas))  # a hold drains nothing
+        return replace(r, gpu_count=held.gpu_count, nvlink_groups=held.groups())
 
     def sync_inventory(self, store: StateStore) -> None:
         """Once per cycle: the new records into the store; the store's records read again when

@@ -11,11 +11,10 @@ import shutil
 import signal
 import sqlite3
 import time
-from typing import Any
 
 from fleetplan.harness.fault_core import FaultSuiteCore, Injection
 from fleetplan.harness.procs import port_is_free
-from fleetplan.harness.rig_tools import policy_doc, ready_replicas
+from fleetplan.harness.rig_tools import ready_replicas
 
 
 class ProcessFaults(FaultSuiteCore):
@@ -29,11 +28,6 @@ class ProcessFaults(FaultSuiteCore):
         t = time.monotonic()
         await asyncio.to_thread(self.ctrl.kill9)
         return t
-
-    async def _set_policy(self, **over: Any) -> None:
-        self._policy_over.update(over)
-        self.ctrl.write_policy(policy_doc(**self._policy_over))
-        self.ctrl.signal(signal.SIGHUP)
 
     async def _fault_controller_after_start(self) -> Injection:
         """kill -9, restart, kill -9 again as soon as the report API answers (before the first

@@ -40,18 +40,22 @@ from fleetplan.harness.fault_core import (
     CONTROL_PLANE_FAULTS,
     CONTROLLER_FAULTS,
     HEADER,
+    INVENTORY_FAULTS,
+    LAB_FAULTS,
     MACHINE_FAULTS,
+    OWN_ROWS,
     BadPayloads,
     FaultResult,
     Injection,
 )
 from fleetplan.harness.fault_injections import MachineFaults, ProcessFaults
+from fleetplan.harness.fault_inventory import InventoryFaults
 
-__all__ = ["ALL_FAULTS", "CONTROLLER_FAULTS", "CONTROL_PLANE_FAULTS", "HEADER", "MACHINE_FAULTS", "BadPayloads", "FaultResult",
-           "FaultSuite", "Injection", "summary"]
+__all__ = ["ALL_FAULTS", "CONTROLLER_FAULTS", "CONTROL_PLANE_FAULTS", "HEADER", "INVENTORY_FAULTS", "LAB_FAULTS",
+           "MACHINE_FAULTS", "OWN_ROWS", "BadPayloads", "FaultResult", "FaultSuite", "Injection", "summary"]
 
 
-class FaultSuite(ProcessFaults, MachineFaults, ControlPlaneFaults):
+class FaultSuite(ProcessFaults, MachineFaults, ControlPlaneFaults, InventoryFaults):
     """Runs faults one after the other on the lab, each from a settled fleet, and measures each the
     same way (the module's docstring)."""
 
@@ -105,7 +109,9 @@ class FaultSuite(ProcessFaults, MachineFaults, ControlPlaneFaults):
         if inj.floor is not None:  # an intended change during the injection: count from here on
             self._min_present = floor
         t_rec = time.monotonic()
-        deadline = inj.t_s + self.recover_timeout_s
+        # within recover_timeout_s of the fault, or of the injection's end when it watched longer
+        # (a busy machine stretches a fault that waits for cycles)
+        deadline = max(inj.t_s, t_rec) + self.recover_timeout_s
         last_why: str | None = "not checked"
         while time.monotonic() < deadline:
             last_why = await asyncio.to_thread(self.health, cycle0 + 2)  # a whole cycle after the fault

@@ -13,7 +13,10 @@ entry and says what to plan on:
   held: only what the record and the report share (the same type, the GPUs both name, in groups both
   agree on) is planned on until the change is confirmed (the operator, or a policy entry that says
   exactly what the host now reports);
-- a report equal to its policy entry is believed and recorded (a policy edit confirms a change).
+- a report equal to its policy entry is believed and recorded (a policy edit confirms a change);
+- a hold refuses new placements; it does not take GPUs from the replicas already running on the
+  host (`keep_in_use`): a policy that stops listing a serving host, or a changed report, must not
+  drain what serves (fail static), only stop the host from getting more.
 
 Worked example: gpu-09 (not in a policy that lists gpu-01..04) first reports 24 h100: recorded,
 HOLD, planned on none, alert "not in the policy's hosts". Confirmed: BELIEVE 24. It then reports
@@ -22,10 +25,11 @@ HOLD, planned on none, alert "not in the policy's hosts". Confirmed: BELIEVE 24.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-__all__ = ["Inventory", "InventoryRecord", "Judgement", "Verdict", "Voucher", "common", "judge"]
+__all__ = ["Inventory", "InventoryRecord", "Judgement", "Verdict", "Voucher", "common", "judge", "keep_in_use"]
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,27 @@ def judge(host: str, reported: Inventory | None, record: InventoryRecord | None,
                          f"{said} and is not in the policy's hosts: planning on none of them until {confirm} "
                          "or the policy lists it")
     return Judgement(Verdict.BELIEVE, None, new, None)
+
+
+def keep_in_use(plan_on: Inventory, in_use: Iterable[Sequence[int]]) -> Inventory:
+    """A held host's inventory to plan on, with the GPUs of the replicas running on it (`in_use`: each
+    one's GPU indices, as its agent reports them) kept: each replica outside the held groups becomes
+    an NVLink group of its own, so the planner keeps it where it is; the count is unchanged, so no
+    new replica is placed on those GPUs.
+
+    >>> keep_in_use(Inventory("h100", 0, ()), [(4, 5, 6, 7)])
+    Inventory(gpu='h100', gpu_count=0, nvlink_groups=((4, 5, 6, 7),))
+    >>> keep_in_use(Inventory("h100", 6, ((0, 1, 2, 3, 4, 5),)), [(0, 1, 2, 3)]).groups()
+    ((0, 1, 2, 3, 4, 5),)
+    """
+    groups = list(plan_on.groups())
+    for gpus in in_use:
+        g = tuple(sorted(set(gpus)))
+        if g and not any(set(g) <= set(h) for h in groups):
+            groups.append(g)
+    if len(groups) == len(plan_on.groups()):
+        return plan_on
+    return Inventory(plan_on.gpu, plan_on.gpu_count, tuple(sorted(groups)))
 
 
 def _count(inv: Inventory) -> str:
