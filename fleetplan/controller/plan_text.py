@@ -109,6 +109,25 @@ def uncertainty_lines(m: Mapping[str, Any]) -> list[str]:
             "with nothing left to learn: " + "; ".join(m.get("uncertainty_why") or ["-"])]
 
 
+def explanation_for(data: Mapping[str, Any], model: str) -> dict[str, Any] | None:
+    """One model's explanation with its observation, replicas, relaxations, corrections and held
+    actions, from a report's stored plan (None: the plan has no such model)."""
+    plan = data.get("plan") or {}
+    for m in plan.get("explanation", {}).get("models", []):
+        if m.get("model") == model:
+            out = dict(m)
+            out["observation"] = (plan.get("observation") or {}).get(model)
+            out["replicas"] = [r for r in plan.get("plan", {}).get("replicas", []) if r.get("model") == model]
+            out["cycle_id"] = plan.get("cycle_id")
+            out["relaxations"] = [r for r in plan.get("explanation", {}).get("relaxations", [])
+                                  if r.get("model") in (None, model)]
+            out["corrections"] = [c for c in ((plan.get("next_state") or {}).get("corrections") or [])
+                                  if c.get("model") == model]
+            out["held"] = [h for h in (plan.get("brakes") or {}).get("held", []) if h.get("model") == model]
+            return out
+    return None
+
+
 def plan_summary_lines(data: Mapping[str, Any]) -> list[str]:
     """The plan part of the report: per model demand, capacity and latency, alternatives not chosen,
     per-config evidence, binding constraints and actions the brakes held."""

@@ -45,6 +45,7 @@ from fleetplan.controller.plan_text import (
     ago,
     config_lines,
     dash,
+    explanation_for,
     missed_line,
     plan_summary_lines,
     render_alternatives,
@@ -318,23 +319,6 @@ def actuation_line(data: Mapping[str, Any]) -> str | None:
         why = f" ({a['reason']})" if a.get("reason") else ""
         return f"ACTUATION PAUSED since {ago(a.get('since_s'), float(data.get('generated_s') or time.time()))}" \
                f"{why}: `fleetplan resume` to act again"
-    return None
-
-
-def explanation_for(data: Mapping[str, Any], model: str) -> dict[str, Any] | None:
-    plan = data.get("plan") or {}
-    for m in plan.get("explanation", {}).get("models", []):
-        if m.get("model") == model:
-            out = dict(m)
-            out["observation"] = (plan.get("observation") or {}).get(model)
-            out["replicas"] = [r for r in plan.get("plan", {}).get("replicas", []) if r.get("model") == model]
-            out["cycle_id"] = plan.get("cycle_id")
-            out["relaxations"] = [r for r in plan.get("explanation", {}).get("relaxations", [])
-                                  if r.get("model") in (None, model)]
-            out["corrections"] = [c for c in ((plan.get("next_state") or {}).get("corrections") or [])
-                                  if c.get("model") == model]
-            out["held"] = [h for h in (plan.get("brakes") or {}).get("held", []) if h.get("model") == model]
-            return out
     return None
 
 
