@@ -70,6 +70,7 @@ from fleetplan.controller.protocol import (
     status_topic,
     to_payload,
 )
+from fleetplan.models.profile import ConfigKey
 from fleetplan.shared.atomic import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -188,7 +189,7 @@ class Agent(EngineCache, Builds, ReplicaSupervisor):
             engine_templates_need_cache=frozenset(
                 name for name, t in self.config.launch_templates.items() if t.needs_engine_dir
             ),
-            engines_cached=frozenset((e.model, e.engine, e.gpu, e.tp, e.precision) for e in self.engines.values()),
+            engines_cached=frozenset(ConfigKey(e.model, e.engine, e.gpu, e.tp, e.precision) for e in self.engines.values()),
         )
 
     def handle_desired(self, payload: bytes) -> Ack | None:

@@ -42,7 +42,7 @@ from fleetplan.controller.observe import Observer, ObserverConfig, PromClient, S
 from fleetplan.controller.policy_source import PolicySource
 from fleetplan.controller.protocol import HostStatus
 from fleetplan.controller.report_snapshot import ReportSnapshot
-from fleetplan.controller.runner import sd_notify
+from fleetplan.controller.sdnotify import sd_notify
 from fleetplan.controller.settings import ControllerSettings, RoutingSettings
 from fleetplan.controller.state import Phase, StateStore
 from fleetplan.planner import clockstep

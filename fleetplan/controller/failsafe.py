@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from fleetplan.controller.state import Phase
 
 if TYPE_CHECKING:
-    from fleetplan.controller.daemon import Controller
+    from fleetplan.controller.daemon_face import ControllerFace
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ ROUTER_ALERT = "router"
 ROUTING_ALERT = "routing"  # controller/executor.py: the last routing update failed
 
 
-def save_statuses(ctrl: Controller) -> None:
+def save_statuses(ctrl: ControllerFace) -> None:
     """The hosts' changed statuses into the store; kept for the next cycle when it cannot be written."""
     dirty = ctrl.hosts.take_dirty()
     try:
@@ -45,7 +45,7 @@ def save_statuses(ctrl: Controller) -> None:
         raise
 
 
-def store_failed(ctrl: Controller, cycle_id: int | None) -> None:
+def store_failed(ctrl: ControllerFace, cycle_id: int | None) -> None:
     """A store write failed (its error is `store.write_error`): alert, metric, one log line per outage."""
     what = ctrl.store.write_error or f"state store {ctrl.store.path} cannot be written"
     text = (f"{what} (cycle {cycle_id if cycle_id is not None else '-'}): actuation stopped, nothing is acted on "
@@ -56,7 +56,7 @@ def store_failed(ctrl: Controller, cycle_id: int | None) -> None:
     ctrl.metrics.store_writable.set(0.0)
 
 
-def store_probe(ctrl: Controller) -> None:
+def store_probe(ctrl: ControllerFace) -> None:
     """During an outage, before acting: the store must take a cycle's worth of records (a probe
     write; raises when it cannot). Then resume what a failed write interrupted: the drains, and
     every host's desired state republished (versions bumped), as a restart does."""
@@ -68,7 +68,7 @@ def store_probe(ctrl: Controller) -> None:
         ctrl.executor.start_drain(row.replica_id)
 
 
-def cycle_done(ctrl: Controller, status: str) -> None:
+def cycle_done(ctrl: ControllerFace, status: str) -> None:
     """A cycle that wrote all its records ends the outage: alert cleared, metric back to 1."""
     if status != "ok" or ctrl.store.write_error is not None:
         return
@@ -77,7 +77,7 @@ def cycle_done(ctrl: Controller, status: str) -> None:
         log.warning("state store %s takes writes again: acting again", ctrl.store.path)
 
 
-def finish_cycle(ctrl: Controller, cycle_id: int, status: str, summary: dict[str, Any]) -> None:
+def finish_cycle(ctrl: ControllerFace, cycle_id: int, status: str, summary: dict[str, Any]) -> None:
     """The cycle row's end; a store that cannot take it is alerted, never raised."""
     try:
         ctrl.store.finish_cycle(cycle_id, status, summary)
@@ -88,14 +88,14 @@ def finish_cycle(ctrl: Controller, cycle_id: int, status: str, summary: dict[str
             store_failed(ctrl, cycle_id)
 
 
-def degraded(ctrl: Controller) -> list[str]:
+def degraded(ctrl: ControllerFace) -> list[str]:
     """What the controller cannot do now although its loops live (/healthz "degraded"): the store
     cannot be written, the router is down or refuses its configuration."""
     alerts = getattr(ctrl, "runtime_alerts", None) or {}
     return [alerts[k] for k in (STORE_ALERT, ROUTER_ALERT, ROUTING_ALERT) if k in alerts]
 
 
-async def watch_router(ctrl: Controller) -> None:
+async def watch_router(ctrl: ControllerFace) -> None:
     """Probe the router (`routing.router_url`) and note the last reload's result: an alert and
     fleetplan_router_up 0 while it is down or refuses its configuration; when it answers again (or
     serves another table than the routing file), the routing is re-applied at once."""

@@ -16,6 +16,7 @@ from fleetplan.controller.protocol import DesiredState, HostStatus
 from fleetplan.controller.state import StateStore
 from fleetplan.controller.state_inventory import generation, load_records, save_records
 from fleetplan.planner.act import BuildState, HostReport, ReportedBuild, ReportedReplica
+from fleetplan.planner.host_grace import within_grace
 from fleetplan.planner.inventory import Inventory, InventoryRecord, judge, keep_in_use
 from fleetplan.planner.types import ReplicaState
 
@@ -138,9 +139,7 @@ class HostBook:
         st = self.statuses.get(host)
         if st is None:
             return False
-        if st.online:
-            return True
-        return self.wall() - self.offline_since.get(host, self.wall()) < self.offline_grace_s
+        return within_grace(st.online, self.offline_since.get(host), now_s=self.wall(), grace_s=self.offline_grace_s)
 
     def reported(self) -> dict[str, tuple[str, Any]]:
         """replica id -> (host, ReplicaStatus) from the agents' last status."""

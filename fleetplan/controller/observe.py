@@ -28,6 +28,7 @@ import httpx
 from fleetplan.controller.prom_answer import PrometheusError, data_of, matrix_of, scalar_of, short, vector_of
 from fleetplan.planner import clockstep
 from fleetplan.planner import evidence as ev
+from fleetplan.planner.arrivals import ARRIVALS, EngineSeries
 from fleetplan.planner.observation import (
     MODEL_LABELS,
     REPLICA_LABEL,
@@ -78,6 +79,8 @@ _ITL_BUCKET = r"vllm[:_]inter_token_latency_seconds_bucket"
 _ITL_BUCKET_OLD = r"(vllm[:_]|trtllm_)time_per_output_token_seconds_bucket"
 _WAITING = r"vllm[:_]num_requests_waiting|trtllm_num_requests_waiting"
 _RUNNING = r"vllm[:_]num_requests_running|trtllm_num_requests_running"
+# the engine series the arrival rate reads (planner/arrivals.py), by their metric names
+_SERIES = {EngineSeries.REQUESTS_DONE: _REQ_SUCCESS, EngineSeries.RUNNING: _RUNNING, EngineSeries.WAITING: _WAITING}
 _KV_USAGE = r"vllm[:_](gpu_cache_usage_perc|kv_cache_usage_perc)|trtllm_kv_cache_utilization"
 # the prefix cache, in prompt tokens: vLLM v1's vllm:prefix_cache_queries / _hits
 # (vllm/v1/metrics/loggers.py); TensorRT-LLM's prompt tokens and their cached part
@@ -358,19 +361,15 @@ class Observer:
         return {n: t.result() for n, t in tasks.items()}
 
     def _arrival_rate_query(self, *more: str) -> str:
-        """Arrivals = completions + growth of the requests in the engine (running + waiting).
-
-        Engines export no arrival counter, and the completion rate stops rising once a fleet
-        saturates while the queue grows: e.g. 10 rps completed with a queue growing by 3 per second
-        is an arrival rate of 13 rps, the number the planner must size for. A model whose queue
-        gauges are missing falls back to the completion rate. `more`: labels to keep besides the
-        model's (per replica: `replica`).
+        """Arrivals (planner/arrivals.py `ARRIVALS`: completions + growth of the requests in the
+        engine) as PromQL; a model whose queue gauges are missing falls back to the completion
+        rate. `more`: labels to keep besides the model's (per replica: `replica`).
         """
         w, by = self._window(), self._by(*more)
-        done = f"sum by ({by}) (rate({self._sel(_REQ_SUCCESS)}[{w}]))"
+        done = f"sum by ({by}) (rate({self._sel(_SERIES[ARRIVALS.completions])}[{w}]))"
         # one deriv() per gauge: deriv drops the name, and two names in one vector would clash
-        growth = " + ".join(f"sum by ({by}) (deriv({self._sel(g)}[{w}]))" for g in (_WAITING, _RUNNING))
-        return f"clamp_min({done} + {growth}, 0) or {done}"
+        growth = " + ".join(f"sum by ({by}) (deriv({self._sel(_SERIES[g])}[{w}]))" for g in ARRIVALS.in_engine)
+        return f"clamp_min({done} + {growth}, {ARRIVALS.floor_rps:g}) or {done}"
 
     def history_query(self) -> str:
         # the rate window covers the whole step, so no request between two history points is lost

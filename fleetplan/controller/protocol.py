@@ -26,8 +26,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from enum import StrEnum
 from typing import Annotated, Any
 
@@ -50,6 +49,14 @@ from fleetplan.models.names import (
     parse_engine,
     parse_gpu,
     parse_precision,
+)
+from fleetplan.models.profile import ConfigKey
+from fleetplan.planner.agent_rules import (
+    AgentLimits,
+    WantedBuild,
+    WantedReplica,
+    conflicts,
+    refusals,
 )
 
 TOPIC_PREFIX = "fleetplan"
@@ -214,28 +221,17 @@ class DesiredState(_Strict):
         return self
 
 
+def _wanted(desired: DesiredState) -> tuple[list[WantedReplica], list[WantedBuild]]:
+    """The desired state as the agent rules read it (planner/agent_rules.py)."""
+    return ([WantedReplica(r.replica_id, r.template, ConfigKey(r.model, r.engine, r.gpu, r.tp, r.precision),
+                           tuple(r.gpu_indices), r.port) for r in desired.replicas],
+            [WantedBuild(b.build_id, b.template, ConfigKey(b.model, b.engine, b.gpu, b.tp, b.precision),
+                         tuple(b.gpu_indices)) for b in desired.builds])
+
+
 def desired_conflicts(desired: DesiredState) -> list[str]:
-    """Ids, ports and GPUs used twice inside one desired state."""
-    errors: list[str] = []
-    ids: set[str] = set()
-    for item_id in [r.replica_id for r in desired.replicas] + [b.build_id for b in desired.builds]:
-        if item_id in ids:
-            errors.append(f"id {item_id!r} appears twice")
-        ids.add(item_id)
-    ports: dict[int, str] = {}
-    for r in desired.replicas:
-        if r.port in ports:
-            errors.append(f"port {r.port} used by both {ports[r.port]} and {r.replica_id}")
-        ports[r.port] = r.replica_id
-    gpus: dict[int, str] = {}
-    for owner, indices in [(r.replica_id, r.gpu_indices) for r in desired.replicas] + [
-        (b.build_id, b.gpu_indices) for b in desired.builds
-    ]:
-        for g in indices:
-            if g in gpus and gpus[g] != owner:
-                errors.append(f"GPU {g} used by both {gpus[g]} and {owner}")
-            gpus[g] = owner
-    return errors
+    """Ids, ports and GPUs used twice inside one desired state (`agent_rules.conflicts`)."""
+    return conflicts(*_wanted(desired))
 
 
 class Ack(_Strict):
@@ -327,70 +323,13 @@ class HostStatus(_Strict):
 # Context checks (what this host can do)
 
 
-@dataclass(frozen=True)
-class HostLimits:
-    """The facts about one host a desired state is checked against."""
-
-    host: str
-    gpu: GpuType
-    gpu_count: int
-    port_range: tuple[int, int]  # inclusive
-    launch_templates: Mapping[str, Engine]  # template name -> engine it starts
-    build_templates: frozenset[str] = frozenset()
-    models: frozenset[str] | None = None  # None: any model name matching MODEL_PATTERN
-    engine_templates_need_cache: frozenset[str] = frozenset()  # templates with {engine_dir}
-    engines_cached: frozenset[tuple[str, Engine, GpuType, int, Precision]] = field(default_factory=frozenset)
+HostLimits = AgentLimits  # the facts about one host a desired state is checked against
 
 
 def check_desired(desired: DesiredState, limits: HostLimits) -> list[str]:
-    """Errors (one line each) for everything this host cannot run; empty when all is fine."""
-    errors: list[str] = []
-    lo, hi = limits.port_range
-    building = {(b.model, b.engine, b.gpu, b.tp, b.precision) for b in desired.builds}
-    for r in desired.replicas:
-        where = f"replica {r.replica_id}"
-        if r.template not in limits.launch_templates:
-            known = ", ".join(sorted(limits.launch_templates)) or "none"
-            errors.append(f"{where}: unknown template {r.template!r} (this host has: {known})")
-        elif limits.launch_templates[r.template] != r.engine:
-            errors.append(
-                f"{where}: template {r.template!r} starts {limits.launch_templates[r.template].value}, "
-                f"not engine {r.engine.value!r}"
-            )
-        elif r.template in limits.engine_templates_need_cache:
-            key = (r.model, r.engine, r.gpu, r.tp, r.precision)
-            if key not in limits.engines_cached and key not in building:
-                errors.append(
-                    f"{where}: template {r.template!r} needs a built engine for "
-                    f"{r.model}/{r.gpu.value}/tp{r.tp}/{r.precision.value}; none cached, build it first"
-                )
-        if not lo <= r.port <= hi:
-            errors.append(f"{where}: port {r.port} outside this host's range {lo}-{hi}")
-        errors += _check_common(where, r.model, r.gpu, r.gpu_indices, limits)
-    for b in desired.builds:
-        where = f"build {b.build_id}"
-        if b.template not in limits.build_templates:
-            known = ", ".join(sorted(limits.build_templates)) or "none"
-            errors.append(f"{where}: unknown build template {b.template!r} (this host has: {known})")
-        errors += _check_common(where, b.model, b.gpu, b.gpu_indices, limits)
-    return errors
-
-
-def _check_common(
-    where: str, model: str, gpu: GpuType, indices: Sequence[int], limits: HostLimits
-) -> list[str]:
-    errors: list[str] = []
-    if gpu != limits.gpu:
-        errors.append(f"{where}: gpu {gpu.value!r} but host {limits.host} has {limits.gpu.value}")
-    bad = [g for g in indices if g >= limits.gpu_count]
-    if bad:
-        errors.append(
-            f"{where}: GPU index {bad[0]} out of range (host {limits.host} has {limits.gpu_count} GPUs: "
-            f"0-{limits.gpu_count - 1})"
-        )
-    if limits.models is not None and model not in limits.models:
-        errors.append(f"{where}: model {model!r} is not in this host's model allowlist")
-    return errors
+    """Errors (one line each) for everything this host cannot run; empty when all is fine
+    (`agent_rules.refusals`)."""
+    return refusals(*_wanted(desired), limits)
 
 
 def limits_from_status(status: HostStatus) -> HostLimits | None:
@@ -403,7 +342,7 @@ def limits_from_status(status: HostStatus) -> HostLimits | None:
         launch_templates=dict(status.template_engines), build_templates=frozenset(status.build_templates),
         engine_templates_need_cache=frozenset(status.cached_templates),
         models=frozenset(status.models_allowed) if status.models_allowed is not None else None,
-        engines_cached=frozenset((e.model, e.engine, e.gpu, e.tp, e.precision) for e in status.engines_cached),
+        engines_cached=frozenset(ConfigKey(e.model, e.engine, e.gpu, e.tp, e.precision) for e in status.engines_cached),
     )
 
 

@@ -37,15 +37,24 @@ import json
 import sqlite3
 import time
 from collections.abc import Callable, Mapping
-from datetime import UTC, datetime
 from typing import Any
 
 from fleetplan.controller import reporting
-from fleetplan.controller.page import attainment_lines, budget_line
+from fleetplan.controller.page import budget_line
+from fleetplan.controller.plan_text import (
+    ago,
+    config_lines,
+    dash,
+    explanation_for,
+    missed_line,
+    plan_summary_lines,
+    render_alternatives,
+    render_relaxations,
+    uncertainty_lines,
+)
 from fleetplan.controller.report_gate import ReadGate
 from fleetplan.controller.report_snapshot import Rendered, ReportSnapshot
 from fleetplan.controller.settings import ControllerSettings
-from fleetplan.models.mix import SLO_SHARE
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 RETRY_AFTER_S = 1
@@ -302,119 +311,15 @@ def post(url: str, path: str, body: Mapping[str, Any], token: str | None = None,
     return _call("POST", url, path, token, timeout_s, body)
 
 
-def held_lines(plan: Mapping[str, Any] | None, model: str | None = None) -> list[str]:
-    """The stored plan's held-back actions, one line each ("held back by <limit>: ...")."""
-    brakes = (plan or {}).get("brakes") or {}
-    out = []
-    for h in brakes.get("held", []):
-        if model is not None and h.get("model") != model:
-            continue
-        out.append(f"  {h['kind']:<6} {h['replica_id']:<10} {h['model']:<20} {h['host'] or '-':<10} "
-                   f"held back by {h['limit']}: {h['detail']}")
-    return out
-
-
 def actuation_line(data: Mapping[str, Any]) -> str | None:
     a = data.get("actuation") or {}
     if a.get("mode") == "advisory":
         return "ADVISORY MODE: plans and reports only; no action is issued (policy mode: advisory)"
     if a.get("paused"):
         why = f" ({a['reason']})" if a.get("reason") else ""
-        return f"ACTUATION PAUSED since {_ago(a.get('since_s'), float(data.get('generated_s') or time.time()))}" \
+        return f"ACTUATION PAUSED since {ago(a.get('since_s'), float(data.get('generated_s') or time.time()))}" \
                f"{why}: `fleetplan resume` to act again"
     return None
-
-
-def explanation_for(data: Mapping[str, Any], model: str) -> dict[str, Any] | None:
-    plan = data.get("plan") or {}
-    for m in plan.get("explanation", {}).get("models", []):
-        if m.get("model") == model:
-            out = dict(m)
-            out["observation"] = (plan.get("observation") or {}).get(model)
-            out["replicas"] = [r for r in plan.get("plan", {}).get("replicas", []) if r.get("model") == model]
-            out["cycle_id"] = plan.get("cycle_id")
-            out["relaxations"] = [r for r in plan.get("explanation", {}).get("relaxations", [])
-                                  if r.get("model") in (None, model)]
-            out["corrections"] = [c for c in ((plan.get("next_state") or {}).get("corrections") or [])
-                                  if c.get("model") == model]
-            out["held"] = [h for h in (plan.get("brakes") or {}).get("held", []) if h.get("model") == model]
-            return out
-    return None
-
-
-def _f(x: Any, fmt: str = "{:.2f}") -> str:
-    return "-" if x is None else fmt.format(x)
-
-
-def _ago(t: float | None, now: float) -> str:
-    if t is None:
-        return "-"
-    d = max(0.0, now - t)
-    return f"{d:.0f}s ago" if d < 120 else f"{d / 60:.0f}m ago"
-
-
-def _key(c: Mapping[str, Any]) -> tuple[Any, ...]:
-    return (c.get("model"), c.get("engine"), c.get("gpu"), c.get("tp"), c.get("precision"))
-
-
-def corrections_by_config(plan: Mapping[str, Any]) -> dict[tuple[Any, ...], Mapping[str, Any]]:
-    """The corrections the planner carries (stored plan's next_state), by (model, engine, gpu, tp, precision)."""
-    return {_key(c): c for c in ((plan.get("next_state") or {}).get("corrections") or [])}
-
-
-def _when(t: float | None, now: float | None) -> str:
-    if t is None:
-        return "-"
-    iso = datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return iso if now is None else f"{iso}, {_ago(t, now)}"
-
-
-def config_lines(m: Mapping[str, Any], c: Mapping[str, Any], plan: Mapping[str, Any], *,
-                 indent: str = "    ") -> list[str]:
-    """Per config, from the stored plan: the profile's capacity and prediction, the observation, the
-    correction in force and since when, and where the profile is extrapolated."""
-    corr = corrections_by_config(plan).get(_key({**c, "model": m["model"]}))
-    now = plan.get("now_s")
-    factor = c.get("capacity_factor", 1.0)
-    name = f"{c['engine']}/{c['gpu']}x{c['tp']}/{c['precision']}"
-    lines = [
-        f"{indent}{name}: {c['replicas']} replicas; capacity {c['capacity_per_replica_rps']:.2f} rps/replica = "
-        f"profile {_f(c.get('profile_capacity_rps'))} x {factor:.2f}"
-        + (" (profile trusted)" if abs(factor - 1.0) < 0.005 else " (corrected)"),
-        f"{indent}  {'profile predicts' if abs(factor - 1.0) < 0.005 else 'corrected profile predicts'} at "
-        f"{c['load_per_replica_rps']:.2f} rps/replica: TTFT p99 "
-        f"{_f(c.get('predicted_ttft_p99_ms'), '{:.0f}')} ms, ITL p99 {_f(c.get('predicted_itl_p99_ms'), '{:.1f}')} ms",
-    ]
-    if c.get("observed_rps_per_replica") is not None or c.get("observed_ttft_p99_ms") is not None:
-        lines.append(
-            f"{indent}  observed at {_f(c.get('observed_rps_per_replica'))} rps/replica: TTFT p99 "
-            f"{_f(c.get('observed_ttft_p99_ms'), '{:.0f}')} ms, ITL p99 {_f(c.get('observed_itl_p99_ms'), '{:.1f}')} ms")
-    else:
-        lines.append(f"{indent}  observed: no evidence from this config in the last window")
-    text = c.get("correction") or ""
-    if corr is not None and corr.get("since_s") is not None:
-        lines.append(f"{indent}  correction: {text or 'in force'}; in force since {_when(corr['since_s'], now)}")
-    elif text:
-        lines.append(f"{indent}  correction: {text}")
-    elif corr is not None and corr.get("observations"):
-        lines.append(f"{indent}  correction: none in force ({corr['observations']} windows agree with the profile "
-                     "within its fit error)")
-    else:
-        lines.append(f"{indent}  correction: none (no evidence yet)")
-    if c.get("extrapolating"):
-        lines.append(f"{indent}  extrapolating: {'; '.join(c['extrapolating'])}")
-    lines.extend(attainment_lines(c, indent=indent))
-    return lines
-
-
-
-def uncertainty_lines(m: Mapping[str, Any]) -> list[str]:
-    """What the model's plan spends because its estimates are not certain yet (planner/uncertainty.py)."""
-    usd = m.get("uncertainty_usd_h")
-    if not usd:
-        return []
-    return [f"    cost of uncertainty: ${usd:.2f}/h above the fleet its corrected profiles would need "
-            "with nothing left to learn: " + "; ".join(m.get("uncertainty_why") or ["-"])]
 
 
 def render_report(data: Mapping[str, Any], *, actions: int = 12) -> str:
@@ -425,7 +330,7 @@ def render_report(data: Mapping[str, Any], *, actions: int = 12) -> str:
     if data.get("time_scale", 1.0) != 1.0:
         head += f" (time scale {data['time_scale']:g}x)"
     lines.append(head)
-    lines.append(f"policy {pol.get('path')} loaded {_ago(pol.get('loaded_s'), now)}"
+    lines.append(f"policy {pol.get('path')} loaded {ago(pol.get('loaded_s'), now)}"
                  + ("" if data.get("mqtt_connected") else "   MQTT: DISCONNECTED"))
     if pol.get("error"):
         lines.append(f"POLICY RELOAD REJECTED (old policy kept): {pol['error']}")
@@ -437,7 +342,7 @@ def render_report(data: Mapping[str, Any], *, actions: int = 12) -> str:
     lines.append(f"ALERTS ({len(alerts)})" if alerts else "alerts: none")
     for a in alerts:
         lines.append(f"  ! {a}")
-    lines.extend(_plan_lines(data))
+    lines.extend(plan_summary_lines(data))
     fleet = data.get("fleet") or []
     lines.append("")
     lines.append(f"fleet ({len(fleet)} replicas in desired state):")
@@ -456,118 +361,13 @@ def render_report(data: Mapping[str, Any], *, actions: int = 12) -> str:
     lines.append("last actions:")
     for a in acts:
         lines.append(
-            f"  #{a['action_id']:<5} {_ago(a['created_s'], now):>9} {a['kind']:<6} {a['status']:<9} "
+            f"  #{a['action_id']:<5} {ago(a['created_s'], now):>9} {a['kind']:<6} {a['status']:<9} "
             f"{a.get('replica_id') or '':<8} {a.get('model') or '':<20} {a.get('reason', '')}"
             + (f" [{a['detail']}]" if a.get("detail") else "")
         )
     if not acts:
         lines.append("  (none)")
     return "\n".join(lines)
-
-
-def _plan_lines(data: Mapping[str, Any]) -> list[str]:
-    """The plan part of the report: per model demand, capacity and latency, alternatives not chosen,
-    per-config evidence, binding constraints and actions the brakes held."""
-    plan = data.get("plan")
-    if not plan:
-        return ["", "plan: none yet (no cycle finished)"]
-    lines: list[str] = []
-    e = plan["explanation"]
-    lines.append("")
-    lines.append(
-        f"plan: {len(plan['plan']['replicas'])} replicas, {plan['plan']['gpus']} GPUs, "
-        f"${plan['plan']['usd_h']:.2f}/h (target ${e['target_usd_h']:.2f}/h); solve {e['solve_s']:.2f} s"
-    )
-    lines.append(f"{'model':<22} {'obs rps':>8} {'fcst':>7} {'need':>7} {'cap':>7} {'unmet':>6} "
-                 f"{'TTFT p99 obs/pred/slo ms':>26} {'replicas':>9}")
-    obs = plan.get("observation") or {}
-    for m in e["models"]:
-        o = obs.get(m["model"]) or {}
-        pred = [c["predicted_ttft_p99_ms"] for c in m["configs"] if c["predicted_ttft_p99_ms"] is not None]
-        ttft = f"{_f(o.get('ttft_p99_ms'), '{:.0f}')}/{_f(max(pred) if pred else None, '{:.0f}')}/" \
-               f"{m['slo_ttft_p99_ms']:.0f}"
-        n = sum(c["replicas"] for c in m["configs"])
-        stale = " STALE" if o.get("stale") else ""
-        lines.append(
-            f"{m['model']:<22} {_f(m['observed_rps']):>8} {_f(m['forecast_rps']):>7} "
-            f"{m['required_rps']:>7.2f} {m['capacity_rps']:>7.2f} {m['unmet_rps']:>6.2f} {ttft:>26} "
-            f"{n:>9}{stale}"
-        )
-    for m in e["models"]:
-        alts = sorted((a for a in m.get("alternatives") or [] if a.get("usd_h") is not None),
-                      key=lambda a: (a["usd_h"], a["engine"], a["tp"]))[:3]
-        if alts:
-            lines.append(f"  {m['model']}: not chosen: " + "; ".join(
-                f"{a['engine']} {a['gpu']} tp{a['tp']} ${a['usd_h']:.2f}/h {a['reason']}"
-                + (f" ({_flip_text(a)})" if _flip_text(a) != "-" else "") for a in alts)
-                + f"  (fleetplan explain {m['model']})")
-    lines.append("per config: profile vs the fleet's latency")
-    for m in e["models"]:
-        if m.get("length_mix"):
-            lines.append(f"  {m['model']}: length mix {m['length_mix']}")
-        else:
-            lines.append(f"  {m['model']}:")
-        lines.extend(uncertainty_lines(m))
-        for c in m["configs"]:
-            lines.extend(config_lines(m, c, plan))
-    for b in e.get("binding_constraints", []):
-        lines.append(f"  binding: {b}")
-    for n in e.get("notes", []):
-        lines.append(f"  note: {n}")
-    held = held_lines(plan)
-    if held:
-        lines.append(f"held back this cycle ({len(held)}):")
-        lines.extend(held)
-    return lines
-
-
-def _flip_text(a: Mapping[str, Any]) -> str:
-    if a.get("flip_rps") is not None:
-        built = " once built" if a.get("reason") == "build_pending" else ""
-        if a.get("flip_side") == "below":
-            return f"cheaper below {a['flip_rps']:.1f} rps{built}"
-        to = a.get("cheaper_to_rps")
-        return f"cheaper above {a['flip_rps']:.1f} rps{built}" + (f", up to {to:.1f}" if to is not None else "")
-    if a.get("cheaper_from_rps") is not None:
-        return f"cheaper now ({a['cheaper_from_rps']:.1f}..{a['cheaper_to_rps']:.1f} rps)"
-    return "-"
-
-
-def render_alternatives(m: Mapping[str, Any], indent: str = "  ") -> list[str]:
-    """The stored `alternatives` of one model of a plan_to_dict() explanation (never recomputed)."""
-    alts = m.get("alternatives") or []
-    if not alts:
-        return [f"{indent}alternatives: none (every allowed config is in the plan)"]
-    lines = [f"{indent}{'alternative':<24} {'n':>3} {'$/h':>8} {'reason':<14} flip load"]
-    for a in alts:
-        cfg = f"{a['engine']} {a['gpu']} tp{a['tp']}"
-        n = "-" if a.get("replicas") is None else str(a["replicas"])
-        usd = "-" if a.get("usd_h") is None else f"{a['usd_h']:.2f}"
-        lines.append(f"{indent}{cfg:<24} {n:>3} {usd:>8} {a['reason']:<14} {_flip_text(a)}")
-        lines.append(f"{indent}    {a.get('detail', '')}")
-    return lines
-
-
-def render_relaxations(relaxations: list[Mapping[str, Any]], model: str | None = None,
-                       indent: str = "  ") -> list[str]:
-    """The stored relaxation re-solves; with `model`: those of that model and the fleet-wide ones."""
-    rows = [r for r in relaxations if model is None or r.get("model") in (None, model)]
-    return [f"{indent}{r['detail']} (${r['usd_h_before']:.2f}/h -> ${r['usd_h_after']:.2f}/h, unmet "
-            f"{r['unmet_rps_before']:.2f} -> {r['unmet_rps_after']:.2f} rps)" for r in rows]
-
-
-def missed_line(m: Mapping[str, Any], indent: str = "  ") -> str | None:
-    """The share of the last window's requests that missed the SLO, as the engines' histograms bound
-    it (one figure where a target is a bucket edge), against the 1% a p99 target allows."""
-    share = m.get("observed_missed_share")
-    if not share:
-        return None
-    lo, hi = (100.0 * x for x in share)
-    what = f"{lo:.2f}%" if hi - lo < 0.005 else f"{lo:.2f}-{hi:.2f}%"
-    verdict = "within" if hi <= 100.0 * (1.0 - SLO_SHARE) + 1e-9 else (
-        "above" if lo > 100.0 * (1.0 - SLO_SHARE) + 1e-9 else "perhaps above")
-    return (f"{indent}missed the SLO (TTFT or ITL), last window: {what} of requests ({verdict} the "
-            f"{100.0 * (1.0 - SLO_SHARE):g}% the p99 targets allow; the engines' histogram buckets bound it)")
 
 
 def render_explain(data: Mapping[str, Any], model: str) -> str | None:
@@ -577,12 +377,12 @@ def render_explain(data: Mapping[str, Any], model: str) -> str | None:
     o = m.get("observation") or {}
     lines = [f"{model}: {sum(c['replicas'] for c in m['configs'])} replicas (cycle {m.get('cycle_id')})"]
     lines.append(
-        f"  observed {_f(m['observed_rps'])} rps (ISL {_f(o.get('isl'), '{:.0f}')}, OSL {_f(o.get('osl'), '{:.0f}')}, "
-        f"TTFT p99 {_f(o.get('ttft_p99_ms'), '{:.0f}')} ms, ITL p99 {_f(o.get('itl_p99_ms'), '{:.1f}')} ms"
+        f"  observed {dash(m['observed_rps'])} rps (ISL {dash(o.get('isl'), '{:.0f}')}, OSL {dash(o.get('osl'), '{:.0f}')}, "
+        f"TTFT p99 {dash(o.get('ttft_p99_ms'), '{:.0f}')} ms, ITL p99 {dash(o.get('itl_p99_ms'), '{:.1f}')} ms"
         + (", STALE" if o.get("stale") else "") + ")"
     )
     lines.append(
-        f"  forecast {_f(m['forecast_rps'])} rps -> demand {m['demand_rps']:.2f} rps x (1 + headroom "
+        f"  forecast {dash(m['forecast_rps'])} rps -> demand {m['demand_rps']:.2f} rps x (1 + headroom "
         f"{m['headroom']:.2f}) = required {m['required_rps']:.2f} rps"
     )
     lines.append(
@@ -604,8 +404,8 @@ def render_explain(data: Mapping[str, Any], model: str) -> str | None:
         lines.append(
             f"  - {c['replicas']} x {c['engine']} {c['gpu']} tp{c['tp']} {c['precision']}: "
             f"{c['capacity_per_replica_rps']:.2f} rps each (bound by {c['binding'] or '?'}), load "
-            f"{c['load_per_replica_rps']:.2f} rps each, predicted TTFT p99 {_f(c['predicted_ttft_p99_ms'], '{:.0f}')} ms "
-            f"ITL p99 {_f(c['predicted_itl_p99_ms'], '{:.1f}')} ms, ${c['usd_h']:.2f}/h"
+            f"{c['load_per_replica_rps']:.2f} rps each, predicted TTFT p99 {dash(c['predicted_ttft_p99_ms'], '{:.0f}')} ms "
+            f"ITL p99 {dash(c['predicted_itl_p99_ms'], '{:.1f}')} ms, ${c['usd_h']:.2f}/h"
         )
         lines.extend(config_lines(m, c, plan))
     for n in m.get("notes", []):

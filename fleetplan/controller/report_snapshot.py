@@ -76,7 +76,7 @@ def dumps(doc: Any) -> bytes:
 
 def render(g: Gathered) -> Rendered:
     """The bytes of one gather (pure; runs in a worker thread)."""
-    from fleetplan.controller.report import explanation_for
+    from fleetplan.controller.plan_text import explanation_for
 
     data = g.report
     now_s = float(data.get("now_s") or 0.0)

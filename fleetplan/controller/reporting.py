@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from fleetplan.controller.observe import Snapshot, to_observation
 
 if TYPE_CHECKING:
-    from fleetplan.controller.daemon import Controller
+    from fleetplan.controller.daemon_face import ControllerFace
 
 audit_log = logging.getLogger("fleetplan.audit")  # one JSON line per cycle (the audit trail)
 
@@ -40,7 +40,7 @@ def plan_alerts(doc: Mapping[str, Any]) -> list[str]:
     return out
 
 
-def update_metrics(ctrl: Controller, doc: Mapping[str, Any], snap: Snapshot) -> None:
+def update_metrics(ctrl: ControllerFace, doc: Mapping[str, Any], snap: Snapshot) -> None:
     """The controller's per-model gauges from this cycle's plan and observation."""
     m = ctrl.metrics
     planned: dict[str, int] = {}
@@ -98,7 +98,7 @@ def update_metrics(ctrl: Controller, doc: Mapping[str, Any], snap: Snapshot) -> 
         m.inventory_mismatch.labels(host).set(1.0)
     m.stale_models.set(sum(1 for name, o in snap.models.items() if o.stale and name in desired))
 
-def update_correction_metrics(ctrl: Controller, doc: Mapping[str, Any]) -> None:
+def update_correction_metrics(ctrl: ControllerFace, doc: Mapping[str, Any]) -> None:
     """fleetplan_profile_correction_ratio{model,config}: the plan's capacity factor per config
     (1.0: the profile is trusted); a config that left the plan loses its label set."""
     from fleetplan.controller.metrics import correction_series
@@ -113,7 +113,7 @@ def update_correction_metrics(ctrl: Controller, doc: Mapping[str, Any]) -> None:
     ctrl.correction_labels = set(series)
 
 
-def audit(ctrl: Controller, cid: int, now_s: float, doc: dict[str, Any], snap: Snapshot, fleet: Any,
+def audit(ctrl: ControllerFace, cid: int, now_s: float, doc: dict[str, Any], snap: Snapshot, fleet: Any,
            issued: Any) -> str:
     """The cycle's decision record (planner/audit.py): stored, and one JSON line to the journal."""
     from fleetplan.planner.audit import decision_record, fleet_view, inputs_digest
@@ -141,7 +141,7 @@ class StateInputs:
     profiles: Any
 
 
-def state_inputs(ctrl: Controller) -> StateInputs:
+def state_inputs(ctrl: ControllerFace) -> StateInputs:
     """The planner's inputs as the controller holds them now (event loop: reads the hosts and the store)."""
     policy = ctrl.policy.policy
     snap = ctrl.last_snapshot
@@ -171,11 +171,11 @@ def state_doc(i: StateInputs) -> dict[str, Any]:
     }
 
 
-def state(ctrl: Controller) -> dict[str, Any]:
+def state(ctrl: ControllerFace) -> dict[str, Any]:
     """The planner's inputs as the controller holds them (GET /api/state)."""
     return state_doc(state_inputs(ctrl))
 
-def report(ctrl: Controller) -> dict[str, Any]:
+def report(ctrl: ControllerFace) -> dict[str, Any]:
     """Everything the report API serves; the plan is the STORED plan dict, never recomputed."""
     last = ctrl.store.last_plan()
     rep = ctrl.hosts.reported()

@@ -1,5 +1,5 @@
 """Running the controller as a service: signals in one place (uvicorn's shape), the interval loop,
-sd_notify, and the `fleetplan controller` command's setup (settings, token, state store).
+sd_notify (controller/sdnotify.py), and the `fleetplan controller` command's setup (settings, token, state store).
 
 SIGHUP reloads the policy before the next cycle (validated first; an invalid file keeps the old
 policy and the error shows in reports; a changed `scaling.cycle_s` takes effect from the next
@@ -17,7 +17,6 @@ import functools
 import logging
 import os
 import signal
-import socket
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fleetplan.controller.reporting import audit_log
+from fleetplan.controller.sdnotify import sd_notify
 from fleetplan.controller.settings import ControllerSettings, SettingsError, load_settings
 from fleetplan.controller.state import StateStore
 
@@ -32,27 +32,6 @@ if TYPE_CHECKING:
     from fleetplan.controller.daemon import Controller
 
 log = logging.getLogger(__name__)
-
-
-def sd_notify(message: str) -> bool:
-    """systemd notify protocol over $NOTIFY_SOCKET (no dependency); False when not under systemd."""
-    addr = os.environ.get("NOTIFY_SOCKET")
-    if not addr:
-        return False
-    if addr[0] == "@":
-        addr = "\0" + addr[1:]
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-            s.setblocking(False)  # never block the event loop on a receiver that does not read
-            s.connect(addr)
-            s.send(message.encode())
-        return True
-    except BlockingIOError:
-        log.warning("sd_notify(%s): notify socket full, message dropped", message.split("\n")[0])
-        return False
-    except OSError as exc:
-        log.warning("sd_notify(%s) failed: %s", message.split("\n")[0], exc)
-        return False
 
 
 @dataclass

@@ -13,6 +13,7 @@ from functools import cached_property
 from typing import Any
 
 from fleetplan.models.names import parse_engine, parse_gpu, parse_precision
+from fleetplan.planner.host_grace import within_grace
 from fleetplan.planner.types import ConfigKey, ReplicaState
 
 
@@ -215,7 +216,7 @@ class HostReport:
 
     def lost(self, now_s: float, grace_s: float) -> bool:
         """Offline for longer than the grace: its replicas serve nobody (routing dropped them)."""
-        return not self.online and self.offline_since_s is not None and now_s - self.offline_since_s >= grace_s
+        return not within_grace(self.online, self.offline_since_s, now_s=now_s, grace_s=grace_s)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 from fleetplan.models.names import parse_gpu
 from fleetplan.planner import act
+from fleetplan.planner.host_grace import within_grace
 from fleetplan.planner.types import ConfigKey, EngineBuild, Fleet, HostInventory, Replica, ReplicaState
 
 __all__ = ["fleet_from_view", "usable"]
@@ -25,11 +26,7 @@ __all__ = ["fleet_from_view", "usable"]
 
 def usable(report: act.HostReport, now_s: float, grace_s: float) -> bool:
     """Online, or offline for less than the grace (an agent restart is not a lost host)."""
-    if report.online:
-        return True
-    if report.offline_since_s is None:
-        return True
-    return now_s - report.offline_since_s < grace_s
+    return within_grace(report.online, report.offline_since_s, now_s=now_s, grace_s=grace_s)
 
 
 def fleet_from_view(view: act.ActView, *, cached: Iterable[EngineBuild], to_sim: Callable[[float], float],

@@ -67,6 +67,7 @@ class FleetSim(BaselineExecutor, FleetMeter):
         self.trace = trace
         self.ctl = controller
         self.env = env
+        self.host_by_name = {h.name: h for h in env.hosts}
         self.s = settings or SimSettings()
         reqs = trace.requests
         self.n = len(reqs)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fleetplan.planner import act
-from fleetplan.planner.types import ConfigKey, ReplicaState
+from fleetplan.planner.types import ConfigKey, HostInventory, ReplicaState
 from fleetplan.sim.control import ReplayControl
 from fleetplan.sim.core import FastCore
 from fleetplan.sim.des_types import Controller, Environment, ReplicaLoad, SimSettings, TimelinePoint
@@ -22,12 +22,14 @@ from fleetplan.sim.traces import Trace
 
 
 class _SimReplica:
-    __slots__ = ("config", "core", "counters", "gpus", "host", "inflight", "load", "mi", "rid", "seq",
-                 "since", "state", "t_gpu", "t_ready", "t_start", "t_stop", "version")
+    __slots__ = ("config", "core", "counters", "gpus", "host", "inflight", "load", "mi", "port", "rid", "seq",
+                 "since", "state", "t_gpu", "t_ready", "t_start", "t_stop", "template", "version")
 
     def __init__(self, rid: str, config: ConfigKey, host: str, gpus: tuple[int, ...], core: FastCore,
-                 t_start: float, seq: int, mi: int) -> None:
+                 t_start: float, seq: int, mi: int, port: int, template: str) -> None:
         self.mi = mi
+        self.port = port
+        self.template = template
         self.rid = rid
         self.config = config
         self.host = host
@@ -62,6 +64,7 @@ class FleetSimBase:
     trace: Trace
     ctl: Controller
     env: Environment
+    host_by_name: dict[str, HostInventory]  # env.hosts by name
     s: SimSettings
     n: int
     arr_t: np.ndarray

@@ -6,11 +6,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from fleetplan.planner import act
+from fleetplan.planner.agent_rules import AgentLimits, WantedBuild, WantedReplica, conflicts, refusals
 from fleetplan.planner.placement import first_free
 from fleetplan.planner.types import ConfigKey, EngineBuild, ReplicaState
 from fleetplan.sim.core import FastCore
 from fleetplan.sim.des_base import FleetSimBase, _SimBuild, _SimReplica
 from fleetplan.sim.des_types import PENDING, REJECTED, ReplicaLoad
+
+SIM_PORT_RANGE = (8000, 8999)  # the simulated agents' port range (each reports it)
 
 
 class FleetWorld(FleetSimBase):
@@ -18,17 +21,8 @@ class FleetWorld(FleetSimBase):
 
     # -- the engines (fleetplan.sim.control.EnginePort)
     def launch(self, row: act.ReplicaRow, t_s: float) -> None:
-        c = row.config
-        if self.env.build_s(c) is not None and c not in self.env.cached and not any(
-                b.config == c and (b.row.host == row.host or (b.done and self.s.shared_engine_cache))
-                for b in self.sim_builds.values()):
-            # an agent refuses a replica of an engine it neither holds nor is building
-            # (protocol.check_desired); the planner places such configs where their engine is
-            self.conflicts += 1
-            self.notes.append(f"t={t_s:.0f}s: start of {row.replica_id} refused: {row.host} holds no "
-                              f"{c.label()} engine")
-            return
-        self._start_replica(t_s, row.replica_id, c, row.host, row.gpu_indices)
+        self._start_replica(t_s, row.replica_id, row.config, row.host, row.gpu_indices, port=row.port,
+                            template=row.template)
 
     def stop(self, replica_id: str, t_s: float) -> None:
         rep = self.by_id.get(replica_id)
@@ -54,12 +48,13 @@ class FleetWorld(FleetSimBase):
             state = ReplicaState.READY if r.state in (ReplicaState.READY, ReplicaState.DRAINING) else r.state
             per_host.setdefault(r.host, []).append(act.ReportedReplica(
                 r.rid, state, c.model, c.engine.value, c.gpu.value, c.tp, c.precision.value, r.gpus,
-                8000 + min(r.gpus), since_s=self.env.epoch0_s + (r.t_ready if r.t_ready is not None else r.t_start)))
+                r.port, template=r.template, since_s=self.env.epoch0_s + (r.t_ready if r.t_ready is not None else r.t_start)))
         builds: dict[str, list[act.ReportedBuild]] = {}
         for bid, b in self.sim_builds.items():
             bstate = act.BuildState.DONE if b.done else act.BuildState.RUNNING
             builds.setdefault(b.row.host, []).append(act.ReportedBuild(bid, bstate, b.row.gpu_indices))
-        return {h.name: act.HostReport(h.name, h.online, h.gpu.value, h.gpu_count, h.nvlink_groups, None, (), (),
+        return {h.name: act.HostReport(h.name, h.online, h.gpu.value, h.gpu_count, h.nvlink_groups, SIM_PORT_RANGE,
+                                       (), (),
                                        tuple(per_host.get(h.name, ())), tuple(builds.get(h.name, ())))
                 for h in self.env.hosts}
 
@@ -99,22 +94,27 @@ class FleetWorld(FleetSimBase):
 
     # -- replicas
     def _start_replica(self, t: float, rid: str | None, config: ConfigKey, host: str, gpus: tuple[int, ...],
-                       *, instant: bool = False) -> _SimReplica | None:
+                       *, instant: bool = False, port: int | None = None,
+                       template: str | None = None) -> _SimReplica | None:
         if config.model not in self.model_names:
             self.notes.append(f"start of {config.label()} ignored: model not in the trace")
+            return None
+        rid = rid or f"r{self._rid_seq + 1}-{config.engine.value}-{config.gpu.value}x{config.tp}"
+        wanted = WantedReplica(rid, template or config.engine.value, config, gpus,
+                               port if port is not None else SIM_PORT_RANGE[0] + min(gpus, default=0))
+        refused = self._refusals(host, wanted)
+        if refused:
+            # the host's agent refuses the desired state (planner/agent_rules.py, as a real agent
+            # does); the act core never asks for it, so this is a bug to see, not a case to schedule
+            # around
+            self.conflicts += 1
+            self.notes.append(f"t={t:.0f}s: start of {rid} refused by {host}: {'; '.join(refused)}")
             return None
         params = self.env.params_for(config)
         self._rid_seq += 1
         core = FastCore(params, seed=self.s.seed * 100003 + self._rid_seq, macro=self.s.macro_steps)
-        rid = rid or f"r{self._rid_seq}-{config.engine.value}-{config.gpu.value}x{config.tp}"
-        used = {(r.host, g) for r in self.replicas if r.state != ReplicaState.STOPPED for g in r.gpus}
-        if any((host, g) in used for g in gpus):
-            # the agent refuses a desired state that double-books GPUs (protocol.check_desired); the
-            # act core never asks for it, so this is a bug to see, not a case to schedule around
-            self.conflicts += 1
-            self.notes.append(f"t={t:.0f}s: start of {rid} refused: GPUs {list(gpus)} of {host} are in use")
-            return None
-        rep = _SimReplica(rid, config, host, gpus, core, t, self._rid_seq, self.model_names.index(config.model))
+        rep = _SimReplica(rid, config, host, gpus, core, t, self._rid_seq, self.model_names.index(config.model),
+                          wanted.port, wanted.template)
         self.replicas.append(rep)
         self.by_id[rid] = rep
         self.replica_starts += 1
@@ -123,6 +123,26 @@ class FleetWorld(FleetSimBase):
             return rep
         self._launch(rep, t)
         return rep
+
+    def _refusals(self, host: str, new: WantedReplica) -> list[str]:
+        """What `host`'s agent says to its desired state with `new` added: its replicas and the
+        builds still running there (planner/agent_rules.py). The simulated agent offers the templates
+        the controller names; a replica of an engine that needs a build needs it cached on the host
+        or building there (a baseline's agent builds at launch: it needs none)."""
+        h = self.host_by_name.get(host)
+        if h is None:
+            return [f"host {host} is not in the inventory"]
+        replicas = [WantedReplica(r.rid, r.template, r.config, r.gpus, r.port) for r in self.replicas
+                    if r.host == host and r.state != ReplicaState.STOPPED] + [new]
+        builds = [WantedBuild(bid, b.row.template, b.config, b.row.gpu_indices)
+                  for bid, b in self.sim_builds.items() if b.row.host == host and not b.done]
+        need_cache = frozenset(r.template for r in replicas
+                               if self.control is not None and self.env.build_s(r.config) is not None)
+        cached = self.env.cached | {b.config for b in self.sim_builds.values() if b.done and host in self._holders(b)}
+        limits = AgentLimits(host, h.gpu, h.gpu_count, SIM_PORT_RANGE,
+                             {r.template: r.config.engine for r in replicas},
+                             frozenset(b.template for b in builds), None, need_cache, frozenset(cached))
+        return conflicts(replicas, builds) + refusals(replicas, builds, limits)
 
     def _launch(self, rep: _SimReplica, t: float) -> None:
         config = rep.config

@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import bisect
 import os
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping, Sequence, Sized
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from fleetplan.sim.core import ITL_BUCKETS_S, TTFT_BUCKETS_S
 
 if TYPE_CHECKING:
-    from fleetplan.sim.engine import SimEngine
+    from fleetplan.sim.batching import BatchCore
+    from fleetplan.sim.engine_config import EngineConfig
+    from fleetplan.sim.groundtruth import EngineParams
 
 # Bucket edges as in vLLM's vllm/v1/metrics/loggers.py (and trtllm's MetricsCollector defaults):
 # one definition for every simulated engine, the replay's (fleetplan.sim.core) and this HTTP one
@@ -133,8 +135,27 @@ def _success_counter(
     return m
 
 
+class ExportedEngine(Protocol):
+    """What the collectors read of a simulated engine (fleetplan.sim.engine.SimEngine)."""
+
+    @property
+    def stats(self) -> EngineStats: ...
+
+    @property
+    def cfg(self) -> EngineConfig: ...
+
+    @property
+    def core(self) -> BatchCore: ...
+
+    @property
+    def params(self) -> EngineParams: ...
+
+    @property
+    def incoming(self) -> Sized: ...
+
+
 class VllmCollector:
-    def __init__(self, engine: SimEngine) -> None:
+    def __init__(self, engine: ExportedEngine) -> None:
         self.e = engine
 
     def collect(self) -> Iterable[Metric]:
@@ -194,7 +215,7 @@ class TrtllmCollector:
     labels and edges are held against the source by tests/integration/test_sim_engine_trtllm_metrics.py.
     """
 
-    def __init__(self, engine: SimEngine) -> None:
+    def __init__(self, engine: ExportedEngine) -> None:
         self.e = engine
 
     def collect(self) -> Iterable[Metric]:

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from fleetplan.planner import evidence as ev
+from fleetplan.planner.arrivals import ARRIVALS, arrival_rate
 from fleetplan.planner.observation import Query, Readings, Sample, Series
 from fleetplan.sim.core import ITL_BUCKETS_S, LENGTH_BUCKETS, TPOT_BUCKETS_S, TTFT_BUCKETS_S
 
@@ -248,13 +249,15 @@ class PromSim:
             add("gen", model, (b.gen_tokens - a.gen_tokens) * f)
             add("prefix_q", model, (b.prefix_queries - a.prefix_queries) * f)
             add("prefix_h", model, (b.prefix_hits - a.prefix_hits) * f)
-            growth = 0.0
-            for gauge in ("running", "waiting"):
-                slope = _deriv([x.t_s for x in win], [getattr(x, gauge) for x in win])
-                if slope is not None:
-                    add("growth", model, slope)
-                    growth += slope
-            res[Query.REPLICA_RATE].append(Sample(lab, max(0.0, done + growth)))
+            growth: float | None = 0.0
+            for gauge in ARRIVALS.in_engine:  # deriv() of each gauge (planner/arrivals.py)
+                slope = _deriv([x.t_s for x in win], [getattr(x, gauge.value) for x in win])
+                if slope is None or growth is None:  # PromQL: no deriv, no sum: the completion rate
+                    growth = None
+                    continue
+                add("growth", model, slope)
+                growth += slope
+            res[Query.REPLICA_RATE].append(Sample(lab, arrival_rate(done, growth)))
             acc_t = ttft_b.setdefault(model, [0.0] * len(b.ttft))
             for j, (x, y) in enumerate(zip(a.ttft, b.ttft, strict=True)):
                 acc_t[j] += (y - x) * f
@@ -264,7 +267,7 @@ class PromSim:
         for model, d in sorted(by_model.items()):
             lab = {"model": model}
             if "done" in d:
-                res[Query.RATE].append(Sample(lab, max(0.0, d["done"] + d.get("growth", 0.0))))
+                res[Query.RATE].append(Sample(lab, arrival_rate(d["done"], d.get("growth"))))
                 res[Query.PROMPT].append(Sample(lab, d["prompt"]))
                 res[Query.GEN].append(Sample(lab, d["gen"]))
                 res[Query.PREFIX_QUERIES].append(Sample(lab, d["prefix_q"]))

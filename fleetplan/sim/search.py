@@ -1,5 +1,6 @@
 """The one bracket-and-bisect of the simulator's searches: the smallest count that reaches a goal
-(best-fixed's replica count, the ground-truth capacity's rate on a geometric grid)."""
+(best-fixed's replica count, the ground-truth capacity's rate on a geometric grid, the cheapest
+setting of a yardstick's ladder)."""
 
 from __future__ import annotations
 

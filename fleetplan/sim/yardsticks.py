@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 
 from fleetplan.planner.types import ConfigKey
 from fleetplan.sim.des import ControllerView, Decision, Environment, FleetSim, SimResult, SimSettings
+from fleetplan.sim.search import smallest_count
 from fleetplan.sim.traces import Trace, window_rates
 
 # the margins tried (from 1.0, up or down): below 1 is common, the capacity at the p99 targets under
@@ -167,8 +168,8 @@ class Yardstick:
 def _ladder_search(values: Sequence[float], run: Callable[[float], SimResult | None],
                    objective: float) -> Yardstick | None:
     """Along `values` (from the cheapest setting to the most generous), the cheapest whose replay
-    serves `objective`: from the middle, up until one serves it, then down while they still do.
-    None: not even the most generous one does."""
+    serves `objective`, by the one bracket-and-bisect (`fleetplan.sim.search.smallest_count`) from
+    the middle. None: not even the most generous one does."""
     tried: dict[float, SimResult | None] = {}
 
     def ok(i: int) -> bool:
@@ -178,20 +179,13 @@ def _ladder_search(values: Sequence[float], run: Callable[[float], SimResult | N
         res = tried[v]
         return res is not None and res.slo_attainment >= objective
 
-    i = len(values) // 2
-    if ok(i):
-        while i > 0 and ok(i - 1):
-            i -= 1
-    else:
-        while i + 1 < len(values) and not ok(i + 1):
-            i += 1
-        if i + 1 >= len(values):
-            return None
-        i += 1
-    best = tried[values[i]]
+    n = smallest_count(lambda k: ok(k - 1), len(values), start=len(values) // 2 + 1)
+    if n is None:
+        return None
+    best = tried[values[n - 1]]
     assert best is not None
     log = tuple((v, float(r.gpu_hours), float(r.slo_attainment)) for v, r in sorted(tried.items()) if r is not None)
-    return Yardstick(best, values[i], log)
+    return Yardstick(best, values[n - 1], log)
 
 
 def clairvoyant(trace: Trace, configs: Sequence[ConfigKey], capacity_rps: Mapping[ConfigKey, float],

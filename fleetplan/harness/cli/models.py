@@ -220,7 +220,7 @@ def _capacity(args: argparse.Namespace) -> int:
     if args.disagg:
         from fleetplan.harness.cli.models_disagg import capacity_disagg
 
-        return capacity_disagg(args, profile, workload, extra)
+        return capacity_disagg(args, profile, workload, extra, _err)
     cap = capacity(profile, workload, ttft_p99_ms=args.ttft_p99_ms, itl_p99_ms=args.itl_p99_ms)
     doc = {"max_rps": cap.max_rps, "binding": cap.binding.value, "profile": profile.key.label(),
            "warnings": [*extra, *cap.warnings]}

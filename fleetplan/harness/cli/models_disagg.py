@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Callable
 from typing import Any
 
 # --link: the path between a prefill and a decode replica (host: the GPU's NVLink, or PCIe)
@@ -47,8 +48,9 @@ def _num(v: float) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def capacity_disagg(args: argparse.Namespace, profile: Any, workload: Any, extra: list[str]) -> int:
-    from fleetplan.harness.cli.models import _err
+def capacity_disagg(args: argparse.Namespace, profile: Any, workload: Any, extra: list[str],
+                    _err: Callable[[str], int]) -> int:
+    """`fleetplan models capacity --disagg`; `_err` prints the command's error line and returns its code."""
     from fleetplan.models.disagg import disagg_capacity, pool_profiles
     from fleetplan.models.hardware import GPU_SPECS
     from fleetplan.models.mix import LengthMix, capacity_mix

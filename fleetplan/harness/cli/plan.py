@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any
 
-from fleetplan.controller.report import config_lines
+from fleetplan.controller.plan_text import render_plan
 from fleetplan.harness.cli.files import load_yaml_or_json, read_text
 
 
@@ -118,76 +118,3 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _f(v: Any, fmt: str = ".1f") -> str:
-    return "-" if v is None else format(v, fmt)
-
-
-def render_plan(doc: dict[str, Any]) -> str:
-    """Readable tables from a plan_to_dict() document (never recomputes anything)."""
-    e = doc["explanation"]
-    out: list[str] = []
-    out.append("DEMAND AND CAPACITY")
-    out.append(f"{'model':<22} {'obs rps':>8} {'fcst':>8} {'demand':>8} {'head':>5} {'required':>9} "
-               f"{'capacity':>9} {'target':>9} {'unmet':>7} {'$/h':>8}")
-    for m in e["models"]:
-        out.append(f"{m['model']:<22} {_f(m['observed_rps']):>8} {_f(m['forecast_rps']):>8} "
-                   f"{m['demand_rps']:>8.1f} {m['headroom']:>5.2f} {m['required_rps']:>9.1f} "
-                   f"{m['capacity_rps']:>9.1f} {m['target_capacity_rps']:>9.1f} {m['unmet_rps']:>7.1f} "
-                   f"{m['usd_h']:>8.2f}")
-    out.append("")
-    out.append("CONFIGS (plan for now)")
-    out.append(f"{'model':<22} {'engine':<7} {'gpu':<6} {'tp':>2} {'n':>3} {'cap/rep':>8} {'load/rep':>8} "
-               f"{'bind':<6} {'ttft p99':>9} {'itl p99':>8} {'SLO ttft/itl':>13} {'$/h':>8}")
-    for m in e["models"]:
-        for c in m["configs"]:
-            out.append(f"{c['model']:<22} {c['engine']:<7} {c['gpu']:<6} {c['tp']:>2} {c['replicas']:>3} "
-                       f"{c['capacity_per_replica_rps']:>8.2f} {c['load_per_replica_rps']:>8.2f} "
-                       f"{c['binding']:<6} {_f(c['predicted_ttft_p99_ms'], '.0f'):>9} "
-                       f"{_f(c['predicted_itl_p99_ms'], '.1f'):>8} "
-                       f"{m['slo_ttft_p99_ms']:>6.0f}/{m['slo_itl_p99_ms']:<6.0f} {c['usd_h']:>8.2f}")
-            out.extend(config_lines(m, c, doc))  # the evidence behind the row (controller/report.py)
-        if m.get("length_mix"):
-            out.append(f"  {m['model']}: length mix: {m['length_mix']}")
-        for note in m["notes"]:
-            out.append(f"  {m['model']}: {note}")
-    from fleetplan.controller.report import render_alternatives, render_relaxations
-
-    out.append("")
-    out.append("ALTERNATIVES (each allowed config not chosen, alone; why it lost; the load where it would win)")
-    for m in e["models"]:
-        chosen = ", ".join(f"{c['replicas']} x {c['engine']} {c['gpu']} tp{c['tp']}" for c in m["configs"])
-        out.append(f"{m['model']}: chosen {chosen or 'nothing'} ${m['usd_h']:.2f}/h at {m['demand_rps']:.1f} rps")
-        out.extend(render_alternatives(m))
-    relax = render_relaxations(e.get("relaxations") or [])
-    if relax:
-        out.append("RELAXATIONS (a binding constraint one step looser, re-solved)")
-        out.extend(relax)
-    for title, key in (("PLAN (now)", "plan"), ("TARGET (after builds)", "target")):
-        p = doc[key]
-        out.append("")
-        out.append(f"{title}: {len(p['replicas'])} replicas, {p['gpus']} GPUs, ${p['usd_h']:.2f}/h")
-        if key == "target" and p["replicas"] == doc["plan"]["replicas"]:
-            out.append("  (same as the plan for now)")
-            continue
-        for r in p["replicas"]:
-            out.append(f"  {r['host']:<14} gpus {','.join(str(i) for i in r['gpu_indices']):<16} "
-                       f"{r['model']:<22} {r['engine']:<7} tp{r['tp']} {r['state']:<9} {r['replica_id']}")
-    out.append("")
-    out.append(f"ACTIONS ({len(doc['actions'])} this cycle, {len(doc['deferred_actions'])} deferred)")
-    for i, a in enumerate(doc["actions"], 1):
-        r = a["replica"]
-        out.append(f"  {i:>2}. {a['kind'].upper():<5} {r['replica_id']}  ({a['reason']})")
-    for a in doc["deferred_actions"]:
-        out.append(f"   -  {a['kind'].upper():<5} {a['replica']['replica_id']}  (deferred: {a['reason']})")
-    out.append("")
-    out.append("SOLVER")
-    for s in e["solver"]:
-        out.append(f"  {s['stage']:<9} {s['backend']:<20} {s['status']:<9} objective={_f(s['objective'], '.3f')} "
-                   f"bound={_f(s['best_bound'], '.3f')} gap={_f(s['gap'], '.4f')} wall={s['wall_s']:.3f}s")
-    out.append(f"  total solve {e['solve_s']:.3f} s; $/h now {e['usd_h']:.2f}, target {e['target_usd_h']:.2f}")
-    if e["binding_constraints"]:
-        out.append("BINDING")
-        out.extend(f"  {b}" for b in e["binding_constraints"])
-    for n in e["notes"]:
-        out.append("NOTE: " + n)
-    return "\n".join(out) + "\n"

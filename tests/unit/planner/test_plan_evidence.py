@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from planner_helpers import H100, VLLM, hosts, policy, policy_dict
 
-from fleetplan.controller.report import config_lines
+from fleetplan.controller.plan_text import config_lines
 from fleetplan.models import profile as mp
 from fleetplan.models.mix import LengthMix, predict_mix, scaled
 from fleetplan.planner.capacity import MixedWorkload
