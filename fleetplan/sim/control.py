@@ -22,8 +22,8 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from fleetplan.models.profile import ProfileSet
-from fleetplan.planner import act
-from fleetplan.planner.brakes import HOUR_S, Direction, PastAction
+from fleetplan.planner import act, records
+from fleetplan.planner.brakes import PastAction
 from fleetplan.planner.cycle import CycleDecision, decide, observe
 from fleetplan.planner.evidence import Evidence
 from fleetplan.planner.fleetview import fleet_from_view
@@ -101,12 +101,8 @@ class ReplayControl:
         self.rules = rules
         self.s = settings or ControlSettings()
         self.counterfactuals = counterfactuals
-        self.rows: dict[str, act.ReplicaRow] = {}
-        self.builds: dict[str, act.BuildRow] = {}
-        self.known: set[str] = set()
+        self.records = records.Records()
         self.noted: frozenset[tuple[str, str]] = frozenset()
-        self.past: list[PastAction] = []
-        self._next_id = 0
         self.drains: dict[str, act.DrainProgress] = {}
         self.models = [m.name for m in self.policy.models]
         self.decisions: list[tuple[float, CycleDecision]] = []  # (t, decision), for parity checks
@@ -119,6 +115,16 @@ class ReplayControl:
         self.observations: list[tuple[float, Observation]] = []
 
     # ---- the records ---------------------------------------------------------------------------
+    @property
+    def rows(self) -> Mapping[str, act.ReplicaRow]:
+        """The active replica records (desired or draining), by id."""
+        return self.records.replicas
+
+    @property
+    def past(self) -> list[PastAction]:
+        """The brakes' history, read from the records' action log."""
+        return records.history(self.records.log)
+
     def wall(self, t_s: float) -> float:
         return self.epoch0_s + t_s
 
@@ -127,7 +133,7 @@ class ReplayControl:
         s = self.s
         return act.ActView(
             now_s=self.wall(t_s), hosts=self.engines.reports(t_s), replicas=tuple(self.rows.values()),
-            builds=tuple(self.builds.values()), desired={}, known_ids=frozenset(self.known),
+            builds=tuple(self.records.builds.values()), desired={}, known_ids=self.records.known_ids,
             settings=act.ActSettings(s.ready_timeout_s, s.ack_timeout_s, s.host_offline_grace_s, (8000, 8999),
                                      pol.agent_templates(), pol.agent_templates(build=True)),
             connected_since_s=-math.inf, noted=self.noted)
@@ -136,54 +142,30 @@ class ReplayControl:
         return fleet_from_view(view, cached=self.engines.cached(), to_sim=lambda x: x,
                                build_s=self.policy.build_s)
 
-    def _allocate(self, prefix: str) -> str:
-        """Replica and build ids from one sequence, as StateStore.allocate_id hands them out."""
-        self._next_id += 1
-        return f"{prefix}{self._next_id:05d}"
+    def _record(self, effects: Sequence[records.RecordEffect], t_s: float, *, cycle: bool) -> records.Step:
+        """The records after `effects` (planner/records.py, the reducer StateStore persists)."""
+        step = records.apply(self.records, effects, self.wall(t_s), cycle_id=len(self.decisions) if cycle else None)
+        self.records = step.records
+        return step
+
+    def _publish(self, step: records.Step, t_s: float) -> None:
+        """What the agents do once the records change: launch, build, stop (desired states at once)."""
+        for w in step.writes:
+            if isinstance(w, records.PutReplica):
+                if w.new:
+                    self.engines.launch(w.row, t_s)
+                elif w.row.phase == act.Phase.REMOVED:
+                    self.drains.pop(w.row.replica_id, None)
+                    self.engines.stop(w.row.replica_id, t_s)
+            elif isinstance(w, records.PutBuild) and w.new:
+                self.engines.build(w.row, t_s)
 
     def _apply(self, d: act.ActDecision, t_s: float, *, cycle: bool) -> None:
         """What StateStore.apply does with the effects, and what the agents then do."""
-        now = self.wall(t_s)
         self.noted = self.noted | d.noted
-        for e in d.effects:
-            if isinstance(e, act.NewReplica):
-                rid = e.row.replica_id or self._allocate("r")
-                row = replace(e.row, replica_id=rid, created_s=now, updated_s=now)
-                self.rows[rid] = row
-                self.known.add(rid)
-                if cycle:
-                    self.past.append(PastAction(Direction.UP, now, max(1, row.tp)))
-                self.engines.launch(row, t_s)
-            elif isinstance(e, act.NewBuild):
-                bid = e.row.build_id or self._allocate("b")
-                brow = replace(e.row, build_id=bid, created_s=now, updated_s=now)
-                self.builds[bid] = brow
-                self.engines.build(brow, t_s)
-            elif isinstance(e, act.SetPhase):
-                cur = self.rows.get(e.replica_id)
-                if cur is None:
-                    continue
-                if e.phase == act.Phase.REMOVED:
-                    del self.rows[e.replica_id]
-                    self.drains.pop(e.replica_id, None)
-                    if cycle:
-                        self.past.append(PastAction(Direction.DOWN, now, max(1, cur.tp)))
-                    self.engines.stop(e.replica_id, t_s)
-                else:
-                    self.rows[e.replica_id] = replace(cur, phase=e.phase, updated_s=now,
-                                                      drain_started_s=now if e.phase == act.Phase.DRAINING
-                                                      else cur.drain_started_s)
-                    if e.phase == act.Phase.DRAINING and cycle:
-                        self.past.append(PastAction(Direction.DOWN, now, max(1, cur.tp)))
-            elif isinstance(e, act.MarkReady):
-                seen = self.rows.get(e.replica_id)
-                if seen is not None and seen.ready_s is None:
-                    self.rows[e.replica_id] = replace(seen, ready_s=now)
-            elif isinstance(e, act.FinishBuild):
-                self.builds.pop(e.build.build_id, None)
-            elif isinstance(e, act.Record) and e.note.status == act.ActionStatus.DEFERRED:
-                self.deferred += 1
-        self.past = [p for p in self.past if p.at_s > now - HOUR_S]
+        step = self._record(d.effects, t_s, cycle=cycle)
+        self.deferred += sum(1 for n in step.notes() if n.status == act.ActionStatus.DEFERRED)
+        self._publish(step, t_s)
 
     def update_routing(self, t_s: float) -> None:
         r = act.routes(tuple(self.rows.values()), self.engines.reports(t_s), self.models, now_s=self.wall(t_s),
@@ -265,12 +247,14 @@ class ReplayControl:
         if step == act.DrainStep.WAIT:
             self.engines.later(t_s + self.s.drain_poll_s, lambda t: self._poll(rid, t))
             return
-        if step == act.DrainStep.TIMEOUT:
+        timed_out = step == act.DrainStep.TIMEOUT
+        if timed_out:
             self.drain_timeouts += 1
         del self.drains[rid]
-        self.rows.pop(rid, None)
-        self.update_routing(t_s)
-        self.engines.stop(rid, t_s)
+        done = self._record([records.Drained(rid, timed_out, progress.last_inflight, self.deadline_s(row.model))],
+                            t_s, cycle=False)
+        self.update_routing(t_s)  # out of the upstream before the engine stops
+        self._publish(done, t_s)
 
     # ---- warm start ------------------------------------------------------------------------------
     def warm(self, obs: Observation, ready: Callable[[str], None], *, rounds: int = 32) -> None:
@@ -290,6 +274,6 @@ class ReplayControl:
             self.update_routing(0.0)
             if d.result is None or not new:
                 break
-        self.past.clear()
+        self.records = replace(self.records, log=())  # the warm-up's actions are not the day's
         self.ctl.reset()
 
