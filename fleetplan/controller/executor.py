@@ -35,7 +35,7 @@ from fleetplan.controller.protocol import desired_topic
 from fleetplan.controller.settings import ControllerSettings
 from fleetplan.controller.state import ActionStatus, Phase, ReplicaRow, StateStore
 from fleetplan.controller.state_retention import DAY_S, RetentionRules, prune_step
-from fleetplan.planner import act
+from fleetplan.planner import act, records
 from fleetplan.planner.act import ActDecision, ActSettings, ActView
 from fleetplan.planner.act_types import DeferKey, Deferral, Repeat
 
@@ -360,29 +360,12 @@ class Executor:
             if step != act.DrainStep.WAIT:
                 break
             await asyncio.sleep(self.settings.drain_poll_s)
-        reason = "in-flight requests reached 0"
-        if step == act.DrainStep.TIMEOUT:
-            left = progress.last_inflight
-            cut = f"{left:.0f} request(s) in flight cut" if left is not None else "requests in flight unknown"
-            reason = f"drain deadline {deadline_s:.0f} s passed: stopped with {cut}"
-            self.alerts[act.alert_key(act.AlertKind.DRAIN_TIMEOUT, rid)] = f"replica {rid} ({row.model}): {reason}"
+        done = records.Drained(rid, step == act.DrainStep.TIMEOUT, progress.last_inflight, deadline_s)
+        if done.timed_out:
+            self.alerts[act.alert_key(act.AlertKind.DRAIN_TIMEOUT, rid)] = f"replica {rid} ({row.model}): {done.reason}"
         async with self.lock:
-            self._drained(row, reason)
+            self.store.apply([done], None)  # the records reducer removes it and closes its drain
             self.metrics.actions.labels("stop", ActionStatus.DONE).inc()
             await self.update_routing()
             await self.publish_hosts({row.host})
-        log.info("replica %s drained (%s) and removed", rid, reason)
-
-    def _drained(self, row: ReplicaRow, reason: str) -> None:
-        rid = row.replica_id
-        with self.store.tx() as c:
-            self.store.set_phase(c, rid, Phase.REMOVED)
-            c.execute(
-                "UPDATE actions SET status=?, updated_s=?, detail=? WHERE replica_id=? AND kind='drain' "
-                "AND status=?",
-                (ActionStatus.DONE, self.wall(), f"drained ({reason})", rid, ActionStatus.PUBLISHED),
-            )
-            by = c.execute("SELECT cycle_id FROM actions WHERE replica_id=? AND kind='drain' "
-                           "ORDER BY action_id DESC LIMIT 1", (rid,)).fetchone()  # the decision that drained it
-            self.store.add_action(c, cycle_id=by[0] if by else None, kind="stop", replica_id=rid, host=row.host,
-                                  model=row.model, status=ActionStatus.DONE, reason=f"drained: {reason}")
+        log.info("replica %s drained (%s) and removed", rid, done.reason)
