@@ -210,9 +210,9 @@ class ReplayControl:
             return d
         self.ctl.state = d.result.next_state
         self.ctl.solve_s += d.result.explanation.solve_s
-        notes = [n for m in d.result.explanation.models for n in m.notes if n.startswith("fail static")]
-        if notes and len(self.notes) < 50:
-            self.notes.append(f"t={t_s:.0f}s: " + "; ".join(notes))
+        stale = [m.model for m in d.result.explanation.models if m.fail_static]
+        if stale and len(self.notes) < 50:
+            self.notes.append(f"t={t_s:.0f}s: fail static (demand unknown, no scale-down) for " + ", ".join(stale))
         out = act.execute(self.view(t_s), d.allowed, planned_on=view)
         started = {e.row.model for e in out.effects if isinstance(e, act.NewReplica)}
         drained = [e for e in out.effects if isinstance(e, act.SetPhase) and e.phase == act.Phase.DRAINING]
