@@ -22,7 +22,7 @@ import math
 import re
 import sqlite3
 import time
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,9 +33,9 @@ from fleetplan.controller.observe import _RUNNING, _WAITING, PromClient, Prometh
 from fleetplan.controller.policy_source import PolicySource
 from fleetplan.controller.protocol import desired_topic
 from fleetplan.controller.settings import ControllerSettings
-from fleetplan.controller.state import ActionStatus, Phase, ReplicaRow, StateStore
+from fleetplan.controller.state import Phase, ReplicaRow, StateStore
 from fleetplan.controller.state_retention import DAY_S, RetentionRules, prune_step
-from fleetplan.planner import act, records
+from fleetplan.planner import act, act_port, records
 from fleetplan.planner.act import ActDecision, ActSettings, ActView
 from fleetplan.planner.act_types import DeferKey, Deferral, Repeat
 
@@ -239,8 +239,7 @@ class Executor:
         """Persist the decision's effects (one transaction), count its actions, raise/clear alerts;
         a decision about deferrals replaces the open ones (a repeated one counts on its first row)."""
         opened: dict[DeferKey, Deferral] = {}
-        for note in self.store.apply(d.effects, cycle_id):
-            self.metrics.actions.labels(note.kind, note.status).inc()
+        for note in self._record(d.effects, cycle_id):
             opens = note.defer_key()
             if opens is not None and note.action_id is not None:
                 opened[opens] = Deferral(note.action_id, 1, self.wall())
@@ -258,6 +257,13 @@ class Executor:
         for key in d.cleared:
             self.alerts.pop(key, None)
         self.noted |= set(d.noted)
+
+    def _record(self, effects: Sequence[records.RecordEffect], cycle_id: int | None) -> list[act.Note]:
+        """Persist effects through the records reducer (StateStore.apply); count the actions logged."""
+        notes = self.store.apply(effects, cycle_id)
+        for note in notes:
+            self.metrics.actions.labels(note.kind, note.status).inc()
+        return notes
 
     async def reconcile(self) -> None:
         """Bring the records in line with what the agents report (before planning), then keep the
@@ -349,23 +355,39 @@ class Executor:
         return act.model_drain_deadline_s(m, floor_s=self.settings.drain_timeout_s, time_scale=self.time_scale)
 
     async def drain(self, rid: str) -> None:
+        """The replica's drain (planner/act_port.py `drain`, through this executor as its port)."""
         row = self.store.get_replica(rid)
         if row is None or row.phase != Phase.DRAINING:
             return
-        progress = act.DrainProgress(row.drain_started_s or self.wall())
-        deadline_s = self.drain_deadline_s(row.model)
-        await asyncio.sleep(self.settings.drain_settle_s)
-        while True:
-            step, progress = act.drain_step(progress, await self.inflight(row), self.wall(), deadline_s)
-            if step != act.DrainStep.WAIT:
-                break
-            await asyncio.sleep(self.settings.drain_poll_s)
-        done = records.Drained(rid, step == act.DrainStep.TIMEOUT, progress.last_inflight, deadline_s)
+        done = await act_port.drain(self, rid, deadline_s=self.drain_deadline_s(row.model),
+                                    settle_s=self.settings.drain_settle_s, poll_s=self.settings.drain_poll_s)
+        if done is None:
+            return
         if done.timed_out:
             self.alerts[act.alert_key(act.AlertKind.DRAIN_TIMEOUT, rid)] = f"replica {rid} ({row.model}): {done.reason}"
-        async with self.lock:
-            self.store.apply([done], None)  # the records reducer removes it and closes its drain
-            self.metrics.actions.labels("stop", ActionStatus.DONE).inc()
-            await self.update_routing()
-            await self.publish_hosts({row.host})
         log.info("replica %s drained (%s) and removed", rid, done.reason)
+
+    # ---- the port (planner/act_port.py Port) over SQLite, MQTT, nginx and httpx ------------------
+    def now_s(self) -> float:
+        return self.wall()
+
+    def reports(self) -> Mapping[str, act.HostReport]:
+        return self.hosts.reports()
+
+    def replica(self, replica_id: str) -> ReplicaRow | None:
+        return self.store.get_replica(replica_id)
+
+    async def sleep(self, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+
+    async def record(self, effects: Sequence[records.RecordEffect], cycle_id: int | None) -> list[act.Note]:
+        return self._record(effects, cycle_id)
+
+    async def route(self) -> None:
+        await self.update_routing()
+
+    async def publish(self, hosts: frozenset[str]) -> None:
+        await self.publish_hosts(set(hosts))
+
+    def exclusive(self) -> asyncio.Lock:
+        return self.lock

@@ -17,12 +17,13 @@ engines and builds as they are, and the router serves `act.routes(...).serving`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Generator, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from fleetplan.models.profile import ProfileSet
-from fleetplan.planner import act, records
+from fleetplan.planner import act, act_port, records
 from fleetplan.planner.brakes import PastAction
 from fleetplan.planner.cycle import CycleDecision, decide, observe
 from fleetplan.planner.evidence import Evidence
@@ -89,6 +90,16 @@ class EnginePort(Protocol):
     def later(self, t_s: float, fn: Callable[[float], None]) -> None: ...
 
 
+class _Later:
+    """What a loop step waits for: `delay_s` of simulated time (`ReplayControl._resume`)."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+
+    def __await__(self) -> Generator[_Later, None, None]:
+        yield self
+
+
 class ReplayControl:
     """The daemon's records and effects in the replay (see the module docstring)."""
 
@@ -103,7 +114,9 @@ class ReplayControl:
         self.counterfactuals = counterfactuals
         self.records = records.Records()
         self.noted: frozenset[tuple[str, str]] = frozenset()
-        self.drains: dict[str, act.DrainProgress] = {}
+        self.drains: set[str] = set()  # replicas whose drain runs
+        self._t = 0.0  # the simulated time a loop step runs at
+        self._unpublished: list[records.Step] = []
         self.models = [m.name for m in self.policy.models]
         self.decisions: list[tuple[float, CycleDecision]] = []  # (t, decision), for parity checks
         self.deferred = 0
@@ -155,7 +168,7 @@ class ReplayControl:
                 if w.new:
                     self.engines.launch(w.row, t_s)
                 elif w.row.phase == act.Phase.REMOVED:
-                    self.drains.pop(w.row.replica_id, None)
+                    self.drains.discard(w.row.replica_id)
                     self.engines.stop(w.row.replica_id, t_s)
             elif isinstance(w, records.PutBuild) and w.new:
                 self.engines.build(w.row, t_s)
@@ -224,7 +237,7 @@ class ReplayControl:
             self.start_drain(rid, t_s)
         return d
 
-    # ---- drains (controller/executor.py Executor.drain) -------------------------------------------
+    # ---- drains: planner/act_port.py `drain` through this port ----------------------------------
     def deadline_s(self, model: str) -> float:
         return act.model_drain_deadline_s(self.policy.model(model), floor_s=self.s.drain_timeout_s)
 
@@ -232,29 +245,57 @@ class ReplayControl:
         row = self.rows.get(rid)
         if row is None or rid in self.drains:
             return
-        self.drains[rid] = act.DrainProgress(row.drain_started_s or self.wall(t_s))
-        self.engines.later(t_s + self.s.drain_settle_s, lambda t: self._poll(rid, t))
+        self.drains.add(rid)
+        self._resume(self._drain(row), t_s)
 
-    def _poll(self, rid: str, t_s: float) -> None:
-        progress = self.drains.get(rid)
-        row = self.rows.get(rid)
-        if progress is None or row is None or row.phase != act.Phase.DRAINING:
-            self.drains.pop(rid, None)
-            return
-        step, progress = act.drain_step(progress, self.engines.inflight(rid), self.wall(t_s),
-                                        self.deadline_s(row.model))
-        self.drains[rid] = progress
-        if step == act.DrainStep.WAIT:
-            self.engines.later(t_s + self.s.drain_poll_s, lambda t: self._poll(rid, t))
-            return
-        timed_out = step == act.DrainStep.TIMEOUT
-        if timed_out:
+    async def _drain(self, row: act.ReplicaRow) -> None:
+        done = await act_port.drain(self, row.replica_id, deadline_s=self.deadline_s(row.model),
+                                    settle_s=self.s.drain_settle_s, poll_s=self.s.drain_poll_s)
+        self.drains.discard(row.replica_id)
+        if done is not None and done.timed_out:
             self.drain_timeouts += 1
-        del self.drains[rid]
-        done = self._record([records.Drained(rid, timed_out, progress.last_inflight, self.deadline_s(row.model))],
-                            t_s, cycle=False)
-        self.update_routing(t_s)  # out of the upstream before the engine stops
-        self._publish(done, t_s)
+
+    def _resume(self, step: Coroutine[_Later, None, None], t_s: float) -> None:
+        """Run a loop step until it waits (`sleep`), then again when the simulation reaches its time."""
+        self._t = t_s
+        try:
+            wait = step.send(None)
+        except StopIteration:
+            return
+        self.engines.later(t_s + wait.delay_s, lambda t: self._resume(step, t))
+
+    # ---- the port (planner/act_port.py Port) in memory ------------------------------------------
+    def now_s(self) -> float:
+        return self.wall(self._t)
+
+    def reports(self) -> Mapping[str, act.HostReport]:
+        return self.engines.reports(self._t)
+
+    def replica(self, replica_id: str) -> act.ReplicaRow | None:
+        return self.records.replicas.get(replica_id)
+
+    async def inflight(self, row: act.ReplicaRow) -> float | None:
+        return self.engines.inflight(row.replica_id)
+
+    async def sleep(self, delay_s: float) -> None:
+        await _Later(delay_s)
+
+    async def record(self, effects: Sequence[records.RecordEffect], cycle_id: int | None) -> list[act.Note]:
+        step = self._record(effects, self._t, cycle=cycle_id is not None)
+        self._unpublished.append(step)
+        return step.notes()
+
+    async def route(self) -> None:
+        self.update_routing(self._t)
+
+    async def publish(self, hosts: frozenset[str]) -> None:
+        """Desired states reach the simulated agents at once: what the records changed since."""
+        steps, self._unpublished = self._unpublished, []
+        for step in steps:
+            self._publish(step, self._t)
+
+    def exclusive(self) -> AbstractAsyncContextManager[object]:
+        return nullcontext()
 
     # ---- warm start ------------------------------------------------------------------------------
     def warm(self, obs: Observation, ready: Callable[[str], None], *, rounds: int = 32) -> None:
