@@ -312,14 +312,7 @@ class Executor:
     async def execute(self, cycle_id: int, actions: Any, planned_on: ActView | None = None) -> dict[str, int]:
         """The act core's effects of the plan's actions: rows committed, then published, then drains.
         `planned_on`: the view the plan was made from (a plan made on an incomplete view does nothing)."""
-        d = act.execute(self.view(), actions, planned_on=planned_on)
-        self.apply(d, cycle_id)
-        if d.publish_first or d.publish:
-            await self.publish_hosts(set(d.publish_first | d.publish))
-        if d.drains:
-            await self.update_routing()  # out of the upstream (nginx reloaded) before waiting
-            for rid in d.drains:
-                self.start_drain(rid)
+        d = await act_port.execute(self, actions, planned_on=planned_on, cycle_id=cycle_id)
         return dict(d.counts)
 
     # ---- draining ------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ simulated fleet (sim/control.py `ReplayControl`). The steps written here run unc
 the daemon awaits them under asyncio; the replay drives them with the simulated clock (a `sleep`
 suspends the step until the simulation reaches its time).
 
-`drain`: one replica's drain after the act core moved it to DRAINING and routing dropped it: wait
+`execute`: a cycle's act step on the plan's allowed actions (act.execute), its records, publishes
+and drains. `drain`: one replica's drain after the act core moved it to DRAINING and routing dropped it: wait
 `settle_s`, then poll its requests in flight every `poll_s` (`act.drain_step`) until they reach 0 or
 the deadline passes, then record the end (`records.Drained`), route, and publish the host's desired
 state without it. No I/O here: every effect is a call into the port.
@@ -51,14 +52,28 @@ from contextlib import AbstractAsyncContextManager
 from typing import Protocol
 
 from fleetplan.planner.act_drain import DrainProgress, DrainStep, drain_step
-from fleetplan.planner.act_types import HostReport, Note, Phase, ReplicaRow
+from fleetplan.planner.act_execute import execute as act_execute
+from fleetplan.planner.act_types import ActDecision, ActView, HostReport, Note, Phase, ReplicaRow
 from fleetplan.planner.records import Drained, RecordEffect
+from fleetplan.planner.types import Action
 
-__all__ = ["Port", "drain"]
+__all__ = ["Port", "drain", "execute"]
 
 
 class Port(Protocol):
     """The world as the act loop sees it (see the module docstring)."""
+
+    def view(self) -> ActView:
+        """What the act core decides on: the hosts' last reports and the records, now."""
+        ...
+
+    def apply(self, decision: ActDecision, cycle_id: int | None) -> None:
+        """Persist a decision's effects through the records reducer (one step), with its alerts."""
+        ...
+
+    def start_drain(self, replica_id: str) -> None:
+        """Run `drain` for the replica (at most one drain per replica)."""
+        ...
 
     def now_s(self) -> float:
         """The records' clock (wall seconds)."""
@@ -96,6 +111,23 @@ class Port(Protocol):
     def exclusive(self) -> AbstractAsyncContextManager[object]:
         """Held while a step outside the cycle changes the records (the cycle's lock)."""
         ...
+
+
+async def execute(port: Port, actions: Sequence[Action], *, planned_on: ActView | None,
+                  cycle_id: int | None) -> ActDecision:
+    """One cycle's act step: the act core's effects of the plan's allowed `actions` on the port's
+    view now (`planned_on`: the view the plan was made from), recorded, the desired states they
+    change published, and the drains started once routing excludes them."""
+    d = act_execute(port.view(), actions, planned_on=planned_on)
+    port.apply(d, cycle_id)
+    hosts = d.publish_first | d.publish
+    if hosts:
+        await port.publish(hosts)
+    if d.drains:
+        await port.route()  # out of the upstream before waiting
+        for rid in d.drains:
+            port.start_drain(rid)
+    return d
 
 
 async def drain(port: Port, replica_id: str, *, deadline_s: float, settle_s: float,

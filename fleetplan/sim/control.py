@@ -20,7 +20,7 @@ import math
 from collections.abc import Callable, Coroutine, Generator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Protocol, TypeVar, cast
 
 from fleetplan.models.profile import ProfileSet
 from fleetplan.planner import act, act_port, records
@@ -31,6 +31,8 @@ from fleetplan.planner.fleetview import fleet_from_view
 from fleetplan.planner.observation import ObserveRules, Readings
 from fleetplan.planner.policy import Policy
 from fleetplan.planner.types import EngineBuild, Fleet, Observation, PlannerState
+
+T = TypeVar("T")
 
 __all__ = ["ControlSettings", "EnginePort", "FleetplanController", "ReplayControl"]
 
@@ -100,6 +102,16 @@ class _Later:
         yield self
 
 
+def _at_once(step: Coroutine[_Later, None, T]) -> T:
+    """Run a loop step that waits for nothing (a cycle's act step) to its end."""
+    try:
+        wait = step.send(None)
+    except StopIteration as end:
+        return cast(T, end.value)
+    step.close()
+    raise RuntimeError(f"a cycle's act step waited {wait.delay_s} s")
+
+
 class ReplayControl:
     """The daemon's records and effects in the replay (see the module docstring)."""
 
@@ -141,7 +153,9 @@ class ReplayControl:
     def wall(self, t_s: float) -> float:
         return self.epoch0_s + t_s
 
-    def view(self, t_s: float) -> act.ActView:
+    def view(self, t_s: float | None = None) -> act.ActView:
+        """The act view at `t_s` (None: the time the running loop step is at)."""
+        t_s = self._t if t_s is None else t_s
         pol = self.policy
         s = self.s
         return act.ActView(
@@ -172,6 +186,9 @@ class ReplayControl:
                     self.engines.stop(w.row.replica_id, t_s)
             elif isinstance(w, records.PutBuild) and w.new:
                 self.engines.build(w.row, t_s)
+
+    def apply(self, decision: act.ActDecision, cycle_id: int | None) -> None:
+        self._apply(decision, self._t, cycle=cycle_id is not None)
 
     def _apply(self, d: act.ActDecision, t_s: float, *, cycle: bool) -> None:
         """What StateStore.apply does with the effects, and what the agents then do."""
@@ -226,22 +243,21 @@ class ReplayControl:
         stale = [m.model for m in d.result.explanation.models if m.fail_static]
         if stale and len(self.notes) < 50:
             self.notes.append(f"t={t_s:.0f}s: fail static (demand unknown, no scale-down) for " + ", ".join(stale))
-        out = act.execute(self.view(t_s), d.allowed, planned_on=view)
+        self._t = t_s
+        out = _at_once(act_port.execute(self, d.allowed, planned_on=view, cycle_id=len(self.decisions)))
         started = {e.row.model for e in out.effects if isinstance(e, act.NewReplica)}
         drained = [e for e in out.effects if isinstance(e, act.SetPhase) and e.phase == act.Phase.DRAINING]
         if any(self.rows[e.replica_id].model in started for e in drained if e.replica_id in self.rows):
             self.swap_cycles += 1
-        self._apply(out, t_s, cycle=True)
-        self.update_routing(t_s)
-        for rid in out.drains:
-            self.start_drain(rid, t_s)
+        self.update_routing(t_s)  # the cycle's routing (the daemon's after its audit)
         return d
 
     # ---- drains: planner/act_port.py `drain` through this port ----------------------------------
     def deadline_s(self, model: str) -> float:
         return act.model_drain_deadline_s(self.policy.model(model), floor_s=self.s.drain_timeout_s)
 
-    def start_drain(self, rid: str, t_s: float) -> None:
+    def start_drain(self, rid: str, t_s: float | None = None) -> None:
+        t_s = self._t if t_s is None else t_s
         row = self.rows.get(rid)
         if row is None or rid in self.drains:
             return
