@@ -270,8 +270,7 @@ class Executor:
         store within its retention (one bounded step)."""
         self.hosts.sync_inventory(self.store)
         self.store.note_version_floors({h: st.desired_version for h, st in self.hosts.statuses.items() if st.online})
-        d = act.reconcile(self.view())
-        self.apply(d, None)
+        d = act_port.reconcile(self)
         changed = set(d.publish) | self.pending_publish
         self.pending_publish.clear()
         self.republish_all = False

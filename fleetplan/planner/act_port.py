@@ -8,6 +8,7 @@ simulated fleet (sim/control.py `ReplayControl`). The steps written here run unc
 the daemon awaits them under asyncio; the replay drives them with the simulated clock (a `sleep`
 suspends the step until the simulation reaches its time).
 
+`reconcile`: the records brought in line with the agents' reports (act.reconcile), before planning.
 `execute`: a cycle's act step on the plan's allowed actions (act.execute), its records, publishes
 and drains. `drain`: one replica's drain after the act core moved it to DRAINING and routing dropped it: wait
 `settle_s`, then poll its requests in flight every `poll_s` (`act.drain_step`) until they reach 0 or
@@ -53,11 +54,12 @@ from typing import Protocol
 
 from fleetplan.planner.act_drain import DrainProgress, DrainStep, drain_step
 from fleetplan.planner.act_execute import execute as act_execute
+from fleetplan.planner.act_reconcile import reconcile as act_reconcile
 from fleetplan.planner.act_types import ActDecision, ActView, HostReport, Note, Phase, ReplicaRow
 from fleetplan.planner.records import Drained, RecordEffect
 from fleetplan.planner.types import Action
 
-__all__ = ["Port", "drain", "execute"]
+__all__ = ["Port", "drain", "execute", "reconcile"]
 
 
 class Port(Protocol):
@@ -111,6 +113,14 @@ class Port(Protocol):
     def exclusive(self) -> AbstractAsyncContextManager[object]:
         """Held while a step outside the cycle changes the records (the cycle's lock)."""
         ...
+
+
+def reconcile(port: Port) -> ActDecision:
+    """Bring the records in line with what the agents report (act.reconcile on the port's view),
+    recorded; the caller publishes `publish` when it can (the daemon: once connected)."""
+    d = act_reconcile(port.view())
+    port.apply(d, None)
+    return d
 
 
 async def execute(port: Port, actions: Sequence[Action], *, planned_on: ActView | None,

@@ -3,15 +3,15 @@ decision path.
 
 `FleetplanController` is fleetplan in the replay. Each cycle `ReplayControl.cycle` runs what
 `controller/daemon.py` runs, in the same order and through the same pure functions:
-`act.reconcile` (the agents' reports against the records), `planner.cycle.observe` (the raw
+`act_port.reconcile` (the agents' reports against the records), `planner.cycle.observe` (the raw
 readings of the replay's Prometheus, fleetplan.sim.promsim), `planner.cycle.decide` (plan_deferred,
-plan, brakes), `act.execute`, `act.routes`; drains poll the replica's in-flight requests every
-`drain_poll_s` through `act.drain_step` until the deadline `act.drain_deadline_s`.
+plan, brakes), `act_port.execute`, `act.routes`; drains are `act_port.drain`, the daemon's drain
+loop, its sleeps resumed by the simulated clock.
 
-What is simulated is what the daemon does by I/O: the records are kept in memory the way
-controller/state.py `StateStore.apply` keeps them in SQLite (ids allocated in order, phases, ready
-times, builds), desired states reach the simulated agents at once (no MQTT), an agent reports its
-engines and builds as they are, and the router serves `act.routes(...).serving`.
+`ReplayControl` is the act loop's `Port` (planner/act_port.py) in memory: the records are kept by
+the records reducer (planner/records.py, the one the daemon's StateStore persists), desired states
+reach the simulated agents at once (no MQTT), an agent reports its engines and builds as they are,
+and the router serves `act.routes(...).serving`.
 """
 
 from __future__ import annotations
@@ -206,7 +206,8 @@ class ReplayControl:
 
     # ---- one cycle -----------------------------------------------------------------------------
     def reconcile(self, t_s: float) -> None:
-        self._apply(act.reconcile(self.view(t_s)), t_s, cycle=False)
+        self._t = t_s
+        act_port.reconcile(self)
 
     def reload(self, t_s: float) -> None:
         """A SIGHUP lands between cycles: the latest policy reloaded by `t_s` applies from this cycle."""
