@@ -152,10 +152,10 @@ class StoreLogs(StoreBase):
         the GPUs of the replica each entry names."""
         rows = self._db.execute(
             "SELECT a.kind, a.status, a.cycle_id IS NOT NULL AS by_cycle, a.created_s, a.replica_id, "
-            "COALESCE(r.tp, 1) AS gpus FROM actions a LEFT JOIN replicas r ON r.replica_id = a.replica_id "
+            "r.tp AS gpus FROM actions a LEFT JOIN replicas r ON r.replica_id = a.replica_id "
             "WHERE a.created_s >= ? ORDER BY a.action_id", (since_s,)).fetchall()
         return [LogEntry(str(r["kind"]), str(r["status"]), bool(r["by_cycle"]), float(r["created_s"]),
-                         r["replica_id"], int(r["gpus"])) for r in rows]
+                         r["replica_id"], None if r["gpus"] is None else int(r["gpus"])) for r in rows]
 
     def actions_since(self, since_s: float, limit: int = 5000) -> list[dict[str, Any]]:
         rows = self._db.execute(

@@ -119,7 +119,7 @@ class LogEntry:
     by_cycle: bool
     at_s: float
     replica_id: str | None
-    gpus: int
+    gpus: int | None  # None: unknown (its replica's record is gone); counted as 1
 
     def actuation(self) -> Direction | None:
         """Which way this entry moved the fleet for the brakes; None: it did nothing (deferred,
@@ -149,7 +149,7 @@ def history(entries: Iterable[LogEntry]) -> list[PastAction]:
         key = (d, e.replica_id)
         seen = first.get(key)
         if seen is None or e.at_s < seen.at_s:
-            first[key] = PastAction(d, e.at_s, max(1, e.gpus))
+            first[key] = PastAction(d, e.at_s, max(1, e.gpus or 1))
     return list(first.values())
 
 
@@ -283,7 +283,7 @@ class _Acc:
             self.replicas[row.replica_id] = row
         self.writes.append(PutReplica(row, new))
 
-    def note(self, n: Note, cycle_id: int | None, *, cycle_of: str | None = None, gpus: int = 1) -> None:
+    def note(self, n: Note, cycle_id: int | None, *, cycle_of: str | None = None, gpus: int | None = None) -> None:
         self.writes.append(LogNote(n, cycle_id, cycle_of))
         # a drain's end belongs to the cycle that drained it
         entry = LogEntry(n.kind, n.status, cycle_id is not None or cycle_of is not None, self.now_s, n.replica_id,
@@ -307,9 +307,9 @@ def apply(records: Records, effects: Iterable[RecordEffect], now_s: float, *, cy
     return Step(acc.records(), tuple(acc.writes))
 
 
-def _gpus(acc: _Acc, rid: str | None) -> int:
+def _gpus(acc: _Acc, rid: str | None) -> int | None:
     row = acc.replicas.get(rid or "")
-    return max(1, row.tp) if row is not None else 1
+    return row.tp if row is not None else None
 
 
 def _one(acc: _Acc, e: RecordEffect, cycle_id: int | None) -> None:
@@ -318,7 +318,7 @@ def _one(acc: _Acc, e: RecordEffect, cycle_id: int | None) -> None:
         rid = e.row.replica_id or acc.allocate("r")
         acc.known.add(rid)
         acc.put(replace(e.row, replica_id=rid), new=True)
-        acc.note(replace(e.note, replica_id=rid), cycle_id, gpus=max(1, e.row.tp))
+        acc.note(replace(e.note, replica_id=rid), cycle_id, gpus=e.row.tp)
     elif isinstance(e, NewBuild):
         bid = e.row.build_id or acc.allocate("b")
         brow = replace(e.row, build_id=bid)
@@ -365,6 +365,6 @@ def _one(acc: _Acc, e: RecordEffect, cycle_id: int | None) -> None:
         acc.writes.append(LogUpdate(e.replica_id, "drain", (ActionStatus.PUBLISHED,), ActionStatus.DONE,
                                     f"drained ({reason})"))
         acc.note(Note("stop", ActionStatus.DONE, f"drained: {reason}", replica_id=e.replica_id, host=cur.host,
-                      model=cur.model), None, cycle_of=e.replica_id, gpus=max(1, cur.tp))
+                      model=cur.model), None, cycle_of=e.replica_id, gpus=cur.tp)
     else:
         raise TypeError(f"unknown effect {e!r}")
