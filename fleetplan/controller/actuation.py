@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fleetplan.controller.state import StateStore
-from fleetplan.planner.brakes import HOUR_S, Direction, PastAction
+from fleetplan.planner import records
+from fleetplan.planner.brakes import HOUR_S, PastAction
 
 PAUSE_KEY = "actuation_pause"
 
@@ -45,7 +46,7 @@ def save_pause(store: StateStore, paused: bool, reason: str = "", *, wall_s: flo
 
 def history(store: StateStore, to_sim: Callable[[float], float], now_wall_s: float,
             time_scale: float) -> list[PastAction]:
-    """The last hour (of the planner's clock) of replicas started/stopped, on the planner's clock."""
+    """The brakes' history (planner/records.py `history`) of the last hour of the planner's clock,
+    read from the action log, on the planner's clock."""
     since = now_wall_s - HOUR_S / max(time_scale, 1e-9)
-    return [PastAction(Direction.UP if kind == "start" else Direction.DOWN, to_sim(at), gpus)
-            for kind, at, gpus in store.actuation_history(since)]
+    return [replace(p, at_s=to_sim(p.at_s)) for p in records.history(store.action_entries(since))]

@@ -22,7 +22,7 @@ import math
 import re
 import sqlite3
 import time
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,9 +33,9 @@ from fleetplan.controller.observe import _RUNNING, _WAITING, PromClient, Prometh
 from fleetplan.controller.policy_source import PolicySource
 from fleetplan.controller.protocol import desired_topic
 from fleetplan.controller.settings import ControllerSettings
-from fleetplan.controller.state import ActionStatus, Phase, ReplicaRow, StateStore
+from fleetplan.controller.state import Phase, ReplicaRow, StateStore
 from fleetplan.controller.state_retention import DAY_S, RetentionRules, prune_step
-from fleetplan.planner import act
+from fleetplan.planner import act, act_port, records
 from fleetplan.planner.act import ActDecision, ActSettings, ActView
 from fleetplan.planner.act_types import DeferKey, Deferral, Repeat
 
@@ -239,8 +239,7 @@ class Executor:
         """Persist the decision's effects (one transaction), count its actions, raise/clear alerts;
         a decision about deferrals replaces the open ones (a repeated one counts on its first row)."""
         opened: dict[DeferKey, Deferral] = {}
-        for note in self.store.apply(d.effects, cycle_id):
-            self.metrics.actions.labels(note.kind, note.status).inc()
+        for note in self._record(d.effects, cycle_id):
             opens = note.defer_key()
             if opens is not None and note.action_id is not None:
                 opened[opens] = Deferral(note.action_id, 1, self.wall())
@@ -259,13 +258,19 @@ class Executor:
             self.alerts.pop(key, None)
         self.noted |= set(d.noted)
 
+    def _record(self, effects: Sequence[records.RecordEffect], cycle_id: int | None) -> list[act.Note]:
+        """Persist effects through the records reducer (StateStore.apply); count the actions logged."""
+        notes = self.store.apply(effects, cycle_id)
+        for note in notes:
+            self.metrics.actions.labels(note.kind, note.status).inc()
+        return notes
+
     async def reconcile(self) -> None:
         """Bring the records in line with what the agents report (before planning), then keep the
         store within its retention (one bounded step)."""
         self.hosts.sync_inventory(self.store)
         self.store.note_version_floors({h: st.desired_version for h, st in self.hosts.statuses.items() if st.online})
-        d = act.reconcile(self.view())
-        self.apply(d, None)
+        d = act_port.reconcile(self)
         changed = set(d.publish) | self.pending_publish
         self.pending_publish.clear()
         self.republish_all = False
@@ -306,14 +311,7 @@ class Executor:
     async def execute(self, cycle_id: int, actions: Any, planned_on: ActView | None = None) -> dict[str, int]:
         """The act core's effects of the plan's actions: rows committed, then published, then drains.
         `planned_on`: the view the plan was made from (a plan made on an incomplete view does nothing)."""
-        d = act.execute(self.view(), actions, planned_on=planned_on)
-        self.apply(d, cycle_id)
-        if d.publish_first or d.publish:
-            await self.publish_hosts(set(d.publish_first | d.publish))
-        if d.drains:
-            await self.update_routing()  # out of the upstream (nginx reloaded) before waiting
-            for rid in d.drains:
-                self.start_drain(rid)
+        d = await act_port.execute(self, actions, planned_on=planned_on, cycle_id=cycle_id)
         return dict(d.counts)
 
     # ---- draining ------------------------------------------------------------------------------
@@ -349,40 +347,39 @@ class Executor:
         return act.model_drain_deadline_s(m, floor_s=self.settings.drain_timeout_s, time_scale=self.time_scale)
 
     async def drain(self, rid: str) -> None:
+        """The replica's drain (planner/act_port.py `drain`, through this executor as its port)."""
         row = self.store.get_replica(rid)
         if row is None or row.phase != Phase.DRAINING:
             return
-        progress = act.DrainProgress(row.drain_started_s or self.wall())
-        deadline_s = self.drain_deadline_s(row.model)
-        await asyncio.sleep(self.settings.drain_settle_s)
-        while True:
-            step, progress = act.drain_step(progress, await self.inflight(row), self.wall(), deadline_s)
-            if step != act.DrainStep.WAIT:
-                break
-            await asyncio.sleep(self.settings.drain_poll_s)
-        reason = "in-flight requests reached 0"
-        if step == act.DrainStep.TIMEOUT:
-            left = progress.last_inflight
-            cut = f"{left:.0f} request(s) in flight cut" if left is not None else "requests in flight unknown"
-            reason = f"drain deadline {deadline_s:.0f} s passed: stopped with {cut}"
-            self.alerts[act.alert_key(act.AlertKind.DRAIN_TIMEOUT, rid)] = f"replica {rid} ({row.model}): {reason}"
-        async with self.lock:
-            self._drained(row, reason)
-            self.metrics.actions.labels("stop", ActionStatus.DONE).inc()
-            await self.update_routing()
-            await self.publish_hosts({row.host})
-        log.info("replica %s drained (%s) and removed", rid, reason)
+        done = await act_port.drain(self, rid, deadline_s=self.drain_deadline_s(row.model),
+                                    settle_s=self.settings.drain_settle_s, poll_s=self.settings.drain_poll_s)
+        if done is None:
+            return
+        if done.timed_out:
+            self.alerts[act.alert_key(act.AlertKind.DRAIN_TIMEOUT, rid)] = f"replica {rid} ({row.model}): {done.reason}"
+        log.info("replica %s drained (%s) and removed", rid, done.reason)
 
-    def _drained(self, row: ReplicaRow, reason: str) -> None:
-        rid = row.replica_id
-        with self.store.tx() as c:
-            self.store.set_phase(c, rid, Phase.REMOVED)
-            c.execute(
-                "UPDATE actions SET status=?, updated_s=?, detail=? WHERE replica_id=? AND kind='drain' "
-                "AND status=?",
-                (ActionStatus.DONE, self.wall(), f"drained ({reason})", rid, ActionStatus.PUBLISHED),
-            )
-            by = c.execute("SELECT cycle_id FROM actions WHERE replica_id=? AND kind='drain' "
-                           "ORDER BY action_id DESC LIMIT 1", (rid,)).fetchone()  # the decision that drained it
-            self.store.add_action(c, cycle_id=by[0] if by else None, kind="stop", replica_id=rid, host=row.host,
-                                  model=row.model, status=ActionStatus.DONE, reason=f"drained: {reason}")
+    # ---- the port (planner/act_port.py Port) over SQLite, MQTT, nginx and httpx ------------------
+    def now_s(self) -> float:
+        return self.wall()
+
+    def reports(self) -> Mapping[str, act.HostReport]:
+        return self.hosts.reports()
+
+    def replica(self, replica_id: str) -> ReplicaRow | None:
+        return self.store.get_replica(replica_id)
+
+    async def sleep(self, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+
+    async def record(self, effects: Sequence[records.RecordEffect], cycle_id: int | None) -> list[act.Note]:
+        return self._record(effects, cycle_id)
+
+    async def route(self) -> None:
+        await self.update_routing()
+
+    async def publish(self, hosts: frozenset[str]) -> None:
+        await self.publish_hosts(set(hosts))
+
+    def exclusive(self) -> asyncio.Lock:
+        return self.lock

@@ -42,23 +42,10 @@ from typing import Any
 from fleetplan.controller.state_base import build_row, replica_row
 from fleetplan.controller.state_desired import StoreDesired
 
-# the records' types are the act core's (planner/act.py decides on them; this module persists them)
-from fleetplan.planner.act import (
-    ActionStatus,
-    BuildRow,
-    DesiredRow,
-    Effect,
-    FinishBuild,
-    MarkReady,
-    NewBuild,
-    NewReplica,
-    Note,
-    Phase,
-    Record,
-    ReplicaRow,
-    SetPhase,
-)
-from fleetplan.planner.act_types import Repeat
+# the records' types and rules are the act core's and the records reducer's (planner/act.py,
+# planner/records.py decide on them; this module persists them)
+from fleetplan.planner import records
+from fleetplan.planner.act import ActionStatus, BuildRow, DesiredRow, Note, Phase, ReplicaRow
 
 __all__ = ["ActionStatus", "BuildRow", "DesiredRow", "Phase", "ReplicaRow", "StateStore", "read_history"]
 
@@ -96,6 +83,8 @@ class StateStore(StoreDesired):
     replica and build records are here; the logs, desired states and the database itself are its
     bases (state_log.py, state_desired.py, state_base.py)."""
 
+    SEQ_KEY = "next_replica_seq"  # the records' id sequence (replicas and builds)
+
     # -- replicas ---------------------------------------------------------------------------
     def replicas(self, phases: Iterable[str] | None = None) -> list[ReplicaRow]:
         if phases is None:
@@ -118,12 +107,6 @@ class StateStore(StoreDesired):
     def known_ids(self) -> set[str]:
         return {r[0] for r in self._db.execute("SELECT replica_id FROM replicas").fetchall()}
 
-    def allocate_id(self, conn: sqlite3.Connection, prefix: str = "r") -> str:
-        row = conn.execute("SELECT value FROM kv WHERE key='next_replica_seq'").fetchone()
-        seq = int(json.loads(row["value"])) if row else 1
-        self.set_kv("next_replica_seq", seq + 1, conn)
-        return f"{prefix}{seq:05d}"
-
     def insert_replica(self, conn: sqlite3.Connection, row: ReplicaRow) -> None:
         conn.execute(
             "INSERT INTO replicas(replica_id, host, model, engine, gpu, tp, precision, gpu_indices, port, "
@@ -134,74 +117,73 @@ class StateStore(StoreDesired):
              row.created_s, row.updated_s, row.drain_started_s, row.ready_s),
         )
 
-    def set_phase(self, conn: sqlite3.Connection, replica_id: str, phase: str) -> None:
-        now = self._clock()
-        if phase == Phase.DRAINING:
-            conn.execute(
-                "UPDATE replicas SET phase=?, updated_s=?, drain_started_s=COALESCE(drain_started_s, ?) "
-                "WHERE replica_id=?",
-                (phase, now, now, replica_id),
-            )
-        else:
-            conn.execute("UPDATE replicas SET phase=?, updated_s=? WHERE replica_id=?", (phase, now, replica_id))
+    def put_replica(self, conn: sqlite3.Connection, row: ReplicaRow) -> None:
+        """Write a replica row the records reducer changed (its id is in the table)."""
+        conn.execute(
+            "UPDATE replicas SET phase=?, updated_s=?, drain_started_s=?, ready_s=? WHERE replica_id=?",
+            (row.phase, row.updated_s, row.drain_started_s, row.ready_s, row.replica_id),
+        )
 
-    def mark_ready(self, replica_id: str) -> None:
+    def apply(self, effects: Iterable[records.RecordEffect], cycle_id: int | None) -> list[Note]:
+        """Persist an act decision's effects in ONE transaction; returns the action-log notes
+        written, with their allocated ids."""
         with self.tx() as c:
-            c.execute(
-                "UPDATE replicas SET ready_s=COALESCE(ready_s, ?) WHERE replica_id=?", (self._clock(), replica_id)
-            )
+            return self.persist(c, effects, cycle_id)
 
-    def apply(self, effects: Iterable[Effect], cycle_id: int | None) -> list[Note]:
-        """Persist an act decision's effects in ONE transaction (ids allocated here, in order);
-        returns the action-log notes written, with their allocated ids."""
-        notes: list[Note] = []
-        with self.tx() as c:
-            for e in effects:
-                notes.extend(self._apply_one(c, e, cycle_id))
-        return notes
-
-    def _apply_one(self, c: sqlite3.Connection, e: Effect, cycle_id: int | None) -> list[Note]:
+    def persist(self, c: sqlite3.Connection, effects: Iterable[records.RecordEffect],
+                cycle_id: int | None) -> list[Note]:
+        """Within `c`'s transaction: what the records reducer (planner/records.py) makes of `effects`,
+        from the rows they name and the id sequence, written as it says."""
+        effects = list(effects)
+        rids, bids = records.needs(effects)
         now = self._clock()
-        if isinstance(e, NewReplica):
-            rid = e.row.replica_id or self.allocate_id(c)
-            self.insert_replica(c, replace(e.row, replica_id=rid))
-            return [self._note(c, replace(e.note, replica_id=rid), cycle_id)]
-        if isinstance(e, NewBuild):
-            bid = e.row.build_id or self.allocate_build_id(c)
-            self.insert_build(c, replace(e.row, build_id=bid))
-            return [self._note(c, replace(e.note, replica_id=bid), cycle_id)]
-        if isinstance(e, SetPhase):
-            self.set_phase(c, e.replica_id, e.phase)
-            if e.cancel_start:
-                c.execute("UPDATE actions SET status=?, updated_s=? WHERE replica_id=? AND kind='start' AND "
-                          "status IN (?, ?)", (ActionStatus.CANCELLED, now, e.replica_id, ActionStatus.PUBLISHED,
-                                               ActionStatus.ACKED))
-            return [self._note(c, e.note, cycle_id)] if e.note is not None else []
-        if isinstance(e, MarkReady):
-            c.execute("UPDATE replicas SET ready_s=COALESCE(ready_s, ?) WHERE replica_id=?", (now, e.replica_id))
-            c.execute("UPDATE actions SET status=?, updated_s=?, detail=? WHERE replica_id=? AND kind='start' AND "
-                      "status IN (?, ?)", (ActionStatus.DONE, now, "ready", e.replica_id, ActionStatus.PUBLISHED,
-                                           ActionStatus.ACKED))
-            return []
-        if isinstance(e, FinishBuild):
-            b = e.build
-            self.finish_build(c, b.build_id, "done" if e.ok else f"failed: {e.error}")
-            c.execute("UPDATE actions SET status=?, updated_s=?, detail=? WHERE replica_id=? AND kind='build'",
-                      (ActionStatus.DONE if e.ok else ActionStatus.FAILED, now,
-                       "engine built" if e.ok else f"build failed: {e.error}", b.build_id))
-            return []
-        if isinstance(e, Record):
-            return [self._note(c, e.note, cycle_id)]
-        if isinstance(e, Repeat):  # the same deferral again: one row, its count and time move on
+        step = records.apply(self._records(c, rids, bids), effects, now, cycle_id=cycle_id)
+        return [n for w in step.writes if (n := self._write(c, w, now)) is not None]
+
+    def _records(self, c: sqlite3.Connection, rids: frozenset[str], bids: frozenset[str]) -> records.Records:
+        def rows(table: str, key: str, ids: frozenset[str]) -> list[sqlite3.Row]:
+            q = ",".join("?" * len(ids))
+            return c.execute(f"SELECT * FROM {table} WHERE {key} IN ({q})", sorted(ids)).fetchall() if ids else []
+
+        seq = c.execute("SELECT value FROM kv WHERE key=?", (self.SEQ_KEY,)).fetchone()
+        return records.Records(
+            replicas={r["replica_id"]: replica_row(r) for r in rows("replicas", "replica_id", rids)},
+            builds={b["build_id"]: build_row(b) for b in rows("builds", "build_id", bids)},
+            next_seq=int(json.loads(seq["value"])) if seq else 1)
+
+    def _write(self, c: sqlite3.Connection, w: records.Write, now: float) -> Note | None:
+        if isinstance(w, records.PutReplica):
+            (self.insert_replica if w.new else self.put_replica)(c, w.row)
+        elif isinstance(w, records.PutBuild):
+            if w.new:
+                self.insert_build(c, w.row)
+            else:
+                c.execute("UPDATE builds SET phase=?, result=?, updated_s=? WHERE build_id=?",
+                          (w.row.phase, w.row.result, w.row.updated_s, w.row.build_id))
+        elif isinstance(w, records.SetSequence):
+            self.set_kv(self.SEQ_KEY, w.next_seq, c)
+        elif isinstance(w, records.LogNote):
+            cycle_id = w.cycle_id
+            if w.cycle_of is not None:  # the decision that drained it
+                by = c.execute("SELECT cycle_id FROM actions WHERE replica_id=? AND kind='drain' "
+                               "ORDER BY action_id DESC LIMIT 1", (w.cycle_of,)).fetchone()
+                cycle_id = by[0] if by else None
+            n = w.note
+            aid = self.add_action(c, cycle_id=cycle_id, kind=n.kind, replica_id=n.replica_id, host=n.host,
+                                  model=n.model, status=n.status, reason=n.reason, detail=n.detail)
+            return replace(n, action_id=aid)
+        elif isinstance(w, records.LogUpdate):
+            st = w.from_status
+            only = f" AND status IN ({','.join('?' * len(st))})" if st is not None else ""
+            c.execute(f"UPDATE actions SET status=?, updated_s=?, detail=COALESCE(?, detail) "
+                      f"WHERE replica_id=? AND kind=?{only}",
+                      (w.status, now, w.detail, w.subject_id, w.kind, *(st or ())))
+        elif isinstance(w, records.LogRepeat):  # the same deferral again: one row, its count and time move on
             c.execute("UPDATE actions SET updated_s=?, repeats=?, detail=? WHERE action_id=?",
-                      (now, e.count, e.note.detail, e.action_id))
-            return []
-        raise TypeError(f"unknown effect {e!r}")
-
-    def _note(self, c: sqlite3.Connection, n: Note, cycle_id: int | None) -> Note:
-        aid = self.add_action(c, cycle_id=cycle_id, kind=n.kind, replica_id=n.replica_id, host=n.host,
-                              model=n.model, status=n.status, reason=n.reason, detail=n.detail)
-        return replace(n, action_id=aid)
+                      (now, w.count, w.detail, w.action_id))
+        else:
+            raise TypeError(f"unknown write {w!r}")
+        return None
 
     # -- builds --------------------------------------------------------------------------------
     def builds(self, phases: Iterable[str] | None = None) -> list[BuildRow]:
@@ -212,19 +194,10 @@ class StateStore(StoreDesired):
             out = [b for b in out if b.phase in ph]
         return out
 
-    def allocate_build_id(self, conn: sqlite3.Connection) -> str:
-        return self.allocate_id(conn, prefix="b")
-
     def insert_build(self, conn: sqlite3.Connection, b: BuildRow) -> None:
         conn.execute(
             "INSERT INTO builds(build_id, host, model, engine, gpu, tp, precision, gpu_indices, template, phase, "
             "created_s, updated_s, result) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (b.build_id, b.host, b.model, b.engine, b.gpu, b.tp, b.precision, json.dumps(list(b.gpu_indices)),
              b.template, b.phase, b.created_s, b.updated_s, b.result),
-        )
-
-    def finish_build(self, conn: sqlite3.Connection, build_id: str, result: str) -> None:
-        conn.execute(
-            "UPDATE builds SET phase=?, result=?, updated_s=? WHERE build_id=?",
-            (Phase.REMOVED, result, self._clock(), build_id),
         )

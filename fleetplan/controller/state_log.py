@@ -10,9 +10,7 @@ from typing import Any
 from fleetplan.controller.state_base import StoreBase
 
 # the records' types are the act core's (planner/act.py decides on them; this module persists them)
-from fleetplan.planner.act import (
-    ActionStatus,
-)
+from fleetplan.planner.records import LogEntry
 
 
 class StoreLogs(StoreBase):
@@ -149,19 +147,15 @@ class StoreLogs(StoreBase):
             ).fetchall()
         return [dict(r) for r in rows]
 
-    def actuation_history(self, since_s: float) -> list[tuple[str, float, int]]:
-        """("start" | "stop", created_s, GPUs) of the replicas a cycle started, or drained/stopped,
-        since `since_s` (one row per replica and direction; deferred/failed/planned actions did
-        nothing). For the brakes (planner/brakes.py)."""
+    def action_entries(self, since_s: float) -> list[LogEntry]:
+        """The action log since `since_s` as the brakes read it (planner/records.py `history`), with
+        the GPUs of the replica each entry names."""
         rows = self._db.execute(
-            "SELECT CASE WHEN a.kind = 'start' THEN 'start' ELSE 'stop' END AS kind, "
-            "MIN(a.created_s) AS created_s, COALESCE(MAX(r.tp), 1) AS gpus "
-            "FROM actions a LEFT JOIN replicas r ON r.replica_id = a.replica_id "
-            "WHERE a.created_s >= ? AND a.cycle_id IS NOT NULL AND a.kind IN ('start', 'drain', 'stop') "
-            "AND a.status NOT IN (?, ?, ?) GROUP BY 1, a.replica_id",
-            (since_s, ActionStatus.DEFERRED, ActionStatus.FAILED, ActionStatus.PLANNED),
-        ).fetchall()
-        return [(str(r["kind"]), float(r["created_s"]), int(r["gpus"])) for r in rows]
+            "SELECT a.kind, a.status, a.cycle_id IS NOT NULL AS by_cycle, a.created_s, a.replica_id, "
+            "r.tp AS gpus FROM actions a LEFT JOIN replicas r ON r.replica_id = a.replica_id "
+            "WHERE a.created_s >= ? ORDER BY a.action_id", (since_s,)).fetchall()
+        return [LogEntry(str(r["kind"]), str(r["status"]), bool(r["by_cycle"]), float(r["created_s"]),
+                         r["replica_id"], None if r["gpus"] is None else int(r["gpus"])) for r in rows]
 
     def actions_since(self, since_s: float, limit: int = 5000) -> list[dict[str, Any]]:
         rows = self._db.execute(

@@ -680,7 +680,7 @@ def _explain(
             m.name, d.observed_rps, d.forecast_rps, d.demand_rps, m.headroom, d.required_rps, cap, tcap,
             unmet if unmet > UNMET_TOL_RPS else 0.0, m.slo.ttft_p99_ms, m.slo.itl_p99_ms, usd, tuple(configs),
             tuple(mnotes), workloads[m.name].length_mix().describe(),
-            observed_missed_share=_missed_share(obs.get(m.name), m)))
+            observed_missed_share=_missed_share(obs.get(m.name), m), fail_static=not d.known))
     solve_s = sum(r.wall_s for r in reports)
     main = now_sol.report
     return Explanation(tuple(models), tuple(dict.fromkeys(binding)), tuple(reports), main.objective, main.gap,

@@ -359,6 +359,7 @@ class ModelExplanation:
     # the SLO over its rolling period from the budget ledger (planner/slo.py): good share, budget left;
     # None: no request counted yet
     error_budget: ErrorBudget | None = None
+    fail_static: bool = False  # its demand is unknown (no, stale or partial readings): never scaled down
 
 
 @dataclass(frozen=True)

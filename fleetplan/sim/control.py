@@ -3,33 +3,36 @@ decision path.
 
 `FleetplanController` is fleetplan in the replay. Each cycle `ReplayControl.cycle` runs what
 `controller/daemon.py` runs, in the same order and through the same pure functions:
-`act.reconcile` (the agents' reports against the records), `planner.cycle.observe` (the raw
+`act_port.reconcile` (the agents' reports against the records), `planner.cycle.observe` (the raw
 readings of the replay's Prometheus, fleetplan.sim.promsim), `planner.cycle.decide` (plan_deferred,
-plan, brakes), `act.execute`, `act.routes`; drains poll the replica's in-flight requests every
-`drain_poll_s` through `act.drain_step` until the deadline `act.drain_deadline_s`.
+plan, brakes), `act_port.execute`, `act.routes`; drains are `act_port.drain`, the daemon's drain
+loop, its sleeps resumed by the simulated clock.
 
-What is simulated is what the daemon does by I/O: the records are kept in memory the way
-controller/state.py `StateStore.apply` keeps them in SQLite (ids allocated in order, phases, ready
-times, builds), desired states reach the simulated agents at once (no MQTT), an agent reports its
-engines and builds as they are, and the router serves `act.routes(...).serving`.
+`ReplayControl` is the act loop's `Port` (planner/act_port.py) in memory: the records are kept by
+the records reducer (planner/records.py, the one the daemon's StateStore persists), desired states
+reach the simulated agents at once (no MQTT), an agent reports its engines and builds as they are,
+and the router serves `act.routes(...).serving`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Generator, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Protocol, TypeVar, cast
 
 from fleetplan.models.profile import ProfileSet
-from fleetplan.planner import act
-from fleetplan.planner.brakes import HOUR_S, Direction, PastAction
+from fleetplan.planner import act, act_port, records
+from fleetplan.planner.brakes import PastAction
 from fleetplan.planner.cycle import CycleDecision, decide, observe
 from fleetplan.planner.evidence import Evidence
 from fleetplan.planner.fleetview import fleet_from_view
 from fleetplan.planner.observation import ObserveRules, Readings
 from fleetplan.planner.policy import Policy
 from fleetplan.planner.types import EngineBuild, Fleet, Observation, PlannerState
+
+T = TypeVar("T")
 
 __all__ = ["ControlSettings", "EnginePort", "FleetplanController", "ReplayControl"]
 
@@ -89,6 +92,26 @@ class EnginePort(Protocol):
     def later(self, t_s: float, fn: Callable[[float], None]) -> None: ...
 
 
+class _Later:
+    """What a loop step waits for: `delay_s` of simulated time (`ReplayControl._resume`)."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+
+    def __await__(self) -> Generator[_Later, None, None]:
+        yield self
+
+
+def _at_once(step: Coroutine[_Later, None, T]) -> T:
+    """Run a loop step that waits for nothing (a cycle's act step) to its end."""
+    try:
+        wait = step.send(None)
+    except StopIteration as end:
+        return cast(T, end.value)
+    step.close()
+    raise RuntimeError(f"a cycle's act step waited {wait.delay_s} s")
+
+
 class ReplayControl:
     """The daemon's records and effects in the replay (see the module docstring)."""
 
@@ -101,13 +124,11 @@ class ReplayControl:
         self.rules = rules
         self.s = settings or ControlSettings()
         self.counterfactuals = counterfactuals
-        self.rows: dict[str, act.ReplicaRow] = {}
-        self.builds: dict[str, act.BuildRow] = {}
-        self.known: set[str] = set()
+        self.records = records.Records()
         self.noted: frozenset[tuple[str, str]] = frozenset()
-        self.past: list[PastAction] = []
-        self._next_id = 0
-        self.drains: dict[str, act.DrainProgress] = {}
+        self.drains: set[str] = set()  # replicas whose drain runs
+        self._t = 0.0  # the simulated time a loop step runs at
+        self._unpublished: list[records.Step] = []
         self.models = [m.name for m in self.policy.models]
         self.decisions: list[tuple[float, CycleDecision]] = []  # (t, decision), for parity checks
         self.deferred = 0
@@ -119,15 +140,27 @@ class ReplayControl:
         self.observations: list[tuple[float, Observation]] = []
 
     # ---- the records ---------------------------------------------------------------------------
+    @property
+    def rows(self) -> Mapping[str, act.ReplicaRow]:
+        """The active replica records (desired or draining), by id."""
+        return self.records.replicas
+
+    @property
+    def past(self) -> list[PastAction]:
+        """The brakes' history, read from the records' action log."""
+        return records.history(self.records.log)
+
     def wall(self, t_s: float) -> float:
         return self.epoch0_s + t_s
 
-    def view(self, t_s: float) -> act.ActView:
+    def view(self, t_s: float | None = None) -> act.ActView:
+        """The act view at `t_s` (None: the time the running loop step is at)."""
+        t_s = self._t if t_s is None else t_s
         pol = self.policy
         s = self.s
         return act.ActView(
             now_s=self.wall(t_s), hosts=self.engines.reports(t_s), replicas=tuple(self.rows.values()),
-            builds=tuple(self.builds.values()), desired={}, known_ids=frozenset(self.known),
+            builds=tuple(self.records.builds.values()), desired={}, known_ids=self.records.known_ids,
             settings=act.ActSettings(s.ready_timeout_s, s.ack_timeout_s, s.host_offline_grace_s, (8000, 8999),
                                      pol.agent_templates(), pol.agent_templates(build=True)),
             connected_since_s=-math.inf, noted=self.noted)
@@ -136,54 +169,33 @@ class ReplayControl:
         return fleet_from_view(view, cached=self.engines.cached(), to_sim=lambda x: x,
                                build_s=self.policy.build_s)
 
-    def _allocate(self, prefix: str) -> str:
-        """Replica and build ids from one sequence, as StateStore.allocate_id hands them out."""
-        self._next_id += 1
-        return f"{prefix}{self._next_id:05d}"
+    def _record(self, effects: Sequence[records.RecordEffect], t_s: float, *, cycle: bool) -> records.Step:
+        """The records after `effects` (planner/records.py, the reducer StateStore persists)."""
+        step = records.apply(self.records, effects, self.wall(t_s), cycle_id=len(self.decisions) if cycle else None)
+        self.records = step.records
+        return step
+
+    def _publish(self, step: records.Step, t_s: float) -> None:
+        """What the agents do once the records change: launch, build, stop (desired states at once)."""
+        for w in step.writes:
+            if isinstance(w, records.PutReplica):
+                if w.new:
+                    self.engines.launch(w.row, t_s)
+                elif w.row.phase == act.Phase.REMOVED:
+                    self.drains.discard(w.row.replica_id)
+                    self.engines.stop(w.row.replica_id, t_s)
+            elif isinstance(w, records.PutBuild) and w.new:
+                self.engines.build(w.row, t_s)
+
+    def apply(self, decision: act.ActDecision, cycle_id: int | None) -> None:
+        self._apply(decision, self._t, cycle=cycle_id is not None)
 
     def _apply(self, d: act.ActDecision, t_s: float, *, cycle: bool) -> None:
         """What StateStore.apply does with the effects, and what the agents then do."""
-        now = self.wall(t_s)
         self.noted = self.noted | d.noted
-        for e in d.effects:
-            if isinstance(e, act.NewReplica):
-                rid = e.row.replica_id or self._allocate("r")
-                row = replace(e.row, replica_id=rid, created_s=now, updated_s=now)
-                self.rows[rid] = row
-                self.known.add(rid)
-                if cycle:
-                    self.past.append(PastAction(Direction.UP, now, max(1, row.tp)))
-                self.engines.launch(row, t_s)
-            elif isinstance(e, act.NewBuild):
-                bid = e.row.build_id or self._allocate("b")
-                brow = replace(e.row, build_id=bid, created_s=now, updated_s=now)
-                self.builds[bid] = brow
-                self.engines.build(brow, t_s)
-            elif isinstance(e, act.SetPhase):
-                cur = self.rows.get(e.replica_id)
-                if cur is None:
-                    continue
-                if e.phase == act.Phase.REMOVED:
-                    del self.rows[e.replica_id]
-                    self.drains.pop(e.replica_id, None)
-                    if cycle:
-                        self.past.append(PastAction(Direction.DOWN, now, max(1, cur.tp)))
-                    self.engines.stop(e.replica_id, t_s)
-                else:
-                    self.rows[e.replica_id] = replace(cur, phase=e.phase, updated_s=now,
-                                                      drain_started_s=now if e.phase == act.Phase.DRAINING
-                                                      else cur.drain_started_s)
-                    if e.phase == act.Phase.DRAINING and cycle:
-                        self.past.append(PastAction(Direction.DOWN, now, max(1, cur.tp)))
-            elif isinstance(e, act.MarkReady):
-                seen = self.rows.get(e.replica_id)
-                if seen is not None and seen.ready_s is None:
-                    self.rows[e.replica_id] = replace(seen, ready_s=now)
-            elif isinstance(e, act.FinishBuild):
-                self.builds.pop(e.build.build_id, None)
-            elif isinstance(e, act.Record) and e.note.status == act.ActionStatus.DEFERRED:
-                self.deferred += 1
-        self.past = [p for p in self.past if p.at_s > now - HOUR_S]
+        step = self._record(d.effects, t_s, cycle=cycle)
+        self.deferred += sum(1 for n in step.notes() if n.status == act.ActionStatus.DEFERRED)
+        self._publish(step, t_s)
 
     def update_routing(self, t_s: float) -> None:
         r = act.routes(tuple(self.rows.values()), self.engines.reports(t_s), self.models, now_s=self.wall(t_s),
@@ -194,7 +206,8 @@ class ReplayControl:
 
     # ---- one cycle -----------------------------------------------------------------------------
     def reconcile(self, t_s: float) -> None:
-        self._apply(act.reconcile(self.view(t_s)), t_s, cycle=False)
+        self._t = t_s
+        act_port.reconcile(self)
 
     def reload(self, t_s: float) -> None:
         """A SIGHUP lands between cycles: the latest policy reloaded by `t_s` applies from this cycle."""
@@ -228,49 +241,78 @@ class ReplayControl:
             return d
         self.ctl.state = d.result.next_state
         self.ctl.solve_s += d.result.explanation.solve_s
-        notes = [n for m in d.result.explanation.models for n in m.notes if n.startswith("fail static")]
-        if notes and len(self.notes) < 50:
-            self.notes.append(f"t={t_s:.0f}s: " + "; ".join(notes))
-        out = act.execute(self.view(t_s), d.allowed, planned_on=view)
+        stale = [m.model for m in d.result.explanation.models if m.fail_static]
+        if stale and len(self.notes) < 50:
+            self.notes.append(f"t={t_s:.0f}s: fail static (demand unknown, no scale-down) for " + ", ".join(stale))
+        self._t = t_s
+        out = _at_once(act_port.execute(self, d.allowed, planned_on=view, cycle_id=len(self.decisions)))
         started = {e.row.model for e in out.effects if isinstance(e, act.NewReplica)}
         drained = [e for e in out.effects if isinstance(e, act.SetPhase) and e.phase == act.Phase.DRAINING]
         if any(self.rows[e.replica_id].model in started for e in drained if e.replica_id in self.rows):
             self.swap_cycles += 1
-        self._apply(out, t_s, cycle=True)
-        self.update_routing(t_s)
-        for rid in out.drains:
-            self.start_drain(rid, t_s)
+        self.update_routing(t_s)  # the cycle's routing (the daemon's after its audit)
         return d
 
-    # ---- drains (controller/executor.py Executor.drain) -------------------------------------------
+    # ---- drains: planner/act_port.py `drain` through this port ----------------------------------
     def deadline_s(self, model: str) -> float:
         return act.model_drain_deadline_s(self.policy.model(model), floor_s=self.s.drain_timeout_s)
 
-    def start_drain(self, rid: str, t_s: float) -> None:
+    def start_drain(self, rid: str, t_s: float | None = None) -> None:
+        t_s = self._t if t_s is None else t_s
         row = self.rows.get(rid)
         if row is None or rid in self.drains:
             return
-        self.drains[rid] = act.DrainProgress(row.drain_started_s or self.wall(t_s))
-        self.engines.later(t_s + self.s.drain_settle_s, lambda t: self._poll(rid, t))
+        self.drains.add(rid)
+        self._resume(self._drain(row), t_s)
 
-    def _poll(self, rid: str, t_s: float) -> None:
-        progress = self.drains.get(rid)
-        row = self.rows.get(rid)
-        if progress is None or row is None or row.phase != act.Phase.DRAINING:
-            self.drains.pop(rid, None)
-            return
-        step, progress = act.drain_step(progress, self.engines.inflight(rid), self.wall(t_s),
-                                        self.deadline_s(row.model))
-        self.drains[rid] = progress
-        if step == act.DrainStep.WAIT:
-            self.engines.later(t_s + self.s.drain_poll_s, lambda t: self._poll(rid, t))
-            return
-        if step == act.DrainStep.TIMEOUT:
+    async def _drain(self, row: act.ReplicaRow) -> None:
+        done = await act_port.drain(self, row.replica_id, deadline_s=self.deadline_s(row.model),
+                                    settle_s=self.s.drain_settle_s, poll_s=self.s.drain_poll_s)
+        self.drains.discard(row.replica_id)
+        if done is not None and done.timed_out:
             self.drain_timeouts += 1
-        del self.drains[rid]
-        self.rows.pop(rid, None)
-        self.update_routing(t_s)
-        self.engines.stop(rid, t_s)
+
+    def _resume(self, step: Coroutine[_Later, None, None], t_s: float) -> None:
+        """Run a loop step until it waits (`sleep`), then again when the simulation reaches its time."""
+        self._t = t_s
+        try:
+            wait = step.send(None)
+        except StopIteration:
+            return
+        self.engines.later(t_s + wait.delay_s, lambda t: self._resume(step, t))
+
+    # ---- the port (planner/act_port.py Port) in memory ------------------------------------------
+    def now_s(self) -> float:
+        return self.wall(self._t)
+
+    def reports(self) -> Mapping[str, act.HostReport]:
+        return self.engines.reports(self._t)
+
+    def replica(self, replica_id: str) -> act.ReplicaRow | None:
+        return self.records.replicas.get(replica_id)
+
+    async def inflight(self, row: act.ReplicaRow) -> float | None:
+        return self.engines.inflight(row.replica_id)
+
+    async def sleep(self, delay_s: float) -> None:
+        await _Later(delay_s)
+
+    async def record(self, effects: Sequence[records.RecordEffect], cycle_id: int | None) -> list[act.Note]:
+        step = self._record(effects, self._t, cycle=cycle_id is not None)
+        self._unpublished.append(step)
+        return step.notes()
+
+    async def route(self) -> None:
+        self.update_routing(self._t)
+
+    async def publish(self, hosts: frozenset[str]) -> None:
+        """Desired states reach the simulated agents at once: what the records changed since."""
+        steps, self._unpublished = self._unpublished, []
+        for step in steps:
+            self._publish(step, self._t)
+
+    def exclusive(self) -> AbstractAsyncContextManager[object]:
+        return nullcontext()
 
     # ---- warm start ------------------------------------------------------------------------------
     def warm(self, obs: Observation, ready: Callable[[str], None], *, rounds: int = 32) -> None:
@@ -290,6 +332,6 @@ class ReplayControl:
             self.update_routing(0.0)
             if d.result is None or not new:
                 break
-        self.past.clear()
+        self.records = replace(self.records, log=())  # the warm-up's actions are not the day's
         self.ctl.reset()
 

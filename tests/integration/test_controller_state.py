@@ -9,6 +9,7 @@ import socket
 import sqlite3
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -16,6 +17,8 @@ import pytest
 from fleetplan.controller.executor import inflight_from_metrics
 from fleetplan.controller.runner import sd_notify
 from fleetplan.controller.state import Phase, ReplicaRow, StateStore
+from fleetplan.planner.act import ActionStatus, NewReplica, Note, SetPhase
+from fleetplan.planner.records import Drained, history
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,30 +29,58 @@ def _row(rid: str, host: str = "h1", gpus: tuple[int, ...] = (0,), port: int = 8
                       "planned", now, now, None, None)
 
 
+def _start(s: StateStore, c: sqlite3.Connection, **kw: Any) -> str:
+    """A new replica row through the records reducer (its id allocated in `c`'s transaction)."""
+    (note,) = s.persist(c, [NewReplica(_row("", **kw), Note("start", ActionStatus.PUBLISHED, "test"))], 1)
+    assert note.replica_id is not None
+    return note.replica_id
+
+
 def test_ids_and_desired_versions_survive_reopen(tmp_path: Path) -> None:
     db = tmp_path / "state.db"
     s = StateStore(db)
     with s.tx() as c:
-        rid = s.allocate_id(c)
-        s.insert_replica(c, _row(rid))
+        rid = _start(s, c)
         payload = s.stage_desired(c, "h1")
     assert payload["version"] == 1 and [r["replica_id"] for r in payload["replicas"]] == [rid]
     s.close()  # as good as kill -9 after the commit: WAL is durable
     s = StateStore(db)
     assert [r.replica_id for r in s.active_replicas()] == [rid]
     with s.tx() as c:
-        rid2 = s.allocate_id(c)
+        rid2 = _start(s, c, gpus=(1,), port=8101)
         assert rid2 != rid  # never reused
-        s.set_phase(c, rid, Phase.DRAINING)
+        s.persist(c, [SetPhase(rid, Phase.DRAINING)], None)
         p2 = s.stage_desired(c, "h1")
-    assert p2["version"] == 2 and [r["replica_id"] for r in p2["replicas"]] == [rid]  # draining stays desired
+    assert [r["replica_id"] for r in p2["replicas"]] == [rid, rid2]  # draining stays desired
+    assert p2["version"] == 2
     # an agent that applied v7 from an older database: the next version goes above it
     s.note_version_floor("h1", 7)
     with s.tx() as c:
-        s.set_phase(c, rid, Phase.REMOVED)
+        s.persist(c, [SetPhase(rid, Phase.REMOVED), SetPhase(rid2, Phase.REMOVED)], None)
         p3 = s.stage_desired(c, "h1")
     assert p3["version"] == 8 and p3["replicas"] == []
-    assert s.known_ids() == {rid}
+    assert s.known_ids() == {rid, rid2}
+
+
+def test_a_finished_drain_is_persisted_as_the_records_reducer_says(tmp_path: Path) -> None:
+    clock = [1000.0]
+    s = StateStore(tmp_path / "state.db", clock=lambda: clock[0])
+    with s.tx() as c:
+        rid = _start(s, c, gpus=(0, 1))
+    clock[0] = 1100.0
+    s.apply([SetPhase(rid, Phase.DRAINING, Note("drain", ActionStatus.PUBLISHED, "down", replica_id=rid))], 7)
+    clock[0] = 1150.0
+    s.apply([SetPhase(rid, Phase.DRAINING)], None)  # a drain resumed: its start is kept
+    assert s.get_replica(rid).drain_started_s == 1100.0  # type: ignore[union-attr]
+    clock[0] = 1200.0
+    s.apply([Drained(rid, timed_out=False)], None)
+    row = s.get_replica(rid)
+    assert row is not None and (row.phase, row.updated_s) == (Phase.REMOVED, 1200.0)
+    acts = {(a["kind"], a["status"], a["cycle_id"]) for a in s.actions()}
+    assert acts == {("start", "published", 1), ("drain", "done", 7), ("stop", "done", 7)}
+    # the brakes read one way up and one way down, at the drain
+    assert sorted((p.direction.value, p.at_s, p.gpus) for p in history(s.action_entries(0.0))) == [
+        ("down", 1100.0, 2), ("up", 1000.0, 2)]
 
 
 def test_version_floor_is_range_checked_even_from_an_old_database(tmp_path: Path) -> None:
@@ -68,20 +99,20 @@ def test_version_floor_is_range_checked_even_from_an_old_database(tmp_path: Path
 def test_transaction_rolls_back_on_error(tmp_path: Path) -> None:
     s = StateStore(tmp_path / "state.db")
     with pytest.raises(RuntimeError), s.tx() as c:
-        s.insert_replica(c, _row(s.allocate_id(c)))
+        _start(s, c)
         raise RuntimeError("crash mid-step")
     assert s.active_replicas() == []
     with s.tx() as c:
-        assert s.allocate_id(c) == "r00001"  # the sequence bump rolled back too
+        assert _start(s, c) == "r00001"  # the sequence bump rolled back too
 
 
 def _child_writes_then_dies(path: str) -> None:
     s = StateStore(path)
     with s.tx() as c:
-        s.insert_replica(c, _row(s.allocate_id(c)))
+        _start(s, c)
         s.stage_desired(c, "h1")
     with s.tx() as c:  # an uncommitted step when the process is killed
-        s.insert_replica(c, _row(s.allocate_id(c), gpus=(1,), port=8101))
+        _start(s, c, gpus=(1,), port=8101)
         os.kill(os.getpid(), 9)
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from fleetplan.controller.settings import ControllerSettings, RetentionSettings
 from fleetplan.controller.state import Phase, ReplicaRow, StateStore
 from fleetplan.controller.state_retention import DAY_S, HOUR_S, RetentionRules, live_bytes, prune_step
+from fleetplan.planner.records import history
 from tests.unit.controller.test_failsafe_inventory import make
 
 T0 = 1.7e9
@@ -84,7 +85,7 @@ def test_the_size_bound_prunes_the_oldest_first_down_to_the_brakes_hour(tmp_path
         p = prune_step(s, RetentionRules(max_bytes=4096, rows_per_cycle=100_000), clock[0])
         assert p.over
         assert count(tmp_path / "s.db", "plans") == 1  # the latest plan stays
-        assert s.actuation_history(clock[0] - HOUR_S)  # the brakes' hour of actions stays
+        assert history(s.action_entries(clock[0] - HOUR_S))  # the brakes' hour of actions stays
         assert min(a["created_s"] for a in s.actions(limit=10_000)) >= clock[0] - HOUR_S
     finally:
         s.close()

@@ -36,6 +36,7 @@ def test_stale_with_demand_above_capacity_scales_up() -> None:
     assert not kinds(r, ActionKind.DRAIN) and not kinds(r, ActionKind.STOP)
     note = " ".join(next(m for m in r.explanation.models if m.model == "m8").notes)
     assert "fail static" in note and "lower bound" in note
+    assert [m.model for m in r.explanation.models if m.fail_static] == ["m8"]  # typed, not read from the text
 
 
 def test_stale_with_demand_below_capacity_does_not_scale_down() -> None:
