@@ -78,13 +78,9 @@ class Speeds:
     ttft: float = 1.0
     itl: float = 1.0
     note: str = ""
-    # the speeds above are trusted up to this load per replica (rps; None: no bound): evidence
-    # gathered at low load does not prove the knee (planner/correction.py `trust_bounds`)
+    # a faster engine than the profile is trusted up to this load per replica (rps; None: no bound):
+    # evidence gathered at low load does not prove the knee (planner/correction.py TRUST_GROWTH)
     trusted_rps: float | None = None
-    # the speeds beyond `trusted_rps`: the slowest a window at a higher load read (None: the profile
-    # as fitted, for a faster engine no window at a higher load contradicted)
-    beyond_ttft: float | None = None
-    beyond_itl: float | None = None
 
 
 def candidate_configs(policy: Policy, gpus: Iterable[GpuType]) -> list[ConfigKey]:
@@ -208,10 +204,7 @@ def config_capacity(profile: mp.PerfProfile, workload: MixedWorkload, m: ModelPo
     c = capacity_mix(profile, mix, ttft_p99_ms=m.slo.ttft_p99_ms, itl_p99_ms=m.slo.itl_p99_ms,
                      ttft_speed=speeds.ttft, itl_speed=speeds.itl)
     if speeds.trusted_rps is not None and c.max_rps > speeds.trusted_rps:
-        if speeds.beyond_ttft is not None or speeds.beyond_itl is not None:
-            base = config_capacity(profile, workload, m, Speeds(speeds.beyond_ttft or 1.0, speeds.beyond_itl or 1.0))
-        elif base is None:
-            base = config_capacity(profile, workload, m)
+        base = base if base is not None else config_capacity(profile, workload, m)
         if base.max_rps < c.max_rps:
             return MixCapacity(max(base.max_rps, speeds.trusted_rps),
                                base.binding if base.max_rps >= speeds.trusted_rps else c.binding, c.floor_share)

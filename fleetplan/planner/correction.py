@@ -581,19 +581,11 @@ def applied_speeds(
             si = math.exp(_applied(corr.itl_log, corr.itl_var, conservative_i))
         if abs(math.log(st)) < 1e-9 and abs(math.log(si)) < 1e-9:
             continue
-        seen = trusted_load(corr)
-        bound_t = trust_bound(corr.ttft_points, math.log(st), seen)
-        bound_i = trust_bound(corr.itl_points, math.log(si), seen)
+        trusted = trusted_load(corr) if st > 1.0 or si > 1.0 else None
         note = describe(corr, st, si, conservative_t or conservative_i)
-        if bound_t is None and bound_i is None:
-            out[config] = Speeds(st, si, note)
-            continue
-        trusted = min(b[0] for b in (bound_t, bound_i) if b is not None)
-        beyond_t = math.exp(bound_t[1]) if bound_t is not None else min(st, 1.0)
-        beyond_i = math.exp(bound_i[1]) if bound_i is not None else min(si, 1.0)
-        note += (f"; trusted up to {trusted:.2f} rps per replica, beyond it TTFT x{beyond_t:.2f}, "
-                 f"ITL x{beyond_i:.2f}")
-        out[config] = Speeds(st, si, note, trusted, beyond_t, beyond_i)
+        if trusted is not None:
+            note += f"; faster than the profile trusted up to {trusted:.2f} rps per replica"
+        out[config] = Speeds(st, si, note, trusted)
     return out
 
 
@@ -615,52 +607,6 @@ def trusted_load(corr: Correction) -> float:
     """
     loads = [x for x, _, _ in (*corr.ttft_points, *corr.itl_points) if x > 0]
     return TRUST_GROWTH * max(loads) if loads else 0.0
-
-
-# ln: a window read "at least the applied speed" when it read no more than one window's p99 noise below it
-SUPPORT_TOL = math.sqrt(OBS_VAR)
-
-
-def trust_bound(points: Sequence[tuple[float, float, float]], applied: float,
-                faster_trusted_rps: float) -> tuple[float, float] | None:
-    """How far an applied ln speed is trusted: (the load per replica up to which it is, the ln speed
-    beyond it), or None (no bound). A window's speed speaks for the loads up to TRUST_GROWTH x its
-    own, not for the knee far above them: the applied speed is trusted up to TRUST_GROWTH x the
-    highest load among the recent windows that read it or faster (within SUPPORT_TOL), and beyond
-    that no faster than the slowest recent window read (for a faster engine than the profile: at
-    most the profile; `faster_trusted_rps`, `trusted_load`, where no window read it slower). The
-    capacity is at least 1 / TRUST_GROWTH of the slowest window's load: a saturated replica reads as
-    slow as SPEED_BOUNDS allow, which says only that its load was past the knee.
-
-    Why: windows at high load read a config slow, windows at low load then read it near its profile
-    (no queue forms behind long prompts at low load; an ITL p99 in the lowest bucket says only "at
-    least this fast"), and the estimate relaxed back toward an optimistic profile: the fleet shrank
-    into the next burst (the coding hour, vLLM TP2 on a roofline prior 3x optimistic: ITL x0.37 read
-    at 6.5 rps per replica, x0.5-0.8 at 3 rps; 10-17 rps per replica planned against 6 true).
-    Latency rises with load: evidence at low load cannot make a config faster at high load than it
-    was seen to be. The fleet shrinks as its replicas show, window by window, that the higher load
-    holds.
-
-    >>> trust_bound([(6.0, -1.1, 300.0), (1.5, -0.1, 90.0)], -0.4, 12.0)  # the burst read it slow
-    (3.0, -1.1)
-    >>> trust_bound([(3.0, -0.7, 300.0), (3.2, -0.3, 300.0)], -0.5, 6.4)  # none above 3.2 rps yet
-    (6.4, -0.7)
-    >>> trust_bound([(16.0, -2.3, 300.0)], -0.35, 32.0)  # saturated: at least half its load
-    (8.0, -2.3)
-    >>> trust_bound([(6.0, -0.45, 300.0), (1.5, -0.3, 90.0)], -0.5, 12.0) is None  # none read it slower
-    True
-    """
-    pts = [(x, z) for x, z, _ in points if x > 0 and math.isfinite(z)]
-    if not pts:
-        return (faster_trusted_rps, 0.0) if applied > 0.0 else None
-    z_min, x_slow = min((z, x) for x, z in pts)
-    if applied > 0.0 and z_min >= applied - SUPPORT_TOL:
-        return faster_trusted_rps, 0.0
-    beyond = min(z_min, 0.0)
-    if beyond >= applied:
-        return None
-    x_sup = max((x for x, z in pts if z >= applied - SUPPORT_TOL), default=0.0)
-    return max(TRUST_GROWTH * x_sup, x_slow / TRUST_GROWTH), beyond
 
 
 SHARED_VAR = 0.25 ** 2  # ln^2: how far one config's error may stand from its siblings' (TP, engine)
@@ -721,4 +667,5 @@ def forget(corrections: Mapping[ConfigKey, Correction], keep: set[ConfigKey]) ->
 
 
 __all__ = ["applied_speeds", "corrections_tuple", "describe", "forget", "regression_cap", "regression_floor",
-           "shared_prior", "trust_bound", "trusted_load", "update_corrections"]
+           "shared_prior",
+           "trusted_load", "update_corrections"]

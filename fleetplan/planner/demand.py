@@ -40,10 +40,6 @@ class Demand:
     plan_rps: float | None = None  # what the solver sizes for, when above required_rps (hysteresis)
     history: tuple[tuple[float, float], ...] = ()  # the observed rate history, valid samples only
     rate_window_s: float | None = None  # the window observed_rps was read over (None: unknown)
-    # what the plan would serve without the burst memory of earlier cycles, where that memory sets
-    # required_rps (None: it does not): a burst already past holds capacity, it does not add any
-    # (planner/scale_down.py `hold_past_bursts`)
-    unheld_rps: float | None = None
 
 
 
@@ -154,16 +150,12 @@ def model_demands(observation: Observation, policy: Policy, now_s: float,
         required = demand * (1 + m.headroom)
         burst, mem = bursts(o, m, state or PlannerState.initial(), now_s, keep_s)
         memory.extend((m.name, t, v) for t, v in mem)
-        unheld: float | None = None
         if burst > required:
             # bursts shorter than the lead time cannot be chased: keep what drains them within the SLO
             notes.append(f"bursts: short-window peaks need {burst:.2f} rps of capacity to drain within the "
                          f"TTFT SLO (above demand x (1 + headroom) = {required:.2f}); kept for {keep_s:.0f} s")
-            now_need = max((v for t, v in mem if t == now_s), default=0.0)
-            unheld = max(required, now_need) if burst > now_need else None
             required = burst
         out[m.name] = Demand(m.name, o.rate_rps, fc.rate_rps, demand, required, True, tuple(notes), hold,
                              history=o.history,
-                             rate_window_s=o.rate_window_s if o.rate_window_s is not None else o.history_window_s,
-                             unheld_rps=unheld)
+                             rate_window_s=o.rate_window_s if o.rate_window_s is not None else o.history_window_s)
     return out, tuple(memory)

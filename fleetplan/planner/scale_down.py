@@ -37,7 +37,7 @@ from fleetplan.planner.policy import Policy
 from fleetplan.planner.types import ConfigKey, Correction, Fleet, Replica, ReplicaState
 
 __all__ = ["BAND_Z", "MIN_AGE_S", "SCALE_DOWN_BAND_REPLICAS", "SETTLE_AGES", "YOUNG_CYCLES", "Unproven", "apply_band",
-           "hold_past_bursts", "hold_surplus", "min_age_s", "noise_band", "running_capacity", "settling", "unproven_floors",
+           "hold_surplus", "min_age_s", "noise_band", "running_capacity", "settling", "unproven_floors",
            "young_floors"]
 
 # The scale-down band is at most this fraction of the model's smallest running replica's capacity:
@@ -214,24 +214,6 @@ def noise_band(rate_rps: float | None, window_s: float | None) -> float | None:
     return 2.0 * BAND_Z / math.sqrt(rate_rps * window_s)
 
 
-def hold_past_bursts(demands: dict[str, Demand], current: Mapping[ConfigKey, int],
-                     capacities: Mapping[ConfigKey, CapacityInfo]) -> None:
-    """A burst of an earlier cycle holds capacity, it does not add any: where the burst memory
-    (planner/demand.py `bursts`) sets a model's required rate, that rate is at most what runs now
-    (at this cycle's capacities) or what the model needs without the memory, the higher. Why: the
-    memory keeps a fleet that drained a burst from being scaled down before the next one; when the
-    burst taught the correction that a replica holds less (planner/correction.py `trust_bound`), the
-    same floor asked for more replicas after the burst had passed (the coding hour: four replicas
-    became six for the 600 s delay, started when the burst was over)."""
-    cap_now = running_capacity(current, capacities)
-    for name, d in demands.items():
-        if d.known and d.unheld_rps is not None and d.required_rps > cap_now.get(name, 0.0):
-            req = max(d.unheld_rps, cap_now.get(name, 0.0))
-            if req < d.required_rps:
-                demands[name] = replace(d, required_rps=req, notes=(
-                    *d.notes, f"a past burst holds what runs ({cap_now.get(name, 0.0):.2f} rps), it adds none"))
-
-
 def apply_band(demands: dict[str, Demand], current: Mapping[ConfigKey, int],
                capacities: Mapping[ConfigKey, CapacityInfo], floor: float, unknown_rps: float,
                delay_s: float = 0.0) -> None:
@@ -249,9 +231,7 @@ def apply_band(demands: dict[str, Demand], current: Mapping[ConfigKey, int],
 
     Example: required 1.37 rps, 3 replicas of 0.72 rps run (2.16), band 10%: sized for
     min(1.37 x 1.1, 2.16) = 1.51 rps, which 2 replicas (1.44) do not cover, so 3 stay until the
-    rate falls below 1.31. `unknown_rps`: the capacity of a config nothing is known about. A past
-    burst's floor is first cut to what runs (`hold_past_bursts`)."""
-    hold_past_bursts(demands, current, capacities)
+    rate falls below 1.31. `unknown_rps`: the capacity of a config nothing is known about."""
     cap_now: dict[str, float] = {}
     replica_min: dict[str, float] = {}
     for c, k in current.items():

@@ -3,15 +3,12 @@ replica's window is not covered yet), and the burst memory must outlive that cyc
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-import pytest
 from planner_helpers import hosts, policy
 from test_plan_evidence import NOW, TRUE, _obs
 
 from fleetplan.models import profile as mp
 from fleetplan.planner.core import plan
-from fleetplan.planner.types import ActionKind, Fleet, PlannerState, PlanResult, ReplicaState
+from fleetplan.planner.types import Fleet, PlannerState, PlanResult
 
 P = policy(models=("m8",), scaling={"scale_down_delay_s": 300, "cycle_s": 60},
            model_extra={"m8": {"allowed": {"tp": [1], "engines": ["vllm"]}, "headroom": 0.0}})
@@ -27,26 +24,10 @@ def test_a_stale_cycle_keeps_the_burst_memory() -> None:
     stale = plan(_obs(10.0, 0, None, None, stale=True), Fleet(hosts(2)), P, PROFILES, burst.next_state, NOW + 60)
     assert _required(stale) == _required(burst)  # the stale cycle plans on the burst it remembers
     assert any(n.startswith("bursts:") for n in stale.explanation.models[0].notes)
-    # the replicas the burst started are READY now (a past burst holds what runs: scale_down.hold_past_bursts)
-    running = Fleet(hosts(2), tuple(replace(r, state=ReplicaState.READY, since_s=NOW) for r in burst.plan.replicas))
-    after = plan(_obs(10.0, 0, None, None), running, P, PROFILES, stale.next_state, NOW + 120)
-    assert _required(after) == pytest.approx(_required(burst))  # and hands it on: not forgotten before the delay
-    gone = plan(_obs(10.0, 0, None, None), running, P, PROFILES, after.next_state, NOW + 400)
+    after = plan(_obs(10.0, 0, None, None), Fleet(hosts(2)), P, PROFILES, stale.next_state, NOW + 120)
+    assert _required(after) == _required(burst)  # and hands it on: not forgotten before the delay
+    gone = plan(_obs(10.0, 0, None, None), Fleet(hosts(2)), P, PROFILES, after.next_state, NOW + 400)
     assert _required(gone) < _required(burst) / 3
-
-
-def test_a_past_burst_holds_what_runs_and_adds_none() -> None:
-    # the coding hour: the burst taught the correction that a replica holds less; the burst's floor
-    # then asked for more replicas after the burst had passed
-    burst = plan(_obs(10.0, 0, None, None, peak_rps=60.0), Fleet(hosts(2)), P, PROFILES, PlannerState.initial(), NOW)
-    kept = burst.plan.replicas[: len(burst.plan.replicas) // 2]
-    half = Fleet(hosts(2), tuple(replace(r, state=ReplicaState.READY, since_s=NOW) for r in kept))
-    after = plan(_obs(10.0, 0, None, None), half, P, PROFILES, burst.next_state, NOW + 60)
-    assert _required(burst) / 3 < _required(after) < _required(burst)
-    assert not [a for a in after.actions if a.kind == ActionKind.START]  # held, nothing added
-    assert any("past burst" in n for n in after.explanation.models[0].notes)
-    again = plan(_obs(10.0, 0, None, None, peak_rps=60.0), half, P, PROFILES, burst.next_state, NOW + 60)
-    assert _required(again) == pytest.approx(_required(burst))  # a burst now still adds what it needs
 
 
 def test_a_stale_peak_is_a_lower_bound_that_raises_capacity() -> None:

@@ -269,33 +269,6 @@ def test_a_faster_engine_is_trusted_up_to_twice_the_load_it_was_seen_at() -> Non
     assert "trusted up to" in speeds[KEY].note
 
 
-def test_windows_at_low_load_do_not_make_a_config_faster_at_high_load_than_it_was_seen() -> None:
-    # the coding hour: vLLM TP2 read slow at the burst's load, then near its (optimistic) profile at a
-    # third of it; the estimate relaxed back and the fleet shrank into the next burst. A window's
-    # speed speaks for loads up to TRUST_GROWTH x its own; beyond them the slowest window governs.
-    from fleetplan.planner.correction import TRUST_GROWTH
-
-    work = {"m8": MixedWorkload(500.0, 200.0)}
-    slow_rps = capacity_mix(TRUE, MIX, ttft_speed=math.exp(-1.1), itl_speed=math.exp(-1.1), **SLO).max_rps
-    low = slow_rps / 4
-    lows = ((low, -0.1, 300.0),) * 5
-
-    def capacity(points: tuple[tuple[float, float, float], ...]) -> float:
-        c = Correction(KEY, -0.4, 0.01, -0.4, 0.01, 6, 0.0, 0.0, 0.67, 0.67, -0.4, -0.4, points, points)
-        table, _ = capacity_table(POLICY, {KEY: TRUE}, work, [H100], speeds=applied_speeds({KEY: c}, {KEY: TRUE}, {}))
-        return table[KEY].max_rps
-
-    at_applied = capacity_mix(TRUE, MIX, ttft_speed=math.exp(-0.4), itl_speed=math.exp(-0.4), **SLO).max_rps
-    assert capacity(lows) == pytest.approx(at_applied)  # no window read it slower: the estimate holds
-    seen_slow = capacity(((slow_rps, -1.1, 300.0), *lows))
-    assert seen_slow == pytest.approx(slow_rps, rel=1e-3)
-    assert seen_slow < 0.8 * at_applied
-    assert seen_slow >= TRUST_GROWTH * low  # up to twice what the low windows held, it is trusted
-    # a saturated window (as slow as the bounds allow) bounds the capacity at half its load, not at ~0
-    saturated = capacity(((2.0 * slow_rps, math.log(0.1), 300.0), *lows))
-    assert saturated == pytest.approx(slow_rps, rel=1e-3)
-
-
 def test_a_config_not_observed_starts_from_what_its_siblings_showed() -> None:
     # issue 18.3: a slower engine seen on one config moves the model's others before they run
     other = ConfigKey("m8", VLLM, H100, 2, BF16)
