@@ -101,6 +101,17 @@ def decision_digest(sim: FleetSim) -> tuple[str, int]:
     return h.hexdigest(), n
 
 
+def _solves(sim: FleetSim) -> tuple[int, int]:
+    """(stage-1 problems over the run, those that reused an earlier solution instead of solving)."""
+    n = k = 0
+    for _t, d in sim.control.decisions if sim.control is not None else ():
+        for r in d.result.explanation.solver if d.result is not None else ():
+            if r.stage == "counts":
+                n += 1
+                k += r.backend.endswith("(reused)")
+    return n, k
+
+
 def _cpu_s(ru0: resource.struct_rusage) -> float:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return (ru.ru_utime - ru0.ru_utime) + (ru.ru_stime - ru0.ru_stime)
@@ -172,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{cycles / cpu:.2f} cycles/cpu-s ({cycles / wall:.2f}/wall-s); {res.arrived:,} requests = "
           f"{res.arrived / cpu:,.0f} req/cpu-s ({res.arrived / wall:,.0f}/wall-s); peak RSS {rss_mb:.0f} MB; "
           f"OR-Tools solve {solve_s:.1f} s")
+    solves, reused = _solves(sim)
+    if solves:
+        print(f"stage-1 problems: {solves}, of which {reused} reused the last solution (planner/solve_memo.py)")
     fig = _figures(res, wall, {})
     doc = fig.to_json()
     print(f"figures: GPU-h {res.gpu_hours:.3f}, SLO attainment {100 * res.slo_attainment:.3f}%, starts "
