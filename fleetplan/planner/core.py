@@ -78,7 +78,6 @@ from fleetplan.planner.scale_down import (
     apply_band,
     hold_surplus,
     min_age_s,
-    noise_band,
     running_capacity,
     settling,
     unproven_floors,
@@ -384,8 +383,8 @@ def _count_problem(
 
 @dataclass
 class _Solver:
-    """Stage 1 for one cycle: a problem the last cycles solved, unmoved beyond the rate's noise,
-    reuses that solution (planner/solve_memo.py); `solved`: the anchors for the next state."""
+    """Stage 1 for one cycle: a problem whose demand in replicas has not fallen since an earlier
+    cycle solved it reuses that solution (planner/solve_memo.py); `solved`: the next state's anchors."""
 
     anchors: tuple[Solved, ...]
     tolerance: Mapping[str, float]
@@ -400,16 +399,6 @@ class _Solver:
         sol = solve_counts(problem)
         self.solved.append(Solved(problem, sol))
         return sol
-
-
-def _tolerance(demands: Mapping[str, Demand]) -> dict[str, float]:
-    """Per model, the relative noise of its rate: the half-width of its Poisson interval over its
-    rate window (planner/scale_down.py `noise_band` / 2); 0 when unknown or not known."""
-    out: dict[str, float] = {}
-    for name, d in demands.items():
-        band = noise_band(d.observed_rps, d.rate_window_s) if d.known else None
-        out[name] = band / 2.0 if band is not None else 0.0
-    return out
 
 
 def _solve_and_place(
@@ -535,7 +524,9 @@ def plan_with_capacities(
             if note:
                 demands[c.model] = replace(demands[c.model], notes=(*demands[c.model].notes, note))
     target_problem = _count_problem(policy, eff, target_cands, demands, slots, current, floors, young)
-    solver = _Solver(state.solves, _tolerance(demands), [])
+    # no tolerance: only a problem whose demand in replicas did not fall reuses (its solved fleet is
+    # still the optimum); the rate's noise as a tolerance held costlier fleets (planner/solve_memo.py)
+    solver = _Solver(state.solves, {}, [])
     target_sol, target_place = _solve_and_place(target_problem, hosts, fleet.replicas, drained, reports,
                                                   engine_hosts, solver)
 
