@@ -34,6 +34,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
@@ -99,6 +101,37 @@ def decision_digest(sim: FleetSim) -> tuple[str, int]:
     return h.hexdigest(), n
 
 
+def _solves(sim: FleetSim) -> tuple[int, int]:
+    """(stage-1 problems over the run, those that reused an earlier solution instead of solving)."""
+    n = k = 0
+    for _t, d in sim.control.decisions if sim.control is not None else ():
+        for r in d.result.explanation.solver if d.result is not None else ():
+            if r.stage == "counts":
+                n += 1
+                k += r.backend.endswith("(reused)")
+    return n, k
+
+
+def _cpu_s(ru0: resource.struct_rusage) -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return (ru.ru_utime - ru0.ru_utime) + (ru.ru_stime - ru0.ru_stime)
+
+
+def _progress(sim: FleetSim, every_s: float, end_s: float, ru0: resource.struct_rusage, w0: float) -> None:
+    """A line every `every_s` simulated seconds: control cycles, requests, CPU and wall so far
+    (an event of the replay's clock that only prints: the replay's decisions are the same)."""
+    def report(t: float) -> None:
+        arrived = int(np.searchsorted(sim.arr_t, t, side="right"))
+        print(f"  sim {t / 3600.0:6.1f} h: {sim.decisions} cycles, {arrived:,} requests, cpu {_cpu_s(ru0):.1f} s, "
+              f"wall {time.perf_counter() - w0:.1f} s, RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB",
+              flush=True)
+
+    k = 1
+    while k * every_s <= end_s:
+        sim.later(k * every_s, report)
+        k += 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scenario", default="azure", choices=("azure", "mooncake", "mooncake-long"))
@@ -111,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cprofile", type=Path, default=None)
     ap.add_argument("--top", type=int, default=30, help="cProfile: print this many top items")
     ap.add_argument("--data", type=Path, default=DATA)
+    ap.add_argument("--progress-h", type=float, default=1.0,
+                    help="print progress every this many simulated hours (0: never)")
     args = ap.parse_args(argv)
 
     t0 = time.perf_counter()
@@ -129,7 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     sim = FleetSim(trace, ctl, make_environment(policy), settings)
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     w0 = time.perf_counter()
-    prof = cProfile.Profile() if args.cprofile is not None else None
+    if args.progress_h > 0:
+        _progress(sim, args.progress_h * 3600.0, trace.duration_s, ru0, w0)
+    # process time: on a shared machine wall time charges other jobs' CPU to whatever was on the stack
+    prof = cProfile.Profile(time.process_time) if args.cprofile is not None else None
     if prof is not None:
         prof.enable()
     res: SimResult = sim.run()
@@ -145,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{cycles / cpu:.2f} cycles/cpu-s ({cycles / wall:.2f}/wall-s); {res.arrived:,} requests = "
           f"{res.arrived / cpu:,.0f} req/cpu-s ({res.arrived / wall:,.0f}/wall-s); peak RSS {rss_mb:.0f} MB; "
           f"OR-Tools solve {solve_s:.1f} s")
+    solves, reused = _solves(sim)
+    if solves:
+        print(f"stage-1 problems: {solves}, of which {reused} reused the last solution (planner/solve_memo.py)")
     fig = _figures(res, wall, {})
     doc = fig.to_json()
     print(f"figures: GPU-h {res.gpu_hours:.3f}, SLO attainment {100 * res.slo_attainment:.3f}%, starts "

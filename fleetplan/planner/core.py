@@ -24,8 +24,8 @@ Pure. Steps:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from fleetplan.models.mix import mix_from_quantiles
 from fleetplan.models.names import GpuType
@@ -84,6 +84,7 @@ from fleetplan.planner.scale_down import (
     young_floors,
 )
 from fleetplan.planner.slo import BudgetSlice, error_budget, record
+from fleetplan.planner.solve_memo import Solved, reusable, reused
 from fleetplan.planner.types import (
     ConfigCount,
     ConfigExplanation,
@@ -167,7 +168,8 @@ def plan(
     Capacity is the profiles' for the observed length mix, corrected by the fleet's own latency
     (planner/correction.py): the corrections are updated from this observation first, carried in
     the next state, and shown per config in the explanation.
-    counterfactuals=False: no alternatives/relaxations in the explanation (replays that only act)."""
+    counterfactuals=False: no what-ifs in the explanation (replays that only act): no alternatives
+    or relaxations, no cost of uncertainty, no attainment with one replica fewer."""
     hosts = _inventory(fleet, policy)
     gpus = {h.gpu for h in hosts if h.online}
     canonical = policy.aliases().canonical
@@ -202,11 +204,13 @@ def plan(
         table_by_model.setdefault(c.model, {})[c] = info
     models = []
     for me in result.explanation.models:
-        u = cost_of_uncertainty(me, policy, table_by_model.get(me.model, {}), speeds, means, chosen, workloads)
         # a held mix is filled in only where the model has a reading
         note = held_note(held, me.model, now_s) if me.model in observed else None
-        models.append(replace(me, uncertainty_usd_h=u.usd_h, uncertainty_why=u.why,
-                              notes=me.notes if note is None else (*me.notes, note)))
+        me = me if note is None else replace(me, notes=(*me.notes, note))
+        if counterfactuals:  # the cost of uncertainty is a what-if too (the fleet if nothing were left to learn)
+            u = cost_of_uncertainty(me, policy, table_by_model.get(me.model, {}), speeds, means, chosen, workloads)
+            me = replace(me, uncertainty_usd_h=u.usd_h, uncertainty_why=u.why)
+        models.append(me)
     return replace(result, explanation=replace(result.explanation, models=tuple(models)))
 
 
@@ -377,6 +381,26 @@ def _count_problem(
     )
 
 
+@dataclass
+class _Solver:
+    """Stage 1 for one cycle: a problem whose demand in replicas has not fallen since an earlier
+    cycle solved it reuses that solution (planner/solve_memo.py); `solved`: the next state's anchors."""
+
+    anchors: tuple[Solved, ...]
+    tolerance: Mapping[str, float]
+    solved: list[Solved]
+
+    def __call__(self, problem: CountProblem) -> CountSolution:
+        anchor = reusable(problem, self.anchors, self.tolerance)
+        if anchor is not None:
+            if not any(a is anchor for a in self.solved):
+                self.solved.append(anchor)
+            return reused(anchor)
+        sol = solve_counts(problem)
+        self.solved.append(Solved(problem, sol))
+        return sol
+
+
 def _solve_and_place(
     problem: CountProblem,
     hosts: tuple[HostInventory, ...],
@@ -384,9 +408,10 @@ def _solve_and_place(
     drained: frozenset[str],
     reports: list[SolverReport],
     engine_hosts: Mapping[ConfigKey, frozenset[str]],
+    solve: Callable[[CountProblem], CountSolution] = solve_counts,
 ) -> tuple[CountSolution, Placement]:
     """Stage 1 then stage 2; when a replica does not fit, tighten that TP slot count and re-solve."""
-    sol = solve_counts(problem)
+    sol = solve(problem)
     reports.append(sol.report)
     placement = place(sol.counts, hosts, current, drained, engine_hosts)
     for _ in range(3):
@@ -398,7 +423,7 @@ def _solve_and_place(
                        if cc.gpu == c.gpu and cc.tp >= c.tp and cc.tp % c.tp == 0)
             slots.setdefault(c.gpu, {})[c.tp] = max(0, used - k)
         problem = CountProblem(**{**problem.__dict__, "slots": slots})
-        sol = solve_counts(problem)
+        sol = solve(problem)
         reports.append(sol.report)
         placement = place(sol.counts, hosts, current, drained, engine_hosts)
     reports.append(SolverReport("placement", "best-fit-decreasing", "OK" if not placement.unplaced
@@ -499,8 +524,11 @@ def plan_with_capacities(
             if note:
                 demands[c.model] = replace(demands[c.model], notes=(*demands[c.model].notes, note))
     target_problem = _count_problem(policy, eff, target_cands, demands, slots, current, floors, young)
+    # no tolerance: only a problem whose demand in replicas did not fall reuses (its solved fleet is
+    # still the optimum); the rate's noise as a tolerance held costlier fleets (planner/solve_memo.py)
+    solver = _Solver(state.solves, {}, [])
     target_sol, target_place = _solve_and_place(target_problem, hosts, fleet.replicas, drained, reports,
-                                                  engine_hosts)
+                                                  engine_hosts, solver)
 
     needs_build = sorted(c for c in target_sol.counts if policy.needs_build(c) and c not in ready)
     spread = _spread_builds(policy, fleet, usable, target_sol.counts, target_cands, engine_hosts, max_counts,
@@ -519,14 +547,15 @@ def plan_with_capacities(
                                                     max_counts=max_counts), capacities)
         now_problem = _count_problem(policy, eff, now_cands, demands, slots, current, floors, young)
     if needs_build:
-        now_sol, now_place = _solve_and_place(now_problem, hosts, fleet.replicas, drained, reports, engine_hosts)
+        now_sol, now_place = _solve_and_place(now_problem, hosts, fleet.replicas, drained, reports, engine_hosts,
+                                              solver)
         notes.append("engine builds pending for " + ", ".join(c.label() for c in needs_build)
                      + ": the plan for now serves with ready engines, the target switches once built")
 
     # scale-down delay: hold surplus replicas until the surplus has persisted for the delay
     held = hold_surplus(policy, demands, current, capacities, state.surplus_map(), below_reach, now_s,
                         now_problem, now_sol, now_place,
-                        lambda p: _solve_and_place(p, hosts, fleet.replicas, drained, reports, engine_hosts))
+                        lambda p: _solve_and_place(p, hosts, fleet.replicas, drained, reports, engine_hosts, solver))
     now_problem, now_sol, now_place, surplus_next = held.problem, held.solution, held.placement, held.surplus_since_s
     if held.note is not None:
         notes.append(held.note)
@@ -549,7 +578,7 @@ def plan_with_capacities(
         notes.append(f"{len(deferred)} actions deferred to later cycles (max {limit} per cycle)")
 
     explanation = _explain(policy, demands, now_sol, target_sol, now_place, target_place, capacities,
-                           predictor, reports, now_plan, target_plan, notes, observation)
+                           predictor, reports, now_plan, target_plan, notes, observation, counterfactuals)
     if counterfactuals:
         # a config short of the best reach is explained as what it is: out of the SLO's reach
         cf_caps = {**capacities, **{c: replace(capacities[c], max_rps=0.0) for c in below_reach}} \
@@ -558,7 +587,7 @@ def plan_with_capacities(
                                           relaxed_capacities)
     ledger, explanation = _budgets(policy, state, explanation, now_s)
     next_state = PlannerState(tuple(sorted(surplus_next.items())), state.cycle + 1, state.corrections, bursts,
-                              state.lengths, ledger)
+                              state.lengths, ledger, tuple(solver.solved))
     return PlanResult(now_plan, target_plan, next_state, explanation, tuple(act), tuple(deferred))
 
 
@@ -616,6 +645,7 @@ def _explain(
     target_plan: Plan,
     notes: list[str],
     observation: Observation,
+    counterfactuals: bool = True,
 ) -> Explanation:
     models: list[ModelExplanation] = []
     obs = canonical_observations(observation, policy)
@@ -640,7 +670,7 @@ def _explain(
             pred = predictor(c, load) if predictor is not None and n > 0 else Predicted()
             ttft, itl = _finite(pred.ttft_p99_ms), _finite(pred.itl_p99_ms)  # JSON: no NaN/inf
             last = None
-            if predictor is not None and n > 1 and pred.attainment is not None:
+            if counterfactuals and predictor is not None and n > 1 and pred.attainment is not None:
                 fewer = predictor(c, load * n / (n - 1)).attainment  # the same load on one replica fewer
                 last = pred.attainment - fewer if fewer is not None else None
             price = (policy.replica_usd_h(c) or 0.0) * n

@@ -141,7 +141,7 @@ def decide(observation: Observation, view: act.ActView, fleet: Fleet, policy: Po
            counterfactuals: bool = True) -> CycleDecision:
     """Plan (unless deferred) and brake. `now_s`: the planner's clock; `view`: what the plan sees
     (the act core is asked again with the view at acting time: `act.execute(..., planned_on=view)`).
-    counterfactuals=False: no alternatives/relaxations in the explanation (they change no action)."""
+    counterfactuals=False: no what-ifs in the explanation (planner/core.py `plan`; they change no action)."""
     from fleetplan.planner.core import plan
 
     waiting = act.plan_deferred(view)

@@ -10,10 +10,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 from fleetplan.models.names import Engine, GpuType, Precision
 from fleetplan.models.profile import ConfigKey as ConfigKey  # the one configuration identity
 from fleetplan.planner.slo import BudgetSlice, ErrorBudget
+
+if TYPE_CHECKING:
+    from fleetplan.planner.solve_memo import Solved
 
 
 class ReplicaState(StrEnum):
@@ -212,6 +216,9 @@ class PlannerState:
     bursts: tuple[tuple[str, float, float], ...] = ()  # (model, t_s, capacity a burst needed), recent
     lengths: tuple[HeldLengths, ...] = ()  # per model, the last length mix a reading showed
     budget: tuple[BudgetSlice, ...] = ()  # per model, the SLO's ledger over its period (planner/slo.py)
+    # the stage-1 problems last solved and their solutions (planner/solve_memo.py): a memo, not a
+    # decision: left out of the state's repr, equality and its stored form
+    solves: tuple[Solved, ...] = field(default=(), repr=False, compare=False)
 
     @staticmethod
     def initial() -> PlannerState:
