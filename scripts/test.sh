@@ -13,4 +13,9 @@ export PATH="$PWD/.venv/bin:$PATH"
 echo "== ruff";          ruff check .
 echo "== mypy";          mypy
 echo "== import-linter"; lint-imports
-echo "== pytest";        pytest -q "$@"
+# two workers (pytest-xdist): the integration and e2e tests mostly wait on their servers, so two
+# run side by side on two cores; a module's tests stay on one worker (its module-scoped servers start
+# once), and the modules go in collection order, the long e2e ones first (xdist would otherwise
+# start with the modules of most tests, the short unit ones, and end on the e2e tail).
+# `scripts/test.sh -n 0 ...` runs them in one process.
+echo "== pytest";        pytest -q -n 2 --dist loadscope --no-loadscope-reorder "$@"

@@ -289,7 +289,8 @@ class FakeController:
         payload = desired if isinstance(desired, bytes) else json.dumps(desired).encode()
         await self._client.publish(desired_topic(self.host), payload, qos=1, retain=True)
 
-    async def wait_ack(self, version: int | None, timeout_s: float = 15.0) -> Ack:
+    async def wait_ack(self, version: int | None, timeout_s: float = 30.0) -> Ack:
+        # from the publish: the agent process may still be starting (its imports take seconds on a busy machine)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for ack in self.acks:

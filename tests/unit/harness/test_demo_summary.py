@@ -110,6 +110,7 @@ def test_graduation_figures_and_line() -> None:
     assert "graduation to TensorRT-LLM (live): not on this day" in line and "saved" not in line
 
 
+@pytest.mark.usefixtures("ground_truth_once")  # the recorded command reuses the capacities (tests/conftest.py)
 def test_summary_of_a_tiny_day_with_a_real_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model = DEMO_MODEL_70B
     reqs = day_requests(1200.0, base_rps=0.05, peak_rps=0.6, isl=512, osl=128, model=model, seed=3)

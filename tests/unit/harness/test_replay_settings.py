@@ -99,6 +99,7 @@ def test_the_replay_cycles_and_reads_as_the_config_says(tmp_path: Path) -> None:
     assert len(times) >= 5 and {round(b - a) for a, b in itertools.pairwise(times)} == {120}
 
 
+@pytest.mark.usefixtures("ground_truth_once")  # one capacity search per config (tests/conftest.py)
 def test_evaluate_takes_the_daemons_config_and_refuses_a_bad_one(tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     trace_path, policy_path = _demo_files(tmp_path)
@@ -127,6 +128,7 @@ def test_evaluate_takes_the_daemons_config_and_refuses_a_bad_one(tmp_path: Path,
     assert json.loads(capsys.readouterr().out)["trace"]["replay_settings"]["scrape_s"] == 60.0
 
 
+@pytest.mark.usefixtures("ground_truth_once")  # one capacity search per config (tests/conftest.py)
 def test_the_demos_recorded_command_reproduces_its_replay_with_the_live_config(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The demo writes the live daemon's config (D/controller.yaml, as `Rig.write_controller_config`
