@@ -31,7 +31,6 @@ from dataclasses import dataclass, replace
 
 from fleetplan.planner.types import ConfigKey
 from fleetplan.sim.des import ControllerView, Decision, Environment, FleetSim, SimResult, SimSettings
-from fleetplan.sim.search import smallest_count
 from fleetplan.sim.traces import Trace, window_rates
 
 # the margins tried (from 1.0, up or down): below 1 is common, the capacity at the p99 targets under
@@ -168,8 +167,10 @@ class Yardstick:
 def _ladder_search(values: Sequence[float], run: Callable[[float], SimResult | None],
                    objective: float) -> Yardstick | None:
     """Along `values` (from the cheapest setting to the most generous), the cheapest whose replay
-    serves `objective`, by the one bracket-and-bisect (`fleetplan.sim.search.smallest_count`) from
-    the middle. None: not even the most generous one does."""
+    serves `objective`: from the middle, up until one serves it, then down while they still do.
+    None: none from the middle up does. A walk, not `fleetplan.sim.search.smallest_count`'s
+    bisection: the ladder is not monotone (a more generous setting can miss where a cheaper one
+    serves: a short trace with no prefix cache left the clairvoyant out under bisection)."""
     tried: dict[float, SimResult | None] = {}
 
     def ok(i: int) -> bool:
@@ -179,13 +180,20 @@ def _ladder_search(values: Sequence[float], run: Callable[[float], SimResult | N
         res = tried[v]
         return res is not None and res.slo_attainment >= objective
 
-    n = smallest_count(lambda k: ok(k - 1), len(values), start=len(values) // 2 + 1)
-    if n is None:
-        return None
-    best = tried[values[n - 1]]
+    i = len(values) // 2
+    if ok(i):
+        while i > 0 and ok(i - 1):
+            i -= 1
+    else:
+        while i + 1 < len(values) and not ok(i + 1):
+            i += 1
+        if i + 1 >= len(values):
+            return None
+        i += 1
+    best = tried[values[i]]
     assert best is not None
     log = tuple((v, float(r.gpu_hours), float(r.slo_attainment)) for v, r in sorted(tried.items()) if r is not None)
-    return Yardstick(best, values[n - 1], log)
+    return Yardstick(best, values[i], log)
 
 
 def clairvoyant(trace: Trace, configs: Sequence[ConfigKey], capacity_rps: Mapping[ConfigKey, float],
