@@ -29,50 +29,31 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from evaluate_traces import DATA, SCENARIOS, _benchmark_profiles  # noqa: E402
+from evaluate_traces import DATA, _scenario  # noqa: E402
+from replay_day import profiles_for  # noqa: E402
 
-from fleetplan.models.profile import ProfileSet  # noqa: E402
-from fleetplan.planner.policy import load_policy_text  # noqa: E402
 from fleetplan.sim import trace_build as tb  # noqa: E402
-from fleetplan.sim.evaluate import (  # noqa: E402
-    EvaluateOptions,
-    candidates_for,
-    evaluate,
-    prepare_trace,
-    profiles_from_ground_truth,
-    trace_lengths,
-)
-from fleetplan.sim.traces import read_trace  # noqa: E402
+from fleetplan.sim.evaluate import EvaluateOptions, evaluate, prepare_trace  # noqa: E402
 
 GOALS = {"best-fixed": 0.70, "hpa-tuned": 0.85, "clairvoyant": 1.20}
 DAY_S = 86_400.0
 
 
 def build(scenario: str, per_day: float, shape: tb.Shape, day: int, seed: int) -> Any:
-    fname, policy_text, model, _scale = SCENARIOS[scenario]
+    """The scenario's source log on the week's shape at `per_day` requests a day: (trace, policy, model)."""
+    raw, _hour, policy, model, _scale = _scenario(scenario, DATA)
     week = tb.read_week_rate(DATA / "traces" / "azure_llm_conv_2024_week_rate.csv")
-    src = tb.source_log(read_trace(DATA / "traces" / fname))
-    built = tb.build_on_shape(src, tb.envelope(week, shape, day), per_day / DAY_S, seed)
-    policy = load_policy_text(policy_text, f"bench:{scenario}")
+    built = tb.build_on_shape(tb.source_log(raw), tb.envelope(week, shape, day), per_day / DAY_S, seed)
     trace = prepare_trace(built.to_trace(f"{scenario}-{shape.value}-{per_day:g}/day", model), policy, model)
     return trace, policy, model
-
-
-def profiles_for(kind: str, policy: Any, model: str, trace: Any) -> ProfileSet:
-    if kind == "benchmarks":
-        return _benchmark_profiles(DATA / "benchmarks", Path("/tmp/fleetplan-benchmark-profiles.json"))
-    if kind == "ground-truth":
-        mp = policy.model(model)
-        return profiles_from_ground_truth(candidates_for(policy, model), trace_lengths(trace, model),
-                                          mp.slo.ttft_p99_ms, mp.slo.itl_p99_ms)
-    return ProfileSet.from_json_dict(json.loads(Path(kind).read_text()))
 
 
 def run(scenario: str, per_day: float, args: argparse.Namespace) -> dict[str, Any]:
     shape = tb.Shape(args.shape)
     t0 = time.perf_counter()
     trace, policy, model = build(scenario, per_day, shape, args.day, args.seed)
-    profiles = profiles_for(args.profiles, policy, model, trace)
+    profiles = profiles_for(args.profiles, f"days-{scenario}-{shape.value}-{per_day:g}-{args.seed}", trace, policy,
+                            model, DATA)
     print(f"== {trace.source}: {len(trace.requests):,} requests over {trace.duration_s / 3600:.1f} h "
           f"(built in {time.perf_counter() - t0:.0f} s)", flush=True)
     t1 = time.perf_counter()

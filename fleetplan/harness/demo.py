@@ -30,10 +30,10 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
@@ -62,6 +62,7 @@ from fleetplan.harness.demo_summary import (
 )
 
 REPO = Path(__file__).resolve().parents[2]  # fleetplan/harness/demo.py -> the repository
+T = TypeVar("T")
 
 DEMO_MODEL = "llama-3.1-8b"
 DEMO_MODEL_70B = "llama-3.1-70b"
@@ -738,6 +739,24 @@ async def _demo(args: argparse.Namespace, work: Path) -> int:
     return rc
 
 
+async def _with_progress(fn: Callable[[], T], what: str, progress_s: float) -> tuple[T | None, str | None, float]:
+    """Run `fn` in a thread with a progress line every `progress_s` wall seconds: (its result or None,
+    its error or None, the wall seconds). An error is returned, not raised: what was measured before
+    it is still written."""
+    t0 = time.monotonic()
+    task = asyncio.create_task(asyncio.to_thread(fn))
+    tick = progress_printer(what, lambda m: print(m, flush=True))
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=progress_s)
+        if done:
+            break
+        tick(time.monotonic() - t0)
+    try:
+        return task.result(), None, time.monotonic() - t0
+    except Exception as exc:
+        return None, f"{type(exc).__name__}: {exc}", time.monotonic() - t0
+
+
 async def _replay_real_day(work: Path, model: str, summary: dict[str, Any], requests: int, *, workers: int = 2,
                            progress_s: float = 10.0) -> None:
     """Replay the demo's day at its real length (fleetplan/harness/demo_day.py), add it to summary.json
@@ -745,22 +764,10 @@ async def _replay_real_day(work: Path, model: str, summary: dict[str, Any], requ
     section = real_day_section(work, model, None, requests=requests)
     print(f"== replaying the same day at its real length (24 h, {requests} requests): {section['command']}",
           flush=True)
-    t0 = time.monotonic()
-    task = asyncio.create_task(asyncio.to_thread(run_real_day, work, model, workers=workers))
-    tick = progress_printer(f"{', '.join(REAL_DAY_POLICIES)} over 24 h on {workers} workers",
-                            lambda m: print(m, flush=True))
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=progress_s)
-        if done:
-            break
-        tick(time.monotonic() - t0)
-    doc, error = None, None
-    try:
-        doc = task.result()
-    except Exception as exc:  # the hour's figures are already written
-        error = f"{type(exc).__name__}: {exc}"
-    summary["real_length_day"] = real_day_section(work, model, doc, requests=requests,
-                                                  wall_s=time.monotonic() - t0, error=error)
+    doc, error, wall_s = await _with_progress(
+        lambda: run_real_day(work, model, workers=workers),
+        f"{', '.join(REAL_DAY_POLICIES)} over 24 h on {workers} workers", progress_s)
+    summary["real_length_day"] = real_day_section(work, model, doc, requests=requests, wall_s=wall_s, error=error)
     path = write_summary(work, summary)
     print(f"== summary ({path}): the real-length day added", flush=True)
     print("\n".join(render_real_day(summary["real_length_day"])), flush=True)
@@ -773,22 +780,11 @@ async def _replay_and_summarise(work: Path, model: str, day: dict[str, Any], slo
     stopped: the CPU is the replay's), write summary.json and print the table."""
     argv = evaluate_argv(work, model, time_scale=time_scale)
     print(f"== replaying the same day, policy and profiles in the simulator: {' '.join(argv)}", flush=True)
-    t0 = time.monotonic()
-    task = asyncio.create_task(asyncio.to_thread(run_replay, work, model, workers=workers, time_scale=time_scale))
-    tick = progress_printer(f"{', '.join(REPLAY_POLICIES)} and the ground-truth capacities on {workers} workers",
-                            lambda m: print(m, flush=True))
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=progress_s)
-        if done:
-            break
-        tick(time.monotonic() - t0)
-    replay, error = None, None
-    try:
-        replay = task.result()
-    except Exception as exc:  # the live figures are still written
-        error = f"{type(exc).__name__}: {exc}"
+    replay, error, wall_s = await _with_progress(
+        lambda: run_replay(work, model, workers=workers, time_scale=time_scale),
+        f"{', '.join(REPLAY_POLICIES)} and the ground-truth capacities on {workers} workers", progress_s)
     summary = build_summary(work=work, model=model, day=day, slo=slo, live=live, replay=replay,
-                            replay_wall_s=time.monotonic() - t0, replay_error=error, time_scale=time_scale)
+                            replay_wall_s=wall_s, replay_error=error, time_scale=time_scale)
     path = write_summary(work, summary)
     print(f"== summary ({path}): live vs replay, same day, policy and profiles", flush=True)
     print(render_summary(summary), flush=True)
