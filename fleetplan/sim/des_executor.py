@@ -51,10 +51,18 @@ class BaselineExecutor(FleetWorld):
                         break
                     self._start_replica(t, None, c, slot[0], slot[1])
             elif len(have) > want:
-                # cancel starting replicas first (newest first), then the least-loaded ready ones
+                # cancel starting replicas first (newest first), then the least-loaded ready ones; a
+                # ready one stays while a replica of another config of its model is still starting
+                # to take its place (make-before-break, as a rolling update with none unavailable)
                 order = sorted(have, key=lambda r: (r.state == ReplicaState.READY, r.load, -r.seq))
-                for r in order[: len(have) - want]:
-                    self._drain(r, t)
+                incoming = sum(1 for r in self.replicas if r.config.model == c.model and r.config != c
+                               and r.state == ReplicaState.STARTING)
+                cut = order[: len(have) - want]
+                ready_cut = [r for r in cut if r.state == ReplicaState.READY]
+                keep = set(map(id, ready_cut[: min(incoming, len(ready_cut))]))
+                for r in cut:
+                    if id(r) not in keep:
+                        self._drain(r, t)
 
     def _warm_baseline(self) -> None:
         """The baseline's fleet for the first window, READY at t = 0 (not counted as starts)."""

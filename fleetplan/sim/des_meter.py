@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from fleetplan.models.mix import SLO_SHARE
 from fleetplan.planner.types import ConfigKey, ReplicaState
 from fleetplan.sim.des_base import FleetSimBase
 from fleetplan.sim.des_types import PENDING, REJECTED, SERVED, SimResult, TimelinePoint
+from fleetplan.sim.slo_periods import judge
 
 
 class FleetMeter(FleetSimBase):
@@ -60,6 +62,10 @@ class FleetMeter(FleetSimBase):
         ttft_slo = np.array([self.env.ttft_slo_ms[self.model_names[m]] for m in self.req_model]) / 1000.0
         itl_slo = np.array([self.env.itl_slo_ms[self.model_names[m]] for m in self.req_model]) / 1000.0
         ok = served & (ttft_s <= ttft_slo) & (itl_s <= itl_slo)
+        names = self.model_names
+        judged = judge(self.arr_t, np.asarray(self.req_model, dtype=np.int64), ok, names,
+                       {m: self.env.slo_objective.get(m, SLO_SHARE) for m in names},
+                       {m: self.env.slo_period_s.get(m, 3600.0) for m in names}, self.duration_s)
         c = self.control
         queried = sum(r.core.prefix_queries_tokens for r in self.replicas)
         hits = sum(r.core.prefix_hit_tokens for r in self.replicas)
@@ -72,6 +78,7 @@ class FleetMeter(FleetSimBase):
             unfinished=int((self.status == PENDING).sum()),
             slo_met=int(ok.sum()),
             met=ok,
+            judged=judged,
             gpu_hours=gpu_hours,
             build_gpu_hours=build_s / 3600.0,
             cost_usd=cost,

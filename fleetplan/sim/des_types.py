@@ -4,7 +4,7 @@ and what it returns (SimResult and its timeline)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -13,6 +13,7 @@ from fleetplan.planner.types import ConfigKey, Fleet, HostInventory
 from fleetplan.sim.control import FleetplanController
 from fleetplan.sim.groundtruth import EngineParams
 from fleetplan.sim.router import RouteMode
+from fleetplan.sim.slo_periods import PeriodJudgement
 
 # request status codes
 PENDING, SERVED, REJECTED = 0, 1, 2
@@ -64,6 +65,10 @@ class Environment:
     cached: frozenset[ConfigKey]  # configs whose engine build exists at t = 0
     ttft_slo_ms: Mapping[str, float]  # per model
     itl_slo_ms: Mapping[str, float]
+    # per model: the SLO's objective and rolling period (the replay is judged window by window on
+    # them: sim/slo_periods.py); a model left out: 0.99 over an hour
+    slo_objective: Mapping[str, float] = field(default_factory=dict)
+    slo_period_s: Mapping[str, float] = field(default_factory=dict)
     epoch0_s: float = 1_767_571_200.0  # 2026-01-05 00:00 UTC (a Monday) = simulated t 0
 
 
@@ -136,8 +141,15 @@ class SimResult:
     gpu_hours_by_config: tuple[tuple[ConfigKey, float], ...] = ()  # replicas' GPU-hours (builds apart)
     met: np.ndarray | None = None  # per arrived request (trace order): served within both SLOs
     build_windows: tuple[tuple[float, float, ConfigKey], ...] = ()  # engine builds: (start_s, done_s, config)
+    judged: PeriodJudgement | None = None  # the SLO over every rolling period (None: not judged)
 
     @property
     def slo_attainment(self) -> float:
+        """The share of the whole trace's requests served within the SLO."""
         return self.slo_met / self.arrived if self.arrived else 1.0
+
+    def serves_slo(self, objective: float) -> bool:
+        """Whether the replay serves the SLO as the policy writes it: every rolling period of every
+        model at its objective (`judged`); a result not judged: the whole trace's share >= `objective`."""
+        return self.judged.met if self.judged is not None else self.slo_attainment >= objective
 

@@ -54,6 +54,7 @@ from fleetplan.sim.evaluate_yardsticks import run_yardsticks
 from fleetplan.sim.graduation import Graduation, graduation
 from fleetplan.sim.groundtruth import EngineParams, build_params
 from fleetplan.sim.jobs import open_jobs
+from fleetplan.sim.slo_periods import PeriodJudgement
 from fleetplan.sim.solve_limits import replay_policy
 from fleetplan.sim.traces import Trace, TraceRequest, window_rates
 
@@ -98,6 +99,8 @@ class PolicyFigures:
     # starts an agent would refuse (GPUs in use, engine not on that host): 0 unless the act path errs
     refused_starts: int = 0
     graduation: Graduation | None = None  # its builds and when each engine served (None: not replayed)
+    # the SLO as the policy writes it: every rolling period at its objective (sim/slo_periods.py)
+    slo_periods: PeriodJudgement | None = None
 
     def gpu_hours_by_engine(self) -> dict[str, float]:
         """Per engine: its replicas' GPU-hours (+ "build": the engine builds')."""
@@ -133,6 +136,7 @@ class PolicyFigures:
                 "swap_cycles": self.swap_cycles,
                 "refused_starts": self.refused_starts,
                 "graduation": None if self.graduation is None else self.graduation.to_json(),
+                "slo_periods": None if self.slo_periods is None else self.slo_periods.to_json(),
                 "sim_wall_s": r(self.wall_s, 2),
             })
         d.update({
@@ -276,6 +280,8 @@ def make_environment(policy: Policy) -> Environment:
         cached=policy.cached_configs(),
         ttft_slo_ms={m.name: m.slo.ttft_p99_ms for m in policy.models},
         itl_slo_ms={m.name: m.slo.itl_p99_ms for m in policy.models},
+        slo_objective={m.name: m.slo.objective for m in policy.models},
+        slo_period_s={m.name: m.slo.period_s for m in policy.models},
     )
 
 
@@ -343,7 +349,7 @@ def fixed_count(trace: Trace, policy: Policy, config: ConfigKey, settings: SimSe
     def reaches(n: int) -> bool:
         res = FleetSim(trace, StaticController("best-fixed", {config: n}), make_environment(policy), settings).run()
         reached[n] = res.slo_attainment
-        return res.slo_attainment >= target
+        return res.serves_slo(target)
 
     start = math.ceil(mean_rate(trace) / capacity_rps) if capacity_rps is not None and capacity_rps > 0 else None
     n = smallest_count(reaches, max_replicas(policy, config), start)
@@ -739,6 +745,7 @@ def _figures(res: SimResult, wall: float, caps: Mapping[ConfigKey, float]) -> Po
         gpu_hours=res.gpu_hours,
         cost_usd=res.cost_usd,
         slo_attainment=res.slo_attainment,
+        slo_periods=res.judged,
         ttft_p50_ms=_q(res.ttft_ms, 0.5),
         ttft_p99_ms=_q(res.ttft_ms, 0.99),
         itl_p50_ms=_q(res.itl_ms, 0.5),

@@ -13,11 +13,19 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from fleetplan.sim.evaluate import Evaluation
+    from fleetplan.sim.evaluate import Evaluation, PolicyFigures
+
+
+def _period(p: PolicyFigures) -> str:
+    """The worst rolling period's good share, '*' where it is below the objective; '-' not judged."""
+    j = p.slo_periods
+    if j is None:
+        return "-"
+    return f"{100 * j.worst_share:.2f}%" + ("" if j.met else "*")
 
 
 def render_table(ev: Evaluation) -> str:
-    head = (f"{'policy':<22} {'GPU-h':>8} {'cost $':>8} {'SLO att.':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
+    head = (f"{'policy':<22} {'GPU-h':>8} {'cost $':>8} {'SLO att.':>8} {'worst per.':>10} {'TTFT p50':>9} {'TTFT p99':>9} "
             f"{'ITL p50':>8} {'ITL p99':>8} {'starts':>6} {'lag s':>6} {'unmet':>7} {'unmet d':>7}")
     lines = [head, "-" * len(head)]
 
@@ -28,6 +36,7 @@ def render_table(ev: Evaluation) -> str:
         lines.append(
             f"{name:<22} {p.gpu_hours:>8.2f} {p.cost_usd:>8.2f} "
             f"{f(None if p.slo_attainment is None else 100 * p.slo_attainment, '7.2f') + ('%' if p.slo_attainment is not None else ''):>8} "
+            f"{_period(p):>10} "
             f"{f(p.ttft_p50_ms, '9.0f'):>9} {f(p.ttft_p99_ms, '9.0f'):>9} {f(p.itl_p50_ms, '8.1f'):>8} "
             f"{f(p.itl_p99_ms, '8.1f'):>8} {p.replica_starts:>6} {f(p.scale_up_lag_mean_s, '6.0f'):>6} "
             f"{(p.unmet_requests if p.slo_attainment is not None else '-')!s:>7} {100 * p.unmet_demand_share:>6.2f}%"
@@ -46,7 +55,12 @@ def render_table(ev: Evaluation) -> str:
         y = ev.policies.get(name)
         if y is not None and fp is not None and y.gpu_hours > 0:
             lines.append(f"fleetplan / {name} GPU-hours: {fp.gpu_hours / y.gpu_hours:.2f} (SLO attainment "
-                         f"{100 * (fp.slo_attainment or 0.0):.2f}% vs {100 * (y.slo_attainment or 0.0):.2f}%)")
+                         f"{100 * (fp.slo_attainment or 0.0):.2f}% vs {100 * (y.slo_attainment or 0.0):.2f}%; "
+                         f"worst period {_period(fp).strip()} vs {_period(y).strip()})")
+    judged = fp.slo_periods if fp is not None else None
+    if judged is not None and judged.windows > 1:
+        lines.append(f"SLO judged over every rolling {judged.period_s / 3600:g} h period (the policy's): "
+                     "a policy serves it when each period has its objective; 'worst per.' is the worst one's share")
     lines.extend(f"note: {n}" for n in ev.notes)
     lines.extend(f"note: {name}: {p.refused_starts} starts an agent would refuse (GPUs in use, or no engine on "
                  "that host): a defect of the act path, see the replay's notes"

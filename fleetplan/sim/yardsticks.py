@@ -178,7 +178,7 @@ def _ladder_search(values: Sequence[float], run: Callable[[float], SimResult | N
         if v not in tried:
             tried[v] = run(v)
         res = tried[v]
-        return res is not None and res.slo_attainment >= objective
+        return res is not None and res.serves_slo(objective)
 
     i = len(values) // 2
     if ok(i):

@@ -87,3 +87,24 @@ def test_the_search_finds_the_cheapest_setting_that_serves_the_objective(needs: 
         return
     assert y is not None and y.setting == found and y.result.gpu_hours == found
     assert len(runs) == len(set(runs))  # never a setting replayed twice
+
+
+def test_a_schedule_that_changes_engine_keeps_the_old_replica_until_the_new_one_serves() -> None:
+    """The yardstick's switch from vLLM to a TensorRT-LLM engine that needs a build: the vLLM replica
+    is drained only once its replacement is READY (a rolling update with none unavailable), so the
+    switch rejects no request even when the schedule's ask comes a tick late."""
+    from fleetplan.sim.des import FleetSim
+    from fleetplan.sim.evaluate import EvaluateOptions
+    from fleetplan.sim.traces import Trace, TraceRequest
+    from fleetplan.sim.yardsticks import ScheduleController
+
+    # 1 rps for 40 min; vLLM for the first 20 min, TRT TP2 (a 900 s build) from then on. The ask is
+    # made 30 s late (first_lead shorter than the build + startup): the old schedule executor drained
+    # vLLM at the window's start, before TRT served, and rejected what came meanwhile
+    reqs = tuple(TraceRequest(float(t), 256, 32, "llama-3-8b") for t in range(0, 2400))
+    trace = Trace("switch", "synthetic", reqs)
+    late = Schedule(1200.0, {VLLM: (1, 0), TRT2: (0, 1)}, {VLLM: 60.0, TRT2: 45.0}, {VLLM: 60.0, TRT2: 915.0})
+    res = FleetSim(trace, ScheduleController("clairvoyant", late), ENV, EvaluateOptions().settings).run()
+    assert res.rejected == 0
+    by = dict(res.gpu_hours_by_config)
+    assert by[TRT2] > 0 and by[VLLM] > 1200.0 / 3600.0  # vLLM held past its window until TRT served
