@@ -38,6 +38,9 @@ class CapacityInfo:
     # the share of requests an idle replica serves within the SLO when a target's p99 is out of this
     # config's reach for the mix (None: reachable); see _prefer_reachable
     floor_share: float | None = None
+    # the good share this window is sized for where the error budget is spent (planner/slo.py
+    # planned_share; max_rps is then the rate at that share); None: the p99 targets
+    planned_share: float | None = None
 
 
 @dataclass(frozen=True)
@@ -211,6 +214,38 @@ def config_capacity(profile: mp.PerfProfile, workload: MixedWorkload, m: ModelPo
     return c
 
 
+def rate_at_share(profile: mp.PerfProfile, workload: MixedWorkload, m: ModelPolicy, share: float,
+                  speeds: Speeds, p99_rps: float) -> float:
+    """The largest rate one replica serves with `share` of the mix's requests within both targets
+    (models/mix.py attainment_mix, at the speeds), never below `p99_rps` (the capacity at the p99
+    targets, what a window is sized for without spending the budget): a bracket, then 12 halvings.
+
+    Worked example: a replica whose p99 binds at 2.0 rps may serve 98% of the requests within the
+    targets at 2.3 rps; planned at a 98% share it counts as 2.3 rps, fewer replicas carry the window.
+    """
+    mix = mix_for(profile, workload)
+
+    def ok(r: float) -> bool:
+        a = attainment_mix(profile, mix, r, ttft_ms=m.slo.ttft_p99_ms, itl_ms=m.slo.itl_p99_ms,
+                           ttft_speed=speeds.ttft, itl_speed=speeds.itl)
+        return a.share >= share
+
+    lo = max(p99_rps, 1e-9)
+    if not ok(lo):
+        return p99_rps
+    hi = lo * 1.25
+    for _ in range(8):
+        if not ok(hi):
+            break
+        lo, hi = hi, hi * 1.25
+    else:
+        return lo
+    for _ in range(12):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
 def _prefer_reachable(table: dict[ConfigKey, CapacityInfo]) -> None:
     """Where some config of a model reaches the SLO's p99 targets for its mix, the configs that cannot
     (their floor_share below 99% even idle) are no candidates for its demand (capacity 0: min_replicas
@@ -272,10 +307,15 @@ def capacity_table(
     gpus: Iterable[GpuType],
     use_prior: bool = True,
     speeds: Mapping[ConfigKey, Speeds] | None = None,
+    shares: Mapping[str, float] | None = None,
 ) -> tuple[dict[ConfigKey, CapacityInfo], Predictor]:
     """Capacity of every candidate config for its model's length mix and SLO, at the speeds the
     online correction applies (planner/correction.py; none: the profiles as fitted), and a predictor
-    for the explanation. `profiles`: a ProfileSet, or the per-config profiles already resolved."""
+    for the explanation. `profiles`: a ProfileSet, or the per-config profiles already resolved.
+    `shares`: per model the good share its windows are sized for where the error budget is spent
+    (planner/slo.py planned_share; a model left out: the p99 targets): the capacity at the targets
+    x the rate-at-share over the capacity-at-the-targets ratio at the same speeds (`rate_at_share`;
+    the correction's trust bound on a faster engine scales with it)."""
     chosen = (resolve_profiles(policy, profiles, gpus, use_prior) if isinstance(profiles, mp.ProfileSet)
               else dict(profiles))
     table: dict[ConfigKey, CapacityInfo] = {}
@@ -294,8 +334,19 @@ def capacity_table(
             continue  # a profile that cannot answer for this mix: not a candidate
         if not (math.isfinite(rps) and rps >= 0):
             continue  # 0 stays: the SLO out of reach at this mix (planner.core keeps min_replicas on it)
+        share = (shares or {}).get(key.model)
+        if share is not None and rps > 0 and applied.floor_share is None:
+            # the same speeds, no trust bound: the ratio a spent budget buys, applied to what is trusted
+            free = applied if sp.trusted_rps is None else config_capacity(prof, w, m, replace(sp, trusted_rps=None))
+            try:
+                rps *= max(1.0, rate_at_share(prof, w, m, share, sp, free.max_rps) / free.max_rps)
+            except (ValueError, ArithmeticError):
+                share = None
+        else:
+            share = None
         table[key] = CapacityInfo(rps, binding, tuple(warnings), prof.source == "roofline", base_rps, sp.note,
-                                  extrapolation(prof, mix_for(prof, w), w.isl_p99_low), applied.floor_share)
+                                  extrapolation(prof, mix_for(prof, w), w.isl_p99_low), applied.floor_share,
+                                  share)
     _prefer_reachable(table)
 
     def predictor(config: ConfigKey, rate_rps: float) -> Predicted:

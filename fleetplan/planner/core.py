@@ -83,7 +83,7 @@ from fleetplan.planner.scale_down import (
     unproven_floors,
     young_floors,
 )
-from fleetplan.planner.slo import BudgetSlice, error_budget, record
+from fleetplan.planner.slo import BudgetSlice, error_budget, planned_share, record
 from fleetplan.planner.solve_memo import Solved, reusable, reused
 from fleetplan.planner.types import (
     ConfigCount,
@@ -185,7 +185,8 @@ def plan(
                                      canonical_observations(observation, policy), chosen, workloads, extrap,
                                      now_s, {m.name: (m.slo.ttft_p99_ms, m.slo.itl_p99_ms) for m in policy.models})
     speeds = applied_speeds(corrections, chosen, extrap)
-    table, predictor = capacity_table(policy, chosen, workloads, gpus, speeds=speeds)
+    table, predictor = capacity_table(policy, chosen, workloads, gpus, speeds=speeds,
+                                      shares=planned_shares(policy, state.budget, now_s))
     for c in sorted(allowed):
         if not any(k.model == c.model for k in table):
             # no profile and no roofline prior: the floor still runs (min_replicas), flagged
@@ -591,12 +592,26 @@ def plan_with_capacities(
     return PlanResult(now_plan, target_plan, next_state, explanation, tuple(act), tuple(deferred))
 
 
+def planned_shares(policy: Policy, ledger: Sequence[BudgetSlice], now_s: float) -> dict[str, float]:
+    """Per model whose policy lets the planner spend its error budget (a window floor below the
+    objective), the good share this window is sized for (planner/slo.py planned_share), from the
+    ledger as the last cycle left it."""
+    out: dict[str, float] = {}
+    for m in policy.models:
+        budget = error_budget(ledger, m.name, now_s, m.slo.kind, m.slo.objective, m.slo.period_s, m.slo.floor)
+        share = planned_share(m.slo.objective, m.slo.floor, budget, PLANNED_GOOD_SHARE)
+        if share is not None:
+            out[m.name] = share
+    return out
+
+
 def _budgets(policy: Policy, state: PlannerState, explanation: Explanation,
              now_s: float) -> tuple[tuple[BudgetSlice, ...], Explanation]:
     """The SLO ledger after this cycle's readings (planner/slo.py: the window's rate and missed share,
     a stale model's none) and each model's error budget in its explanation."""
     ledger: list[BudgetSlice] = []
     models = []
+    spending = planned_shares(policy, state.budget, now_s)
     for me in explanation.models:
         m = policy.model(me.model)
         if m is None:
@@ -608,6 +623,14 @@ def _budgets(policy: Policy, state: PlannerState, explanation: Explanation,
         ledger.extend(mine)
         budget = error_budget(mine, m.name, now_s, m.slo.kind, m.slo.objective, m.slo.period_s, m.slo.floor)
         notes = me.notes
+        share = spending.get(m.name)
+        if share is not None:
+            before = error_budget(state.budget, m.name, now_s, m.slo.kind, m.slo.objective, m.slo.period_s,
+                                  m.slo.floor)
+            left = 100 * before.budget_left[0] if before is not None else 0.0
+            notes = (*notes, f"error budget spent: this window sized for {100 * share:.2f}% good requests, not "
+                             f"the p99 targets ({left:.0f}% of the budget left at least; objective "
+                             f"{100 * m.slo.objective:g}%, window floor {100 * m.slo.floor:g}%)")
         if max(m.slo.objective, m.slo.floor) > PLANNED_GOOD_SHARE:
             notes = (*notes, f"objective {100 * m.slo.objective:g}% (window floor {100 * m.slo.floor:g}%): each "
                              "window is sized for the p99 of TTFT and ITL at the targets, not above; the error "

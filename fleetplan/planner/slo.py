@@ -15,9 +15,14 @@ inside a bucket cannot tell a miss). The ledger keeps `SLICES` slices of the per
 is older. `error_budget` reads it: the period's good share and the budget left, each as the two
 bounds, and the worst slice's good share (what `EVERY_WINDOW` is judged on).
 
-The budget is reported (plan JSON, explanation), not spent: the planner still sizes every window
-for the targets with the policy's headroom (docs/evaluate.md: a budget looks back, the headroom
-insures forward; a trial that spent it let bursts inside the lead time spend 7x the budget).
+Spending it is the policy's choice: with `slo.window_floor` below the objective, each window is
+sized for a good share between the two (`planned_share`): the objective minus the share of the
+budget left (its lower bound) times the room down to the floor. A full budget plans at the floor,
+a spent one at the objective, nothing counted yet at the objective, so the period's share stays at
+the objective as the ledger fills and the floor bounds any one window's risk. Without a floor (the
+default: the floor is the objective) nothing is spent: every window is sized for the targets with
+the policy's headroom (a budget looks back, the headroom insures forward; a trial that spent the
+budget with no floor let bursts inside the lead time spend 7x of it).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 __all__ = ["MAX_GAP_CYCLES", "SLICES", "BudgetSlice", "ErrorBudget", "ObjectiveKind", "error_budget",
-           "record"]
+           "planned_share", "record"]
 
 # the ledger's resolution: an hour in 150 s slices, a day in hours (~100 bytes a slice in the stored
 # state, which is kept with every plan)
@@ -125,3 +130,23 @@ def error_budget(ledger: Sequence[BudgetSlice], model: str, now_s: float, kind: 
     covered = min(period_s, now_s - min(s.t_s for s in mine))
     return ErrorBudget(kind, objective, period_s, window_floor, total, covered, (1.0 - hi, 1.0 - lo),
                        (1.0 - hi / allowed, 1.0 - lo / allowed), worst)
+
+
+def planned_share(objective: float, floor: float, budget: ErrorBudget | None, sized_share: float) -> float | None:
+    """The share of good requests this window is sized for, where the policy lets the planner spend
+    the error budget (`floor` below the objective); None: size for the p99 targets as always.
+    `sized_share`: what the p99 targets give (0.99): a share at or above it is planned as the targets.
+
+    >>> b = lambda left: ErrorBudget(ObjectiveKind.PERIOD, 0.99, 3600.0, 0.97, 1e4, 3600.0, (0.995, 0.996),
+    ...                              (left, left + 0.1), 0.99)
+    >>> [round(planned_share(0.99, 0.97, b(x), 0.99), 4) for x in (1.0, 0.5)]   # all left: the floor
+    [0.97, 0.98]
+    >>> planned_share(0.99, 0.97, b(-0.2), 0.99), planned_share(0.99, 0.97, None, 0.99)  # spent; unknown
+    (None, None)
+    >>> planned_share(0.99, 0.99, b(1.0), 0.99)  # no floor below the objective: nothing is spent
+    """
+    if floor >= objective or budget is None or budget.kind is not ObjectiveKind.PERIOD:
+        return None
+    left = min(1.0, max(0.0, budget.budget_left[0]))
+    share = objective - left * (objective - floor)
+    return share if share < sized_share else None
