@@ -10,6 +10,7 @@ import sqlite3
 from pathlib import Path
 
 from fleetplan.controller.protocol import parse_status
+from fleetplan.planner.act_types import AlertKey, AlertKind
 from fleetplan.planner.types import Action, ActionKind, ConfigKey, Replica, ReplicaState
 from tests.unit.controller.test_failsafe_inventory import make, status
 from tests.unit.planner.planner_helpers import BF16, H100, VLLM
@@ -38,7 +39,7 @@ def test_unknown_agents_and_a_plan_on_policy_hosts_alert_once_and_log_once_with_
         assert len(rows) == 3, rows  # not 15
         assert all(r[:4] == ("start", "gpu-01", "deferred", 5) for r in rows), rows
         assert "host gpu-01 has no online agent (deferred 5 times" in rows[0][4]
-        text = c.runtime_alerts["unreachable"]
+        text = c.runtime_alerts[AlertKey(AlertKind.UNREACHABLE)]
         assert "gpu-01" in text and "host-a, host-b" in text
         report_alerts = c.report()["alerts"]
         assert sum("cannot be carried out" in a for a in report_alerts) == 1
@@ -56,7 +57,7 @@ def test_the_lab_agents_under_the_example_policy_are_told_without_a_plan_on_them
         c.executor.connected_wall = c.wall() - 3600
         assert {h.name: h.gpu_count for h in c.build_fleet().hosts} == {"host-a": 0, "host-b": 0}  # held
         asyncio.run(c.executor.execute(1, []))
-        text = c.runtime_alerts["unreachable"]
+        text = c.runtime_alerts[AlertKey(AlertKind.UNREACHABLE)]
         assert "no host the policy lists has an online agent (gpu-01, gpu-02, gpu-03, gpu-04)" in text
         assert "host-a, host-b" in text
     finally:
