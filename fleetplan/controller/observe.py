@@ -10,8 +10,9 @@ fleet. TRT-LLM has no inter-token histogram: its ITL is read from
 
 This module does the I/O only: `Observer.fetch` returns the raw answers as plain data
 (`fleetplan.planner.observation.Readings`), and the pure `interpret` there holds the fail-static
-rules (a stale model, partial rate windows, the time scale) and builds the per-model numbers.
-`Observer.snapshot` is fetch + interpret + the length/latency evidence (planner/evidence.py).
+rules (a stale model, partial rate windows, a router that was down, the time scale) and builds the
+per-model numbers. `Observer.snapshot` is fetch + the length/latency evidence (planner/evidence.py)
++ `fleetplan.planner.cycle.observe`, the replay's path from readings to what they mean.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -29,10 +30,12 @@ from fleetplan.controller.prom_answer import PrometheusError, data_of, matrix_of
 from fleetplan.planner import clockstep
 from fleetplan.planner import evidence as ev
 from fleetplan.planner.arrivals import ARRIVALS, EngineSeries
+from fleetplan.planner.cycle import Observed, observe
 from fleetplan.planner.observation import (
     MODEL_LABELS,
     REPLICA_LABEL,
     UNSET_MODEL_NAMES,
+    Interpreted,
     ModelMetrics,
     ObserveRules,
     Query,
@@ -41,7 +44,6 @@ from fleetplan.planner.observation import (
     Sample,
     Series,
     group,
-    interpret,
     model_of,
 )
 
@@ -447,7 +449,7 @@ class Observer:
         *,
         now_s: float | None = None,
         with_history: bool = True,
-        expected_replicas: Iterable[str] | None = None,
+        expected_replicas: Collection[str] | None = None,
         serving: Mapping[str, str] | None = None,
         router_down: bool = False,
         ready_wall_s: Mapping[str, float] | None = None,
@@ -464,36 +466,38 @@ class Observer:
         readings = await self.fetch(with_history=with_history, deadline=deadline)
         now = readings.wall_s if now_s is None else now_s
         step = self.prom_clock
-        view = interpret(readings, models, now_s=now, rules=self.config.rules(), canonical=self.canonical,
-                         expected_replicas=frozenset(expected_replicas) if expected_replicas is not None else None,
-                         serving=serving, router_down=router_down, ready_wall_s=ready_wall_s)
-        alerts = (*view.alerts, step.alert) if step.alert is not None else view.alerts
+        evidence = None
         if readings.error is not None:
             log.warning("fail static: %s", readings.error)
+        else:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    evidence = await self._evidence(readings.wall_s)
+            except TimeoutError:
+                log.warning("length/latency evidence unavailable: not read within the observation's %g s",
+                            self.deadline_s)
+        # what the readings mean: the replay's path (planner/cycle.py `observe`)
+        observed = observe(readings, evidence, models, now_s=now, rules=self.config.rules(), canonical=self.canonical,
+                           expected_replicas=expected_replicas, serving=serving, ready_wall_s=ready_wall_s,
+                           router_down=router_down)
+        view = observed.interpreted
+        alerts = (*view.alerts, step.alert) if step.alert is not None else view.alerts
+        if readings.error is not None:
             return Snapshot(view.models, view.replicas, alerts, False, readings.wall_s, now)
-        try:
-            async with asyncio.timeout_at(deadline):
-                evidence = await self._evidence(readings.wall_s)
-        except TimeoutError:
-            log.warning("length/latency evidence unavailable: not read within the observation's %g s", self.deadline_s)
-            evidence = None
-        return Snapshot(view.models, view.replicas, alerts, view.prometheus_ok, readings.wall_s, now, evidence,
-                        clock_step_s=step.stepped_s)
+        return Snapshot(view.models, view.replicas, alerts, view.prometheus_ok, readings.wall_s, now,
+                        observed.evidence, clock_step_s=step.stepped_s)
 
 
 def to_observation(snapshot: Snapshot, models: Sequence[str] | None = None,
                    replicas: Sequence[Any] | None = None) -> Any:
     """The planner's Observation for `models` (default: every model in the snapshot), by the pure
-    `fleetplan.planner.cycle.observation_from` (the replay calls it too).
+    `fleetplan.planner.cycle.Observed.for_fleet` (the replay's too).
 
     `replicas`: the fleet's fleetplan.planner.types.Replica list; with it, each model also carries its length
     quantiles and per-config evidence (planner/evidence.py), else only the per-model numbers."""
-    from fleetplan.planner.cycle import observation_from
-    from fleetplan.planner.observation import Interpreted
-
-    names = list(models) if models is not None else list(snapshot.models)
+    names = tuple(models) if models is not None else tuple(snapshot.models)
     view = Interpreted(snapshot.models, snapshot.replicas, snapshot.alerts, snapshot.prometheus_ok)
-    obs, notes = observation_from(view, snapshot.evidence, names, replicas, snapshot.now_s)
+    obs, notes = Observed(view, snapshot.evidence, names, snapshot.now_s).for_fleet(replicas)
     for note in notes:
         log.info("%s", note)
     return obs
