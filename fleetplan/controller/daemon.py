@@ -45,7 +45,7 @@ from fleetplan.controller.report_snapshot import ReportSnapshot
 from fleetplan.controller.sdnotify import sd_notify
 from fleetplan.controller.settings import ControllerSettings, RoutingSettings
 from fleetplan.controller.state import Phase, StateStore
-from fleetplan.planner import clockstep
+from fleetplan.planner import act_port, clockstep
 from fleetplan.planner.act_types import AlertKey, AlertKind
 
 __all__ = ["Clock", "Controller", "ControllerSettings", "RoutingSettings"]
@@ -379,11 +379,12 @@ class Controller:
         self._brakes(d.brakes, doc)
         self.store.save_plan(cid, doc, solve_s, doc["next_state"])
         self.planner_state = result.next_state
-        counts = await self.executor.execute(cid, d.brakes.allowed, planned_on)
+        # the act loop's step, the replay's too (planner/act_port.py), with the executor as its port
+        acted = await act_port.execute(self.executor, d.brakes.allowed, planned_on=planned_on, cycle_id=cid)
         summary: dict[str, Any] = {"held": len(d.brakes.held)}
         summary["decision_id"] = reporting.audit(self, cid, now_s, doc, snap, fleet, d.brakes.allowed)
         await self.executor.update_routing()
-        summary.update(counts)
+        summary.update(acted.counts)
         summary.update(solve_s=round(solve_s, 4), planned_replicas=len(result.plan.replicas),
                        plan_usd_h=result.plan.usd_h,
                        stale_models=sorted(m for m, mm in snap.models.items() if mm.stale and m in models))

@@ -1,5 +1,9 @@
 """The controller's hands: it carries out what the act core (planner/act.py) decides.
 
+`Executor` is the daemon's act-loop port (planner/act_port.py `Port`): the daemon runs the loop's
+steps (`act_port.reconcile` inside `reconcile`, `act_port.execute`, `act_port.drain`) with it, as
+the replay runs them with sim/control.py `ReplayControl`.
+
 Inputs to the core: `view()` (the hosts' last reports + this controller's records). Effects of
 its decisions: rows committed in one transaction (`apply`), then desired states published
 (`publish_hosts`: staged version+1 committed before the MQTT publish; acks are never awaited
@@ -310,12 +314,6 @@ class Executor:
         self.apply(d, None)
         self.pending_publish.update(d.publish)
         return set(d.publish)
-
-    async def execute(self, cycle_id: int, actions: Any, planned_on: ActView | None = None) -> dict[str, int]:
-        """The act core's effects of the plan's actions: rows committed, then published, then drains.
-        `planned_on`: the view the plan was made from (a plan made on an incomplete view does nothing)."""
-        d = await act_port.execute(self, actions, planned_on=planned_on, cycle_id=cycle_id)
-        return dict(d.counts)
 
     # ---- draining ------------------------------------------------------------------------------
     def start_drain(self, rid: str) -> None:
