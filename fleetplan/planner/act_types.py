@@ -86,7 +86,7 @@ class DeferCause(StrEnum):
     WAITS_GPUS = "waits-gpus"  # start before stop: the replacement waits for busy GPUs
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
 class AlertKey:
     """A runtime alert's key: what it is about (`kind`) and of what (`subject`: a host, replica or
     build id; "" for the controller as a whole). Compared by kind, never by its text; `text` is its
