@@ -19,10 +19,11 @@ from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 
 from fleetplan.planner import clockstep
+from fleetplan.planner.act_types import AlertKey, AlertKind
 
 log = logging.getLogger(__name__)
 
-CLOCK_ALERT = "clock"  # the runtime alert's key
+CLOCK_ALERT = AlertKey(AlertKind.CLOCK)  # the runtime alert's key
 CLOCK_ALERT_HOLD_S = 600.0  # a step stays alerted this long (monotonic seconds)
 
 
@@ -51,7 +52,7 @@ class ClockGuard:
     alert_hold_s: float = CLOCK_ALERT_HOLD_S
     state: clockstep.ClockWatch = field(default_factory=clockstep.ClockWatch)
 
-    def check(self, alerts: MutableMapping[str, str]) -> float | None:
+    def check(self, alerts: MutableMapping[AlertKey, str]) -> float | None:
         reading = clockstep.ClockReading(self.clock.wall(), self.clock.mono())
         self.state, verdict = clockstep.watch(self.state, reading, name=clockstep.WhichClock.CONTROLLER.value, tolerance_s=self.tolerance_s,
                                               alert_hold_s=self.alert_hold_s)

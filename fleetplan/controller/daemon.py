@@ -45,7 +45,8 @@ from fleetplan.controller.report_snapshot import ReportSnapshot
 from fleetplan.controller.sdnotify import sd_notify
 from fleetplan.controller.settings import ControllerSettings, RoutingSettings
 from fleetplan.controller.state import Phase, StateStore
-from fleetplan.planner import clockstep
+from fleetplan.planner import act_port, clockstep
+from fleetplan.planner.act_types import AlertKey, AlertKind
 
 __all__ = ["Clock", "Controller", "ControllerSettings", "RoutingSettings"]
 
@@ -107,7 +108,7 @@ class Controller:
 
         self.wall: Callable[[], float] = self.clocks.now
         self.clock_guard = ClockGuard(self.clocks, self.settings.clock_step_tolerance_s)
-        self.runtime_alerts: dict[str, str] = {}
+        self.runtime_alerts: dict[AlertKey, str] = {}
         self.policy = PolicySource(self.policy_path, self.profiles_path, self.store, self.metrics,
                                    self.runtime_alerts, wall=self.wall)
         self.clock = Clock(self.time_scale, wall=self.wall)
@@ -307,7 +308,7 @@ class Controller:
                 failsafe.store_failed(self, cid)
             else:
                 log.exception("cycle %s failed", cid)
-                self.runtime_alerts["cycle"] = f"cycle {cid} failed: {type(exc).__name__}: {exc}"
+                self.runtime_alerts[AlertKey(AlertKind.CYCLE)] = f"cycle {cid} failed: {type(exc).__name__}: {exc}"
         finally:
             if cid is not None:
                 failsafe.finish_cycle(self, cid, status, summary)
@@ -317,7 +318,7 @@ class Controller:
             self.cycle_count += 1
             self._ping_watchdog()
         if status == "ok":
-            self.runtime_alerts.pop("cycle", None)
+            self.runtime_alerts.pop(AlertKey(AlertKind.CYCLE), None)
         failsafe.cycle_done(self, status)
         self.reports.refresh(self)
         return summary
@@ -378,11 +379,12 @@ class Controller:
         self._brakes(d.brakes, doc)
         self.store.save_plan(cid, doc, solve_s, doc["next_state"])
         self.planner_state = result.next_state
-        counts = await self.executor.execute(cid, d.brakes.allowed, planned_on)
+        # the act loop's step, the replay's too (planner/act_port.py), with the executor as its port
+        acted = await act_port.execute(self.executor, d.brakes.allowed, planned_on=planned_on, cycle_id=cid)
         summary: dict[str, Any] = {"held": len(d.brakes.held)}
         summary["decision_id"] = reporting.audit(self, cid, now_s, doc, snap, fleet, d.brakes.allowed)
         await self.executor.update_routing()
-        summary.update(counts)
+        summary.update(acted.counts)
         summary.update(solve_s=round(solve_s, 4), planned_replicas=len(result.plan.replicas),
                        plan_usd_h=result.plan.usd_h,
                        stale_models=sorted(m for m, mm in snap.models.items() if mm.stale and m in models))
@@ -401,7 +403,7 @@ class Controller:
         """The cycle's alerts (observation, plan, runtime) replace the stored ones; returns how many."""
         alerts = {f"observe/{i}": a for i, a in enumerate(snap.alerts)}
         alerts.update({f"plan/{i}": n for i, n in enumerate(plan_alerts)})
-        alerts.update({f"rt/{k}": v for k, v in self.runtime_alerts.items()})
+        alerts.update(reporting.stored_runtime_alerts(self.runtime_alerts))
         self.store.set_alerts("", alerts)
         self.metrics.alerts_active.set(len(alerts))
         return len(alerts)

@@ -16,6 +16,7 @@ from fleetplan.controller.observe import Snapshot
 from fleetplan.controller.policy_source import PolicySource
 from fleetplan.controller.settings import ControllerSettings
 from fleetplan.controller.state import StateStore
+from fleetplan.planner.act_types import AlertKey
 
 
 class SimulatedClock(Protocol):
@@ -29,7 +30,7 @@ class ControllerFace(Protocol):
     time_scale: float
     metrics: ControllerMetrics
     wall: Callable[[], float]
-    runtime_alerts: dict[str, str]
+    runtime_alerts: dict[AlertKey, str]
     policy: PolicySource
     hosts: HostBook
     link: MqttLink

@@ -1,5 +1,9 @@
 """The controller's hands: it carries out what the act core (planner/act.py) decides.
 
+`Executor` is the daemon's act-loop port (planner/act_port.py `Port`): the daemon runs the loop's
+steps (`act_port.reconcile` inside `reconcile`, `act_port.execute`, `act_port.drain`) with it, as
+the replay runs them with sim/control.py `ReplayControl`.
+
 Inputs to the core: `view()` (the hosts' last reports + this controller's records). Effects of
 its decisions: rows committed in one transaction (`apply`), then desired states published
 (`publish_hosts`: staged version+1 committed before the MQTT publish; acks are never awaited
@@ -37,7 +41,7 @@ from fleetplan.controller.state import Phase, ReplicaRow, StateStore
 from fleetplan.controller.state_retention import DAY_S, RetentionRules, prune_step
 from fleetplan.planner import act, act_port, records
 from fleetplan.planner.act import ActDecision, ActSettings, ActView
-from fleetplan.planner.act_types import DeferKey, Deferral, Repeat
+from fleetplan.planner.act_types import AlertKey, AlertKind, DeferKey, Deferral, Repeat
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +49,9 @@ log = logging.getLogger(__name__)
 # Back-pressure: at most this many QoS 1 publishes wait for the broker at once (a rollout to 1,000
 # hosts must not queue 1,000 messages in the client: paho warns and the broker may drop them).
 MAX_PUBLISHES_IN_FLIGHT = 32
+# act-core alerts also logged when raised (or when their text changes): a replica or host the
+# controller does not act on as asked
+_LOGGED_ALERTS = frozenset({AlertKind.ORPHAN, AlertKind.REJECTED, AlertKind.UNREACHABLE})
 
 
 def _engine_metrics_path(engine: str) -> str:
@@ -119,7 +126,7 @@ class Executor:
     store: StateStore
     link: MqttLink
     hosts: HostBook
-    alerts: MutableMapping[str, str]
+    alerts: MutableMapping[AlertKey, str]
     metrics: ControllerMetrics
     prom: PromClient
     lock: asyncio.Lock  # the cycle's lock: a finished drain changes the records between cycles
@@ -137,7 +144,7 @@ class Executor:
     deferrals: dict[DeferKey, Deferral] = field(default_factory=dict)  # open since an earlier cycle
     _routing_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
-    RETENTION_ALERT = "retention"
+    RETENTION_ALERT = AlertKey(AlertKind.RETENTION)
 
     def __post_init__(self) -> None:
         if self.hosts is not None and self.store is not None:  # (tests build an Executor of parts)
@@ -185,11 +192,11 @@ class Executor:
             if self.router is not None:
                 await asyncio.to_thread(self.router.apply, endpoints)
             self.routed = routed
-            self.alerts.pop("routing", None)
-            if "router" not in self.alerts:
+            self.alerts.pop(AlertKey(AlertKind.ROUTING), None)
+            if AlertKey(AlertKind.ROUTER) not in self.alerts:
                 self.metrics.router_up.set(1.0)
         except Exception as exc:
-            self.alerts["routing"] = f"routing update failed: {exc}"
+            self.alerts[AlertKey(AlertKind.ROUTING)] = f"routing update failed: {exc}"
             log.error("routing update failed: %s", exc)
             self.metrics.router_reload_failures.inc()
             self.metrics.router_up.set(0.0)  # controller/failsafe.py watches it come back
@@ -210,7 +217,7 @@ class Executor:
         published = await asyncio.gather(*(publish(h, p) for h, p in payloads.items()))
         done = {}
         for (host, payload), ok in zip(payloads.items(), published, strict=True):
-            key = f"publish/{host}"
+            key = AlertKey(AlertKind.PUBLISH, host)
             if ok:
                 done[host] = int(payload["version"])
                 self.alerts.pop(key, None)
@@ -251,7 +258,7 @@ class Executor:
         if d.deferrals is not None:
             self.deferrals = {**d.deferrals, **opened}
         for key, text in d.alerts.items():
-            if key.startswith(("orphan/", "rejected/", "unreachable")) and self.alerts.get(key) != text:
+            if key.kind in _LOGGED_ALERTS and self.alerts.get(key) != text:
                 log.warning("%s", text)
             self.alerts[key] = text
         for key in d.cleared:
@@ -308,12 +315,6 @@ class Executor:
         self.pending_publish.update(d.publish)
         return set(d.publish)
 
-    async def execute(self, cycle_id: int, actions: Any, planned_on: ActView | None = None) -> dict[str, int]:
-        """The act core's effects of the plan's actions: rows committed, then published, then drains.
-        `planned_on`: the view the plan was made from (a plan made on an incomplete view does nothing)."""
-        d = await act_port.execute(self, actions, planned_on=planned_on, cycle_id=cycle_id)
-        return dict(d.counts)
-
     # ---- draining ------------------------------------------------------------------------------
     def start_drain(self, rid: str) -> None:
         if rid in self.drains and not self.drains[rid].done():
@@ -356,7 +357,7 @@ class Executor:
         if done is None:
             return
         if done.timed_out:
-            self.alerts[act.alert_key(act.AlertKind.DRAIN_TIMEOUT, rid)] = f"replica {rid} ({row.model}): {done.reason}"
+            self.alerts[AlertKey(AlertKind.DRAIN_TIMEOUT, rid)] = f"replica {rid} ({row.model}): {done.reason}"
         log.info("replica %s drained (%s) and removed", rid, done.reason)
 
     # ---- the port (planner/act_port.py Port) over SQLite, MQTT, nginx and httpx ------------------

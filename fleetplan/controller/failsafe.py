@@ -24,15 +24,16 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from fleetplan.controller.state import Phase
+from fleetplan.planner.act_types import AlertKey, AlertKind
 
 if TYPE_CHECKING:
     from fleetplan.controller.daemon_face import ControllerFace
 
 log = logging.getLogger(__name__)
 
-STORE_ALERT = "store"  # runtime alert keys
-ROUTER_ALERT = "router"
-ROUTING_ALERT = "routing"  # controller/executor.py: the last routing update failed
+STORE_ALERT = AlertKey(AlertKind.STORE)  # runtime alert keys
+ROUTER_ALERT = AlertKey(AlertKind.ROUTER)
+ROUTING_ALERT = AlertKey(AlertKind.ROUTING)  # controller/executor.py: the last routing update failed
 
 
 def save_statuses(ctrl: ControllerFace) -> None:

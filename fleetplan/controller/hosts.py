@@ -15,7 +15,7 @@ from typing import Any
 from fleetplan.controller.protocol import DesiredState, HostStatus
 from fleetplan.controller.state import StateStore
 from fleetplan.controller.state_inventory import generation, load_records, save_records
-from fleetplan.planner.act import BuildState, HostReport, ReportedBuild, ReportedReplica
+from fleetplan.planner.act import AlertKey, AlertKind, BuildState, HostReport, ReportedBuild, ReportedReplica
 from fleetplan.planner.host_grace import within_grace
 from fleetplan.planner.inventory import Inventory, InventoryRecord, judge, keep_in_use
 from fleetplan.planner.types import ReplicaState
@@ -55,7 +55,7 @@ class HostBook:
     flap/<host> for a host going online/offline more than FLAP_MAX_TRANSITIONS times in
     FLAP_WINDOW_S."""
 
-    alerts: MutableMapping[str, str]
+    alerts: MutableMapping[AlertKey, str]
     offline_grace_s: float
     wall: Callable[[], float] = time.time
     statuses: dict[str, HostStatus] = field(default_factory=dict)
@@ -91,7 +91,7 @@ class HostBook:
         if host in self.rejected_wall and now - self.rejected_wall[host] > self.WIRE_ALERT_QUIET_S:
             del self.rejected_wall[host]
             self.rejected_messages.pop(host, None)
-            self.alerts.pop(f"wire/{host}", None)
+            self.alerts.pop(AlertKey(AlertKind.WIRE, host), None)
         # an offline status (the last will) keeps the replicas the host last reported
         self.statuses[host] = status if status.online or prev is None else prev.model_copy(update={"online": False})
         self.status_wall[host] = now
@@ -106,7 +106,7 @@ class HostBook:
     def on_reject(self, host: str, text: str) -> None:
         n = self.rejected_messages[host] = self.rejected_messages.get(host, 0) + 1
         self.rejected_wall[host] = self.wall()
-        self.alerts[f"wire/{host}"] = f"host {host}: {n} malformed message(s) rejected; last: {text}"
+        self.alerts[AlertKey(AlertKind.WIRE, host)] = f"host {host}: {n} malformed message(s) rejected; last: {text}"
 
     def on_desired(self, host: str, desired: DesiredState | None) -> None:
         """The retained desired state the broker holds for `host` (only this controller may write it)."""
@@ -122,7 +122,7 @@ class HostBook:
         if was_online is not None and was_online != online:
             times.append(now)
         self.flaps[host] = times
-        key = f"flap/{host}"
+        key = AlertKey(AlertKind.FLAP, host)
         if len(times) > self.FLAP_MAX_TRANSITIONS:
             if key not in self.alerts:
                 log.warning("host %s flaps: %d online/offline transitions in %.0f s", host, len(times),
@@ -175,7 +175,7 @@ class HostBook:
         if j.record is not None:
             self.records[h] = self.unsaved[h] = j.record
             log.info("host %s: inventory recorded: %s (%s)", h, j.record.inventory.describe(), j.record.voucher.value)
-        key = f"inventory/{h}"
+        key = AlertKey(AlertKind.INVENTORY, h)
         if j.alert is None:
             self.alerts.pop(key, None)
         else:

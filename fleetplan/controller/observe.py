@@ -10,8 +10,9 @@ fleet. TRT-LLM has no inter-token histogram: its ITL is read from
 
 This module does the I/O only: `Observer.fetch` returns the raw answers as plain data
 (`fleetplan.planner.observation.Readings`), and the pure `interpret` there holds the fail-static
-rules (a stale model, partial rate windows, the time scale) and builds the per-model numbers.
-`Observer.snapshot` is fetch + interpret + the length/latency evidence (planner/evidence.py).
+rules (a stale model, partial rate windows, a router that was down, the time scale) and builds the
+per-model numbers. `Observer.snapshot` is fetch + the length/latency evidence (planner/evidence.py)
++ `fleetplan.planner.cycle.observe`, the replay's path from readings to what they mean.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -28,11 +29,13 @@ import httpx
 from fleetplan.controller.prom_answer import PrometheusError, data_of, matrix_of, scalar_of, short, vector_of
 from fleetplan.planner import clockstep
 from fleetplan.planner import evidence as ev
-from fleetplan.planner.arrivals import ARRIVALS, EngineSeries
+from fleetplan.planner.arrivals import ArrivalRate, EngineSeries
+from fleetplan.planner.cycle import Observed, observe
 from fleetplan.planner.observation import (
     MODEL_LABELS,
     REPLICA_LABEL,
     UNSET_MODEL_NAMES,
+    Interpreted,
     ModelMetrics,
     ObserveRules,
     Query,
@@ -41,8 +44,16 @@ from fleetplan.planner.observation import (
     Sample,
     Series,
     group,
-    interpret,
     model_of,
+)
+from fleetplan.planner.queries import (
+    QUERIES,
+    Arrivals,
+    By,
+    Description,
+    EngineHistogram,
+    Quantile,
+    Rate,
 )
 
 log = logging.getLogger(__name__)
@@ -79,14 +90,19 @@ _ITL_BUCKET = r"vllm[:_]inter_token_latency_seconds_bucket"
 _ITL_BUCKET_OLD = r"(vllm[:_]|trtllm_)time_per_output_token_seconds_bucket"
 _WAITING = r"vllm[:_]num_requests_waiting|trtllm_num_requests_waiting"
 _RUNNING = r"vllm[:_]num_requests_running|trtllm_num_requests_running"
-# the engine series the arrival rate reads (planner/arrivals.py), by their metric names
-_SERIES = {EngineSeries.REQUESTS_DONE: _REQ_SUCCESS, EngineSeries.RUNNING: _RUNNING, EngineSeries.WAITING: _WAITING}
 _KV_USAGE = r"vllm[:_](gpu_cache_usage_perc|kv_cache_usage_perc)|trtllm_kv_cache_utilization"
 # the prefix cache, in prompt tokens: vLLM v1's vllm:prefix_cache_queries / _hits
 # (vllm/v1/metrics/loggers.py); TensorRT-LLM's prompt tokens and their cached part
 # (tensorrt_llm/metrics/collector.py)
 _PREFIX_QUERIES = r"vllm[:_]prefix_cache_queries_total|trtllm_prompt_tokens_total"
 _PREFIX_HITS = r"vllm[:_]prefix_cache_hits_total|trtllm_prompt_cached_tokens_total"
+# the engine series the queries read (planner/arrivals.py, planner/queries.py), by their metric names
+_SERIES = {EngineSeries.REQUESTS_DONE: _REQ_SUCCESS, EngineSeries.RUNNING: _RUNNING, EngineSeries.WAITING: _WAITING,
+           EngineSeries.PROMPT_TOKENS: _PROMPT_TOK, EngineSeries.GEN_TOKENS: _GEN_TOK,
+           EngineSeries.KV_USAGE: _KV_USAGE, EngineSeries.PREFIX_QUERIES: _PREFIX_QUERIES,
+           EngineSeries.PREFIX_HITS: _PREFIX_HITS}
+# a histogram's bucket series, the preferred name first (`or`: one name per series in the vector)
+_HISTOGRAMS = {EngineHistogram.TTFT: (_TTFT_BUCKET,), EngineHistogram.ITL: (_ITL_BUCKET, _ITL_BUCKET_OLD)}
 
 
 class PromClient:
@@ -256,25 +272,32 @@ class Observer:
         """Per canonical model; several label groups of one model are summed (or max-ed)."""
         return group(samples, self._model_of, take_max=combine == "max")
 
+    def render(self, d: Description) -> str:
+        """A query's description (planner/queries.py) as PromQL over the rate window.
+
+        >>> from fleetplan.planner.queries import Agg, Latest
+        >>> o = Observer(PromClient("http://p:9090"), ObserverConfig(window_s=60, model_labels=("model",)))
+        >>> o.render(Latest(EngineSeries.KV_USAGE, agg=Agg.AVG)).replace(_KV_USAGE, "KV")
+        'avg by (model) ({__name__=~"KV"})'
+        >>> o.render(Rate(EngineSeries.GEN_TOKENS, By.REPLICA)).replace(_GEN_TOK, "GEN")
+        'sum by (replica) (rate({__name__=~"GEN"}[60s]))'
+        """
+        w = self._window()
+        if isinstance(d, Arrivals):  # per replica: the model's labels kept besides
+            return self._arrival_rate_query(d.rule, *((REPLICA_LABEL,) if d.by is By.REPLICA else ()))
+        if isinstance(d, Quantile):
+            agg = " or ".join(f"sum by ({self._by('le')}) (rate({self._sel(b)}[{w}]))"
+                              for b in _HISTOGRAMS[d.histogram])
+            return f"histogram_quantile({d.q:g}, {agg})"
+        by = self._by() if d.by is By.MODEL else REPLICA_LABEL
+        if isinstance(d, Rate):
+            return f"sum by ({by}) (rate({self._sel(_SERIES[d.series])}[{w}]))"
+        return f"{d.agg.value} by ({by}) ({self._sel(_SERIES[d.series])})"
+
     def queries(self) -> dict[Query, str]:
         w = self._window()
         by = self._by()
-        q: dict[Query, str] = {
-            Query.RATE: self._arrival_rate_query(),
-            Query.PROMPT: f"sum by ({by}) (rate({self._sel(_PROMPT_TOK)}[{w}]))",
-            Query.GEN: f"sum by ({by}) (rate({self._sel(_GEN_TOK)}[{w}]))",
-            Query.WAITING: f"sum by ({by}) ({self._sel(_WAITING)})",
-            Query.RUNNING: f"sum by ({by}) ({self._sel(_RUNNING)})",
-            Query.KV: f"avg by ({by}) ({self._sel(_KV_USAGE)})",
-        }
-        quantiles = ((Query.TTFT_P50, Query.TTFT_P99, (_TTFT_BUCKET,)),
-                     (Query.ITL_P50, Query.ITL_P99, (_ITL_BUCKET, _ITL_BUCKET_OLD)))
-        for p50, p99, buckets in quantiles:
-            agg = " or ".join(f"sum by ({self._by('le')}) (rate({self._sel(b)}[{w}]))" for b in buckets)
-            q[p50] = f"histogram_quantile(0.5, {agg})"
-            q[p99] = f"histogram_quantile(0.99, {agg})"
-        q[Query.PREFIX_QUERIES] = f"sum by ({by}) (rate({self._sel(_PREFIX_QUERIES)}[{w}]))"
-        q[Query.PREFIX_HITS] = f"sum by ({by}) (rate({self._sel(_PREFIX_HITS)}[{w}]))"
+        q: dict[Query, str] = {name: self.render(d) for name, d in QUERIES.items()}
         # bursts (planner/core.py burst floor): the highest completion rate over short sub-windows
         pw = max(1, round(self.config.peak_window_s))
         q[Query.PEAK_RATE] = (f"max_over_time((sum by ({by}) (rate({self._sel(_REQ_SUCCESS)}[{pw}s])))"
@@ -282,11 +305,7 @@ class Observer:
         extra = f",{self.config.extra_selector}" if self.config.extra_selector else ""
         up = f'up{{{REPLICA_LABEL}!=""{extra}}}'
         q[Query.UP] = up
-        q[Query.REPLICA_RUNNING] = f"sum by ({REPLICA_LABEL}) ({self._sel(_RUNNING)})"
-        q[Query.REPLICA_WAITING] = f"sum by ({REPLICA_LABEL}) ({self._sel(_WAITING)})"
         # a replica whose counters started inside the window is counted whole (planner/observation.py)
-        q[Query.REPLICA_RATE] = self._arrival_rate_query(REPLICA_LABEL)
-        q[Query.REPLICA_DONE] = f"sum by ({REPLICA_LABEL}) ({self._sel(_REQ_SUCCESS)})"
         q[Query.REPLICA_STARTED_S] = f"min by ({REPLICA_LABEL}) ({self._sel(_REQ_SUCCESS_CREATED)})"
         # how much of the window each target's samples cover (planner/observation.py window_full).
         # The first sample in the window: a subquery of the samples' own timestamps, each step
@@ -360,16 +379,16 @@ class Observer:
             await asyncio.gather(*tasks.values(), return_exceptions=True)
         return {n: t.result() for n, t in tasks.items()}
 
-    def _arrival_rate_query(self, *more: str) -> str:
-        """Arrivals (planner/arrivals.py `ARRIVALS`: completions + growth of the requests in the
-        engine) as PromQL; a model whose queue gauges are missing falls back to the completion
-        rate. `more`: labels to keep besides the model's (per replica: `replica`).
+    def _arrival_rate_query(self, rule: ArrivalRate, *more: str) -> str:
+        """Arrivals (planner/arrivals.py: completions + growth of the requests in the engine) as
+        PromQL; a model whose queue gauges are missing falls back to the completion rate. `more`:
+        labels to keep besides the model's (per replica: `replica`).
         """
         w, by = self._window(), self._by(*more)
-        done = f"sum by ({by}) (rate({self._sel(_SERIES[ARRIVALS.completions])}[{w}]))"
+        done = f"sum by ({by}) (rate({self._sel(_SERIES[rule.completions])}[{w}]))"
         # one deriv() per gauge: deriv drops the name, and two names in one vector would clash
-        growth = " + ".join(f"sum by ({by}) (deriv({self._sel(_SERIES[g])}[{w}]))" for g in ARRIVALS.in_engine)
-        return f"clamp_min({done} + {growth}, {ARRIVALS.floor_rps:g}) or {done}"
+        growth = " + ".join(f"sum by ({by}) (deriv({self._sel(_SERIES[g])}[{w}]))" for g in rule.in_engine)
+        return f"clamp_min({done} + {growth}, {rule.floor_rps:g}) or {done}"
 
     def history_query(self) -> str:
         # the rate window covers the whole step, so no request between two history points is lost
@@ -447,7 +466,7 @@ class Observer:
         *,
         now_s: float | None = None,
         with_history: bool = True,
-        expected_replicas: Iterable[str] | None = None,
+        expected_replicas: Collection[str] | None = None,
         serving: Mapping[str, str] | None = None,
         router_down: bool = False,
         ready_wall_s: Mapping[str, float] | None = None,
@@ -464,36 +483,38 @@ class Observer:
         readings = await self.fetch(with_history=with_history, deadline=deadline)
         now = readings.wall_s if now_s is None else now_s
         step = self.prom_clock
-        view = interpret(readings, models, now_s=now, rules=self.config.rules(), canonical=self.canonical,
-                         expected_replicas=frozenset(expected_replicas) if expected_replicas is not None else None,
-                         serving=serving, router_down=router_down, ready_wall_s=ready_wall_s)
-        alerts = (*view.alerts, step.alert) if step.alert is not None else view.alerts
+        evidence = None
         if readings.error is not None:
             log.warning("fail static: %s", readings.error)
+        else:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    evidence = await self._evidence(readings.wall_s)
+            except TimeoutError:
+                log.warning("length/latency evidence unavailable: not read within the observation's %g s",
+                            self.deadline_s)
+        # what the readings mean: the replay's path (planner/cycle.py `observe`)
+        observed = observe(readings, evidence, models, now_s=now, rules=self.config.rules(), canonical=self.canonical,
+                           expected_replicas=expected_replicas, serving=serving, ready_wall_s=ready_wall_s,
+                           router_down=router_down)
+        view = observed.interpreted
+        alerts = (*view.alerts, step.alert) if step.alert is not None else view.alerts
+        if readings.error is not None:
             return Snapshot(view.models, view.replicas, alerts, False, readings.wall_s, now)
-        try:
-            async with asyncio.timeout_at(deadline):
-                evidence = await self._evidence(readings.wall_s)
-        except TimeoutError:
-            log.warning("length/latency evidence unavailable: not read within the observation's %g s", self.deadline_s)
-            evidence = None
-        return Snapshot(view.models, view.replicas, alerts, view.prometheus_ok, readings.wall_s, now, evidence,
-                        clock_step_s=step.stepped_s)
+        return Snapshot(view.models, view.replicas, alerts, view.prometheus_ok, readings.wall_s, now,
+                        observed.evidence, clock_step_s=step.stepped_s)
 
 
 def to_observation(snapshot: Snapshot, models: Sequence[str] | None = None,
                    replicas: Sequence[Any] | None = None) -> Any:
     """The planner's Observation for `models` (default: every model in the snapshot), by the pure
-    `fleetplan.planner.cycle.observation_from` (the replay calls it too).
+    `fleetplan.planner.cycle.Observed.for_fleet` (the replay's too).
 
     `replicas`: the fleet's fleetplan.planner.types.Replica list; with it, each model also carries its length
     quantiles and per-config evidence (planner/evidence.py), else only the per-model numbers."""
-    from fleetplan.planner.cycle import observation_from
-    from fleetplan.planner.observation import Interpreted
-
-    names = list(models) if models is not None else list(snapshot.models)
+    names = tuple(models) if models is not None else tuple(snapshot.models)
     view = Interpreted(snapshot.models, snapshot.replicas, snapshot.alerts, snapshot.prometheus_ok)
-    obs, notes = observation_from(view, snapshot.evidence, names, replicas, snapshot.now_s)
+    obs, notes = Observed(view, snapshot.evidence, names, snapshot.now_s).for_fleet(replicas)
     for note in notes:
         log.info("%s", note)
     return obs

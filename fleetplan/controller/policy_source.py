@@ -14,6 +14,7 @@ from typing import Any
 
 from fleetplan.controller.metrics import ControllerMetrics
 from fleetplan.controller.state import StateStore
+from fleetplan.planner.act_types import AlertKey, AlertKind
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ class PolicySource:
     profiles_path: Path | None
     store: StateStore
     metrics: ControllerMetrics
-    alerts: MutableMapping[str, str]
+    alerts: MutableMapping[AlertKey, str]
     policy: Any = None  # the last good planner.policy.Policy
     profiles: Any = None  # the last good models.profile.ProfileSet
     loaded_s: float | None = None  # wall
@@ -82,7 +83,7 @@ class PolicySource:
         if initial:
             raise SystemExit(msg) from None
         log.error("policy reload rejected, keeping the previous policy: %s", msg)
-        self.alerts["policy"] = f"policy reload rejected (previous policy kept): {msg}"
+        self.alerts[AlertKey(AlertKind.POLICY)] = f"policy reload rejected (previous policy kept): {msg}"
         return False
 
     def _apply(self, policy: Any, *, initial: bool) -> None:
@@ -90,7 +91,7 @@ class PolicySource:
         self.loaded_s = self.wall()
         self.error = None
         self.store.set_kv("policy_error", None)
-        self.alerts.pop("policy", None)
+        self.alerts.pop(AlertKey(AlertKind.POLICY), None)
         self.metrics.policy_reloads.labels("initial" if initial else "ok").inc()
         log.info("policy loaded from %s (%d models)", self.path, len(policy.models))
 
@@ -107,7 +108,7 @@ class PolicySource:
         except Exception as exc:
             if self.profiles is None:
                 raise SystemExit(str(exc)) from None
-            self.alerts["profiles"] = f"profiles reload failed (previous kept): {exc}"
+            self.alerts[AlertKey(AlertKind.PROFILES)] = f"profiles reload failed (previous kept): {exc}"
 
     def model_names(self) -> list[str]:
         return [m.name for m in self.policy.models]

@@ -12,11 +12,21 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fleetplan.controller.observe import Snapshot, to_observation
+from fleetplan.planner.act_types import AlertKey, AlertKind
 
 if TYPE_CHECKING:
     from fleetplan.controller.daemon_face import ControllerFace
 
 audit_log = logging.getLogger("fleetplan.audit")  # one JSON line per cycle (the audit trail)
+
+
+def stored_runtime_alerts(runtime: Mapping[AlertKey, str]) -> dict[str, str]:
+    """The runtime alerts under their names in the state store's alerts (`rt/<kind>/<subject>`).
+
+    >>> stored_runtime_alerts({AlertKey(AlertKind.INVENTORY, "gpu-01"): "held"})
+    {'rt/inventory/gpu-01': 'held'}
+    """
+    return {f"rt/{k.text}": v for k, v in runtime.items()}
 
 
 def plan_alerts(doc: Mapping[str, Any]) -> list[str]:
@@ -90,13 +100,20 @@ def update_metrics(ctrl: ControllerFace, doc: Mapping[str, Any], snap: Snapshot)
             m.observed_itl_p99_seconds.labels(name).set(o.itl_p99_ms / 1000)
     update_correction_metrics(ctrl, doc)
     m.plan_usd_h.set(doc["plan"]["usd_h"])
-    mismatched = {k.split("/", 1)[1] for k in ctrl.runtime_alerts if k.startswith("inventory/")}
-    for labels in list(m.inventory_mismatch._metrics):  # hosts that agree again lose their series
+    update_inventory_metrics(ctrl)
+    m.stale_models.set(sum(1 for name, o in snap.models.items() if o.stale and name in desired))
+
+def update_inventory_metrics(ctrl: ControllerFace) -> None:
+    """fleetplan_inventory_mismatch{host} 1 per host whose inventory is held (its runtime alert);
+    hosts that agree again lose their series."""
+    m = ctrl.metrics
+    mismatched = {k.subject for k in ctrl.runtime_alerts if k.kind is AlertKind.INVENTORY}
+    for labels in list(m.inventory_mismatch._metrics):
         if labels[0] not in mismatched:
             m.inventory_mismatch.remove(*labels)
     for host in mismatched:
         m.inventory_mismatch.labels(host).set(1.0)
-    m.stale_models.set(sum(1 for name, o in snap.models.items() if o.stale and name in desired))
+
 
 def update_correction_metrics(ctrl: ControllerFace, doc: Mapping[str, Any]) -> None:
     """fleetplan_profile_correction_ratio{model,config}: the plan's capacity factor per config
@@ -204,7 +221,7 @@ def report(ctrl: ControllerFace) -> dict[str, Any]:
     stored = ctrl.store.active_alerts()
     keys = {a["key"] for a in stored}
     alerts = [a["text"] for a in stored]
-    alerts.extend(v for k, v in ctrl.runtime_alerts.items() if f"rt/{k}" not in keys)
+    alerts.extend(v for k, v in stored_runtime_alerts(ctrl.runtime_alerts).items() if k not in keys)
     return {
         "generated_s": ctrl.wall(),
         "now_s": ctrl.clock.now(),

@@ -55,6 +55,7 @@ from fleetplan.planner.act_types import (
     ActionStatus,
     ActSettings,
     ActView,
+    AlertKey,
     AlertKind,
     BuildRow,
     BuildState,
@@ -72,7 +73,6 @@ from fleetplan.planner.act_types import (
     ReportedBuild,
     ReportedReplica,
     SetPhase,
-    alert_key,
     reported_by_id,
 )
 
@@ -81,6 +81,7 @@ __all__ = [
     "ActSettings",
     "ActView",
     "ActionStatus",
+    "AlertKey",
     "AlertKind",
     "BuildRow",
     "BuildState",
@@ -102,7 +103,6 @@ __all__ = [
     "Routes",
     "SetPhase",
     "adopt",
-    "alert_key",
     "drain_deadline_s",
     "drain_step",
     "execute",

@@ -18,6 +18,7 @@ from fleetplan.planner.act_types import (
     ActDecision,
     ActionStatus,
     ActView,
+    AlertKey,
     AlertKind,
     BuildRow,
     BuildState,
@@ -34,7 +35,6 @@ from fleetplan.planner.act_types import (
     Repeat,
     ReplicaRow,
     SetPhase,
-    alert_key,
 )
 from fleetplan.planner.placement import first_free
 from fleetplan.planner.types import Action, ActionKind, ReplicaState
@@ -227,7 +227,7 @@ def execute(view: ActView, actions: Sequence[Action], *, planned_on: ActView | N
     the view is complete by now: a plan made without the hosts' reports stops what it did not see."""
     if view.connected_since_s is None:
         return _defer_all(view, actions, "MQTT down", DeferCause.MQTT_DOWN,
-                          {alert_key(AlertKind.MQTT): "not connected to MQTT; not acting"})
+                          {AlertKey(AlertKind.MQTT): "not connected to MQTT; not acting"})
     why = incomplete(view) or (incomplete(planned_on) if planned_on is not None else None)
     if why is not None:
         return _defer_all(view, actions, why if planned_on is None or incomplete(view) else f"planned while {why}",
@@ -268,16 +268,16 @@ def execute(view: ActView, actions: Sequence[Action], *, planned_on: ActView | N
             effects.append(eff)
     drains, removed_hosts = _stop_or_drain(view, actions, rows, effects, counts, blocked, unstarted)
     out, still = repeat_deferrals(effects, view.deferrals, view.now_s)
-    key = alert_key(AlertKind.UNREACHABLE)
+    key = AlertKey(AlertKind.UNREACHABLE)
     cannot = unreachable(view, actions)
     return ActDecision(tuple(out), publish_first=frozenset(first), publish=frozenset(removed_hosts),
                        drains=tuple(drains), alerts={key: cannot} if cannot is not None else {},
-                       cleared=frozenset({alert_key(AlertKind.MQTT)} | ({key} if cannot is None else set())),
+                       cleared=frozenset({AlertKey(AlertKind.MQTT)} | ({key} if cannot is None else set())),
                        counts=counts, noted=frozenset(noted), deferrals=still)
 
 
 def _defer_all(view: ActView, actions: Sequence[Action], why: str, cause: DeferCause,
-               alerts: Mapping[str, str]) -> ActDecision:
+               alerts: Mapping[AlertKey, str]) -> ActDecision:
     effects, still = repeat_deferrals([_deferred(a, cause, why) for a in actions], view.deferrals, view.now_s)
     return ActDecision(tuple(effects), alerts=alerts, counts={"start": 0, "drain": 0, "stop": 0,
                                                               "deferred": len(actions)}, deferrals=still)

@@ -13,6 +13,7 @@ from fleetplan.planner.act_types import (
     ActDecision,
     ActionStatus,
     ActView,
+    AlertKey,
     AlertKind,
     BuildState,
     Effect,
@@ -23,7 +24,6 @@ from fleetplan.planner.act_types import (
     Phase,
     ReplicaRow,
     SetPhase,
-    alert_key,
 )
 from fleetplan.planner.types import ReplicaState
 
@@ -51,7 +51,7 @@ def reconcile(view: ActView) -> ActDecision:
         ok = bs.state == BuildState.DONE
         effects.append(FinishBuild(b, ok, None if ok else bs.error))
         if not ok:
-            alerts[alert_key(AlertKind.BUILD_FAILED, b.build_id)] = (
+            alerts[AlertKey(AlertKind.BUILD_FAILED, b.build_id)] = (
                 f"engine build {b.build_id} ({b.model} {b.engine} {b.gpu} tp{b.tp}) failed on {b.host}: {bs.error}"
             )
         changed.add(b.host)
@@ -66,11 +66,11 @@ def reconcile(view: ActView) -> ActDecision:
         effects.append(SetPhase(row.replica_id, Phase.REMOVED, Note(
             "stop", ActionStatus.DONE, f"not ready after {timeout:.0f} s", replica_id=row.replica_id,
             host=row.host, model=row.model)))
-        alerts[alert_key(AlertKind.READY_TIMEOUT, row.replica_id)] = (
+        alerts[AlertKey(AlertKind.READY_TIMEOUT, row.replica_id)] = (
             f"replica {row.replica_id} ({row.model} on {row.host}) not ready after {timeout:.0f} s; removed"
         )
         changed.add(row.host)
-    cleared: set[str] = set()
+    cleared: set[AlertKey] = set()
     for host_name, d in view.desired.items():
         if d.acked_version == d.version and d.ack_accepted is False:
             # the agent refused this version: its offending replicas leave it (acks are never awaited
@@ -79,7 +79,7 @@ def reconcile(view: ActView) -> ActDecision:
             effects += refused.effects
             alerts.update(refused.alerts)
             changed |= refused.publish
-        key = alert_key(AlertKind.ACK_TIMEOUT, host_name)
+        key = AlertKey(AlertKind.ACK_TIMEOUT, host_name)
         unacked = d.acked_version != d.version and d.published_s is not None and \
             view.now_s - d.published_s > view.settings.ack_timeout_s
         if unacked:
@@ -98,7 +98,7 @@ def adopt(view: ActView) -> ActDecision:
     write it) names them with the same model, engine, GPUs and port, and they conflict with nothing.
     A replica that no controller asked for is never adopted (alert: not routed, not counted)."""
     effects: list[Effect] = []
-    alerts: dict[str, str] = {}
+    alerts: dict[AlertKey, str] = {}
     changed: set[str] = set()
     known = set(view.known_ids)
     rows = list(view.replicas)
@@ -108,7 +108,7 @@ def adopt(view: ActView) -> ActDecision:
         for rs in host.replicas:
             if rs.replica_id in known or rs.state not in (ReplicaState.STARTING, ReplicaState.READY):
                 continue
-            key = alert_key(AlertKind.ORPHAN, rs.replica_id)
+            key = AlertKey(AlertKind.ORPHAN, rs.replica_id)
             asked = next((d for d in view.retained.get(host.name, ()) if d.replica_id == rs.replica_id), None)
             if asked is None or (asked.model, asked.engine, asked.tp, asked.precision, asked.gpu_indices,
                                  asked.port) != (rs.model, rs.engine, rs.tp, rs.precision, rs.gpu_indices,
@@ -150,7 +150,7 @@ def rejected(view: ActView, host: str, version: int, errors: Sequence[str]) -> A
     named = {m.group(1) for e in errors for m in _RID_IN_ERROR.finditer(e)}
     rows = [r for r in view.replicas if r.host == host]
     bad = [r for r in rows if r.replica_id in named] or [r for r in rows if r.ready_s is None]
-    alerts = {alert_key(AlertKind.REJECTED, host): f"host {host} rejected desired v{version}: {text}"}
+    alerts = {AlertKey(AlertKind.REJECTED, host): f"host {host} rejected desired v{version}: {text}"}
     effects = tuple(SetPhase(r.replica_id, Phase.REMOVED, Note("start", ActionStatus.FAILED, "rejected by agent",
                                                                text, r.replica_id, host, r.model)) for r in bad)
     return ActDecision(effects, publish=frozenset({host}) if bad else frozenset(), alerts=alerts)

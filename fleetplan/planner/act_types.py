@@ -45,8 +45,9 @@ class BuildState(StrEnum):
 
 
 class AlertKind(StrEnum):
-    """What a runtime alert is about; its key is `<kind>/<subject>`."""
+    """What a runtime alert is about (an `AlertKey`'s kind)."""
 
+    # raised by the act core
     MQTT = "mqtt"
     READY_TIMEOUT = "ready"
     BUILD_FAILED = "build"
@@ -55,6 +56,19 @@ class AlertKind(StrEnum):
     ACK_TIMEOUT = "ack"
     REJECTED = "rejected"
     UNREACHABLE = "unreachable"  # the plan needs hosts no agent serves (act_execute.unreachable)
+    # raised by the controller's adapters
+    PUBLISH = "publish"  # a host's desired state not published (MQTT down)
+    ROUTING = "routing"  # the last routing update failed
+    ROUTER = "router"  # the router is down or refuses
+    STORE = "store"  # the state store refused a write
+    RETENTION = "retention"  # the state store is above its size bound
+    CLOCK = "clock"  # the wall clock stepped
+    CYCLE = "cycle"  # a cycle failed with an exception
+    POLICY = "policy"  # a policy reload was rejected
+    PROFILES = "profiles"  # a profiles reload failed
+    WIRE = "wire"  # a host's malformed messages
+    FLAP = "flap"  # a host going online/offline too often
+    INVENTORY = "inventory"  # a host's reported inventory is held (planner/inventory.py)
 
 
 class DeferCause(StrEnum):
@@ -72,8 +86,22 @@ class DeferCause(StrEnum):
     WAITS_GPUS = "waits-gpus"  # start before stop: the replacement waits for busy GPUs
 
 
-def alert_key(kind: AlertKind, subject: str = "") -> str:
-    return f"{kind.value}/{subject}" if subject else kind.value
+@dataclass(frozen=True)
+class AlertKey:
+    """A runtime alert's key: what it is about (`kind`) and of what (`subject`: a host, replica or
+    build id; "" for the controller as a whole). Compared by kind, never by its text; `text` is its
+    name in the state store's alerts (`<kind>/<subject>`).
+
+    >>> AlertKey(AlertKind.ORPHAN, "r00042").text, AlertKey(AlertKind.MQTT).text
+    ('orphan/r00042', 'mqtt')
+    """
+
+    kind: AlertKind
+    subject: str = ""
+
+    @property
+    def text(self) -> str:
+        return f"{self.kind.value}/{self.subject}" if self.subject else self.kind.value
 
 
 @dataclass(frozen=True)
@@ -362,8 +390,8 @@ class ActDecision:
     publish_first: frozenset[str] = frozenset()
     publish: frozenset[str] = frozenset()
     drains: tuple[str, ...] = ()
-    alerts: Mapping[str, str] = field(default_factory=dict)
-    cleared: frozenset[str] = frozenset()
+    alerts: Mapping[AlertKey, str] = field(default_factory=dict)
+    cleared: frozenset[AlertKey] = frozenset()
     counts: Mapping[str, int] = field(default_factory=dict)
     noted: frozenset[tuple[str, str]] = frozenset()
     # this decision's deferrals still open (new ones get their row id once written); None: the

@@ -24,12 +24,18 @@ __all__ = ["ARRIVALS", "ArrivalRate", "EngineSeries", "arrival_rate"]
 
 
 class EngineSeries(Enum):
-    """The engine series the arrival rate reads (each engine's metric names: controller/observe.py;
-    the replay's scrape fields: sim/promsim.py)."""
+    """The engine series the observation reads (each engine's metric names: controller/observe.py;
+    the value names the replay's scrape field: sim/promsim.py). The arrival rate reads the first
+    three; planner/queries.py describes the other queries on them."""
 
     REQUESTS_DONE = "completed"  # counter: requests finished
     RUNNING = "running"  # gauge: requests in the running batch
     WAITING = "waiting"  # gauge: requests queued
+    PROMPT_TOKENS = "prompt_tokens"  # counter: prompt tokens of the requests finished
+    GEN_TOKENS = "gen_tokens"  # counter: tokens generated
+    KV_USAGE = "kv"  # gauge: the KV cache's used share
+    PREFIX_QUERIES = "prefix_queries"  # counter: prompt tokens looked up in the prefix cache
+    PREFIX_HITS = "prefix_hits"  # counter: prompt tokens found there
 
 
 @dataclass(frozen=True)

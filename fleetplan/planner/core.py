@@ -673,7 +673,7 @@ def _explain(
     models: list[ModelExplanation] = []
     obs = canonical_observations(observation, policy)
     workloads = workloads_from(observation, policy)
-    binding: list[str] = list(now_sol.binding)
+    binding: list[str] = [b.text for b in now_sol.binding]
     counts_by_model = _counts_by_model(now_place)
     tcounts_by_model = counts_by_model if target_place is now_place else _counts_by_model(target_place)
     models_with_capacity = {c.model for c in capacities}

@@ -27,7 +27,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fleetplan.models.names import GpuType
@@ -36,6 +36,7 @@ from fleetplan.planner.capacity import CapacityInfo, MixedWorkload, Speeds, best
 from fleetplan.planner.counts import (
     CAPACITY_TIEBREAK_USD_H_PER_RPS,
     UNMET_TOL_RPS,
+    BindingKind,
     CountProblem,
     CountSolution,
     solve_counts,
@@ -70,6 +71,19 @@ MANY_MODELS = 16  # above this, no re-solves (each would cost about as much as t
 MAX_FLIP_CELLS = 200_000  # alternatives x 2048 breakpoints scanned per plan for flip loads (at most)
 SLO_RELAX_FACTOR = 1.1  # "SLO +10%"
 _USD_EPS = 1e-6
+# relaxing one of these one step can change nothing while another of them still binds
+_SHARED_LIMITS = frozenset({BindingKind.INVENTORY, BindingKind.MAX_GPUS, BindingKind.MAX_USD_H})
+
+
+@dataclass(frozen=True)
+class _Relaxed:
+    """One relaxation to re-solve: the limit (None: the SLO), its readable name and step, the model."""
+
+    kind: BindingKind | None
+    constraint: str
+    step: str
+    model: str | None
+    problem: CountProblem
 
 
 def slo_relaxed_capacities(
@@ -402,32 +416,34 @@ def _relaxed_problems(
     usable: list[HostInventory],
     models: tuple[ModelExplanation, ...],
     relaxed_capacities: Mapping[ConfigKey, CapacityInfo] | None,
-) -> list[tuple[str, str, str | None, CountProblem]]:
-    out: list[tuple[str, str, str | None, CountProblem]] = []
-    binding = solution.binding
+) -> list[_Relaxed]:
+    out: list[_Relaxed] = []
     for d in problem.demands:
-        if d.max_replicas is not None and any(b.startswith(f"max_replicas {d.model}:") for b in binding):
+        if d.max_replicas is not None and solution.binds(BindingKind.MAX_REPLICAS, d.model):
             demands = tuple(replace(x, max_replicas=d.max_replicas + 1) if x.model == d.model else x
                             for x in problem.demands)
-            out.append((f"max_replicas {d.model}", "+1 replica", d.model, replace(problem, demands=demands)))
+            out.append(_Relaxed(BindingKind.MAX_REPLICAS, f"max_replicas {d.model}", "+1 replica", d.model,
+                                replace(problem, demands=demands)))
     for gpu in sorted({h.gpu for h in usable}):
-        if any(b.startswith(f"inventory {gpu.value}:") for b in binding):
+        if solution.binds(BindingKind.INVENTORY, gpu.value):
             host = max((h for h in usable if h.gpu == gpu), key=lambda h: (h.gpu_count, h.name))
             groups = [len(g) for g in host.groups()]
             slots = {g: dict(s) for g, s in problem.slots.items()}
             for t in list(slots.get(gpu, {})):
                 slots[gpu][t] += tp_slots(groups, t)
-            out.append((f"inventory {gpu.value}", f"+1 host ({host.gpu_count} GPUs, like {host.name})", None,
-                        replace(problem, slots=slots)))
+            out.append(_Relaxed(BindingKind.INVENTORY, f"inventory {gpu.value}",
+                                f"+1 host ({host.gpu_count} GPUs, like {host.name})", None,
+                                replace(problem, slots=slots)))
     if usable:
         host = max(usable, key=lambda h: (h.gpu_count, h.name))
-        if problem.max_gpus is not None and any(b.startswith("budget max_gpus") for b in binding):
-            out.append(("budget max_gpus", f"+1 host ({host.gpu_count} GPUs)", None,
-                        replace(problem, max_gpus=problem.max_gpus + host.gpu_count)))
+        if problem.max_gpus is not None and solution.binds(BindingKind.MAX_GPUS):
+            out.append(_Relaxed(BindingKind.MAX_GPUS, "budget max_gpus", f"+1 host ({host.gpu_count} GPUs)", None,
+                                replace(problem, max_gpus=problem.max_gpus + host.gpu_count)))
         price = policy.price_usd_h(host.gpu) or 0.0
-        if problem.max_usd_h is not None and any(b.startswith("budget max_usd_h") for b in binding):
-            out.append(("budget max_usd_h", f"+1 host (+${price * host.gpu_count:.2f}/h)", None,
-                        replace(problem, max_usd_h=problem.max_usd_h + price * host.gpu_count)))
+        if problem.max_usd_h is not None and solution.binds(BindingKind.MAX_USD_H):
+            out.append(_Relaxed(BindingKind.MAX_USD_H, "budget max_usd_h",
+                                f"+1 host (+${price * host.gpu_count:.2f}/h)", None,
+                                replace(problem, max_usd_h=problem.max_usd_h + price * host.gpu_count)))
     if relaxed_capacities is not None:
         def rank(me: ModelExplanation) -> tuple[int, str]:
             mp = policy.model(me.model)
@@ -445,9 +461,10 @@ def _relaxed_problems(
                     c = replace(c, capacity_rps=info.max_rps)
                 cands.append(c)
             pct = round((SLO_RELAX_FACTOR - 1) * 100)
-            out.append((f"slo {me.model}", f"SLO +{pct}% (TTFT p99 {me.slo_ttft_p99_ms * SLO_RELAX_FACTOR:g} ms, "
-                        f"ITL p99 {me.slo_itl_p99_ms * SLO_RELAX_FACTOR:g} ms)", me.model,
-                        replace(problem, candidates=tuple(cands))))
+            out.append(_Relaxed(None, f"slo {me.model}",
+                                f"SLO +{pct}% (TTFT p99 {me.slo_ttft_p99_ms * SLO_RELAX_FACTOR:g} ms, "
+                                f"ITL p99 {me.slo_itl_p99_ms * SLO_RELAX_FACTOR:g} ms)", me.model,
+                                replace(problem, candidates=tuple(cands))))
     return out
 
 
@@ -495,8 +512,9 @@ def add_counterfactuals(
             todo = todo[:MAX_RESOLVES]
         base_usd, base_unmet = _usd_unmet(problem, solution)
         share = problem.time_limit_s / max(1, len(todo))  # all re-solves within one plan solve's limit
-        for constraint, step, model, relaxed in todo:
-            relaxed = replace(relaxed, time_limit_s=share, work_limit=None if problem.work_limit is None
+        for todo_one in todo:
+            constraint, step, model = todo_one.constraint, todo_one.step, todo_one.model
+            relaxed = replace(todo_one.problem, time_limit_s=share, work_limit=None if problem.work_limit is None
                               else problem.work_limit / max(1, len(todo)))
             sol = solve(relaxed)
             reports.append(replace(sol.report, stage="counterfactual"))
@@ -509,8 +527,8 @@ def add_counterfactuals(
                 parts.append(f"{'serves' if d_unmet < 0 else 'leaves'} {abs(d_unmet):.2f} rps "
                              f"{'more' if d_unmet < 0 else 'more unmet'}")
             detail = f"{constraint} {step}: " + (", ".join(parts) if parts else "no change"
-                                                  + (" (another constraint still binds)" if constraint.startswith(
-                                                      ("inventory", "budget")) else ""))
+                                                  + (" (another constraint still binds)"
+                                                     if todo_one.kind in _SHARED_LIMITS else ""))
             if sol.report.status != "OPTIMAL":
                 detail += f" (re-solve {sol.report.status}, gap {sol.report.gap if sol.report.gap is not None else '?'})"
             relaxations.append(Relaxation(constraint, step, model, base_usd, usd, base_unmet, unmet, detail))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from enum import Enum
 from typing import Any
 
 from fleetplan.models.names import GpuType
@@ -90,13 +91,49 @@ class CountProblem:
     work_limit: float | None = None
 
 
+class BindingKind(Enum):
+    """Which hard limit of the count problem a solution uses up."""
+
+    MAX_REPLICAS = "max_replicas"  # a model's max_replicas (subject: the model)
+    INVENTORY = "inventory"  # the TP groups of a GPU type (subject: the GPU type's value)
+    MAX_GPUS = "budget max_gpus"  # the policy's GPU budget (no subject)
+    MAX_USD_H = "budget max_usd_h"  # the policy's $/h budget (no subject)
+
+
+@dataclass(frozen=True)
+class Limit:
+    """A hard limit row of the model: its kind, what it limits and its readable name."""
+
+    kind: BindingKind
+    subject: str | None
+    label: str  # e.g. "inventory h100: TP2 groups"
+
+
+@dataclass(frozen=True)
+class Binding:
+    """A hard limit the solution uses up: compared by kind and subject; `text` is what a reader sees.
+
+    >>> b = Binding(BindingKind.INVENTORY, "h100", "inventory h100: TP1 groups: 16/16 used")
+    >>> b.kind is BindingKind.INVENTORY, b.subject, b.text
+    (True, 'h100', 'inventory h100: TP1 groups: 16/16 used')
+    """
+
+    kind: BindingKind
+    subject: str | None
+    text: str
+
+
 @dataclass(frozen=True)
 class CountSolution:
     counts: Mapping[ConfigKey, int]
     unmet_rps: Mapping[str, float]
     min_missed: Mapping[str, int]
     report: SolverReport
-    binding: tuple[str, ...]
+    binding: tuple[Binding, ...]
+
+    def binds(self, kind: BindingKind, subject: str | None = None) -> bool:
+        """Whether a limit of `kind` (and `subject`, where given) binds in this solution."""
+        return any(b.kind is kind and (subject is None or b.subject == subject) for b in self.binding)
 
 
 def tp_slots(groups: Sequence[int], tp: int) -> int:
@@ -116,7 +153,8 @@ class _Model:
     ubs: list[float] = field(default_factory=list)
     integer: list[bool] = field(default_factory=list)
     scale: list[int] = field(default_factory=list)  # CP-SAT: integer units per real unit
-    rows: list[tuple[list[tuple[int, float]], float | None, float | None, str]] = field(default_factory=list)
+    rows: list[tuple[list[tuple[int, float]], float | None, float | None, Limit | None]] = field(
+        default_factory=list)
     obj: dict[int, float] = field(default_factory=dict)
 
     def var(self, name: str, ub: float, integer: bool = True, scale: int = 1) -> int:
@@ -126,8 +164,9 @@ class _Model:
         self.scale.append(scale)
         return len(self.names) - 1
 
-    def row(self, terms: list[tuple[int, float]], lo: float | None, hi: float | None, label: str = "") -> None:
-        self.rows.append((terms, lo, hi, label))
+    def row(self, terms: list[tuple[int, float]], lo: float | None, hi: float | None,
+            limit: Limit | None = None) -> None:
+        self.rows.append((terms, lo, hi, limit))
 
     def cost(self, v: int, c: float) -> None:
         if c:
@@ -230,7 +269,8 @@ def _build(problem: CountProblem) -> tuple[_Model, list[Candidate], dict[str, in
             mdl.row([(i, 1.0) for i in idx] + [(s, 1.0)], d.min_replicas, None)
             mdl.cost(s, floor_weight * (1 + prio_rank[d.priority]))
         if d.max_replicas is not None and idx:
-            mdl.row([(i, 1.0) for i in idx], None, d.max_replicas, f"max_replicas {name}")
+            mdl.row([(i, 1.0) for i in idx], None, d.max_replicas,
+                    Limit(BindingKind.MAX_REPLICAS, name, f"max_replicas {name}"))
 
     for gpu in sorted({c.config.gpu for c in cands}):
         for t in _slot_sizes(problem, gpu):
@@ -238,11 +278,14 @@ def _build(problem: CountProblem) -> tuple[_Model, list[Candidate], dict[str, in
                      if c.config.gpu == gpu and c.gpus >= t]
             if terms:
                 cap = problem.slots.get(gpu, {}).get(t, 0)
-                mdl.row(terms, None, cap, f"inventory {gpu.value}: TP{t} groups")
+                mdl.row(terms, None, cap,
+                        Limit(BindingKind.INVENTORY, gpu.value, f"inventory {gpu.value}: TP{t} groups"))
     if problem.max_gpus is not None:
-        mdl.row([(i, float(c.gpus)) for i, c in enumerate(cands)], None, problem.max_gpus, "budget max_gpus")
+        mdl.row([(i, float(c.gpus)) for i, c in enumerate(cands)], None, problem.max_gpus,
+                Limit(BindingKind.MAX_GPUS, None, "budget max_gpus"))
     if problem.max_usd_h is not None:
-        mdl.row([(i, c.usd_h) for i, c in enumerate(cands)], None, problem.max_usd_h, "budget max_usd_h")
+        mdl.row([(i, c.usd_h) for i, c in enumerate(cands)], None, problem.max_usd_h,
+                Limit(BindingKind.MAX_USD_H, None, "budget max_usd_h"))
     for i, c in enumerate(cands):
         # $/h, minus a tie-break that prefers more spare capacity for the same money
         mdl.cost(i, c.usd_h - min(CAPACITY_TIEBREAK_USD_H_PER_RPS * c.capacity_rps, 0.01 * c.usd_h))
@@ -527,7 +570,7 @@ def solve_counts(problem: CountProblem) -> CountSolution:
     counts: dict[ConfigKey, int] = {}
     unmet: dict[str, float] = {}
     missed: dict[str, int] = {}
-    binding: list[str] = []
+    binding: list[Binding] = []
     gap: float | None = None
     if raw.values is not None:
         vals = raw.values
@@ -543,12 +586,13 @@ def solve_counts(problem: CountProblem) -> CountSolution:
                 missed[name] = round(vals[s])
         if raw.objective is not None and raw.bound is not None:
             gap = max(0.0, raw.objective - raw.bound) / max(abs(raw.objective), 1e-9)
-        for terms, _lo, hi, label in mdl.rows:
-            if label and hi is not None and hi > 0:
+        for terms, _lo, hi, limit in mdl.rows:
+            if limit is not None and hi is not None and hi > 0:
                 used = sum(c * vals[v] for v, c in terms)
                 if used >= hi - 1e-6:
-                    unit = f"{used:.2f}/{hi:.2f} $/h" if "usd" in label else f"{used:.0f}/{hi:.0f}"
-                    binding.append(f"{label}: {unit} used")
+                    unit = (f"{used:.2f}/{hi:.2f} $/h" if limit.kind is BindingKind.MAX_USD_H
+                            else f"{used:.0f}/{hi:.0f}")
+                    binding.append(Binding(limit.kind, limit.subject, f"{limit.label}: {unit} used"))
     report = SolverReport("counts", backend.lower(), raw.status, raw.objective, raw.bound, gap, raw.wall_s)
     return CountSolution(counts, unmet, missed, report, tuple(binding))
 

@@ -6,8 +6,11 @@ fleet's counters and a simulated agent). Per cycle, in this order:
 
 1. `act.reconcile(view)` (planner/act.py): the agents' reports against the records;
 2. `observe(readings, evidence, ...)`: what Prometheus' answers mean (planner/observation.py
-   `interpret`: fail static, partial windows, the time scale) plus the length mix and the per-config
-   latency evidence (planner/evidence.py), as the planner's `Observation`;
+   `interpret`: fail static, partial windows, a router that was down, the time scale); then
+   `Observed.for_fleet(replicas)`: with the length mix and the per-config latency evidence
+   (planner/evidence.py), the planner's `Observation`. The daemon observes before it knows the
+   cycle's fleet (controller/observe.py `Observer.snapshot`) and asks for the planner's input once
+   it does; the replay does both at once;
 3. `decide(observation, view, fleet, ...)`: no plan while a known host has not reported since start
    (`act.plan_deferred`), else the plan (planner/core.py `plan`) and the brakes (planner/brakes.py:
    advisory, pause, blast-radius limits);
@@ -46,12 +49,18 @@ __all__ = ["CycleDecision", "Observed", "brakes_for", "capacity_of", "decide", "
 
 @dataclass(frozen=True)
 class Observed:
-    """One observation: the per-model metrics (for reports), the raw evidence, the planner's input."""
+    """One observation: what the readings mean (the per-model metrics, for reports) and the raw
+    evidence; `for_fleet` makes the planner's input of it."""
 
     interpreted: Interpreted
     evidence: ev.Evidence | None
-    observation: Observation
-    notes: tuple[str, ...] = ()  # why some evidence was left out (logged by the daemon)
+    models: tuple[str, ...]  # the models the planner asks about (canonical names)
+    now_s: float
+
+    def for_fleet(self, replicas: Sequence[Replica] | None) -> tuple[Observation, tuple[str, ...]]:
+        """The planner's Observation (`observation_from`) against `replicas` (None: the per-model
+        numbers only), and why some evidence was left out (the daemon logs it)."""
+        return observation_from(self.interpreted, self.evidence, self.models, replicas, self.now_s)
 
 
 def observation_from(interpreted: Interpreted, evidence: ev.Evidence | None, models: Sequence[str],
@@ -91,22 +100,22 @@ def _window_mean(moments: Mapping[str, tuple[float, float]] | None, model: str, 
 
 
 def observe(readings: Readings, evidence: ev.Evidence | None, models: Iterable[str], *, now_s: float,
-            rules: ObserveRules, replicas: Sequence[Replica] | None,
-            canonical: Callable[[str], str] = str, expected_replicas: Collection[str] | None = None,
-            serving: Mapping[str, str] | None = None, ready_wall_s: Mapping[str, float] | None = None) -> Observed:
-    """Raw readings (and evidence) -> what they mean. `replicas`: the fleet the evidence is read
-    against (None: per-model numbers only). `expected_replicas`: the replicas the controller runs;
-    `serving`: replica id -> model of the replicas the router sends requests to; `ready_wall_s`:
-    replica id -> when it became ready (unix seconds: planner/observation.py `interpret`)."""
+            rules: ObserveRules, canonical: Callable[[str], str] = str,
+            expected_replicas: Collection[str] | None = None, serving: Mapping[str, str] | None = None,
+            ready_wall_s: Mapping[str, float] | None = None, router_down: bool = False) -> Observed:
+    """Raw readings (and evidence) -> what they mean (planner/observation.py `interpret`; a failed
+    reading keeps no evidence). `expected_replicas`: the replicas the controller runs; `serving`:
+    replica id -> model of the replicas the router sends requests to; `ready_wall_s`: replica id ->
+    when it became ready (unix seconds); `router_down`: the router is down or was within the rate
+    window (every rate a lower bound)."""
     names = list(models)
     view = interpret(readings, names, now_s=now_s, rules=rules, canonical=canonical,
                      expected_replicas=frozenset(expected_replicas) if expected_replicas is not None else None,
-                     serving=serving, ready_wall_s=ready_wall_s)
+                     serving=serving, router_down=router_down, ready_wall_s=ready_wall_s)
     if readings.error is not None:
         evidence = None
-    wanted = list(dict.fromkeys([canonical(m) for m in names]))
-    observation, notes = observation_from(view, evidence, wanted, replicas, now_s)
-    return Observed(view, evidence, observation, notes)
+    wanted = tuple(dict.fromkeys([canonical(m) for m in names]))
+    return Observed(view, evidence, wanted, now_s)
 
 
 def capacity_of(result: PlanResult) -> dict[ConfigKey, float]:

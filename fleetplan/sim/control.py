@@ -223,9 +223,11 @@ class ReplayControl:
         view = self.view(t_s)
         fleet = self.fleet(view)
         now = self.wall(t_s)
-        obs = observe(readings, evidence, self.models, now_s=now, rules=self.rules, replicas=fleet.replicas,
-                      expected_replicas=frozenset(self.rows), serving=self.serving,
-                      ready_wall_s=act.ready_since(view.replicas, view.hosts)).observation
+        # the simulated router never goes down: its rates are never a lower bound for that reason
+        obs, _ = observe(readings, evidence, self.models, now_s=now, rules=self.rules,
+                         expected_replicas=frozenset(self.rows), serving=self.serving,
+                         ready_wall_s=act.ready_since(view.replicas, view.hosts),
+                         router_down=False).for_fleet(fleet.replicas)
         if self.keep_observations:
             self.observations.append((t_s, obs))
         return self.decide_and_act(t_s, obs, view, fleet)

@@ -6,7 +6,9 @@ the same raw answers, computed here from the simulated replicas' counters, gauge
 (the bucket edges the real engines export, fleetplan.sim.core): one scrape per target every
 `scrape_s`, visible `delay_s` later, each query answered over the same windows the Observer asks.
 
-Only the I/O is simulated; no rule of the planner lives here. What each query returns:
+Only the I/O is simulated; no rule of the planner lives here. The instant queries are the
+descriptions of planner/queries.py (`Latest`, `Rate`, `Arrivals`, `Quantile`), evaluated here as
+controller/observe.py renders them to PromQL. What each query returns:
 
 - counters (`rate(x[w])`): per target, (last - first) / (t_last - t_first) over its samples in the
   window (Prometheus extrapolates to the window's edges; the difference is a few percent at the
@@ -29,8 +31,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from fleetplan.planner import evidence as ev
-from fleetplan.planner.arrivals import ARRIVALS, arrival_rate
+from fleetplan.planner.arrivals import ArrivalRate, arrival_rate
 from fleetplan.planner.observation import Query, Readings, Sample, Series
+from fleetplan.planner.queries import QUERIES, Agg, Arrivals, By, EngineHistogram, Latest, Quantile, Rate
 from fleetplan.sim.core import ITL_BUCKETS_S, LENGTH_BUCKETS, TPOT_BUCKETS_S, TTFT_BUCKETS_S
 
 __all__ = ["Counters", "PromSim", "TargetScrape"]
@@ -135,6 +138,33 @@ def _deriv(ts: Sequence[float], vs: Sequence[float]) -> float | None:
     return sum((t - mt) * (v - mv) for t, v in zip(ts, vs, strict=True)) / den
 
 
+def _arrival_parts(rule: ArrivalRate, win: Sequence[TargetScrape],
+                   f: float) -> tuple[float, float | None, list[float]]:
+    """One target's part of an arrival rate over its window: the completions' rate, the growth of
+    its requests in the engine (None: a gauge has no deriv()), and the slopes found."""
+    done = (getattr(win[-1], rule.completions.value) - getattr(win[0], rule.completions.value)) * f
+    growth: float | None = 0.0
+    slopes: list[float] = []
+    ts = [x.t_s for x in win]
+    for gauge in rule.in_engine:  # deriv() of each gauge (planner/arrivals.py)
+        slope = _deriv(ts, [getattr(x, gauge.value) for x in win])
+        if slope is None or growth is None:  # PromQL: no deriv, no sum: the completion rate
+            growth = None
+            continue
+        slopes.append(slope)
+        growth += slope
+    return done, growth, slopes
+
+
+# the described queries (planner/queries.py) by kind, in the table's order; a histogram's bucket
+# edges (the engines' own: fleetplan.sim.core)
+_LATEST = [(q, d) for q, d in QUERIES.items() if isinstance(d, Latest)]
+_RATES = [(q, d) for q, d in QUERIES.items() if isinstance(d, Rate)]
+_ARRIVALS = [(q, d) for q, d in QUERIES.items() if isinstance(d, Arrivals)]
+_QUANTILES = [(q, d) for q, d in QUERIES.items() if isinstance(d, Quantile)]
+_HISTOGRAMS = {EngineHistogram.TTFT: TTFT_BUCKETS_S, EngineHistogram.ITL: ITL_BUCKETS_S}
+
+
 class PromSim:
     """Scrapes of the replay's targets and the Observer's queries answered from them."""
 
@@ -209,17 +239,20 @@ class PromSim:
         return self.epoch0_s + t_s
 
     def readings(self, t_s: float) -> Readings:
-        """What `Observer.fetch` returns at simulated time `t_s` (wall = epoch0 + t)."""
+        """What `Observer.fetch` returns at simulated time `t_s` (wall = epoch0 + t): the described
+        queries (planner/queries.py) evaluated as PromQL would on the scrapes, and the target,
+        burst and history queries."""
         w = self.window_s
         res: dict[Query, list[Sample]] = {q: [] for q in Query}
-        by_model: dict[str, dict[str, float]] = {}
-        ttft_b: dict[str, list[float]] = {}
-        itl_b: dict[str, list[float]] = {}
+        per_model: dict[Query, dict[str, float]] = {}  # query -> model -> its sum (Latest, Rate)
+        counted: dict[Query, dict[str, float]] = {}  # Latest AVG: the samples summed
+        arrivals: dict[Query, dict[str, tuple[float, float | None]]] = {}  # model -> (done, growth)
+        buckets: dict[EngineHistogram, dict[str, list[float]]] = {h: {} for h in _HISTOGRAMS}
         vis = t_s - self.delay_s
 
-        def add(q: str, model: str, v: float) -> None:
-            d = by_model.setdefault(model, {})
-            d[q] = d.get(q, 0.0) + v
+        def add(acc: dict[Query, dict[str, float]], q: Query, model: str, v: float) -> None:
+            d = acc.setdefault(q, {})
+            d[model] = d.get(model, 0.0) + v
 
         for rid, dq in sorted(self.samples.items()):
             lab = self.labels[rid]
@@ -229,13 +262,14 @@ class PromSim:
             if rid in self.targets and last is not None:
                 res[Query.UP].append(Sample(lab, 1.0))
                 res[Query.UP_LAST_S].append(Sample(lab, self._wall(last.t_s)))
-                res[Query.REPLICA_RUNNING].append(Sample(lab, last.running))
-                res[Query.REPLICA_WAITING].append(Sample(lab, last.waiting))
-                res[Query.REPLICA_DONE].append(Sample(lab, last.completed))
-                add("running", model, last.running)
-                add("waiting", model, last.waiting)
-                add("kv", model, last.kv)
-                add("kv_n", model, 1.0)
+                for q, latest in _LATEST:
+                    v = getattr(last, latest.series.value)
+                    if latest.by is By.REPLICA:
+                        res[q].append(Sample(lab, v))
+                        continue
+                    add(per_model, q, model, v)
+                    if latest.agg is Agg.AVG:
+                        add(counted, q, model, 1.0)
                 if win:
                     res[Query.UP_FIRST_S].append(Sample(lab, self._wall(win[0].t_s)))
                     res[Query.UP_SAMPLES].append(Sample(lab, float(len(win))))
@@ -243,49 +277,43 @@ class PromSim:
             if f is None:
                 continue
             a, b = win[0], win[-1]
-            done = (b.completed - a.completed) * f
-            add("done", model, done)
-            add("prompt", model, (b.prompt_tokens - a.prompt_tokens) * f)
-            add("gen", model, (b.gen_tokens - a.gen_tokens) * f)
-            add("prefix_q", model, (b.prefix_queries - a.prefix_queries) * f)
-            add("prefix_h", model, (b.prefix_hits - a.prefix_hits) * f)
-            growth: float | None = 0.0
-            for gauge in ARRIVALS.in_engine:  # deriv() of each gauge (planner/arrivals.py)
-                slope = _deriv([x.t_s for x in win], [getattr(x, gauge.value) for x in win])
-                if slope is None or growth is None:  # PromQL: no deriv, no sum: the completion rate
-                    growth = None
+            for q, rate in _RATES:
+                v = (getattr(b, rate.series.value) - getattr(a, rate.series.value)) * f
+                if rate.by is By.REPLICA:
+                    res[q].append(Sample(lab, v))
+                else:
+                    add(per_model, q, model, v)
+            parts: dict[ArrivalRate, tuple[float, float | None, list[float]]] = {}
+            for q, arr in _ARRIVALS:
+                if arr.rule not in parts:
+                    parts[arr.rule] = _arrival_parts(arr.rule, win, f)
+                done, growth, slopes = parts[arr.rule]
+                if arr.by is By.REPLICA:
+                    res[q].append(Sample(lab, arrival_rate(done, growth, arr.rule)))
                     continue
-                add("growth", model, slope)
-                growth += slope
-            res[Query.REPLICA_RATE].append(Sample(lab, arrival_rate(done, growth)))
-            acc_t = ttft_b.setdefault(model, [0.0] * len(b.ttft))
-            for j, (x, y) in enumerate(zip(a.ttft, b.ttft, strict=True)):
-                acc_t[j] += (y - x) * f
-            acc_i = itl_b.setdefault(model, [0.0] * len(b.itl))
-            for j, (x, y) in enumerate(zip(a.itl, b.itl, strict=True)):
-                acc_i[j] += (y - x) * f
-        for model, d in sorted(by_model.items()):
-            lab = {"model": model}
-            if "done" in d:
-                res[Query.RATE].append(Sample(lab, arrival_rate(d["done"], d.get("growth"))))
-                res[Query.PROMPT].append(Sample(lab, d["prompt"]))
-                res[Query.GEN].append(Sample(lab, d["gen"]))
-                res[Query.PREFIX_QUERIES].append(Sample(lab, d["prefix_q"]))
-                res[Query.PREFIX_HITS].append(Sample(lab, d["prefix_h"]))
-            if "running" in d:
-                res[Query.RUNNING].append(Sample(lab, d["running"]))
-                res[Query.WAITING].append(Sample(lab, d["waiting"]))
-                res[Query.KV].append(Sample(lab, d["kv"] / max(1.0, d["kv_n"])))
-        for model, counts in ttft_b.items():
-            for q, query in ((0.5, Query.TTFT_P50), (0.99, Query.TTFT_P99)):
-                v = ev.histogram_quantile(q, _cumulative(TTFT_BUCKETS_S, counts))
+                m_done, m_growth = arrivals.setdefault(q, {}).get(model, (0.0, None))
+                for slope in slopes:  # PromQL: each deriv() summed by model, as far as there is one
+                    m_growth = (0.0 if m_growth is None else m_growth) + slope
+                arrivals[q][model] = (m_done + done, m_growth)
+            for h, acc in buckets.items():
+                xa, xb = getattr(a, h.value), getattr(b, h.value)
+                counts = acc.setdefault(model, [0.0] * len(xb))
+                for j, (x, y) in enumerate(zip(xa, xb, strict=True)):
+                    counts[j] += (y - x) * f
+        for q, parts_of in arrivals.items():
+            rule = QUERIES[q]
+            assert isinstance(rule, Arrivals)
+            for model, (done, growth) in sorted(parts_of.items()):
+                res[q].append(Sample({"model": model}, arrival_rate(done, growth, rule.rule)))
+        for q, sums in per_model.items():
+            n = counted.get(q)
+            for model, v in sorted(sums.items()):
+                res[q].append(Sample({"model": model}, v / max(1.0, n[model]) if n is not None else v))
+        for q, quantile in _QUANTILES:
+            for model, counts in buckets[quantile.histogram].items():
+                v = ev.histogram_quantile(quantile.q, _cumulative(_HISTOGRAMS[quantile.histogram], counts))
                 if v is not None:
-                    res[query].append(Sample({"model": model}, v))
-        for model, counts in itl_b.items():
-            for q, query in ((0.5, Query.ITL_P50), (0.99, Query.ITL_P99)):
-                v = ev.histogram_quantile(q, _cumulative(ITL_BUCKETS_S, counts))
-                if v is not None:
-                    res[query].append(Sample({"model": model}, v))
+                    res[q].append(Sample({"model": model}, v))
         for model, peak in self._peaks(t_s).items():
             res[Query.PEAK_RATE].append(Sample({"model": model}, peak))
         return Readings(self._wall(t_s), {q: tuple(v) for q, v in res.items()}, self._history(t_s))

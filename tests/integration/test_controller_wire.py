@@ -21,6 +21,7 @@ from fleetplan.controller.daemon import Controller, ControllerSettings
 from fleetplan.controller.mqtt import MqttSettings
 from fleetplan.controller.state import StateStore
 from fleetplan.harness.servers import MosquittoServer
+from fleetplan.planner.act_types import AlertKey, AlertKind
 
 REPO = Path(__file__).resolve().parents[2]
 HOST = "host-a"
@@ -100,7 +101,7 @@ async def test_bad_messages_are_rejected_and_the_loop_reads_the_next_one(
     assert ctrl.statuses[HOST].desired_version == 3
     assert ctrl.hosts.rejected_messages[HOST] == len(bad)
     assert ctrl.link.connected.is_set() and ctrl.health() == []
-    alert = ctrl.runtime_alerts[f"wire/{HOST}"]
+    alert = ctrl.runtime_alerts[AlertKey(AlertKind.WIRE, HOST)]
     assert f"{len(bad)} malformed" in alert and "host status from host-a" in alert, alert
     # nothing absurd reached the database: the version floor is the good status's
     await ctrl.executor.reconcile()
@@ -108,7 +109,7 @@ async def test_bad_messages_are_rejected_and_the_loop_reads_the_next_one(
     # a good status after a quiet period clears the alert
     ctrl.hosts.rejected_wall[HOST] -= ctrl.hosts.WIRE_ALERT_QUIET_S + 1
     ctrl._on_status(HOST, ctrl.statuses[HOST])
-    assert f"wire/{HOST}" not in ctrl.runtime_alerts and HOST not in ctrl.hosts.rejected_messages
+    assert AlertKey(AlertKind.WIRE, HOST) not in ctrl.runtime_alerts and HOST not in ctrl.hosts.rejected_messages
 
 
 async def test_health_follows_the_mqtt_task_and_healthz_says_why(ctrl: Controller) -> None:
@@ -139,7 +140,7 @@ async def test_a_replica_no_desired_state_names_is_not_adopted(mosquitto: Mosqui
         await wait_for(lambda: HOST in ctrl.statuses, "the status")
     assert ctrl.executor.adopt_orphans() == set()
     assert ctrl.store.known_ids() == set()
-    assert "matches no desired state" in ctrl.runtime_alerts["orphan/r00042"]
+    assert "matches no desired state" in ctrl.runtime_alerts[AlertKey(AlertKind.ORPHAN, "r00042")]
     # a desired state this controller published (retained) names it with other GPUs: still not adopted
     assert await ctrl.link.publish(f"fleetplan/hosts/{HOST}/desired",
                                    json.dumps({"version": 9, "replicas": [{**REPLICA, "gpu_indices": [1]}]}).encode())
@@ -161,16 +162,16 @@ async def test_a_flapping_host_is_alerted(mosquitto: MosquittoServer, ctrl: Cont
             await agent.publish(f"fleetplan/hosts/{HOST}/status",
                                 json.dumps(status() if i % 2 == 0 else {"host": HOST, "online": False}).encode(), qos=1)
         await wait_for(lambda: len(ctrl.hosts.flaps.get(HOST, [])) == 2, "2 transitions")
-        assert f"flap/{HOST}" not in ctrl.runtime_alerts
+        assert AlertKey(AlertKind.FLAP, HOST) not in ctrl.runtime_alerts
         for i in range(3):
             await agent.publish(f"fleetplan/hosts/{HOST}/status",
                                 json.dumps({"host": HOST, "online": False} if i % 2 == 0 else status()).encode(), qos=1)
         await wait_for(lambda: len(ctrl.hosts.flaps.get(HOST, [])) == 5, "5 transitions")
-    assert "5 online/offline transitions in 60 s" in ctrl.runtime_alerts[f"flap/{HOST}"]
+    assert "5 online/offline transitions in 60 s" in ctrl.runtime_alerts[AlertKey(AlertKind.FLAP, HOST)]
     # an hour later the window is empty: the next status clears the alert
     ctrl.hosts.flaps[HOST] = [t - 3600 for t in ctrl.hosts.flaps[HOST]]
     ctrl._on_status(HOST, ctrl.statuses[HOST])
-    assert f"flap/{HOST}" not in ctrl.runtime_alerts
+    assert AlertKey(AlertKind.FLAP, HOST) not in ctrl.runtime_alerts
 
 
 async def test_another_agents_credentials_cannot_take_over_a_client_id(mosquitto: MosquittoServer) -> None:
@@ -212,13 +213,13 @@ async def test_policy_reload_refuses_hostile_yaml_and_keeps_the_last_good_policy
             assert c.policy.policy is loaded  # the last good policy stays
             assert c.policy.error is not None and c.policy.error.startswith(str(policy)), c.policy.error
             assert needle in c.policy.error, (needle, c.policy.error)
-            assert "policy reload rejected" in c.runtime_alerts["policy"]
+            assert "policy reload rejected" in c.runtime_alerts[AlertKey(AlertKind.POLICY)]
         policy.write_bytes(b"\xff\xfe not utf-8")
         assert await c.reload_policy() is False and "not UTF-8" in (c.policy.error or "")
         policy.unlink()
         assert await c.reload_policy() is False and "cannot read" in (c.policy.error or "")
         policy.write_text(good)
-        assert await c.reload_policy() is True and c.policy.error is None and "policy" not in c.runtime_alerts
+        assert await c.reload_policy() is True and c.policy.error is None and AlertKey(AlertKind.POLICY) not in c.runtime_alerts
     finally:
         await c.prom.aclose()
         c.store.close()

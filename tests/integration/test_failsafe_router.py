@@ -22,6 +22,7 @@ from fleetplan.controller.routing import NginxRouter, probe_router, read_generat
 from fleetplan.controller.state import Phase, ReplicaRow, StateStore
 from fleetplan.harness.procs import group_pids
 from fleetplan.harness.servers import NginxServer
+from fleetplan.planner.act_types import AlertKey, AlertKind
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "llama-3-8b"
@@ -73,11 +74,11 @@ async def test_router_down_is_alerted_and_routing_is_reapplied_when_it_returns(
     ctrl.executor.connected_wall = time.time() - 1
     try:
         await failsafe.watch_router(ctrl)
-        assert "router" not in ctrl.runtime_alerts and ctrl.metrics.router_up._value.get() == 1.0
+        assert AlertKey(AlertKind.ROUTER) not in ctrl.runtime_alerts and ctrl.metrics.router_up._value.get() == 1.0
 
         kill_group(nginx)
         await failsafe.watch_router(ctrl)
-        alert = ctrl.runtime_alerts["router"]
+        alert = ctrl.runtime_alerts[AlertKey(AlertKind.ROUTER)]
         assert nginx.url in alert and "down" in alert, alert
         assert ctrl.metrics.router_up._value.get() == 0.0
         assert any(nginx.url in d for d in failsafe.degraded(ctrl))
@@ -89,7 +90,7 @@ async def test_router_down_is_alerted_and_routing_is_reapplied_when_it_returns(
                                                     "vllm", Phase.DESIRED, "planned", now, now, None, None))
         ctrl.hosts.on_status("gpu-01", parse_status(ready_status("r00001", 18001), host="gpu-01"))
         await ctrl.executor.update_routing()
-        assert "nginx is not running" in ctrl.runtime_alerts.get("routing", ""), ctrl.runtime_alerts
+        assert "nginx is not running" in ctrl.runtime_alerts.get(AlertKey(AlertKind.ROUTING), ""), ctrl.runtime_alerts
         assert "r00001" not in ctrl.executor.routed
         assert ctrl.metrics.router_reload_failures._value.get() >= 1
 
@@ -98,7 +99,7 @@ async def test_router_down_is_alerted_and_routing_is_reapplied_when_it_returns(
         again.start()
         try:
             await failsafe.watch_router(ctrl)
-            assert "router" not in ctrl.runtime_alerts and "routing" not in ctrl.runtime_alerts, ctrl.runtime_alerts
+            assert AlertKey(AlertKind.ROUTER) not in ctrl.runtime_alerts and AlertKey(AlertKind.ROUTING) not in ctrl.runtime_alerts, ctrl.runtime_alerts
             assert ctrl.metrics.router_up._value.get() == 1.0
             assert "r00001" in ctrl.executor.routed
             served = probe_router(nginx.url)

@@ -25,6 +25,7 @@ from fleetplan.controller.mqtt import MqttSettings
 from fleetplan.controller.protocol import HostStatus
 from fleetplan.controller.state import StateStore
 from fleetplan.harness.servers import MosquittoServer, PrometheusServer
+from fleetplan.planner.act_types import AlertKey, AlertKind
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -83,7 +84,7 @@ async def test_a_store_that_cannot_be_written_stops_actuation_alerts_and_recover
     for _ in range(3):  # a cycle may still fit in the pages left; the next ones cannot
         summary = await ctrl.cycle()
     assert "error" in summary, summary
-    alert = ctrl.runtime_alerts.get("store", "")
+    alert = ctrl.runtime_alerts.get(AlertKey(AlertKind.STORE), "")
     assert str(ctrl.store.path) in alert and "state store" in alert and expected in alert, alert
     assert "actuation stopped" in alert
     assert ctrl.metrics.store_writable._value.get() == 0.0
@@ -111,7 +112,7 @@ async def test_a_store_that_cannot_be_written_stops_actuation_alerts_and_recover
         db.execute("PRAGMA query_only = OFF")
     results = [await ctrl.cycle() for _ in range(2)]
     assert results[-1].get("error") is None, results
-    assert "store" not in ctrl.runtime_alerts
+    assert AlertKey(AlertKind.STORE) not in ctrl.runtime_alerts
     assert ctrl.metrics.store_writable._value.get() == 1.0
     assert ctrl.executor.republish_all is False  # the recovery's republish ran (reconcile clears it)
 

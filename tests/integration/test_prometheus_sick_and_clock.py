@@ -24,6 +24,7 @@ from fleetplan.controller.daemon import Controller, ControllerSettings
 from fleetplan.controller.mqtt import MqttSettings
 from fleetplan.controller.state import StateStore
 from fleetplan.harness.servers import MosquittoServer
+from fleetplan.planner.act_types import AlertKey, AlertKind
 from tests.integration.fake_prometheus import SICK_ANSWERS, FakePrometheus
 
 REPO = Path(__file__).resolve().parents[2]
@@ -113,7 +114,7 @@ async def test_a_sick_prometheus_fails_static_with_an_alert_naming_the_query(
     summaries = [await ctrl.cycle() for _ in range(2)]
     took_s = (time.monotonic() - t0) / 2
     assert all(s.get("error") is None for s in summaries), summaries
-    assert "cycle" not in ctrl.runtime_alerts  # no cycle failed with an exception
+    assert AlertKey(AlertKind.CYCLE) not in ctrl.runtime_alerts  # no cycle failed with an exception
     assert not _errors(caplog), caplog.text
     snap = ctrl.last_snapshot
     assert snap is not None and not snap.prometheus_ok
@@ -149,7 +150,7 @@ async def test_the_clock_stepped_back_and_forth_takes_no_action_and_alerts_by_na
         # the step's cycle: alerted by name, no plan and no action, the controller's clock unmoved
         assert summary.get("error") is None, summary
         assert f"the clock stepped {step_s:+.0f} s" in summary.get("deferred", ""), summary
-        assert ctrl.runtime_alerts["clock"].startswith(f"the clock stepped {step_s:+.0f} s")
+        assert ctrl.runtime_alerts[AlertKey(AlertKind.CLOCK)].startswith(f"the clock stepped {step_s:+.0f} s")
         assert _plans(ctrl) == planned
         assert abs(summary["now_s"] - before_s) < 60.0, (summary["now_s"], before_s)
         assert ctrl.health() == []  # no stall read from the wall clock
@@ -159,7 +160,7 @@ async def test_the_clock_stepped_back_and_forth_takes_no_action_and_alerts_by_na
         assert _known(ctrl) == pytest.approx(DEMAND)
         assert len(_plans(ctrl)) == len(planned) + 1
         planned = _plans(ctrl)
-        assert "clock" in ctrl.runtime_alerts  # the alert stands for a while after the step
+        assert AlertKey(AlertKind.CLOCK) in ctrl.runtime_alerts  # the alert stands for a while after the step
     assert not _errors(caplog), caplog.text
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from fleetplan.controller.settings import ControllerSettings, RetentionSettings
 from fleetplan.controller.state import Phase, ReplicaRow, StateStore
 from fleetplan.controller.state_retention import DAY_S, HOUR_S, RetentionRules, live_bytes, prune_step
+from fleetplan.planner.act_types import AlertKey, AlertKind
 from fleetplan.planner.records import history
 from tests.unit.controller.test_failsafe_inventory import make
 
@@ -138,11 +139,11 @@ def test_the_controller_prunes_each_reconcile_and_alerts_above_an_unreachable_bo
         c.executor.settings = ControllerSettings(retention=RetentionSettings(max_mb=0.001))
         c.executor.__post_init__()
         asyncio.run(c.executor.reconcile())
-        assert "retention.max_mb" in c.runtime_alerts["retention"]
+        assert "retention.max_mb" in c.runtime_alerts[AlertKey(AlertKind.RETENTION)]
         assert any("retention.max_mb" in a for a in c.report()["alerts"])
         c.executor.settings = ControllerSettings()
         c.executor.__post_init__()
         asyncio.run(c.executor.reconcile())
-        assert "retention" not in c.runtime_alerts
+        assert AlertKey(AlertKind.RETENTION) not in c.runtime_alerts
     finally:
         c.store.close()

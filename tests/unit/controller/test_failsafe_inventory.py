@@ -11,10 +11,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fleetplan.controller import reporting
 from fleetplan.controller.daemon import Controller, ControllerSettings
 from fleetplan.controller.protocol import parse_status
 from fleetplan.controller.state import StateStore
 from fleetplan.harness.cli import main
+from fleetplan.planner.act_types import AlertKey, AlertKind
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -47,10 +49,12 @@ def test_a_status_claiming_more_gpus_is_cut_to_the_policy_inventory_and_alerted(
         inv = {h.name: h for h in c.build_fleet().hosts}
         assert inv["gpu-01"].gpu_count == 8 and inv["gpu-01"].groups() == (tuple(range(8)),)
         assert inv["gpu-02"].gpu_count == 8 and inv["gpu-09"].gpu_count == 0
-        alert = c.runtime_alerts["inventory/gpu-01"]
+        alert = c.runtime_alerts[AlertKey(AlertKind.INVENTORY, "gpu-01")]
         assert "24" in alert and "planning on 8" in alert, alert
-        assert "inventory/gpu-02" not in c.runtime_alerts
-        assert "not in the policy's hosts" in c.runtime_alerts["inventory/gpu-09"]
+        assert AlertKey(AlertKind.INVENTORY, "gpu-02") not in c.runtime_alerts
+        assert "not in the policy's hosts" in c.runtime_alerts[AlertKey(AlertKind.INVENTORY, "gpu-09")]
+        reporting.update_inventory_metrics(c)  # the metric names the held hosts (a kind, not a prefix)
+        assert {labels[0] for labels in c.metrics.inventory_mismatch._metrics} == {"gpu-01", "gpu-09"}
         # the act core (starts moved to free GPUs, held GPUs) sees the same agreed host
         view = c.executor.view()
         assert view.hosts["gpu-01"].gpu_count == 8
@@ -58,7 +62,9 @@ def test_a_status_claiming_more_gpus_is_cut_to_the_policy_inventory_and_alerted(
         # the agent tells the truth again: the alert clears
         c._on_status("gpu-01", parse_status(status("gpu-01"), host="gpu-01"))
         c.build_fleet()
-        assert "inventory/gpu-01" not in c.runtime_alerts
+        assert AlertKey(AlertKind.INVENTORY, "gpu-01") not in c.runtime_alerts
+        reporting.update_inventory_metrics(c)
+        assert {labels[0] for labels in c.metrics.inventory_mismatch._metrics} == {"gpu-09"}
     finally:
         c.store.close()
 
@@ -71,8 +77,9 @@ def test_another_gpu_type_plans_on_none_of_the_hosts_gpus(tmp_path: Path) -> Non
                                             host="gpu-04"))  # one GPU board failed: fewer is believed
         inv = {h.name: h for h in c.build_fleet().hosts}
         assert inv["gpu-03"].gpu_count == 0
-        assert "a100" in c.runtime_alerts["inventory/gpu-03"] and "none" in c.runtime_alerts["inventory/gpu-03"]
-        assert inv["gpu-04"].gpu_count == 4 and "inventory/gpu-04" not in c.runtime_alerts
+        held = c.runtime_alerts[AlertKey(AlertKind.INVENTORY, "gpu-03")]
+        assert "a100" in held and "none" in held
+        assert inv["gpu-04"].gpu_count == 4 and AlertKey(AlertKind.INVENTORY, "gpu-04") not in c.runtime_alerts
     finally:
         c.store.close()
 
@@ -95,7 +102,7 @@ def test_an_unlisted_host_is_planned_on_once_confirmed_by_the_cli(tmp_path: Path
         assert "24 h100 GPU(s)" in capsys.readouterr().out
         cycle_records(c)  # the next cycle reads the confirmation
         assert {h.name: h.gpu_count for h in c.build_fleet().hosts}["gpu-09"] == 24
-        assert "inventory/gpu-09" not in c.runtime_alerts
+        assert AlertKey(AlertKind.INVENTORY, "gpu-09") not in c.runtime_alerts
         assert main(["hosts", "confirm", "gpu-77", "--state-db", str(tmp_path / "s.db")]) == 1  # never reported
         assert "gpu-77" in capsys.readouterr().err
     finally:
@@ -117,7 +124,7 @@ def test_a_first_report_is_recorded_and_a_change_held_until_confirmed_across_a_r
                                             host="gpu-02"))  # within the policy's 8, but a change
         inv = {h.name: h for h in c.build_fleet().hosts}
         assert inv["gpu-02"].gpu_count == 4
-        alert = c.runtime_alerts["inventory/gpu-02"]
+        alert = c.runtime_alerts[AlertKey(AlertKind.INVENTORY, "gpu-02")]
         assert "recorded 8" in alert and "changed" in alert and "fleetplan hosts confirm gpu-02" in alert
         cycle_records(c)
         assert main(["hosts", "list", "--state-db", str(tmp_path / "s.db")]) == 0
@@ -125,11 +132,11 @@ def test_a_first_report_is_recorded_and_a_change_held_until_confirmed_across_a_r
         assert main(["hosts", "confirm", "gpu-02", "--state-db", str(tmp_path / "s.db")]) == 0
         cycle_records(c)
         c.build_fleet()
-        assert "inventory/gpu-02" not in c.runtime_alerts
+        assert AlertKey(AlertKind.INVENTORY, "gpu-02") not in c.runtime_alerts
         # back to 8 (the GPU replaced): the policy lists 8, which confirms it
         c._on_status("gpu-02", parse_status(status("gpu-02"), host="gpu-02"))
         assert {h.name: h.gpu_count for h in c.build_fleet().hosts}["gpu-02"] == 8
-        assert "inventory/gpu-02" not in c.runtime_alerts
+        assert AlertKey(AlertKind.INVENTORY, "gpu-02") not in c.runtime_alerts
     finally:
         c.store.close()
 
@@ -142,9 +149,9 @@ def test_a_policy_listing_no_hosts_believes_first_reports_and_holds_changes(tmp_
     try:
         c._on_status("h1", parse_status(status("h1", gpu_count=16, nvlink_groups=[list(range(16))]), host="h1"))
         assert {h.name: h.gpu_count for h in c.build_fleet().hosts}["h1"] == 16
-        assert not [k for k in c.runtime_alerts if k.startswith("inventory/")]
+        assert not [k for k in c.runtime_alerts if k.kind is AlertKind.INVENTORY]
         c._on_status("h1", parse_status(status("h1", gpu_count=24, nvlink_groups=[list(range(24))]), host="h1"))
         assert {h.name: h.gpu_count for h in c.build_fleet().hosts}["h1"] == 16
-        assert "recorded 16" in c.runtime_alerts["inventory/h1"]
+        assert "recorded 16" in c.runtime_alerts[AlertKey(AlertKind.INVENTORY, "h1")]
     finally:
         c.store.close()

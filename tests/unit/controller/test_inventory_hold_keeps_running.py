@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fleetplan.controller.protocol import parse_status
+from fleetplan.planner.act_types import AlertKey, AlertKind
 from fleetplan.planner.placement import place
 from fleetplan.planner.types import ConfigKey, Replica, ReplicaState
 from tests.unit.controller.test_failsafe_inventory import make, status
@@ -27,7 +28,7 @@ def test_a_held_host_keeps_the_gpus_of_its_running_replica_and_gets_no_new_one(t
         c._on_status("host-a", parse_status(status("host-a", replicas=[running("r1", [4, 5, 6, 7])]), host="host-a"))
         c._on_status("host-b", parse_status(status("host-b"), host="host-b"))
         inv = {h.name: h for h in c.build_fleet().hosts}
-        assert "not in the policy's hosts" in c.runtime_alerts["inventory/host-a"]
+        assert "not in the policy's hosts" in c.runtime_alerts[AlertKey(AlertKind.INVENTORY, "host-a")]
         assert inv["host-a"].gpu_count == 0 and inv["host-a"].groups() == ((4, 5, 6, 7),)
         assert inv["host-b"].gpu_count == 0 and inv["host-b"].groups() == ((),)
         current = [Replica("r1", CFG, "host-a", (4, 5, 6, 7), ReplicaState.READY, 18001, 0.0)]

@@ -27,6 +27,7 @@ from fleetplan.planner.act import (
     ReportedReplica,
     SetPhase,
 )
+from fleetplan.planner.act_types import AlertKey, AlertKind
 from fleetplan.planner.types import Action, ActionKind, ConfigKey, Replica, ReplicaState
 from tests.unit.planner.planner_helpers import BF16, H100, TRT, VLLM
 
@@ -82,13 +83,13 @@ def test_an_engine_no_desired_state_named_is_not_adopted() -> None:
     other = reported("r00042", gpus=(4,), port=8003)  # retained copy says other GPUs
     for retained in ({}, {"gpu-01": (other,)}):
         d = act.adopt(view(host("gpu-01", rs), retained=retained))
-        assert d.effects == () and "orphan/r00042" in d.alerts
+        assert d.effects == () and AlertKey(AlertKind.ORPHAN, "r00042") in d.alerts
 
 
 def test_an_engine_that_conflicts_with_planned_replicas_is_not_adopted() -> None:
     rs = reported("r00042", gpus=(0,), port=8005)
     d = act.adopt(view(host("gpu-01", rs), rows=(row("r00001"),), retained={"gpu-01": (rs,)}))
-    assert d.effects == () and "conflicts" in d.alerts["orphan/r00042"]
+    assert d.effects == () and "conflicts" in d.alerts[AlertKey(AlertKind.ORPHAN, "r00042")]
 
 
 # ---- reconcile ------------------------------------------------------------------------------
@@ -104,7 +105,7 @@ def test_a_replica_never_ready_is_removed_after_the_timeout_with_an_alert() -> N
     d = act.reconcile(view(host("gpu-01", reported("r00001", ReplicaState.STARTING)), rows=(stuck,)))
     (eff,) = [e for e in d.effects if isinstance(e, SetPhase)]
     assert eff.phase == Phase.REMOVED and "not ready after 900 s" in (eff.note.reason if eff.note else "")
-    assert "ready/r00001" in d.alerts and "gpu-01" in d.publish
+    assert AlertKey(AlertKind.READY_TIMEOUT, "r00001") in d.alerts and "gpu-01" in d.publish
     young = row("r00001", ready=False, created_s=NOW - 100)
     assert not any(isinstance(e, SetPhase) for e in act.reconcile(view(host(), rows=(young,))).effects)
 
@@ -120,11 +121,12 @@ def test_an_unacked_desired_state_is_published_again_after_the_ack_timeout() -> 
 
 def test_the_ack_timeout_raises_an_alert_that_the_ack_clears() -> None:
     late = {"gpu-01": DesiredRow("gpu-01", 4, {}, NOW - 30, 3, True, ())}
+    ack = AlertKey(AlertKind.ACK_TIMEOUT, "gpu-01")
     d = act.reconcile(view(host(), desired=late))
-    assert "did not ack desired v4" in d.alerts["ack/gpu-01"] and "ack/gpu-01" not in d.cleared
+    assert "did not ack desired v4" in d.alerts[ack] and ack not in d.cleared
     acked = {"gpu-01": DesiredRow("gpu-01", 4, {}, NOW - 30, 4, True, ())}
     d = act.reconcile(view(host(), desired=acked))
-    assert "ack/gpu-01" not in d.alerts and "ack/gpu-01" in d.cleared and not d.publish
+    assert ack not in d.alerts and ack in d.cleared and not d.publish
 
 
 def test_a_refused_desired_state_is_acted_on_once_by_reconcile() -> None:
@@ -135,7 +137,7 @@ def test_a_refused_desired_state_is_acted_on_once_by_reconcile() -> None:
     d = act.reconcile(view(host("gpu-01", reported("r00001")), rows=rows, desired=refused))
     gone = [e for e in d.effects if isinstance(e, SetPhase)]
     assert [e.replica_id for e in gone] == ["r00002"] and d.publish == {"gpu-01"}
-    assert "template 'x' not offered" in d.alerts["rejected/gpu-01"]
+    assert "template 'x' not offered" in d.alerts[AlertKey(AlertKind.REJECTED, "gpu-01")]
     republished = {"gpu-01": DesiredRow("gpu-01", 6, {}, NOW - 1, 5, False, ("replica r00002: ...",))}
     d = act.reconcile(view(host("gpu-01", reported("r00001")), rows=rows, desired=republished))
     assert not [e for e in d.effects if isinstance(e, SetPhase)]
@@ -151,7 +153,7 @@ def test_builds_done_and_failed_leave_the_desired_state_failed_alerts() -> None:
     d = act.reconcile(view(h, builds=(b1, b2)))
     finished = [e for e in d.effects if isinstance(e, FinishBuild)]
     assert [(f.build.build_id, f.ok, f.error) for f in finished] == [("b00001", True, None), ("b00002", False, "OOM")]
-    assert "OOM" in d.alerts["build/b00002"] and "build/b00001" not in d.alerts
+    assert "OOM" in d.alerts[AlertKey(AlertKind.BUILD_FAILED, "b00002")] and AlertKey(AlertKind.BUILD_FAILED, "b00001") not in d.alerts
 
 
 def test_rejected_desired_state_drops_the_named_replicas() -> None:
@@ -256,7 +258,7 @@ def test_a_replica_that_never_served_is_removed_at_once() -> None:
 
 def test_mqtt_down_defers_everything_with_an_alert() -> None:
     d = act.execute(view(host(), connected_since_s=None), [action(ActionKind.START)])
-    assert [type(e) for e in d.effects] == [Record] and d.counts["deferred"] == 1 and "mqtt" in d.alerts
+    assert [type(e) for e in d.effects] == [Record] and d.counts["deferred"] == 1 and AlertKey(AlertKind.MQTT) in d.alerts
 
 
 def test_after_a_restart_nothing_acts_until_every_known_host_reported() -> None:

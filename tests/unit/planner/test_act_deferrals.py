@@ -13,7 +13,7 @@ from fleetplan.planner.types import Action, ActionKind
 from tests.unit.planner.test_act import NOW, action, host, row, view
 
 LISTED = ActSettings(listed_hosts=frozenset({"gpu-01", "gpu-02"}))
-KEY = act.alert_key(act.AlertKind.UNREACHABLE)
+KEY = act.AlertKey(act.AlertKind.UNREACHABLE)
 
 
 def starts_on_gpu01() -> list[Action]:
@@ -26,7 +26,7 @@ def test_a_plan_on_hosts_without_agents_is_one_alert_naming_both_sides() -> None
     text = d.alerts[KEY]
     assert "gpu-01" in text and "no agent is online" in text and "3 action(s) deferred" in text
     assert "host-a, host-b" in text and "do not list" in text
-    assert len([k for k in d.alerts if k.startswith("unreachable")]) == 1
+    assert len([k for k in d.alerts if k.kind is act.AlertKind.UNREACHABLE]) == 1
     # every start deferred for that cause
     assert [e.note.cause for e in d.effects if isinstance(e, Record)] == [DeferCause.NO_AGENT] * 3
 

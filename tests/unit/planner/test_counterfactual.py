@@ -96,6 +96,16 @@ def test_relaxation_of_binding_inventory_adds_a_host() -> None:
     assert x.unmet_rps_after == pytest.approx(0.0) and x.usd_h_after - x.usd_h_before == pytest.approx(6.0)
 
 
+def test_a_host_more_changes_nothing_while_the_gpu_budget_still_binds() -> None:
+    p = policy(models=("m8",), model_extra={"m8": {"allowed": {"engines": ["vllm"], "tp": [1]}}},
+               budget={"max_gpus": 8})
+    r = plan_with_capacities(observe({"m8": 100.0}), Fleet(hosts(1)), p, CAPS, PlannerState.initial(), NOW)
+    assert "budget max_gpus: 8/8 used" in r.explanation.binding_constraints
+    relax = {x.constraint: x for x in r.explanation.relaxations}
+    assert relax["inventory h100"].detail.endswith("no change (another constraint still binds)")
+    assert relax["budget max_gpus"].detail.endswith("no change (another constraint still binds)")
+
+
 def test_running_replicas_kept_over_a_cheaper_config_is_churn() -> None:
     extra = {"m8": {"allowed": {"engines": ["vllm", "trtllm"], "tp": [1]}}}
     p = policy(models=("m8",), model_extra=extra, cached=[("m8", "h100", 1)], scaling={"churn_cost_usd_h": 2.0})

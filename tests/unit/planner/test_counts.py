@@ -9,7 +9,14 @@ import pytest
 from planner_helpers import H100, TRT, VLLM, key, observe, policy
 
 from fleetplan.planner.core import plan_with_capacities
-from fleetplan.planner.counts import Candidate, CountProblem, ModelDemand, prune_dominated, solve_counts
+from fleetplan.planner.counts import (
+    BindingKind,
+    Candidate,
+    CountProblem,
+    ModelDemand,
+    prune_dominated,
+    solve_counts,
+)
 from fleetplan.planner.types import Fleet, PlannerState
 
 CANDS = (
@@ -76,3 +83,22 @@ def test_a_work_limit_replaces_the_clock_and_a_generous_one_still_finds_the_opti
     assert sol.report.status == "OPTIMAL"
     assert {(c.model, c.engine.value, c.tp): n for c, n in sol.counts.items()} == {
         ("a", "trtllm", 1): 4, ("b", "vllm", 4): 3}
+
+
+def test_binding_limits_are_typed_by_kind_and_subject_and_keep_their_readable_text() -> None:
+    # a: at most 2 replicas (it needs 4 of its best)
+    capped = solve_counts(dataclasses.replace(
+        PROBLEM, demands=(ModelDemand("a", 50.0, 1, 0, 2), ModelDemand("b", 10.0, 1, 1, None))))
+    assert [(b.kind, b.subject, b.text) for b in capped.binding] == [
+        (BindingKind.MAX_REPLICAS, "a", "max_replicas a: 2/2 used")]
+    assert capped.binds(BindingKind.MAX_REPLICAS, "a") and not capped.binds(BindingKind.MAX_REPLICAS, "b")
+    assert not capped.binds(BindingKind.INVENTORY) and not capped.binds(BindingKind.MAX_GPUS)
+    # a GPU budget below the 16 GPUs of the optimum
+    budget = solve_counts(dataclasses.replace(PROBLEM, max_gpus=8))
+    assert [(b.kind, b.subject, b.text) for b in budget.binding] == [
+        (BindingKind.MAX_GPUS, None, "budget max_gpus: 8/8 used")]
+    assert budget.binds(BindingKind.MAX_GPUS) and not budget.binds(BindingKind.MAX_USD_H)
+    # the inventory's text names its GPU type and TP groups; its subject is the GPU type alone
+    full = solve_counts(dataclasses.replace(PROBLEM, slots={H100: {1: 2, 2: 1, 4: 1, 8: 0}}))
+    inv = [b for b in full.binding if b.kind is BindingKind.INVENTORY]
+    assert inv and all(b.subject == "h100" and b.text.startswith("inventory h100: TP") for b in inv)

@@ -279,3 +279,13 @@ def test_a_router_down_within_the_window_makes_every_rate_a_lower_bound() -> Non
     m = interpret(r, [M], now_s=5000.0, rules=RULES, router_down=True).models[M]
     assert m.stale and m.rate_rps == 0.2 and any("router is down" in x for x in m.reasons)
     assert not interpret(r, [M], now_s=5000.0, rules=RULES).models[M].stale
+
+
+def test_the_cycle_path_takes_router_down_to_the_planner_input() -> None:
+    from fleetplan.planner.cycle import observe
+
+    r = readings(target("r1"), rate=0.2)
+    down = observe(r, None, [M], now_s=5000.0, rules=RULES, router_down=True)
+    obs, _ = down.for_fleet(None)
+    assert obs.models[M].stale and obs.models[M].rate_rps == 0.2
+    assert not observe(r, None, [M], now_s=5000.0, rules=RULES).for_fleet(None)[0].models[M].stale
