@@ -252,12 +252,12 @@ class PlanProfiler:
 def instrumented(ctrl: Any, phases: Phases, inbound: Inbound, plan_prof: PlanProfiler | None) -> Iterator[None]:
     """Wrap the controller's steps (instance attributes, the Observer class, the planner module's
     plan); everything is put back on exit. Nothing in the daemon is edited."""
+    import fleetplan.planner.act_port as act_port
     import fleetplan.planner.core as core
     from fleetplan.controller.observe import Observer
 
     ex = ctrl.executor  # the act core's effects (controller/executor.py)
-    for name, step in (("reconcile", "reconcile"), ("act", "execute"), ("publish", "publish_hosts"),
-                       ("routing", "update_routing")):
+    for name, step in (("reconcile", "reconcile"), ("publish", "publish_hosts"), ("routing", "update_routing")):
         setattr(ex, step, phases.wrap_async(name, getattr(ex, step)))
     ctrl.cycle = phases.wrap_async("cycle", ctrl.cycle)
     ex.adopt_orphans = phases.wrap_sync("act", ex.adopt_orphans)
@@ -266,11 +266,14 @@ def instrumented(ctrl: Any, phases: Phases, inbound: Inbound, plan_prof: PlanPro
     plan_fn = plan_prof.wrap(old_plan) if plan_prof is not None else old_plan
     Observer.snapshot = phases.wrap_async("observe", old_snapshot)  # type: ignore[method-assign]
     core.plan = phases.wrap_sync("plan", plan_fn)
+    old_execute = act_port.execute  # the act loop's step, called by the daemon through its module
+    act_port.execute = phases.wrap_async("act", old_execute)
     try:
         yield
     finally:
         Observer.snapshot = old_snapshot  # type: ignore[method-assign]
         core.plan = old_plan
+        act_port.execute = old_execute
 
 
 # ---------------------------------------------------------------------------------------------
