@@ -41,6 +41,9 @@ class CapacityInfo:
     # the good share this window is sized for where the error budget is spent (planner/slo.py
     # planned_share; max_rps is then the rate at that share); None: the p99 targets
     planned_share: float | None = None
+    # the KV cache's capacity (tokens) max_rps was computed with where the fleet corrected the
+    # profile's (planner/kvmem.py); None: the profile's kv_tokens
+    kv_tokens: float | None = None
 
 
 @dataclass(frozen=True)
@@ -359,7 +362,7 @@ def capacity_table(
             share = None
         table[key] = CapacityInfo(rps, binding, tuple(warnings), prof.source == "roofline", base_rps, sp.note,
                                   extrapolation(prof, mix_for(prof, w), w.isl_p99_low), applied.floor_share,
-                                  share)
+                                  share, sp.kv_tokens)
     _prefer_reachable(table)
 
     def predictor(config: ConfigKey, rate_rps: float) -> Predicted:

@@ -303,6 +303,11 @@ class ConfigExplanation:
     predicted_attainment: float | None = None
     last_replica_attainment: float | None = None
     floor_share: float | None = None
+    # the KV cache's capacity (tokens) the capacity was computed with where the fleet's KV usage
+    # corrected the profile's (planner/kvmem.py; None: the profile's), and the last window's KV usage
+    # of these replicas (0..1; None: unknown)
+    kv_tokens: float | None = None
+    observed_kv_usage: float | None = None
 
 
 class LossReason(StrEnum):

@@ -14,10 +14,19 @@ from fleetplan.models.mix import LengthMix, MixCapacity, capacity_mix, predict_m
 from fleetplan.models.names import Engine
 from fleetplan.planner import kvmem
 from fleetplan.planner.capacity import MixedWorkload, capacity_table
+from fleetplan.planner.core import plan, plan_to_dict
 from fleetplan.planner.correction import applied_speeds, update_corrections
 from fleetplan.planner.serde import state_from_dict, state_to_dict
-from fleetplan.planner.types import ConfigKey, ConfigObservation, Correction, ModelObservation, PlannerState
-from tests.unit.planner.planner_helpers import BF16, H100, VLLM, policy
+from fleetplan.planner.types import (
+    ConfigKey,
+    ConfigObservation,
+    Correction,
+    Fleet,
+    ModelObservation,
+    Observation,
+    PlannerState,
+)
+from tests.unit.planner.planner_helpers import BF16, H100, VLLM, hosts, policy
 
 KEY = ConfigKey("m8", VLLM, H100, 1, BF16)
 ISL, OSL = 1024.0, 1024.0
@@ -92,6 +101,7 @@ def test_a_kv_capacity_8x_too_small_rises_to_the_true_capacity_within_a_few_wind
     table, _ = capacity_table(POLICY, {KEY: small}, WORKLOAD, [H100], speeds=speeds)
     assert table[KEY].profile_rps == pytest.approx(capacity(small).max_rps)
     assert table[KEY].correction == speeds[KEY].note
+    assert table[KEY].kv_tokens == speeds[KEY].kv_tokens
 
 
 def test_a_kv_capacity_2x_too_large_falls_at_once() -> None:
@@ -165,3 +175,27 @@ def test_a_config_not_observed_yet_takes_its_siblings_kv_at_the_lower_side() -> 
     assert after[trt].kv_windows == 1
     assert trt_small.kv_tokens is not None
     assert trt_small.kv_tokens * math.exp(after[trt].kv_log) == pytest.approx(TRUE_KV, rel=0.05)
+
+
+def test_plan_sizes_with_the_fleets_kv_capacity_and_says_so() -> None:
+    """End to end through plan(): the windows its own fleet shows correct the memory bound, the
+    explanation says so, and the next state (stored with every plan) carries the estimate."""
+    small = replace(TRUE, kv_tokens=TRUE_KV / 8.0)
+    state = PlannerState.initial()
+    counts = []
+    n = 0
+    for k in range(6):
+        configs = (window(n, 6.0),) if n else ()
+        obs = Observation({"m8": ModelObservation("m8", 6.0, ISL, OSL, configs=configs)})
+        r = plan(obs, Fleet(hosts(2)), POLICY, mp.ProfileSet((small,)), state, 1_700_000_000.0 + 60.0 * k)
+        state = r.next_state
+        [ce] = [c for m in r.explanation.models for c in m.configs if c.config == KEY]
+        n = ce.replicas
+        counts.append(n)
+    want = math.ceil(6.0 / true_capacity())  # what the true profile plans (the policy: no headroom)
+    assert counts[0] >= 2 * want and counts[3:] == [want] * 3
+    assert ce.correction.startswith("KV capacity from the fleet:") and "vs profile 12.5k" in ce.correction
+    assert ce.capacity_per_replica_rps == pytest.approx(true_capacity(), rel=0.2)
+    d = plan_to_dict(r)
+    [c] = d["next_state"]["corrections"]
+    assert c["kv_windows"] == 5 and c["observed_kv_tokens"] == pytest.approx(TRUE_KV, rel=1e-6)
