@@ -31,7 +31,16 @@ Per config, ln(fleet's kv_tokens / profile's) is tracked as the speed is (a valu
   swings the fleet), DRIFT_VAR per cycle; without evidence the estimate relaxes toward the
   profile over a day (correction._relaxed);
 - applied: a smaller cache at once (the plan grows now); a larger one only as far as the
-  evidence's lower side (mean - UP_TRUST_SD sd, as the speed); HYSTERESIS around what is applied.
+  evidence's lower side (mean - UP_TRUST_SD sd, as the speed); HYSTERESIS around what is applied;
+- a config not observed yet takes what its model's observed configs show against their profiles,
+  with the variance widened by SHARED_VAR, at its lower side (`shared_kv`), and starts its own
+  filter from there;
+- the speed correction reads latency against the profile at the cache applied
+  (planner/correction.py update_corrections): a load beyond the profile's memory bound that the
+  replicas served is not a faster engine.
+
+The readings are gauges in 0..1 (vLLM documents `kv_cache_usage_perc` so: 1 means 100 percent);
+a reading above 1 is no evidence.
 
 Worked example (tests/unit/planner/test_kvmem.py): a profile whose kv_tokens is 8x too small
 (ln 8 = 2.08): windows at 40 running sequences read the truth within ~3%; the steps are capped at
