@@ -151,6 +151,11 @@ def test_cli_json_shape_and_charts(world: tuple[Policy, object, dict[ConfigKey, 
     for name in ("fleetplan", "static-peak", "hpa"):
         assert {"gpu_hours", "slo_attainment", "ttft_p99_ms", "itl_p99_ms"} <= set(doc["policies"][name])
         assert 0.0 <= doc["policies"][name]["slo_attainment"] <= 1.0
+        # judged by the policy's SLO: 4 minutes is shorter than the hour's period, one window
+        per = doc["policies"][name]["slo_periods"]
+        assert per["windows"] == 1 and per["period_s"] == 3600.0 and per["objective"] == 0.99
+        assert per["worst_share"] == pytest.approx(doc["policies"][name]["slo_attainment"], abs=1e-5)
+        assert per["met"] == (per["worst_share"] >= 0.99)
     assert doc["policies"]["fleetplan"]["refused_starts"] == 0  # nothing an agent would refuse
     assert doc["policies"]["oracle"]["gpu_hours"] > 0
     # GPU-hours per engine and config add up to the total (builds apart); the idle floor per config
