@@ -30,7 +30,6 @@ import pstats
 import resource
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +52,7 @@ from fleetplan.sim.evaluate import (  # noqa: E402
     profiles_from_ground_truth,
     trace_lengths,
 )
-from fleetplan.sim.traces import Trace, shape_day  # noqa: E402
+from fleetplan.sim.traces import Trace, repeat_days, shape_day  # noqa: E402
 
 DAY_S = 86_400.0
 
@@ -63,10 +62,7 @@ def build_trace(raw: Trace, requests: int, days: int, hours: float | None) -> tu
     period = raw.duration_s + raw.duration_s / max(1, len(raw.requests) - 1)
     scale = requests * period / (len(raw.requests) * DAY_S)
     day = shape_day(raw, DAY_S, scale)
-    reqs = [r for k in range(days) for r in (replace(q, t_s=q.t_s + k * DAY_S) for q in day.requests)]
-    if hours is not None:
-        reqs = [r for r in reqs if r.t_s < hours * 3600.0]
-    return replace(day, requests=tuple(reqs)), scale
+    return repeat_days(day, days, DAY_S, end_s=None if hours is None else hours * 3600.0), scale
 
 
 def profiles_for(kind: str, key: str, trace: Trace, policy: Any, model: str, data: Path) -> ProfileSet:

@@ -324,10 +324,19 @@ def _mixture_p99(p50: np.ndarray, p99: np.ndarray, w: np.ndarray) -> np.ndarray:
     b = np.maximum((p99 - p50) / _LN50, 1e-9)
     a = p50 - b * _LN2
     lo, hi = np.min(a, axis=1), np.max(p99, axis=1)
+    # exceed = sum(w * exp(-max(mid - a, 0) / b)) per row, each operation into one buffer (a hot loop on
+    # small arrays: allocations and np.sum's wrapper cost more than the rows; the same operations)
+    mid, buf = np.empty_like(lo), np.empty(np.broadcast_shapes(a.shape, b.shape, np.shape(w)))
+    col = mid[:, None]
     for _ in range(36):
-        mid = 0.5 * (lo + hi)
-        exceed = np.sum(w * np.exp(-np.maximum(mid[:, None] - a, 0.0) / b), axis=1)
-        above = exceed > 0.01
+        np.multiply(0.5, np.add(lo, hi, out=mid), out=mid)
+        np.subtract(col, a, out=buf)
+        np.maximum(buf, 0.0, out=buf)
+        np.negative(buf, out=buf)
+        np.divide(buf, b, out=buf)
+        np.exp(buf, out=buf)
+        np.multiply(w, buf, out=buf)
+        above = np.add.reduce(buf, axis=1) > 0.01
         lo = np.where(above, mid, lo)
         hi = np.where(above, hi, mid)
     return np.asarray(hi, dtype=float)
@@ -576,4 +585,4 @@ def _latency_at_speeds(profile: PerfProfile, mix: LengthMix, rate_rps: float, lo
     with np.errstate(all="ignore"):  # saturated rows compute nonsense and are replaced by inf
         p50, p99 = _itl_quantiles_at(t, rho, x) if itl else _ttft_quantiles_at(t, rho)
         out = _mixture_p99(np.asarray(p50), np.asarray(p99), t.w)
-    return [float(v) for v in np.where(saturated[:, 0], math.inf, out)]
+    return list(np.where(saturated[:, 0], math.inf, out).tolist())

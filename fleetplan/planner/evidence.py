@@ -182,19 +182,37 @@ _FIT_DEPTH = 2  # of them placed per pass (3 midpoints per scale: numpy calls co
 MEAN_TOLERANCE = 0.02  # a sum/count further than this outside what the buckets allow is not their mean
 
 
-def _sigmoid(z: np.ndarray) -> np.ndarray:
-    return np.asarray(1.0 / (1.0 + np.exp(-z)))
+def _g(l_bound: np.ndarray, a: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """G at a bound: sigmoid(clip((ln bound - a) / s, -_ZMAX, _ZMAX)), computed in one new array."""
+    # each operation into the one array (a hot loop on small arrays: allocations cost as much as the
+    # rows); np.minimum(np.maximum(.)) is np.clip without its wrapper's cost
+    z = np.subtract(l_bound, a)
+    np.divide(z, s, out=z)
+    np.maximum(z, -_ZMAX, out=z)
+    np.minimum(z, _ZMAX, out=z)
+    np.negative(z, out=z)
+    np.exp(z, out=z)
+    np.add(1.0, z, out=z)
+    return np.asarray(np.divide(1.0, z, out=z))
 
 
 def _placed(a: np.ndarray, s: np.ndarray, llo: np.ndarray, lhi: np.ndarray, lo: np.ndarray, hi: np.ndarray,
             r: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """x at within-bucket rank r (broadcast), and G at the buckets' bounds."""
-    # np.minimum(np.maximum(.)) is np.clip without its wrapper's cost (a hot loop: the fit calls it 37 times)
-    gl = _sigmoid(np.minimum(np.maximum((llo - a) / s, -_ZMAX), _ZMAX))
-    gu = _sigmoid(np.minimum(np.maximum((lhi - a) / s, -_ZMAX), _ZMAX))
-    p = np.minimum(np.maximum(gl[..., None] + r * (gu - gl)[..., None], 1e-300), 1.0 - 1e-16)
-    x = np.exp(a[..., None] + s[..., None] * np.log(p / (1.0 - p)))
-    return np.minimum(np.maximum(x, lo[..., None]), hi[..., None]), gl, gu
+    """x at within-bucket rank r (broadcast), and G at the buckets' bounds: with g = G,
+    x = clip(exp(a + s ln(p / (1 - p))), lo, hi), p = clip(gl + r (gu - gl), 1e-300, 1 - 1e-16)."""
+    gl, gu = _g(llo, a, s), _g(lhi, a, s)
+    p = np.multiply(r, (gu - gl)[..., None])
+    np.add(gl[..., None], p, out=p)
+    np.maximum(p, 1e-300, out=p)
+    np.minimum(p, 1.0 - 1e-16, out=p)
+    q = np.subtract(1.0, p)
+    np.divide(p, q, out=p)
+    np.log(p, out=p)
+    np.multiply(s[..., None], p, out=p)
+    np.add(a[..., None], p, out=p)
+    np.exp(p, out=p)
+    np.maximum(p, lo[..., None], out=p)
+    return np.minimum(p, hi[..., None], out=p), gl, gu
 
 
 def _fit_shape(occupied: Sequence[tuple[float, float, float]], mean: float) -> tuple[float, float]:
@@ -218,16 +236,16 @@ def _fit_shape(occupied: Sequence[tuple[float, float, float]], mean: float) -> t
         # interval halves into 2i+1, the upper half, and 2i+2), placed in one pass; each scale's walk
         # down its tree takes exactly the path the halvings one by one take
         depth = min(_FIT_DEPTH, left)
-        width = 2 ** depth - 1
-        los, his, mids = (np.empty((len(_SCALES), width)) for _ in range(3))
-        los[:, 0], his[:, 0] = a_lo, a_hi
-        for i in range(width):
-            mids[:, i] = 0.5 * (los[:, i] + his[:, i])
-            if 2 * i + 2 < width:
-                los[:, 2 * i + 1], his[:, 2 * i + 1] = mids[:, i], his[:, i]
-                los[:, 2 * i + 2], his[:, 2 * i + 2] = los[:, i], mids[:, i]
+        mids = np.empty((len(_SCALES), 2 ** depth - 1))
+        lo_l, hi_l = a_lo[:, None], a_hi[:, None]  # the intervals of the tree's level, in heap order
+        for level in range(depth):
+            m = 0.5 * (lo_l + hi_l)
+            mids[:, 2 ** level - 1:2 ** (level + 1) - 1] = m
+            if level + 1 < depth:  # node k's children on the next level: 2k (mid, hi), 2k + 1 (lo, mid)
+                lo_l = np.stack((m, lo_l), axis=-1).reshape(len(_SCALES), -1)
+                hi_l = np.stack((hi_l, m), axis=-1).reshape(len(_SCALES), -1)
         x, _, _ = _placed(mids[:, :, None], s[:, None], llo, lhi, lo, hi, _GL_X)
-        below_all = ((x * _GL_W).sum(-1) * n).sum(-1) / total < mean
+        below_all = (np.multiply(x, _GL_W, out=x).sum(-1) * n).sum(-1) / total < mean
         node = np.zeros(len(_SCALES), dtype=int)
         for _ in range(depth):
             below, mid = below_all[rows, node], mids[rows, node]

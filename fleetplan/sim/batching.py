@@ -168,8 +168,20 @@ def plan_step(rule: StepRule, running: Sequence[Seq[K]], waiting: Sequence[Seq[K
         else:
             prefill_tokens += n
             attn_pairs += n * (r.computed + n / 2.0)
+    admitted, free, prefill_tokens, attn_pairs = admit(rule, preempted, waiting, rule.max_num_seqs - end, budget,
+                                                       free, chunks, grants, prefill_tokens, attn_pairs)
+    # the lists are not copied into tuples (per-step cost); nothing keeps a reference to them
+    return StepPlan(chunks, grants, preempted, admitted, free, decode_seqs, prefill_tokens, context, attn_pairs)
+
+
+def admit(rule: StepRule, preempted: Sequence[Seq[K]], waiting: Sequence[Seq[K]], seats: int, budget: int,
+          free: int, chunks: list[tuple[Seq[K], int]], grants: list[tuple[Seq[K], int]], prefill_tokens: int,
+          attn_pairs: float) -> tuple[int, int, int, float]:
+    """plan_step's phase 2: queued requests (`preempted` reversed, then `waiting`) join while there are
+    `seats`, `budget` tokens and `free` KV blocks; their chunks and grants are appended. Returns
+    (admitted, free blocks left, prefill_tokens, attn_pairs), the last two carried on from the
+    values given (the same float additions in the same order as one loop over the whole step)."""
     admitted = 0
-    seats = rule.max_num_seqs - end
     queue_len = len(preempted) + len(waiting)
     while admitted < queue_len and budget > 0 and admitted < seats:
         k = len(preempted) - 1 - admitted  # the queue: evicted ones (reversed), then waiting
@@ -188,8 +200,7 @@ def plan_step(rule: StepRule, running: Sequence[Seq[K]], waiting: Sequence[Seq[K
         budget -= n
         prefill_tokens += n
         attn_pairs += n * (computed + n / 2.0)
-    # the lists are not copied into tuples (per-step cost); nothing keeps a reference to them
-    return StepPlan(chunks, grants, preempted, admitted, free, decode_seqs, prefill_tokens, context, attn_pairs)
+    return admitted, free, prefill_tokens, attn_pairs
 
 
 class BatchState(Generic[K]):
@@ -317,9 +328,12 @@ class BatchState(Generic[K]):
 
     def duration_s(self, plan: StepPlan[K]) -> float:
         """The step's roofline time times a lognormal noise factor (draws from the core's RNG)."""
+        return self._step_s(plan.decode_seqs, plan.prefill_tokens, plan.context_tokens, plan.attn_pairs)
+
+    def _step_s(self, decode_seqs: int, prefill_tokens: int, context_tokens: int, attn_pairs: float) -> float:
         p = self.params
-        dur = step_time_s(p, decode_seqs=plan.decode_seqs, prefill_tokens=plan.prefill_tokens,
-                          context_tokens=plan.context_tokens, prefill_attn_pairs=plan.attn_pairs)
+        dur = step_time_s(p, decode_seqs=decode_seqs, prefill_tokens=prefill_tokens,
+                          context_tokens=context_tokens, prefill_attn_pairs=attn_pairs)
         if p.noise_sigma > 0:
             dur *= math.exp(self._rng.gauss(0.0, p.noise_sigma))
         return dur

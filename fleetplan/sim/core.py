@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from fleetplan.models.mix import QUANTILE_LEVELS
-from fleetplan.sim.batching import BatchState, StepPlan, admission
+from fleetplan.sim.batching import BatchState, Seq, StepPlan, admission, admit
 from fleetplan.sim.groundtruth import EngineParams, RequestTooLongError, step_time_s
 from fleetplan.sim.search import smallest_count
 
@@ -80,6 +80,10 @@ class FastCore(BatchState[int]):
         # (steps until the first finish, context tokens) of the running batch when every running
         # request is decoding, as left by the last macro-step; None: unknown, recompute
         self._stats: tuple[int, int] | None = None
+        # a `_plan_decoding` step in progress: the chunks of the requests it admitted, and how many
+        # running requests it decodes (the first `_nb` of the batch)
+        self._adm: list[tuple[Seq[int], int]] | None = None
+        self._nb = 0
 
     def submit(self, idx: int, prompt_tokens: int, max_tokens: int, blocks: Sequence[int] | None = None) -> None:
         """Queue request `idx`. `blocks`: its prompt's 512-token block hashes (a trace's hash_ids,
@@ -127,6 +131,7 @@ class FastCore(BatchState[int]):
                 if rem < k:
                     k = rem
                 ctx += r.computed
+            self._stats = (k, ctx)  # every running request decodes: _plan_single may use it too
         budget = self.rule.max_num_batched_tokens
         if nb > budget or self._admissible(budget - nb):
             return False
@@ -185,6 +190,10 @@ class FastCore(BatchState[int]):
 
     def _plan_single(self, now: float) -> float | None:
         """One exact step: BatchState.schedule (plan_step) and its noisy duration, as BatchCore.step."""
+        st = self._stats
+        if (st is not None and self.rule.reserve_full_kv and self.prefix is None
+                and len(self.running) <= self.rule.max_num_batched_tokens):
+            return self._plan_decoding(now, st[1])
         self._stats = None
         plan = self.schedule()
         if not plan.chunks:
@@ -196,10 +205,87 @@ class FastCore(BatchState[int]):
         self.t_end = now + self.duration_s(plan)
         return self.t_end
 
+    def _plan_decoding(self, now: float, ctx: int) -> float:
+        """The step plan_step makes when every running request decodes (`_stats` known: `ctx` their
+        context tokens), KV is reserved at admission (no growth, no eviction) and there is no prefix
+        cache: each running request takes its one token, then the queue's head joins as `admit`
+        says. The same step, composition, KV and duration (the same float operations and noise
+        draw) as schedule(), without a Python pass over the running batch to plan it."""
+        rule = self.rule
+        nb = len(self.running)
+        adm: list[tuple[Seq[int], int]] = []
+        grants: list[tuple[Seq[int], int]] = []
+        admitted, free, prefill_tokens, attn_pairs = admit(rule, (), self.waiting, rule.max_num_seqs - nb,
+                                                           rule.max_num_batched_tokens - nb, self.free_blocks,
+                                                           adm, grants, 0, 0.0)
+        waiting, running = self.waiting, self.running
+        for _ in range(admitted):
+            running.append(waiting.popleft())
+        for q, held in grants:
+            q.blocks = held
+        self.free_blocks = free
+        self.steps += 1
+        self._adm = adm
+        self._nb = nb
+        self._k = 0
+        self.busy = True
+        self.t0 = now
+        self.t_end = now + self._step_s(nb, prefill_tokens, ctx, attn_pairs)
+        return self.t_end
+
+    def _end_decoding(self) -> tuple[list[int], list[int], float, int]:
+        """Apply a `_plan_decoding` step as complete() applies it; the running batch's decode
+        statistics (`_stats`) are kept when every request decodes after it."""
+        adm = self._adm
+        self._adm = None
+        assert adm is not None
+        done = False
+        kmin = 1 << 62
+        ctx = 0
+        count = 0
+        for r in self.running[:self._nb]:
+            c = r.computed + 1
+            r.computed = c
+            e = r.emitted + 1
+            r.emitted = e
+            r.target = r.prompt + e
+            rem = r.max_tokens - e
+            if rem <= 0:
+                done = True
+            else:
+                if rem < kmin:
+                    kmin = rem
+                ctx += c
+        count = self._nb
+        first: list[int] = []
+        decoding = True
+        for r, n in adm:
+            r.computed += n
+            if r.computed >= r.target:
+                if r.emitted == 0:
+                    first.append(r.key)
+                r.emitted += 1
+                r.target = r.prompt + r.emitted
+                count += 1
+                rem = r.max_tokens - r.emitted
+                if rem <= 0:
+                    done = True
+                else:
+                    if rem < kmin:
+                        kmin = rem
+                    ctx += r.computed
+            else:
+                decoding = False  # a chunked prefill goes on
+        finished = [r.key for r in self.retire()] if done else []
+        self._stats = (kmin, ctx) if decoding and self.running else None
+        return first, finished, self.t_end - self.t0, count - len(first)
+
     # -- applying a step
     def end(self) -> tuple[list[int], list[int], float, int]:
         assert self.busy
         self.busy = False
+        if self._adm is not None:
+            return self._end_decoding()
         if self._k > 0:
             j = self._k
             self.steps += j

@@ -22,11 +22,13 @@ request is at ``t_s = 0``.
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import gc
 import io
 import json
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from enum import StrEnum
@@ -45,8 +47,10 @@ class TraceFormat(StrEnum):
     BURSTGPT = "burstgpt"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TraceRequest:
+    """One request of a trace (slots: a week's replay holds millions of them)."""
+
     t_s: float  # arrival, seconds from the first request of the trace
     prompt_tokens: int
     output_tokens: int
@@ -79,8 +83,12 @@ class Trace:
         return tuple(seen)
 
     def as_single_model(self, model: str) -> Trace:
-        """Every request relabelled as `model` (serve a multi-model trace as one model)."""
-        return replace(self, requests=tuple(replace(r, model=model) for r in self.requests))
+        """Every request relabelled as `model` (serve a multi-model trace as one model); the trace
+        itself when every request already carries that label (a week's millions are not copied)."""
+        if all(r.model == model for r in self.requests):
+            return self
+        return replace(self, requests=tuple(TraceRequest(r.t_s, r.prompt_tokens, r.output_tokens, model, r.blocks)
+                                            for r in self.requests))
 
     def summary(self) -> dict[str, object]:
         n = len(self.requests)
@@ -356,13 +364,11 @@ def reshape(
     new_t = np.interp(tiled, tau, grid)
     copy = (np.arange(copies)[:, None] + np.zeros((1, n), dtype=int)).ravel()[keep]
     tile_blocks = _tile_blocks(reqs)
-    out = tuple(
-        TraceRequest(
-            t_s=float(t), prompt_tokens=reqs[i].prompt_tokens, output_tokens=reqs[i].output_tokens,
-            model=reqs[i].model, blocks=tile_blocks(i, k),
-        )
-        for t, i, k in zip(new_t.tolist(), idx.tolist(), copy.tolist(), strict=True)
-    )
+    with _no_gc():
+        out = tuple(
+            TraceRequest(t, reqs[i].prompt_tokens, reqs[i].output_tokens, reqs[i].model, tile_blocks(i, k))
+            for t, i, k in zip(new_t.tolist(), idx.tolist(), copy.tolist(), strict=True)
+        )  # positional: keyword arguments cost a third more per request
     return replace(trace, requests=out)
 
 
@@ -418,6 +424,47 @@ def shape_day(
     (a compressed day); rate_scale alone (amplitude 0, see reshape) only tiles and speeds up.
     """
     return reshape(trace, duration_s=day_s, rate_scale=rate_scale, amplitude=amplitude)
+
+
+def repeat_days(day: Trace, days: int, day_s: float, *, end_s: float | None = None) -> Trace:
+    """`days` copies of `day` back to back, copy k shifted by k x `day_s` (lengths, models and block
+    ids kept), cut before `end_s` (None: every copy whole). The times are added in one numpy pass
+    and each request is built once, after the cut (a week of a 1M-request day is 7M of them).
+
+    >>> d = Trace("d", TraceFormat.AZURE, (TraceRequest(0.0, 5, 2), TraceRequest(30.0, 7, 3)))
+    >>> [(r.t_s, r.prompt_tokens) for r in repeat_days(d, 3, 60.0, end_s=130.0).requests]
+    [(0.0, 5), (30.0, 7), (60.0, 5), (90.0, 7), (120.0, 5)]
+    """
+    if days < 1:
+        raise ValueError(f"days must be >= 1, got {days}")
+    reqs = day.requests
+    t = np.array([r.t_s for r in reqs], dtype=float)
+    if np.any(np.diff(t) < 0) or (len(t) and t[-1] >= day_s):
+        raise ValueError(f"{day.source}: the day's requests must be sorted and before day_s = {day_s}")
+    cols = ([r.prompt_tokens for r in reqs], [r.output_tokens for r in reqs], [r.model for r in reqs],
+            [r.blocks for r in reqs])
+    out: list[TraceRequest] = []
+    with _no_gc():
+        for k in range(days):
+            tk = t + k * day_s  # the same float as each request's t_s + k * day_s
+            m = len(tk) if end_s is None else int(np.searchsorted(tk, end_s, side="left"))  # sorted: t < end_s
+            out.extend(map(TraceRequest, tk[:m].tolist(), *(c[:m] for c in cols)))
+            if m < len(tk):
+                break
+        return replace(day, requests=tuple(out))
+
+
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    """The cyclic garbage collector paused while millions of requests are built (they hold no cycles;
+    each collection on the way would walk every one built so far: half of a week's build time)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def iter_rates(requests: Iterable[TraceRequest], window_s: float, duration_s: float) -> np.ndarray:

@@ -88,3 +88,41 @@ def test_macro_steps_average_the_step_noise(engine: Engine, rate: float) -> None
     assert np.quantile(p_ma, 0.99) == pytest.approx(np.quantile(p_ex, 0.99), rel=0.08)
 
 
+
+
+class _Planned(FastCore):
+    """FastCore that plans every exact step with schedule() (plan_step), never `_plan_decoding`."""
+
+    def _plan_single(self, now: float) -> float | None:
+        self._stats = None
+        return super()._plan_single(now)
+
+
+class _Counted(FastCore):
+    decoding_steps = 0
+
+    def _plan_decoding(self, now: float, ctx: int) -> float:
+        self.decoding_steps += 1
+        return super()._plan_decoding(now, ctx)
+
+
+@pytest.mark.parametrize(("engine", "rate", "max_num_seqs"),
+                         [(Engine.TRTLLM, 14.0, None), (Engine.TRTLLM, 30.0, 8), (Engine.VLLM, 11.0, None)])
+def test_decoding_steps_are_plan_steps(engine: Engine, rate: float, max_num_seqs: int | None) -> None:
+    """A step planned from the decode statistics (every running request decoding, KV reserved at
+    admission) is the step plan_step makes: the same composition, KV, duration and noise draw, so the
+    replay is equal to the last bit; engines that grow their KV (vLLM) always take plan_step."""
+    params = build_params(engine, "llama-3-8b", GpuType.H100, 1)
+    if max_num_seqs is not None:  # a full batch: the queue waits for seats
+        params = replace(params, max_num_seqs=max_num_seqs)
+    arr = _arrivals(rate, 1500)
+    fast, ref = _Counted(params, seed=4), _Planned(params, seed=4)
+    t_f, p_f = replay_on_core(params, arr, core=fast)
+    t_r, p_r = replay_on_core(params, arr, core=ref)
+    assert np.array_equal(t_f, t_r)
+    assert np.array_equal(p_f, p_r, equal_nan=True)
+    assert fast.steps == ref.steps and fast.free_blocks == ref.free_blocks == params.kv_blocks
+    if engine is Engine.TRTLLM:
+        assert fast.decoding_steps > 500
+    else:
+        assert fast.decoding_steps == 0

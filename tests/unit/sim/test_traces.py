@@ -15,6 +15,7 @@ from fleetplan.sim.traces import (
     iter_rates,
     parse_trace_text,
     read_trace,
+    repeat_days,
     reshape,
     shape_day,
 )
@@ -127,3 +128,28 @@ def test_real_traces_read(shared_data: Path) -> None:
     assert len(az) == 19366 and az.format is TraceFormat.AZURE
     assert len(mc) == 12031 and mc.format is TraceFormat.MOONCAKE
     assert 3400 < az.duration_s < 3600 and 3400 < mc.duration_s < 3600
+
+
+def test_repeat_days_lays_copies_back_to_back_and_cuts() -> None:
+    day = Trace("d", TraceFormat.MOONCAKE, (TraceRequest(0.0, 5, 2, "m", (1, 2)), TraceRequest(30.5, 7, 3, "m")))
+    week = repeat_days(day, 3, 60.0)
+    assert [r.t_s for r in week.requests] == [0.0, 30.5, 60.0, 90.5, 120.0, 150.5]
+    assert week.requests[2] == TraceRequest(60.0, 5, 2, "m", (1, 2))  # lengths, model and blocks kept
+    assert week.source == "d" and week.format is TraceFormat.MOONCAKE
+    cut = repeat_days(day, 3, 60.0, end_s=90.5)  # strictly before end_s
+    assert [r.t_s for r in cut.requests] == [0.0, 30.5, 60.0]
+    # the same floats as adding k x day_s to each request's time
+    odd = Trace("o", TraceFormat.AZURE, tuple(TraceRequest(t, 1, 1) for t in (0.1, 0.7, 86399.3)))
+    assert [r.t_s for r in repeat_days(odd, 7, 86400.0).requests] == [
+        r.t_s + k * 86400.0 for k in range(7) for r in odd.requests]
+    with pytest.raises(ValueError, match="before day_s"):
+        repeat_days(day, 2, 30.0)
+    with pytest.raises(ValueError, match="days must be >= 1"):
+        repeat_days(day, 0, 60.0)
+
+
+def test_as_single_model_relabels_and_keeps_a_labelled_trace() -> None:
+    tr = Trace("t", TraceFormat.AZURE, (TraceRequest(0.0, 5, 2, "a", (3,)), TraceRequest(1.0, 7, 3, None)))
+    one = tr.as_single_model("a")
+    assert one.requests == (TraceRequest(0.0, 5, 2, "a", (3,)), TraceRequest(1.0, 7, 3, "a"))
+    assert one.as_single_model("a") is one  # already labelled: not copied
