@@ -41,9 +41,6 @@ class CapacityInfo:
     # the good share this window is sized for where the error budget is spent (planner/slo.py
     # planned_share; max_rps is then the rate at that share); None: the p99 targets
     planned_share: float | None = None
-    # the KV cache's capacity (tokens) max_rps was computed with where the fleet corrected the
-    # profile's (planner/kvmem.py); None: the profile's kv_tokens
-    kv_tokens: float | None = None
 
 
 @dataclass(frozen=True)
@@ -87,14 +84,6 @@ class Speeds:
     # a faster engine than the profile is trusted up to this load per replica (rps; None: no bound):
     # evidence gathered at low load does not prove the knee (planner/correction.py TRUST_GROWTH)
     trusted_rps: float | None = None
-    # the KV cache's capacity in tokens the fleet showed (planner/kvmem.py): the profile is evaluated
-    # with it instead of its own kv_tokens (None: the profile's)
-    kv_tokens: float | None = None
-
-
-def with_memory(profile: mp.PerfProfile, speeds: Speeds) -> mp.PerfProfile:
-    """The profile with the KV capacity the fleet showed (`Speeds.kv_tokens`; None: as fitted)."""
-    return profile if speeds.kv_tokens is None else replace(profile, kv_tokens=speeds.kv_tokens)
 
 
 def candidate_configs(policy: Policy, gpus: Iterable[GpuType]) -> list[ConfigKey]:
@@ -206,11 +195,8 @@ def config_capacity(profile: mp.PerfProfile, workload: MixedWorkload, m: ModelPo
                     speeds: Speeds = Speeds(), *, base: MixCapacity | None = None) -> MixCapacity:
     """One replica's max rps at the model's SLO for the workload, at the given speeds, what binds it,
     and the share an idle replica reaches when a target's p99 is out of its reach (models/mix.py).
-    `base`: this call's answer at the fitted speeds (and the same KV capacity), when the caller has
-    it (it bounds a trusted rise; computed here otherwise). A KV capacity the fleet showed
-    (`speeds.kv_tokens`) replaces the profile's: a faster engine's trust bound applies to what the
-    speed adds, not to what the memory does."""
-    profile = with_memory(profile, speeds)
+    `base`: this call's answer at the fitted speeds, when the caller has it (it bounds a trusted
+    rise; computed here otherwise)."""
     mix = mix_for(profile, workload)
     if len(mix.classes) == 1 and not mix.cached_share and speeds.ttft == 1.0 and speeds.itl == 1.0:
         isl, osl, _ = mix.classes[0]
@@ -237,7 +223,6 @@ def rate_at_share(profile: mp.PerfProfile, workload: MixedWorkload, m: ModelPoli
     Worked example: a replica whose p99 binds at 2.0 rps may serve 98% of the requests within the
     targets at 2.3 rps; planned at a 98% share it counts as 2.3 rps, fewer replicas carry the window.
     """
-    profile = with_memory(profile, speeds)
     mix = mix_for(profile, workload)
 
     def ok(r: float) -> bool:
@@ -341,8 +326,7 @@ def capacity_table(
         sp = (speeds or {}).get(key, Speeds())
         try:
             base = config_capacity(prof, w, m)
-            applied = base if sp == Speeds() else config_capacity(prof, w, m, sp,
-                                                                  base=base if sp.kv_tokens is None else None)
+            applied = base if sp == Speeds() else config_capacity(prof, w, m, sp, base=base)
             base_rps, rps, binding = base.max_rps, applied.max_rps, applied.binding
             warnings = mp.capacity(prof, mp.Workload(isl=w.isl, osl=w.osl), ttft_p99_ms=m.slo.ttft_p99_ms,
                                    itl_p99_ms=m.slo.itl_p99_ms).warnings
@@ -362,7 +346,7 @@ def capacity_table(
             share = None
         table[key] = CapacityInfo(rps, binding, tuple(warnings), prof.source == "roofline", base_rps, sp.note,
                                   extrapolation(prof, mix_for(prof, w), w.isl_p99_low), applied.floor_share,
-                                  share, sp.kv_tokens)
+                                  share)
     _prefer_reachable(table)
 
     def predictor(config: ConfigKey, rate_rps: float) -> Predicted:
@@ -372,7 +356,6 @@ def capacity_table(
             return Predicted()
         w = workloads.get(config.model) or MixedWorkload(m.workload.isl, m.workload.osl)
         sp = (speeds or {}).get(config, Speeds())
-        prof = with_memory(prof, sp)
         try:
             mix = mix_for(prof, w)
             t = predict_mix(scaled(prof, sp.ttft), mix, max(rate_rps, 1e-6))

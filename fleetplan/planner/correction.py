@@ -43,7 +43,6 @@ from dataclasses import dataclass, replace
 
 from fleetplan.models.mix import LengthMix, speeds_from_latency
 from fleetplan.models.profile import PerfProfile
-from fleetplan.planner import kvmem
 from fleetplan.planner.capacity import MixedWorkload, Speeds, mix_for
 from fleetplan.planner.types import ConfigKey, Correction, ModelObservation
 
@@ -379,14 +378,9 @@ def update_corrections(
     """The corrections after this cycle's windows; a config without evidence keeps its estimate,
     and what the plan applies of it relaxes toward the profile (RELAX_S). `slos`: per model its
     (TTFT, ITL) p99 targets in ms, which a slower estimate inside the deadband must explain a miss
-    of to be applied (`_slower_shown`); None: the deadband alone. The KV capacity is updated
-    first (planner/kvmem.py) and the latency read against the profile at the KV capacity applied:
-    a load beyond the profile's memory bound, served, is not a faster engine."""
-    kv = kvmem.update_all(previous, observations, profiles, {m: w.length_mix() for m, w in workloads.items()}, now_s)
+    of to be applied (`_slower_shown`); None: the deadband alone."""
     out: dict[ConfigKey, Correction] = dict(previous)
-    with_kv = {**previous, **kv}
     for config, prof in sorted(profiles.items()):
-        prof = kvmem.with_applied_kv(prof, config, with_kv)
         extra = bool(extrapolating.get(config))
         var0 = _prior_sd(extra) ** 2
         prev = out.get(config)
@@ -423,8 +417,6 @@ def update_corrections(
             slo_missed(ev.itl_p99_ms, ev.itl_p99_sampling_ms, slo[1]))
         a_t, a_i = _applied_logs(nxt, extra, var0, now_s, first=prev.observations == 0, missed=missed)
         out[config] = replace(nxt, applied_ttft_log=a_t, applied_itl_log=a_i)
-    for config, c in kv.items():
-        out[config] = kvmem.with_kv_of(out.get(config, c), c)
     return out
 
 
@@ -571,43 +563,30 @@ def applied_speeds(
     configs: Mapping[ConfigKey, PerfProfile],
     extrapolating: Mapping[ConfigKey, tuple[str, ...]],
 ) -> dict[ConfigKey, Speeds]:
-    """The speeds the plan uses per config (absent: the profile as fitted), with a readable note,
-    and the KV capacity the fleet showed (planner/kvmem.py; a memory bound is not a speed)."""
+    """The speeds the plan uses per config (absent: the profile as fitted), with a readable note."""
     out: dict[ConfigKey, Speeds] = {}
     for config in sorted(configs):
-        sp = _applied_speed(config, corrections, extrapolating)
-        kv = kvmem.applied_kv(config, corrections, configs[config])
-        if kv is not None:
-            sp = Speeds(note=kv.note, kv_tokens=kv.kv_tokens) if sp is None else \
-                replace(sp, note=f"{sp.note}; {kv.note}", kv_tokens=kv.kv_tokens)
-        if sp is not None:
-            out[config] = sp
+        corr = corrections.get(config)
+        extra = bool(extrapolating.get(config))
+        if corr is None or corr.observations == 0:
+            corr = shared_prior(config, corrections, _prior_sd(extra) ** 2)
+            if not extra and corr.ttft_log == 0.0 and corr.itl_log == 0.0:
+                continue  # a fitted profile inside its data, no sibling observed: trusted until observed
+        conservative_t = extra and corr.ttft_var > CONFIRMED_SD ** 2
+        conservative_i = extra and corr.itl_var > CONFIRMED_SD ** 2
+        if corr.observations:
+            st, si = math.exp(corr.applied_ttft_log), math.exp(corr.applied_itl_log)
+        else:
+            st = math.exp(_applied(corr.ttft_log, corr.ttft_var, conservative_t))
+            si = math.exp(_applied(corr.itl_log, corr.itl_var, conservative_i))
+        if abs(math.log(st)) < 1e-9 and abs(math.log(si)) < 1e-9:
+            continue
+        trusted = trusted_load(corr) if st > 1.0 or si > 1.0 else None
+        note = describe(corr, st, si, conservative_t or conservative_i)
+        if trusted is not None:
+            note += f"; faster than the profile trusted up to {trusted:.2f} rps per replica"
+        out[config] = Speeds(st, si, note, trusted)
     return out
-
-
-def _applied_speed(config: ConfigKey, corrections: Mapping[ConfigKey, Correction],
-                   extrapolating: Mapping[ConfigKey, tuple[str, ...]]) -> Speeds | None:
-    """The engine speed the plan uses for `config` (None: the profile as fitted)."""
-    corr = corrections.get(config)
-    extra = bool(extrapolating.get(config))
-    if corr is None or corr.observations == 0:
-        corr = shared_prior(config, corrections, _prior_sd(extra) ** 2)
-        if not extra and corr.ttft_log == 0.0 and corr.itl_log == 0.0:
-            return None  # a fitted profile inside its data, no sibling observed: trusted until observed
-    conservative_t = extra and corr.ttft_var > CONFIRMED_SD ** 2
-    conservative_i = extra and corr.itl_var > CONFIRMED_SD ** 2
-    if corr.observations:
-        st, si = math.exp(corr.applied_ttft_log), math.exp(corr.applied_itl_log)
-    else:
-        st = math.exp(_applied(corr.ttft_log, corr.ttft_var, conservative_t))
-        si = math.exp(_applied(corr.itl_log, corr.itl_var, conservative_i))
-    if abs(math.log(st)) < 1e-9 and abs(math.log(si)) < 1e-9:
-        return None
-    trusted = trusted_load(corr) if st > 1.0 or si > 1.0 else None
-    note = describe(corr, st, si, conservative_t or conservative_i)
-    if trusted is not None:
-        note += f"; faster than the profile trusted up to {trusted:.2f} rps per replica"
-    return Speeds(st, si, note, trusted)
 
 
 TRUST_GROWTH = 2.0  # a faster engine carries at most this x the highest load per replica it was seen at

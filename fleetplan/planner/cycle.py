@@ -25,7 +25,7 @@ replicas and one START allowed; with `paused=True` the START is held ("held back
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from fleetplan.models.profile import ProfileSet
 from fleetplan.planner import act
@@ -36,7 +36,6 @@ from fleetplan.planner.policy import Policy
 from fleetplan.planner.types import (
     Action,
     ConfigKey,
-    ConfigObservation,
     Fleet,
     ModelObservation,
     Observation,
@@ -81,7 +80,7 @@ def observation_from(interpreted: Interpreted, evidence: ev.Evidence | None, mod
             model=m, rate_rps=mm.rate_rps, isl=isl, osl=osl,
             ttft_p99_ms=mm.ttft_p99_ms, itl_p99_ms=mm.itl_p99_ms, history=mm.history, stale=mm.stale,
             isl_quantiles=me.isl_quantiles, osl_quantiles=me.osl_quantiles,
-            configs=with_kv(me.configs, interpreted, evidence, replicas, now_s) if replicas is not None else (),
+            configs=me.configs if replicas is not None else (),
             peak_rps=mm.peak_rps, peak_window_s=mm.peak_window_s, isl_p99_low=me.isl_p99_low(),
             history_window_s=mm.history_window_s,
             prefix_hit_rate=mm.prefix_hit_rate,
@@ -89,31 +88,6 @@ def observation_from(interpreted: Interpreted, evidence: ev.Evidence | None, mod
             tpot_buckets=me.tpot if replicas is not None else (),
         )
     return Observation(models=obs, alerts=tuple(interpreted.alerts)), tuple(notes)
-
-
-def with_kv(configs: Sequence[ConfigObservation], interpreted: Interpreted, evidence: ev.Evidence | None,
-            replicas: Sequence[Replica] | None, now_s: float) -> tuple[ConfigObservation, ...]:
-    """Each config's evidence with its replicas' KV gauges at the last scrape (planner/kvmem.py):
-    the mean requests running and KV usage over its replicas that served the whole window (as its
-    latency evidence, planner/evidence.py) and report both gauges."""
-    if not configs or evidence is None or not replicas:
-        return tuple(configs)
-    window_sim_s = evidence.window_s * (evidence.time_scale if evidence.time_scale > 0 else 1.0)
-    gauges: dict[ConfigKey, list[tuple[float, float]]] = {}
-    for r in replicas:
-        m = interpreted.replicas.get(r.replica_id)
-        if m is None or not m.up or m.running is None or m.kv_usage is None:
-            continue
-        if ev.serving_whole_window(r, now_s, window_sim_s):
-            gauges.setdefault(r.config, []).append((m.running, m.kv_usage))
-    out = []
-    for c in configs:
-        g = gauges.get(c.config)
-        if g:
-            c = replace(c, running_per_replica=sum(x for x, _ in g) / len(g),
-                        kv_usage=sum(u for _, u in g) / len(g), kv_replicas=len(g))
-        out.append(c)
-    return tuple(out)
 
 
 def _window_mean(moments: Mapping[str, tuple[float, float]] | None, model: str, fallback: float | None) -> float | None:

@@ -87,7 +87,6 @@ class Query(Enum):
     UP = "up"  # one series per scrape target (file_sd `replica`, `model`)
     REPLICA_RUNNING = "replica_running"
     REPLICA_WAITING = "replica_waiting"
-    REPLICA_KV = "replica_kv"  # per scrape target: its KV cache's used share (planner/kvmem.py)
     # per scrape target, over the rate window: whether its samples cover it (see window_full)
     UP_FIRST_S = "up_first_s"  # unix time of its first sample in the window (to the query's step)
     UP_LAST_S = "up_last_s"  # unix time of its latest sample
@@ -166,7 +165,6 @@ class ReplicaMetrics:
     up: bool
     running: float | None = None
     waiting: float | None = None
-    kv_usage: float | None = None  # the KV cache's used share (0..1) at its latest sample
     window_full: bool = False  # its samples cover the whole rate window (see window_full)
     last_s: float | None = None  # unix time of its latest sample (None: unknown)
 
@@ -308,7 +306,6 @@ def _replicas(readings: Readings, rules: ObserveRules,
     res = readings.results
     running = _per_replica(res.get(Query.REPLICA_RUNNING, ()))
     waiting = _per_replica(res.get(Query.REPLICA_WAITING, ()))
-    kv = _per_replica(res.get(Query.REPLICA_KV, ()))
     first = _per_replica(res.get(Query.UP_FIRST_S, ()))
     last = _per_replica(res.get(Query.UP_LAST_S, ()))
     count = _per_replica(res.get(Query.UP_SAMPLES, ()))
@@ -330,7 +327,6 @@ def _replicas(readings: Readings, rules: ObserveRules,
             up=up,
             running=finite(running.get(rid)) if up else None,
             waiting=finite(waiting.get(rid)) if up else None,
-            kv_usage=finite(kv.get(rid)) if up else None,
             window_full=full,
             last_s=finite(last.get(rid)),
         )

@@ -77,9 +77,7 @@ def plan_to_dict(result: PlanResult) -> dict[str, Any]:
                              "observed_rps_per_replica": c.observed_rps_per_replica,
                              "predicted_attainment": c.predicted_attainment,
                              "last_replica_attainment": c.last_replica_attainment,
-                             "floor_share": c.floor_share,
-                             "kv_tokens": c.kv_tokens,
-                             "observed_kv_usage": c.observed_kv_usage}
+                             "floor_share": c.floor_share}
                             for c in m.configs],
                 "length_mix": m.length_mix,
                 "uncertainty_usd_h": m.uncertainty_usd_h,

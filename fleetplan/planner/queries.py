@@ -106,7 +106,6 @@ QUERIES: Mapping[Query, Description] = MappingProxyType({
     Query.PREFIX_HITS: Rate(EngineSeries.PREFIX_HITS),
     Query.REPLICA_RUNNING: Latest(EngineSeries.RUNNING, By.REPLICA),
     Query.REPLICA_WAITING: Latest(EngineSeries.WAITING, By.REPLICA),
-    Query.REPLICA_KV: Latest(EngineSeries.KV_USAGE, By.REPLICA, Agg.AVG),
     Query.REPLICA_RATE: Arrivals(By.REPLICA),
     Query.REPLICA_DONE: Latest(EngineSeries.REQUESTS_DONE, By.REPLICA),
 })

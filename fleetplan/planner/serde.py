@@ -134,13 +134,6 @@ class CorrectionDoc(_Strict):
     # (load per replica rps, ln speed, completions) of the last windows (planner/correction.py)
     ttft_points: tuple[tuple[float, float, float], ...] = Field(default=(), max_length=32)
     itl_points: tuple[tuple[float, float, float], ...] = Field(default=(), max_length=32)
-    # the KV cache's capacity against the profile's, from the engines' KV usage (planner/kvmem.py)
-    kv_log: float = Field(default=0.0, ge=-10, le=10)
-    kv_var: float = Field(default=0.0, ge=0, le=100)
-    kv_windows: int = Field(default=0, ge=0)
-    kv_updated_s: float | None = None
-    observed_kv_tokens: float | None = Field(default=None, gt=0)
-    applied_kv_log: float = Field(default=0.0, ge=-10, le=10)
 
 
 class LengthsDoc(_Strict):
@@ -236,10 +229,7 @@ def state_to_dict(state: PlannerState) -> dict[str, Any]:
                          "observed_ttft_speed": k.observed_ttft_speed, "observed_itl_speed": k.observed_itl_speed,
                          "applied_ttft_log": k.applied_ttft_log, "applied_itl_log": k.applied_itl_log,
                          "ttft_points": [list(p) for p in k.ttft_points],
-                         "itl_points": [list(p) for p in k.itl_points],
-                         "kv_log": k.kv_log, "kv_var": k.kv_var, "kv_windows": k.kv_windows,
-                         "kv_updated_s": k.kv_updated_s, "observed_kv_tokens": k.observed_kv_tokens,
-                         "applied_kv_log": k.applied_kv_log}
+                         "itl_points": [list(p) for p in k.itl_points]}
                         for k in state.corrections],
         "bursts": [list(b) for b in state.bursts],
         "lengths": [{"model": h.model, "t_s": h.t_s, "isl": h.isl, "osl": h.osl,
@@ -260,10 +250,7 @@ def _state(doc: StateDoc) -> PlannerState:
         doc.cycle,
         tuple(sorted((Correction(key(k), k.ttft_log, k.ttft_var, k.itl_log, k.itl_var, k.observations, k.since_s,
                                  k.updated_s, k.observed_ttft_speed, k.observed_itl_speed, k.applied_ttft_log,
-                                 k.applied_itl_log, tuple(k.ttft_points), tuple(k.itl_points),
-                                 kv_log=k.kv_log, kv_var=k.kv_var, kv_windows=k.kv_windows,
-                                 kv_updated_s=k.kv_updated_s, observed_kv_tokens=k.observed_kv_tokens,
-                                 applied_kv_log=k.applied_kv_log)
+                                 k.applied_itl_log, tuple(k.ttft_points), tuple(k.itl_points))
                       for k in doc.corrections), key=lambda c: c.config)),
         tuple(doc.bursts),
         tuple(HeldLengths(h.model, h.t_s, h.isl, h.osl, tuple(h.isl_quantiles), tuple(h.osl_quantiles),

@@ -111,12 +111,6 @@ class ConfigObservation:
     # _p99_ms); wide on a heavy tail. None: unknown (the correction assumes a typical window's noise)
     ttft_p99_sampling_ms: tuple[float, float] | None = None
     itl_p99_sampling_ms: tuple[float, float] | None = None
-    # the engines' KV-cache gauges at the window's last scrape, per replica of this config (the mean over
-    # its replicas that report both): requests running, and the KV cache's used share (0..1). None:
-    # unknown (planner/kvmem.py estimates the config's KV capacity from them)
-    running_per_replica: float | None = None
-    kv_usage: float | None = None
-    kv_replicas: int = 0  # the replicas behind those means
 
 
 @dataclass(frozen=True)
@@ -172,8 +166,7 @@ class Correction:
 
     Per latency (TTFT, ITL): the estimate of ln(speed) and its variance (a Kalman filter in log
     space; planner/correction.py). speed < 1: the engine is slower than the profile says, every
-    duration is 1/speed longer, and the capacity at the SLO is lower. With it, the KV cache's
-    capacity (kv_*): a memory bound is not a speed (planner/kvmem.py).
+    duration is 1/speed longer, and the capacity at the SLO is lower.
     """
 
     config: ConfigKey
@@ -192,16 +185,6 @@ class Correction:
     # per latency, oldest first (planner/correction.py MAX_POINTS): how the speed moves with load
     ttft_points: tuple[tuple[float, float, float], ...] = ()
     itl_points: tuple[tuple[float, float, float], ...] = ()
-    # the KV cache's capacity relative to the profile's kv_tokens, learned from the engines' KV usage
-    # and running requests (planner/kvmem.py): ln(fleet's / profile's) and its variance, the windows
-    # that updated it, the last one (epoch s), what that window alone read (tokens), and what the plan
-    # applies (ln, with hysteresis). kv_windows 0: no evidence (the profile's kv_tokens)
-    kv_log: float = 0.0
-    kv_var: float = 0.0
-    kv_windows: int = 0
-    kv_updated_s: float | None = None
-    observed_kv_tokens: float | None = None
-    applied_kv_log: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -303,11 +286,6 @@ class ConfigExplanation:
     predicted_attainment: float | None = None
     last_replica_attainment: float | None = None
     floor_share: float | None = None
-    # the KV cache's capacity (tokens) the capacity was computed with where the fleet's KV usage
-    # corrected the profile's (planner/kvmem.py; None: the profile's), and the last window's KV usage
-    # of these replicas (0..1; None: unknown)
-    kv_tokens: float | None = None
-    observed_kv_usage: float | None = None
 
 
 class LossReason(StrEnum):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from fleetplan.models import profile as mp
 from fleetplan.planner.capacity import CapacityInfo, MixedWorkload, Speeds, config_capacity
@@ -47,7 +47,6 @@ def mean_speeds(corrections: Mapping[ConfigKey, Correction]) -> dict[ConfigKey, 
 
 def _ideal_capacity(c: ConfigKey, info: CapacityInfo, applied: Speeds, mean: Speeds,
                     profile: mp.PerfProfile | None, workload: MixedWorkload | None, m: ModelPolicy) -> float:
-    mean = replace(mean, kv_tokens=applied.kv_tokens)  # the KV capacity the fleet showed (planner/kvmem.py)
     if abs(applied.ttft - mean.ttft) < 1e-9 and abs(applied.itl - mean.itl) < 1e-9:
         return info.max_rps
     if mean == Speeds() and info.profile_rps is not None and info.profile_rps > 0:

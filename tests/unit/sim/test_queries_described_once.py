@@ -68,39 +68,3 @@ def test_the_replay_evaluates_the_same_descriptions_on_its_scrapes() -> None:
     assert one(Query.RATE, model="m") == pytest.approx(3.0 + 1 / 15)
     # Quantile: of the summed bucket rates
     assert one(Query.TTFT_P99, model="m") > 0 and one(Query.ITL_P50, model="m") > one(Query.TTFT_P50, model="m")
-
-
-def test_each_configs_kv_usage_and_running_requests_reach_the_planner() -> None:
-    """The per-replica KV gauge is one more described query (`avg by (replica)`); the replay's
-    Prometheus answers it from its scrapes, and `Observed.for_fleet` hands each config the mean
-    running requests and KV usage of its replicas that served the whole window (planner/kvmem.py)."""
-    from fleetplan.models.names import Engine, GpuType, Precision
-    from fleetplan.planner.cycle import observe
-    from fleetplan.planner.observation import ObserveRules
-    from fleetplan.planner.types import ConfigKey, Replica, ReplicaState
-
-    o = Observer(PromClient("http://p:9090"), ObserverConfig(window_s=60, model_labels=("model",)))
-    assert o.render(QUERIES[Query.REPLICA_KV]).startswith("avg by (replica) (")
-    assert _SERIES[EngineSeries.KV_USAGE] in o.render(QUERIES[Query.REPLICA_KV])
-    p = PromSim(window_s=60.0, scrape_s=15.0, delay_s=0.0, history_s=600.0, history_step_s=30.0,
-                peak_window_s=30.0, epoch0_s=1e9)
-    p.set_targets([("r1", "m"), ("r2", "m"), ("r3", "m")])
-    for k in range(6):
-        t = 15.0 * k
-        p.scrape(t, {"r1": (_counters(2 * t, 200 * t, 50 * t), 30.0, 0.0, 0.2),
-                     "r2": (_counters(t, 100 * t, 25 * t), 10.0, 0.0, 0.1),
-                     "r3": (_counters(t, 100 * t, 25 * t), 50.0, 0.0, 0.9)})
-    vllm = ConfigKey("m", Engine.VLLM, GpuType("h100"), 4, Precision.BF16)
-    trt = ConfigKey("m", Engine.TRTLLM, GpuType("h100"), 4, Precision.BF16)
-    now = 1e9 + 75.0
-    fleet = [Replica("r1", vllm, "h", (0, 1, 2, 3), ReplicaState.READY, since_s=now - 600),
-             Replica("r2", vllm, "h", (4, 5, 6, 7), ReplicaState.READY, since_s=now - 600),
-             Replica("r3", trt, "g", (0, 1, 2, 3), ReplicaState.READY, since_s=now - 30)]  # new: no evidence yet
-    seen = observe(p.readings(75.0), p.evidence(75.0), ["m"], now_s=now, rules=ObserveRules(window_s=60.0))
-    assert seen.interpreted.replicas["r1"].kv_usage == pytest.approx(0.2)
-    obs, _ = seen.for_fleet(fleet)
-    [c] = obs.models["m"].configs
-    assert c.config == vllm and c.kv_replicas == 2
-    assert c.running_per_replica == pytest.approx(20.0) and c.kv_usage == pytest.approx(0.15)
-    # without the fleet: no per-config evidence at all
-    assert seen.for_fleet(None)[0].models["m"].configs == ()
