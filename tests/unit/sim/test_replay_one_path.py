@@ -6,24 +6,14 @@ from __future__ import annotations
 
 import math
 
+from sim_policies import ONE_HOST_8B as POLICY
+
 from fleetplan.planner import act
 from fleetplan.planner.policy import load_policy_text
 from fleetplan.sim.control import FleetplanController
 from fleetplan.sim.des import FleetSim, SimSettings
 from fleetplan.sim.evaluate import make_environment, profiles_from_ground_truth
 from fleetplan.sim.traces import Trace, TraceFormat, TraceRequest
-
-POLICY = """
-version: 1
-gpu_types: {h100: {price_usd_h: 2.0}}
-hosts: [{name: h1, gpu: h100, gpu_count: 8}]
-engines:
-  vllm: {launch: {command: vllm}, startup: {default_s: 30}}
-scaling: {cycle_s: 60, scale_down_delay_s: 120}
-models:
-  - {name: llama-3-8b, slo: {ttft_p99_ms: 500, itl_p99_ms: 50}, allowed: {engines: [vllm], tp: [1]},
-     workload: {isl: 500, osl: 50}, headroom: 0.1}
-"""
 
 
 def _trace(segments: list[tuple[float, float]]) -> Trace:

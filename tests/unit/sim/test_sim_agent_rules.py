@@ -3,24 +3,14 @@ that double-books GPUs or leaves the host's port range is refused, counted and n
 
 from __future__ import annotations
 
+from sim_policies import ONE_HOST_8B as POLICY
+
 from fleetplan.planner import act
 from fleetplan.planner.policy import load_policy_text
 from fleetplan.sim.des import FleetSim, SimSettings
 from fleetplan.sim.des_types import Decision
 from fleetplan.sim.evaluate import make_environment
 from fleetplan.sim.traces import Trace, TraceFormat, TraceRequest
-
-POLICY = """
-version: 1
-gpu_types: {h100: {price_usd_h: 2.0}}
-hosts: [{name: h1, gpu: h100, gpu_count: 8}]
-engines:
-  vllm: {launch: {command: vllm}, startup: {default_s: 30}}
-scaling: {cycle_s: 60, scale_down_delay_s: 120}
-models:
-  - {name: llama-3-8b, slo: {ttft_p99_ms: 500, itl_p99_ms: 50}, allowed: {engines: [vllm], tp: [1]},
-     workload: {isl: 500, osl: 50}, headroom: 0.1}
-"""
 
 
 class _Idle:
