@@ -152,17 +152,21 @@ class InventoryFaults(FaultSuiteCore):
             missed.append(f"planned on {name} before it was confirmed: {sorted(bad)}")
         if alert and not self._alert_with(f"host {name} reports"):
             missed.append("the inventory alert did not stay while the host was held")
-        said = await asyncio.to_thread(self._confirm_host, name)
-        t_conf = time.monotonic()
-        cleared = await self.wait_for(lambda: not self._alert_with(f"host {name} reports"), 15)
-        notes.append(f"confirmed ({said[:80]!r}); alert " + (f"cleared {time.monotonic() - t_conf:.1f} s after"
-                                                            if cleared else "NOT cleared within 15 s"))
-        if not cleared:
-            missed.append(f"the alert for {name} stayed after `fleetplan hosts confirm`")
+        await self._confirm(name, notes, missed, said_chars=80)
         await self._unpress(n)
         await asyncio.to_thread(self.rig.stop_agent, name)  # its status goes offline; nothing runs on it
         # recovery counts from the fault undone (the agent gone, min_replicas back)
         return Injection(time.monotonic(), notes=notes, missed=missed, no_failures=True)
+
+    async def _confirm(self, host: str, notes: list[str], missed: list[str], *, said_chars: int) -> None:
+        """`fleetplan hosts confirm HOST`, then the goal: its inventory alert cleared within 15 s."""
+        said = await asyncio.to_thread(self._confirm_host, host)
+        t_conf = time.monotonic()
+        cleared = await self.wait_for(lambda: not self._alert_with(f"host {host} reports"), 15)
+        notes.append(f"confirmed ({said[:said_chars]!r}); alert " + (
+            f"cleared {time.monotonic() - t_conf:.1f} s after" if cleared else "NOT cleared within 15 s"))
+        if not cleared:
+            missed.append(f"the alert for {host} stayed after `fleetplan hosts confirm`")
 
     async def _fault_gpu_count_changed(self) -> Injection:
         """The agent of a listed 8-GPU host (one running no replica, else none on GPU CHANGED_GPUS or
@@ -195,13 +199,7 @@ class InventoryFaults(FaultSuiteCore):
         notes.append(f"min_replicas {n + PRESSURE}: {len(rep['fleet'])} replicas, on {host}: {there or 'none'}")
         if bad:
             missed.append(f"replicas on {host}'s GPUs >= {CHANGED_GPUS} before the change was confirmed: {sorted(bad)}")
-        said = await asyncio.to_thread(self._confirm_host, host)
-        t_conf = time.monotonic()
-        cleared = await self.wait_for(lambda: not self._alert_with(f"host {host} reports"), 15)
-        notes.append(f"confirmed ({said[:60]!r}); alert " + (f"cleared {time.monotonic() - t_conf:.1f} s after"
-                                                            if cleared else "NOT cleared within 15 s"))
-        if not cleared:
-            missed.append(f"the alert for {host} stayed after `fleetplan hosts confirm`")
+        await self._confirm(host, notes, missed, said_chars=60)
         await self._unpress(n)
         await asyncio.to_thread(self._restart_agent_as, host, gpus)  # the board back: the policy's 8
         again = await self.wait_for(lambda: self._alert_with(f"host {host} reports"), 5)
