@@ -586,7 +586,7 @@ def plan_with_capacities(
             if below_reach else capacities
         explanation = add_counterfactuals(explanation, policy, eff, now_problem, now_sol, ready, hosts, cf_caps,
                                           relaxed_capacities)
-    ledger, explanation = _budgets(policy, state, explanation, now_s)
+    ledger, explanation = _budgets(policy, state, explanation, now_s, capacities)
     next_state = PlannerState(tuple(sorted(surplus_next.items())), state.cycle + 1, state.corrections, bursts,
                               state.lengths, ledger, tuple(solver.solved))
     return PlanResult(now_plan, target_plan, next_state, explanation, tuple(act), tuple(deferred))
@@ -605,13 +605,15 @@ def planned_shares(policy: Policy, ledger: Sequence[BudgetSlice], now_s: float) 
     return out
 
 
-def _budgets(policy: Policy, state: PlannerState, explanation: Explanation,
-             now_s: float) -> tuple[tuple[BudgetSlice, ...], Explanation]:
+def _budgets(policy: Policy, state: PlannerState, explanation: Explanation, now_s: float,
+             capacities: Mapping[ConfigKey, CapacityInfo]) -> tuple[tuple[BudgetSlice, ...], Explanation]:
     """The SLO ledger after this cycle's readings (planner/slo.py: the window's rate and missed share,
     a stale model's none) and each model's error budget in its explanation."""
     ledger: list[BudgetSlice] = []
     models = []
-    spending = planned_shares(policy, state.budget, now_s)
+    # the share the capacities were sized for (capacity_table), as they say: a table given to
+    # plan_with_capacities without it spent nothing
+    spending = {c.model: i.planned_share for c, i in capacities.items() if i.planned_share is not None}
     for me in explanation.models:
         m = policy.model(me.model)
         if m is None:
