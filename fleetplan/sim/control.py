@@ -232,6 +232,14 @@ class ReplayControl:
             self.observations.append((t_s, obs))
         return self.decide_and_act(t_s, obs, view, fleet)
 
+    def observe_warm(self, readings: Readings) -> Observation:
+        """The warm start's observation at t = 0: the pre-roll's readings (fleetplan.sim.des) through
+        the cycle's own path, for the fleet the warm-up has not started yet."""
+        view = self.view(0.0)
+        obs, _ = observe(readings, None, self.models, now_s=self.wall(0.0), rules=self.rules,
+                         router_down=False).for_fleet(self.fleet(view).replicas)
+        return obs
+
     def decide_and_act(self, t_s: float, obs: Observation, view: act.ActView, fleet: Fleet) -> CycleDecision:
         if not self.ctl.use_history:
             obs = Observation(models={m: replace(o, history=()) for m, o in obs.models.items()}, alerts=obs.alerts)

@@ -27,7 +27,7 @@ from typing import cast
 import numpy as np
 
 from fleetplan.planner.observation import ObserveRules
-from fleetplan.planner.types import ModelObservation, Observation, ReplicaState
+from fleetplan.planner.types import Observation, ReplicaState
 from fleetplan.sim.control import ControlSettings, FleetplanController, ReplayControl
 from fleetplan.sim.core import ITL_BUCKETS_S, LENGTH_BUCKETS, TPOT_BUCKETS_S, TTFT_BUCKETS_S
 from fleetplan.sim.des_base import _SimBuild, _SimReplica
@@ -282,8 +282,9 @@ class FleetSim(BaselineExecutor, FleetMeter):
 
     def _warm_start(self) -> None:
         """Before t=0 the controller has watched the first window's traffic and its fleet is READY."""
-        obs = self._true_observation(0.0, self.s.window_s)
         if self.control is not None:
+            obs = self._preroll_observation()
+
             def ready(rid: str) -> None:
                 rep = self.by_id.get(rid)
                 if rep is not None and (self.env.build_s(rep.config) is None or self._built(rep.config)):
@@ -296,22 +297,25 @@ class FleetSim(BaselineExecutor, FleetMeter):
             return
         self._warm_baseline()
 
-    def _true_observation(self, t0: float, w: float) -> Observation:
-        """The warm start's knowledge: the first window's true rate and mean lengths."""
-        out: dict[str, ModelObservation] = {}
-        a = int(np.searchsorted(self.arr_t, t0, side="left"))
-        b = int(np.searchsorted(self.arr_t, t0 + w, side="left"))
-        for mi, m in enumerate(self.model_names):
-            ids = [j for j in range(a, b) if self.req_model[j] == mi]
-            if not ids:
-                out[m] = ModelObservation(model=m, rate_rps=0.0)
-                continue
-            out[m] = ModelObservation(
-                model=m, rate_rps=len(ids) / w,
-                isl=sum(self.prompt[j] for j in ids) / len(ids),
-                osl=sum(self.output[j] for j in ids) / len(ids),
-            )
-        return Observation(models=out)
+    def _preroll_observation(self) -> Observation:
+        """What the daemon reads at t = 0 had the first window's traffic come one window earlier:
+        a pre-roll Prometheus (its own, so the replay's readings after t = 0 are untouched) holds a
+        stand-in target per model that served those requests, and the observation comes from its
+        readings through the cycle's own path (planner/cycle.py `observe`)."""
+        s = self.s
+        w = s.window_s
+        pre = PromSim(window_s=w, scrape_s=s.scrape_s, delay_s=s.scrape_delay_s, history_s=s.history_s,
+                      history_step_s=s.history_step_s, peak_window_s=s.peak_window_s,
+                      epoch0_s=self.env.epoch0_s, length_window_s=s.length_window_s)
+        b = int(np.searchsorted(self.arr_t, w, side="left"))
+        per_model: list[list[tuple[float, int, int]]] = [[] for _ in self.model_names]
+        for j in range(b):
+            per_model[self.req_model[j]].append(
+                (float(self.arr_t[j]) - w - s.scrape_delay_s, int(self.prompt[j]), int(self.output[j])))
+        for mi, m in enumerate(self.model_names):  # scraped from before the window, as a target that ran
+            pre.preroll(m, per_model[mi], start_s=-2 * w - s.scrape_delay_s, end_s=-s.scrape_delay_s)
+        assert self.control is not None
+        return self.control.observe_warm(pre.readings(0.0))
 
     def _tick(self, t: float) -> None:
         self.decisions += 1

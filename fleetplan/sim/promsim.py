@@ -229,6 +229,33 @@ class PromSim:
             if not dq:
                 del self.samples[rid]
 
+    def preroll(self, model: str, arrivals: Sequence[tuple[float, int, int]], *, start_s: float, end_s: float) -> None:
+        """A stand-in target for `model` that served `arrivals` (time, prompt tokens, output
+        tokens; each counted done when it arrives) between `start_s` and `end_s`, scraped every
+        `scrape_s`: what Prometheus holds about the traffic before a replay's t = 0, so that the
+        warm start reads it through the same queries as every cycle."""
+        rid = f"preroll/{model}"
+        self.labels[rid] = {"replica": rid, "model": model}
+        self.targets.add(rid)
+        c = Counters()
+        order = sorted(arrivals)
+        j = 0
+        len_edges = LENGTH_BUCKETS
+        n = math.floor((end_s - start_s) / self.scrape_s)
+        for k in range(n + 1):
+            t = end_s - (n - k) * self.scrape_s
+            while j < len(order) and order[j][0] <= t:
+                _, p, o = order[j]
+                c.completed += 1
+                c.prompt_tokens += p
+                c.gen_tokens += o
+                c.prompt_len[bisect.bisect_left(len_edges, p)] += 1
+                c.gen_len[bisect.bisect_left(len_edges, o)] += 1
+                c.sums[2] += p
+                c.sums[3] += o
+                j += 1
+            self.scrape(t, {rid: (c, 0.0, 0.0, 0.0)})
+
     # ---- queries -------------------------------------------------------------------------------
     def _window(self, rid: str, t_s: float, w: float) -> list[TargetScrape]:
         """A target's samples in the range (t - w, t] that Prometheus holds at t."""

@@ -191,3 +191,23 @@ def test_with_a_shared_engine_cache_one_build_serves_every_host() -> None:
     assert trt > built_on, (trt, built_on)  # beyond the host that built it
     assert {(b.host, b.ready) for b in sim.cached()} == {(h.name, True) for h in make_environment(policy).hosts}
     assert res.slo_attainment >= 0.98
+
+
+def test_the_warm_start_sizes_the_first_fleet_from_readings() -> None:
+    """The replay's first fleet comes from what Prometheus would hold had the first window's traffic
+    come one window earlier (a pre-roll target read through planner/cycle.py `observe`), not from
+    the trace: its rate and lengths are the counters' and sized the fleet READY at t = 0."""
+    policy, profiles = _world(4.0)
+    trace = _trace([(900.0, 90.0)])
+    ctl = FleetplanController("fleetplan", policy, profiles)  # type: ignore[arg-type]
+    sim = FleetSim(trace, ctl, make_environment(policy), SimSettings())  # type: ignore[arg-type]
+    obs = sim._preroll_observation()
+    o = obs.models["llama-3-8b"]
+    assert o.rate_rps is not None and math.isclose(o.rate_rps, 90.0, rel_tol=0.05), o.rate_rps
+    assert o.isl is not None and math.isclose(o.isl, 500.0, rel_tol=0.01)
+    assert o.osl is not None and math.isclose(o.osl, 50.0, rel_tol=0.01)
+    res = sim.run()
+    warm = [r for r in sim.replicas if r.t_start == 0.0 and r.t_ready == 0.0]
+    assert len(warm) >= 2  # more than one replica's worth of traffic
+    assert sim.replica_starts == 0  # steady traffic: the fleet read at t = 0 was the right one
+    assert res.rejected == 0 and res.served == res.arrived
