@@ -310,10 +310,9 @@ class FleetSim(BaselineExecutor, FleetMeter):
         b = int(np.searchsorted(self.arr_t, w, side="left"))
         per_model: list[list[tuple[float, int, int]]] = [[] for _ in self.model_names]
         for j in range(b):
-            per_model[self.req_model[j]].append(
-                (float(self.arr_t[j]) - w - s.scrape_delay_s, int(self.prompt[j]), int(self.output[j])))
+            per_model[self.req_model[j]].append((float(self.arr_t[j]) - w, int(self.prompt[j]), int(self.output[j])))
         for mi, m in enumerate(self.model_names):  # scraped from before the window, as a target that ran
-            pre.preroll(m, per_model[mi], start_s=-2 * w - s.scrape_delay_s, end_s=-s.scrape_delay_s)
+            pre.preroll(m, per_model[mi], start_s=-2 * w, end_s=0.0)
         assert self.control is not None
         return self.control.observe_warm(pre.readings(0.0))
 
