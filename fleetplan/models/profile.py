@@ -39,6 +39,8 @@ from typing import Any
 
 import numpy as np
 
+from fleetplan.models.config_key import ConfigKey as ConfigKey  # the one configuration identity
+from fleetplan.models.config_key import Role as Role
 from fleetplan.models.hardware import GPU_SPECS, llm_spec
 from fleetplan.models.names import (
     Engine,
@@ -57,41 +59,6 @@ _LN100 = math.log(100.0)
 
 class ProfileError(ValueError):
     """A PROFILES.json document that cannot be read; the message names the field and value."""
-
-
-@dataclass(frozen=True, order=True)
-class ConfigKey:
-    """One serving configuration of one model: engine, GPU type, TP size and precision. The one
-    identity of a configuration everywhere: a fitted profile's key, the planner's config, a
-    replica's (planner.types re-exports it)."""
-
-    model: str
-    engine: Engine
-    gpu: GpuType
-    tp: int
-    precision: Precision
-
-    def label(self) -> str:
-        # computed once per key (the planner labels ~40k keys per plan at 500 models, bench/solve_scale.py);
-        # kept in the instance dict, which a frozen dataclass allows and eq/order/hash ignore
-        cached = self.__dict__.get("_label")
-        if cached is None:
-            cached = f"{self.model}/{self.engine.value}/{self.gpu.value}x{self.tp}/{self.precision.value}"
-            self.__dict__["_label"] = cached
-        return cached
-
-    def __hash__(self) -> int:
-        # cached like label(): a plan at 500 models hashes ~300k keys, and each uncached hash calls
-        # three enums' Python-level __hash__ (bench/solve_scale.py). Same value as the generated hash.
-        cached = self.__dict__.get("_hash")
-        if cached is None:
-            cached = hash((self.model, self.engine, self.gpu, self.tp, self.precision))
-            self.__dict__["_hash"] = cached
-        return cached
-
-    def __getstate__(self) -> dict[str, object]:
-        # a pickled key never carries its cached hash: string hashes differ between processes
-        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
 
 @dataclass(frozen=True)

@@ -440,7 +440,7 @@ def test_config_key_hash_is_cached_but_never_pickled() -> None:
     assert hash(key) == hash(("llama-3.1-8b", Engine.VLLM, GpuType.H100, 2, Precision.BF16))
     key.label()
     blob = pickle.dumps(key)
-    assert set(pickle.loads(blob).__dict__) == {"model", "engine", "gpu", "tp", "precision"}
+    assert set(pickle.loads(blob).__dict__) == {"model", "engine", "gpu", "tp", "precision", "role"}
     code = ("import pickle,sys; from fleetplan.models.profile import ConfigKey; "
             "from fleetplan.models.names import *; k = pickle.loads(sys.stdin.buffer.read()); "
             "print({ConfigKey('llama-3.1-8b', Engine.VLLM, GpuType.H100, 2, Precision.BF16): 1}.get(k))")
