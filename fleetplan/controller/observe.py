@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -47,17 +48,23 @@ from fleetplan.planner.observation import (
     model_of,
 )
 from fleetplan.planner.queries import (
+    EVIDENCE_QUERIES,
     QUERIES,
     Arrivals,
     By,
     Description,
     EngineHistogram,
+    EvidenceQuery,
+    HistogramRate,
+    Part,
     Quantile,
     Rate,
+    Window,
+    evidence_of,
 )
 
 log = logging.getLogger(__name__)
-K = TypeVar("K")
+K = TypeVar("K", Query, EvidenceQuery)
 
 # re-exported: the snapshot's parts are imported from here by the daemon, the CLI and the tests
 __all__ = [
@@ -83,7 +90,7 @@ _REQ_SUCCESS = r"vllm[:_]request_success_total|trtllm_request_success_total"
 _REQ_SUCCESS_CREATED = r"vllm[:_]request_success_created"
 _PROMPT_TOK = r"vllm[:_]prompt_tokens_total|trtllm_prompt_tokens_total"
 _GEN_TOK = r"vllm[:_]generation_tokens_total|trtllm_generation_tokens_total"
-_TTFT_BUCKET = r"(vllm[:_]|trtllm_)time_to_first_token_seconds_bucket"
+_TTFT_BUCKET = r"vllm[:_]time_to_first_token_seconds_bucket|trtllm_time_to_first_token_seconds_bucket"
 # vLLM exports ITL under two names with identical labels (inter_token_latency is the newer one);
 # rate() drops the name, so the two must not meet in one vector: prefer the newer, `or` the older.
 _ITL_BUCKET = r"vllm[:_]inter_token_latency_seconds_bucket"
@@ -96,13 +103,31 @@ _KV_USAGE = r"vllm[:_](gpu_cache_usage_perc|kv_cache_usage_perc)|trtllm_kv_cache
 # (tensorrt_llm/metrics/collector.py)
 _PREFIX_QUERIES = r"vllm[:_]prefix_cache_queries_total|trtllm_prompt_tokens_total"
 _PREFIX_HITS = r"vllm[:_]prefix_cache_hits_total|trtllm_prompt_cached_tokens_total"
+# the evidence's histograms (planner/evidence.py): the requests' prompt and generated lengths, and
+# each request's mean time per output token (TRT-LLM's only per-token latency)
+_PROMPT_LEN_BUCKET = r"vllm[:_]request_prompt_tokens_bucket"
+_GEN_LEN_BUCKET = r"vllm[:_]request_generation_tokens_bucket"
+_TPOT_REQ_BUCKET = r"vllm[:_]request_time_per_output_token_seconds_bucket|trtllm_time_per_output_token_seconds_bucket"
 # the engine series the queries read (planner/arrivals.py, planner/queries.py), by their metric names
 _SERIES = {EngineSeries.REQUESTS_DONE: _REQ_SUCCESS, EngineSeries.RUNNING: _RUNNING, EngineSeries.WAITING: _WAITING,
            EngineSeries.PROMPT_TOKENS: _PROMPT_TOK, EngineSeries.GEN_TOKENS: _GEN_TOK,
            EngineSeries.KV_USAGE: _KV_USAGE, EngineSeries.PREFIX_QUERIES: _PREFIX_QUERIES,
            EngineSeries.PREFIX_HITS: _PREFIX_HITS}
 # a histogram's bucket series, the preferred name first (`or`: one name per series in the vector)
-_HISTOGRAMS = {EngineHistogram.TTFT: (_TTFT_BUCKET,), EngineHistogram.ITL: (_ITL_BUCKET, _ITL_BUCKET_OLD)}
+_HISTOGRAMS = {EngineHistogram.TTFT: (_TTFT_BUCKET,), EngineHistogram.ITL: (_ITL_BUCKET, _ITL_BUCKET_OLD),
+               EngineHistogram.TPOT: (_TPOT_REQ_BUCKET,), EngineHistogram.PROMPT_LEN: (_PROMPT_LEN_BUCKET,),
+               EngineHistogram.GEN_LEN: (_GEN_LEN_BUCKET,)}
+
+
+def _part_of(bucket_re: str, part: Part) -> str:
+    """The `part` series (`_bucket`, `_sum`, `_count`) of the histograms `bucket_re` names.
+
+    >>> _part_of(_TTFT_BUCKET, Part.SUM)
+    'vllm[:_]time_to_first_token_seconds_sum|trtllm_time_to_first_token_seconds_sum'
+    >>> _part_of(_ITL_BUCKET_OLD, Part.COUNT)
+    '(vllm[:_]|trtllm_)time_per_output_token_seconds_count'
+    """
+    return re.sub(r"_bucket(?=\||$)", f"_{part.value}", bucket_re)
 
 
 class PromClient:
@@ -262,8 +287,10 @@ class Observer:
     def _by(self, *more: str) -> str:
         return ", ".join((*self.config.model_labels, *more))
 
-    def _window(self) -> str:
-        return f"{max(1, round(self.config.window_s))}s"
+    def _window(self, window: Window = Window.RATE) -> str:
+        """The range of a rate (whole seconds); the length window is at least the rate window."""
+        s = self.config.window_s
+        return f"{max(1, round(s if window is Window.RATE else max(self.config.length_window_s, s)))}s"
 
     def _model_of(self, labels: Mapping[str, str]) -> str | None:
         return model_of(labels, self.config.model_labels, self.canonical)
@@ -272,8 +299,8 @@ class Observer:
         """Per canonical model; several label groups of one model are summed (or max-ed)."""
         return group(samples, self._model_of, take_max=combine == "max")
 
-    def render(self, d: Description) -> str:
-        """A query's description (planner/queries.py) as PromQL over the rate window.
+    def render(self, d: Description | HistogramRate) -> str:
+        """A query's description (planner/queries.py) as PromQL.
 
         >>> from fleetplan.planner.queries import Agg, Latest
         >>> o = Observer(PromClient("http://p:9090"), ObserverConfig(window_s=60, model_labels=("model",)))
@@ -281,17 +308,21 @@ class Observer:
         'avg by (model) ({__name__=~"KV"})'
         >>> o.render(Rate(EngineSeries.GEN_TOKENS, By.REPLICA)).replace(_GEN_TOK, "GEN")
         'sum by (replica) (rate({__name__=~"GEN"}[60s]))'
+        >>> o.render(HistogramRate(EngineHistogram.GEN_LEN, Part.SUM, window=Window.LENGTH))
+        'sum by (model) (rate({__name__=~"vllm[:_]request_generation_tokens_sum"}[600s]))'
         """
-        w = self._window()
         if isinstance(d, Arrivals):  # per replica: the model's labels kept besides
             return self._arrival_rate_query(d.rule, *((REPLICA_LABEL,) if d.by is By.REPLICA else ()))
         if isinstance(d, Quantile):
-            agg = " or ".join(f"sum by ({self._by('le')}) (rate({self._sel(b)}[{w}]))"
-                              for b in _HISTOGRAMS[d.histogram])
-            return f"histogram_quantile({d.q:g}, {agg})"
+            return f"histogram_quantile({d.q:g}, {self.render(HistogramRate(d.histogram))})"
+        if isinstance(d, HistogramRate):  # `or`: one histogram name per series (rate() drops the name)
+            le = ("le",) if d.part is Part.BUCKET else ()
+            by = self._by(*le) if d.by is By.MODEL else ", ".join((REPLICA_LABEL, *le))
+            return " or ".join(f"sum by ({by}) (rate({self._sel(_part_of(b, d.part))}[{self._window(d.window)}]))"
+                               for b in _HISTOGRAMS[d.histogram])
         by = self._by() if d.by is By.MODEL else REPLICA_LABEL
         if isinstance(d, Rate):
-            return f"sum by ({by}) (rate({self._sel(_SERIES[d.series])}[{w}]))"
+            return f"sum by ({by}) (rate({self._sel(_SERIES[d.series])}[{self._window(d.window)}]))"
         return f"{d.agg.value} by ({by}) ({self._sel(_SERIES[d.series])})"
 
     def queries(self) -> dict[Query, str]:
@@ -320,42 +351,21 @@ class Observer:
         q[Query.UP_SAMPLES] = f"count_over_time({up}[{win_ms}ms])"
         return q
 
-    def evidence_queries(self) -> dict[str, str]:
-        """Length histograms per model, latency histograms and completions per replica (evidence.py)."""
-        w, by = self._window(), self._by("le")
-        lw = f"{max(1, round(max(self.config.length_window_s, self.config.window_s)))}s"
-        rb = f"{REPLICA_LABEL}, le"
-        return {
-            "ev_prompt_len": f"sum by ({by}) (rate({self._sel(ev.PROMPT_LEN_BUCKET)}[{lw}]))",
-            "ev_gen_len": f"sum by ({by}) (rate({self._sel(ev.GEN_LEN_BUCKET)}[{lw}]))",
-            "ev_done": f"sum by ({REPLICA_LABEL}) (rate({self._sel(ev.REQ_SUCCESS)}[{w}]))",
-            "ev_ttft": f"sum by ({rb}) (rate({self._sel(ev.TTFT_BUCKET)}[{w}]))",
-            "ev_tpot": f"sum by ({rb}) (rate({self._sel(ev.TPOT_REQ_BUCKET)}[{w}]))",
-            # the histograms' exact window means (_sum / _count): quantiles consistent with them
-            "ev_prompt_sum": f"sum by ({self._by()}) (rate({self._sel(ev.PROMPT_LEN_SUM)}[{lw}]))",
-            "ev_prompt_count": f"sum by ({self._by()}) (rate({self._sel(ev.PROMPT_LEN_COUNT)}[{lw}]))",
-            "ev_gen_sum": f"sum by ({self._by()}) (rate({self._sel(ev.GEN_LEN_SUM)}[{lw}]))",
-            "ev_gen_count": f"sum by ({self._by()}) (rate({self._sel(ev.GEN_LEN_COUNT)}[{lw}]))",
-            "ev_ttft_sum": f"sum by ({REPLICA_LABEL}) (rate({self._sel(ev.TTFT_SUM)}[{w}]))",
-            "ev_ttft_count": f"sum by ({REPLICA_LABEL}) (rate({self._sel(ev.TTFT_COUNT)}[{w}]))",
-            "ev_tpot_sum": f"sum by ({REPLICA_LABEL}) (rate({self._sel(ev.TPOT_REQ_SUM)}[{w}]))",
-            "ev_tpot_count": f"sum by ({REPLICA_LABEL}) (rate({self._sel(ev.TPOT_REQ_COUNT)}[{w}]))",
-        }
+    def evidence_queries(self) -> dict[EvidenceQuery, str]:
+        """Length histograms per model, latency histograms and completions per replica (planner/queries.py
+        `EVIDENCE_QUERIES`, read by planner/evidence.py)."""
+        return {q: self.render(d) for q, d in EVIDENCE_QUERIES.items()}
 
     async def _evidence(self, wall: float) -> ev.Evidence | None:
         """The evidence queries; a failure here leaves the evidence unknown, not the model stale."""
         try:
-            r = await self._query_all(self.evidence_queries(), wall)
+            answers = await self._query_all(self.evidence_queries(), wall)
         except PrometheusError as exc:
             log.warning("length/latency evidence unavailable: %s", exc)
             return None
-        moments = ev.MomentSamples(r.get("ev_prompt_sum"), r.get("ev_prompt_count"), r.get("ev_gen_sum"),
-                                   r.get("ev_gen_count"), r.get("ev_ttft_sum"), r.get("ev_ttft_count"),
-                                   r.get("ev_tpot_sum"), r.get("ev_tpot_count"))
-        return ev.collect(r["ev_prompt_len"], r["ev_gen_len"], r["ev_done"], r["ev_ttft"], r["ev_tpot"],
-                          model_of=self._model_of, window_s=self.config.window_s,
-                          time_scale=self.config.time_scale, replica_label=REPLICA_LABEL, moments=moments,
-                          length_window_s=max(self.config.length_window_s, self.config.window_s))
+        return evidence_of(answers, model_of=self._model_of, window_s=self.config.window_s,
+                           length_window_s=max(self.config.length_window_s, self.config.window_s),
+                           time_scale=self.config.time_scale, replica_label=REPLICA_LABEL)
 
     async def _query_all(self, queries: Mapping[K, str], at_s: float,
                          pending: list[str] | None = None) -> dict[K, list[Sample]]:
@@ -363,8 +373,8 @@ class Observer:
         naming the query. `pending`, when given, is left holding the names of the queries still
         unanswered when this ends early (a deadline: the alert names them)."""
 
-        def name(n: K) -> str:
-            return str(n.value if isinstance(n, Query) else n)
+        def name(n: Query | EvidenceQuery) -> str:
+            return n.value if isinstance(n, Query) else f"evidence {n.value}"
 
         tasks = {n: asyncio.ensure_future(self.client.query(q, at_s, name=name(n))) for n, q in queries.items()}
         if pending is not None:

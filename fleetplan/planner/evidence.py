@@ -50,27 +50,6 @@ import numpy as np
 from fleetplan.models.mix import QUANTILE_LEVELS
 from fleetplan.planner.types import ConfigKey, ConfigObservation, Replica, ReplicaState
 
-# metric names (regexes over __name__), both vLLM spellings where vLLM has them
-PROMPT_LEN_BUCKET = r"vllm[:_]request_prompt_tokens_bucket"
-GEN_LEN_BUCKET = r"vllm[:_]request_generation_tokens_bucket"
-TTFT_BUCKET = r"vllm[:_]time_to_first_token_seconds_bucket|trtllm_time_to_first_token_seconds_bucket"
-TPOT_REQ_BUCKET = r"vllm[:_]request_time_per_output_token_seconds_bucket|trtllm_time_per_output_token_seconds_bucket"
-REQ_SUCCESS = r"vllm[:_]request_success_total|trtllm_request_success_total"
-
-
-def moments_of(bucket_re: str, part: str) -> str:
-    """The `_sum` or `_count` series of the histograms `bucket_re` names (the same alternatives)."""
-    return "|".join(alt[: -len("_bucket")] + "_" + part for alt in bucket_re.split("|"))
-
-
-# the exact window means (issue 17.3): vllm:request_prompt_tokens_sum/_count, ..._generation_tokens_*,
-# vllm:time_to_first_token_seconds_*, vllm:request_time_per_output_token_seconds_*, and TRT-LLM's
-# trtllm_time_to_first_token_seconds_* / trtllm_time_per_output_token_seconds_*
-PROMPT_LEN_SUM, PROMPT_LEN_COUNT = moments_of(PROMPT_LEN_BUCKET, "sum"), moments_of(PROMPT_LEN_BUCKET, "count")
-GEN_LEN_SUM, GEN_LEN_COUNT = moments_of(GEN_LEN_BUCKET, "sum"), moments_of(GEN_LEN_BUCKET, "count")
-TTFT_SUM, TTFT_COUNT = moments_of(TTFT_BUCKET, "sum"), moments_of(TTFT_BUCKET, "count")
-TPOT_REQ_SUM, TPOT_REQ_COUNT = moments_of(TPOT_REQ_BUCKET, "sum"), moments_of(TPOT_REQ_BUCKET, "count")
-
 # decision rules
 MIN_LENGTH_SAMPLES = 20.0  # requests in the window below which a length distribution is not trusted
 MIN_P99_SAMPLES = 10.0  # observations below which a p99 is just the maximum of a handful: unknown
@@ -660,7 +639,6 @@ __all__ = [
     "length_estimates",
     "length_quantiles",
     "mean_of",
-    "moments_of",
     "parse_le",
     "serving_whole_window",
 ]

@@ -6,15 +6,17 @@ the same raw answers, computed here from the simulated replicas' counters, gauge
 (the bucket edges the real engines export, fleetplan.sim.core): one scrape per target every
 `scrape_s`, visible `delay_s` later, each query answered over the same windows the Observer asks.
 
-Only the I/O is simulated; no rule of the planner lives here. The instant queries are the
-descriptions of planner/queries.py (`Latest`, `Rate`, `Arrivals`, `Quantile`), evaluated here as
-controller/observe.py renders them to PromQL. What each query returns:
+Only the I/O is simulated; no rule of the planner lives here. The instant queries and the
+evidence's are the descriptions of planner/queries.py (`Latest`, `Rate`, `Arrivals`, `Quantile`,
+`HistogramRate`), evaluated here as controller/observe.py renders them to PromQL. What each query
+returns:
 
 - counters (`rate(x[w])`): per target, (last - first) / (t_last - t_first) over its samples in the
   window (Prometheus extrapolates to the window's edges; the difference is a few percent at the
   window's ends and is not a decision);
 - gauges: the target's latest sample while it is a target (a removed target's gauges go stale);
-- histograms: per-bucket rates summed by model (or by replica), cumulative `le` buckets, and the
+- histograms: per-bucket rates summed by model (or by replica), cumulative `le` buckets (`_count`:
+  the +Inf bucket's rate, `_sum`: the engine's sum of the observations), and the
   quantile queries by Prometheus' own histogram_quantile (the one implementation,
   fleetplan.planner.evidence.histogram_quantile);
 - `up` and the window coverage (first/last sample time, samples) per current target; per target
@@ -33,7 +35,23 @@ from dataclasses import dataclass
 from fleetplan.planner import evidence as ev
 from fleetplan.planner.arrivals import ArrivalRate, arrival_rate
 from fleetplan.planner.observation import Query, Readings, Sample, Series
-from fleetplan.planner.queries import QUERIES, Agg, Arrivals, By, EngineHistogram, Latest, Quantile, Rate
+from fleetplan.planner.queries import (
+    EVIDENCE_QUERIES,
+    QUERIES,
+    Agg,
+    Arrivals,
+    By,
+    EngineHistogram,
+    EvidenceDescription,
+    EvidenceQuery,
+    HistogramRate,
+    Latest,
+    Part,
+    Quantile,
+    Rate,
+    Window,
+    evidence_of,
+)
 from fleetplan.sim.core import ITL_BUCKETS_S, LENGTH_BUCKETS, TPOT_BUCKETS_S, TTFT_BUCKETS_S
 
 __all__ = ["Counters", "PromSim", "TargetScrape"]
@@ -163,6 +181,33 @@ _RATES = [(q, d) for q, d in QUERIES.items() if isinstance(d, Rate)]
 _ARRIVALS = [(q, d) for q, d in QUERIES.items() if isinstance(d, Arrivals)]
 _QUANTILES = [(q, d) for q, d in QUERIES.items() if isinstance(d, Quantile)]
 _HISTOGRAMS = {EngineHistogram.TTFT: TTFT_BUCKETS_S, EngineHistogram.ITL: ITL_BUCKETS_S}
+# the evidence's histograms too (planner/queries.py EVIDENCE_QUERIES), and where each histogram's
+# _sum is kept (`Counters.sums`; the replay keeps no ITL _sum)
+_EDGES = {**_HISTOGRAMS, EngineHistogram.TPOT: TPOT_BUCKETS_S, EngineHistogram.PROMPT_LEN: LENGTH_BUCKETS,
+          EngineHistogram.GEN_LEN: LENGTH_BUCKETS}
+_SUMS = {EngineHistogram.TTFT: 0, EngineHistogram.TPOT: 1, EngineHistogram.PROMPT_LEN: 2, EngineHistogram.GEN_LEN: 3}
+
+
+def _increase(d: EvidenceDescription, a: TargetScrape, b: TargetScrape, f: float) -> list[float]:
+    """A description's rate on one target, from the first (`a`) and last (`b`) scrapes of its window
+    and the target's rate factor `f`: one value, or one per bucket (not cumulative) for the buckets."""
+    if isinstance(d, Rate):
+        return [(getattr(b, d.series.value) - getattr(a, d.series.value)) * f]
+    xa, xb = getattr(a, d.histogram.value), getattr(b, d.histogram.value)
+    if d.part is Part.BUCKET:
+        return [(y - x) * f for x, y in zip(xa, xb, strict=True)]
+    if d.part is Part.COUNT:  # the observations: the +Inf bucket
+        return [(sum(xb) - sum(xa)) * f]
+    i = _SUMS[d.histogram]
+    return [(b.sums[i] - a.sums[i]) * f]
+
+
+def _answer(d: EvidenceDescription, labels: Mapping[str, str], values: Sequence[float]) -> list[Sample]:
+    """A group's samples of a description's answer: its value, or its cumulative buckets by `le`."""
+    if isinstance(d, HistogramRate) and d.part is Part.BUCKET:
+        return [Sample({**labels, "le": "+Inf" if le == math.inf else repr(le)}, v)
+                for le, v in _cumulative(_EDGES[d.histogram], values)]
+    return [Sample(labels, values[0])]
 
 
 class PromSim:
@@ -407,62 +452,32 @@ class PromSim:
         return tuple(out)
 
     def evidence(self, t_s: float) -> ev.Evidence:
-        """What `Observer._evidence` returns: length buckets per model, completions and latency
-        buckets per replica, as rates over the window."""
-        w = self.window_s
-        prompt: list[Sample] = []
-        gen: list[Sample] = []
-        done: list[Sample] = []
-        ttft: list[Sample] = []
-        tpot: list[Sample] = []
-        plen: dict[str, list[float]] = {}
-        glen: dict[str, list[float]] = {}
-        # the histograms' _sum/_count rates: lengths per model, latencies per replica
-        msum: dict[str, list[float]] = {}  # model -> [prompt sum, prompt count, gen sum, gen count]
-        ttft_m: list[tuple[dict[str, str], float, float]] = []
-        tpot_m: list[tuple[dict[str, str], float, float]] = []
-        lw = self.length_window_s
+        """What `Observer._evidence` returns: the evidence queries (planner/queries.py
+        `EVIDENCE_QUERIES`) evaluated as PromQL would on the scrapes, over their windows."""
+        spans = {Window.RATE: self.window_s, Window.LENGTH: self.length_window_s}
+        answers: dict[EvidenceQuery, list[Sample]] = {q: [] for q in EVIDENCE_QUERIES}
+        per_model: dict[EvidenceQuery, dict[str, list[float]]] = {}  # query -> model -> its sums
         for rid in sorted(self.samples):
             lab = self.labels[rid]
-            model = lab["model"]
-            lwin = self._window(rid, t_s, lw)
-            lf = _rate_factor(lwin, t_s - lw, t_s)
-            if lf is not None:
-                la, lb = lwin[0], lwin[-1]
-                for acc, xa, xb in ((plen, la.prompt_len, lb.prompt_len), (glen, la.gen_len, lb.gen_len)):
-                    d = acc.setdefault(model, [0.0] * len(xb))
-                    for j, (x, y) in enumerate(zip(xa, xb, strict=True)):
-                        d[j] += (y - x) * lf
-                ms = msum.setdefault(model, [0.0, 0.0, 0.0, 0.0])
-                n_len = (lb.completed - la.completed) * lf
-                ms[0] += (lb.sums[2] - la.sums[2]) * lf
-                ms[1] += n_len
-                ms[2] += (lb.sums[3] - la.sums[3]) * lf
-                ms[3] += n_len
-            win = self._window(rid, t_s, w)
-            f = _rate_factor(win, t_s - w, t_s)
-            if f is None:
-                continue
-            a, b = win[0], win[-1]
-            done.append(Sample(lab, (b.completed - a.completed) * f))
-            for edges, xa, xb, out in ((TTFT_BUCKETS_S, a.ttft, b.ttft, ttft), (TPOT_BUCKETS_S, a.tpot, b.tpot, tpot)):
-                rates = [(y - x) * f for x, y in zip(xa, xb, strict=True)]
-                for le, v in _cumulative(edges, rates):
-                    out.append(Sample({**lab, "le": "+Inf" if le == math.inf else repr(le)}, v))
-            ttft_m.append((lab, (b.sums[0] - a.sums[0]) * f, (sum(b.ttft) - sum(a.ttft)) * f))
-            tpot_m.append((lab, (b.sums[1] - a.sums[1]) * f, (sum(b.tpot) - sum(a.tpot)) * f))
-        for acc, out in ((plen, prompt), (glen, gen)):
-            for model, rates in sorted(acc.items()):
-                for le, v in _cumulative(LENGTH_BUCKETS, rates):
-                    out.append(Sample({"model": model, "le": "+Inf" if le == math.inf else repr(le)}, v))
-        mlab = {m: {"model": m} for m in msum}
-        moments = ev.MomentSamples(
-            prompt_sum=[Sample(mlab[m], v[0]) for m, v in msum.items()],
-            prompt_count=[Sample(mlab[m], v[1]) for m, v in msum.items()],
-            gen_sum=[Sample(mlab[m], v[2]) for m, v in msum.items()],
-            gen_count=[Sample(mlab[m], v[3]) for m, v in msum.items()],
-            ttft_sum=[Sample(lab, x) for lab, x, _ in ttft_m], ttft_count=[Sample(lab, n) for lab, _, n in ttft_m],
-            tpot_sum=[Sample(lab, x) for lab, x, _ in tpot_m], tpot_count=[Sample(lab, n) for lab, _, n in tpot_m])
-        return ev.collect(prompt, gen, done, ttft, tpot, model_of=lambda labels: labels.get("model"),
-                          window_s=w, time_scale=1.0, replica_label="replica", moments=moments,
-                          length_window_s=lw)
+            ends: dict[Window, tuple[TargetScrape, TargetScrape, float]] = {}
+            for window, w in spans.items():
+                win = self._window(rid, t_s, w)
+                f = _rate_factor(win, t_s - w, t_s)
+                if f is not None:
+                    ends[window] = (win[0], win[-1], f)
+            for q, d in EVIDENCE_QUERIES.items():
+                end = ends.get(d.window)
+                if end is None:
+                    continue
+                values = _increase(d, *end)
+                if d.by is By.REPLICA:
+                    answers[q].extend(_answer(d, lab, values))
+                    continue
+                acc = per_model.setdefault(q, {}).setdefault(lab["model"], [0.0] * len(values))
+                for j, v in enumerate(values):
+                    acc[j] += v
+        for q, models in per_model.items():
+            for model, values in sorted(models.items()):
+                answers[q].extend(_answer(EVIDENCE_QUERIES[q], {"model": model}, values))
+        return evidence_of(answers, model_of=lambda labels: labels.get("model"), window_s=self.window_s,
+                           length_window_s=self.length_window_s)

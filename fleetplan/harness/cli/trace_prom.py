@@ -132,6 +132,7 @@ async def fetch_and_build(url: str, start: float, end: float, model: str, *, ste
     from fleetplan.controller.observe import Observer, ObserverConfig, PromClient
     from fleetplan.planner.evidence import parse_le
     from fleetplan.planner.observation import Query
+    from fleetplan.planner.queries import EvidenceQuery as Ev
     from fleetplan.sim.trace_prom import LengthWindow, trace_from_series
 
     keep = _matches(model)
@@ -162,15 +163,15 @@ async def fetch_and_build(url: str, start: float, end: float, model: str, *, ste
                         acc[w_ends[-1]] = acc.get(w_ends[-1], 0.0) + s.value
             return out
 
-        hist = {k: await at_windows(e[f"ev_{k}_len"], "le") for k in ("prompt", "gen")}
-        mom = {k: await at_windows(e[k]) for k in ("ev_prompt_sum", "ev_prompt_count", "ev_gen_sum", "ev_gen_count")}
+        hist = {k: await at_windows(e[k], "le") for k in (Ev.PROMPT_LEN, Ev.GEN_LEN)}
+        mom = {k: await at_windows(e[k]) for k in (Ev.PROMPT_SUM, Ev.PROMPT_COUNT, Ev.GEN_SUM, Ev.GEN_COUNT)}
         # the token counters' means per length window (engines without length histograms)
         q_lw = Observer(client, ObserverConfig(window_s=lw, extra_selector=selector)).queries()
         tok = {k: await at_windows(q_lw[k]) for k in (Query.RATE, Query.PROMPT, Query.GEN)}
         hits = (await _range(client, q[Query.PREFIX_HITS], start, end, step_s, keep)).get(None, {})
         queries = (await _range(client, q[Query.PREFIX_QUERIES], start, end, step_s, keep)).get(None, {})
 
-    def buckets(kind: str, t: float) -> tuple[tuple[float, float], ...] | None:
+    def buckets(kind: Ev, t: float) -> tuple[tuple[float, float], ...] | None:
         pts = [(parse_le(le), v[t]) for le, v in hist[kind].items() if t in v]
         clean = tuple(sorted((le, c) for le, c in pts if le is not None))
         return clean if clean and sum(c for _, c in clean) > 0 else None
@@ -182,13 +183,13 @@ async def fetch_and_build(url: str, start: float, end: float, model: str, *, ste
 
     windows = []
     for t in w_ends:
-        pm = ratio(mom["ev_prompt_sum"].get(None), mom["ev_prompt_count"].get(None), t)
-        om = ratio(mom["ev_gen_sum"].get(None), mom["ev_gen_count"].get(None), t)
+        pm = ratio(mom[Ev.PROMPT_SUM].get(None), mom[Ev.PROMPT_COUNT].get(None), t)
+        om = ratio(mom[Ev.GEN_SUM].get(None), mom[Ev.GEN_COUNT].get(None), t)
         if pm is None:
             pm = ratio(tok[Query.PROMPT].get(None), tok[Query.RATE].get(None), t)
         if om is None:
             om = ratio(tok[Query.GEN].get(None), tok[Query.RATE].get(None), t)
-        windows.append(LengthWindow(t, buckets("prompt", t), buckets("gen", t), pm, om))
+        windows.append(LengthWindow(t, buckets(Ev.PROMPT_LEN, t), buckets(Ev.GEN_LEN, t), pm, om))
     share: list[tuple[float, float]] | None = None
     if queries:
         share = [(t, hits.get(t, 0.0) / queries[t]) for t in steps if queries.get(t, 0.0) > 0]

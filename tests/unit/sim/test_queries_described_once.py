@@ -1,15 +1,27 @@
-"""Each instant query of an observation is described once (planner/queries.py): the daemon's
-Observer renders the description to PromQL, the replay's Prometheus (sim/promsim.py) evaluates the
-same description on its scrapes."""
+"""Each query of an observation, the instant ones and the evidence's, is described once
+(planner/queries.py): the daemon's Observer renders the description to PromQL, the replay's
+Prometheus (sim/promsim.py) evaluates the same description on its scrapes."""
 
 from __future__ import annotations
 
+import math
+import re
+
 import pytest
 
-from fleetplan.controller.observe import _SERIES, Observer, ObserverConfig, PromClient
+from fleetplan.controller.observe import _SERIES, _TTFT_BUCKET, Observer, ObserverConfig, PromClient
 from fleetplan.planner.arrivals import EngineSeries
 from fleetplan.planner.observation import Query
-from fleetplan.planner.queries import QUERIES, Agg, By, Latest, Quantile, Rate
+from fleetplan.planner.queries import (
+    EVIDENCE_QUERIES,
+    QUERIES,
+    Agg,
+    By,
+    EvidenceQuery,
+    Latest,
+    Quantile,
+    Rate,
+)
 from fleetplan.sim.promsim import Counters, PromSim
 
 
@@ -68,3 +80,98 @@ def test_the_replay_evaluates_the_same_descriptions_on_its_scrapes() -> None:
     assert one(Query.RATE, model="m") == pytest.approx(3.0 + 1 / 15)
     # Quantile: of the summed bucket rates
     assert one(Query.TTFT_P99, model="m") > 0 and one(Query.ITL_P50, model="m") > one(Query.TTFT_P50, model="m")
+
+
+_SEL = ',job="e"}'
+# the evidence queries' PromQL as the Observer wrote it by hand before they were described
+_EVIDENCE_PROMQL = {
+    EvidenceQuery.PROMPT_LEN: 'sum by (model, le) (rate({__name__=~"vllm[:_]request_prompt_tokens_bucket"'
+                              + _SEL + '[600s]))',
+    EvidenceQuery.GEN_LEN: 'sum by (model, le) (rate({__name__=~"vllm[:_]request_generation_tokens_bucket"'
+                           + _SEL + '[600s]))',
+    EvidenceQuery.DONE: 'sum by (replica) (rate({__name__=~"vllm[:_]request_success_total|'
+                        'trtllm_request_success_total"' + _SEL + '[60s]))',
+    EvidenceQuery.TTFT: 'sum by (replica, le) (rate({__name__=~"vllm[:_]time_to_first_token_seconds_bucket|'
+                        'trtllm_time_to_first_token_seconds_bucket"' + _SEL + '[60s]))',
+    EvidenceQuery.TPOT: 'sum by (replica, le) (rate({__name__=~"vllm[:_]request_time_per_output_token_seconds_bucket|'
+                        'trtllm_time_per_output_token_seconds_bucket"' + _SEL + '[60s]))',
+    EvidenceQuery.PROMPT_SUM: 'sum by (model) (rate({__name__=~"vllm[:_]request_prompt_tokens_sum"'
+                              + _SEL + '[600s]))',
+    EvidenceQuery.PROMPT_COUNT: 'sum by (model) (rate({__name__=~"vllm[:_]request_prompt_tokens_count"'
+                                + _SEL + '[600s]))',
+    EvidenceQuery.GEN_SUM: 'sum by (model) (rate({__name__=~"vllm[:_]request_generation_tokens_sum"'
+                           + _SEL + '[600s]))',
+    EvidenceQuery.GEN_COUNT: 'sum by (model) (rate({__name__=~"vllm[:_]request_generation_tokens_count"'
+                             + _SEL + '[600s]))',
+    EvidenceQuery.TTFT_SUM: 'sum by (replica) (rate({__name__=~"vllm[:_]time_to_first_token_seconds_sum|'
+                            'trtllm_time_to_first_token_seconds_sum"' + _SEL + '[60s]))',
+    EvidenceQuery.TTFT_COUNT: 'sum by (replica) (rate({__name__=~"vllm[:_]time_to_first_token_seconds_count|'
+                              'trtllm_time_to_first_token_seconds_count"' + _SEL + '[60s]))',
+    EvidenceQuery.TPOT_SUM: 'sum by (replica) (rate({__name__=~"vllm[:_]request_time_per_output_token_seconds_sum|'
+                            'trtllm_time_per_output_token_seconds_sum"' + _SEL + '[60s]))',
+    EvidenceQuery.TPOT_COUNT: 'sum by (replica) (rate({__name__=~'
+                              '"vllm[:_]request_time_per_output_token_seconds_count|'
+                              'trtllm_time_per_output_token_seconds_count"' + _SEL + '[60s]))',
+}
+
+
+def test_the_observer_renders_the_evidence_queries_from_their_descriptions() -> None:
+    o = Observer(PromClient("http://p:9090"), ObserverConfig(window_s=60, length_window_s=600, model_labels=("model",),
+                                                             extra_selector='job="e"'))
+    rendered = o.evidence_queries()
+    assert set(rendered) == set(EVIDENCE_QUERIES) == set(EvidenceQuery)
+    assert rendered == _EVIDENCE_PROMQL
+    # the length window is never shorter than the rate window
+    short = Observer(PromClient("http://p:9090"), ObserverConfig(window_s=90.4, length_window_s=30))
+    assert short.evidence_queries()[EvidenceQuery.PROMPT_SUM].endswith("[90s]))")
+    # the TTFT quantiles read the evidence's TTFT histogram names: the same engines' series as the
+    # grouped spelling they were written in before
+    assert _TTFT_BUCKET in o.queries()[Query.TTFT_P99]
+    for prefix in ("vllm:", "vllm_", "trtllm_", "trtllm:", "sglang:", ""):
+        name = f"{prefix}time_to_first_token_seconds_bucket"
+        assert bool(re.fullmatch(_TTFT_BUCKET, name)) is bool(
+            re.fullmatch(r"(vllm[:_]|trtllm_)time_to_first_token_seconds_bucket", name)), name
+
+
+def _engine(done: float) -> Counters:
+    """An engine that finished `done` requests: 3 in 4 with 500-token prompts and 40 generated
+    tokens, the rest 1,500 and 400; first tokens in 30 ms or 300 ms, 20 ms or 50 ms per token."""
+    c = Counters()
+    c.completed = done
+    short, long = 0.75 * done, 0.25 * done
+    c.prompt_tokens, c.gen_tokens = 500 * short + 1500 * long, 40 * short + 400 * long
+    c.prompt_len[8], c.prompt_len[10] = short, long  # le 500, le 2000
+    c.gen_len[5], c.gen_len[8] = short, long  # le 50, le 500
+    c.ttft[4], c.ttft[8] = short, long  # le 0.04, le 0.25
+    c.tpot[3], c.tpot[6] = short, long  # le 0.075, le 0.2
+    c.sums = [0.03 * short + 0.3 * long, 0.02 * short + 0.05 * long, c.prompt_tokens, c.gen_tokens]
+    return c
+
+
+def test_the_replay_evaluates_the_evidence_descriptions_as_it_did_by_hand() -> None:
+    """The numbers are the replay's before its evidence queries were described (exactly)."""
+    p = PromSim(window_s=60.0, scrape_s=15.0, delay_s=0.0, history_s=600.0, history_step_s=30.0,
+                peak_window_s=30.0, epoch0_s=1e9, length_window_s=120.0)
+    p.set_targets([("r1", "a"), ("r2", "a"), ("r3", "b")])
+    for k in range(9):  # 4, 2 and 1 req/s; r2 finishes 8 more at 75 s; r3's target is removed at 120 s
+        t = 15.0 * k
+        if k == 8:
+            p.set_targets([("r1", "a"), ("r2", "a")])
+        p.scrape(t, {"r1": (_engine(4 * t), 0.0, 0.0, 0.0), "r2": (_engine(2 * t + 8 * (k > 4)), 0.0, 0.0, 0.0),
+                     "r3": (_engine(t), 0.0, 0.0, 0.0)})
+    e = p.evidence(120.0)
+    assert (e.window_s, e.length_window_s) == (60.0, 120.0)
+    # lengths per model over the length window (r2's 8 extra requests in it), cumulative buckets
+    a = dict(e.prompt_len["a"])
+    assert (a[500.0], a[2000.0], a[math.inf]) == (4.550000000000001, 6.066666666666667, 6.066666666666667)
+    assert dict(e.gen_len["b"])[50.0] == 0.75 and dict(e.gen_len["b"])[math.inf] == 1.0
+    assert e.prompt_len_moments is not None and e.gen_len_moments is not None
+    assert dict(e.prompt_len_moments) == {"a": (4550.000000000001, 6.066666666666666), "b": (750.0, 1.0)}
+    assert dict(e.gen_len_moments) == {"a": (788.6666666666667, 6.066666666666666), "b": (130.0, 1.0)}
+    # completions and latencies per replica over the rate window (r2's jump before it)
+    assert [(r, s.done_rps) for r, s in e.replicas.items()] == [("r1", 4.0), ("r2", 2.0), ("r3", 1.0)]
+    r2 = e.replicas["r2"]
+    assert (dict(r2.ttft)[0.04], dict(r2.ttft)[0.25], dict(r2.tpot)[0.075], dict(r2.tpot)[math.inf]) == (
+        1.5, 2.0, 1.5, 2.0)
+    assert (r2.ttft_moments, r2.tpot_moments) == ((0.195, 2.0), (0.05499999999999999, 2.0))
+    assert e.replicas["r3"].ttft_moments == (0.09750000000000002, 1.0)
