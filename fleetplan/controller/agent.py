@@ -242,6 +242,7 @@ class Agent(EngineCache, Builds, ReplicaSupervisor):
                 tp=r.tp, precision=r.precision, gpu_indices=r.gpu_indices, port=r.port, state=inst.state,
                 since_s=inst.since_s, pid=inst.handle.pid if inst.handle else None,
                 unit=inst.handle.unit if inst.handle else None, error=inst.error, restarts=inst.restarts,
+                role=r.role,
             ))
         builds = []
         for b in sorted(self.builds.values(), key=lambda x: x.build.build_id):

@@ -29,7 +29,7 @@ def retained_replica(d: Any) -> ReportedReplica:
     """A replica a retained desired state names (what this controller once asked for)."""
     return ReportedReplica(d.replica_id, ReplicaState.STARTING, d.model, d.engine.value,
                            d.gpu.value if d.gpu is not None else None, d.tp, d.precision.value,
-                           tuple(d.gpu_indices), d.port, d.template)
+                           tuple(d.gpu_indices), d.port, d.template, role=d.role.value)
 
 
 def host_report(st: HostStatus, offline_since_s: float | None = None) -> HostReport:
@@ -40,7 +40,8 @@ def host_report(st: HostStatus, offline_since_s: float | None = None) -> HostRep
         tuple(st.templates), tuple(st.build_templates),
         tuple(ReportedReplica(r.replica_id, ReplicaState(r.state.value), r.model, r.engine.value,
                               r.gpu.value if r.gpu is not None else None, r.tp, r.precision.value,
-                              tuple(r.gpu_indices), r.port, r.template, r.since_s) for r in st.replicas),
+                              tuple(r.gpu_indices), r.port, r.template, r.since_s, r.role.value)
+              for r in st.replicas),
         tuple(ReportedBuild(b.build_id, BuildState(b.state.value), tuple(b.gpu_indices), b.error)
               for b in st.builds),
         offline_since_s,

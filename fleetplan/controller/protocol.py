@@ -50,7 +50,7 @@ from fleetplan.models.names import (
     parse_gpu,
     parse_precision,
 )
-from fleetplan.models.profile import ConfigKey
+from fleetplan.models.profile import ConfigKey, Role
 from fleetplan.planner.agent_rules import (
     AgentLimits,
     WantedBuild,
@@ -181,6 +181,9 @@ class DesiredReplica(_EngineConfigMixin):
     precision: Precision
     gpu_indices: tuple[GpuIndex, ...] = Field(max_length=64)
     port: Port
+    # one pool of a disaggregated model (its template carries the engine's flags); an aggregated
+    # replica's message leaves it out, so peers that predate roles read it unchanged
+    role: Role = Field(default=Role.AGGREGATED, exclude_if=lambda r: r is Role.AGGREGATED)
 
     @model_validator(mode="after")
     def _consistent(self) -> DesiredReplica:
@@ -223,7 +226,7 @@ class DesiredState(_Strict):
 
 def _wanted(desired: DesiredState) -> tuple[list[WantedReplica], list[WantedBuild]]:
     """The desired state as the agent rules read it (planner/agent_rules.py)."""
-    return ([WantedReplica(r.replica_id, r.template, ConfigKey(r.model, r.engine, r.gpu, r.tp, r.precision),
+    return ([WantedReplica(r.replica_id, r.template, ConfigKey(r.model, r.engine, r.gpu, r.tp, r.precision, r.role),
                            tuple(r.gpu_indices), r.port) for r in desired.replicas],
             [WantedBuild(b.build_id, b.template, ConfigKey(b.model, b.engine, b.gpu, b.tp, b.precision),
                          tuple(b.gpu_indices)) for b in desired.builds])
@@ -260,6 +263,7 @@ class ReplicaStatus(_Strict):
     unit: Name | None = None  # systemd actuator, e.g. fleetplan-engine@r1.service
     error: Text | None = None
     restarts: Count = 0
+    role: Role = Field(default=Role.AGGREGATED, exclude_if=lambda r: r is Role.AGGREGATED)
 
 
 class BuildStatus(_Strict):

@@ -110,11 +110,11 @@ class StateStore(StoreDesired):
     def insert_replica(self, conn: sqlite3.Connection, row: ReplicaRow) -> None:
         conn.execute(
             "INSERT INTO replicas(replica_id, host, model, engine, gpu, tp, precision, gpu_indices, port, "
-            "template, phase, origin, created_s, updated_s, drain_started_s, ready_s) "
-            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            "template, phase, origin, created_s, updated_s, drain_started_s, ready_s, role) "
+            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (row.replica_id, row.host, row.model, row.engine, row.gpu, row.tp, row.precision,
              json.dumps(list(row.gpu_indices)), row.port, row.template, row.phase, row.origin,
-             row.created_s, row.updated_s, row.drain_started_s, row.ready_s),
+             row.created_s, row.updated_s, row.drain_started_s, row.ready_s, row.role),
         )
 
     def put_replica(self, conn: sqlite3.Connection, row: ReplicaRow) -> None:

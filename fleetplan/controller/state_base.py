@@ -40,7 +40,8 @@ CREATE TABLE IF NOT EXISTS replicas (
     created_s REAL NOT NULL,
     updated_s REAL NOT NULL,
     drain_started_s REAL,
-    ready_s REAL
+    ready_s REAL,
+    role TEXT NOT NULL DEFAULT 'aggregated'
 );
 CREATE INDEX IF NOT EXISTS replicas_phase ON replicas(phase, host);
 CREATE TABLE IF NOT EXISTS builds (
@@ -148,7 +149,7 @@ def replica_row(r: sqlite3.Row) -> ReplicaRow:
         tp=int(r["tp"]), precision=r["precision"], gpu_indices=tuple(json.loads(r["gpu_indices"])),
         port=int(r["port"]), template=r["template"], phase=r["phase"], origin=r["origin"],
         created_s=r["created_s"], updated_s=r["updated_s"], drain_started_s=r["drain_started_s"],
-        ready_s=r["ready_s"],
+        ready_s=r["ready_s"], role=r["role"],
     )
 
 
@@ -184,6 +185,9 @@ class StoreBase:
         self._db.executescript(_SCHEMA)
         if "repeats" not in {r[1] for r in self._db.execute("PRAGMA table_info(actions)").fetchall()}:
             self._db.execute("ALTER TABLE actions ADD COLUMN repeats INTEGER NOT NULL DEFAULT 1")
+        if "role" not in {r[1] for r in self._db.execute("PRAGMA table_info(replicas)").fetchall()}:
+            # a database written before roles: every replica it holds serves whole requests
+            self._db.execute("ALTER TABLE replicas ADD COLUMN role TEXT NOT NULL DEFAULT 'aggregated'")
         with self.tx() as c:
             c.execute("INSERT OR IGNORE INTO kv(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
 

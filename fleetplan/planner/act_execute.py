@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 
+from fleetplan.models.config_key import Role
 from fleetplan.planner.act_types import (
     ActDecision,
     ActionStatus,
@@ -40,12 +41,20 @@ from fleetplan.planner.placement import first_free
 from fleetplan.planner.types import Action, ActionKind, ReplicaState
 
 
-def template_for(view: ActView, engine: str, *, build: bool = False) -> str:
+def template_for(view: ActView, engine: str, *, build: bool = False, role: Role = Role.AGGREGATED) -> str:
     """The agent template for `engine`: the policy's choice (`engines.<engine>.agent_template` /
-    `agent_build_template`), else the engine's name, else "<engine>-build" for a build."""
+    `agent_build_template`), else the engine's name, else "<engine>-build" for a build; a pool of a
+    disaggregated model runs "<that template>-<role>" (e.g. vllm-prefill, vllm-decode: the agent's
+    templates carry the engine's own disaggregation flags).
+
+    >>> view = ActView(now_s=0.0, hosts={}, replicas=(), builds=(), desired={}, known_ids=frozenset())
+    >>> template_for(view, "vllm"), template_for(view, "vllm", role=Role.DECODE)
+    ('vllm', 'vllm-decode')
+    """
     if build:
         return view.settings.build_templates.get(engine, f"{engine}-build")
-    return view.settings.launch_templates.get(engine, engine)
+    base = view.settings.launch_templates.get(engine, engine)
+    return base if role is Role.AGGREGATED else f"{base}-{role.value}"
 
 
 def _unoffered(view: ActView, host: str, template: str, *, build: bool = False) -> str | None:
@@ -307,13 +316,13 @@ def _start(view: ActView, a: Action, rows: Sequence[ReplicaRow]) -> NewReplica |
     if port is None:
         return _deferred(a, DeferCause.NO_PORT, f"no free port in {lo}-{hi} on {where}")
     c = r.config
-    template = template_for(view, c.engine.value)
+    template = template_for(view, c.engine.value, role=c.role)
     why_not = _unoffered(view, where, template)
     if why_not is not None:
         return _deferred(a, DeferCause.UNOFFERED, why_not)
     row = ReplicaRow("", where, c.model, c.engine.value, c.gpu.value, c.tp, c.precision.value,
                      gpus, port, template, Phase.DESIRED,
-                     "planned", view.now_s, view.now_s, None, None)
+                     "planned", view.now_s, view.now_s, None, None, c.role.value)
     return NewReplica(row, Note("start", ActionStatus.PUBLISHED, a.reason,
                                 f"{where} port {port}, GPUs {list(gpus)}{moved}", "", where, c.model))
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from fleetplan.models.config_key import Role
 from fleetplan.planner.act_execute import template_for
 from fleetplan.planner.act_types import (
     ActDecision,
@@ -111,8 +112,9 @@ def adopt(view: ActView) -> ActDecision:
             key = AlertKey(AlertKind.ORPHAN, rs.replica_id)
             asked = next((d for d in view.retained.get(host.name, ()) if d.replica_id == rs.replica_id), None)
             if asked is None or (asked.model, asked.engine, asked.tp, asked.precision, asked.gpu_indices,
-                                 asked.port) != (rs.model, rs.engine, rs.tp, rs.precision, rs.gpu_indices,
-                                                 rs.port) or (rs.gpu is not None and rs.gpu != asked.gpu):
+                                 asked.port, asked.role) != (rs.model, rs.engine, rs.tp, rs.precision,
+                                                             rs.gpu_indices, rs.port, rs.role) or (
+                    rs.gpu is not None and rs.gpu != asked.gpu):
                 alerts[key] = (
                     f"unknown replica {rs.replica_id} reported by {host.name} matches no desired state this "
                     "controller published; not adopted (not routed, not counted)"
@@ -127,8 +129,9 @@ def adopt(view: ActView) -> ActDecision:
                 continue
             row = ReplicaRow(
                 rs.replica_id, host.name, rs.model, rs.engine, rs.gpu or host.gpu or "", rs.tp, rs.precision,
-                rs.gpu_indices, rs.port, rs.template or template_for(view, rs.engine), Phase.DESIRED,
-                "adopted", view.now_s, view.now_s, None, view.now_s if rs.state == ReplicaState.READY else None,
+                rs.gpu_indices, rs.port, rs.template or template_for(view, rs.engine, role=Role(rs.role)),
+                Phase.DESIRED, "adopted", view.now_s, view.now_s, None,
+                view.now_s if rs.state == ReplicaState.READY else None, rs.role,
             )
             effects.append(NewReplica(row, Note("adopt", ActionStatus.DONE,
                                                 "running engine unknown to the controller: adopted",

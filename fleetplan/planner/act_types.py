@@ -12,6 +12,7 @@ from enum import StrEnum
 from functools import cached_property
 from typing import Any
 
+from fleetplan.models.config_key import Role
 from fleetplan.models.names import parse_engine, parse_gpu, parse_precision
 from fleetplan.planner.host_grace import within_grace
 from fleetplan.planner.types import ConfigKey, ReplicaState
@@ -124,6 +125,7 @@ class ReplicaRow:
     updated_s: float
     drain_started_s: float | None
     ready_s: float | None
+    role: str = Role.AGGREGATED.value  # what it serves: whole requests, or one pool of a disaggregated model
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -134,11 +136,12 @@ class ReplicaRow:
     def config(self) -> ConfigKey:
         """The configuration (the row keeps its fields as the state store's strings)."""
         return ConfigKey(self.model, parse_engine(self.engine), parse_gpu(self.gpu), self.tp,
-                         parse_precision(self.precision))
+                         parse_precision(self.precision), Role(self.role))
 
     def desired_entry(self) -> dict[str, Any]:
-        """The entry of this replica in its host's desired state (controller/protocol.py)."""
-        return {
+        """The entry of this replica in its host's desired state (controller/protocol.py); a pool's
+        replica names its role (an aggregated one does not: agents that predate roles accept it)."""
+        d: dict[str, Any] = {
             "replica_id": self.replica_id,
             "template": self.template,
             "model": self.model,
@@ -149,6 +152,9 @@ class ReplicaRow:
             "gpu_indices": list(self.gpu_indices),
             "port": self.port,
         }
+        if self.role != Role.AGGREGATED.value:
+            d["role"] = self.role
+        return d
 
 
 @dataclass(frozen=True)
@@ -216,6 +222,7 @@ class ReportedReplica:
     port: int
     template: str | None = None
     since_s: float | None = None  # in this state since (the agent's clock; None: not reported)
+    role: str = Role.AGGREGATED.value
 
 
 @dataclass(frozen=True)
