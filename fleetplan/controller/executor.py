@@ -33,12 +33,13 @@ from typing import Any
 from fleetplan.controller.hosts import HostBook, retained_replica
 from fleetplan.controller.link import MqttLink
 from fleetplan.controller.metrics import ControllerMetrics
-from fleetplan.controller.observe import _RUNNING, _WAITING, PromClient, PrometheusError
+from fleetplan.controller.observe import _RUNNING, _WAITING, ROLE_LABEL, PromClient, PrometheusError
 from fleetplan.controller.policy_source import PolicySource
 from fleetplan.controller.protocol import desired_topic
 from fleetplan.controller.settings import ControllerSettings
 from fleetplan.controller.state import Phase, ReplicaRow, StateStore
 from fleetplan.controller.state_retention import DAY_S, RetentionRules, prune_step
+from fleetplan.models.config_key import Role
 from fleetplan.planner import act, act_port, records
 from fleetplan.planner.act import ActDecision, ActSettings, ActView
 from fleetplan.planner.act_types import AlertKey, AlertKind, DeferKey, Deferral, Repeat
@@ -181,7 +182,10 @@ class Executor:
         by_id = {row.replica_id: row for row in rows}
         endpoints = {m: [self.endpoint(by_id[rid]) for rid in ids] for m, ids in decided.serving.items()}
         routed = {rid for ids in decided.serving.values() for rid in ids}
-        targets = [ScrapeTarget(self.endpoint(row), row.model, row.engine, row.host, row.replica_id)
+        # a pool replica's target carries its role, so the per-model queries count each request once
+        # (controller/observe.py ROLE_LABEL); an aggregated one's labels are as before roles
+        targets = [ScrapeTarget(self.endpoint(row), row.model, row.engine, row.host, row.replica_id,
+                                extra_labels=() if row.role == Role.AGGREGATED.value else ((ROLE_LABEL, row.role),))
                    for row in (by_id[rid] for rid in decided.scraped)]
         r = self.settings.routing
         try:

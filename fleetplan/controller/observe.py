@@ -56,6 +56,7 @@ from fleetplan.planner.queries import (
     EngineHistogram,
     EvidenceQuery,
     HistogramRate,
+    Leg,
     Part,
     Quantile,
     Rate,
@@ -114,6 +115,11 @@ _SERIES = {EngineSeries.REQUESTS_DONE: _REQ_SUCCESS, EngineSeries.RUNNING: _RUNN
            EngineSeries.KV_USAGE: _KV_USAGE, EngineSeries.PREFIX_QUERIES: _PREFIX_QUERIES,
            EngineSeries.PREFIX_HITS: _PREFIX_HITS}
 # a histogram's bucket series, the preferred name first (`or`: one name per series in the vector)
+# a per-model query's targets (planner/queries.py `Leg`): pool replicas carry a `role` label, targets
+# without one serve whole requests (an absent label matches `!=`)
+ROLE_LABEL = "role"
+_LEG_MATCHER = {Leg.ALL: "", Leg.ENTRY: f',{ROLE_LABEL}!="decode"', Leg.EXIT: f',{ROLE_LABEL}!="prefill"'}
+
 _HISTOGRAMS = {EngineHistogram.TTFT: (_TTFT_BUCKET,), EngineHistogram.ITL: (_ITL_BUCKET, _ITL_BUCKET_OLD),
                EngineHistogram.TPOT: (_TPOT_REQ_BUCKET,), EngineHistogram.PROMPT_LEN: (_PROMPT_LEN_BUCKET,),
                EngineHistogram.GEN_LEN: (_GEN_LEN_BUCKET,)}
@@ -280,9 +286,9 @@ class Observer:
     _prom_clock: clockstep.ClockWatch = field(default_factory=clockstep.ClockWatch)
     prom_clock: clockstep.ClockVerdict = field(default_factory=clockstep.ClockVerdict)  # the last fetch's
 
-    def _sel(self, name_re: str) -> str:
+    def _sel(self, name_re: str, leg: Leg = Leg.ALL) -> str:
         extra = f",{self.config.extra_selector}" if self.config.extra_selector else ""
-        return f'{{__name__=~"{name_re}"{extra}}}'
+        return f'{{__name__=~"{name_re}"{_LEG_MATCHER[leg]}{extra}}}'
 
     def _by(self, *more: str) -> str:
         return ", ".join((*self.config.model_labels, *more))
@@ -308,22 +314,26 @@ class Observer:
         'avg by (model) ({__name__=~"KV"})'
         >>> o.render(Rate(EngineSeries.GEN_TOKENS, By.REPLICA)).replace(_GEN_TOK, "GEN")
         'sum by (replica) (rate({__name__=~"GEN"}[60s]))'
-        >>> o.render(HistogramRate(EngineHistogram.GEN_LEN, Part.SUM, window=Window.LENGTH))
-        'sum by (model) (rate({__name__=~"vllm[:_]request_generation_tokens_sum"}[600s]))'
+        >>> o.render(HistogramRate(EngineHistogram.GEN_LEN, Part.SUM, window=Window.LENGTH, leg=Leg.EXIT))
+        'sum by (model) (rate({__name__=~"vllm[:_]request_generation_tokens_sum",role!="prefill"}[600s]))'
         """
         if isinstance(d, Arrivals):  # per replica: the model's labels kept besides
-            return self._arrival_rate_query(d.rule, *((REPLICA_LABEL,) if d.by is By.REPLICA else ()))
+            if d.by is By.REPLICA:
+                return self._arrival_rate_query(d.rule, REPLICA_LABEL)
+            return self._arrival_rate_query(d.rule, leg=d.leg)
         if isinstance(d, Quantile):
-            return f"histogram_quantile({d.q:g}, {self.render(HistogramRate(d.histogram))})"
+            return f"histogram_quantile({d.q:g}, {self.render(HistogramRate(d.histogram, leg=d.leg))})"
+        leg = d.leg if d.by is By.MODEL else Leg.ALL  # a per-target query reads every target
         if isinstance(d, HistogramRate):  # `or`: one histogram name per series (rate() drops the name)
             le = ("le",) if d.part is Part.BUCKET else ()
             by = self._by(*le) if d.by is By.MODEL else ", ".join((REPLICA_LABEL, *le))
-            return " or ".join(f"sum by ({by}) (rate({self._sel(_part_of(b, d.part))}[{self._window(d.window)}]))"
-                               for b in _HISTOGRAMS[d.histogram])
+            return " or ".join(
+                f"sum by ({by}) (rate({self._sel(_part_of(b, d.part), leg)}[{self._window(d.window)}]))"
+                for b in _HISTOGRAMS[d.histogram])
         by = self._by() if d.by is By.MODEL else REPLICA_LABEL
         if isinstance(d, Rate):
-            return f"sum by ({by}) (rate({self._sel(_SERIES[d.series])}[{self._window(d.window)}]))"
-        return f"{d.agg.value} by ({by}) ({self._sel(_SERIES[d.series])})"
+            return f"sum by ({by}) (rate({self._sel(_SERIES[d.series], leg)}[{self._window(d.window)}]))"
+        return f"{d.agg.value} by ({by}) ({self._sel(_SERIES[d.series], leg)})"
 
     def queries(self) -> dict[Query, str]:
         w = self._window()
@@ -331,7 +341,7 @@ class Observer:
         q: dict[Query, str] = {name: self.render(d) for name, d in QUERIES.items()}
         # bursts (planner/core.py burst floor): the highest completion rate over short sub-windows
         pw = max(1, round(self.config.peak_window_s))
-        q[Query.PEAK_RATE] = (f"max_over_time((sum by ({by}) (rate({self._sel(_REQ_SUCCESS)}[{pw}s])))"
+        q[Query.PEAK_RATE] = (f"max_over_time((sum by ({by}) (rate({self._sel(_REQ_SUCCESS, Leg.ENTRY)}[{pw}s])))"
                               f"[{w}:{max(1, pw // 2)}s])")
         extra = f",{self.config.extra_selector}" if self.config.extra_selector else ""
         up = f'up{{{REPLICA_LABEL}!=""{extra}}}'
@@ -389,21 +399,21 @@ class Observer:
             await asyncio.gather(*tasks.values(), return_exceptions=True)
         return {n: t.result() for n, t in tasks.items()}
 
-    def _arrival_rate_query(self, rule: ArrivalRate, *more: str) -> str:
+    def _arrival_rate_query(self, rule: ArrivalRate, *more: str, leg: Leg = Leg.ALL) -> str:
         """Arrivals (planner/arrivals.py: completions + growth of the requests in the engine) as
         PromQL; a model whose queue gauges are missing falls back to the completion rate. `more`:
-        labels to keep besides the model's (per replica: `replica`).
+        labels to keep besides the model's (per replica: `replica`); `leg`: the targets read.
         """
         w, by = self._window(), self._by(*more)
-        done = f"sum by ({by}) (rate({self._sel(_SERIES[rule.completions])}[{w}]))"
+        done = f"sum by ({by}) (rate({self._sel(_SERIES[rule.completions], leg)}[{w}]))"
         # one deriv() per gauge: deriv drops the name, and two names in one vector would clash
-        growth = " + ".join(f"sum by ({by}) (deriv({self._sel(_SERIES[g])}[{w}]))" for g in rule.in_engine)
+        growth = " + ".join(f"sum by ({by}) (deriv({self._sel(_SERIES[g], leg)}[{w}]))" for g in rule.in_engine)
         return f"clamp_min({done} + {growth}, {rule.floor_rps:g}) or {done}"
 
     def history_query(self) -> str:
         # the rate window covers the whole step, so no request between two history points is lost
         w = f"{max(1, round(max(self.config.window_s, self.config.history_step_s)))}s"
-        return f"sum by ({self._by()}) (rate({self._sel(_REQ_SUCCESS)}[{w}]))"
+        return f"sum by ({self._by()}) (rate({self._sel(_REQ_SUCCESS, Leg.ENTRY)}[{w}]))"
 
     async def fetch(self, *, with_history: bool = True, deadline: float | None = None) -> Readings:
         """Every query of one observation, evaluated at Prometheus's own time (its `time()`: a step

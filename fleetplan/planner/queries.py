@@ -12,7 +12,11 @@ A description is one of:
   requests in the engine;
 - `Quantile(q, histogram)`: `histogram_quantile(q, sum by (model, le) (rate(bucket[window])))`.
 
-`by` is the model (its labels) or the scrape target (`replica`). The queries not described here
+`by` is the model (its labels) or the scrape target (`replica`). A per-model query reads the
+targets of a `Leg`: all of them, or where requests enter (aggregated replicas and a disaggregated
+model's prefill pool: arrivals, prompts) or leave (aggregated and decode replicas: outputs, token
+gaps), so a request served by two pools is counted once (the targets' `role` label, written for
+pool replicas only). The queries not described here
 read the scrape targets themselves (`up`, the window's coverage, when the counters started) or a
 range (bursts, the history): observe.py writes their PromQL and promsim.py computes them.
 
@@ -23,12 +27,12 @@ window is the rate window or the length mix's longer one (`Window`). `evidence_o
 answers, keyed by the same enum, into the `Evidence` both worlds hand the decision path.
 
 >>> QUERIES[Query.KV]
-Latest(series=<EngineSeries.KV_USAGE: 'kv'>, by=<By.MODEL: 'model'>, agg=<Agg.AVG: 'avg'>)
+Latest(series=<EngineSeries.KV_USAGE: 'kv'>, by=<By.MODEL: 'model'>, agg=<Agg.AVG: 'avg'>, leg=<Leg.ALL: 'all'>)
 >>> sorted(q.value for q, d in QUERIES.items() if isinstance(d, Quantile))
 ['itl_p50', 'itl_p99', 'ttft_p50', 'ttft_p99']
 >>> EVIDENCE_QUERIES[EvidenceQuery.PROMPT_LEN]
 HistogramRate(histogram=<EngineHistogram.PROMPT_LEN: 'prompt_len'>, part=<Part.BUCKET: 'bucket'>, \
-by=<By.MODEL: 'model'>, window=<Window.LENGTH: 'length'>)
+by=<By.MODEL: 'model'>, window=<Window.LENGTH: 'length'>, leg=<Leg.ENTRY: 'entry'>)
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from fleetplan.planner.arrivals import ARRIVALS, ArrivalRate, EngineSeries
 from fleetplan.planner.observation import Query, Sample
 
 __all__ = ["EVIDENCE_QUERIES", "QUERIES", "Agg", "Arrivals", "By", "Description", "EngineHistogram",
-           "EvidenceDescription", "EvidenceQuery", "HistogramRate", "Latest", "Part", "Quantile", "Rate", "Window",
+           "EvidenceDescription", "EvidenceQuery", "HistogramRate", "Latest", "Leg", "Part", "Quantile", "Rate", "Window",
            "evidence_of"]
 
 
@@ -59,6 +63,27 @@ class Agg(Enum):
 
     SUM = "sum"
     AVG = "avg"
+
+
+class Leg(Enum):
+    """Which of a model's scrape targets a per-model query reads (their `role` label)."""
+
+    ALL = "all"
+    ENTRY = "entry"  # where requests enter: aggregated replicas and prefill pools (role != decode)
+    EXIT = "exit"  # where they leave: aggregated replicas and decode pools (role != prefill)
+
+    def counts(self, role: str) -> bool:
+        """Whether a target of `role` (its label; "" or "aggregated" when it serves whole requests)
+        is read.
+
+        >>> Leg.ENTRY.counts("prefill"), Leg.ENTRY.counts("decode"), Leg.EXIT.counts("")
+        (True, False, True)
+        """
+        if self is Leg.ENTRY:
+            return role != "decode"
+        if self is Leg.EXIT:
+            return role != "prefill"
+        return True
 
 
 class Window(Enum):
@@ -93,6 +118,7 @@ class Latest:
     series: EngineSeries
     by: By = By.MODEL
     agg: Agg = Agg.SUM
+    leg: Leg = Leg.ALL
 
 
 @dataclass(frozen=True)
@@ -102,6 +128,7 @@ class Rate:
     series: EngineSeries
     by: By = By.MODEL
     window: Window = Window.RATE
+    leg: Leg = Leg.ALL
 
 
 @dataclass(frozen=True)
@@ -110,6 +137,7 @@ class Arrivals:
 
     by: By = By.MODEL
     rule: ArrivalRate = ARRIVALS
+    leg: Leg = Leg.ENTRY
 
 
 @dataclass(frozen=True)
@@ -118,6 +146,7 @@ class Quantile:
 
     q: float
     histogram: EngineHistogram
+    leg: Leg = Leg.ALL
 
 
 @dataclass(frozen=True)
@@ -129,6 +158,7 @@ class HistogramRate:
     part: Part = Part.BUCKET
     by: By = By.MODEL
     window: Window = Window.RATE
+    leg: Leg = Leg.ALL
 
 
 Description = Latest | Rate | Arrivals | Quantile
@@ -136,17 +166,17 @@ EvidenceDescription = Rate | HistogramRate
 
 QUERIES: Mapping[Query, Description] = MappingProxyType({
     Query.RATE: Arrivals(),
-    Query.PROMPT: Rate(EngineSeries.PROMPT_TOKENS),
-    Query.GEN: Rate(EngineSeries.GEN_TOKENS),
+    Query.PROMPT: Rate(EngineSeries.PROMPT_TOKENS, leg=Leg.ENTRY),
+    Query.GEN: Rate(EngineSeries.GEN_TOKENS, leg=Leg.EXIT),
     Query.WAITING: Latest(EngineSeries.WAITING),
     Query.RUNNING: Latest(EngineSeries.RUNNING),
     Query.KV: Latest(EngineSeries.KV_USAGE, agg=Agg.AVG),
-    Query.TTFT_P50: Quantile(0.5, EngineHistogram.TTFT),
-    Query.TTFT_P99: Quantile(0.99, EngineHistogram.TTFT),
-    Query.ITL_P50: Quantile(0.5, EngineHistogram.ITL),
-    Query.ITL_P99: Quantile(0.99, EngineHistogram.ITL),
-    Query.PREFIX_QUERIES: Rate(EngineSeries.PREFIX_QUERIES),
-    Query.PREFIX_HITS: Rate(EngineSeries.PREFIX_HITS),
+    Query.TTFT_P50: Quantile(0.5, EngineHistogram.TTFT, Leg.ENTRY),
+    Query.TTFT_P99: Quantile(0.99, EngineHistogram.TTFT, Leg.ENTRY),
+    Query.ITL_P50: Quantile(0.5, EngineHistogram.ITL, Leg.EXIT),
+    Query.ITL_P99: Quantile(0.99, EngineHistogram.ITL, Leg.EXIT),
+    Query.PREFIX_QUERIES: Rate(EngineSeries.PREFIX_QUERIES, leg=Leg.ENTRY),
+    Query.PREFIX_HITS: Rate(EngineSeries.PREFIX_HITS, leg=Leg.ENTRY),
     Query.REPLICA_RUNNING: Latest(EngineSeries.RUNNING, By.REPLICA),
     Query.REPLICA_WAITING: Latest(EngineSeries.WAITING, By.REPLICA),
     Query.REPLICA_RATE: Arrivals(By.REPLICA),
@@ -174,7 +204,8 @@ class EvidenceQuery(Enum):
 
 
 def _lengths(h: EngineHistogram, part: Part) -> HistogramRate:
-    return HistogramRate(h, part, By.MODEL, Window.LENGTH)
+    # prompts where requests enter, outputs where they leave (a prefill pool's outputs are 1 token)
+    return HistogramRate(h, part, By.MODEL, Window.LENGTH, Leg.ENTRY if h is EngineHistogram.PROMPT_LEN else Leg.EXIT)
 
 
 def _latencies(h: EngineHistogram, part: Part) -> HistogramRate:

@@ -408,3 +408,68 @@ async def test_observe_sim_engines_vllm_and_trtllm_personas(prometheus, sim_engi
             assert m.kv_usage is not None and m.queue_depth is not None
     finally:
         sd.unlink(missing_ok=True)
+
+
+def pool_text(model_name: str, gen_tokens: int, t: float) -> str:
+    """One pool of a disaggregated vLLM deployment: 2 req/s of 100-token prompts, each with
+    `gen_tokens` generated (1 on the prefill pool, the whole output on the decode pool)."""
+    n = 2.0 * t
+    lines = [
+        f'vllm:request_success_total{{model_name="{model_name}",finished_reason="length"}} {n}',
+        f'vllm:prompt_tokens_total{{model_name="{model_name}"}} {100 * n}',
+        f'vllm:generation_tokens_total{{model_name="{model_name}"}} {gen_tokens * n}',
+        f'vllm:num_requests_waiting{{model_name="{model_name}"}} 0',
+        f'vllm:num_requests_running{{model_name="{model_name}"}} 1',
+    ]
+    for le in ("1.0", "128.0", "+Inf"):
+        lines.append(f'vllm:request_prompt_tokens_bucket{{model_name="{model_name}",le="{le}"}} '
+                     f'{0 if le == "1.0" else n}')
+        lines.append(f'vllm:request_generation_tokens_bucket{{model_name="{model_name}",le="{le}"}} '
+                     f'{n if gen_tokens <= float(le) else 0}')
+    lines.append(f'vllm:request_prompt_tokens_sum{{model_name="{model_name}"}} {100 * n}')
+    lines.append(f'vllm:request_prompt_tokens_count{{model_name="{model_name}"}} {n}')
+    lines.append(f'vllm:request_generation_tokens_sum{{model_name="{model_name}"}} {gen_tokens * n}')
+    lines.append(f'vllm:request_generation_tokens_count{{model_name="{model_name}"}} {n}')
+    return "\n".join(lines) + "\n"
+
+
+async def test_a_disaggregated_models_requests_are_counted_once(tmp_path: Path) -> None:
+    """A request of a disaggregated model finishes on a prefill replica (one token) and again on a
+    decode replica: the targets' `role` labels (controller/routing.py file_sd, written by the
+    executor for pool replicas) make the model's rate and prompt lengths read where requests enter
+    and its output lengths where they leave, so 2 req/s through both pools reads 2 req/s, 20 tokens out."""
+    if not Path(PROMETHEUS).exists():
+        pytest.skip("prometheus not installed")
+    from fleetplan.controller.observe import ROLE_LABEL
+    from fleetplan.controller.routing import ScrapeTarget, write_file_sd
+
+    exps = {"r-pre": Exporter(lambda t: pool_text("pooled-8b", 1, t)),
+            "r-dec": Exporter(lambda t: pool_text("pooled-8b", 20, t))}
+    roles = {"r-pre": "prefill", "r-dec": "decode"}
+    sd = tmp_path / "targets.json"
+    write_file_sd(sd, [ScrapeTarget(f"127.0.0.1:{e.port}", "pooled-8b", "vllm", "host-a", rid,
+                                    extra_labels=((ROLE_LABEL, roles[rid]),)) for rid, e in exps.items()])
+    port = free_port()
+    cfg = tmp_path / "prometheus.yml"
+    cfg.write_text("global: {scrape_interval: 1s, evaluation_interval: 1s}\nscrape_configs:\n  - job_name: engines\n"
+                   f"    scrape_interval: 1s\n    file_sd_configs: [{{files: ['{sd}'], refresh_interval: 1s}}]\n")
+    proc = start_prometheus(cfg, tmp_path / "tsdb", port)
+    try:
+        async with PromClient(f"http://127.0.0.1:{port}") as client:
+            obs = Observer(client, ObserverConfig(window_s=5, length_window_s=5, history_s=30, history_step_s=1))
+
+            async def ready() -> bool:
+                s = await obs.snapshot(["pooled-8b"])
+                m = s.models["pooled-8b"]
+                return not m.stale and bool(m.rate_rps) and m.osl is not None and len(m.history) >= 6
+
+            await wait_for(ready, 40)
+            m = (await obs.snapshot(["pooled-8b"])).models["pooled-8b"]
+            assert m.rate_rps == pytest.approx(2.0, rel=0.15)  # not 4: the decode pool's completions are not arrivals
+            assert m.isl == pytest.approx(100, rel=0.05)
+            assert m.osl == pytest.approx(20, rel=0.05)  # not 10.5: the prefill pool's one token is not an output
+            assert m.history and m.history[-1][1] == pytest.approx(2.0, rel=0.2)
+    finally:
+        stop_prometheus(proc)
+        for e in exps.values():
+            e.stop()

@@ -83,11 +83,13 @@ def test_the_replay_evaluates_the_same_descriptions_on_its_scrapes() -> None:
 
 
 _SEL = ',job="e"}'
-# the evidence queries' PromQL as the Observer wrote it by hand before they were described
+# the evidence queries' PromQL as the Observer wrote it by hand before they were described, with the
+# per-model length queries reading prompts where requests enter and outputs where they leave
+_ENTRY, _EXIT = ',role!="decode"', ',role!="prefill"'
 _EVIDENCE_PROMQL = {
-    EvidenceQuery.PROMPT_LEN: 'sum by (model, le) (rate({__name__=~"vllm[:_]request_prompt_tokens_bucket"'
+    EvidenceQuery.PROMPT_LEN: 'sum by (model, le) (rate({__name__=~"vllm[:_]request_prompt_tokens_bucket"' + _ENTRY
                               + _SEL + '[600s]))',
-    EvidenceQuery.GEN_LEN: 'sum by (model, le) (rate({__name__=~"vllm[:_]request_generation_tokens_bucket"'
+    EvidenceQuery.GEN_LEN: 'sum by (model, le) (rate({__name__=~"vllm[:_]request_generation_tokens_bucket"' + _EXIT
                            + _SEL + '[600s]))',
     EvidenceQuery.DONE: 'sum by (replica) (rate({__name__=~"vllm[:_]request_success_total|'
                         'trtllm_request_success_total"' + _SEL + '[60s]))',
@@ -95,13 +97,13 @@ _EVIDENCE_PROMQL = {
                         'trtllm_time_to_first_token_seconds_bucket"' + _SEL + '[60s]))',
     EvidenceQuery.TPOT: 'sum by (replica, le) (rate({__name__=~"vllm[:_]request_time_per_output_token_seconds_bucket|'
                         'trtllm_time_per_output_token_seconds_bucket"' + _SEL + '[60s]))',
-    EvidenceQuery.PROMPT_SUM: 'sum by (model) (rate({__name__=~"vllm[:_]request_prompt_tokens_sum"'
+    EvidenceQuery.PROMPT_SUM: 'sum by (model) (rate({__name__=~"vllm[:_]request_prompt_tokens_sum"' + _ENTRY
                               + _SEL + '[600s]))',
-    EvidenceQuery.PROMPT_COUNT: 'sum by (model) (rate({__name__=~"vllm[:_]request_prompt_tokens_count"'
+    EvidenceQuery.PROMPT_COUNT: 'sum by (model) (rate({__name__=~"vllm[:_]request_prompt_tokens_count"' + _ENTRY
                                 + _SEL + '[600s]))',
-    EvidenceQuery.GEN_SUM: 'sum by (model) (rate({__name__=~"vllm[:_]request_generation_tokens_sum"'
+    EvidenceQuery.GEN_SUM: 'sum by (model) (rate({__name__=~"vllm[:_]request_generation_tokens_sum"' + _EXIT
                            + _SEL + '[600s]))',
-    EvidenceQuery.GEN_COUNT: 'sum by (model) (rate({__name__=~"vllm[:_]request_generation_tokens_count"'
+    EvidenceQuery.GEN_COUNT: 'sum by (model) (rate({__name__=~"vllm[:_]request_generation_tokens_count"' + _EXIT
                              + _SEL + '[600s]))',
     EvidenceQuery.TTFT_SUM: 'sum by (replica) (rate({__name__=~"vllm[:_]time_to_first_token_seconds_sum|'
                             'trtllm_time_to_first_token_seconds_sum"' + _SEL + '[60s]))',
