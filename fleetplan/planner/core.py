@@ -27,6 +27,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from fleetplan.models.config_key import Role
 from fleetplan.models.mix import mix_from_quantiles
 from fleetplan.models.names import GpuType
 from fleetplan.models.profile import ProfileSet
@@ -65,7 +66,7 @@ from fleetplan.planner.demand import (
     model_demands,
     valid_rps,
 )
-from fleetplan.planner.disagg_counts import served_rps
+from fleetplan.planner.disagg_counts import pool_load_share, served_rps
 from fleetplan.planner.disagg_plan import explain_pools, pool_capacities
 from fleetplan.planner.evidence import slo_missed_share
 from fleetplan.planner.explore import canaries
@@ -704,7 +705,8 @@ def _explain(
             n = counts[c]
             info = capacities.get(c)
             per = info.max_rps if info else 0.0
-            load = d.demand_rps * (per / cap) if cap > 0 else 0.0
+            load = d.demand_rps * (per / cap if c.role is Role.AGGREGATED
+                                   else pool_load_share(counts, per_replica, c)) if cap > 0 else 0.0
             pred = predictor(c, load) if predictor is not None and n > 0 else Predicted()
             ttft, itl = _finite(pred.ttft_p99_ms), _finite(pred.itl_p99_ms)  # JSON: no NaN/inf
             last = None

@@ -95,6 +95,29 @@ def served_rps(counts: Mapping[ConfigKey, int], capacity: Mapping[ConfigKey, flo
     return out
 
 
+def pool_load_share(counts: Mapping[ConfigKey, int], capacity: Mapping[ConfigKey, float],
+                    config: ConfigKey) -> float:
+    """The share of its model's served rate one replica of the pool config `config` carries: its
+    family's share of the model's (`served_rps`), split over the family's replicas of that role in
+    proportion to their capacity (0: nothing served).
+
+    >>> from dataclasses import replace
+    >>> a = ConfigKey("m", Engine.VLLM, GpuType.H100, 1, Precision.BF16)
+    >>> p, d = replace(a, role=Role.PREFILL), replace(a, role=Role.DECODE)
+    >>> counts, caps = {a: 2, p: 3, d: 1}, {a: 1.5, p: 4.0, d: 10.0}
+    >>> round(pool_load_share(counts, caps, p), 4), round(pool_load_share(counts, caps, d), 4)
+    (0.2564, 0.7692)
+    """
+    fam = family_of(config)
+    served = served_rps(counts, capacity).get(config.model, 0.0)
+    if fam is None or not served > 0:
+        return 0.0
+    mine = {c: n for c, n in counts.items() if family_of(c) == fam}
+    side = sum(capacity.get(c, 0.0) * n for c, n in mine.items() if c.role is config.role)
+    carried = served_rps(mine, capacity).get(config.model, 0.0)
+    return carried / served * capacity.get(config, 0.0) / side if side > 0 else 0.0
+
+
 def family_rates(fams: Sequence[Family], caps: Sequence[float], n: Sequence[float]) -> list[float]:
     """Per family the rate counts `n` let it carry (the smaller pool's capacity): a feasible r_f."""
     return [min(sum(caps[i] * n[i] for i in f.prefill), sum(caps[i] * n[i] for i in f.decode)) for f in fams]
