@@ -185,3 +185,14 @@ def test_the_pools_each_take_their_cheapest_tp_and_may_share_the_rate_with_aggre
                              policy(models=(MODEL,), tps={MODEL: [1]}, model_extra={MODEL: {**RAG, **ALLOW}}),
                              {key(MODEL): CapacityInfo(2.0, "itl")}, PlannerState.initial(), NOW)
     assert set(_roles(r)) == {Role.AGGREGATED}
+
+
+def test_pool_replicas_and_their_state_keep_their_role_through_the_stored_documents() -> None:
+    from fleetplan.planner.serde import fleet_from_dict, fleet_to_dict, state_from_dict, state_to_dict
+    r = _plan({**RAG, **ALLOW}, rate=35.0)
+    fleet = Fleet(hosts(2), r.plan.replicas)
+    back, _ = fleet_from_dict(fleet_to_dict(fleet))
+    assert [x.config for x in back.replicas] == [x.config for x in r.plan.replicas]
+    pre = next(x.config for x in r.plan.replicas if x.config.role is Role.PREFILL)
+    state = replace(PlannerState.initial(), surplus_since_s=((pre.profile_key(), NOW), (pre, NOW)))
+    assert state_from_dict(state_to_dict(state)).surplus_since_s == state.surplus_since_s
