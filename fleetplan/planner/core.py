@@ -67,7 +67,7 @@ from fleetplan.planner.demand import (
     valid_rps,
 )
 from fleetplan.planner.disagg_counts import pool_load_share, served_rps
-from fleetplan.planner.disagg_plan import explain_pools, pool_capacities
+from fleetplan.planner.disagg_plan import explain_pools, pool_capacities, prefer_pools
 from fleetplan.planner.evidence import slo_missed_share
 from fleetplan.planner.explore import canaries
 from fleetplan.planner.lengths import held_note, hold_lengths
@@ -462,6 +462,8 @@ def plan_with_capacities(
     gpus = {h.gpu for h in usable}
     demands, bursts = model_demands(observation, policy, now_s, state)
     ready = _ready_configs(policy, fleet)
+    if pools:  # where a model's pools reach its SLO, its aggregated configs that cannot serve no demand
+        capacities = prefer_pools(capacities, pools)
     with_pools = {**capacities, **pools} if pools else capacities
     if pools:  # a pool runs its configuration's engine: built when the aggregated one is
         ready = ready | {c for c in pools if c.profile_key() in ready}
@@ -501,7 +503,7 @@ def plan_with_capacities(
         notes.append("no usable hosts: every host is offline or drained")
     # one pass over the capacity table (per-model scans of it cost 0.5 s at 500 models, bench/solve_scale.py)
     rps_by_model: dict[str, list[float]] = {}
-    for c, i in capacities.items():
+    for c, i in with_pools.items():
         rps_by_model.setdefault(c.model, []).append(i.max_rps)
     unknown = {m.name for m in policy.models
                if m.name in rps_by_model and all(r <= UNKNOWN_CAPACITY_RPS for r in rps_by_model[m.name])}

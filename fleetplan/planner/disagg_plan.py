@@ -47,7 +47,7 @@ from fleetplan.planner.disagg_choice import (
     choose_serving,
     explain_lines,
 )
-from fleetplan.planner.disagg_counts import served_rps
+from fleetplan.planner.disagg_counts import families, served_rps
 from fleetplan.planner.disagg_fleet import ModelServing, choose_for_model
 from fleetplan.planner.policy import ModelPolicy, Policy
 from fleetplan.planner.types import ConfigCount, ConfigKey, ModelExplanation, ModelPools
@@ -126,7 +126,19 @@ def pool_capacities(policy: Policy, profiles: Mapping[ConfigKey, PerfProfile], w
                 continue  # out of its target's reach for this mix (or nothing to decode): no candidate
             out[replace(key, role=role)] = CapacityInfo(pool.max_rps, pool.binding, (), prof.source == "roofline",
                                                         fitted.max_rps, note, why)
-    return out
+    complete = {k for f in families(sorted(out)) for k in (*f.prefill, *f.decode)}
+    return {k: v for i, (k, v) in enumerate(sorted(out.items())) if i in complete}  # a pool alone serves nothing
+
+
+def prefer_pools(table: Mapping[ConfigKey, CapacityInfo],
+                 pools: Mapping[ConfigKey, CapacityInfo]) -> dict[ConfigKey, CapacityInfo]:
+    """`table` with the aggregated configs that cannot reach their model's p99 targets for its mix
+    (a floor share) left without capacity (min_replicas only) where the model has a family of pools
+    (a prefill and a decode pool), which reach theirs (`pool_capacities` keeps no other), as `capacity._prefer_reachable` does between
+    aggregated configs: the plan buys the pools that meet the SLO rather than replicas that miss it."""
+    served = {f.key.model for f in families(sorted(pools))}
+    return {k: replace(v, max_rps=0.0) if v.floor_share is not None and k.model in served else v
+            for k, v in table.items()}
 
 
 def _serving(policy: Policy, m: ModelPolicy, profiles: Mapping[ConfigKey, PerfProfile], w: MixedWorkload,

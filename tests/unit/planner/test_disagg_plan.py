@@ -196,3 +196,25 @@ def test_pool_replicas_and_their_state_keep_their_role_through_the_stored_docume
     pre = next(x.config for x in r.plan.replicas if x.config.role is Role.PREFILL)
     state = replace(PlannerState.initial(), surplus_since_s=((pre.profile_key(), NOW), (pre, NOW)))
     assert state_from_dict(state_to_dict(state)).surplus_since_s == state.surplus_since_s
+
+
+def test_pools_that_reach_the_slo_take_the_demand_from_aggregated_configs_that_cannot() -> None:
+    # the aggregated replica meets the targets for 90% of the requests even idle (sized from that
+    # floor: 1 rps); the pools reach theirs: the plan buys pools, the aggregated config serves no demand
+    pol = policy(models=(MODEL,), tps={MODEL: [1]}, model_extra={MODEL: {**RAG, **ALLOW}})
+    obs = Observation({MODEL: ModelObservation(MODEL, 10.0, 4096.0, 32.0)})
+    agg = key(MODEL)
+    table = {agg: CapacityInfo(1.0, "itl", floor_share=0.9)}
+    pools = {replace(agg, role=Role.PREFILL): CapacityInfo(4.0, "ttft"),
+             replace(agg, role=Role.DECODE): CapacityInfo(40.0, "itl")}
+    alone = plan_with_capacities(obs, Fleet(hosts(2)), pol, table, PlannerState.initial(), NOW)
+    assert _roles(alone) == {Role.AGGREGATED: 10}
+    r = plan_with_capacities(obs, Fleet(hosts(2)), pol, table, PlannerState.initial(), NOW, pools=pools)
+    assert _roles(r) == {Role.PREFILL: 3, Role.DECODE: 1}
+    me = r.explanation.models[0]
+    assert me.unmet_rps == 0.0 and me.capacity_rps == pytest.approx(12.0)
+    assert not any("no allowed config meets the SLO" in n for n in me.notes)
+    # a prefill pool without a decode pool is no family: the aggregated replicas keep the demand
+    half = plan_with_capacities(obs, Fleet(hosts(2)), pol, table, PlannerState.initial(), NOW,
+                                pools={k: v for k, v in pools.items() if k.role is Role.PREFILL})
+    assert Role.AGGREGATED in _roles(half)
