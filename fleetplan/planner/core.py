@@ -27,6 +27,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from fleetplan.models.config_key import Role
 from fleetplan.models.mix import mix_from_quantiles
 from fleetplan.models.names import GpuType
 from fleetplan.models.profile import ProfileSet
@@ -65,6 +66,8 @@ from fleetplan.planner.demand import (
     model_demands,
     valid_rps,
 )
+from fleetplan.planner.disagg_counts import pool_load_share, served_rps
+from fleetplan.planner.disagg_plan import explain_pools, pool_capacities, prefer_pools
 from fleetplan.planner.evidence import slo_missed_share
 from fleetplan.planner.explore import canaries
 from fleetplan.planner.lengths import held_note, hold_lengths
@@ -185,6 +188,7 @@ def plan(
                                      canonical_observations(observation, policy), chosen, workloads, extrap,
                                      now_s, {m.name: (m.slo.ttft_p99_ms, m.slo.itl_p99_ms) for m in policy.models})
     speeds = applied_speeds(corrections, chosen, extrap)
+    observed_configs = {c for c, corr in corrections.items() if corr.observations > 0}
     table, predictor = capacity_table(policy, chosen, workloads, gpus, speeds=speeds,
                                       shares=planned_shares(policy, state.budget, now_s))
     for c in sorted(allowed):
@@ -197,7 +201,8 @@ def plan(
                if counterfactuals and len(policy.models) <= MANY_MODELS else None)
     state = replace(state, corrections=corrections_tuple(corrections), lengths=held)
     result = plan_with_capacities(observation, fleet, policy, table, state, now_s, predictor=predictor,
-                                  relaxed_capacities=relaxed, counterfactuals=counterfactuals)
+                                  relaxed_capacities=relaxed, counterfactuals=counterfactuals,
+                                  pools=pool_capacities(policy, chosen, workloads, speeds, observed_configs))
     means = mean_speeds(corrections)
     observed = {canonical(name) for name in observation.models}
     table_by_model: dict[str, dict[ConfigKey, CapacityInfo]] = {}
@@ -208,6 +213,8 @@ def plan(
         # a held mix is filled in only where the model has a reading
         note = held_note(held, me.model, now_s) if me.model in observed else None
         me = me if note is None else replace(me, notes=(*me.notes, note))
+        me = explain_pools(policy, me, result.plan.counts, chosen, workloads, speeds, observed_configs,
+                           compare=counterfactuals)
         if counterfactuals:  # the cost of uncertainty is a what-if too (the fleet if nothing were left to learn)
             u = cost_of_uncertainty(me, policy, table_by_model.get(me.model, {}), speeds, means, chosen, workloads)
             me = replace(me, uncertainty_usd_h=u.usd_h, uncertainty_why=u.why)
@@ -442,9 +449,12 @@ def plan_with_capacities(
     predictor: Predictor | None = None,
     relaxed_capacities: Mapping[ConfigKey, CapacityInfo] | None = None,
     counterfactuals: bool = True,
+    pools: Mapping[ConfigKey, CapacityInfo] | None = None,
 ) -> PlanResult:
     """plan() with the capacity table given (tests, benchmarks, what-if); `relaxed_capacities`: the
-    table at SLO +10% for the counterfactuals (planner/counterfactual.py), None: not evaluated."""
+    table at SLO +10% for the counterfactuals (planner/counterfactual.py), None: not evaluated.
+    `pools`: the disaggregated pools' configs and capacities (planner/disagg_plan.py): candidates of
+    the count solve and the plan, nothing else reads them (a pool replica serves no rate alone)."""
     eff = effective(policy, now_s)
     hosts = _inventory(fleet, policy)
     drained = eff.drain_hosts
@@ -452,6 +462,11 @@ def plan_with_capacities(
     gpus = {h.gpu for h in usable}
     demands, bursts = model_demands(observation, policy, now_s, state)
     ready = _ready_configs(policy, fleet)
+    if pools:  # where a model's pools reach its SLO, its aggregated configs that cannot serve no demand
+        capacities = prefer_pools(capacities, pools)
+    with_pools = {**capacities, **pools} if pools else capacities
+    if pools:  # a pool runs its configuration's engine: built when the aggregated one is
+        ready = ready | {c for c in pools if c.profile_key() in ready}
     usable_names = {h.name for h in usable}
 
     current: dict[ConfigKey, int] = {}
@@ -488,7 +503,7 @@ def plan_with_capacities(
         notes.append("no usable hosts: every host is offline or drained")
     # one pass over the capacity table (per-model scans of it cost 0.5 s at 500 models, bench/solve_scale.py)
     rps_by_model: dict[str, list[float]] = {}
-    for c, i in capacities.items():
+    for c, i in with_pools.items():
         rps_by_model.setdefault(c.model, []).append(i.max_rps)
     unknown = {m.name for m in policy.models
                if m.name in rps_by_model and all(r <= UNKNOWN_CAPACITY_RPS for r in rps_by_model[m.name])}
@@ -513,7 +528,7 @@ def plan_with_capacities(
     # where no config reaches the SLO, only those that reach the most serve demand (before the
     # payback check: a build that reaches more is not priced against replicas that reach less)
     target_cands, below_reach = _best_reach_only(
-        _candidates(policy, capacities, gpus, ready, now_only=False, max_counts=max_counts), capacities, demands)
+        _candidates(policy, with_pools, gpus, ready, now_only=False, max_counts=max_counts), capacities, demands)
     # a build is a one-off cost: started only where the recent traffic's savings pay it back
     unpaid = (unpaid_builds(policy, target_cands, {m: d.required_rps for m, d in demands.items()},
                             {m: d.history for m, d in demands.items()}, now_s,
@@ -544,7 +559,7 @@ def plan_with_capacities(
         # where an engine still building may be the cheaper one (it would start replicas of an
         # engine that does not exist yet). What falls short among the ready configs falls short
         # among all of them (a superset: its best reach is at least theirs): below_reach holds it.
-        now_cands, _ = _best_reach_only(_candidates(policy, capacities, gpus, ready, now_only=True,
+        now_cands, _ = _best_reach_only(_candidates(policy, with_pools, gpus, ready, now_only=True,
                                                     max_counts=max_counts), capacities)
         now_problem = _count_problem(policy, eff, now_cands, demands, slots, current, floors, young)
     if needs_build:
@@ -565,8 +580,8 @@ def plan_with_capacities(
     if now_place is not target_place:
         target_place = place(target_sol.counts, hosts, now_place.replicas, drained, engine_hosts)
 
-    now_plan = _make_plan(now_place, capacities, policy)
-    target_plan = now_plan if target_place is now_place else _make_plan(target_place, capacities, policy)
+    now_plan = _make_plan(now_place, with_pools, policy)
+    target_plan = now_plan if target_place is now_place else _make_plan(target_place, with_pools, policy)
     actions = plan_actions(fleet, now_place, target_sol, needs_build, policy, hosts, drained, ready, engine_hosts,
                            spread)
     actions, held_mbb = make_before_break(actions, fleet, now_place, capacities, demands, hosts)
@@ -578,7 +593,7 @@ def plan_with_capacities(
     if deferred:
         notes.append(f"{len(deferred)} actions deferred to later cycles (max {limit} per cycle)")
 
-    explanation = _explain(policy, demands, now_sol, target_sol, now_place, target_place, capacities,
+    explanation = _explain(policy, demands, now_sol, target_sol, now_place, target_place, with_pools,
                            predictor, reports, now_plan, target_plan, notes, observation, counterfactuals)
     if counterfactuals:
         # a config short of the best reach is explained as what it is: out of the SLO's reach
@@ -679,19 +694,21 @@ def _explain(
     counts_by_model = _counts_by_model(now_place)
     tcounts_by_model = counts_by_model if target_place is now_place else _counts_by_model(target_place)
     models_with_capacity = {c.model for c in capacities}
+    per_replica = {c: i.max_rps for c, i in capacities.items()}
     for m in policy.models:
         d = demands[m.name]
         counts = counts_by_model.get(m.name, {})
         tcounts = tcounts_by_model.get(m.name, {})
-        cap = sum(capacities[c].max_rps * n for c, n in counts.items() if c in capacities)
-        tcap = sum(capacities[c].max_rps * n for c, n in tcounts.items() if c in capacities)
+        cap = served_rps(counts, per_replica).get(m.name, 0.0)  # a pool family: its weaker pool's capacity
+        tcap = served_rps(tcounts, per_replica).get(m.name, 0.0)
         configs = []
         usd = 0.0
         for c in sorted(counts):
             n = counts[c]
             info = capacities.get(c)
             per = info.max_rps if info else 0.0
-            load = d.demand_rps * (per / cap) if cap > 0 else 0.0
+            load = d.demand_rps * (per / cap if c.role is Role.AGGREGATED
+                                   else pool_load_share(counts, per_replica, c)) if cap > 0 else 0.0
             pred = predictor(c, load) if predictor is not None and n > 0 else Predicted()
             ttft, itl = _finite(pred.ttft_p99_ms), _finite(pred.itl_p99_ms)  # JSON: no NaN/inf
             last = None

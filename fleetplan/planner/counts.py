@@ -30,6 +30,14 @@ from enum import Enum
 from typing import Any
 
 from fleetplan.models.names import GpuType
+from fleetplan.planner.disagg_counts import (
+    POOL_TIE_SHARE,
+    Family,
+    families,
+    family_of,
+    family_rates,
+    gpus_per_rps,
+)
 from fleetplan.planner.types import ConfigKey, SolverReport
 
 _RPS_SCALE = 1000  # milli-rps
@@ -156,6 +164,8 @@ class _Model:
     rows: list[tuple[list[tuple[int, float]], float | None, float | None, Limit | None]] = field(
         default_factory=list)
     obj: dict[int, float] = field(default_factory=dict)
+    pools: list[tuple[int, Family]] = field(default_factory=list)  # r_f variables, their pool family
+    caps: list[float] = field(default_factory=list)  # the candidates' capacities (rps per replica)
 
     def var(self, name: str, ub: float, integer: bool = True, scale: int = 1) -> int:
         self.names.append(name)
@@ -187,9 +197,9 @@ def prune_dominated(problem: CountProblem) -> list[Candidate]:
     good in every objective term and constraint: no more $/h, no less capacity, no longer lead time.
     Exact (the optimum is unchanged); candidates running now or with a floor are always kept."""
     keep: list[Candidate] = []
-    groups: dict[tuple[str, GpuType, int], list[Candidate]] = {}
-    for c in sorted(problem.candidates, key=lambda c: c.config):
-        groups.setdefault((c.config.model, c.config.gpu, c.config.tp), []).append(c)
+    groups: dict[tuple[str, GpuType, int, str], list[Candidate]] = {}
+    for c in sorted(problem.candidates, key=lambda c: c.config):  # a pool's replica stands in for no other's
+        groups.setdefault((c.config.model, c.config.gpu, c.config.tp, c.config.role.value), []).append(c)
     for group in groups.values():
         for c in group:
             if problem.current.get(c.config, 0) or problem.floors.get(c.config, 0) or problem.young.get(c.config, 0):
@@ -217,6 +227,7 @@ def _build(problem: CountProblem) -> tuple[_Model, list[Candidate], dict[str, in
     cands = prune_dominated(problem)
     demands = {d.model: d for d in problem.demands}
     by_model: dict[str, list[int]] = {}
+    serving: dict[str, list[int]] = {}  # the aggregated candidates: they serve the model's rate directly
     for i, c in enumerate(cands):
         ub = problem.slots.get(c.config.gpu, {}).get(c.config.tp, 0)
         if c.max_count is not None:
@@ -231,6 +242,11 @@ def _build(problem: CountProblem) -> tuple[_Model, list[Candidate], dict[str, in
         v = mdl.var(f"n[{c.config.label()}]", ub)
         assert v == i
         by_model.setdefault(c.config.model, []).append(i)
+        if family_of(c.config) is None:
+            serving.setdefault(c.config.model, []).append(i)
+    fams = families([c.config for c in cands])
+    caps = mdl.caps = [c.capacity_rps for c in cands]
+    pair_gpr = gpus_per_rps(fams, caps, [c.gpus for c in cands]) if fams else {}
 
     max_replica_cost = max((c.usd_h for c in cands), default=1.0)
     prio_rank = {p: min(r, 4) for r, p in enumerate(sorted({d.priority for d in problem.demands}))}
@@ -242,7 +258,10 @@ def _build(problem: CountProblem) -> tuple[_Model, list[Candidate], dict[str, in
     gpr: dict[str, float] = {}
     base = 1.0
     for name, idx in by_model.items():
-        g = min((cands[i].gpus / cands[i].capacity_rps for i in idx if cands[i].capacity_rps > 0), default=0.0)
+        g = min((cands[i].gpus / cands[i].capacity_rps for i in serving.get(name, []) if cands[i].capacity_rps > 0),
+                default=0.0)
+        if name in pair_gpr:
+            g = min(g, pair_gpr[name]) if g > 0 else pair_gpr[name]
         if g > 0:
             gpr[name] = g
             dearest = max(cands[i].usd_h for i in idx)
@@ -259,9 +278,16 @@ def _build(problem: CountProblem) -> tuple[_Model, list[Candidate], dict[str, in
         d = demands[name]
         idx = by_model.get(name, [])
         if d.required_rps > UNMET_TOL_RPS:
+            shares = []  # r_f: the rate each pool family carries (planner/disagg_counts.py)
+            for f in (f for f in fams if f.key.model == name):
+                r = mdl.var(f"pools[{f.key.label()}]", d.required_rps, integer=False, scale=_RPS_SCALE)
+                for pool in (f.prefill, f.decode):
+                    mdl.row([(i, caps[i]) for i in pool] + [(r, -1.0)], 0.0, None)
+                shares.append((r, 1.0))
+                mdl.pools.append((r, f))
             u = mdl.var(f"unmet[{name}]", d.required_rps, integer=False, scale=_RPS_SCALE)
             unmet[name] = u
-            mdl.row([(i, cands[i].capacity_rps) for i in idx] + [(u, 1.0)], d.required_rps, None)
+            mdl.row([(i, caps[i]) for i in serving.get(name, [])] + shares + [(u, 1.0)], d.required_rps, None)
             mdl.cost(u, base * gpr.get(name, 1.0) * (8 ** prio_rank[d.priority]))
         if d.min_replicas > 0:
             s = mdl.var(f"minmiss[{name}]", d.min_replicas)
@@ -287,8 +313,10 @@ def _build(problem: CountProblem) -> tuple[_Model, list[Candidate], dict[str, in
         mdl.row([(i, c.usd_h) for i, c in enumerate(cands)], None, problem.max_usd_h,
                 Limit(BindingKind.MAX_USD_H, None, "budget max_usd_h"))
     for i, c in enumerate(cands):
-        # $/h, minus a tie-break that prefers more spare capacity for the same money
-        mdl.cost(i, c.usd_h - min(CAPACITY_TIEBREAK_USD_H_PER_RPS * c.capacity_rps, 0.01 * c.usd_h))
+        # $/h, minus a tie-break that prefers more spare capacity for the same money (a pool replica:
+        # plus one that prefers aggregated serving, planner/disagg_counts.py)
+        mdl.cost(i, c.usd_h - min(CAPACITY_TIEBREAK_USD_H_PER_RPS * c.capacity_rps, 0.01 * c.usd_h)
+                 if family_of(c.config) is None else c.usd_h * (1.0 + POOL_TIE_SHARE))
         if c.build_s > 0 and problem.lead_time_cost_usd_h_per_min > 0:
             y = mdl.var(f"build[{c.config.label()}]", 1)
             mdl.row([(y, max(1.0, mdl.ubs[i])), (i, -1.0)], 0.0, None)
@@ -440,13 +468,16 @@ def _lp_relaxation(proto: Any) -> tuple[list[float], float, float] | None:
 
 
 def _complete(mdl: _Model, n_values: list[int]) -> list[float] | None:
-    """Extend replica counts with the smallest feasible slacks; None when a constraint is violated."""
+    """Extend replica counts with the smallest feasible slacks (a row's last auxiliary variable; the
+    pool families' rates r_f first, what the counts let them carry); None when a constraint is violated."""
     ncand = len(n_values)
     values: list[float] = [float(v) for v in n_values] + [0.0] * (len(mdl.names) - ncand)
+    for (r, _), rate in zip(mdl.pools, family_rates([f for _, f in mdl.pools], mdl.caps, values), strict=True):
+        values[r] = min(rate, mdl.ubs[r])
     for terms, lo, _hi, _ in mdl.rows:
         aux = [(v, c) for v, c in terms if v >= ncand]
-        if lo is not None and len(aux) == 1 and aux[0][1] > 0:
-            v, c = aux[0]
+        if lo is not None and aux and aux[-1][1] > 0:
+            v, c = aux[-1]
             rest = sum(cc * values[vv] for vv, cc in terms if vv != v)
             need = (lo - rest) / c
             if need > values[v]:
@@ -502,12 +533,17 @@ def _round(problem: CountProblem, mdl: _Model, cands: list[Candidate], lp: list[
         if k:
             add(i, k)
     by_model: dict[str, list[int]] = {}
+    pooled: dict[str, float] = {}  # per model, the rate its pool families carry at the floored counts
+    for (_, f), rate in zip(mdl.pools, family_rates([f for _, f in mdl.pools], mdl.caps, n),
+                            strict=True):
+        pooled[f.key.model] = pooled.get(f.key.model, 0.0) + rate
     for i, c in enumerate(cands):
-        by_model.setdefault(c.config.model, []).append(i)
+        if family_of(c.config) is None:  # the residual is covered by aggregated replicas
+            by_model.setdefault(c.config.model, []).append(i)
     for d in sorted(problem.demands, key=lambda d: (-d.priority, d.model)):
         idx = by_model.get(d.model, [])
         for _ in range(64):
-            r = d.required_rps - sum(cands[i].capacity_rps * n[i] for i in idx)
+            r = d.required_rps - pooled.get(d.model, 0.0) - sum(cands[i].capacity_rps * n[i] for i in idx)
             if r <= 1e-9:
                 break
             best: tuple[float, int, int] | None = None

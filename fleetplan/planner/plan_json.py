@@ -7,14 +7,22 @@ from typing import Any
 from fleetplan.planner.counterfactual import alternative_to_dict, relaxation_to_dict
 from fleetplan.planner.serde import state_to_dict
 from fleetplan.planner.slo import ErrorBudget
-from fleetplan.planner.types import ConfigKey, Plan, PlanResult, Replica, SolverReport
+from fleetplan.planner.types import (
+    ConfigCount,
+    ConfigKey,
+    ModelPools,
+    Plan,
+    PlanResult,
+    Replica,
+    SolverReport,
+)
 
 __all__ = ["budget_to_dict", "plan_to_dict", "replica_to_dict"]
 
 
 def _config_dict(c: ConfigKey) -> dict[str, Any]:
     return {"model": c.model, "engine": c.engine.value, "gpu": c.gpu.value, "tp": c.tp,
-            "precision": c.precision.value}
+            "precision": c.precision.value, "role": c.role.value}
 
 
 def replica_to_dict(r: Replica) -> dict[str, Any]:
@@ -25,11 +33,26 @@ def replica_to_dict(r: Replica) -> dict[str, Any]:
 def _plan_dict(p: Plan) -> dict[str, Any]:
     return {
         "replicas": [replica_to_dict(r) for r in p.replicas],
-        "counts": [{**_config_dict(c.config), "replicas": c.replicas,
-                    "capacity_per_replica_rps": c.capacity_per_replica_rps, "usd_h": c.usd_h} for c in p.counts],
+        "counts": [_count_dict(c) for c in p.counts],
         "gpus": p.gpus,
         "usd_h": p.usd_h,
     }
+
+
+def _count_dict(c: ConfigCount) -> dict[str, Any]:
+    return {**_config_dict(c.config), "replicas": c.replicas, "capacity_per_replica_rps": c.capacity_per_replica_rps,
+            "usd_h": c.usd_h}
+
+
+def pools_to_dict(p: ModelPools | None) -> dict[str, Any] | None:
+    """A model's disaggregated pools (planner/disagg_plan.py); None: aggregated replicas only."""
+    if p is None:
+        return None
+    pre, dec = p.replicas()
+    return {"prefill": [_count_dict(c) for c in p.prefill], "decode": [_count_dict(c) for c in p.decode],
+            "prefill_replicas": pre, "decode_replicas": dec, "ratio": p.ratio(), "capacity_rps": p.capacity_rps,
+            "aggregated_usd_h": p.aggregated_usd_h, "pair_usd_h": p.pair_usd_h, "flip_rate_rps": p.flip_rate_rps,
+            "flip_isl_scale": p.flip_isl_scale, "flip_link_gb_s": p.flip_link_gb_s, "link_gb_s": p.link_gb_s}
 
 
 def budget_to_dict(b: ErrorBudget | None) -> dict[str, Any] | None:
@@ -86,6 +109,7 @@ def plan_to_dict(result: PlanResult) -> dict[str, Any]:
                                           if m.observed_missed_share is not None else None),
                 "alternatives": [alternative_to_dict(a) for a in m.alternatives],
                 "error_budget": budget_to_dict(m.error_budget),
+                "pools": pools_to_dict(m.pools),
             } for m in e.models],
             "relaxations": [relaxation_to_dict(r) for r in e.relaxations],
             "binding_constraints": list(e.binding_constraints),

@@ -222,6 +222,14 @@ class WorkloadMix(_Strict):
         return tuple(sorted((self.osl_quantiles or {}).items()))
 
 
+class Disaggregation(_Strict):
+    """Whether the planner may serve a model with disaggregated prefill and decode pools (a prefill
+    pool sized at the TTFT target, a decode pool at the ITL target: planner/disagg_plan.py). Off by
+    default: the agents start pools only where the engines' KV connector is set up."""
+
+    allowed: bool = False
+
+
 class ModelPolicy(_Strict):
     name: ModelName
     aliases: tuple[AliasName, ...] = ()
@@ -238,6 +246,7 @@ class ModelPolicy(_Strict):
     # drain_timeout_s overrides that; neither: the controller's drain_timeout_s setting
     max_output_tokens: int | None = Field(default=None, ge=1, le=10_000_000)
     drain_timeout_s: float | None = Field(default=None, gt=0, le=86_400)
+    disaggregation: Disaggregation = Disaggregation()
 
     @model_validator(mode="after")
     def _min_le_max(self) -> ModelPolicy:

@@ -14,6 +14,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
+from fleetplan.models.config_key import Role
 from fleetplan.models.names import Engine, GpuType, Precision, parse_engine, parse_gpu, parse_precision
 from fleetplan.planner.policy import PolicyError, format_loc, short_repr
 from fleetplan.planner.slo import BudgetSlice
@@ -86,6 +87,7 @@ class ReplicaDoc(_Strict):
     gpu: GpuName
     tp: int = Field(ge=1)
     precision: PrecisionName = Precision.BF16
+    role: Role = Role.AGGREGATED  # a pool's replica of a disaggregated deployment: prefill | decode
     host: str
     gpu_indices: tuple[int, ...]
     state: ReplicaState = ReplicaState.READY
@@ -111,6 +113,7 @@ class SurplusDoc(_Strict):
     gpu: GpuName
     tp: int
     precision: PrecisionName
+    role: Role = Role.AGGREGATED
     since_s: float
 
 
@@ -120,6 +123,7 @@ class CorrectionDoc(_Strict):
     gpu: GpuName
     tp: int
     precision: PrecisionName
+    role: Role = Role.AGGREGATED
     ttft_log: float = Field(ge=-5, le=5)
     ttft_var: float = Field(ge=0, le=100)
     itl_log: float = Field(ge=-5, le=5)
@@ -203,7 +207,7 @@ def fleet_from_dict(data: Any, source: str = "fleet") -> tuple[Fleet, PlannerSta
     doc: FleetDoc = _validate(FleetDoc, data, source)
     hosts = tuple(HostInventory(h.name, h.gpu, h.gpu_count, h.nvlink_groups, h.online) for h in doc.hosts)
     replicas = tuple(
-        Replica(r.replica_id, ConfigKey(r.model, r.engine, r.gpu, r.tp, r.precision), r.host, r.gpu_indices,
+        Replica(r.replica_id, ConfigKey(r.model, r.engine, r.gpu, r.tp, r.precision, r.role), r.host, r.gpu_indices,
                 r.state, r.port, r.since_s)
         for r in doc.replicas
     )
@@ -215,7 +219,7 @@ def fleet_from_dict(data: Any, source: str = "fleet") -> tuple[Fleet, PlannerSta
 
 def _key_dict(c: ConfigKey) -> dict[str, Any]:
     return {"model": c.model, "engine": c.engine.value, "gpu": c.gpu.value, "tp": c.tp,
-            "precision": c.precision.value}
+            "precision": c.precision.value, "role": c.role.value}
 
 
 def state_to_dict(state: PlannerState) -> dict[str, Any]:
@@ -243,7 +247,7 @@ def state_to_dict(state: PlannerState) -> dict[str, Any]:
 
 def _state(doc: StateDoc) -> PlannerState:
     def key(s: SurplusDoc | CorrectionDoc) -> ConfigKey:
-        return ConfigKey(s.model, s.engine, s.gpu, s.tp, s.precision)
+        return ConfigKey(s.model, s.engine, s.gpu, s.tp, s.precision, s.role)
 
     return PlannerState(
         tuple(sorted((key(s), s.since_s) for s in doc.surplus_since_s)),
@@ -270,6 +274,7 @@ def fleet_to_dict(fleet: Fleet, state: PlannerState | None = None) -> dict[str, 
                    "nvlink_groups": [list(g) for g in h.nvlink_groups], "online": h.online} for h in fleet.hosts],
         "replicas": [{"replica_id": r.replica_id, "model": r.config.model, "engine": r.config.engine.value,
                       "gpu": r.config.gpu.value, "tp": r.config.tp, "precision": r.config.precision.value,
+                      "role": r.config.role.value,
                       "host": r.host, "gpu_indices": list(r.gpu_indices), "state": r.state.value,
                       "port": r.port, "since_s": r.since_s} for r in fleet.replicas],
         "builds": [{"model": b.model, "engine": b.engine.value, "gpu": b.gpu.value, "tp": b.tp,

@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 
 from fleetplan.models.names import GpuType
 from fleetplan.planner.counts import UNMET_TOL_RPS, CountProblem, CountSolution
+from fleetplan.planner.disagg_counts import served_rps
 from fleetplan.planner.types import ConfigKey
 
 __all__ = ["Solved", "reusable", "reused"]
@@ -79,11 +80,8 @@ def _holds(anchor: Solved, problem: CountProblem, tolerance: Mapping[str, float]
         return False
     old_cap = {c.config: c.capacity_rps for c in anchor.problem.candidates}
     old_req = {d.model: d.required_rps for d in anchor.problem.demands}
-    met: dict[str, float] = {}
-    new_cap: dict[ConfigKey, float] = {}
-    for c in problem.candidates:
-        new_cap[c.config] = c.capacity_rps
-        met[c.config.model] = met.get(c.config.model, 0.0) + c.capacity_rps * sol.counts.get(c.config, 0)
+    new_cap: dict[ConfigKey, float] = {c.config: c.capacity_rps for c in problem.candidates}
+    met = served_rps({c.config: sol.counts.get(c.config, 0) for c in problem.candidates}, new_cap)
     for d in problem.demands:
         r0 = old_req[d.model]
         if d.required_rps > met.get(d.model, 0.0) + UNMET_TOL_RPS:

@@ -339,6 +339,31 @@ class Relaxation:
 
 
 @dataclass(frozen=True)
+class ModelPools:
+    """A model's disaggregated prefill and decode pools in the plan, and the comparison that chose
+    them (planner/disagg_plan.py): the cheapest aggregated fleet and the cheapest pair of pools alone
+    at the plan's demand, and the nearest points where the other would win (None: none in range)."""
+
+    prefill: tuple[ConfigCount, ...]
+    decode: tuple[ConfigCount, ...]
+    capacity_rps: float  # what the pools carry together: per family the weaker pool's capacity
+    aggregated_usd_h: float | None  # the cheapest aggregated fleet alone (None: no aggregated config)
+    pair_usd_h: float | None  # the cheapest pair of pools alone (None: no pair)
+    flip_rate_rps: float | None  # the demand at which aggregated serving would win
+    flip_isl_scale: float | None  # the factor on every prompt's length at which it would
+    flip_link_gb_s: float | None  # the KV link line rate (GB/s per GPU) at which it would
+    link_gb_s: float  # the link the pools' capacities assume (the hosts' own: NVLink or PCIe)
+
+    def replicas(self) -> tuple[int, int]:
+        return sum(c.replicas for c in self.prefill), sum(c.replicas for c in self.decode)
+
+    def ratio(self) -> str:
+        """prefill:decode replicas, e.g. '6:1'."""
+        p, d = self.replicas()
+        return f"{p}:{d}"
+
+
+@dataclass(frozen=True)
 class ModelExplanation:
     model: str
     observed_rps: float | None
@@ -367,6 +392,7 @@ class ModelExplanation:
     # None: no request counted yet
     error_budget: ErrorBudget | None = None
     fail_static: bool = False  # its demand is unknown (no, stale or partial readings): never scaled down
+    pools: ModelPools | None = None  # disaggregated pools in the plan (None: aggregated replicas only)
 
 
 @dataclass(frozen=True)

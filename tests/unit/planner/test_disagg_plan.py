@@ -1,0 +1,220 @@
+"""The plan chooses, sizes and explains disaggregated prefill and decode pools where the policy
+allows them (planner/disagg_plan.py, planner/disagg_counts.py, the count solve in planner/counts.py)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from fleetplan.models import profile as mp
+from fleetplan.models.config_key import Role
+from fleetplan.planner.capacity import CapacityInfo
+from fleetplan.planner.core import plan, plan_to_dict, plan_with_capacities
+from fleetplan.planner.counts import Candidate, CountProblem, ModelDemand, solve_counts
+from fleetplan.planner.policy import PolicyError
+from fleetplan.planner.types import Fleet, ModelObservation, Observation, PlannerState, PlanResult
+from tests.unit.planner.planner_helpers import hosts, key, policy, policy_dict
+
+MODEL = "llama-3-8b"
+NOW = 1_000_000.0
+# a coding assistant: long prompts, short answers, a tight ITL target
+RAG = {"slo": {"ttft_p99_ms": 600, "itl_p99_ms": 20}, "workload": {"isl": 4096, "osl": 32}, "headroom": 0.0}
+CHAT = {"slo": {"ttft_p99_ms": 600, "itl_p99_ms": 50}, "workload": {"isl": 256, "osl": 256}, "headroom": 0.0}
+ALLOW = {"disaggregation": {"allowed": True}}
+
+
+def _fitted(tp: int) -> mp.PerfProfile:
+    """The roofline physics as a profile fitted inside the lengths served here (no prior's caution)."""
+    prof = mp.roofline_profile(key(MODEL, tp=tp))
+    assert prof is not None
+    return replace(prof, source="fit", data_range=mp.DataRange((128.0, 8192.0), (16.0, 512.0), None, None, 20))
+
+
+def _plan(extra: dict[str, Any], rate: float = 20.0, *, tps: list[int] | None = None,
+          counterfactuals: bool = True, n_hosts: int = 2) -> PlanResult:
+    tps = tps or [1]
+    pol = policy(models=(MODEL,), model_extra={MODEL: {**extra, "allowed": {"engines": ["vllm"], "tp": tps}}})
+    obs = Observation({MODEL: ModelObservation(MODEL, rate, extra["workload"]["isl"], extra["workload"]["osl"])})
+    return plan(obs, Fleet(hosts(n_hosts)), pol, mp.ProfileSet(tuple(_fitted(t) for t in tps)),
+                PlannerState.initial(), NOW, counterfactuals=counterfactuals)
+
+
+def _roles(r: PlanResult) -> dict[Role, int]:
+    out: dict[Role, int] = {}
+    for c in r.plan.counts:
+        out[c.config.role] = out.get(c.config.role, 0) + c.replicas
+    return out
+
+
+def test_long_prompts_under_a_tight_itl_get_pools_with_fewer_gpus() -> None:
+    # 35 rps of 4,096-token prompts and 32-token answers, ITL p99 20 ms, H100 TP1: an aggregated
+    # replica carries 2.83 rps (the prefill work in its decode steps binds the ITL), a prefill
+    # replica 3.93 (TTFT), a decode replica 45.4 (ITL)
+    agg = _plan(RAG, rate=35.0)
+    dis = _plan({**RAG, **ALLOW}, rate=35.0)
+    assert set(_roles(agg)) == {Role.AGGREGATED}
+    roles = _roles(dis)
+    assert roles.get(Role.AGGREGATED, 0) == 0
+    # prefill-heavy: many prefill replicas per decode replica
+    assert roles[Role.PREFILL] == 9 and roles[Role.DECODE] == 1
+    assert dis.plan.gpus == 10 < agg.plan.gpus == 13
+    assert dis.plan.usd_h < agg.plan.usd_h
+    me = dis.explanation.models[0]
+    assert me.pools is not None and me.pools.ratio() == "9:1"
+    assert me.capacity_rps >= me.required_rps  # the pools carry the demand (the weaker pool's capacity)
+    assert me.pools.capacity_rps == pytest.approx(me.capacity_rps)
+    assert me.pools.aggregated_usd_h == pytest.approx(agg.plan.usd_h)
+    assert me.pools.pair_usd_h == pytest.approx(dis.plan.usd_h)
+    # what would flip it: less demand, shorter prompts, a slower link
+    assert me.pools.flip_rate_rps is not None and me.pools.flip_rate_rps < 35.0
+    # (prompts x1.28: the prefill pool's TTFT out of reach; shorter prompts keep the pools at 35 rps)
+    assert me.pools.flip_isl_scale == pytest.approx(1.28, abs=0.02)
+    assert me.pools.flip_link_gb_s is not None and me.pools.flip_link_gb_s < me.pools.link_gb_s
+    # placed like any replica: every pool replica on GPUs of the hosts
+    assert sum(1 for r in dis.plan.replicas if r.config.role is not Role.AGGREGATED) == 10
+
+
+def test_a_demand_between_shares_the_rate_between_aggregated_replicas_and_pools() -> None:
+    # 20 rps: 8 aggregated replicas (8 GPUs) or 6 + 1 pool replicas (7); 3 aggregated + 3 prefill
+    # + 1 decode are as cheap, and a tie in money goes to the aggregated replicas
+    r = _plan({**RAG, **ALLOW}, rate=20.0)
+    assert _roles(r) == {Role.AGGREGATED: 3, Role.PREFILL: 3, Role.DECODE: 1}
+    me = r.explanation.models[0]
+    assert me.capacity_rps == pytest.approx(3 * 2.8334 + 3 * 3.9288, rel=1e-3) and me.capacity_rps >= 20.0
+
+
+def test_the_explanation_names_the_ratio_the_saving_and_the_flip() -> None:
+    me = _plan({**RAG, **ALLOW}, rate=35.0).explanation.models[0]
+    text = "\n".join(me.notes)
+    assert "9 prefill + 1 decode replicas (9:1)" in text
+    assert "aggregated: 13 replicas, 13 GPUs, $39.00/h" in text
+    assert "aggregated would win at" in text and "with prompts x" in text and "GB/s link" in text
+    assert "assume the hosts' KV link (nvlink, 450 GB/s per GPU)" in text
+    doc = plan_to_dict(_plan({**RAG, **ALLOW}, rate=35.0))
+    pools = doc["explanation"]["models"][0]["pools"]
+    assert (pools["prefill_replicas"], pools["decode_replicas"], pools["ratio"]) == (9, 1, "9:1")
+    assert {c["role"] for c in pools["prefill"]} == {"prefill"} and {c["role"] for c in pools["decode"]} == {"decode"}
+    assert {c["role"] for c in doc["plan"]["counts"]} == {"prefill", "decode"}
+
+
+def test_short_prompts_stay_aggregated() -> None:
+    r = _plan({**CHAT, **ALLOW}, rate=30.0)
+    assert set(_roles(r)) == {Role.AGGREGATED}
+    me = r.explanation.models[0]
+    assert me.pools is None
+    assert "disaggregated pools allowed; the plan serves aggregated" in me.notes
+    assert any(n.startswith("alone at this demand, aggregated:") for n in me.notes)
+
+
+def test_a_light_load_stays_aggregated() -> None:
+    # a pair needs at least one replica per pool: one aggregated replica is cheaper
+    assert set(_roles(_plan({**RAG, **ALLOW}, rate=1.0))) == {Role.AGGREGATED}
+
+
+def test_not_allowed_never_plans_pools() -> None:
+    for extra, rate in ((RAG, 20.0), (RAG, 60.0), (CHAT, 30.0)):
+        r = _plan(extra, rate=rate)
+        assert set(_roles(r)) == {Role.AGGREGATED}
+        assert r.explanation.models[0].pools is None
+        assert not any("disaggregated" in n for n in r.explanation.models[0].notes)
+    assert plan_to_dict(_plan(RAG))["explanation"]["models"][0]["pools"] is None
+
+
+def test_allowed_is_a_boolean_and_errors_name_the_field() -> None:
+    d = policy_dict(models=(MODEL,), model_extra={MODEL: {"disaggregation": {"allowed": "sometimes"}}})
+    with pytest.raises(PolicyError, match=r"models\[0\]\.disaggregation\.allowed = 'sometimes'"):
+        policy(models=(MODEL,), model_extra={MODEL: {"disaggregation": {"allowed": "sometimes"}}})
+    d["models"][0]["disaggregation"] = {"mode": "on"}
+    from fleetplan.planner.policy import load_policy_dict
+    with pytest.raises(PolicyError, match=r"models\[0\]\.disaggregation\.mode"):
+        load_policy_dict(d, "p.yaml")
+    assert not policy(models=(MODEL,)).models[0].disaggregation.allowed
+
+
+def test_counts_are_deterministic_and_the_replay_path_plans_the_same_pools() -> None:
+    first = _plan({**RAG, **ALLOW}, rate=40.0)
+    again = _plan({**RAG, **ALLOW}, rate=40.0)
+    quiet = _plan({**RAG, **ALLOW}, rate=40.0, counterfactuals=False)
+    assert first.plan.counts == again.plan.counts == quiet.plan.counts
+    assert [r.config for r in first.plan.replicas] == [r.config for r in again.plan.replicas]
+    assert Role.PREFILL in _roles(first) and Role.DECODE in _roles(first)
+    # without the comparison (the replay's path) the pools are still in the explanation, no what-ifs
+    me = quiet.explanation.models[0]
+    assert me.pools is not None and me.pools.flip_rate_rps is None
+    assert not any(n.startswith("alone at this demand") for n in me.notes)
+
+
+# ---- the count solve alone --------------------------------------------------------------------
+
+def _cand(role: Role, cap: float, tp: int = 1) -> Candidate:
+    return Candidate(replace(key(MODEL, tp=tp), role=role), cap, 3.0 * tp, 60.0)
+
+
+def _solve(cands: tuple[Candidate, ...], rate: float, backend: str = "SCIP") -> dict[tuple[Role, int], int]:
+    p = CountProblem(cands, (ModelDemand(MODEL, rate, 1, 0, None),), {key(MODEL).gpu: {1: 16, 2: 8}},
+                     backend=backend, work_limit=5.0)
+    return {(c.role, c.tp): n for c, n in solve_counts(p).counts.items()}
+
+
+@pytest.mark.parametrize("backend", ["SCIP", "cp-sat"])
+def test_the_solve_covers_the_rate_with_both_pools(backend: str) -> None:
+    cands = (_cand(Role.AGGREGATED, 2.83), _cand(Role.PREFILL, 3.93), _cand(Role.DECODE, 45.4))
+    # 35 rps: 13 aggregated ($39) against 9 prefill + 1 decode ($30)
+    assert _solve(cands, 35.0, backend) == {(Role.PREFILL, 1): 9, (Role.DECODE, 1): 1}
+    # 2 rps: 1 aggregated against 1 + 1
+    assert _solve(cands, 2.0, backend) == {(Role.AGGREGATED, 1): 1}
+    # a prefill pool without a decode pool serves nothing
+    assert _solve(cands[:2], 35.0, backend) == {(Role.AGGREGATED, 1): 13}
+
+
+def test_a_tie_in_money_goes_to_aggregated() -> None:
+    # 4 aggregated replicas of 2.5 rps against 3 prefill of 4 + 1 decode of 50 at 10 rps: $12 each
+    cands = (_cand(Role.AGGREGATED, 2.5), _cand(Role.PREFILL, 4.0), _cand(Role.DECODE, 50.0))
+    assert _solve(cands, 10.0) == {(Role.AGGREGATED, 1): 4}
+
+
+def test_the_pools_each_take_their_cheapest_tp_and_may_share_the_rate_with_aggregated() -> None:
+    cands = (_cand(Role.AGGREGATED, 2.0), _cand(Role.PREFILL, 3.0), _cand(Role.PREFILL, 5.0, tp=2),
+             _cand(Role.DECODE, 40.0), _cand(Role.DECODE, 100.0, tp=2))
+    got = _solve(cands, 30.0)
+    assert got == {(Role.PREFILL, 1): 10, (Role.DECODE, 1): 1}
+    # the table's capacities (no pools in it): a plan_with_capacities caller without pools sees none
+    r = plan_with_capacities(Observation({MODEL: ModelObservation(MODEL, 30.0, 4096.0, 32.0)}), Fleet(hosts(2)),
+                             policy(models=(MODEL,), tps={MODEL: [1]}, model_extra={MODEL: {**RAG, **ALLOW}}),
+                             {key(MODEL): CapacityInfo(2.0, "itl")}, PlannerState.initial(), NOW)
+    assert set(_roles(r)) == {Role.AGGREGATED}
+
+
+def test_pool_replicas_and_their_state_keep_their_role_through_the_stored_documents() -> None:
+    from fleetplan.planner.serde import fleet_from_dict, fleet_to_dict, state_from_dict, state_to_dict
+    r = _plan({**RAG, **ALLOW}, rate=35.0)
+    fleet = Fleet(hosts(2), r.plan.replicas)
+    back, _ = fleet_from_dict(fleet_to_dict(fleet))
+    assert [x.config for x in back.replicas] == [x.config for x in r.plan.replicas]
+    pre = next(x.config for x in r.plan.replicas if x.config.role is Role.PREFILL)
+    state = replace(PlannerState.initial(), surplus_since_s=((pre.profile_key(), NOW), (pre, NOW)))
+    assert state_from_dict(state_to_dict(state)).surplus_since_s == state.surplus_since_s
+
+
+def test_pools_that_reach_the_slo_take_the_demand_from_aggregated_configs_that_cannot() -> None:
+    # the aggregated replica meets the targets for 90% of the requests even idle (sized from that
+    # floor: 1 rps); the pools reach theirs: the plan buys pools, the aggregated config serves no demand
+    pol = policy(models=(MODEL,), tps={MODEL: [1]}, model_extra={MODEL: {**RAG, **ALLOW}})
+    obs = Observation({MODEL: ModelObservation(MODEL, 10.0, 4096.0, 32.0)})
+    agg = key(MODEL)
+    table = {agg: CapacityInfo(1.0, "itl", floor_share=0.9)}
+    pools = {replace(agg, role=Role.PREFILL): CapacityInfo(4.0, "ttft"),
+             replace(agg, role=Role.DECODE): CapacityInfo(40.0, "itl")}
+    alone = plan_with_capacities(obs, Fleet(hosts(2)), pol, table, PlannerState.initial(), NOW)
+    assert _roles(alone) == {Role.AGGREGATED: 10}
+    r = plan_with_capacities(obs, Fleet(hosts(2)), pol, table, PlannerState.initial(), NOW, pools=pools)
+    assert _roles(r) == {Role.PREFILL: 3, Role.DECODE: 1}
+    me = r.explanation.models[0]
+    assert me.unmet_rps == 0.0 and me.capacity_rps == pytest.approx(12.0)
+    assert not any("no allowed config meets the SLO" in n for n in me.notes)
+    # a prefill pool without a decode pool is no family: the aggregated replicas keep the demand
+    half = plan_with_capacities(obs, Fleet(hosts(2)), pol, table, PlannerState.initial(), NOW,
+                                pools={k: v for k, v in pools.items() if k.role is Role.PREFILL})
+    assert Role.AGGREGATED in _roles(half)
