@@ -433,13 +433,12 @@ def pool_text(model_name: str, gen_tokens: int, t: float) -> str:
     return "\n".join(lines) + "\n"
 
 
+@pytest.mark.skipif(not Path(PROMETHEUS).exists(), reason="prometheus not installed")
 async def test_a_disaggregated_models_requests_are_counted_once(tmp_path: Path) -> None:
     """A request of a disaggregated model finishes on a prefill replica (one token) and again on a
     decode replica: the targets' `role` labels (controller/routing.py file_sd, written by the
     executor for pool replicas) make the model's rate and prompt lengths read where requests enter
     and its output lengths where they leave, so 2 req/s through both pools reads 2 req/s, 20 tokens out."""
-    if not Path(PROMETHEUS).exists():
-        pytest.skip("prometheus not installed")
     from fleetplan.controller.observe import ROLE_LABEL
     from fleetplan.controller.routing import ScrapeTarget, write_file_sd
 
