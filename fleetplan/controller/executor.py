@@ -33,7 +33,7 @@ from typing import Any
 from fleetplan.controller.hosts import HostBook, retained_replica
 from fleetplan.controller.link import MqttLink
 from fleetplan.controller.metrics import ControllerMetrics
-from fleetplan.controller.observe import _RUNNING, _WAITING, ROLE_LABEL, PromClient, PrometheusError
+from fleetplan.controller.observe import _RUNNING, _WAITING, PromClient, PrometheusError
 from fleetplan.controller.policy_source import PolicySource
 from fleetplan.controller.protocol import desired_topic
 from fleetplan.controller.settings import ControllerSettings
@@ -43,6 +43,7 @@ from fleetplan.models.config_key import Role
 from fleetplan.planner import act, act_port, records
 from fleetplan.planner.act import ActDecision, ActSettings, ActView
 from fleetplan.planner.act_types import AlertKey, AlertKind, DeferKey, Deferral, Repeat
+from fleetplan.planner.queries import ROLE_LABEL
 
 log = logging.getLogger(__name__)
 

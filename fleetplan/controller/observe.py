@@ -50,6 +50,7 @@ from fleetplan.planner.observation import (
 from fleetplan.planner.queries import (
     EVIDENCE_QUERIES,
     QUERIES,
+    ROLE_LABEL,
     Arrivals,
     By,
     Description,
@@ -117,7 +118,6 @@ _SERIES = {EngineSeries.REQUESTS_DONE: _REQ_SUCCESS, EngineSeries.RUNNING: _RUNN
 # a histogram's bucket series, the preferred name first (`or`: one name per series in the vector)
 # a per-model query's targets (planner/queries.py `Leg`): pool replicas carry a `role` label, targets
 # without one serve whole requests (an absent label matches `!=`)
-ROLE_LABEL = "role"
 _LEG_MATCHER = {Leg.ALL: "", Leg.ENTRY: f',{ROLE_LABEL}!="decode"', Leg.EXIT: f',{ROLE_LABEL}!="prefill"'}
 
 _HISTOGRAMS = {EngineHistogram.TTFT: (_TTFT_BUCKET,), EngineHistogram.ITL: (_ITL_BUCKET, _ITL_BUCKET_OLD),

@@ -46,9 +46,26 @@ from fleetplan.planner import evidence as ev
 from fleetplan.planner.arrivals import ARRIVALS, ArrivalRate, EngineSeries
 from fleetplan.planner.observation import Query, Sample
 
-__all__ = ["EVIDENCE_QUERIES", "QUERIES", "Agg", "Arrivals", "By", "Description", "EngineHistogram",
-           "EvidenceDescription", "EvidenceQuery", "HistogramRate", "Latest", "Leg", "Part", "Quantile", "Rate", "Window",
-           "evidence_of"]
+__all__ = [
+    "EVIDENCE_QUERIES",
+    "QUERIES",
+    "ROLE_LABEL",
+    "Agg",
+    "Arrivals",
+    "By",
+    "Description",
+    "EngineHistogram",
+    "EvidenceDescription",
+    "EvidenceQuery",
+    "HistogramRate",
+    "Latest",
+    "Leg",
+    "Part",
+    "Quantile",
+    "Rate",
+    "Window",
+    "evidence_of",
+]
 
 
 class By(Enum):
@@ -63,6 +80,9 @@ class Agg(Enum):
 
     SUM = "sum"
     AVG = "avg"
+
+
+ROLE_LABEL = "role"  # the scrape target label of a pool replica's role (absent on aggregated ones)
 
 
 class Leg(Enum):

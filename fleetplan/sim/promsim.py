@@ -32,12 +32,14 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from fleetplan.models.config_key import Role
 from fleetplan.planner import evidence as ev
 from fleetplan.planner.arrivals import ArrivalRate, arrival_rate
 from fleetplan.planner.observation import Query, Readings, Sample, Series
 from fleetplan.planner.queries import (
     EVIDENCE_QUERIES,
     QUERIES,
+    ROLE_LABEL,
     Agg,
     Arrivals,
     By,
@@ -46,6 +48,7 @@ from fleetplan.planner.queries import (
     EvidenceQuery,
     HistogramRate,
     Latest,
+    Leg,
     Part,
     Quantile,
     Rate,
@@ -181,11 +184,17 @@ _RATES = [(q, d) for q, d in QUERIES.items() if isinstance(d, Rate)]
 _ARRIVALS = [(q, d) for q, d in QUERIES.items() if isinstance(d, Arrivals)]
 _QUANTILES = [(q, d) for q, d in QUERIES.items() if isinstance(d, Quantile)]
 _HISTOGRAMS = {EngineHistogram.TTFT: TTFT_BUCKETS_S, EngineHistogram.ITL: ITL_BUCKETS_S}
+_QUANTILE_LEG = {d.histogram: d.leg for _, d in _QUANTILES}  # the targets each latency quantile reads
 # the evidence's histograms too (planner/queries.py EVIDENCE_QUERIES), and where each histogram's
 # _sum is kept (`Counters.sums`; the replay keeps no ITL _sum)
 _EDGES = {**_HISTOGRAMS, EngineHistogram.TPOT: TPOT_BUCKETS_S, EngineHistogram.PROMPT_LEN: LENGTH_BUCKETS,
           EngineHistogram.GEN_LEN: LENGTH_BUCKETS}
 _SUMS = {EngineHistogram.TTFT: 0, EngineHistogram.TPOT: 1, EngineHistogram.PROMPT_LEN: 2, EngineHistogram.GEN_LEN: 3}
+
+
+def _role(labels: Mapping[str, str]) -> str:
+    """A target's role label ("" when it serves whole requests)."""
+    return labels.get(ROLE_LABEL, "")
 
 
 def _increase(d: EvidenceDescription, a: TargetScrape, b: TargetScrape, f: float) -> list[float]:
@@ -234,12 +243,15 @@ class PromSim:
         self._history_done: dict[str, dict[float, float | None]] = {}  # model -> end -> final history rate
 
     # ---- scraping ------------------------------------------------------------------------------
-    def set_targets(self, targets: Iterable[tuple[str, str]]) -> None:
-        """The scrape targets now (replica id, model), as the file_sd targets the routing writes."""
+    def set_targets(self, targets: Iterable[tuple[str, str] | tuple[str, str, str]]) -> None:
+        """The scrape targets now (replica id, model[, role]), as the file_sd targets the routing
+        writes: a pool replica's carries its role (controller/observe.py ROLE_LABEL)."""
         self.targets = set()
-        for rid, model in targets:
+        for rid, model, *role in targets:
             self.targets.add(rid)
             self.labels[rid] = {"replica": rid, "model": model}
+            if role and role[0] != Role.AGGREGATED.value:
+                self.labels[rid][ROLE_LABEL] = role[0]
 
     def scrape(self, t_s: float, engines: Mapping[str, tuple[Counters, float, float, float]]) -> None:
         """One scrape of every current target: `engines` maps replica id -> (counters, running,
@@ -258,7 +270,8 @@ class PromSim:
             model = self.labels[rid]["model"]
             inc = c.completed - self._last_done.get(rid, 0.0)
             self._last_done[rid] = c.completed
-            per_model[model] = per_model.get(model, 0.0) + max(0.0, inc)
+            if Leg.ENTRY.counts(_role(self.labels[rid])):  # bursts and history: where requests enter
+                per_model[model] = per_model.get(model, 0.0) + max(0.0, inc)
         for model, inc in per_model.items():
             self._done_total[model] = self._done_total.get(model, 0.0) + inc
         for model, total in self._done_total.items():
@@ -329,6 +342,7 @@ class PromSim:
         for rid, dq in sorted(self.samples.items()):
             lab = self.labels[rid]
             model = lab["model"]
+            role = _role(lab)  # a per-model query reads the targets of its leg (planner/queries.py Leg)
             win = self._window(rid, t_s, w)
             last = next((x for x in reversed(dq) if x.t_s <= vis), None)
             if rid in self.targets and last is not None:
@@ -338,6 +352,8 @@ class PromSim:
                     v = getattr(last, latest.series.value)
                     if latest.by is By.REPLICA:
                         res[q].append(Sample(lab, v))
+                        continue
+                    if not latest.leg.counts(role):
                         continue
                     add(per_model, q, model, v)
                     if latest.agg is Agg.AVG:
@@ -353,7 +369,7 @@ class PromSim:
                 v = (getattr(b, rate.series.value) - getattr(a, rate.series.value)) * f
                 if rate.by is By.REPLICA:
                     res[q].append(Sample(lab, v))
-                else:
+                elif rate.leg.counts(role):
                     add(per_model, q, model, v)
             parts: dict[ArrivalRate, tuple[float, float | None, list[float]]] = {}
             for q, arr in _ARRIVALS:
@@ -363,11 +379,15 @@ class PromSim:
                 if arr.by is By.REPLICA:
                     res[q].append(Sample(lab, arrival_rate(done, growth, arr.rule)))
                     continue
+                if not arr.leg.counts(role):
+                    continue
                 m_done, m_growth = arrivals.setdefault(q, {}).get(model, (0.0, None))
                 for slope in slopes:  # PromQL: each deriv() summed by model, as far as there is one
                     m_growth = (0.0 if m_growth is None else m_growth) + slope
                 arrivals[q][model] = (m_done + done, m_growth)
             for h, acc in buckets.items():
+                if not _QUANTILE_LEG[h].counts(role):
+                    continue
                 xa, xb = getattr(a, h.value), getattr(b, h.value)
                 counts = acc.setdefault(model, [0.0] * len(xb))
                 for j, (x, y) in enumerate(zip(xa, xb, strict=True)):
@@ -468,6 +488,8 @@ class PromSim:
             for q, d in EVIDENCE_QUERIES.items():
                 end = ends.get(d.window)
                 if end is None:
+                    continue
+                if d.by is By.MODEL and not d.leg.counts(_role(lab)):
                     continue
                 values = _increase(d, *end)
                 if d.by is By.REPLICA:

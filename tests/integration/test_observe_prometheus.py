@@ -439,8 +439,8 @@ async def test_a_disaggregated_models_requests_are_counted_once(tmp_path: Path) 
     decode replica: the targets' `role` labels (controller/routing.py file_sd, written by the
     executor for pool replicas) make the model's rate and prompt lengths read where requests enter
     and its output lengths where they leave, so 2 req/s through both pools reads 2 req/s, 20 tokens out."""
-    from fleetplan.controller.observe import ROLE_LABEL
     from fleetplan.controller.routing import ScrapeTarget, write_file_sd
+    from fleetplan.planner.queries import ROLE_LABEL
 
     exps = {"r-pre": Exporter(lambda t: pool_text("pooled-8b", 1, t)),
             "r-dec": Exporter(lambda t: pool_text("pooled-8b", 20, t))}

@@ -177,3 +177,35 @@ def test_the_replay_evaluates_the_evidence_descriptions_as_it_did_by_hand() -> N
         1.5, 2.0, 1.5, 2.0)
     assert (r2.ttft_moments, r2.tpot_moments) == ((0.195, 2.0), (0.05499999999999999, 2.0))
     assert e.replicas["r3"].ttft_moments == (0.09750000000000002, 1.0)
+
+
+def test_the_replay_counts_a_disaggregated_models_requests_once() -> None:
+    """A prefill replica and a decode replica of one model each finish every request (one token on
+    the prefill side): per-model queries read their Leg, as the Observer's role matchers do."""
+    p = PromSim(window_s=60.0, scrape_s=15.0, delay_s=0.0, history_s=600.0, history_step_s=30.0,
+                peak_window_s=30.0, epoch0_s=1e9)
+    p.set_targets([("pre", "m", "prefill"), ("dec", "m", "decode")])
+    for k in range(41):  # 2 req/s of 100-token prompts through both pools; 20 tokens out
+        t = 15.0 * k
+        pre, dec = _counters(2 * t, 200 * t, 2 * t), _counters(2 * t, 200 * t, 40 * t)
+        for c, gen in ((pre, 1), (dec, 20)):
+            n = 2 * t
+            c.prompt_len[6], c.gen_len[0 if gen == 1 else 4] = n, n  # LENGTH_BUCKETS: 100 and 1 / 20 tokens
+            c.sums[2], c.sums[3] = 100 * n, gen * n
+        p.scrape(t, {"pre": (pre, 1.0, 0.0, 0.1), "dec": (dec, 3.0, 0.0, 0.5)})
+    res = p.readings(600.0).results
+
+    def one(q: Query) -> float:
+        [v] = [s.value for s in res[q] if s.labels.get("model") == "m"]
+        return v
+
+    assert one(Query.RATE) == pytest.approx(2.0)  # not 4: the decode pool's completions are not arrivals
+    assert one(Query.PROMPT) == pytest.approx(200.0) and one(Query.GEN) == pytest.approx(40.0)
+    assert one(Query.RUNNING) == 4.0  # gauges read every target
+    assert p.readings(600.0).history[0].points[-1][1] == pytest.approx(2.0)
+    evidence = p.evidence(600.0)
+    assert evidence.gen_len_moments is not None and evidence.prompt_len_moments is not None
+    gen_sum, gen_count = evidence.gen_len_moments["m"]
+    assert gen_sum / gen_count == pytest.approx(20.0)  # not 10.5: the prefill side's one token is not an output
+    prompt_sum, prompt_count = evidence.prompt_len_moments["m"]
+    assert prompt_sum / prompt_count == pytest.approx(100.0) and prompt_count == pytest.approx(2.0)
