@@ -45,6 +45,7 @@ from fleetplan.sim.traces import Trace, read_trace  # noqa: E402
 
 OBJECTIVE = 0.99
 MAX_REPLICAS = 16  # per pool
+MAX_DECODE = 8  # decode replicas tried
 
 DEFAULT_LAYOUTS = {"coding": "vllm:1,trtllm:1", "mooncake-long": "vllm:1,trtllm:1", "azure": "vllm:4,trtllm:4"}
 
@@ -104,16 +105,14 @@ def best_of_layout(args: tuple[str, str, Path, float | None, float | None]) -> l
     out: list[tuple[str, int, str]] = []
     agg = s.key(layout)
     n = smallest_count(lambda k: s.ok({agg: k}), MAX_REPLICAS, start=2)
-    best_gpus = MAX_REPLICAS * 2 * agg.tp + 1
     if n is not None:
         counts = {agg: n}
         out.append(("aggregated", n * agg.tp, row(label(counts), s.run(counts))))
-        best_gpus = n * agg.tp
     pre, dec = s.key(layout, Role.PREFILL), s.key(layout, Role.DECODE)
     best: tuple[int, dict[ConfigKey, int]] | None = None
-    for d in range(1, MAX_REPLICAS + 1):
-        if (d + 1) * agg.tp > min(best_gpus, best[0] if best else best_gpus) + agg.tp:
-            break  # d decode replicas and one prefill replica already cost more than the best fleet
+    for d in range(1, MAX_DECODE + 1):
+        if best is not None and (d + 1) * agg.tp > best[0]:
+            break  # d decode replicas and one prefill replica already cost more than the best pools
         def reaches(k: int, d: int = d) -> bool:
             return s.ok({pre: k, dec: d})
 
