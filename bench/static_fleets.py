@@ -12,7 +12,9 @@ policies, routing and engines), its GPU-hours, SLO attainment and latency p99s. 
 at or above the target is the least any policy spends on this trace; a goal below it cannot be met.
 
 A fleet is `engine:tp=replicas` terms joined by commas (the scenario's model and its policy's GPU);
-fleets are separated by semicolons.
+fleets are separated by semicolons. A term `engine:tp:prefill=n` or `engine:tp:decode=n` is a pool of
+a disaggregated deployment (fleetplan/sim/disagg_proxy.py), e.g. "vllm:1:prefill=3,vllm:1:decode=1";
+pools and aggregated replicas of one model may be mixed. The GPU-hours are printed per role too.
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ sys.path.insert(0, str(ROOT / "bench"))  # evaluate_traces, a sibling script (fl
 
 from evaluate_traces import DATA, SCENARIOS, scenario_hour  # noqa: E402
 
+from fleetplan.models.config_key import Role  # noqa: E402
 from fleetplan.models.names import Engine, parse_engine  # noqa: E402
 from fleetplan.planner.policy import Policy  # noqa: E402
 from fleetplan.planner.types import ConfigKey  # noqa: E402
 from fleetplan.sim.baselines import StaticController  # noqa: E402
-from fleetplan.sim.des import FleetSim, SimSettings  # noqa: E402
+from fleetplan.sim.des import FleetSim, SimResult, SimSettings  # noqa: E402
 from fleetplan.sim.evaluate import make_environment  # noqa: E402
 from fleetplan.sim.traces import Trace  # noqa: E402
 
@@ -53,21 +56,37 @@ def parse_fleets(text: str, policy: Policy, model: str) -> list[tuple[str, dict[
         for term in (t.strip() for t in fleet.split(",")):
             try:
                 cfg, n = term.split("=")
-                eng, tp = cfg.split(":")
+                eng, tp, *role = cfg.split(":")
                 engine: Engine = parse_engine(eng.strip())
-                counts[ConfigKey(model, engine, gpu, int(tp), precision)] = int(n)
+                if len(role) > 1:
+                    raise ValueError("one role at most")
+                counts[ConfigKey(model, engine, gpu, int(tp), precision,
+                                 Role(role[0].strip()) if role else Role.AGGREGATED)] = int(n)
             except ValueError as exc:
-                raise SystemExit(f"--fleets: cannot read {term!r} (engine:tp=replicas): {exc}") from None
+                raise SystemExit(f"--fleets: cannot read {term!r} (engine:tp[:prefill|decode]=replicas): "
+                                 f"{exc}") from None
         out.append((fleet, counts))
     return out
 
 
-def run_one(trace: Trace, policy: Policy, label: str, counts: dict[ConfigKey, int]) -> str:
-    res = FleetSim(trace, StaticController(label, counts), make_environment(policy), SimSettings()).run()
+def run_fleet(trace: Trace, policy: Policy, label: str, counts: dict[ConfigKey, int]) -> SimResult:
+    """The fleet held fixed for the whole trace (warm at t = 0), in the scenario's replay."""
+    return FleetSim(trace, StaticController(label, counts), make_environment(policy), SimSettings()).run()
+
+
+def row(label: str, res: SimResult) -> str:
+    """One line of the table: GPU-hours (per role when pools serve), attainment, p99s, unmet requests."""
     ttft = float(np.percentile(res.ttft_ms, 99)) if len(res.ttft_ms) else float("nan")
     itl = float(np.percentile(res.itl_ms, 99)) if len(res.itl_ms) else float("nan")
+    roles = dict(res.gpu_hours_by_role)
+    pools = "" if set(roles) <= {Role.AGGREGATED} else "  (" + ", ".join(
+        f"{r.value} {h:.2f}" for r, h in res.gpu_hours_by_role) + ")"
     return (f"{label:40s} {res.gpu_hours:7.2f} {100 * res.slo_attainment:8.2f}% {ttft:9.0f} {itl:8.1f} "
-            f"{res.rejected + res.unfinished:7d}")
+            f"{res.rejected + res.unfinished:7d}{pools}")
+
+
+def run_one(trace: Trace, policy: Policy, label: str, counts: dict[ConfigKey, int]) -> str:
+    return row(label, run_fleet(trace, policy, label, counts))
 
 
 def main(argv: list[str] | None = None) -> int:

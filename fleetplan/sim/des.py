@@ -106,6 +106,7 @@ class FleetSim(BaselineExecutor, FleetMeter):
                             history_s=self.s.history_s, history_step_s=self.s.history_step_s,
                             peak_window_s=self.s.peak_window_s, epoch0_s=env.epoch0_s,
                             length_window_s=self.s.length_window_s)
+        self._init_pools()
         self.control: ReplayControl | None = None
         if isinstance(controller, FleetplanController):
             self.control = ReplayControl(
@@ -175,6 +176,9 @@ class FleetSim(BaselineExecutor, FleetMeter):
                 if kind == "step":
                     rep, version = cast(tuple[_SimReplica, int], payload)
                     if version != rep.version:
+                        continue
+                    if rep.pooled:  # a prefill or decode pool's replica (sim/disagg_proxy.py)
+                        outstanding -= self._pool_step(rep, t)
                         continue
                     firsts, fins, gap, cnt = rep.core.end()
                     cn = rep.counters
@@ -256,7 +260,7 @@ class FleetSim(BaselineExecutor, FleetMeter):
                 rep = reps[router.pick([r.rid for r in reps], [r.load for r in reps], affinity_key(blocks[idx]))]
             core = rep.core
             try:
-                core.submit(idx, prompt[idx], output[idx], blocks[idx])
+                core.submit(idx, prompt[idx], 1 if rep.pooled else output[idx], blocks[idx])
             except RequestTooLongError:
                 status[idx] = REJECTED
                 continue

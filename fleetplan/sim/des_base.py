@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fleetplan.models.config_key import Role
 from fleetplan.planner import act
 from fleetplan.planner.types import ConfigKey, HostInventory, ReplicaState
 from fleetplan.sim.control import ReplayControl
@@ -22,7 +23,7 @@ from fleetplan.sim.traces import Trace
 
 
 class _SimReplica:
-    __slots__ = ("config", "core", "counters", "gpus", "host", "inflight", "load", "mi", "port", "rid", "seq",
+    __slots__ = ("config", "core", "counters", "gpus", "host", "inflight", "load", "mi", "pooled", "port", "rid", "seq",
                  "since", "state", "t_gpu", "t_ready", "t_start", "t_stop", "template", "version")
 
     def __init__(self, rid: str, config: ConfigKey, host: str, gpus: tuple[int, ...], core: FastCore,
@@ -46,6 +47,7 @@ class _SimReplica:
         self.seq = seq
         self.counters = Counters()  # what its /metrics exports
         self.inflight: set[int] = set()  # request indices submitted and not finished
+        self.pooled = config.role is not Role.AGGREGATED  # a prefill or decode pool's (sim/disagg_proxy.py)
 
 
 @dataclass

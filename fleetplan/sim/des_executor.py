@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import cast
 
+from fleetplan.models.config_key import Role
 from fleetplan.planner.types import ConfigKey, Fleet, Replica, ReplicaState
 from fleetplan.sim.des_base import _SimReplica
 from fleetplan.sim.des_types import Baseline, ControllerView, ReplicaLoad
@@ -40,6 +41,13 @@ class BaselineExecutor(FleetWorld):
         for r in self.replicas:
             if r.state in (ReplicaState.STARTING, ReplicaState.READY):
                 live.setdefault(r.config, []).append(r)
+        # the pools' replicas this decision starts count as incoming for every other config of their
+        # model (a move to pools keeps the aggregated replicas until the pools serve, whatever the
+        # order of the keys; aggregated keys count only the replicas already starting, as before)
+        pool_starts: dict[str, int] = {}
+        for c, want in targets.items():
+            if c.role is not Role.AGGREGATED:
+                pool_starts[c.model] = pool_starts.get(c.model, 0) + max(0, want - len(live.get(c, [])))
         for c in sorted(set(live) | set(targets)):
             have = live.get(c, [])
             want = max(0, targets.get(c, 0))
@@ -56,7 +64,7 @@ class BaselineExecutor(FleetWorld):
                 # to take its place (make-before-break, as a rolling update with none unavailable)
                 order = sorted(have, key=lambda r: (r.state == ReplicaState.READY, r.load, -r.seq))
                 incoming = sum(1 for r in self.replicas if r.config.model == c.model and r.config != c
-                               and r.state == ReplicaState.STARTING)
+                               and r.state == ReplicaState.STARTING) + pool_starts.get(c.model, 0)
                 cut = order[: len(have) - want]
                 ready_cut = [r for r in cut if r.state == ReplicaState.READY]
                 keep = set(map(id, ready_cut[: min(incoming, len(ready_cut))]))

@@ -5,11 +5,20 @@ from __future__ import annotations
 
 import numpy as np
 
+from fleetplan.models.config_key import Role
 from fleetplan.models.mix import SLO_SHARE
 from fleetplan.planner.types import ConfigKey, ReplicaState
 from fleetplan.sim.des_base import FleetSimBase
 from fleetplan.sim.des_types import PENDING, REJECTED, SERVED, SimResult, TimelinePoint
 from fleetplan.sim.slo_periods import judge
+
+
+def hours_by_role(by_config: dict[ConfigKey, float]) -> tuple[tuple[Role, float], ...]:
+    """GPU-hours per role, in the order of `Role` (a role no replica had is left out)."""
+    out: dict[Role, float] = {}
+    for c, h in by_config.items():
+        out[c.role] = out.get(c.role, 0.0) + h
+    return tuple((r, out[r]) for r in Role if r in out)
 
 
 class FleetMeter(FleetSimBase):
@@ -94,6 +103,7 @@ class FleetMeter(FleetSimBase):
             deferred_actions=c.deferred if c is not None else 0,
             drain_timeouts=c.drain_timeouts if c is not None else 0,
             gpu_hours_by_config=tuple(sorted(by_config.items())),
+            gpu_hours_by_role=hours_by_role(by_config),
             prefix_hit_rate=hits / queried if queried > 0 else None,
             build_windows=tuple(sorted((b.done_t - (self.env.build_s(b.config) or 0.0), b.done_t, b.config)
                                        for b in self.sim_builds.values())),

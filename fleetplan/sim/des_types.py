@@ -9,6 +9,8 @@ from typing import Protocol
 
 import numpy as np
 
+from fleetplan.models.config_key import Role
+from fleetplan.models.disagg import IB_NDR_400G, KvLink
 from fleetplan.planner.types import ConfigKey, Fleet, HostInventory
 from fleetplan.sim.control import FleetplanController
 from fleetplan.sim.groundtruth import EngineParams
@@ -97,6 +99,9 @@ class SimSettings:
     # host of its GPU type, as their agents find its manifest (controller/agent.py `_scan_engine_cache`);
     # False: only the host that built it holds it
     shared_engine_cache: bool = False
+    # the link a KV cache takes between a prefill and a decode replica on different hosts (one
+    # host: its NVLink or PCIe, models.disagg.host_link); default one 400 Gb/s NIC per GPU (DGX H100)
+    kv_network_link: KvLink = IB_NDR_400G
 
 
 # ----------------------------------------------------------------------------------------------
@@ -142,6 +147,8 @@ class SimResult:
     met: np.ndarray | None = None  # per arrived request (trace order): served within both SLOs
     build_windows: tuple[tuple[float, float, ConfigKey], ...] = ()  # engine builds: (start_s, done_s, config)
     judged: PeriodJudgement | None = None  # the SLO over every rolling period (None: not judged)
+    # replicas' GPU-hours per role (aggregated, and the prefill and decode pools; builds apart)
+    gpu_hours_by_role: tuple[tuple[Role, float], ...] = ()
 
     @property
     def slo_attainment(self) -> float:

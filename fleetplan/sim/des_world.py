@@ -9,14 +9,14 @@ from fleetplan.planner import act
 from fleetplan.planner.agent_rules import AgentLimits, WantedBuild, WantedReplica, conflicts, refusals
 from fleetplan.planner.placement import first_free
 from fleetplan.planner.types import ConfigKey, EngineBuild, ReplicaState
-from fleetplan.sim.core import FastCore
-from fleetplan.sim.des_base import FleetSimBase, _SimBuild, _SimReplica
+from fleetplan.sim.des_base import _SimBuild, _SimReplica
 from fleetplan.sim.des_types import PENDING, REJECTED, ReplicaLoad
+from fleetplan.sim.disagg_proxy import DisaggProxy, core_for
 
 SIM_PORT_RANGE = (8000, 8999)  # the simulated agents' port range (each reports it)
 
 
-class FleetWorld(FleetSimBase):
+class FleetWorld(DisaggProxy):
     """The replicas and builds of the replay (a mixin of `FleetSim`)."""
 
     # -- the engines (fleetplan.sim.control.EnginePort)
@@ -82,11 +82,16 @@ class FleetWorld(FleetSimBase):
     def route(self, serving: Mapping[str, tuple[str, ...]], scraped: Sequence[str], t_s: float) -> None:
         for mi, m in enumerate(self.model_names):
             reps = [self.by_id[rid] for rid in serving.get(m, ()) if rid in self.by_id]
+            pools = [r for r in reps if r.pooled]
+            if pools or self.prefillers[mi] or self.decoders[mi]:
+                reps = [r for r in reps if not r.pooled]
             for r in self.serving[mi]:
-                if r.state == ReplicaState.READY and r not in reps:
+                if r.state == ReplicaState.READY and r not in reps and not r.pooled:
                     r.state = ReplicaState.DRAINING  # out of the upstream: its last requests finish
                     r.since = t_s
             self.serving[mi] = sorted((r for r in reps if r.state == ReplicaState.READY), key=lambda r: r.seq)
+            if pools or self.prefillers[mi] or self.decoders[mi]:
+                self._pool_route(mi, pools, t_s)
         self.prom.set_targets((rid, self.by_id[rid].config.model) for rid in scraped if rid in self.by_id)
 
     def later(self, t_s: float, fn: Callable[[float], None]) -> None:
@@ -110,9 +115,9 @@ class FleetWorld(FleetSimBase):
             self.conflicts += 1
             self.notes.append(f"t={t:.0f}s: start of {rid} refused by {host}: {'; '.join(refused)}")
             return None
-        params = self.env.params_for(config)
+        params = self.env.params_for(config.profile_key())
         self._rid_seq += 1
-        core = FastCore(params, seed=self.s.seed * 100003 + self._rid_seq, macro=self.s.macro_steps)
+        core = core_for(config, params, self.s.seed * 100003 + self._rid_seq, self.s.macro_steps)
         rep = _SimReplica(rid, config, host, gpus, core, t, self._rid_seq, self.model_names.index(config.model),
                           wanted.port, wanted.template)
         self.replicas.append(rep)
@@ -145,7 +150,7 @@ class FleetWorld(FleetSimBase):
         return conflicts(replicas, builds) + refusals(replicas, builds, limits)
 
     def _launch(self, rep: _SimReplica, t: float) -> None:
-        config = rep.config
+        config = rep.config.profile_key()  # a pool's replica runs the aggregated config's engine
         rep.t_gpu = t
         delay = self.env.startup_s(config)
         if self.env.build_s(config) is not None and not self._built(config):
@@ -175,6 +180,8 @@ class FleetWorld(FleetSimBase):
         rep.since = t
         if self.control is not None:
             self.control.update_routing(t)  # the agent's status: routed at once (daemon._on_status)
+        elif rep.pooled:
+            self._pool_ready(rep, t)
         else:
             self.serving[rep.mi].append(rep)
 
@@ -188,11 +195,18 @@ class FleetWorld(FleetSimBase):
             return
         rep.state = ReplicaState.DRAINING
         rep.since = t
+        if rep.pooled:
+            self._pool_leave(rep)
+            if rep.load == 0 and not self._holds_decode(rep):
+                self._stop(rep, t)
+            return
         self.serving[rep.mi].remove(rep)
         if rep.load == 0:
             self._stop(rep, t)
 
     def _stop(self, rep: _SimReplica, t: float) -> None:
+        if rep.pooled:
+            self._pool_leave(rep)
         if rep in self.serving[rep.mi]:
             self.serving[rep.mi].remove(rep)
         rep.state = ReplicaState.STOPPED
