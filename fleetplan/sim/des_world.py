@@ -48,7 +48,8 @@ class FleetWorld(DisaggProxy):
             state = ReplicaState.READY if r.state in (ReplicaState.READY, ReplicaState.DRAINING) else r.state
             per_host.setdefault(r.host, []).append(act.ReportedReplica(
                 r.rid, state, c.model, c.engine.value, c.gpu.value, c.tp, c.precision.value, r.gpus,
-                r.port, template=r.template, since_s=self.env.epoch0_s + (r.t_ready if r.t_ready is not None else r.t_start)))
+                r.port, template=r.template, since_s=self.env.epoch0_s + (r.t_ready if r.t_ready is not None else r.t_start),
+                role=c.role.value))
         builds: dict[str, list[act.ReportedBuild]] = {}
         for bid, b in self.sim_builds.items():
             bstate = act.BuildState.DONE if b.done else act.BuildState.RUNNING
@@ -92,7 +93,8 @@ class FleetWorld(DisaggProxy):
             self.serving[mi] = sorted((r for r in reps if r.state == ReplicaState.READY), key=lambda r: r.seq)
             if pools or self.prefillers[mi] or self.decoders[mi]:
                 self._pool_route(mi, pools, t_s)
-        self.prom.set_targets((rid, self.by_id[rid].config.model) for rid in scraped if rid in self.by_id)
+        self.prom.set_targets((rid, self.by_id[rid].config.model, self.by_id[rid].config.role.value)
+                              for rid in scraped if rid in self.by_id)
 
     def later(self, t_s: float, fn: Callable[[float], None]) -> None:
         self._push(t_s, self._P_LIFE, "call", fn)
