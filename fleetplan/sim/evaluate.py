@@ -93,6 +93,7 @@ class PolicyFigures:
     swap_cycles: int = 0
     # GPU-hours of the replicas per config label (engine builds apart: build_gpu_hours)
     gpu_hours_by_config: Mapping[str, float] = field(default_factory=dict)
+    gpu_hours_by_role: Mapping[str, float] = field(default_factory=dict)  # aggregated, prefill / decode pools
     build_gpu_hours: float = 0.0
     drain_timeouts: int = 0
     prefix_hit_rate: float | None = None  # the simulated fleet's prefix-cache hit rate (prompt tokens)
@@ -142,6 +143,7 @@ class PolicyFigures:
         d.update({
             "gpu_hours_by_engine": {k: r(v) for k, v in sorted(self.gpu_hours_by_engine().items())},
             "gpu_hours_by_config": {k: r(v) for k, v in sorted(self.gpu_hours_by_config.items())},
+            "gpu_hours_by_role": {k: r(v) for k, v in sorted(self.gpu_hours_by_role.items())},
             "replica_starts": self.replica_starts,
             "unmet_demand_share": r(self.unmet_demand_share, 5),
             "mean_gpus": r(self.mean_gpus, 2), "peak_gpus": self.peak_gpus,
@@ -766,6 +768,7 @@ def _figures(res: SimResult, wall: float, caps: Mapping[ConfigKey, float]) -> Po
         notes=res.notes,
         swap_cycles=res.swap_cycles,
         gpu_hours_by_config={c.label(): h for c, h in res.gpu_hours_by_config},
+        gpu_hours_by_role={role.value: h for role, h in res.gpu_hours_by_role},
         build_gpu_hours=res.build_gpu_hours,
         drain_timeouts=res.drain_timeouts,
         prefix_hit_rate=res.prefix_hit_rate,
