@@ -19,6 +19,16 @@ from fleetplan.planner.act_types import AlertKey, AlertKind
 log = logging.getLogger(__name__)
 
 
+def live_refusals(policy: Any) -> list[str]:
+    """What a live controller cannot run of `policy`: the routing sends a model's requests to its
+    serving replicas, and nothing yet puts a prefill-then-decode proxy in front of a model served by
+    disaggregated pools, so a policy that allows them is refused (the replay runs them:
+    `fleetplan evaluate`)."""
+    return [f"models[{i}].disaggregation.allowed = true: the controller's routing has no proxy for "
+            "disaggregated pools yet (fleetplan evaluate replays them); set it false on a live fleet"
+            for i, m in enumerate(policy.models) if m.disaggregation.allowed]
+
+
 @dataclass
 class PolicySource:
     path: Path
@@ -47,7 +57,11 @@ class PolicySource:
         except UnicodeDecodeError as exc:
             raise PolicyError(str(self.path), [f"byte {exc.start} = {raw[exc.start:exc.start + 1]!r}: "
                                                "not UTF-8"]) from None
-        return load_policy_text(text, str(self.path))
+        policy = load_policy_text(text, str(self.path))
+        unroutable = live_refusals(policy)
+        if unroutable:
+            raise PolicyError(str(self.path), unroutable)
+        return policy
 
     def load(self, *, initial: bool) -> bool:
         """Read + validate the policy file; on error keep the old policy (or fail at start)."""
