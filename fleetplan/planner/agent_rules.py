@@ -108,6 +108,15 @@ def refusals(replicas: Sequence[WantedReplica], builds: Sequence[WantedBuild], l
     ["replica r1: template 'trt' needs a built engine for m/h100/tp1/fp8; none cached, build it first"]
     >>> refusals([WantedReplica("r1", "trt", c, (0,), 8000)], [WantedBuild("b1", "trt-build", c, (1,))], limits)
     []
+
+    A disaggregated model's pool replica runs the same built engine (`ConfigKey.profile_key`):
+
+    >>> from dataclasses import replace
+    >>> from fleetplan.models.config_key import Role
+    >>> pools = replace(limits, launch_templates={"trt-decode": Engine.TRTLLM}, engines_cached=frozenset({c}),
+    ...                 engine_templates_need_cache=frozenset({"trt-decode"}))
+    >>> refusals([WantedReplica("r2", "trt-decode", replace(c, role=Role.DECODE), (0,), 8001)], [], pools)
+    []
     """
     errors: list[str] = []
     lo, hi = limits.port_range
@@ -124,7 +133,8 @@ def refusals(replicas: Sequence[WantedReplica], builds: Sequence[WantedBuild], l
                 f"not engine {c.engine.value!r}"
             )
         elif r.template in limits.engine_templates_need_cache:
-            if c not in limits.engines_cached and c not in building:
+            engine = c.profile_key()  # a pool's replica runs the same built engine as an aggregated one
+            if engine not in limits.engines_cached and engine not in building:
                 errors.append(
                     f"{where}: template {r.template!r} needs a built engine for "
                     f"{c.model}/{c.gpu.value}/tp{c.tp}/{c.precision.value}; none cached, build it first"
