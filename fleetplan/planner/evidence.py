@@ -224,6 +224,9 @@ def _inside(a: np.ndarray, s: np.ndarray, gl: np.ndarray, gu: np.ndarray, lo: np
 def _midpoints(a_lo: Sequence[float], a_hi: Sequence[float], depth: int) -> list[list[float]]:
     """Per interval, the midpoints the next `depth` halvings may visit: a tree in heap order (node
     k's interval halves into 2k + 1, the upper half, and 2k + 2)."""
+    if depth == 2:  # node 0 halves (lo, hi) at m; node 1 halves (m, hi), node 2 (lo, m)
+        return [[m, 0.5 * (m + hi), 0.5 * (lo + m)] for lo, hi in zip(a_lo, a_hi, strict=True)
+                for m in (0.5 * (lo + hi),)]
     out = []
     for lo0, hi0 in zip(a_lo, a_hi, strict=True):
         row: list[float] = []
