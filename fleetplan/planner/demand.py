@@ -101,7 +101,7 @@ def model_demands(observation: Observation, policy: Policy, now_s: float,
         if o is not None and o.peak_rps is not None and not valid_rps(o.peak_rps):
             notes.append(f"observed peak rate {o.peak_rps!r} is not a valid rate; ignored")
             o = replace(o, peak_rps=None)
-        if o is not None and any(not valid_rps(r) for _, r in o.history):
+        if o is not None and not all(map(valid_rps, [r for _, r in o.history])):
             bad = [r for _, r in o.history if not valid_rps(r)]
             notes.append(f"{len(bad)} rate sample(s) in the history are not valid rates (e.g. {bad[0]!r}); "
                          "ignored")

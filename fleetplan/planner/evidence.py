@@ -180,6 +180,12 @@ def _placed(a: np.ndarray, s: np.ndarray, llo: np.ndarray, lhi: np.ndarray, lo: 
     """x at within-bucket rank r (broadcast), and G at the buckets' bounds: with g = G,
     x = clip(exp(a + s ln(p / (1 - p))), lo, hi), p = clip(gl + r (gu - gl), 1e-300, 1 - 1e-16)."""
     gl, gu = _g(llo, a, s), _g(lhi, a, s)
+    return _inside(a, s, gl, gu, lo, hi, r), gl, gu
+
+
+def _inside(a: np.ndarray, s: np.ndarray, gl: np.ndarray, gu: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+            r: np.ndarray) -> np.ndarray:
+    """`_placed`'s x from G at the buckets' lower and upper bounds."""
     p = np.multiply(r, (gu - gl)[..., None])
     np.add(gl[..., None], p, out=p)
     np.maximum(p, 1e-300, out=p)
@@ -191,7 +197,28 @@ def _placed(a: np.ndarray, s: np.ndarray, llo: np.ndarray, lhi: np.ndarray, lo: 
     np.add(a[..., None], p, out=p)
     np.exp(p, out=p)
     np.maximum(p, lo[..., None], out=p)
-    return np.minimum(p, hi[..., None], out=p), gl, gu
+    return np.asarray(np.minimum(p, hi[..., None], out=p))
+
+
+def _midpoints(a_lo: Sequence[float], a_hi: Sequence[float], depth: int) -> list[list[float]]:
+    """Per interval, the midpoints the next `depth` halvings may visit: a tree in heap order (node
+    k's interval halves into 2k + 1, the upper half, and 2k + 2)."""
+    if depth == 2:  # node 0 halves (lo, hi) at m; node 1 halves (m, hi), node 2 (lo, m)
+        return [[m, 0.5 * (m + hi), 0.5 * (lo + m)] for lo, hi in zip(a_lo, a_hi, strict=True)
+                for m in (0.5 * (lo + hi),)]
+    out = []
+    for lo0, hi0 in zip(a_lo, a_hi, strict=True):
+        row: list[float] = []
+        level = [(lo0, hi0)]
+        for _ in range(depth):
+            below: list[tuple[float, float]] = []
+            for lo, hi in level:
+                m = 0.5 * (lo + hi)
+                row.append(m)
+                below += [(m, hi), (lo, m)]
+            level = below
+        out.append(row)
+    return out
 
 
 def _fit_shape(occupied: Sequence[tuple[float, float, float]], mean: float) -> tuple[float, float]:
@@ -201,41 +228,37 @@ def _fit_shape(occupied: Sequence[tuple[float, float, float]], mean: float) -> t
     lo = np.array([b[0] for b in occupied])
     hi = np.array([b[1] for b in occupied])
     n = np.array([b[2] for b in occupied])
+    nb = len(occupied)
     total = float(n.sum())
     with np.errstate(divide="ignore"):
-        llo, lhi = np.log(lo), np.log(hi)
+        lb = np.log(np.concatenate([lo, hi]))  # ln of the lower bounds, then of the upper ones: G once for both
     bounds = np.concatenate([lo[lo > 0], hi])
-    s = _SCALES[:, None]
-    a_lo = np.full(len(_SCALES), math.log(float(bounds.min())) - 2.0)
-    a_hi = np.full(len(_SCALES), math.log(float(bounds.max())) + 2.0)
-    rows = np.arange(len(_SCALES))
+    s = _SCALES[:, None, None]
+    a_lo = [math.log(float(bounds.min())) - 2.0] * len(_SCALES)
+    a_hi = [math.log(float(bounds.max())) + 2.0] * len(_SCALES)
     left = _FIT_STEPS
     while left > 0:
-        # the midpoints the next _FIT_DEPTH halvings may visit, per scale a tree in heap order (node i's
-        # interval halves into 2i+1, the upper half, and 2i+2), placed in one pass; each scale's walk
-        # down its tree takes exactly the path the halvings one by one take
+        # the midpoints the next _FIT_DEPTH halvings may visit, per scale, placed in one pass; each
+        # scale's walk down its tree takes exactly the path the halvings one by one take
         depth = min(_FIT_DEPTH, left)
-        mids = np.empty((len(_SCALES), 2 ** depth - 1))
-        lo_l, hi_l = a_lo[:, None], a_hi[:, None]  # the intervals of the tree's level, in heap order
-        for level in range(depth):
-            m = 0.5 * (lo_l + hi_l)
-            mids[:, 2 ** level - 1:2 ** (level + 1) - 1] = m
-            if level + 1 < depth:  # node k's children on the next level: 2k (mid, hi), 2k + 1 (lo, mid)
-                lo_l = np.stack((m, lo_l), axis=-1).reshape(len(_SCALES), -1)
-                hi_l = np.stack((hi_l, m), axis=-1).reshape(len(_SCALES), -1)
-        x, _, _ = _placed(mids[:, :, None], s[:, None], llo, lhi, lo, hi, _GL_X)
-        below_all = (np.multiply(x, _GL_W, out=x).sum(-1) * n).sum(-1) / total < mean
-        node = np.zeros(len(_SCALES), dtype=int)
-        for _ in range(depth):
-            below, mid = below_all[rows, node], mids[rows, node]
-            a_lo, a_hi = np.where(below, mid, a_lo), np.where(below, a_hi, mid)
-            node = np.where(below, 2 * node + 1, 2 * node + 2)
+        mids = _midpoints(a_lo, a_hi, depth)
+        a = np.array(mids)[:, :, None]
+        g = _g(lb, a, s)
+        x = _inside(a, s, g[..., :nb], g[..., nb:], lo, hi, _GL_X)
+        below_all = ((np.multiply(x, _GL_W, out=x).sum(-1) * n).sum(-1) / total < mean).tolist()
+        for i, (below, row) in enumerate(zip(below_all, mids, strict=True)):
+            node = 0
+            for _ in range(depth):
+                if below[node]:
+                    a_lo[i], node = row[node], 2 * node + 1
+                else:
+                    a_hi[i], node = row[node], 2 * node + 2
         left -= depth
-    a = 0.5 * (a_lo + a_hi)
-    _, gl, gu = _placed(a[:, None], s, llo, lhi, lo, hi, _GL_X)
-    ll = (n * np.log(np.maximum(gu - gl, 1e-300))).sum(-1)
+    a_fit = 0.5 * (np.array(a_lo) + np.array(a_hi))
+    g = _g(lb, a_fit[:, None], _SCALES[:, None])
+    ll = (n * np.log(np.maximum(g[:, nb:] - g[:, :nb], 1e-300))).sum(-1)
     best = int(np.argmax(ll >= ll.max() - 1e-9 * max(1.0, abs(float(ll.max())))))
-    return float(a[best]), float(_SCALES[best])
+    return float(a_fit[best]), float(_SCALES[best])
 
 
 def bucket_quantiles(levels: Sequence[float], buckets: Iterable[tuple[float, float]],
@@ -267,8 +290,7 @@ def bucket_quantiles(levels: Sequence[float], buckets: Iterable[tuple[float, flo
     shape: tuple[float, float] | None = None
     if usable and mean is not None and len(occupied) > 1:
         shape = _fit_shape(occupied, mean)
-    out: list[QuantileEstimate] = []
-    last = 0.0
+    found: list[tuple[float, float, float, float]] = []  # per level: q, its bucket's bounds, the rank inside it
     for q in levels:
         if not 0.0 <= q <= 1.0 or math.isnan(q):
             continue
@@ -281,18 +303,23 @@ def bucket_quantiles(levels: Sequence[float], buckets: Iterable[tuple[float, flo
             before += b[2]
         else:
             before = total - c
-        r = min(max((rank - before) / c, 0.0), 1.0)
+        found.append((q, lo, hi, min(max((rank - before) / c, 0.0), 1.0)))
+    placed: list[float] = []
+    if shape is not None and found:  # every level placed in one pass (a row per level)
+        lo_l, hi_l = np.array([f[1] for f in found]), np.array([f[2] for f in found])
+        with np.errstate(divide="ignore"):
+            x, _, _ = _placed(np.array([shape[0]]), np.array([shape[1]]), np.log(lo_l), np.log(hi_l), lo_l, hi_l,
+                              np.array([f[3] for f in found])[:, None])
+        placed = x.reshape(-1).tolist()
+    out: list[QuantileEstimate] = []
+    last = 0.0
+    for i, (q, lo, hi, r) in enumerate(found):
         if math.isinf(hi):
             v = lo  # Prometheus: the highest finite bound
         elif usable and mean is not None and shape is None:
             v = min(max(mean, lo), hi)  # one occupied bucket: every request is the mean
         elif shape is not None:
-            a, sc = shape
-            one = np.array([lo])
-            with np.errstate(divide="ignore"):
-                x, _, _ = _placed(np.array([a]), np.array([sc]), np.log(one), np.log(np.array([hi])), one,
-                                  np.array([hi]), np.array([r]))
-            v = float(x.reshape(-1)[0])
+            v = placed[i]
         else:
             v = lo + (hi - lo) * r
         last = max(last, v)

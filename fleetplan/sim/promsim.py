@@ -29,7 +29,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from fleetplan.models.config_key import Role
@@ -241,6 +241,8 @@ class PromSim:
         self._done_total: dict[str, float] = {}
         self._last_done: dict[str, float] = {}
         self._history_done: dict[str, dict[float, float | None]] = {}  # model -> end -> final history rate
+        # model -> (its first end, the final history points from there on, None where no rate)
+        self._history_runs: dict[str, tuple[float, list[tuple[float, float] | None]]] = {}
 
     # ---- scraping ------------------------------------------------------------------------------
     def set_targets(self, targets: Iterable[tuple[str, str] | tuple[str, str, str]]) -> None:
@@ -441,35 +443,60 @@ class PromSim:
     def _history(self, t_s: float) -> tuple[Series, ...]:
         vis = t_s - self.delay_s
         w = max(self.window_s, self.history_step_s)
-        n = int(self.history_s // self.history_step_s)
+        step = self.history_step_s
+        n = int(self.history_s // step)
         out = []
         for model in sorted(self.model_done):
             hist = self.model_done[model]
             # no rate before the model's first scrape: a history of days is not walked from its start
             first = hist[0][0] if hist else t_s
-            avail = min(n, int(max(0.0, t_s - first) // self.history_step_s) + 1)
+            avail = min(n, int(max(0.0, t_s - first) // step) + 1)
             # a point whose window ends before the visible data does is final: read once, kept (a
             # replay of days reads 2,880 points per cycle and model, as the daemon keeps what it read)
             done = self._history_done.setdefault(model, {})
-            pts = []
-            for k in range(avail, -1, -1):
-                end = t_s - k * self.history_step_s
+
+            def rate(end: float, model: str = model, done: dict[float, float | None] = done) -> float | None:
                 key = round(end, 6)
                 if key in done:
-                    r = done[key]
-                else:
-                    r = self._model_rate(model, end, w, vis)
-                    if end <= vis:
-                        done[key] = r
+                    return done[key]
+                r = self._model_rate(model, end, w, vis)
+                if end <= vis:
+                    done[key] = r
+                return r
+
+            pts: list[tuple[float, float]] = []
+            kept = 0
+            if t_s.is_integer() and step.is_integer() and abs(t_s) < 2.0**50:  # whole seconds: exact ends
+                pts = self._final_points(model, t_s - avail * step, min(vis, t_s), step, rate)
+                kept = len(self._history_runs[model][1])
+            for k in range(avail - kept, -1, -1):
+                end = t_s - k * step
+                r = rate(end)
                 if r is not None:
                     pts.append((self._wall(end), r))
             if len(done) > 2 * (n + 2):
-                oldest = t_s - (n + 1) * self.history_step_s
+                oldest = t_s - (n + 1) * step
                 for key in [x for x in done if x < oldest]:
                     del done[key]
             if pts:
                 out.append(Series({"model": model}, tuple(pts)))
         return tuple(out)
+
+    def _final_points(self, model: str, start: float, last: float, step: float,
+                      rate: Callable[[float], float | None]) -> list[tuple[float, float]]:
+        """The history's final points from `start` to `last` (whole seconds): the run of them kept
+        from the last cycle, extended by the newly final ones (each point read once, not per cycle)."""
+        run_start, points = self._history_runs.get(model, (start, []))
+        if run_start > start or (start - run_start) % step != 0:
+            run_start, points = start, []
+        del points[:int((start - run_start) // step)]
+        del points[max(0, int((last - start) // step) + 1):]
+        while start + len(points) * step <= last:
+            end = start + len(points) * step
+            r = rate(end)
+            points.append(None if r is None else (self._wall(end), r))
+        self._history_runs[model] = (start, points)
+        return [p for p in points if p is not None]
 
     def evidence(self, t_s: float) -> ev.Evidence:
         """What `Observer._evidence` returns: the evidence queries (planner/queries.py
