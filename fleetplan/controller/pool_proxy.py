@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import signal
 import time
 import uuid
@@ -137,9 +138,9 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
 class PoolProxy:
     """The proxy's state and HTTP app. `start()` / `stop()`, or `run_pool_proxy`."""
 
-    def __init__(self, settings: ProxySettings) -> None:
+    def __init__(self, settings: ProxySettings, rng: random.Random | None = None) -> None:
         self.settings = settings
-        self.file = UpstreamsFile(settings.upstreams_file)
+        self.file = UpstreamsFile(settings.upstreams_file, rng)  # rng: the picks' tie breaks
         self.metrics = ProxyMetrics()
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
@@ -231,14 +232,16 @@ class PoolProxy:
         for side in Side:  # both sides before any leg: no prefill is spent on a request that cannot decode
             if not pools.side(side):
                 return self._no_upstream(pools, side).response
-        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        headers = {"X-Request-Id": request.headers.get("X-Request-Id") or uuid.uuid4().hex}
+        if "Authorization" in request.headers:  # engines started with --api-key check it on both legs
+            headers["Authorization"] = request.headers["Authorization"]
         try:
-            first = await self._prefill(request.path, pools, body, rid)
+            first = await self._prefill(request.path, pools, body, headers)
             decode = dict(body)
             kv = first.get("kv_transfer_params")
             if isinstance(kv, dict):
                 decode["kv_transfer_params"] = kv
-            return await self._decode(request, pools, decode, rid)
+            return await self._decode(request, pools, decode, headers)
         except _LegFailed as exc:
             return exc.response
 
@@ -263,16 +266,18 @@ class PoolProxy:
         tried.append(up.url)
         return up
 
-    def _transient(self, pools: ModelPools, side: Side, rid: str, up: Upstream, exc: Exception) -> str:
+    def _transient(self, pools: ModelPools, side: Side, headers: dict[str, str], up: Upstream,
+                   exc: Exception) -> str:
         detail = exc.detail if isinstance(exc, _Transient) else f"{up.url}: {type(exc).__name__}: {exc}"
         self.metrics.upstream_errors.labels(side.value).inc()
-        log.warning("pool proxy: %s %s leg %s failed: %s", pools.name, side.value, rid, detail)
+        log.warning("pool proxy: %s %s leg %s failed: %s", pools.name, side.value, headers["X-Request-Id"], detail)
         return detail
 
     def _backoff(self) -> Backoff:
         return Backoff(self.settings.retry_initial_s, self.settings.retry_max_s)
 
-    async def _prefill(self, path: str, pools: ModelPools, body: dict[str, Any], rid: str) -> dict[str, Any]:
+    async def _prefill(self, path: str, pools: ModelPools, body: dict[str, Any],
+                       headers: dict[str, str]) -> dict[str, Any]:
         assert self._session is not None
         leg = prefill_body(body)
         detail = ""
@@ -285,7 +290,7 @@ class PoolProxy:
             t0 = time.monotonic()
             up.outstanding += 1
             try:
-                async with self._session.post(up.url + path, json=leg, headers={"X-Request-Id": rid}) as resp:
+                async with self._session.post(up.url + path, json=leg, headers=headers) as resp:
                     if resp.status in TRANSIENT_STATUS:
                         raise _Transient(f"{up.url}: HTTP {resp.status}")
                     raw = await resp.read()
@@ -298,14 +303,14 @@ class PoolProxy:
                     raise _Transient(f"{up.url}: the response is not a JSON object")
                 self.metrics.leg_seconds.labels(Side.PREFILL.value).observe(time.monotonic() - t0)
                 return out
-            except (_Transient, aiohttp.ClientError, json.JSONDecodeError) as exc:
-                detail = self._transient(pools, Side.PREFILL, rid, up, exc)
+            except (_Transient, aiohttp.ClientError, ValueError) as exc:  # ValueError: not JSON / UTF-8
+                detail = self._transient(pools, Side.PREFILL, headers, up, exc)
             finally:
                 up.outstanding -= 1
         raise self._gave_up(pools, Side.PREFILL, detail)
 
     async def _decode(self, request: web.Request, pools: ModelPools, body: dict[str, Any],
-                      rid: str) -> web.StreamResponse:
+                      headers: dict[str, str]) -> web.StreamResponse:
         assert self._session is not None
         detail = ""
         tried: list[str] = []
@@ -318,8 +323,7 @@ class PoolProxy:
             up.outstanding += 1
             out: web.StreamResponse | None = None
             try:
-                async with self._session.post(up.url + request.path, json=body,
-                                              headers={"X-Request-Id": rid}) as resp:
+                async with self._session.post(up.url + request.path, json=body, headers=headers) as resp:
                     if resp.status in TRANSIENT_STATUS:
                         raise _Transient(f"{up.url}: HTTP {resp.status}")
                     out = web.StreamResponse(status=resp.status, headers={
@@ -335,7 +339,7 @@ class PoolProxy:
                     self.metrics.failures.labels(pools.name, Side.DECODE.value).inc()
                 return out
             except (_Transient, aiohttp.ClientError) as exc:
-                detail = self._transient(pools, Side.DECODE, rid, up, exc)
+                detail = self._transient(pools, Side.DECODE, headers, up, exc)
                 if out is not None:  # bytes reached the client: no retry, the stream ends short
                     self.metrics.failures.labels(pools.name, Side.DECODE.value).inc()
                     return out

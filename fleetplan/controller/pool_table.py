@@ -120,7 +120,11 @@ class UpstreamsFile:
     def load(self) -> None:
         """Read the file now; OSError / TableError when it cannot be read or is malformed."""
         st = os.stat(self.path)
-        table = parse_table(self.path, self.path.read_text(encoding="utf-8"))
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise TableError(f"{self.path}: not UTF-8 text: {exc}") from exc
+        table = parse_table(self.path, text)
         self._stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
         self.table = table
         self.reloads += 1

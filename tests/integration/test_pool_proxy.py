@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -203,3 +204,75 @@ async def test_a_dead_replica_is_retried_elsewhere_and_an_empty_side_is_a_503(ri
         assert await _metric(s, rig.proxy, "fleetplan_pool_proxy_failures_total", model="other-model",
                              side="decode") == 1
     rig.write({MODEL: {"prefill": rig.prefill, "decode": rig.decode}})
+
+
+async def test_the_legs_bodies_and_a_503_decode_retried_on_the_other_replica(tmp_path: Path) -> None:
+    """In-process: fake replicas record what the proxy sends them; a draining decode replica's 503
+    is retried on the other one before any byte reached the client."""
+    from aiohttp import web
+
+    from fleetplan.controller.pool_proxy import PoolProxy, ProxySettings
+
+    seen: dict[str, list[dict[str, Any]]] = {"prefill": [], "draining": [], "decode": []}
+    kv = {"do_remote_prefill": True, "remote_engine_id": "e1", "remote_block_ids": [0, 1], "remote_host": "h",
+          "remote_port": 5600}
+
+    async def prefill(request: web.Request) -> web.Response:
+        seen["prefill"].append({**await request.json(), "rid": request.headers["X-Request-Id"]})
+        return web.json_response({"choices": [{"text": " a"}], "kv_transfer_params": kv})
+
+    async def draining(request: web.Request) -> web.Response:
+        seen["draining"].append(await request.json())
+        return web.json_response({"message": "the engine is shutting down"}, status=503)
+
+    async def decode(request: web.Request) -> web.StreamResponse:
+        seen["decode"].append({**await request.json(), "rid": request.headers["X-Request-Id"]})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for word in ("a", "b", "c"):
+            await resp.write(f'data: {{"choices": [{{"text": " {word}"}}]}}\n\n'.encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    runners = []
+    urls = []
+    for handler in (prefill, draining, decode):
+        app = web.Application()
+        app.router.add_post("/v1/completions", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")  # type: ignore[union-attr]
+    f = tmp_path / "pools.json"
+    atomic_write_text(f, json.dumps({"models": {"m": {"prefill": urls[:1], "decode": urls[1:]}}}))
+    proxy = PoolProxy(ProxySettings(f), rng=random.Random(3))
+    port = await proxy.start()
+    try:
+        async with aiohttp.ClientSession() as s:
+            for _ in range(6):
+                body = {"model": "m", "prompt": "x", "max_tokens": 3, "stream": True, "min_tokens": 3,
+                        "stream_options": {"include_usage": True}}
+                async with s.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+                    assert (await resp.read()).count(b"data: ") == 4
+            async with s.get(f"http://127.0.0.1:{port}/metrics") as resp:
+                text = await resp.text()
+    finally:
+        await proxy.stop()
+        for runner in runners:
+            await runner.cleanup()
+    assert len(seen["prefill"]) == 6 and len(seen["decode"]) == 6
+    for leg in seen["prefill"]:
+        assert leg["max_tokens"] == 1 and leg["stream"] is False and "stream_options" not in leg
+        assert "min_tokens" not in leg and leg["kv_transfer_params"]["do_remote_decode"] is True
+    for leg, first in zip(seen["decode"], seen["prefill"], strict=True):
+        assert leg["kv_transfer_params"] == kv and leg["max_tokens"] == 3 and leg["stream"] is True
+        assert leg["stream_options"] == {"include_usage": True} and leg["rid"] == first["rid"]
+    # least outstanding, ties at random: some requests first went to the draining replica, each retried once
+    retried = len(seen["draining"])
+    assert 0 < retried < 6
+    assert _series(text, "fleetplan_pool_proxy_retries_total", side="decode") == retried
+    assert _series(text, "fleetplan_pool_proxy_upstream_errors_total", side="decode") == retried
+    assert _series(text, "fleetplan_pool_proxy_failures_total") == 0
