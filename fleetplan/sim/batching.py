@@ -407,12 +407,18 @@ class BatchCore(BatchState[str]):
         return req_id in self._by_id
 
     def submit(self, req_id: str, prompt_tokens: int, max_tokens: int, now_s: float,
-               blocks: Sequence[int] | None = None) -> None:
+               blocks: Sequence[int] | None = None, *, prefilled: bool = False) -> None:
         """Queue a request. Raises RequestTooLongError when it can never fit; ValueError on a duplicate id.
-        `blocks`: the prompt's block hashes (fleetplan.sim.prefix_cache), None: not cacheable."""
+        `blocks`: the prompt's block hashes (fleetplan.sim.prefix_cache), None: not cacheable.
+        `prefilled`: the prompt's KV arrived from a prefill instance (a decode instance of a
+        disaggregated deployment): every prompt token but the last is computed, so the step that
+        computes the last one emits the first output token."""
         if req_id in self._by_id:
             raise ValueError(f"duplicate request id {req_id!r}")
-        self._by_id[req_id] = self._enqueue(req_id, prompt_tokens, max_tokens, blocks)
+        s = self._enqueue(req_id, prompt_tokens, max_tokens, None if prefilled else blocks)
+        if prefilled:
+            s.computed = s.prompt - 1
+        self._by_id[req_id] = s
 
     def cancel(self, req_id: str) -> bool:
         """Drop a request (client gone). True when it was known."""

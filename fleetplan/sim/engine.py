@@ -33,6 +33,9 @@ whitespace-separated word. Output length: `max_tokens` (`max_completion_tokens` 
 `ignore_eos` is true; otherwise a seeded "natural" length (lognormal, mean ~ `natural_mean_tokens`)
 clamped to [min_tokens, max_tokens]. Every SSE chunk carries `n_tokens`, the tokens it holds
 (chunks coalesce tokens when steps are shorter than `min_chunk_interval_ms` of wall time).
+
+Role (`EngineConfig.role`): a prefill or a decode instance of a disaggregated deployment, as vLLM's
+with a KV connector; `fleetplan.sim.engine_roles` describes the `kv_transfer_params` exchange.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from fleetplan.models.config_key import Role
 from fleetplan.models.names import Engine, model_key
 from fleetplan.sim.batching import BatchCore, StepResult
 from fleetplan.sim.engine_config import EngineConfig
@@ -64,6 +68,7 @@ from fleetplan.sim.engine_requests import (
     prompt_blocks,
     prompt_length,
 )
+from fleetplan.sim.engine_roles import PrefillTickets, kv_params_of, transfer_s
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +78,8 @@ __all__ = ["EngineConfig", "SimEngine", "run_engine"]
 class _Req:
     __slots__ = (
         "arrival", "blocks", "cached", "chat", "done", "done_event", "event", "finish_reason", "first", "last",
-        "max_tokens_param", "out_tokens", "pending", "pending_times", "prompt_tokens", "ready_at", "rid", "scheduled",
+        "max_tokens_param", "out_tokens", "pending", "pending_times", "prefilled", "prompt_tokens", "ready_at", "rid",
+        "scheduled",
     )
 
     def __init__(self, rid: str, prompt_tokens: int, out_tokens: int, max_tokens_param: int, arrival: float,
@@ -87,6 +93,7 @@ class _Req:
         self.arrival = arrival
         self.ready_at = arrival  # + the frontend overhead: when the scheduler sees it
         self.chat = chat
+        self.prefilled = False  # the prompt's KV came from a prefill instance (a decode instance's request)
         self.scheduled: float | None = None
         self.first: float | None = None
         self.last = 0.0
@@ -126,6 +133,7 @@ class SimEngine(EngineEndpoints):
         self._driver: asyncio.Task[None] | None = None
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
+        self.tickets: PrefillTickets | None = None  # a prefill instance's kv_transfer_params (set by start)
         self.vllm_registry = CollectorRegistry(auto_describe=False)
         self.vllm_registry.register(VllmCollector(self))
         self.trtllm_registry = CollectorRegistry(auto_describe=False)
@@ -158,8 +166,10 @@ class SimEngine(EngineEndpoints):
         server = site._server
         sockets = getattr(server, "sockets", None) or []
         self.port = sockets[0].getsockname()[1] if sockets else port
-        log.info("sim-engine %s %s on %s:%s startup %.0f sim s", self.cfg.persona.value, self.cfg.model, host,
-                 self.port, self.startup_sim_s)
+        self.tickets = PrefillTickets(self.cfg.replica_id or uuid.uuid4().hex, host, int(self.port or 0),
+                                      self.cfg.tp, self.params.block_size)
+        log.info("sim-engine %s %s (%s) on %s:%s startup %.0f sim s", self.cfg.persona.value, self.cfg.model,
+                 self.cfg.role.value, host, self.port, self.startup_sim_s)
         return int(self.port or 0)
 
     async def drain(self, timeout_s: float | None = None) -> bool:
@@ -217,7 +227,7 @@ class SimEngine(EngineEndpoints):
             while incoming and incoming[0].ready_at <= t:
                 r = incoming.popleft()
                 if r.rid in self.reqs:  # not cancelled meanwhile
-                    core.submit(r.rid, r.prompt_tokens, r.out_tokens, r.arrival, r.blocks)
+                    core.submit(r.rid, r.prompt_tokens, r.out_tokens, r.arrival, r.blocks, prefilled=r.prefilled)
             res = core.step(t)
             if res.duration_s <= 0.0:
                 await asyncio.sleep(0.001)
@@ -347,6 +357,10 @@ class SimEngine(EngineEndpoints):
             prompt = prompt_length(body, chat)
             blocks = prompt_blocks(body, chat) if self.cfg.prefix_caching else None
             out, max_tokens = self._output_length(body, chat, prompt)
+            kv = kv_params_of(body)
+            if self.cfg.role is Role.PREFILL:
+                out = 1  # a prefill instance computes the prompt and answers its first token
+            prefilled = self.cfg.role is Role.DECODE and kv is not None and kv.remote_prefill
             if self.core.blocks_for(prompt + out) > self.params.kv_blocks:
                 raise RequestError(400, f"prompt + output ({prompt + out} tokens) exceeds the KV cache")
         except json.JSONDecodeError:
@@ -359,9 +373,17 @@ class SimEngine(EngineEndpoints):
             arrival = min(arrival, self._sim_t)  # the engine's clock lags: arrive at its "now"
         r = _Req(rid, prompt, out, max_tokens, arrival, chat, blocks)
         r.ready_at = r.arrival + self.params.factors.ttft_overhead_s
+        if prefilled:  # the scheduler sees it once the prompt's KV arrived
+            r.prefilled = True
+            r.blocks = None
+            r.ready_at += transfer_s(self.cfg, self.params, prompt)
         r.finish_reason = "length" if out >= max_tokens else "stop"
         self.reqs[rid] = r
-        self.incoming.append(r)
+        incoming = self.incoming
+        i = len(incoming)
+        while i > 0 and incoming[i - 1].ready_at > r.ready_at:  # transfers of other lengths: keep ready order
+            i -= 1
+        incoming.insert(i, r)
         self._wake.set()
         stream = bool(body.get("stream"))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -371,7 +393,10 @@ class SimEngine(EngineEndpoints):
             while not r.done:
                 await r.event.wait()
                 r.event.clear()
-            return web.json_response(self._full_response(r))
+            full = self._full_response(r)
+            if self.cfg.role is Role.PREFILL and self.tickets is not None:
+                full["kv_transfer_params"] = self.tickets.issue(r.prompt_tokens)
+            return web.json_response(full)
         finally:
             if not r.done:
                 self.core.cancel(rid)

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from fleetplan.models.config_key import Role
 from fleetplan.models.names import Engine, GpuType, Precision
 from fleetplan.sim.groundtruth import EngineParams, build_params
 
@@ -30,6 +31,7 @@ class EngineConfig:
     lag_tolerance_s: float = math.inf  # wall; beyond it a lagging clock jumps forward (inf: never)
     drain_timeout_s: float = 600.0  # wall
     prefix_caching: bool = True  # vLLM's automatic prefix caching / TensorRT-LLM's KV cache reuse (both default on)
+    role: Role = Role.AGGREGATED  # a prefill or decode instance of a disaggregated deployment (sim.engine_roles)
 
     def params(self) -> EngineParams:
         overrides: dict[str, Any] = {}

@@ -22,6 +22,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "fleetplan.harness.cli.plan",  # policy check, plan
     "fleetplan.harness.cli.whatif",  # what-if
     "fleetplan.harness.cli.sim",  # sim-engine, replay-load, bench-engine
+    "fleetplan.harness.cli.proxy",  # pool-proxy
     "fleetplan.harness.cli.lab",  # lab up | down
     "fleetplan.harness.cli.agent",  # agent
     "fleetplan.harness.cli.daemon",  # controller, report, explain, observe, demo

@@ -53,6 +53,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--drain-timeout-s", type=float, default=600.0,
                    help="on SIGTERM, wait at most this long (wall) for in-flight requests (default 600)")
     p.add_argument("--gpu-indices", default=None, help="accepted for launch templates; informational")
+    p.add_argument("--role", default="aggregated", choices=("aggregated", "prefill", "decode"),
+                   help="an instance of a disaggregated deployment: prefill (answers one token and the "
+                   "kv_transfer_params a decode instance takes) or decode (takes them and skips the prompt's "
+                   "compute after the KV transfer time); default aggregated")
     p.set_defaults(handler=_sim_engine)
 
     r = subparsers.add_parser(
@@ -116,6 +120,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 def _sim_engine(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from fleetplan.models.config_key import Role
     from fleetplan.models.names import UnknownNameError, parse_engine, parse_gpu, parse_precision
     from fleetplan.sim.engine import EngineConfig, run_engine
 
@@ -147,6 +152,7 @@ def _sim_engine(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             drain_timeout_s=args.drain_timeout_s,
+            role=Role(args.role),
         )
         cfg.params()  # validate the model / GPU / TP combination up front
     except (UnknownNameError, ValueError) as exc:

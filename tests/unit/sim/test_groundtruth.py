@@ -201,3 +201,19 @@ def test_conservation_and_limits_hold_for_any_configuration(
         for rid, n in res.tokens:
             tokens[rid] = tokens.get(rid, 0) + n
     assert tokens == want
+
+
+def test_a_prefilled_request_computes_one_prompt_token_and_holds_its_whole_kv() -> None:
+    """A decode instance's request (the prompt's KV came from a prefill instance): its first step
+    computes the last prompt token and emits the first output token; it still holds the prompt's
+    KV blocks; every output token arrives."""
+    params = _params(Engine.VLLM)
+    fresh, pre = BatchCore(params, seed=0), BatchCore(params, seed=0)
+    fresh.submit("r", 8000, 4, 0.0)
+    pre.submit("r", 8000, 4, 0.0, prefilled=True)
+    a, b = fresh.step(0.0), pre.step(0.0)
+    assert b.prefill_tokens == 1 and b.tokens == [("r", 1)]
+    assert a.prefill_tokens > 1000 and b.duration_s < a.duration_s / 5
+    assert params.kv_blocks - pre.free_blocks >= pre.blocks_for(8000)  # the transferred prompt occupies the cache
+    tokens, _, _ = _drain(pre)
+    assert tokens == {"r": 3}

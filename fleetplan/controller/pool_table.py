@@ -1,0 +1,169 @@
+"""The pool proxy's upstreams: per model, the prefill and the decode replicas' base URLs, read from a
+JSON file (`fleetplan.controller.pool_proxy`), and the least-outstanding pick on each side.
+
+The file (written atomically by whoever owns it: `fleetplan.shared.atomic`):
+
+    {"models": {"llama-3.1-8b": {"prefill": ["http://10.0.0.5:8001", "http://10.0.0.6:8001"],
+                                 "decode": ["http://10.0.0.7:8002"]}}}
+
+Models are matched spelling-insensitively (`models.names.model_key`). An upstream is a base URL
+`http(s)://host:port` (no path: the proxy appends the request's `/v1/...` path).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from types import MappingProxyType
+from urllib.parse import urlsplit
+
+from fleetplan.models.names import model_key
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ModelPools", "PoolTable", "Side", "TableError", "Upstream", "UpstreamsFile", "parse_table"]
+
+
+class Side(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class TableError(ValueError):
+    """The upstreams file is unreadable or malformed (the message names the file, field and value)."""
+
+
+@dataclass(frozen=True)
+class ModelPools:
+    name: str  # as the file spells it (the metrics' model label)
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+
+    def side(self, side: Side) -> tuple[str, ...]:
+        return self.prefill if side is Side.PREFILL else self.decode
+
+
+PoolTable = Mapping[str, ModelPools]  # model_key -> pools
+
+
+def _base_url(path: Path, field: str, raw: object) -> str:
+    if not isinstance(raw, str):
+        raise TableError(f"{path}: {field} must be a URL string, got {raw!r}")
+    url = raw.strip().rstrip("/")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path or parts.query:
+        raise TableError(f"{path}: {field} must be a base URL http(s)://host:port, got {raw!r}")
+    try:
+        parts.port  # noqa: B018  (raises on a malformed port)
+    except ValueError as exc:
+        raise TableError(f"{path}: {field} has a bad port: {raw!r}") from exc
+    return url
+
+
+def parse_table(path: Path, text: str) -> PoolTable:
+    """The pools of every model in `text` (the content of `path`); TableError when malformed."""
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TableError(f"{path}: not valid JSON: {exc}") from exc
+    if not isinstance(doc, dict) or not isinstance(doc.get("models"), dict):
+        raise TableError(f"{path}: models must be an object of model name -> pools, got {doc!r:.80}")
+    table: dict[str, ModelPools] = {}
+    for name, pools in doc["models"].items():
+        if not isinstance(pools, dict):
+            raise TableError(f"{path}: models.{name} must be an object with prefill and decode lists, got {pools!r}")
+        unknown = set(pools) - {"prefill", "decode"}
+        if unknown:
+            raise TableError(f"{path}: models.{name} has unknown fields {sorted(unknown)} (prefill, decode)")
+        sides: dict[str, tuple[str, ...]] = {}
+        for side in Side:
+            raw = pools.get(side.value, [])
+            if not isinstance(raw, list):
+                raise TableError(f"{path}: models.{name}.{side.value} must be a list of URLs, got {raw!r}")
+            urls = [_base_url(path, f"models.{name}.{side.value}[{i}]", u) for i, u in enumerate(raw)]
+            sides[side.value] = tuple(dict.fromkeys(urls))  # a URL named twice is one upstream
+        key = model_key(name)
+        if key in table:
+            raise TableError(f"{path}: models.{name} names the same model as models.{table[key].name}")
+        table[key] = ModelPools(name, sides["prefill"], sides["decode"])
+    return MappingProxyType(table)
+
+
+class Upstream:
+    """One replica the proxy sends legs to, and its legs in flight."""
+
+    __slots__ = ("outstanding", "url")
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.outstanding = 0
+
+
+class UpstreamsFile:
+    """The table read from a file, re-read when the file changes (`refresh`), and the replicas'
+    outstanding legs (kept across reloads: a replica in both tables keeps its count)."""
+
+    def __init__(self, path: Path, rng: random.Random | None = None) -> None:
+        self.path = path
+        self._rng = rng or random.Random()
+        self._stamp: tuple[int, int, int] | None = None
+        self.table: PoolTable = MappingProxyType({})
+        self._upstreams: dict[str, Upstream] = {}
+        self.reloads = 0
+
+    def load(self) -> None:
+        """Read the file now; OSError / TableError when it cannot be read or is malformed."""
+        st = os.stat(self.path)
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise TableError(f"{self.path}: not UTF-8 text: {exc}") from exc
+        table = parse_table(self.path, text)
+        self._stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+        self.table = table
+        self.reloads += 1
+        live = {u for pools in table.values() for side in Side for u in pools.side(side)}
+        for url in [u for u, up in self._upstreams.items() if u not in live and up.outstanding == 0]:
+            del self._upstreams[url]
+        log.info("pool proxy: %s: %d models", self.path, len(table))
+
+    def refresh(self) -> bool:
+        """Re-read the file when it changed since the last read (True: a new table). A file that is
+        gone or malformed keeps the last table (logged)."""
+        try:
+            st = os.stat(self.path)
+        except OSError as exc:
+            if self._stamp is not None:
+                log.error("pool proxy: %s: %s (keeping the last table)", self.path, exc.strerror or exc)
+                self._stamp = None
+            return False
+        if (st.st_mtime_ns, st.st_size, st.st_ino) == self._stamp:
+            return False
+        try:
+            self.load()
+        except (OSError, TableError) as exc:
+            self._stamp = (st.st_mtime_ns, st.st_size, st.st_ino)  # not re-read until it changes again
+            log.error("pool proxy: %s (keeping the last table)", exc)
+            return False
+        return True
+
+    def pools(self, model: str) -> ModelPools | None:
+        return self.table.get(model_key(model))
+
+    def pick(self, pools: ModelPools, side: Side, exclude: Iterable[str] = ()) -> Upstream | None:
+        """The replica of `side` with the fewest legs in flight (ties: at random), not in `exclude`
+        unless it is the only one left; None: the side has no replica."""
+        urls = pools.side(side)
+        if not urls:
+            return None
+        skip = set(exclude)
+        candidates = [u for u in urls if u not in skip] or list(urls)
+        ups = [self._upstreams.setdefault(u, Upstream(u)) for u in candidates]
+        least = min(up.outstanding for up in ups)
+        return self._rng.choice([up for up in ups if up.outstanding == least])
