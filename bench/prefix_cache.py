@@ -146,6 +146,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"# {len(reqs)} requests over {reqs[-1].t_s:.0f} s; single-replica reuse bound "
           f"{(bound or 0) * 100:.1f}% of {PREFIX_BLOCK_TOKENS}-token blocks; {a.model} {a.engine} {a.gpu}: "
           f"{params.kv_blocks * params.block_size} KV tokens per replica", file=sys.stderr)
+    # what GPU memory alone can reach: one replica whose whole KV cache keeps freed blocks (LRU)
+    for mult in (1, 2, 4, 8):
+        cap = params.kv_blocks * params.block_size * mult // PREFIX_BLOCK_TOKENS
+        lru = block_reuse_share(reqs, capacity_blocks=cap)
+        print(f"# one replica, a cache of {mult} x its KV memory ({cap * PREFIX_BLOCK_TOKENS} tokens, LRU): "
+              f"reuse bound {(lru or 0) * 100:.1f}%", file=sys.stderr)
     rows = []
     for n in (int(x) for x in a.replicas.split(",")):
         for name in a.routers.split(","):

@@ -28,6 +28,7 @@ import gc
 import io
 import json
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
@@ -283,22 +284,34 @@ def _hash_ids(source: str, line: int, raw: object, prompt_tokens: int) -> tuple[
     return tuple(raw)
 
 
-def block_reuse_share(requests: Iterable[TraceRequest]) -> float | None:
-    """The share of the requests' prompt blocks that repeat an earlier block (in arrival order):
-    the prefix-cache hit rate in blocks of ONE replica with an unlimited cache (the bound for any
-    fleet: more replicas or a bounded cache hit less). None when no request has blocks.
-    Mooncake's conversation trace: 0.366."""
-    seen: set[int] = set()
+def block_reuse_share(requests: Iterable[TraceRequest], capacity_blocks: int | None = None) -> float | None:
+    """The share of the requests' prompt blocks that repeat an earlier block still in a cache of
+    `capacity_blocks` blocks, least recently used evicted first (in arrival order): the
+    prefix-cache hit rate in blocks of ONE replica with that cache (None: unlimited, the bound for
+    any fleet: more replicas or a bounded cache hit less). A replica's cache is at most its KV
+    memory (vLLM keeps freed blocks for reuse and evicts the least recently used), so the bound at
+    that capacity is what GPU memory alone can reach. None when no request has blocks.
+    Mooncake's conversation trace: 0.366 unlimited, 0.043 in the 430k tokens (840 blocks of 512)
+    of one H100's KV cache for Llama-3-8B.
+
+    >>> reqs = [TraceRequest(float(t), 1024, 1, "m", blocks=b) for t, b in enumerate([(1, 2), (3, 4), (1, 2)])]
+    >>> block_reuse_share(reqs), block_reuse_share(reqs, capacity_blocks=2)
+    (0.3333333333333333, 0.0)
+    """
+    cache: OrderedDict[int, None] = OrderedDict()
     total = repeat = 0
     for r in requests:
         if r.blocks is None:
             continue
         for h in r.blocks:
             total += 1
-            if h in seen:
+            if h in cache:
                 repeat += 1
+                cache.move_to_end(h)
             else:
-                seen.add(h)
+                cache[h] = None
+                if capacity_blocks is not None and len(cache) > capacity_blocks:
+                    cache.popitem(last=False)
     return repeat / total if total else None
 
 
