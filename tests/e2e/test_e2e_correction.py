@@ -107,8 +107,15 @@ def _shown(url: str) -> None:
     me = next(m for m in doc["plan"]["explanation"]["models"] if m["model"] == MODEL)
     low, high = me["observed_missed_share"]
     assert 0.0 <= low <= high <= 1.0, me["observed_missed_share"]
-    out = cli("explain", MODEL)
-    assert out.returncode == 0, out.stderr
+    # `explain` renders a later cycle than the report above; a cycle right after a replica starts is
+    # STALE again (no per-config reading), so read it until a cycle with readings (or the deadline)
+    deadline = time.monotonic() + 30.0
+    while True:
+        out = cli("explain", MODEL)
+        assert out.returncode == 0, out.stderr
+        if "observed at" in out.stdout or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
     print(out.stdout)
     assert "correction: engine speed vs profile" in out.stdout and "in force since" in out.stdout, out.stdout
     assert "length mix used for capacity: isl mean" in out.stdout and "observed at" in out.stdout
