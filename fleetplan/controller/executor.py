@@ -182,7 +182,7 @@ class Executor:
             return  # statuses still arriving (or MQTT down): the files written before stay
         by_id = {row.replica_id: row for row in rows}
         endpoints = {m: [self.endpoint(by_id[rid]) for rid in ids] for m, ids in decided.serving.items()}
-        routed = {rid for ids in decided.serving.values() for rid in ids}
+        routed = set(decided.routed())
         # a pool replica's target carries its role, so the per-model queries count each request once
         # (controller/observe.py ROLE_LABEL); an aggregated one's labels are as before roles
         targets = [ScrapeTarget(self.endpoint(row), row.model, row.engine, row.host, row.replica_id,
@@ -374,6 +374,9 @@ class Executor:
 
     def replica(self, replica_id: str) -> ReplicaRow | None:
         return self.store.get_replica(replica_id)
+
+    def active_replicas(self) -> Sequence[ReplicaRow]:
+        return self.store.active_replicas()
 
     async def sleep(self, delay_s: float) -> None:
         await asyncio.sleep(delay_s)
