@@ -42,6 +42,7 @@ from fleetplan.controller.pool_table import (
     parse_table,
     render_table,
     table_before_router,
+    table_generation,
 )
 from fleetplan.controller.protocol import desired_topic
 from fleetplan.controller.settings import ControllerSettings
@@ -218,8 +219,13 @@ class Executor:
                 # the proxy's file before the router: its pools are there before the proxy joins a
                 # model's upstream; a model the proxy leaves keeps them until the router is reloaded
                 leaving = (self.proxied if self.proxied is not None else frozenset(current)) - proxied
-                await asyncio.to_thread(self._write_pool_table, proxy.upstreams_path,
-                                        table_before_router(current, table, leaving))
+                first = await asyncio.to_thread(self._write_pool_table, proxy.upstreams_path,
+                                                table_before_router(current, table, leaving))
+                joining = proxied - (self.proxied or frozenset())
+                if joining and not await self._proxy_serves(first):
+                    proxied -= joining  # the proxy has not the pools: not in those upstreams (alert)
+                    for m in joining:
+                        endpoints[m] = [e for e in endpoints[m] if e != proxy.address]
             if r.file_sd_path is not None:
                 await asyncio.to_thread(write_file_sd, r.file_sd_path, targets)
             if r.endpoints_path is not None:
@@ -252,9 +258,44 @@ class Executor:
                 self.pool_table = {}
         return self.pool_table
 
-    def _write_pool_table(self, path: Path, table: Mapping[str, ModelPools]) -> None:
+    async def _proxy_serves(self, text: str) -> bool:
+        """Whether the pool proxy serves the table `text` (its /health generation), waiting for it
+        at most the proxy's load_timeout_s: a model's upstream gets the proxy only once the proxy
+        knows the model's pools (it re-reads its file every --poll-s). An alert names the proxy
+        while it does not."""
+        import httpx
+
+        proxy = self.settings.routing.pool_proxy
+        assert proxy is not None
+        want, url = table_generation(text), f"http://{proxy.address}/health"
+        deadline = time.monotonic() + proxy.load_timeout_s
+        key = AlertKey(AlertKind.ROUTING, "pool-proxy")
+        seen = "no answer"
+        async with httpx.AsyncClient(timeout=1.0) as client:
+            while True:
+                try:
+                    resp = await client.get(url)
+                    got = resp.json().get("generation") if resp.status_code == 200 else None
+                    if got == want:
+                        self.alerts.pop(key, None)
+                        return True
+                    seen = f"HTTP {resp.status_code}, table generation {got}"
+                except (httpx.HTTPError, ValueError, AttributeError) as exc:
+                    seen = f"{type(exc).__name__}: {exc}"
+                if time.monotonic() >= deadline:
+                    break
+                await asyncio.sleep(0.05)
+        text = (f"pool proxy {url} does not serve the table written to {proxy.upstreams_path} (generation "
+                f"{want}) after {proxy.load_timeout_s:g} s ({seen}): models whose pools are ready are not "
+                "routed to it")
+        if self.alerts.get(key) is None:
+            log.error("%s", text)
+        self.alerts[key] = text
+        return False
+
+    def _write_pool_table(self, path: Path, table: Mapping[str, ModelPools]) -> str:
         """The proxy's upstreams file, atomically; not rewritten when its text would not change
-        (the proxy re-reads the file on every change)."""
+        (the proxy re-reads the file on every change). Returns the text."""
         text = render_table(table.values())
         try:
             same = path.read_text(encoding="utf-8") == text
@@ -265,6 +306,7 @@ class Executor:
             log.info("pool proxy table %s: %s", path, ", ".join(
                 f"{m} {len(p.prefill)} prefill + {len(p.decode)} decode" for m, p in sorted(table.items())) or "empty")
         self.pool_table = dict(table)
+        return text
 
     # ---- desired state publishing ------------------------------------------------------------
     async def publish_hosts(self, hosts: set[str]) -> None:

@@ -12,6 +12,7 @@ Models are matched spelling-insensitively (`models.names.model_key`). An upstrea
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -28,7 +29,7 @@ from fleetplan.models.names import model_key
 log = logging.getLogger(__name__)
 
 __all__ = ["ModelPools", "PoolTable", "Side", "TableError", "Upstream", "UpstreamsFile", "parse_table", "render_table",
-           "table_before_router"]
+           "table_before_router", "table_generation"]
 
 
 class Side(StrEnum):
@@ -101,6 +102,12 @@ def parse_table(path: Path, text: str) -> PoolTable:
     return MappingProxyType(table)
 
 
+def table_generation(text: str) -> str:
+    """The content hash of an upstreams file's text: the proxy's /health names the one it serves,
+    so a writer knows when the proxy took a new table (as nginx's routing generation)."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
 def render_table(pools: Iterable[ModelPools]) -> str:
     """The upstreams file of `pools` (what `parse_table` reads back); deterministic: models and URLs
     sorted, so an unchanged table renders the same text.
@@ -164,6 +171,7 @@ class UpstreamsFile:
         self._rng = rng or random.Random()
         self._stamp: tuple[int, int, int] | None = None
         self.table: PoolTable = MappingProxyType({})
+        self.generation: str | None = None  # table_generation of the text the table was read from
         self._upstreams: dict[str, Upstream] = {}
         self.reloads = 0
 
@@ -177,6 +185,7 @@ class UpstreamsFile:
         table = parse_table(self.path, text)
         self._stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
         self.table = table
+        self.generation = table_generation(text)
         self.reloads += 1
         live = {u for pools in table.values() for side in Side for u in pools.side(side)}
         for url in [u for u, up in self._upstreams.items() if u not in live and up.outstanding == 0]:

@@ -22,6 +22,9 @@ class PoolProxySettings(BaseModel):
 
     upstreams_path: Path  # the proxy's --upstreams file (written atomically by the controller)
     address: str  # host:port nginx sends a pooled model's requests to (where the proxy listens)
+    # wall seconds the controller waits for the proxy to serve a new table (its /health generation)
+    # before a model's upstream gets the proxy; past it the model's pools are not routed (alert)
+    load_timeout_s: float = Field(default=5.0, gt=0)
 
     @field_validator("address")
     @classmethod

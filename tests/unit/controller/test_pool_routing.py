@@ -50,15 +50,25 @@ class Router:
         return True
 
 
-def _controller(tmp_path: Path, *, proxy: bool = True) -> Controller:
+def _controller(tmp_path: Path, *, proxy: bool = True, proxy_up: bool = True) -> Controller:
     (tmp_path / "policy.yaml").write_text(POLICY)
-    routing: dict[str, Any] = {"pool_proxy": {"upstreams_path": str(tmp_path / "pools.json"), "address": PROXY}}
+    routing: dict[str, Any] = {"pool_proxy": {"upstreams_path": str(tmp_path / "pools.json"), "address": PROXY,
+                                              "load_timeout_s": 0.3}}
     settings = ControllerSettings.model_validate({"routing": routing if proxy else {},
                                                   "default_host_address": "10.0.0.1"})
     c = Controller(settings=settings, policy_path=tmp_path / "policy.yaml", profiles_path=None,
                    store=StateStore(tmp_path / "s.db"))
     c.load_policy(initial=True)
     c.executor.router = Router(tmp_path / "pools.json")
+    if proxy_up:  # the proxy took every table written (its /health generation): what it was asked
+        asked: list[str] = []
+
+        async def serves(text: str) -> bool:
+            asked.append(text)
+            return True
+
+        c.executor._proxy_serves = serves  # type: ignore[method-assign]
+        c.proxy_asked = asked  # type: ignore[attr-defined]
     c.link.connected.set()
     c.executor.connected_wall = c.wall() - 3600
     return c
@@ -118,6 +128,8 @@ def test_the_proxy_joins_a_models_upstream_once_its_file_lists_both_pools_and_le
         pools = ModelPools("m", (_url(c, pre),), (_url(c, dec),))
         assert router.applied[-1][1] == {"m": pools} and table == {"m": pools}
         assert c.executor.routed == {agg, pre, dec}
+        # before nginx got the proxy, the controller saw the proxy serve that table (once: joining)
+        assert [parse_table(tmp_path, t)["m"] for t in c.proxy_asked] == [pools]  # type: ignore[attr-defined]
 
         # the way back: aggregated replicas serve, the pools drain; nginx drops the proxy while the
         # file still lists the pools, which stay listed while they drain
@@ -132,6 +144,22 @@ def test_the_proxy_joins_a_models_upstream_once_its_file_lists_both_pools_and_le
         c.store.apply([Drained(pre, False, 0.0, 30.0), Drained(dec, False, 0.0, 30.0)], None)
         nginx, table = _route(c)
         assert nginx == {"m": ["10.0.0.1:18003"]} and table == {}
+    finally:
+        c.store.close()
+
+
+def test_a_proxy_that_does_not_take_the_table_gets_no_request_and_is_alerted(tmp_path: Path) -> None:
+    from fleetplan.planner.act_types import AlertKey, AlertKind
+
+    c = _controller(tmp_path, proxy_up=False)  # nothing listens at PROXY
+    try:
+        agg, pre, dec = _start(c, "aggregated", 0), _start(c, "prefill", 1), _start(c, "decode", 2)
+        _report(c, [agg, pre, dec])
+        nginx, table = _route(c)
+        assert nginx == {"m": ["10.0.0.1:18000"]}  # the aggregated replica still serves
+        assert table["m"].decode and c.executor.proxied == frozenset()
+        alert = c.runtime_alerts[AlertKey(AlertKind.ROUTING, "pool-proxy")]
+        assert f"pool proxy http://{PROXY}/health does not serve the table" in alert and "0.3 s" in alert
     finally:
         c.store.close()
 
