@@ -8,8 +8,9 @@ Inputs to the core: `view()` (the hosts' last reports + this controller's record
 its decisions: rows committed in one transaction (`apply`), then desired states published
 (`publish_hosts`: staged version+1 committed before the MQTT publish; acks are never awaited
 here: the next reconcile republishes what stays unacked and acts on refusals), routing files
-written (`update_routing`: nginx, Prometheus' targets, the pool proxy's upstreams file), drains run (`drain`: out of the upstream, wait for in-flight requests
-to reach 0 or the drain deadline, then out of the desired state).
+written (`update_routing`: nginx, Prometheus' targets, the pool proxy's upstreams file), drains
+run (`drain`: out of the upstream, wait for in-flight requests to reach 0 or the drain deadline,
+then out of the desired state).
 
 Each reconcile also keeps the records: the hosts' inventory records in step with the store
 (`HostBook.sync_inventory`) and one bounded step of the store's retention
@@ -150,6 +151,7 @@ class Executor:
     # models whose nginx upstream holds the pool proxy (None: not known yet in this process)
     proxied: frozenset[str] | None = None
     pool_table: dict[str, ModelPools] | None = None  # the pool proxy's table as last written
+    proxy_missed: str | None = None  # the table generation the pool proxy did not take in time
     desired_ids: set[str] = field(default_factory=set)  # replica ids in phase desired at the last routing update
     republish_all: bool = False
     connected_wall: float = 0.0  # set on each (re)connect
@@ -268,7 +270,9 @@ class Executor:
         proxy = self.settings.routing.pool_proxy
         assert proxy is not None
         want, url = table_generation(text), f"http://{proxy.address}/health"
-        deadline = time.monotonic() + proxy.load_timeout_s
+        # a table the proxy did not take before is asked once more, not waited for again (a proxy
+        # that is down must not hold every routing update for its timeout)
+        deadline = time.monotonic() + (0.0 if want == self.proxy_missed else proxy.load_timeout_s)
         key = AlertKey(AlertKind.ROUTING, "pool-proxy")
         seen = "no answer"
         async with httpx.AsyncClient(timeout=1.0) as client:
@@ -278,6 +282,7 @@ class Executor:
                     got = resp.json().get("generation") if resp.status_code == 200 else None
                     if got == want:
                         self.alerts.pop(key, None)
+                        self.proxy_missed = None
                         return True
                     seen = f"HTTP {resp.status_code}, table generation {got}"
                 except (httpx.HTTPError, ValueError, AttributeError) as exc:
@@ -291,6 +296,7 @@ class Executor:
         if self.alerts.get(key) is None:
             log.error("%s", text)
         self.alerts[key] = text
+        self.proxy_missed = want
         return False
 
     def _write_pool_table(self, path: Path, table: Mapping[str, ModelPools]) -> str:

@@ -160,6 +160,10 @@ def test_a_proxy_that_does_not_take_the_table_gets_no_request_and_is_alerted(tmp
         assert table["m"].decode and c.executor.proxied == frozenset()
         alert = c.runtime_alerts[AlertKey(AlertKind.ROUTING, "pool-proxy")]
         assert f"pool proxy http://{PROXY}/health does not serve the table" in alert and "0.3 s" in alert
+        # the same table is asked once more on the next update, not waited for again
+        t0 = time.monotonic()
+        nginx, _ = _route(c)
+        assert nginx == {"m": ["10.0.0.1:18000"]} and time.monotonic() - t0 < 0.25
     finally:
         c.store.close()
 
