@@ -162,6 +162,7 @@ class Executor:
     _routing_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     RETENTION_ALERT = AlertKey(AlertKind.RETENTION)
+    POOL_PROXY_ALERT = AlertKey(AlertKind.ROUTING, "pool-proxy")  # the pool proxy does not take its table
 
     def __post_init__(self) -> None:
         if self.hosts is not None and self.store is not None:  # (tests build an Executor of parts)
@@ -202,10 +203,10 @@ class Executor:
         proxy = self.settings.routing.pool_proxy
         proxied = frozenset(decided.proxied) if proxy is not None else frozenset()
         # a model's aggregated replicas, and the pool proxy while both its pools have a ready replica
-        endpoints = {m: [self.endpoint(by_id[rid]) for rid in ids] + ([proxy.address] if m in proxied and proxy
-                                                                      else []) for m, ids in decided.serving.items()}
-        for m in proxied - set(endpoints):
-            endpoints[m] = [proxy.address] if proxy is not None else []
+        endpoints = {m: [self.endpoint(by_id[rid]) for rid in ids] for m, ids in decided.serving.items()}
+        if proxy is not None:
+            for m in proxied:
+                endpoints.setdefault(m, []).append(proxy.address)
         # a pool replica's target carries its role, so the per-model queries count each request once
         # (controller/observe.py ROLE_LABEL); an aggregated one's labels are as before roles
         targets = [ScrapeTarget(self.endpoint(row), row.model, row.engine, row.host, row.replica_id,
@@ -238,6 +239,8 @@ class Executor:
             if proxy is not None:
                 await asyncio.to_thread(self._write_pool_table, proxy.upstreams_path, table)
             self.routed = set(decided.routed())
+            if proxied == frozenset(decided.proxied):  # every model whose pools serve is routed to them
+                self.alerts.pop(self.POOL_PROXY_ALERT, None)
             self.alerts.pop(AlertKey(AlertKind.ROUTING), None)
             if AlertKey(AlertKind.ROUTER) not in self.alerts:
                 self.metrics.router_up.set(1.0)
@@ -273,7 +276,7 @@ class Executor:
         # a table the proxy did not take before is asked once more, not waited for again (a proxy
         # that is down must not hold every routing update for its timeout)
         deadline = time.monotonic() + (0.0 if want == self.proxy_missed else proxy.load_timeout_s)
-        key = AlertKey(AlertKind.ROUTING, "pool-proxy")
+        key = self.POOL_PROXY_ALERT
         seen = "no answer"
         async with httpx.AsyncClient(timeout=1.0) as client:
             while True:

@@ -164,6 +164,14 @@ def test_a_proxy_that_does_not_take_the_table_gets_no_request_and_is_alerted(tmp
         t0 = time.monotonic()
         nginx, _ = _route(c)
         assert nginx == {"m": ["10.0.0.1:18000"]} and time.monotonic() - t0 < 0.25
+
+        async def serves(text: str) -> bool:  # the proxy is back and took the table
+            return True
+
+        c.executor._proxy_serves = serves  # type: ignore[method-assign]
+        nginx, _ = _route(c)
+        assert nginx == {"m": ["10.0.0.1:18000", PROXY]}
+        assert AlertKey(AlertKind.ROUTING, "pool-proxy") not in c.runtime_alerts
     finally:
         c.store.close()
 
