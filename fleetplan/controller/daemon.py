@@ -110,7 +110,8 @@ class Controller:
         self.clock_guard = ClockGuard(self.clocks, self.settings.clock_step_tolerance_s)
         self.runtime_alerts: dict[AlertKey, str] = {}
         self.policy = PolicySource(self.policy_path, self.profiles_path, self.store, self.metrics,
-                                   self.runtime_alerts, wall=self.wall)
+                                   self.runtime_alerts, wall=self.wall,
+                                   pool_proxy=self.settings.routing.pool_proxy is not None)
         self.clock = Clock(self.time_scale, wall=self.wall)
         self.hosts = HostBook(self.runtime_alerts, self.settings.host_offline_grace_s, wall=self.wall,
                               inventory=lambda: policy_inventory(self.policy.policy))

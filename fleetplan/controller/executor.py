@@ -8,8 +8,9 @@ Inputs to the core: `view()` (the hosts' last reports + this controller's record
 its decisions: rows committed in one transaction (`apply`), then desired states published
 (`publish_hosts`: staged version+1 committed before the MQTT publish; acks are never awaited
 here: the next reconcile republishes what stays unacked and acts on refusals), routing files
-written (`update_routing`), drains run (`drain`: out of the upstream, wait for in-flight requests
-to reach 0 or the drain deadline, then out of the desired state).
+written (`update_routing`: nginx, Prometheus' targets, the pool proxy's upstreams file), drains
+run (`drain`: out of the upstream, wait for in-flight requests to reach 0 or the drain deadline,
+then out of the desired state).
 
 Each reconcile also keeps the records: the hosts' inventory records in step with the store
 (`HostBook.sync_inventory`) and one bounded step of the store's retention
@@ -28,6 +29,7 @@ import sqlite3
 import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fleetplan.controller.hosts import HostBook, retained_replica
@@ -35,6 +37,14 @@ from fleetplan.controller.link import MqttLink
 from fleetplan.controller.metrics import ControllerMetrics
 from fleetplan.controller.observe import _RUNNING, _WAITING, PromClient, PrometheusError
 from fleetplan.controller.policy_source import PolicySource
+from fleetplan.controller.pool_table import (
+    ModelPools,
+    TableError,
+    parse_table,
+    render_table,
+    table_before_router,
+    table_generation,
+)
 from fleetplan.controller.protocol import desired_topic
 from fleetplan.controller.settings import ControllerSettings
 from fleetplan.controller.state import Phase, ReplicaRow, StateStore
@@ -44,6 +54,7 @@ from fleetplan.planner import act, act_port, records
 from fleetplan.planner.act import ActDecision, ActSettings, ActView
 from fleetplan.planner.act_types import AlertKey, AlertKind, DeferKey, Deferral, Repeat
 from fleetplan.planner.queries import ROLE_LABEL
+from fleetplan.shared.atomic import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +147,11 @@ class Executor:
     wall: Callable[[], float] = time.time
     time_scale: float = 1.0  # simulated seconds per wall second (lab); the policy's times are simulated
     router: Any = None
-    routed: set[str] = field(default_factory=set)  # replica ids in the nginx upstreams right now
+    routed: set[str] = field(default_factory=set)  # replica ids in the nginx upstreams or the proxy's table right now
+    # models whose nginx upstream holds the pool proxy (None: not known yet in this process)
+    proxied: frozenset[str] | None = None
+    pool_table: dict[str, ModelPools] | None = None  # the pool proxy's table as last written
+    proxy_missed: str | None = None  # the table generation the pool proxy did not take in time
     desired_ids: set[str] = field(default_factory=set)  # replica ids in phase desired at the last routing update
     republish_all: bool = False
     connected_wall: float = 0.0  # set on each (re)connect
@@ -147,6 +162,7 @@ class Executor:
     _routing_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     RETENTION_ALERT = AlertKey(AlertKind.RETENTION)
+    POOL_PROXY_ALERT = AlertKey(AlertKind.ROUTING, "pool-proxy")  # the pool proxy does not take its table
 
     def __post_init__(self) -> None:
         if self.hosts is not None and self.store is not None:  # (tests build an Executor of parts)
@@ -163,7 +179,10 @@ class Executor:
 
     # ---- routing -----------------------------------------------------------------------------
     async def update_routing(self) -> None:
-        """nginx upstreams + endpoints JSON: ready, non-draining replicas; file_sd: ready or draining."""
+        """nginx upstreams + endpoints JSON: ready, non-draining aggregated replicas, and the pool
+        proxy for a model whose prefill and decode pools both have a ready replica; the proxy's
+        upstreams file: the pools (written before the proxy joins an upstream, emptied only after it
+        left); file_sd: ready or draining."""
         if self.policy.advisory():
             return
         async with self._routing_lock:
@@ -181,8 +200,13 @@ class Executor:
         if decided is None:
             return  # statuses still arriving (or MQTT down): the files written before stay
         by_id = {row.replica_id: row for row in rows}
+        proxy = self.settings.routing.pool_proxy
+        proxied = frozenset(decided.proxied) if proxy is not None else frozenset()
+        # a model's aggregated replicas, and the pool proxy while both its pools have a ready replica
         endpoints = {m: [self.endpoint(by_id[rid]) for rid in ids] for m, ids in decided.serving.items()}
-        routed = {rid for ids in decided.serving.values() for rid in ids}
+        if proxy is not None:
+            for m in proxied:
+                endpoints.setdefault(m, []).append(proxy.address)
         # a pool replica's target carries its role, so the per-model queries count each request once
         # (controller/observe.py ROLE_LABEL); an aggregated one's labels are as before roles
         targets = [ScrapeTarget(self.endpoint(row), row.model, row.engine, row.host, row.replica_id,
@@ -190,13 +214,33 @@ class Executor:
                    for row in (by_id[rid] for rid in decided.scraped)]
         r = self.settings.routing
         try:
+            if proxy is not None:
+                table = {m: ModelPools(m, tuple(self._url(by_id[i]) for i in p.prefill),
+                                       tuple(self._url(by_id[i]) for i in p.decode))
+                         for m, p in decided.upstreams().items()}
+                current = self._pool_table_now(proxy.upstreams_path)
+                # the proxy's file before the router: its pools are there before the proxy joins a
+                # model's upstream; a model the proxy leaves keeps them until the router is reloaded
+                leaving = (self.proxied if self.proxied is not None else frozenset(current)) - proxied
+                first = await asyncio.to_thread(self._write_pool_table, proxy.upstreams_path,
+                                                table_before_router(current, table, leaving))
+                joining = proxied - (self.proxied or frozenset())
+                if joining and not await self._proxy_serves(first):
+                    proxied -= joining  # the proxy has not the pools: not in those upstreams (alert)
+                    for m in joining:
+                        endpoints[m] = [e for e in endpoints[m] if e != proxy.address]
             if r.file_sd_path is not None:
                 await asyncio.to_thread(write_file_sd, r.file_sd_path, targets)
             if r.endpoints_path is not None:
                 await asyncio.to_thread(write_endpoints_json, r.endpoints_path, endpoints)
             if self.router is not None:
                 await asyncio.to_thread(self.router.apply, endpoints)
-            self.routed = routed
+            self.proxied = proxied
+            if proxy is not None:
+                await asyncio.to_thread(self._write_pool_table, proxy.upstreams_path, table)
+            self.routed = set(decided.routed())
+            if proxied == frozenset(decided.proxied):  # every model whose pools serve is routed to them
+                self.alerts.pop(self.POOL_PROXY_ALERT, None)
             self.alerts.pop(AlertKey(AlertKind.ROUTING), None)
             if AlertKey(AlertKind.ROUTER) not in self.alerts:
                 self.metrics.router_up.set(1.0)
@@ -205,6 +249,73 @@ class Executor:
             log.error("routing update failed: %s", exc)
             self.metrics.router_reload_failures.inc()
             self.metrics.router_up.set(0.0)  # controller/failsafe.py watches it come back
+
+    def _url(self, row: ReplicaRow) -> str:
+        return f"http://{self.endpoint(row)}"
+
+    def _pool_table_now(self, path: Path) -> dict[str, ModelPools]:
+        """The proxy's table as last written; at the first routing update of this process, the
+        file's (a previous controller's), unreadable or malformed: none."""
+        if self.pool_table is None:
+            try:
+                self.pool_table = {p.name: p for p in parse_table(path, path.read_text(encoding="utf-8")).values()}
+            except (OSError, UnicodeDecodeError, TableError):
+                self.pool_table = {}
+        return self.pool_table
+
+    async def _proxy_serves(self, text: str) -> bool:
+        """Whether the pool proxy serves the table `text` (its /health generation), waiting for it
+        at most the proxy's load_timeout_s: a model's upstream gets the proxy only once the proxy
+        knows the model's pools (it re-reads its file every --poll-s). An alert names the proxy
+        while it does not."""
+        import httpx
+
+        proxy = self.settings.routing.pool_proxy
+        assert proxy is not None
+        want, url = table_generation(text), f"http://{proxy.address}/health"
+        # a table the proxy did not take before is asked once more, not waited for again (a proxy
+        # that is down must not hold every routing update for its timeout)
+        deadline = time.monotonic() + (0.0 if want == self.proxy_missed else proxy.load_timeout_s)
+        key = self.POOL_PROXY_ALERT
+        seen = "no answer"
+        async with httpx.AsyncClient(timeout=1.0) as client:
+            while True:
+                try:
+                    resp = await client.get(url)
+                    got = resp.json().get("generation") if resp.status_code == 200 else None
+                    if got == want:
+                        self.alerts.pop(key, None)
+                        self.proxy_missed = None
+                        return True
+                    seen = f"HTTP {resp.status_code}, table generation {got}"
+                except (httpx.HTTPError, ValueError, AttributeError) as exc:
+                    seen = f"{type(exc).__name__}: {exc}"
+                if time.monotonic() >= deadline:
+                    break
+                await asyncio.sleep(0.05)
+        text = (f"pool proxy {url} does not serve the table written to {proxy.upstreams_path} (generation "
+                f"{want}) after {proxy.load_timeout_s:g} s ({seen}): models whose pools are ready are not "
+                "routed to it")
+        if self.alerts.get(key) is None:
+            log.error("%s", text)
+        self.alerts[key] = text
+        self.proxy_missed = want
+        return False
+
+    def _write_pool_table(self, path: Path, table: Mapping[str, ModelPools]) -> str:
+        """The proxy's upstreams file, atomically; not rewritten when its text would not change
+        (the proxy re-reads the file on every change). Returns the text."""
+        text = render_table(table.values())
+        try:
+            same = path.read_text(encoding="utf-8") == text
+        except (OSError, UnicodeDecodeError):
+            same = False
+        if not same:
+            atomic_write_text(path, text)
+            log.info("pool proxy table %s: %s", path, ", ".join(
+                f"{m} {len(p.prefill)} prefill + {len(p.decode)} decode" for m, p in sorted(table.items())) or "empty")
+        self.pool_table = dict(table)
+        return text
 
     # ---- desired state publishing ------------------------------------------------------------
     async def publish_hosts(self, hosts: set[str]) -> None:
@@ -374,6 +485,9 @@ class Executor:
 
     def replica(self, replica_id: str) -> ReplicaRow | None:
         return self.store.get_replica(replica_id)
+
+    def active_replicas(self) -> Sequence[ReplicaRow]:
+        return self.store.active_replicas()
 
     async def sleep(self, delay_s: float) -> None:
         await asyncio.sleep(delay_s)

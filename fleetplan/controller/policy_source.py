@@ -19,13 +19,16 @@ from fleetplan.planner.act_types import AlertKey, AlertKind
 log = logging.getLogger(__name__)
 
 
-def live_refusals(policy: Any) -> list[str]:
-    """What a live controller cannot run of `policy`: the routing sends a model's requests to its
-    serving replicas, and nothing yet puts a prefill-then-decode proxy in front of a model served by
-    disaggregated pools, so a policy that allows them is refused (the replay runs them:
-    `fleetplan evaluate`)."""
-    return [f"models[{i}].disaggregation.allowed = true: the controller's routing has no proxy for "
-            "disaggregated pools yet (fleetplan evaluate replays them); set it false on a live fleet"
+def live_refusals(policy: Any, *, pool_proxy: bool) -> list[str]:
+    """What a live controller cannot run of `policy`: a model allowed disaggregated pools is served
+    through the pool proxy (the controller writes its upstreams file and puts it in the model's nginx
+    upstream), so without a proxy configured (`pool_proxy` False: no `routing.pool_proxy` in the
+    controller config) a policy that allows pools is refused."""
+    if pool_proxy:
+        return []
+    return [f"models[{i}].disaggregation.allowed = true: no pool proxy is configured to send the model's "
+            "requests to its prefill and decode pools; set routing.pool_proxy in the controller config (the "
+            "proxy's upstreams_path and address, docs/controller.md), or disaggregation.allowed false"
             for i, m in enumerate(policy.models) if m.disaggregation.allowed]
 
 
@@ -41,6 +44,7 @@ class PolicySource:
     loaded_s: float | None = None  # wall
     error: str | None = None
     wall: Callable[[], float] = time.time
+    pool_proxy: bool = False  # the controller config names a pool proxy (routing.pool_proxy)
     _reload_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def read(self) -> Any:
@@ -58,7 +62,7 @@ class PolicySource:
             raise PolicyError(str(self.path), [f"byte {exc.start} = {raw[exc.start:exc.start + 1]!r}: "
                                                "not UTF-8"]) from None
         policy = load_policy_text(text, str(self.path))
-        unroutable = live_refusals(policy)
+        unroutable = live_refusals(policy, pool_proxy=self.pool_proxy)
         if unroutable:
             raise PolicyError(str(self.path), unroutable)
         return policy

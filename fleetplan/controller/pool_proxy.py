@@ -17,7 +17,8 @@ when there is one, after a jittered backoff; any other upstream error is passed 
 upstream sent it. A side with no replica is a 503 naming the model, the side and the file.
 
 The upstreams file (`fleetplan.controller.pool_table`) is re-read when it changes (polled); a leg in
-flight keeps its replica. `/health` answers 200 with the models' pool sizes; `/metrics` the proxy's
+flight keeps its replica. `/health` answers 200 with the models' pool sizes and the generation of
+the table it serves (`pool_table.table_generation`: a writer waits for it before sending requests); `/metrics` the proxy's
 own series (fresh registry, base units):
 
 - `fleetplan_pool_proxy_requests_total{model}`: requests for a pooled model;
@@ -204,7 +205,7 @@ class PoolProxy:
     # -- handlers ------------------------------------------------------------------------------
     async def h_health(self, request: web.Request) -> web.Response:
         models = {p.name: {"prefill": len(p.prefill), "decode": len(p.decode)} for p in self.file.table.values()}
-        return web.json_response({"status": "ok", "models": models})
+        return web.json_response({"status": "ok", "models": models, "generation": self.file.generation})
 
     async def h_metrics(self, request: web.Request) -> web.Response:
         resp = web.Response(body=generate_latest(self.metrics.registry))

@@ -12,6 +12,7 @@ Models are matched spelling-insensitively (`models.names.model_key`). An upstrea
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -27,7 +28,8 @@ from fleetplan.models.names import model_key
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ModelPools", "PoolTable", "Side", "TableError", "Upstream", "UpstreamsFile", "parse_table"]
+__all__ = ["ModelPools", "PoolTable", "Side", "TableError", "Upstream", "UpstreamsFile", "parse_table", "render_table",
+           "table_before_router", "table_generation"]
 
 
 class Side(StrEnum):
@@ -47,6 +49,11 @@ class ModelPools:
 
     def side(self, side: Side) -> tuple[str, ...]:
         return self.prefill if side is Side.PREFILL else self.decode
+
+    def joined(self, other: ModelPools) -> ModelPools:
+        """Each side's URLs of `self`, then those of `other` not in it."""
+        return ModelPools(self.name, tuple(dict.fromkeys((*self.prefill, *other.prefill))),
+                          tuple(dict.fromkeys((*self.decode, *other.decode))))
 
 
 PoolTable = Mapping[str, ModelPools]  # model_key -> pools
@@ -95,6 +102,56 @@ def parse_table(path: Path, text: str) -> PoolTable:
     return MappingProxyType(table)
 
 
+def table_generation(text: str) -> str:
+    """The content hash of an upstreams file's text: the proxy's /health names the one it serves,
+    so a writer knows when the proxy took a new table (as nginx's routing generation)."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def render_table(pools: Iterable[ModelPools]) -> str:
+    """The upstreams file of `pools` (what `parse_table` reads back); deterministic: models and URLs
+    sorted, so an unchanged table renders the same text.
+
+    >>> print(render_table([ModelPools("m", ("http://10.0.0.5:8001",), ())]), end="")
+    {
+      "models": {
+        "m": {
+          "decode": [],
+          "prefill": [
+            "http://10.0.0.5:8001"
+          ]
+        }
+      }
+    }
+    """
+    doc = {"models": {p.name: {"prefill": sorted(set(p.prefill)), "decode": sorted(set(p.decode))}
+                      for p in sorted(pools, key=lambda p: p.name)}}
+    return json.dumps(doc, indent=2, sort_keys=True) + "\n"
+
+
+def table_before_router(current: Mapping[str, ModelPools], new: Mapping[str, ModelPools],
+                        leaving: Iterable[str]) -> dict[str, ModelPools]:
+    """The table to write before the router is reloaded, `new` being the one to write after: for a
+    model the proxy joins the router's upstream, its pools are in the file before the proxy gets its
+    first request; for a model in `leaving` (the proxy leaves its upstream), the file keeps the
+    replicas of `current` until the router no longer sends it there (requests reaching the proxy
+    meanwhile find both sides), and they go with the write after.
+
+    >>> cur = {"m": ModelPools("m", ("http://p1:1",), ("http://d1:1",))}
+    >>> table_before_router(cur, {"m": ModelPools("m", (), ("http://d1:1",))}, ["m"])["m"]
+    ModelPools(name='m', prefill=('http://p1:1',), decode=('http://d1:1',))
+    >>> table_before_router(cur, {}, ["m"]) == cur
+    True
+    >>> table_before_router({}, cur, []) == cur  # joining: the pools first
+    True
+    """
+    out = dict(new)
+    for m in leaving:
+        if m in current:
+            out[m] = current[m] if m not in out else current[m].joined(out[m])
+    return out
+
+
 class Upstream:
     """One replica the proxy sends legs to, and its legs in flight."""
 
@@ -114,6 +171,7 @@ class UpstreamsFile:
         self._rng = rng or random.Random()
         self._stamp: tuple[int, int, int] | None = None
         self.table: PoolTable = MappingProxyType({})
+        self.generation: str | None = None  # table_generation of the text the table was read from
         self._upstreams: dict[str, Upstream] = {}
         self.reloads = 0
 
@@ -127,6 +185,7 @@ class UpstreamsFile:
         table = parse_table(self.path, text)
         self._stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
         self.table = table
+        self.generation = table_generation(text)
         self.reloads += 1
         live = {u for pools in table.values() for side in Side for u in pools.side(side)}
         for url in [u for u, up in self._upstreams.items() if u not in live and up.outstanding == 0]:

@@ -8,9 +8,31 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fleetplan.controller.mqtt import MqttSettings
-from fleetplan.controller.routing import HEADER_RE
+from fleetplan.controller.routing import HEADER_RE, RoutingError, validate_endpoint
 
 MAX_RANGE_POINTS = 11_000  # Prometheus refuses a range query of more points per series
+
+
+class PoolProxySettings(BaseModel):
+    """The pool proxy in front of disaggregated models' prefill and decode pools (`fleetplan
+    pool-proxy`, controller/pool_proxy.py): the controller writes its upstreams file and puts its
+    address in a pooled model's nginx upstream."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    upstreams_path: Path  # the proxy's --upstreams file (written atomically by the controller)
+    address: str  # host:port nginx sends a pooled model's requests to (where the proxy listens)
+    # wall seconds the controller waits for the proxy to serve a new table (its /health generation)
+    # before a model's upstream gets the proxy; past it the model's pools are not routed (alert)
+    load_timeout_s: float = Field(default=5.0, gt=0)
+
+    @field_validator("address")
+    @classmethod
+    def _address_valid(cls, v: str) -> str:
+        try:
+            return validate_endpoint(v)
+        except RoutingError as exc:
+            raise ValueError(str(exc)) from None
 
 
 class RoutingSettings(BaseModel):
@@ -27,6 +49,8 @@ class RoutingSettings(BaseModel):
     # it on a consistent-hash ring so a conversation's turns reach the replica holding its prefix
     # cache (controller/routing.py); models not named: least_conn
     affinity_headers: dict[str, str] = Field(default_factory=dict)
+    # the pool proxy of disaggregated models (None: a policy allowing pools is refused)
+    pool_proxy: PoolProxySettings | None = None
 
     @field_validator("affinity_headers")
     @classmethod

@@ -97,9 +97,12 @@ class EngineOptions:
         wall = self.build_s / self.time_scale
         return [sys.executable, "-c", SIM_BUILD, "{engine_dir}", f"{wall:g}"]
 
-    def argv(self, persona: str) -> list[str]:
+    def argv(self, persona: str, role: str = "aggregated") -> list[str]:
+        """`role`: prefill or decode, an instance of a disaggregated model's pool (the agent's
+        `<engine>-prefill` / `<engine>-decode` templates)."""
         return [
             sys.executable, "-m", "fleetplan", "sim-engine", "--persona", persona,
+            *(["--role", role] if role != "aggregated" else []),
             "--model", "{model}", "--gpu", "{gpu}", "--tp", "{tp}", "--precision", "{precision}",
             "--port", "{port}", "--replica-id", "{replica_id}", "--gpu-indices", "{gpu_indices}",
             "--time-scale", f"{self.time_scale:g}", "--startup-s", f"{self.startup_s:g}",
@@ -231,6 +234,9 @@ class Rig:
                          "startup_timeout_s": 120, "stop_timeout_s": 10},
                 "trtllm": {"engine": "trtllm", "argv": self.engine.argv("trtllm"), "cwd": str(REPO),
                            "startup_timeout_s": 120, "stop_timeout_s": 10},
+                # the pools of a disaggregated model (docs/agent.md); the lab's pool proxy fronts them
+                **{f"vllm-{role}": {"engine": "vllm", "argv": self.engine.argv("vllm", role), "cwd": str(REPO),
+                                    "startup_timeout_s": 120, "stop_timeout_s": 10} for role in ("prefill", "decode")},
             },
             "build_templates": {"trtllm-build": {"argv": self.engine.build_argv(), "cwd": str(REPO),
                                            "timeout_s": 600}},

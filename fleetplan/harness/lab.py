@@ -1,4 +1,5 @@
-"""The lab: real Mosquitto, Prometheus and nginx on free loopback ports, plus simulated GPU hosts.
+"""The lab: real Mosquitto, Prometheus, nginx and the pool proxy on free loopback ports, plus
+simulated GPU hosts.
 
 The servers are in `fleetplan.harness.servers`, their processes in `fleetplan.harness.procs`; this
 module holds the simulated hosts (`LabHost`), the `Lab` that starts them all, and `lab.json`.
@@ -12,12 +13,14 @@ orphan (nginx workers included); `Lab.stop()` waits for every group to be empty.
         lab.mqtt_port, lab.controller_user, lab.controller_password, lab.hosts[0].mqtt_user
         write_file_sd(lab.prometheus_file_sd_dir / "engines.json", targets)
         NginxRouter(lab.nginx_upstreams_path, lab.reload_nginx).apply({"m": ["127.0.0.1:8001"]})
+        lab.pool_proxy_address, lab.pool_upstreams_path  # `fleetplan pool-proxy`, its upstreams file
 
 CLI: ``fleetplan lab up --dir D [--hosts N] [--gpus-per-host 8] [--gpu h100]`` starts it in the
 background and writes D/lab.json; ``fleetplan lab down --dir D`` stops it (fleetplan/harness/cli/lab.py).
 
 Every `Lab.start()` (every ``lab up``) is a new lab: new ports, new MQTT passwords, and every server
-config regenerated (each file replaced atomically), also in the directory of a stopped lab. What the
+config regenerated (each file replaced atomically; nginx's routes and the pool proxy's upstreams
+start empty), also in the directory of a stopped lab. What the
 servers keep in D is data, not config: the broker's retained messages, the TSDB, the logs (appended),
 and any other file in D is left alone. Restarting one server (`MosquittoServer.restart`) keeps its
 port and passwords.
@@ -37,7 +40,13 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from fleetplan.harness.procs import LabError, ManagedProcess, free_port, pid_alive, port_is_free
-from fleetplan.harness.servers import MosquittoServer, MqttUser, NginxServer, PrometheusServer
+from fleetplan.harness.servers import (
+    MosquittoServer,
+    MqttUser,
+    NginxServer,
+    PoolProxyServer,
+    PrometheusServer,
+)
 from fleetplan.models.names import GpuType, parse_gpu
 
 if TYPE_CHECKING:
@@ -128,11 +137,12 @@ def allocate_port_ranges(count: int, size: int, exclude: Iterable[int] = ()) -> 
     return ranges
 
 
-SERVICES = ("mosquitto", "prometheus", "nginx")
+SERVICES = ("mosquitto", "prometheus", "nginx", "pool-proxy")
 
 
 class Lab:
-    """Mosquitto + Prometheus + nginx on loopback and N simulated GPU hosts; a context manager.
+    """Mosquitto + Prometheus + nginx + the pool proxy on loopback and N simulated GPU hosts; a
+    context manager.
 
     `dir`: where everything lives; a new temp dir (removed by `stop()`) when None.
     `hosts`: a count (names host-a, host-b, ...) or explicit names.
@@ -168,6 +178,7 @@ class Lab:
         self.mosquitto: MosquittoServer | None = None
         self.prometheus: PrometheusServer | None = None
         self.nginx: NginxServer | None = None
+        self.pool_proxy: PoolProxyServer | None = None
         self.hosts: tuple[LabHost, ...] = ()
         self._started = False
 
@@ -196,6 +207,9 @@ class Lab:
                 self.nginx = NginxServer(self.dir / "nginx", free_port(exclude=used))
                 self.nginx.write_config(reset_routes=True)
                 used.add(self.nginx.port)
+            if "pool-proxy" in self.services:
+                self.pool_proxy = PoolProxyServer(self.dir / "pool-proxy", free_port(exclude=used))
+                used.add(self.pool_proxy.port)
             ranges = allocate_port_ranges(len(self._host_names), self._ports_per_host, exclude=used)
             hosts = []
             for name, port_range in zip(self._host_names, ranges, strict=True):
@@ -216,9 +230,10 @@ class Lab:
                 )
             self.hosts = tuple(hosts)
             # Start the slow one first without waiting would be faster; sequential keeps errors clear.
-            for server in (self.mosquitto, self.nginx, self.prometheus):
+            for server in (self.mosquitto, self.nginx, self.prometheus, self.pool_proxy):
                 if server is not None:
                     self._start_with_port_retry(server, used)
+            self._scrape_pool_proxy()
             self._started = True
             self.write_json()
         except BaseException:
@@ -228,7 +243,7 @@ class Lab:
 
     @staticmethod
     def _start_with_port_retry(
-        server: MosquittoServer | PrometheusServer | NginxServer, used: set[int]
+        server: MosquittoServer | PrometheusServer | NginxServer | PoolProxyServer, used: set[int]
     ) -> None:
         """Start; if another process took the free port meanwhile, take another one (3 tries)."""
         for attempt in range(3):
@@ -242,10 +257,20 @@ class Lab:
             server.port = free_port(exclude=used)  # start() writes the config with it
             used.add(server.port)
 
+    def _scrape_pool_proxy(self) -> None:
+        """Prometheus scrapes the pool proxy's own metrics (labelled service="pool-proxy": no
+        replica label, so the controller's per-replica queries do not see it)."""
+        if self.prometheus is None or self.pool_proxy is None:
+            return
+        from fleetplan.shared.atomic import atomic_write_text
+
+        doc = [{"targets": [self.pool_proxy.address], "labels": {"service": "pool-proxy"}}]
+        atomic_write_text(self.prometheus.file_sd_dir / "pool-proxy.json", json.dumps(doc, indent=2) + "\n")
+
     def stop(self) -> None:
         """Stop every server (process groups emptied) and remove the dir if the lab created it."""
         errors = []
-        for server in (self.nginx, self.prometheus, self.mosquitto):
+        for server in (self.pool_proxy, self.nginx, self.prometheus, self.mosquitto):
             if server is None:
                 continue
             try:
@@ -304,6 +329,16 @@ class Lab:
         return Path(self._need(self.nginx, "nginx").upstreams_path)
 
     @property
+    def pool_proxy_address(self) -> str:
+        """host:port of the pool proxy: what the controller puts in a pooled model's nginx upstream."""
+        return str(self._need(self.pool_proxy, "pool-proxy").address)
+
+    @property
+    def pool_upstreams_path(self) -> Path:
+        """The pool proxy's upstreams file (the controller writes it)."""
+        return Path(self._need(self.pool_proxy, "pool-proxy").upstreams_path)
+
+    @property
     def endpoints_path(self) -> Path:
         return self.dir / "endpoints.json"
 
@@ -329,6 +364,7 @@ class Lab:
             ("mosquitto", self.mosquitto),
             ("prometheus", self.prometheus),
             ("nginx", self.nginx),
+            ("pool-proxy", self.pool_proxy),
         ):
             if server is not None and server.proc is not None and server.proc.pid is not None:
                 out[name] = server.proc.pid
@@ -376,6 +412,12 @@ class Lab:
             }
             if n.proc is not None:
                 procs["nginx"] = n.proc.to_json()
+        if self.pool_proxy is not None:
+            pp = self.pool_proxy
+            doc["pool_proxy"] = {"url": pp.url, "port": pp.port, "address": pp.address,
+                                 "upstreams_path": str(pp.upstreams_path), "poll_s": pp.poll_s}
+            if pp.proc is not None:
+                procs["pool-proxy"] = pp.proc.to_json()
         doc["endpoints_path"] = str(self.endpoints_path)
         doc["processes"] = procs
         return doc
@@ -400,7 +442,8 @@ class Lab:
         hosts = [LabHost.from_json(h) for h in doc.get("hosts", [])]
         services = [
             s
-            for s, key in (("mosquitto", "mqtt"), ("prometheus", "prometheus"), ("nginx", "nginx"))
+            for s, key in (("mosquitto", "mqtt"), ("prometheus", "prometheus"), ("nginx", "nginx"),
+                           ("pool-proxy", "pool_proxy"))
             if key in doc
         ]
         lab = cls(doc["dir"], hosts=[h.name for h in hosts] or 0, services=services)
@@ -424,6 +467,11 @@ class Lab:
             n = NginxServer(Path(doc["nginx"]["prefix"]), int(doc["nginx"]["port"]))
             n.proc = _attached_proc("nginx", procs.get("nginx"))
             lab.nginx = n
+        if "pool_proxy" in doc:
+            pd = doc["pool_proxy"]
+            pp = PoolProxyServer(Path(pd["upstreams_path"]).parent, int(pd["port"]), poll_s=float(pd["poll_s"]))
+            pp.proc = _attached_proc("pool-proxy", procs.get("pool-proxy"))
+            lab.pool_proxy = pp
         lab._started = True
         return lab
 
@@ -446,11 +494,13 @@ def _attached_proc(name: str, info: Mapping[str, Any] | None) -> ManagedProcess 
 
 
 def settings_from_lab(settings: ControllerSettings) -> tuple[ControllerSettings, Callable[[], None] | None]:
-    """Fill a ControllerSettings' Prometheus/MQTT/routing from lab.json when its `lab_dir` is set
-    (a `prometheus_url` the settings name wins: e.g. a proxy in front of the lab's Prometheus);
+    """Fill a ControllerSettings' Prometheus/MQTT/routing (the pool proxy's too) from lab.json when its
+    `lab_dir` is set (a `prometheus_url` the settings name wins: e.g. a proxy in front of the lab's
+    Prometheus);
     returns the settings and the lab's nginx reloader (the daemon's `prepare` hook)."""
     from fleetplan.controller.daemon import RoutingSettings
     from fleetplan.controller.mqtt import MqttSettings
+    from fleetplan.controller.settings import PoolProxySettings
 
     if settings.lab_dir is None:
         return settings, None
@@ -460,6 +510,8 @@ def settings_from_lab(settings: ControllerSettings) -> tuple[ControllerSettings,
         endpoints_path=lab.endpoints_path,
         file_sd_path=lab.prometheus_file_sd_dir / "engines.json",
         router_url=lab.nginx_url,
+        pool_proxy=(PoolProxySettings(upstreams_path=lab.pool_upstreams_path, address=lab.pool_proxy_address)
+                    if lab.pool_proxy is not None else None),
     )
     mqtt = MqttSettings(
         host=lab.mqtt_host, port=lab.mqtt_port, username=lab.controller_user,

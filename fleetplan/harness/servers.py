@@ -1,5 +1,6 @@
 """The lab's servers on loopback: `MosquittoServer` (password file, per-user ACL, persistence),
-`PrometheusServer` (file_sd targets) and `NginxServer` (the router, graceful reloads).
+`PrometheusServer` (file_sd targets), `NginxServer` (the router, graceful reloads) and
+`PoolProxyServer` (`fleetplan pool-proxy`, the front of disaggregated models' pools).
 Each runs in its own process group (`fleetplan.harness.procs.ManagedProcess`).
 """
 
@@ -10,6 +11,7 @@ import os
 import secrets
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -436,6 +438,70 @@ http {{
                     f"error log {self.error_log}:\n{file_tail(self.error_log, 10)}"
                 )
             time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+            self.proc = None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.running()
+
+
+# --------------------------------------------------------------------------- the pool proxy
+
+
+class PoolProxyServer:
+    """`fleetplan pool-proxy` on loopback: the front of disaggregated models' prefill and decode pools
+    (controller/pool_proxy.py). Its upstreams file (`upstreams_path`) is the controller's to write;
+    a new lab starts it empty. `address` is what the controller puts in a pooled model's nginx
+    upstream."""
+
+    def __init__(self, workdir: Path, port: int | None = None, *, poll_s: float = 0.2):
+        self.workdir = workdir
+        self.host = LOOPBACK
+        self.port = port or free_port()
+        self.poll_s = poll_s
+        self.upstreams_path = workdir / "upstreams.json"
+        self.proc: ManagedProcess | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def write_config(self) -> None:
+        """An empty table (a new lab has no pools: a previous lab's point at dead ports)."""
+        from fleetplan.controller.pool_table import render_table
+        from fleetplan.shared.atomic import atomic_write_text
+
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.upstreams_path, render_table([]))
+
+    def argv(self) -> list[str]:
+        return [sys.executable, "-m", "fleetplan", "pool-proxy", "--upstreams", str(self.upstreams_path),
+                "--host", self.host, "--port", str(self.port), "--poll-s", f"{self.poll_s:g}"]
+
+    def start(self) -> None:
+        self.write_config()
+        repo = Path(__file__).resolve().parents[2]  # this fleetplan, whatever the working directory
+        env = dict(os.environ, PYTHONUNBUFFERED="1",
+                   PYTHONPATH=os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH")) if p))
+        self.proc = ManagedProcess("pool-proxy", self.argv(), self.workdir / "pool-proxy.log", env=env)
+        self.proc.start()
+        proc = self.proc
+        # the log line, not only an open port: the port may belong to someone else
+        self.proc.wait_ready(lambda: "pool-proxy listening" in proc.log_text() and self._healthy(), 30.0,
+                             f"serving at {self.url}")
+
+    def _healthy(self) -> bool:
+        import httpx
+
+        return httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200
 
     def stop(self) -> None:
         if self.proc is not None:

@@ -33,7 +33,7 @@ r00007 is DEFERRED ("start before stop") until the new replica is READY.
 This module is the act core's one import name (`from fleetplan.planner import act`, then `act.X`);
 the code lives in `act_types.py` (records, inputs, effects), `act_reconcile.py` (reconcile, adopt,
 rejected), `act_execute.py` (execute, make-before-break, plan_deferred, held_gpus) and `act_drain.py`
-(routes, drain_step, drain deadlines).
+(routes and the pools' proxy table, drain_step, drain holders, drain deadlines).
 """
 
 from __future__ import annotations
@@ -41,8 +41,10 @@ from __future__ import annotations
 from fleetplan.planner.act_drain import (
     DrainProgress,
     DrainStep,
+    Pools,
     Routes,
     drain_deadline_s,
+    drain_holders,
     drain_step,
     model_drain_deadline_s,
     ready_since,
@@ -96,6 +98,7 @@ __all__ = [
     "NewReplica",
     "Note",
     "Phase",
+    "Pools",
     "Record",
     "ReplicaRow",
     "ReportedBuild",
@@ -104,6 +107,7 @@ __all__ = [
     "SetPhase",
     "adopt",
     "drain_deadline_s",
+    "drain_holders",
     "drain_step",
     "execute",
     "held_gpus",

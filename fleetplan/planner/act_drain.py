@@ -1,16 +1,18 @@
-"""The act core's routing and draining: which replicas nginx routes to and Prometheus scrapes
-(`routes`), since when each serves (`ready_since`), one poll of a draining replica (`drain_step`)
-and how long a drain may wait (`drain_deadline_s`). Pure; see `fleetplan.planner.act`.
+"""The act core's routing and draining: which replicas nginx routes to, which the pool proxy sends
+legs to, and which Prometheus scrapes (`routes`), since when each serves (`ready_since`), one poll
+of a draining replica (`drain_step`), whose requests also hold a drain (`drain_holders`) and how
+long a drain may wait (`drain_deadline_s`). Pure; see `fleetplan.planner.act`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
+from fleetplan.models.config_key import Role
 from fleetplan.planner.act_execute import unreported
 from fleetplan.planner.act_types import HostReport, Phase, ReplicaRow, reported_by_id
 from fleetplan.planner.types import ReplicaState
@@ -20,11 +22,63 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class Routes:
-    """Where requests go and what Prometheus scrapes, by replica id."""
+class Pools:
+    """A disaggregated model's pool replicas by role (replica ids)."""
 
-    serving: Mapping[str, tuple[str, ...]]  # model -> replicas nginx sends requests to
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+
+    @property
+    def serves(self) -> bool:
+        """Whether a request can be served: it needs a prefill AND a decode replica."""
+        return bool(self.prefill) and bool(self.decode)
+
+    def ids(self) -> tuple[str, ...]:
+        return (*self.prefill, *self.decode)
+
+    def joined(self, other: Pools) -> Pools:
+        """Both sides of `self` and `other` (in this order, each id once)."""
+        return Pools(tuple(dict.fromkeys((*self.prefill, *other.prefill))),
+                     tuple(dict.fromkeys((*self.decode, *other.decode))))
+
+
+@dataclass(frozen=True)
+class Routes:
+    """Where requests go and what Prometheus scrapes, by replica id.
+
+    A model's aggregated replicas are in its nginx upstream (`serving`). Its prefill and decode
+    pools are reached through the pool proxy (controller/pool_proxy.py), which sends each request's
+    prefill leg then its decode leg: the proxy joins the model's upstream only while the model has
+    a ready prefill AND a ready decode replica (`proxied`), so a pool half-started (or half-drained)
+    never takes a request it cannot finish; the aggregated replicas stay in the upstream until the
+    planner drains them (it does once the pools serve: planner/actions.py make_before_break).
+    """
+
+    serving: Mapping[str, tuple[str, ...]]  # model -> aggregated replicas nginx sends requests to
     scraped: tuple[str, ...]  # replicas Prometheus scrapes: ready, or draining (its last requests)
+    pools: Mapping[str, Pools] = field(default_factory=dict)  # model -> its ready pool replicas (desired)
+    leaving: Mapping[str, Pools] = field(default_factory=dict)  # model -> its draining pool replicas
+
+    @property
+    def proxied(self) -> tuple[str, ...]:
+        """The models whose pools serve: the proxy is in their nginx upstream."""
+        return tuple(m for m, p in self.pools.items() if p.serves)
+
+    def upstreams(self) -> dict[str, Pools]:
+        """The proxy's table (its upstreams file): per model with pool replicas, the ready ones; a
+        model not proxied also keeps its draining ones, so the requests the proxy took before it
+        left the model's upstream finish both legs (a proxied model's draining replicas take no new
+        leg: the ready ones do)."""
+        out: dict[str, Pools] = {}
+        for m in sorted({*self.pools, *self.leaving}):
+            ready = self.pools.get(m, Pools())
+            out[m] = ready if ready.serves else ready.joined(self.leaving.get(m, Pools()))
+        return out
+
+    def routed(self) -> frozenset[str]:
+        """The replicas routing names: in an nginx upstream or in the proxy's table as ready."""
+        return frozenset({rid for ids in self.serving.values() for rid in ids}
+                         | {rid for p in self.pools.values() for rid in p.ids()})
 
 
 def routes(replicas: Sequence[ReplicaRow], hosts: Mapping[str, HostReport], models: Sequence[str], *,
@@ -35,31 +89,103 @@ def routes(replicas: Sequence[ReplicaRow], hosts: Mapping[str, HostReport], mode
     arriving after a restart): the routing written before stays as it is, because a view without
     the hosts that have not reported yet would take their serving replicas out of nginx (the fault
     suite's controller kill -9 mid drain: 4 requests answered 503 in the 0.2 s before the statuses).
+    An aggregated replica serves in its model's nginx upstream (`serving`), a prefill or decode
+    replica in its model's pool (`pools`, by the row's role; `Routes.proxied` says which models'
+    pools take requests).
 
     >>> from fleetplan.planner.act_types import ReportedReplica
-    >>> row = ReplicaRow("r1", "h1", "m", "vllm", "h100", 4, "bf16", (0, 1, 2, 3), 8000, "vllm",
-    ...                  Phase.DESIRED, "planned", 0.0, 0.0, None, None)
-    >>> ready = HostReport("h1", True, replicas=(ReportedReplica("r1", ReplicaState.READY, "m", "vllm",
-    ...                    "h100", 4, "bf16", (0, 1, 2, 3), 8000),))
-    >>> routes([row], {"h1": ready}, ["m"], now_s=100.0, connected_since_s=0.0, grace_s=60.0).serving
+    >>> def row(rid, role="aggregated"):
+    ...     return ReplicaRow(rid, "h1", "m", "vllm", "h100", 1, "bf16", (0,), 8000, "vllm", Phase.DESIRED,
+    ...                       "planned", 0.0, 0.0, None, None, role)
+    >>> def ready(*rids):
+    ...     return {"h1": HostReport("h1", True, replicas=tuple(ReportedReplica(r, ReplicaState.READY, "m", "vllm",
+    ...             "h100", 1, "bf16", (0,), 8000) for r in rids))}
+    >>> routes([row("r1")], ready("r1"), ["m"], now_s=100.0, connected_since_s=0.0, grace_s=60.0).serving
     {'m': ('r1',)}
-    >>> routes([row], {}, ["m"], now_s=10.0, connected_since_s=0.0, grace_s=60.0) is None  # h1 not heard yet
+    >>> routes([row("r1")], {}, ["m"], now_s=10.0, connected_since_s=0.0, grace_s=60.0) is None  # h1 not heard yet
     True
+
+    Make-before-break between aggregated replicas and pools: a ready prefill replica alone is no
+    route (its decode replica still starts); once both pools have a ready replica the proxy joins,
+    beside the aggregated replica the planner has not drained yet.
+
+    >>> rows = [row("a1"), row("p1", "prefill"), row("d1", "decode")]
+    >>> r = routes(rows, ready("a1", "p1"), ["m"], now_s=100.0, connected_since_s=0.0, grace_s=60.0)
+    >>> r.serving, r.pools, r.proxied
+    ({'m': ('a1',)}, {'m': Pools(prefill=('p1',), decode=())}, ())
+    >>> r = routes(rows, ready("a1", "p1", "d1"), ["m"], now_s=100.0, connected_since_s=0.0, grace_s=60.0)
+    >>> r.serving, r.proxied, r.upstreams()
+    ({'m': ('a1',)}, ('m',), {'m': Pools(prefill=('p1',), decode=('d1',))})
+
+    On the way back the pools drain once aggregated replicas serve: the proxy leaves the upstream,
+    and its table keeps the draining replicas for the requests it already took.
+
+    >>> back = [row("a2"), replace(row("p1", "prefill"), phase=Phase.DRAINING),
+    ...         replace(row("d1", "decode"), phase=Phase.DRAINING)]
+    >>> r = routes(back, ready("a2", "p1", "d1"), ["m"], now_s=100.0, connected_since_s=0.0, grace_s=60.0)
+    >>> r.serving, r.proxied, r.upstreams()
+    ({'m': ('a2',)}, (), {'m': Pools(prefill=('p1',), decode=('d1',))})
     """
     if unreported({r.host for r in replicas}, hosts, now_s, connected_since_s, grace_s) is not None:
         return None
     reported = reported_by_id(hosts)
     serving: dict[str, list[str]] = {m: [] for m in models}
+    pools: dict[str, dict[Role, list[str]]] = {}
+    leaving: dict[str, dict[Role, list[str]]] = {}
     scraped: list[str] = []
     for row in replicas:
         rep = reported.get(row.replica_id)
         ready = rep is not None and rep[1].state == ReplicaState.READY
         host = hosts.get(row.host)
+        role = Role(row.role)
         if row.phase == Phase.DESIRED and ready and host is not None and not host.lost(now_s, grace_s):
-            serving.setdefault(row.model, []).append(row.replica_id)
+            if role is Role.AGGREGATED:
+                serving.setdefault(row.model, []).append(row.replica_id)
+            else:
+                pools.setdefault(row.model, {}).setdefault(role, []).append(row.replica_id)
+        elif row.phase == Phase.DRAINING and role is not Role.AGGREGATED:
+            leaving.setdefault(row.model, {}).setdefault(role, []).append(row.replica_id)
         if ready or row.phase == Phase.DRAINING:
             scraped.append(row.replica_id)
-    return Routes({m: tuple(ids) for m, ids in serving.items()}, tuple(scraped))
+
+    def by_model(found: Mapping[str, Mapping[Role, list[str]]]) -> dict[str, Pools]:
+        return {m: Pools(tuple(s.get(Role.PREFILL, ())), tuple(s.get(Role.DECODE, ()))) for m, s in found.items()}
+
+    return Routes({m: tuple(ids) for m, ids in serving.items()}, tuple(scraped), by_model(pools), by_model(leaving))
+
+
+def drain_holders(replicas: Sequence[ReplicaRow], hosts: Mapping[str, HostReport], row: ReplicaRow) -> tuple[str, ...]:
+    """The replicas whose requests in flight also hold `row`'s drain: a decode replica that is its
+    model's last (no other desired decode replica is ready) stays up while the model's prefill
+    replicas still hold requests, since each of those takes a decode leg once its prefill ends
+    (the replay's proxy keeps such a replica up the same way: sim/disagg_proxy.py `_holds_decode`).
+
+    >>> from fleetplan.planner.act_types import ReportedReplica
+    >>> def row(rid, role, phase=Phase.DRAINING):
+    ...     return ReplicaRow(rid, "h1", "m", "vllm", "h100", 1, "bf16", (0,), 8000, "vllm", phase,
+    ...                       "planned", 0.0, 0.0, None, None, role)
+    >>> d1, p1 = row("d1", "decode"), row("p1", "prefill")
+    >>> drain_holders([d1, p1], {}, d1)
+    ('p1',)
+    >>> d2 = row("d2", "decode", Phase.DESIRED)
+    >>> up = {"h1": HostReport("h1", True, replicas=(ReportedReplica("d2", ReplicaState.READY, "m", "vllm", "h100",
+    ...       1, "bf16", (0,), 8000),))}
+    >>> drain_holders([d1, d2, p1], up, d1)  # another decode replica takes the legs
+    ()
+    >>> drain_holders([d1, p1], {}, p1)
+    ()
+    """
+    if row.role != Role.DECODE.value:
+        return ()
+    reported = reported_by_id(hosts)
+    for r in replicas:
+        if (r.model == row.model and r.role == Role.DECODE.value and r.replica_id != row.replica_id
+                and r.phase == Phase.DESIRED):
+            rep = reported.get(r.replica_id)
+            if rep is not None and rep[1].state == ReplicaState.READY:
+                return ()
+    return tuple(r.replica_id for r in replicas if r.model == row.model and r.role == Role.PREFILL.value
+                 and r.phase in (Phase.DESIRED, Phase.DRAINING))
 
 
 def ready_since(replicas: Sequence[ReplicaRow], hosts: Mapping[str, HostReport]) -> dict[str, float]:

@@ -13,7 +13,9 @@ suspends the step until the simulation reaches its time).
 and drains. `drain`: one replica's drain after the act core moved it to DRAINING and routing dropped it: wait
 `settle_s`, then poll its requests in flight every `poll_s` (`act.drain_step`) until they reach 0 or
 the deadline passes, then record the end (`records.Drained`), route, and publish the host's desired
-state without it. No I/O here: every effect is a call into the port.
+state without it. A decode replica that is its model's last also waits for the requests its
+model's prefill replicas hold (`act.drain_holders`: each takes a decode leg once prefilled). No
+I/O here: every effect is a call into the port.
 
 Worked example: a port whose replica drains in two polls (an in-memory port, as the tests use).
 
@@ -52,7 +54,8 @@ from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Protocol
 
-from fleetplan.planner.act_drain import DrainProgress, DrainStep, drain_step
+from fleetplan.models.config_key import Role
+from fleetplan.planner.act_drain import DrainProgress, DrainStep, drain_holders, drain_step
 from fleetplan.planner.act_execute import execute as act_execute
 from fleetplan.planner.act_reconcile import reconcile as act_reconcile
 from fleetplan.planner.act_types import ActDecision, ActView, HostReport, Note, Phase, ReplicaRow
@@ -87,6 +90,10 @@ class Port(Protocol):
 
     def replica(self, replica_id: str) -> ReplicaRow | None:
         """The replica's record (None: none)."""
+        ...
+
+    def active_replicas(self) -> Sequence[ReplicaRow]:
+        """The active replica records (desired or draining)."""
         ...
 
     async def inflight(self, row: ReplicaRow) -> float | None:
@@ -140,6 +147,22 @@ async def execute(port: Port, actions: Sequence[Action], *, planned_on: ActView 
     return d
 
 
+async def _inflight(port: Port, row: ReplicaRow) -> float | None:
+    """The requests in flight that hold `row`'s drain: its own, and those of its `drain_holders`
+    (None: one of them unknown)."""
+    total = await port.inflight(row)
+    if total is None:
+        return None
+    holders = drain_holders(port.active_replicas(), port.reports(), row) if row.role == Role.DECODE.value else ()
+    for rid in holders:
+        other = port.replica(rid)
+        n = await port.inflight(other) if other is not None else 0.0
+        if n is None:
+            return None
+        total += n
+    return total
+
+
 async def drain(port: Port, replica_id: str, *, deadline_s: float, settle_s: float,
                 poll_s: float) -> Drained | None:
     """Drain one replica (see the module docstring); its end, or None when it was not draining (or
@@ -153,7 +176,7 @@ async def drain(port: Port, replica_id: str, *, deadline_s: float, settle_s: flo
         row = port.replica(replica_id)
         if row is None or row.phase != Phase.DRAINING:
             return None
-        step, progress = drain_step(progress, await port.inflight(row), port.now_s(), deadline_s)
+        step, progress = drain_step(progress, await _inflight(port, row), port.now_s(), deadline_s)
         if step != DrainStep.WAIT:
             break
         await port.sleep(poll_s)

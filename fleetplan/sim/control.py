@@ -11,7 +11,7 @@ loop, its sleeps resumed by the simulated clock.
 `ReplayControl` is the act loop's `Port` (planner/act_port.py) in memory: the records are kept by
 the records reducer (planner/records.py, the one the daemon's StateStore persists), desired states
 reach the simulated agents at once (no MQTT), an agent reports its engines and builds as they are,
-and the router serves `act.routes(...).serving`.
+and the router serves `act.routes(...)`: the aggregated replicas and the pools.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class EnginePort(Protocol):
 
     def inflight(self, replica_id: str) -> float | None: ...
 
-    def route(self, serving: Mapping[str, tuple[str, ...]], scraped: Sequence[str], t_s: float) -> None: ...
+    def route(self, routes: act.Routes, t_s: float) -> None: ...
 
     def later(self, t_s: float, fn: Callable[[float], None]) -> None: ...
 
@@ -202,7 +202,8 @@ class ReplayControl:
                        connected_since_s=-math.inf, grace_s=self.s.host_offline_grace_s)
         if r is not None:
             self.serving = {rid: m for m, ids in r.serving.items() for rid in ids}
-            self.engines.route(r.serving, r.scraped, t_s)
+            self.serving.update({rid: m for m, p in r.pools.items() for rid in p.ids()})
+            self.engines.route(r, t_s)
 
     # ---- one cycle -----------------------------------------------------------------------------
     def reconcile(self, t_s: float) -> None:
@@ -300,6 +301,9 @@ class ReplayControl:
 
     def replica(self, replica_id: str) -> act.ReplicaRow | None:
         return self.records.replicas.get(replica_id)
+
+    def active_replicas(self) -> Sequence[act.ReplicaRow]:
+        return tuple(self.rows.values())
 
     async def inflight(self, row: act.ReplicaRow) -> float | None:
         return self.engines.inflight(row.replica_id)

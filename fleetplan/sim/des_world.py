@@ -3,7 +3,7 @@ stopping, as the simulated agents carry them out (the engine port fleetplan.sim.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 
 from fleetplan.planner import act
 from fleetplan.planner.agent_rules import AgentLimits, WantedBuild, WantedReplica, conflicts, refusals
@@ -80,12 +80,10 @@ class FleetWorld(DisaggProxy):
             return None
         return float(rep.core.num_running + rep.core.num_waiting)
 
-    def route(self, serving: Mapping[str, tuple[str, ...]], scraped: Sequence[str], t_s: float) -> None:
+    def route(self, routes: act.Routes, t_s: float) -> None:
         for mi, m in enumerate(self.model_names):
-            reps = [self.by_id[rid] for rid in serving.get(m, ()) if rid in self.by_id]
-            pools = [r for r in reps if r.pooled]
-            if pools or self.prefillers[mi] or self.decoders[mi]:
-                reps = [r for r in reps if not r.pooled]
+            reps = [self.by_id[rid] for rid in routes.serving.get(m, ()) if rid in self.by_id]
+            pools = [self.by_id[rid] for rid in routes.pools.get(m, act.Pools()).ids() if rid in self.by_id]
             for r in self.serving[mi]:
                 if r.state == ReplicaState.READY and r not in reps and not r.pooled:
                     r.state = ReplicaState.DRAINING  # out of the upstream: its last requests finish
@@ -94,7 +92,7 @@ class FleetWorld(DisaggProxy):
             if pools or self.prefillers[mi] or self.decoders[mi]:
                 self._pool_route(mi, pools, t_s)
         self.prom.set_targets((rid, self.by_id[rid].config.model, self.by_id[rid].config.role.value)
-                              for rid in scraped if rid in self.by_id)
+                              for rid in routes.scraped if rid in self.by_id)
 
     def later(self, t_s: float, fn: Callable[[float], None]) -> None:
         self._push(t_s, self._P_LIFE, "call", fn)

@@ -7,12 +7,14 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from fleetplan.harness.lab import LAB_JSON, Lab
+from fleetplan.controller.settings import ControllerSettings
+from fleetplan.harness.lab import LAB_JSON, Lab, settings_from_lab
 from fleetplan.harness.procs import LabError, group_pids
 from fleetplan.harness.servers import PrometheusServer
 
@@ -29,7 +31,7 @@ def test_lab_starts_everything_and_stops_with_no_orphans() -> None:
     lab = Lab(hosts=3, gpus_per_host=4, gpu="H100 SXM5")
     with lab:
         groups = lab.process_groups()
-        assert set(groups) == {"mosquitto", "prometheus", "nginx"}
+        assert set(groups) == {"mosquitto", "prometheus", "nginx", "pool-proxy"}
         pids = {name: group_pids(pgid) for name, pgid in groups.items()}
         assert len(pids["nginx"]) >= 2  # master + worker, one group
         assert all(pids.values())
@@ -45,6 +47,17 @@ def test_lab_starts_everything_and_stops_with_no_orphans() -> None:
         assert doc["mqtt"]["port"] == lab.mqtt_port and doc["mqtt"]["controller_user"] == "controller"
         assert doc["nginx"]["upstreams_path"] == str(lab.nginx_upstreams_path)
         assert doc["prometheus"]["file_sd_dir"] == str(lab.prometheus_file_sd_dir)
+        # the pool proxy: an empty table the controller will write, its address for nginx
+        assert doc["pool_proxy"]["upstreams_path"] == str(lab.pool_upstreams_path)
+        assert json.loads(lab.pool_upstreams_path.read_text()) == {"models": {}}
+        health = httpx.get(f"http://{lab.pool_proxy_address}/health").json()
+        assert health["models"] == {} and health["generation"]
+        assert lab.prometheus is not None
+        deadline = time.monotonic() + 15  # Prometheus scrapes the proxy's own metrics
+        while not any(t["labels"].get("service") == "pool-proxy" and t["health"] == "up"
+                      for t in lab.prometheus.active_targets()):
+            assert time.monotonic() < deadline, lab.prometheus.active_targets()
+            time.sleep(0.2)
         assert [h["mqtt_user"] for h in doc["hosts"]] == ["agent-host-a", "agent-host-b", "agent-host-c"]
         assert oct((lab.dir / LAB_JSON).stat().st_mode & 0o777) == "0o600"  # holds passwords
         lab_dir = lab.dir
@@ -64,7 +77,7 @@ def test_cli_lab_up_runs_in_background_until_down(tmp_path: Path) -> None:
     try:
         doc = json.loads((lab_dir / LAB_JSON).read_text())
         groups = {name: p["pgid"] for name, p in doc["processes"].items()}
-        assert set(groups) == {"mosquitto", "prometheus", "nginx"}
+        assert set(groups) == {"mosquitto", "prometheus", "nginx", "pool-proxy"}
         # The `up` process has exited; the servers keep running.
         assert all(group_pids(g) for g in groups.values())
         assert _tcp_open(doc["mqtt"]["port"])
@@ -74,6 +87,11 @@ def test_cli_lab_up_runs_in_background_until_down(tmp_path: Path) -> None:
         attached = Lab.attach(lab_dir)
         attached.router().apply({"m": ["127.0.0.1:9"]})
         assert httpx.post(f"{doc['nginx']['url']}/m/m/v1/completions").status_code == 502
+        # a controller on this lab writes the proxy's file and routes pooled models to it
+        settings, _reload = settings_from_lab(ControllerSettings(lab_dir=lab_dir))
+        assert settings.routing.pool_proxy is not None
+        assert settings.routing.pool_proxy.address == doc["pool_proxy"]["address"] == attached.pool_proxy_address
+        assert str(settings.routing.pool_proxy.upstreams_path) == doc["pool_proxy"]["upstreams_path"]
         again = subprocess.run(
             [*cli, "up", "--dir", str(lab_dir)], capture_output=True, text=True, timeout=60
         )

@@ -17,7 +17,7 @@ from fleetplan.models.names import parse_gpu
 
 def register(subparsers: Any) -> None:
     lab = subparsers.add_parser(
-        "lab", help="start/stop the lab: Mosquitto, Prometheus, nginx, simulated hosts"
+        "lab", help="start/stop the lab: Mosquitto, Prometheus, nginx, the pool proxy, simulated hosts"
     )
     lab_sub = lab.add_subparsers(dest="lab_command", metavar="ACTION", required=True)
     up = lab_sub.add_parser("up", help="start the lab in the background; writes DIR/lab.json")

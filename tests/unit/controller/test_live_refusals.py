@@ -1,5 +1,5 @@
-"""The live controller refuses a policy that allows disaggregated pools: its routing cannot send a
-pooled model's requests through a proxy yet (the replay runs them)."""
+"""The live controller refuses a policy that allows disaggregated pools when no pool proxy is
+configured (routing.pool_proxy): nothing could send a pooled model's requests to its pools."""
 
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ models:
 """
 
 
-def _source(tmp_path: Path, allowed: bool) -> PolicySource:
+def _source(tmp_path: Path, allowed: bool, *, pool_proxy: bool = False) -> PolicySource:
     path = tmp_path / "policy.yaml"
     path.write_text(POLICY.replace("ALLOWED", str(allowed).lower()))
-    return PolicySource(path, None, StateStore(tmp_path / "state.db"), ControllerMetrics(), {})
+    return PolicySource(path, None, StateStore(tmp_path / "state.db"), ControllerMetrics(), {}, pool_proxy=pool_proxy)
 
 
 def test_a_policy_allowing_pools_is_refused_naming_the_file_and_field(tmp_path: Path) -> None:
@@ -36,5 +36,9 @@ def test_a_policy_allowing_pools_is_refused_naming_the_file_and_field(tmp_path: 
         _source(tmp_path, True).read()
     msg = str(err.value)
     assert str(tmp_path / "policy.yaml") in msg and "models[1].disaggregation.allowed = true" in msg
-    assert "proxy" in msg
+    assert "no pool proxy is configured" in msg and "routing.pool_proxy" in msg
     assert _source(tmp_path, False).read().models[1].disaggregation.allowed is False
+
+
+def test_with_a_pool_proxy_configured_a_policy_allowing_pools_loads(tmp_path: Path) -> None:
+    assert _source(tmp_path, True, pool_proxy=True).read().models[1].disaggregation.allowed is True

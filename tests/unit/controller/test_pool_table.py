@@ -77,3 +77,19 @@ def test_prefill_leg_asks_one_token_unstreamed_with_remote_decode() -> None:
     assert leg["max_tokens"] == 1 and leg["max_completion_tokens"] == 1 and leg["stream"] is False
     assert "stream_options" not in leg and "min_tokens" not in leg
     assert leg["kv_transfer_params"]["do_remote_decode"] is True
+
+
+def test_a_rendered_table_reads_back_and_the_file_names_its_generation(tmp_path: Path) -> None:
+    from fleetplan.controller.pool_table import ModelPools, render_table, table_generation
+
+    pools = [ModelPools("b", ("http://p:2", "http://p:1"), ("http://d:1",)), ModelPools("a", (), ())]
+    text = render_table(pools)
+    assert text == render_table(reversed(pools))  # deterministic
+    back = parse_table(P, text)
+    assert back["b"] == ModelPools("b", ("http://p:1", "http://p:2"), ("http://d:1",))
+    assert back["a"] == ModelPools("a", (), ())
+    path = tmp_path / "pools.json"
+    atomic_write_text(path, text)
+    f = UpstreamsFile(path)
+    f.load()
+    assert f.generation == table_generation(text)
