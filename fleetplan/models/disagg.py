@@ -51,7 +51,8 @@ from enum import StrEnum
 from types import MappingProxyType
 
 from fleetplan.models.hardware import llm_spec
-from fleetplan.models.mix import LengthMix, MixCapacity, capacity_mix
+from fleetplan.models.kv_room import kv_room_rps
+from fleetplan.models.mix import SLO_SHARE, LengthMix, MixCapacity, capacity_mix
 from fleetplan.models.names import GpuType
 from fleetplan.models.profile import ConfigKey, PerfProfile
 
@@ -212,7 +213,7 @@ def disagg_capacity(pools: PoolProfiles, mix: LengthMix, *, ttft_p99_ms: float, 
     >>> mix = LengthMix(((1024.0, 16.0, 0.5), (4096.0, 48.0, 0.5)))
     >>> cap = disagg_capacity(pool_profiles(prof), mix, ttft_p99_ms=500.0, itl_p99_ms=50.0, link=NVLINK4)
     >>> round(cap.prefill.max_rps, 2), cap.prefill.binding, round(cap.decode.max_rps), cap.decode.binding
-    (5.95, 'ttft', 119, 'itl')
+    (5.95, 'ttft', 98, 'memory')
     >>> round(cap.transfer_p99_ms, 2), round(cap.join_ms, 1), cap.extrapolated
     (1.59, 29.8, True)
     """
@@ -231,6 +232,9 @@ def disagg_capacity(pools: PoolProfiles, mix: LengthMix, *, ttft_p99_ms: float, 
     else:
         decode = capacity_mix(pools.decode, mix, ttft_p99_ms=math.inf, itl_p99_ms=itl_p99_ms,
                               itl_speed=decode_speed)
+        room = kv_room_rps(pools.decode, mix, wait_share=1.0 - SLO_SHARE, speed=decode_speed)
+        if room < decode.max_rps:  # arrivals beyond the p99 one would wait for KV room, in their TTFT
+            decode = MixCapacity(room, "memory", decode.floor_share)
     p99 = max(mix.isl_quantile(0.99), floor)
     return DisaggCapacity(prefill, decode, kv_transfer_ms(per_token, p99, link, key.tp),
                           join, link, key.tp, pools.extrapolated)

@@ -218,3 +218,34 @@ def test_pools_that_reach_the_slo_take_the_demand_from_aggregated_configs_that_c
     half = plan_with_capacities(obs, Fleet(hosts(2)), pol, table, PlannerState.initial(), NOW,
                                 pools={k: v for k, v in pools.items() if k.role is Role.PREFILL})
     assert Role.AGGREGATED in _roles(half)
+
+
+
+def test_a_long_prompt_tail_sizes_the_decode_pool_for_room_in_its_kv_cache() -> None:
+    """Long-context chat (a tenth of the prompts beyond 30k tokens): the decode pool's candidate
+    capacity is the rate at which 99% of a replica's arrivals find room for their KV
+    (models/kv_room.py), not the rate at which the batch's mean occupancy fills the cache: 3.4 rps
+    take three decode replicas, not one."""
+    from fleetplan.models.disagg import pool_profiles, replicas_for
+    from fleetplan.models.kv_room import kv_room_rps
+    from fleetplan.models.mix import capacity_mix
+    from fleetplan.planner.core import workloads_from
+    from fleetplan.planner.disagg_plan import pool_capacities
+
+    extra = {"slo": {"ttft_p99_ms": 15_000, "itl_p99_ms": 120}, "workload": {"isl": 12_000, "osl": 300},
+             "headroom": 0.0, **ALLOW, "allowed": {"engines": ["vllm"], "tp": [1]}}
+    pol = policy(models=(MODEL,), model_extra={MODEL: extra})
+    prof = replace(_fitted(1), data_range=mp.DataRange((128.0, 131_072.0), (16.0, 2048.0), None, None, 20))
+    obs = Observation({MODEL: ModelObservation(
+        MODEL, 3.4, 12_000.0, 300.0,
+        isl_quantiles=((0.5, 2_500.0), (0.8, 12_000.0), (0.9, 30_000.0), (0.99, 90_000.0), (0.999, 120_000.0)),
+        osl_quantiles=((0.5, 250.0), (0.9, 600.0), (0.99, 1_200.0)))})
+    workloads = workloads_from(obs, pol)
+    caps = pool_capacities(pol, {key(MODEL): prof}, workloads)
+    dec = caps[replace(key(MODEL), role=Role.DECODE)]
+    decode = pool_profiles(prof).decode
+    mix = workloads[MODEL].length_mix()
+    mean_limit = capacity_mix(decode, mix, ttft_p99_ms=float("inf"), itl_p99_ms=120.0)
+    assert dec.binding == mean_limit.binding == "memory"
+    assert dec.max_rps == pytest.approx(kv_room_rps(decode, mix, wait_share=0.01), rel=1e-9)
+    assert replicas_for(3.4, mean_limit.max_rps) == 1 and replicas_for(3.4, dec.max_rps) == 3
