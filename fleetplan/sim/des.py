@@ -22,7 +22,7 @@ import bisect
 import heapq
 import math
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 
@@ -56,6 +56,11 @@ __all__ = [
     "PENDING", "REJECTED", "SERVED", "Baseline", "Controller", "ControllerView", "Decision", "Environment",
     "FleetSim", "ReplicaLoad", "SimResult", "SimSettings", "TimelinePoint",
 ]
+
+
+def _elements(a: np.ndarray) -> memoryview[Any]:
+    """A view of a 1-d numpy array whose elements read as Python floats (ints) and write through."""
+    return memoryview(a)  # type: ignore[arg-type]  # numpy's stubs do not declare the buffer protocol
 
 
 class FleetSim(BaselineExecutor, FleetMeter):
@@ -122,7 +127,7 @@ class FleetSim(BaselineExecutor, FleetMeter):
         # the per-request arrays read and written through memoryviews: an element is a Python float (int),
         # not a numpy scalar, so the clock, the heap's keys and the engines' step times stay plain floats
         # (the same values; a numpy scalar costs several times a float in every comparison and operation)
-        arr_t = memoryview(self.arr_t)
+        arr_t = _elements(self.arr_t)
         heap = self.heap
         end_s = self.duration_s
         t = 0.0
@@ -150,9 +155,9 @@ class FleetSim(BaselineExecutor, FleetMeter):
         tpot_edges = TPOT_BUCKETS_S
         len_edges = LENGTH_BUCKETS
         req_model = self.req_model
-        first_t = memoryview(self.first_t)
-        finish_t = memoryview(self.finish_t)
-        status = memoryview(self.status)
+        first_t = _elements(self.first_t)
+        finish_t = _elements(self.finish_t)
+        status = _elements(self.status)
         owner = self.owner
         prompt = self.prompt
         output = self.output
