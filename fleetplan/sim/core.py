@@ -27,7 +27,7 @@ import numpy as np
 
 from fleetplan.models.mix import QUANTILE_LEVELS
 from fleetplan.sim.batching import BatchState, Seq, StepPlan, admission, admit
-from fleetplan.sim.groundtruth import EngineParams, RequestTooLongError, step_time_s
+from fleetplan.sim.groundtruth import EngineParams, RequestTooLongError
 from fleetplan.sim.search import smallest_count
 
 RATE_FLOOR_RPS = 1e-3  # below it a config has no capacity at the SLO (0.0)
@@ -117,7 +117,6 @@ class FastCore(BatchState[int]):
             return False
         if self.prefix is not None and self.waiting:
             self._lookup_prefixes()  # the queue head's cached prefix decides whether it can join
-        p = self.params
         st = self._stats
         if st is not None:
             k, ctx = st  # all running are decoding (computed by the previous macro-step's end())
@@ -152,8 +151,8 @@ class FastCore(BatchState[int]):
                 k = lo
         if k < 2:
             return False
-        a = step_time_s(p, decode_seqs=nb, prefill_tokens=0, context_tokens=ctx)
-        z = step_time_s(p, decode_seqs=nb, prefill_tokens=0, context_tokens=ctx + (k - 1) * nb)
+        a = self._step_time(nb, 0, ctx, 0.0)
+        z = self._step_time(nb, 0, ctx + (k - 1) * nb, 0.0)
         m = self._noise_mean
         self._a = a * m
         self._b = (z - a) * m / (k - 1)

@@ -169,6 +169,7 @@ class FleetSim(BaselineExecutor, FleetMeter):
                    else [Router(s.routing) for _ in self.model_names])
         overheads: dict[int, float] = {}
         heappush, heappop = heapq.heappush, heapq.heappop
+        bisect_left = bisect.bisect_left
         outstanding = 0
         rep: _SimReplica
         version: int
@@ -182,7 +183,7 @@ class FleetSim(BaselineExecutor, FleetMeter):
                 if t > hard_end:
                     break
                 if kind == "step":
-                    rep, version = cast(tuple[_SimReplica, int], payload)
+                    rep, version = payload  # type: ignore[misc]  # a step's payload (cast() costs a call per step)
                     if version != rep.version:
                         continue
                     if rep.pooled:  # a prefill or decode pool's replica (sim/disagg_proxy.py)
@@ -191,7 +192,7 @@ class FleetSim(BaselineExecutor, FleetMeter):
                     firsts, fins, gap, cnt = rep.core.end()
                     cn = rep.counters
                     if cnt:
-                        cn.itl[bisect.bisect_left(itl_edges, gap)] += cnt
+                        cn.itl[bisect_left(itl_edges, gap)] += cnt
                     oh = overheads.get(id(rep.core))
                     if oh is None:
                         oh = rep.core.params.factors.ttft_overhead_s
@@ -199,7 +200,7 @@ class FleetSim(BaselineExecutor, FleetMeter):
                     for idx in firsts:
                         first_t[idx] = t
                         tt = t - arr_t[idx] + oh
-                        cn.ttft[bisect.bisect_left(ttft_edges, tt)] += 1
+                        cn.ttft[bisect_left(ttft_edges, tt)] += 1
                         cn.sums[0] += tt
                     for idx in fins:
                         finish_t[idx] = t
@@ -211,13 +212,13 @@ class FleetSim(BaselineExecutor, FleetMeter):
                         cn.completed += 1
                         cn.prompt_tokens += p
                         cn.gen_tokens += o
-                        cn.prompt_len[bisect.bisect_left(len_edges, p)] += 1
-                        cn.gen_len[bisect.bisect_left(len_edges, o)] += 1
+                        cn.prompt_len[bisect_left(len_edges, p)] += 1
+                        cn.gen_len[bisect_left(len_edges, o)] += 1
                         cn.sums[2] += p
                         cn.sums[3] += o
                         if o >= 2:
                             tp = (t - first_t[idx]) / (o - 1)
-                            cn.tpot[bisect.bisect_left(tpot_edges, tp)] += 1
+                            cn.tpot[bisect_left(tpot_edges, tp)] += 1
                             cn.sums[1] += tp
                         outstanding -= 1
                     rep.load -= len(fins)
