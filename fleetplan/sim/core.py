@@ -293,24 +293,38 @@ class FastCore(BatchState[int]):
             done = False
             kmin = 1 << 62
             ctx = 0
-            for r in self.running:
-                c = r.computed + j
-                r.computed = c
-                e = r.emitted + j
-                r.emitted = e
-                r.target = r.prompt + e
-                if not reserve:
+            if reserve:  # KV reserved at admission: no growth to allocate (the loop below without it)
+                for r in self.running:
+                    c = r.computed + j
+                    r.computed = c
+                    e = r.emitted + j
+                    r.emitted = e
+                    r.target = r.prompt + e
+                    rem = r.max_tokens - e
+                    if rem <= 0:
+                        done = True
+                    else:
+                        if rem < kmin:
+                            kmin = rem
+                        ctx += c
+            else:
+                for r in self.running:
+                    c = r.computed + j
+                    r.computed = c
+                    e = r.emitted + j
+                    r.emitted = e
+                    r.target = r.prompt + e
                     nbk = -(-c // bs)  # blocks_for, inlined: hot
                     if nbk > r.blocks:
                         self.free_blocks -= nbk - r.blocks
                         r.blocks = nbk
-                rem = r.max_tokens - e
-                if rem <= 0:
-                    done = True
-                else:
-                    if rem < kmin:
-                        kmin = rem
-                    ctx += c
+                    rem = r.max_tokens - e
+                    if rem <= 0:
+                        done = True
+                    else:
+                        if rem < kmin:
+                            kmin = rem
+                        ctx += c
             gap = (self.t_end - self.t0) / j
             count = j * len(self.running)
             finished = [r.key for r in self.retire()] if done else []
