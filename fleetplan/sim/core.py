@@ -95,17 +95,11 @@ class FastCore(BatchState[int]):
     # -- planning a step
     def begin(self, now: float) -> float | None:
         assert not self.busy
-        if self.idle():
+        if not self.running and not self.waiting:  # idle(), inlined: once per step
             return None
         if self.macro and self._plan_macro(now):
             return self.t_end
         return self._plan_single(now)
-
-    def _admissible(self, budget: int) -> bool:
-        """Could the head of the queue join a step with `budget` tokens left (plan_step's admission)?"""
-        if not self.waiting or budget <= 0 or len(self.running) >= self.rule.max_num_seqs:
-            return False
-        return admission(self.rule, self.waiting[0], budget, self.free_blocks) is not None
 
     def _plan_macro(self, now: float) -> bool:
         """A run of steps that plan_step would make pure-decode steps: every running request
@@ -131,11 +125,16 @@ class FastCore(BatchState[int]):
                     k = rem
                 ctx += r.computed
             self._stats = (k, ctx)  # every running request decodes: _plan_single may use it too
-        budget = self.rule.max_num_batched_tokens
-        if nb > budget or self._admissible(budget - nb):
+        rule = self.rule
+        budget = rule.max_num_batched_tokens
+        if nb > budget:
             return False
-        if not self.rule.reserve_full_kv:
-            bs = self.rule.block_size
+        waiting = self.waiting  # the queue's head could join the step (plan_step's admission): no macro-step
+        if (waiting and budget - nb > 0 and nb < rule.max_num_seqs
+                and admission(rule, waiting[0], budget - nb, self.free_blocks) is not None):
+            return False
+        if not rule.reserve_full_kv:
+            bs = rule.block_size
 
             def extra(j: int) -> int:
                 return sum(-(-(r.computed + j) // bs) - r.blocks for r in running)  # blocks_for, inlined: hot
