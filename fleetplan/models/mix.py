@@ -191,6 +191,13 @@ def _work_terms(p: PerfParams, isl: np.ndarray, osl: np.ndarray, cached_share: f
 def _x_mem(profile: PerfProfile, isl: np.ndarray, osl: np.ndarray, w: np.ndarray, wbar: float) -> float:
     """Throughput (req/ms) at which the decode batch fills the KV cache: tokens a sequence holds,
     weighted by how long it stays in the batch (its output length)."""
+    parts = _x_mem_parts(profile, isl, osl, w)
+    return parts if isinstance(parts, float) else _x_mem_at(parts, profile.params.s0_ms, wbar)
+
+
+def _x_mem_parts(profile: PerfProfile, isl: np.ndarray, osl: np.ndarray, w: np.ndarray) -> float | tuple[float, float]:
+    """`_x_mem`'s terms that no duration enters: (the batch that fills the KV cache, the mix's decode
+    steps per request), or the throughput itself where it does not depend on the speed (inf, 0)."""
     if profile.kv_tokens is None:
         return math.inf
     stay = np.maximum(osl - 1.0, 1.0)
@@ -198,7 +205,12 @@ def _x_mem(profile: PerfProfile, isl: np.ndarray, osl: np.ndarray, w: np.ndarray
     b_max = profile.kv_tokens / max(tokens, 1.0)
     if b_max <= 0:
         return 0.0
-    x = b_max / (float(np.sum(w * (osl - 1.0))) * profile.params.s0_ms + b_max * wbar)
+    return b_max, float(np.sum(w * (osl - 1.0)))
+
+
+def _x_mem_at(parts: tuple[float, float], s0_ms: Any, wbar: Any) -> Any:
+    b_max, steps = parts
+    x = b_max / (steps * s0_ms + b_max * wbar)
     return x if isinstance(x, np.ndarray) else float(x)  # an array: one row per speed (`_latency_at_speeds`)
 
 
@@ -526,7 +538,8 @@ def speeds_from_latency(profile: PerfProfile, mix: LengthMix, rate_rps: float, o
             todo[j] = (lo0, hi0)
     if not todo:
         return out
-    at_hi, at_lo = _latency_at_speeds(profile, mix, rate_rps, [hi0, lo0], itl=itl)
+    latency_at = _latency_at_speeds(profile, mix, rate_rps, itl=itl)
+    at_hi, at_lo = latency_at([hi0, lo0])
     for j in list(todo):
         if at_hi >= observed_p99_ms[j]:
             out[j] = _SPEED_HI
@@ -552,7 +565,7 @@ def speeds_from_latency(profile: PerfProfile, mix: LengthMix, rate_rps: float, o
                 mid = 0.5 * (a + b)
                 mids.append(mid)
                 bounds += [(mid, b), (a, mid)]
-        lat = _latency_at_speeds(profile, mix, rate_rps, mids, itl=itl)
+        lat = latency_at(mids)
         for j, (lo, hi) in todo.items():
             base, i = trees[(lo, hi)], 0
             for _ in range(depth):
@@ -570,19 +583,26 @@ def speeds_from_latency(profile: PerfProfile, mix: LengthMix, rate_rps: float, o
 BISECT_DEPTH = 5  # halvings predicted per batch: 31 speeds (numpy on small arrays: the calls cost, not the rows)
 
 
-def _latency_at_speeds(profile: PerfProfile, mix: LengthMix, rate_rps: float, log_speeds: Sequence[float],
-                       *, itl: bool) -> list[float]:
-    """`predict_mix(scaled(profile, exp(z)), mix, rate_rps)`'s TTFT p99 (per-request ITL p99 when `itl`)
-    for each z in `log_speeds`, in one pass with a row per speed: every row does the same float
-    operations as the one-speed prediction (tests/unit/models/test_mix.py holds it bit for bit)."""
+def _latency_at_speeds(profile: PerfProfile, mix: LengthMix, rate_rps: float, *,
+                       itl: bool) -> Callable[[Sequence[float]], list[float]]:
+    """The function of log speeds z giving `predict_mix(scaled(profile, exp(z)), mix, rate_rps)`'s TTFT
+    p99 (per-request ITL p99 when `itl`) for each z, in one pass with a row per speed: every row does
+    the same float operations as the one-speed prediction (tests/unit/models/test_mix.py holds it bit
+    for bit). What no speed enters (the mix's arrays, the KV-cache terms) is computed once."""
     isl, osl, w = _arrays(mix)
-    k = np.array([1.0 / math.exp(z) for z in log_speeds])[:, None]
-    p = _scaled_params(profile.params, k)
-    t = _terms(p, isl, osl, w, mix.cached_share)
     x = max(rate_rps, 0.0) / 1000.0
-    saturated = x >= np.minimum(1.0 / t.wbar, _x_mem(replace(profile, params=p), isl, osl, w, t.wbar))
-    rho = np.asarray(x * t.wbar)
-    with np.errstate(all="ignore"):  # saturated rows compute nonsense and are replaced by inf
-        p50, p99 = _itl_quantiles_at(t, rho, x) if itl else _ttft_quantiles_at(t, rho)
-        out = _mixture_p99(np.asarray(p50), np.asarray(p99), t.w)
-    return list(np.where(saturated[:, 0], math.inf, out).tolist())
+    x_mem = _x_mem_parts(profile, isl, osl, w)
+    cached = mix.cached_share
+
+    def at(log_speeds: Sequence[float]) -> list[float]:
+        k = np.array([1.0 / math.exp(z) for z in log_speeds])[:, None]
+        p = _scaled_params(profile.params, k)
+        t = _terms(p, isl, osl, w, cached)
+        saturated = x >= np.minimum(1.0 / t.wbar, x_mem if isinstance(x_mem, float) else _x_mem_at(x_mem, p.s0_ms, t.wbar))
+        rho = np.asarray(x * t.wbar)
+        with np.errstate(all="ignore"):  # saturated rows compute nonsense and are replaced by inf
+            p50, p99 = _itl_quantiles_at(t, rho, x) if itl else _ttft_quantiles_at(t, rho)
+            out = _mixture_p99(np.asarray(p50), np.asarray(p99), t.w)
+        return list(np.where(saturated[:, 0], math.inf, out).tolist())
+
+    return at

@@ -224,7 +224,11 @@ def _midpoints(a_lo: Sequence[float], a_hi: Sequence[float], depth: int) -> list
 def _fit_shape(occupied: Sequence[tuple[float, float, float]], mean: float) -> tuple[float, float]:
     """(a, s) of the within-bucket shape: per scale s the location a at which the buckets' conditional
     means add up to `mean` (bisection: they rise with a), then the s of the highest interval-censored
-    likelihood (ties: the narrowest, so one occupied bucket is a point at the mean). Finite buckets."""
+    likelihood (ties: the narrowest, so one occupied bucket is a point at the mean). Finite buckets.
+
+    A scale whose likelihood cannot reach the best one's, wherever its bisection ends, stops being
+    bisected (`_contenders`); the scales left go on to the same locations, so the fit is the one of
+    every scale bisected to the end, to the last bit (tests/unit/planner/test_bucket_evidence.py)."""
     lo = np.array([b[0] for b in occupied])
     hi = np.array([b[1] for b in occupied])
     n = np.array([b[2] for b in occupied])
@@ -233,32 +237,66 @@ def _fit_shape(occupied: Sequence[tuple[float, float, float]], mean: float) -> t
     with np.errstate(divide="ignore"):
         lb = np.log(np.concatenate([lo, hi]))  # ln of the lower bounds, then of the upper ones: G once for both
     bounds = np.concatenate([lo[lo > 0], hi])
-    s = _SCALES[:, None, None]
-    a_lo = [math.log(float(bounds.min())) - 2.0] * len(_SCALES)
-    a_hi = [math.log(float(bounds.max())) + 2.0] * len(_SCALES)
+    ns = len(_SCALES)
+    a_lo = [math.log(float(bounds.min())) - 2.0] * ns
+    a_hi = [math.log(float(bounds.max())) + 2.0] * ns
+    live = list(range(ns))  # the scales still bisected
     left = _FIT_STEPS
     while left > 0:
-        # the midpoints the next _FIT_DEPTH halvings may visit, per scale, placed in one pass; each
-        # scale's walk down its tree takes exactly the path the halvings one by one take
-        depth = min(_FIT_DEPTH, left)
-        mids = _midpoints(a_lo, a_hi, depth)
+        # the midpoints the next halvings may visit, per scale, placed in one pass (more of them once
+        # few scales are left: the numpy calls cost, not the rows); each scale's walk down its tree
+        # takes exactly the path the halvings one by one take
+        depth = min(_FIT_DEPTH if len(live) > _FEW_SCALES else _FIT_DEPTH_FEW, left)
+        mids = _midpoints([a_lo[j] for j in live], [a_hi[j] for j in live], depth)
         a = np.array(mids)[:, :, None]
+        s = (_SCALES if len(live) == ns else _SCALES[live])[:, None, None]
         g = _g(lb, a, s)
         x = _inside(a, s, g[..., :nb], g[..., nb:], lo, hi, _GL_X)
         below_all = ((np.multiply(x, _GL_W, out=x).sum(-1) * n).sum(-1) / total < mean).tolist()
-        for i, (below, row) in enumerate(zip(below_all, mids, strict=True)):
+        for j, below, row in zip(live, below_all, mids, strict=True):
             node = 0
             for _ in range(depth):
                 if below[node]:
-                    a_lo[i], node = row[node], 2 * node + 1
+                    a_lo[j], node = row[node], 2 * node + 1
                 else:
-                    a_hi[i], node = row[node], 2 * node + 2
+                    a_hi[j], node = row[node], 2 * node + 2
         left -= depth
+        if left > 0 and len(live) > 1:
+            with np.errstate(divide="ignore"):
+                live = _contenders(live, a_lo, a_hi, lb, n)
     a_fit = 0.5 * (np.array(a_lo) + np.array(a_hi))
     g = _g(lb, a_fit[:, None], _SCALES[:, None])
     ll = (n * np.log(np.maximum(g[:, nb:] - g[:, :nb], 1e-300))).sum(-1)
+    if len(live) < ns:  # a scale left behind is below the best (and its tie band): out of the choice
+        keep = np.zeros(ns, dtype=bool)
+        keep[live] = True
+        ll = np.where(keep, ll, -np.inf)
     best = int(np.argmax(ll >= ll.max() - 1e-9 * max(1.0, abs(float(ll.max())))))
     return float(a_fit[best]), float(_SCALES[best])
+
+
+_FEW_SCALES = 3  # scales left at or below which a pass places _FIT_DEPTH_FEW halvings
+_FIT_DEPTH_FEW = 4
+_H_SLACK = 1e-12  # what a bucket's computed G(upper) - G(lower) may differ by from its bounds' (float rounding)
+
+
+def _contenders(live: list[int], a_lo: Sequence[float], a_hi: Sequence[float], lb: np.ndarray,
+                n: np.ndarray) -> list[int]:
+    """The scales of `live` whose likelihood may still be the best, or within the tie band of the
+    best, at the end of their bisection. A scale's location ends inside its interval [a_lo, a_hi] and
+    G falls as the location rises, so each bucket's probability G(upper) - G(lower) there lies
+    between G(upper; a_hi) - G(lower; a_lo) and G(upper; a_lo) - G(lower; a_hi): bounds of the
+    likelihood (widened by _H_SLACK per bucket and a relative margin far above float rounding). A
+    scale whose upper bound is below another's lower bound by more than the tie band cannot be chosen."""
+    nb = len(n)
+    s = _SCALES[live][:, None]
+    g_lo = _g(lb, np.array([a_lo[j] for j in live])[:, None], s)  # the highest G of each bound
+    g_hi = _g(lb, np.array([a_hi[j] for j in live])[:, None], s)  # the lowest
+    up = (n * np.log(np.maximum(g_lo[:, nb:] - g_hi[:, :nb] + _H_SLACK, 1e-300))).sum(-1)
+    low = (n * np.log(np.maximum(g_hi[:, nb:] - g_lo[:, :nb] - _H_SLACK, 1e-300))).sum(-1)
+    margin = 1e-6 * (1.0 + float(np.max(np.maximum(np.abs(up), np.abs(low)))))
+    bar = float(low.max()) - margin
+    return [j for j, u in zip(live, (up + margin).tolist(), strict=True) if u >= bar]
 
 
 def bucket_quantiles(levels: Sequence[float], buckets: Iterable[tuple[float, float]],

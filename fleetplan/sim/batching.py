@@ -4,7 +4,7 @@
 `fleetplan.sim.capacity_truth`) passes `now_s` and advances time by each step's `duration_s`. It and
 the discrete-event replay's `fleetplan.sim.core.FastCore` are both a `BatchState`, whose steps are
 decided by ONE pure rule, `plan_step` (which requests run, how many tokens each, which join, which
-are evicted); the step's duration is `fleetplan.sim.groundtruth.step_time_s`.
+are evicted); the step's duration is `fleetplan.sim.groundtruth.step_time_s` (`step_time_fn`).
 
 One step (vLLM v1 scheduler, simplified):
   1. running requests first, in admission order: a request still in prefill takes a chunk of its
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Generic, NamedTuple, TypeVar
 
-from fleetplan.sim.groundtruth import EngineParams, RequestTooLongError, step_time_s
+from fleetplan.sim.groundtruth import EngineParams, RequestTooLongError, step_time_fn
 from fleetplan.sim.prefix_cache import PREFIX_BLOCK_TOKENS, PrefixCache
 
 # -- the step rule -------------------------------------------------------------------------------
@@ -210,6 +210,8 @@ class BatchState(Generic[K]):
         self.params = params
         self.rule = StepRule.of(params)
         self._rng = random.Random(seed)
+        self._step_time = step_time_fn(params)  # groundtruth.step_time_s of these params
+        self._sigma = params.noise_sigma
         self.waiting: deque[Seq[K]] = deque()
         self.running: list[Seq[K]] = []
         self.free_blocks = params.kv_blocks
@@ -331,11 +333,10 @@ class BatchState(Generic[K]):
         return self._step_s(plan.decode_seqs, plan.prefill_tokens, plan.context_tokens, plan.attn_pairs)
 
     def _step_s(self, decode_seqs: int, prefill_tokens: int, context_tokens: int, attn_pairs: float) -> float:
-        p = self.params
-        dur = step_time_s(p, decode_seqs=decode_seqs, prefill_tokens=prefill_tokens,
-                          context_tokens=context_tokens, prefill_attn_pairs=attn_pairs)
-        if p.noise_sigma > 0:
-            dur *= math.exp(self._rng.gauss(0.0, p.noise_sigma))
+        dur = self._step_time(decode_seqs, prefill_tokens, context_tokens, attn_pairs)
+        sigma = self._sigma
+        if sigma > 0:
+            dur *= math.exp(self._rng.gauss(0.0, sigma))
         return dur
 
     def complete(self, plan: StepPlan[K], emitted: list[Seq[K]] | None = None) -> tuple[list[Seq[K]], list[Seq[K]], int]:

@@ -27,7 +27,7 @@ import numpy as np
 
 from fleetplan.models.mix import QUANTILE_LEVELS
 from fleetplan.sim.batching import BatchState, Seq, StepPlan, admission, admit
-from fleetplan.sim.groundtruth import EngineParams, RequestTooLongError, step_time_s
+from fleetplan.sim.groundtruth import EngineParams, RequestTooLongError
 from fleetplan.sim.search import smallest_count
 
 RATE_FLOOR_RPS = 1e-3  # below it a config has no capacity at the SLO (0.0)
@@ -95,17 +95,11 @@ class FastCore(BatchState[int]):
     # -- planning a step
     def begin(self, now: float) -> float | None:
         assert not self.busy
-        if self.idle():
+        if not self.running and not self.waiting:  # idle(), inlined: once per step
             return None
         if self.macro and self._plan_macro(now):
             return self.t_end
         return self._plan_single(now)
-
-    def _admissible(self, budget: int) -> bool:
-        """Could the head of the queue join a step with `budget` tokens left (plan_step's admission)?"""
-        if not self.waiting or budget <= 0 or len(self.running) >= self.rule.max_num_seqs:
-            return False
-        return admission(self.rule, self.waiting[0], budget, self.free_blocks) is not None
 
     def _plan_macro(self, now: float) -> bool:
         """A run of steps that plan_step would make pure-decode steps: every running request
@@ -117,7 +111,6 @@ class FastCore(BatchState[int]):
             return False
         if self.prefix is not None and self.waiting:
             self._lookup_prefixes()  # the queue head's cached prefix decides whether it can join
-        p = self.params
         st = self._stats
         if st is not None:
             k, ctx = st  # all running are decoding (computed by the previous macro-step's end())
@@ -132,11 +125,16 @@ class FastCore(BatchState[int]):
                     k = rem
                 ctx += r.computed
             self._stats = (k, ctx)  # every running request decodes: _plan_single may use it too
-        budget = self.rule.max_num_batched_tokens
-        if nb > budget or self._admissible(budget - nb):
+        rule = self.rule
+        budget = rule.max_num_batched_tokens
+        if nb > budget:
             return False
-        if not self.rule.reserve_full_kv:
-            bs = self.rule.block_size
+        waiting = self.waiting  # the queue's head could join the step (plan_step's admission): no macro-step
+        if (waiting and budget - nb > 0 and nb < rule.max_num_seqs
+                and admission(rule, waiting[0], budget - nb, self.free_blocks) is not None):
+            return False
+        if not rule.reserve_full_kv:
+            bs = rule.block_size
 
             def extra(j: int) -> int:
                 return sum(-(-(r.computed + j) // bs) - r.blocks for r in running)  # blocks_for, inlined: hot
@@ -152,8 +150,8 @@ class FastCore(BatchState[int]):
                 k = lo
         if k < 2:
             return False
-        a = step_time_s(p, decode_seqs=nb, prefill_tokens=0, context_tokens=ctx)
-        z = step_time_s(p, decode_seqs=nb, prefill_tokens=0, context_tokens=ctx + (k - 1) * nb)
+        a = self._step_time(nb, 0, ctx, 0.0)
+        z = self._step_time(nb, 0, ctx + (k - 1) * nb, 0.0)
         m = self._noise_mean
         self._a = a * m
         self._b = (z - a) * m / (k - 1)
@@ -294,24 +292,38 @@ class FastCore(BatchState[int]):
             done = False
             kmin = 1 << 62
             ctx = 0
-            for r in self.running:
-                c = r.computed + j
-                r.computed = c
-                e = r.emitted + j
-                r.emitted = e
-                r.target = r.prompt + e
-                if not reserve:
+            if reserve:  # KV reserved at admission: no growth to allocate (the loop below without it)
+                for r in self.running:
+                    c = r.computed + j
+                    r.computed = c
+                    e = r.emitted + j
+                    r.emitted = e
+                    r.target = r.prompt + e
+                    rem = r.max_tokens - e
+                    if rem <= 0:
+                        done = True
+                    else:
+                        if rem < kmin:
+                            kmin = rem
+                        ctx += c
+            else:
+                for r in self.running:
+                    c = r.computed + j
+                    r.computed = c
+                    e = r.emitted + j
+                    r.emitted = e
+                    r.target = r.prompt + e
                     nbk = -(-c // bs)  # blocks_for, inlined: hot
                     if nbk > r.blocks:
                         self.free_blocks -= nbk - r.blocks
                         r.blocks = nbk
-                rem = r.max_tokens - e
-                if rem <= 0:
-                    done = True
-                else:
-                    if rem < kmin:
-                        kmin = rem
-                    ctx += c
+                    rem = r.max_tokens - e
+                    if rem <= 0:
+                        done = True
+                    else:
+                        if rem < kmin:
+                            kmin = rem
+                        ctx += c
             gap = (self.t_end - self.t0) / j
             count = j * len(self.running)
             finished = [r.key for r in self.retire()] if done else []

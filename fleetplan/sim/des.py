@@ -22,7 +22,7 @@ import bisect
 import heapq
 import math
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 
@@ -56,6 +56,11 @@ __all__ = [
     "PENDING", "REJECTED", "SERVED", "Baseline", "Controller", "ControllerView", "Decision", "Environment",
     "FleetSim", "ReplicaLoad", "SimResult", "SimSettings", "TimelinePoint",
 ]
+
+
+def _elements(a: np.ndarray) -> memoryview[Any]:
+    """A view of a 1-d numpy array whose elements read as Python floats (ints) and write through."""
+    return memoryview(a)  # type: ignore[arg-type]  # numpy's stubs do not declare the buffer protocol
 
 
 class FleetSim(BaselineExecutor, FleetMeter):
@@ -119,7 +124,10 @@ class FleetSim(BaselineExecutor, FleetMeter):
     def run(self) -> SimResult:
         s = self.s
         n = self.n
-        arr_t = self.arr_t
+        # the per-request arrays read and written through memoryviews: an element is a Python float (int),
+        # not a numpy scalar, so the clock, the heap's keys and the engines' step times stay plain floats
+        # (the same values; a numpy scalar costs several times a float in every comparison and operation)
+        arr_t = _elements(self.arr_t)
         heap = self.heap
         end_s = self.duration_s
         t = 0.0
@@ -147,9 +155,9 @@ class FleetSim(BaselineExecutor, FleetMeter):
         tpot_edges = TPOT_BUCKETS_S
         len_edges = LENGTH_BUCKETS
         req_model = self.req_model
-        first_t = self.first_t
-        finish_t = self.finish_t
-        status = self.status
+        first_t = _elements(self.first_t)
+        finish_t = _elements(self.finish_t)
+        status = _elements(self.status)
         owner = self.owner
         prompt = self.prompt
         output = self.output
@@ -161,6 +169,7 @@ class FleetSim(BaselineExecutor, FleetMeter):
                    else [Router(s.routing) for _ in self.model_names])
         overheads: dict[int, float] = {}
         heappush, heappop = heapq.heappush, heapq.heappop
+        bisect_left = bisect.bisect_left
         outstanding = 0
         rep: _SimReplica
         version: int
@@ -174,7 +183,7 @@ class FleetSim(BaselineExecutor, FleetMeter):
                 if t > hard_end:
                     break
                 if kind == "step":
-                    rep, version = cast(tuple[_SimReplica, int], payload)
+                    rep, version = payload  # type: ignore[misc]  # a step's payload (cast() costs a call per step)
                     if version != rep.version:
                         continue
                     if rep.pooled:  # a prefill or decode pool's replica (sim/disagg_proxy.py)
@@ -183,7 +192,7 @@ class FleetSim(BaselineExecutor, FleetMeter):
                     firsts, fins, gap, cnt = rep.core.end()
                     cn = rep.counters
                     if cnt:
-                        cn.itl[bisect.bisect_left(itl_edges, gap)] += cnt
+                        cn.itl[bisect_left(itl_edges, gap)] += cnt
                     oh = overheads.get(id(rep.core))
                     if oh is None:
                         oh = rep.core.params.factors.ttft_overhead_s
@@ -191,7 +200,7 @@ class FleetSim(BaselineExecutor, FleetMeter):
                     for idx in firsts:
                         first_t[idx] = t
                         tt = t - arr_t[idx] + oh
-                        cn.ttft[bisect.bisect_left(ttft_edges, tt)] += 1
+                        cn.ttft[bisect_left(ttft_edges, tt)] += 1
                         cn.sums[0] += tt
                     for idx in fins:
                         finish_t[idx] = t
@@ -203,13 +212,13 @@ class FleetSim(BaselineExecutor, FleetMeter):
                         cn.completed += 1
                         cn.prompt_tokens += p
                         cn.gen_tokens += o
-                        cn.prompt_len[bisect.bisect_left(len_edges, p)] += 1
-                        cn.gen_len[bisect.bisect_left(len_edges, o)] += 1
+                        cn.prompt_len[bisect_left(len_edges, p)] += 1
+                        cn.gen_len[bisect_left(len_edges, o)] += 1
                         cn.sums[2] += p
                         cn.sums[3] += o
                         if o >= 2:
                             tp = (t - first_t[idx]) / (o - 1)
-                            cn.tpot[bisect.bisect_left(tpot_edges, tp)] += 1
+                            cn.tpot[bisect_left(tpot_edges, tp)] += 1
                             cn.sums[1] += tp
                         outstanding -= 1
                     rep.load -= len(fins)
@@ -224,8 +233,8 @@ class FleetSim(BaselineExecutor, FleetMeter):
                     self._scrape(t)
                 elif kind == "timeline":
                     lo = t - s.demand_window_s
-                    a = int(np.searchsorted(arr_t, max(0.0, lo), side="left"))
-                    b = int(np.searchsorted(arr_t, t, side="right"))
+                    a = int(np.searchsorted(self.arr_t, max(0.0, lo), side="left"))
+                    b = int(np.searchsorted(self.arr_t, t, side="right"))
                     span = min(s.demand_window_s, t) if t > 0 else s.demand_window_s
                     self._record_timeline(t, (b - a) / span if span > 0 else 0.0)
                 elif kind == "tick":

@@ -13,6 +13,7 @@ roofline step time (`step_time_s`); the continuous-batching core that steps requ
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from fleetplan.models.hardware import GPU_SPECS, LlmSpec, bytes_per_param, llm_spec
@@ -224,3 +225,40 @@ def step_time_s(
 
 
 # -- simulated runs and ground-truth capacity ----------------------------------------------------
+
+
+StepTime = Callable[[int, int, float, float], float]
+
+
+def step_time_fn(params: EngineParams) -> StepTime:
+    """`step_time_s` of `params` as a function of (decode_seqs, prefill_tokens, context_tokens,
+    prefill_attn_pairs): the same float operations in the same order, the engine's constants read
+    once (the replay's engines take millions of steps; tests/unit/sim/test_groundtruth.py holds the
+    two equal to the last bit)."""
+    f = params.factors
+    tp = params.tp
+    weight = params.weight_bytes_per_gpu
+    kv = params.kv_bytes_per_token_per_gpu
+    mem_bw = params.hbm_bytes_s * f.mem_eff
+    fpt = params.flops_per_token
+    attn = params.attn_flops_per_ctx_token
+    flops_s = tp * params.gpu_flops * f.compute_eff
+    overhead = f.step_overhead_s
+    overlap = f.overlap
+    tp_latency = 2 * params.layers * f.tp_layer_latency_s
+    comm = params.comm_bytes_per_token
+    link = params.link_bytes_s
+
+    def step_time(decode_seqs: int, prefill_tokens: int, context_tokens: float, prefill_attn_pairs: float) -> float:
+        tokens = decode_seqs + prefill_tokens
+        if tokens <= 0:
+            return 0.0
+        mem_s = (weight + context_tokens * kv) / mem_bw
+        compute_s = (tokens * fpt + attn * (context_tokens + prefill_attn_pairs)) / flops_s
+        hi, lo = (mem_s, compute_s) if mem_s >= compute_s else (compute_s, mem_s)
+        t = overhead + hi + overlap * lo
+        if tp > 1:
+            t += tp_latency + tokens * comm / link
+        return t
+
+    return step_time

@@ -88,3 +88,28 @@ def test_the_batched_shape_fit_is_the_halvings_bit_for_bit(seed: int) -> None:
         m_hi = sum(b * c for _, b, c in occupied) / sum(c for *_, c in occupied)
         mean = rng.uniform(m_lo, m_hi)
         assert _fit_shape(occupied, mean) == _fit_shape_one_by_one(occupied, mean)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_shape_fit_of_engine_histograms_is_the_halvings_bit_for_bit(seed: int) -> None:
+    """Lengths and latencies binned on the engines' own edges (a few occupied buckets, most requests in
+    one or two: the scales that cannot win stop early) fit as the 36 halvings of every scale do."""
+    import random
+
+    from fleetplan.planner.evidence import _fit_shape
+    from fleetplan.sim.core import LENGTH_BUCKETS, TTFT_BUCKETS_S
+
+    rng = random.Random(seed)
+    for edges, mu, sigma in ((LENGTH_BUCKETS, 6.5, 1.0), (LENGTH_BUCKETS, 4.2, 0.2), (TTFT_BUCKETS_S, -1.6, 0.6),
+                             (TTFT_BUCKETS_S, -3.0, 0.05)):
+        xs = [rng.lognormvariate(mu, sigma) for _ in range(rng.randint(30, 3000))]
+        counts = [0.0] * len(edges)
+        for x in xs:
+            counts[min(next((i for i, e in enumerate(edges) if x <= e), len(edges) - 1), len(edges) - 1)] += 1.0
+        lows = (0.0, *edges[:-1])
+        occupied = [(a, b, c / 60.0) for a, b, c in zip(lows, edges, counts, strict=True) if c > 0 and a > 0]
+        if len(occupied) < 2:
+            continue
+        total = sum(c for *_, c in occupied)
+        mean = sum(min(max(x, a), b) for x in xs for a, b, _ in occupied if a < x <= b) / 60.0 / total
+        assert _fit_shape(occupied, mean) == _fit_shape_one_by_one(occupied, mean)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from fleetplan.models.names import Engine, GpuType, Precision
 from fleetplan.sim.batching import BatchCore
 from fleetplan.sim.capacity_truth import max_rate_at_slo, poisson_arrivals, simulate
-from fleetplan.sim.groundtruth import RequestTooLongError, build_params, step_time_s
+from fleetplan.sim.groundtruth import RequestTooLongError, build_params, step_time_fn, step_time_s
 
 
 def _params(persona: Engine = Engine.VLLM, **kw: object):
@@ -217,3 +217,17 @@ def test_a_prefilled_request_computes_one_prompt_token_and_holds_its_whole_kv() 
     assert params.kv_blocks - pre.free_blocks >= pre.blocks_for(8000)  # the transferred prompt occupies the cache
     tokens, _, _ = _drain(pre)
     assert tokens == {"r": 3}
+
+
+@pytest.mark.parametrize("persona", [Engine.VLLM, Engine.TRTLLM])
+@pytest.mark.parametrize("tp", [1, 4, 8])
+def test_the_step_time_function_is_step_time_s_to_the_last_bit(persona: Engine, tp: int) -> None:
+    """step_time_fn (the engines' cores read the constants once) computes what step_time_s does."""
+    p = build_params(persona, "llama-3-70b", GpuType.H100, tp) if tp > 1 else _params(persona)
+    f = step_time_fn(p)
+    rng = random.Random(tp)
+    for _ in range(500):
+        d, pf = rng.randint(0, 300), rng.choice([0, 0, rng.randint(1, 8192)])
+        ctx, pairs = rng.randint(0, 400_000), rng.choice([0.0, rng.uniform(0, 3e7)])
+        assert f(d, pf, ctx, pairs) == step_time_s(p, decode_seqs=d, prefill_tokens=pf, context_tokens=ctx,
+                                                   prefill_attn_pairs=pairs)
