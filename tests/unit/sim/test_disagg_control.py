@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 
+from sim_policies import two_hosts_8b_pools
+
 from fleetplan.models.config_key import Role
 from fleetplan.planner.policy import load_policy_text
 from fleetplan.sim.control import FleetplanController
@@ -19,17 +21,8 @@ RPS, ISL, OSL, ITL_MS = 20.0, 4096, 32, 20.0  # long prompts, short outputs, a t
 
 
 def _policy(allowed: bool) -> str:
-    return f"""
-version: 1
-gpu_types: {{h100: {{price_usd_h: 2.0}}}}
-hosts: [{{name: h1, gpu: h100, gpu_count: 8}}, {{name: h2, gpu: h100, gpu_count: 8}}]
-engines:
-  vllm: {{launch: {{command: vllm}}, startup: {{default_s: 30}}}}
-scaling: {{cycle_s: 60, scale_down_delay_s: 120}}
-models:
-  - {{name: {M}, slo: {{ttft_p99_ms: 600, itl_p99_ms: {ITL_MS}}}, allowed: {{engines: [vllm], tp: [1]}},
-     workload: {{isl: {ISL}, osl: {OSL}}}, headroom: 0.1, disaggregation: {{allowed: {str(allowed).lower()}}}}}
-"""
+    return two_hosts_8b_pools(allowed, ttft_ms=600, itl_ms=ITL_MS, startup_s=30, cycle_s=60,
+                              scale_down_delay_s=120, headroom=0.1, isl=ISL, osl=OSL)
 
 
 def _replay(allowed: bool) -> tuple[FleetSim, SimResult]:

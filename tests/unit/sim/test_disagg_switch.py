@@ -6,6 +6,8 @@ nine aggregated ones, whose decode steps wait behind 4,096-token prefills)."""
 
 from __future__ import annotations
 
+from sim_policies import two_hosts_8b_pools
+
 from fleetplan.models.config_key import Role
 from fleetplan.planner.policy import load_policy_text
 from fleetplan.sim.control import FleetplanController
@@ -19,17 +21,8 @@ TO_POOLS_S, BACK_S, END_S = 300.0, 600.0, 900.0
 
 
 def _policy(allowed: bool) -> str:
-    return f"""
-version: 1
-gpu_types: {{h100: {{price_usd_h: 2.0}}}}
-hosts: [{{name: h1, gpu: h100, gpu_count: 8}}, {{name: h2, gpu: h100, gpu_count: 8}}]
-engines:
-  vllm: {{launch: {{command: vllm}}, startup: {{default_s: 40}}}}
-scaling: {{cycle_s: 30, scale_down_delay_s: 60}}
-models:
-  - {{name: {M}, slo: {{ttft_p99_ms: {TTFT_MS}, itl_p99_ms: {ITL_MS}}}, allowed: {{engines: [vllm], tp: [1]}},
-     workload: {{isl: {ISL}, osl: {OSL}}}, headroom: 0.2, disaggregation: {{allowed: {str(allowed).lower()}}}}}
-"""
+    return two_hosts_8b_pools(allowed, ttft_ms=TTFT_MS, itl_ms=ITL_MS, startup_s=40, cycle_s=30,
+                              scale_down_delay_s=60, headroom=0.2, isl=ISL, osl=OSL)
 
 
 def test_a_policy_edit_moves_a_model_to_pools_and_back_without_a_request_lost() -> None:
