@@ -349,9 +349,12 @@ def regression_floor(points: Sequence[tuple[float, float, float]]) -> float | No
 def regression_cap(points: Sequence[tuple[float, float, float]]) -> float | None:
     """The fleet's own regression of ln speed on ln load per replica (weighted by completions): when
     the speed the profile explains FALLS with load (the engine slows toward its knee faster than the
-    profile says), a faster engine is trusted only as far as the line says at the highest load seen
+    profile says), a speed is trusted only as far as the line says at the highest load seen
     (+1 standard error), not extrapolated to the loads a smaller fleet would carry: the fleet shrinks as
-    it shows, window by window, that the higher load holds. None: no such slope shown (fewer than 3
+    it shows, window by window, that the higher load holds. This holds for a faster engine and for a
+    slower one whose estimate relaxes at low load after the knee was seen (the coding-like hour:
+    a replica missed at 6.5 rps read x0.33, windows at 3.2 rps read x0.55 and the fleet stepped back
+    down to the load that missed every five minutes). None: no such slope shown (fewer than 3
     windows, loads too close together, or a flat/rising line).
 
     >>> regression_cap([(1.0, 0.7, 300), (2.0, 0.7, 300), (3.0, 0.7, 300)]) is None  # flat: the shape holds
@@ -486,10 +489,15 @@ def _agreement_sd(points: Sequence[tuple[float, float, float]], age_s: float) ->
 def _capped(applied: float, points: Sequence[tuple[float, float, float]]) -> float:
     """A faster engine no further than the fleet's own regression supports (`regression_cap`); a
     slower one no further than the line at the highest load seen when the latency does not follow
-    the load (`regression_floor`)."""
+    the load (`regression_floor`), and, when the speed falls with load, no faster than that line
+    either (`regression_cap`: an estimate learnt at the knee that relaxes as windows at half the
+    load read faster is the same extrapolation to the loads a smaller fleet would carry)."""
     if applied < 0.0:
         floor = regression_floor(points)
-        return applied if floor is None else max(applied, min(floor, 0.0))
+        if floor is not None:
+            return max(applied, min(floor, 0.0))
+        cap = regression_cap(points)
+        return applied if cap is None else min(applied, cap)
     if applied == 0.0:
         return applied
     cap = regression_cap(points)

@@ -211,6 +211,24 @@ def test_the_regression_holds_a_faster_engine_to_the_loads_it_was_seen_at() -> N
     assert same[KEY].applied_ttft_log > same[KEY].ttft_log - 0.05
 
 
+def test_the_regression_holds_a_slower_engine_that_relaxes_at_low_load() -> None:
+    # the knee was seen (a window at 2.5 rps per replica read x0.33) and the next windows, at half
+    # that load once the fleet grew, read faster: the estimate relaxes, what is applied stays at the
+    # line at the highest load seen, so the fleet does not step back to the load that missed
+    pts = ((2.5, -1.1, 300.0), (1.25, -0.5, 300.0), (1.3, -0.45, 300.0), (1.2, -0.5, 300.0))
+    c = Correction(KEY, -0.6, 0.01, -0.6, 0.01, 8, 0.0, 1000.0, None, None, -1.1, -1.1, pts, pts)
+    seen = predict_mix(TRUE, MIX, 1.25)
+    obs = ConfigObservation(KEY, 1, 1.25, seen.ttft_p99_ms / 0.6, seen.itl_p99_ms / 0.6, 300.0)
+    nxt = observe_once({KEY: c}, obs, 1060.0)[KEY]
+    cap = regression_cap(nxt.ttft_points)
+    assert cap is not None and cap < -0.6  # the line at 2.5 rps, + 1 se
+    assert nxt.ttft_log > -0.6 and nxt.applied_ttft_log <= cap + 1e-9
+    # without the window at the knee the same windows are applied as estimated
+    low = tuple(p for p in pts if p[0] < 2.0)
+    free = observe_once({KEY: replace(c, ttft_points=low, itl_points=low)}, obs, 1060.0)[KEY]
+    assert free.applied_ttft_log > nxt.applied_ttft_log + 0.2
+
+
 def test_a_lone_surprise_toward_faster_is_noise_and_a_slower_one_is_followed_at_once() -> None:
     # long context: one window's p99 says x1.6 (no 70k-token prefill landed in it), the window
     # before said x0.9; the estimate (x1.0, settled) moves a little. Two such windows in a row are an
