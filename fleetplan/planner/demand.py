@@ -70,28 +70,75 @@ def burst_need_rps(peak_rps: float, window_s: float, ttft_slo_ms: float) -> floa
 
 
 def bursts(o: ModelObservation | None, m: ModelPolicy, state: PlannerState, now_s: float,
-            keep_s: float) -> tuple[float, tuple[tuple[float, float], ...]]:
-    """(the highest burst need over the last `keep_s`, this model's burst memory for the next state)."""
-    past = tuple((t, v) for name, t, v in state.bursts if name == m.name and now_s - t < keep_s
-                 and valid_rps(v))
+           keep_s: float, level_rps: float, lead_s: float) -> tuple[float, tuple[tuple[float, float, float], ...]]:
+    """(the capacity that drains the largest burst of the last `keep_s` on top of `level_rps`, this
+    model's burst memory for the next state: (t_s, excess rps, the window's mean rps) per burst).
+
+    A burst is remembered as its EXCESS over the window's mean rate, not as the capacity it needed:
+    a burst is what rides on the level, and the level moves (a 24 rps peak over an 8 rps level
+    comes back over 8 or over 12 rps alike). A burst is shorter than the lead time (what lasts
+    longer is chased like any level): a remembered one whose window's mean plus half its excess the
+    rate still holds a lead time later (`lead_s`) was the leading edge of a step or a ramp, and is
+    dropped, so a step down from 90 to 15 rps holds nothing.
+
+    >>> m = ModelPolicy.model_validate({"name": "m", "slo": {"ttft_ms": 500, "itl_ms": 50},
+    ...                                 "workload": {"isl": 2000, "osl": 30}})
+    >>> o = ModelObservation("m", rate_rps=8.0, peak_rps=32.0, peak_window_s=15.0)
+    >>> need, mem = bursts(o, m, PlannerState(), 1000.0, 3600.0, 8.0, 150.0)
+    >>> round(need, 1), [(t, round(x, 1), lv) for t, x, lv in mem]   # 32 - 3 sd of a 15 s count: 27.6 = 8 + 19.6
+    (26.7, [(1000.0, 19.6, 8.0)])
+    >>> later = PlannerState(bursts=tuple(("m", t, x, lv) for t, x, lv in mem))
+    >>> round(bursts(ModelObservation("m", rate_rps=12.0), m, later, 3000.0, 3600.0, 12.0, 150.0)[0], 1)
+    30.6
+    >>> bursts(ModelObservation("m", rate_rps=12.0), m, later, 4700.0, 3600.0, 12.0, 150.0)[0]  # past the period
+    0.0
+    >>> bursts(ModelObservation("m", rate_rps=30.0), m, later, 1200.0, 3600.0, 30.0, 150.0)[0]  # it stayed: a step
+    0.0
+    >>> down = ModelObservation("m", rate_rps=10.0, peak_rps=32.0, history=((940.0, 32.0),), rate_window_s=60.0)
+    >>> bursts(down, m, PlannerState(), 1000.0, 3600.0, 10.0, 150.0)  # the level before it: a step down
+    (0.0, ())
+    """
+    rate = o.rate_rps if o is not None and o.rate_rps is not None and valid_rps(o.rate_rps) else None
+    known = o is not None and not o.stale and rate is not None
+    past = tuple((t, v, lv) for name, t, v, lv in state.bursts if name == m.name and now_s - t < keep_s
+                 and valid_rps(v) and valid_rps(lv)
+                 and not (known and rate is not None and now_s - t >= lead_s and rate >= lv + v / 2.0))
+    window_s = o.peak_window_s if o is not None and o.peak_window_s > 0 else None
     if o is not None and o.peak_rps is not None and valid_rps(o.peak_rps) and o.peak_rps > 0 \
-            and o.peak_window_s > 0:
+            and window_s is not None:
         # a short window's rate of Poisson arrivals scatters by sqrt(rate / window): capacity at the
         # SLO (models/mix.py) is already sized for Poisson arrivals, so only the excess is a burst
-        peak = o.peak_rps - POISSON_Z * math.sqrt(o.peak_rps / o.peak_window_s)
-        if peak > 0:
-            past = (*past, (now_s, burst_need_rps(peak, o.peak_window_s, m.slo.ttft_p99_ms)))
-    return max((v for _, v in past), default=0.0), past
+        peak = o.peak_rps - POISSON_Z * math.sqrt(o.peak_rps / window_s)
+        mean = rate if rate is not None else level_rps
+        # a peak at the start of a window whose rate stepped down is the level before it, no burst:
+        # a burst stands above the level on both sides
+        base = max(mean, _rate_before(o, now_s) or 0.0)
+        if peak > base:
+            past = (*past, (now_s, peak - base, mean))
+    excess = max((v for _, v, _ in past), default=0.0)
+    if excess <= 0:
+        return 0.0, past
+    top = level_rps + excess
+    # without a window's length (no observation) the burst is kept whole: no queue absorbs part of it
+    return (burst_need_rps(top, window_s, m.slo.ttft_p99_ms) if window_s is not None else top), past
+
+
+def _rate_before(o: ModelObservation, now_s: float) -> float | None:
+    """The rate the history read just before this window (its latest sample at least one rate
+    window old); None: no such sample."""
+    edge = now_s - (o.rate_window_s if o.rate_window_s is not None else o.history_window_s or 0.0)
+    before = [r for t, r in o.history if t <= edge and valid_rps(r)]
+    return before[-1] if before else None
 
 
 def model_demands(observation: Observation, policy: Policy, now_s: float,
-             state: PlannerState | None = None) -> tuple[dict[str, Demand], tuple[tuple[str, float, float], ...]]:
+             state: PlannerState | None = None) -> tuple[dict[str, Demand], tuple[tuple[str, float, float, float], ...]]:
     """Per model what the plan serves, and the burst memory for the next state."""
     obs = canonical_observations(observation, policy)
     out: dict[str, Demand] = {}
-    memory: list[tuple[str, float, float]] = []
-    keep_s = max(policy.scaling.scale_down_delay_s, 2 * policy.scaling.cycle_s)
+    memory: list[tuple[str, float, float, float]] = []
     for m in policy.models:
+        keep_s = max(policy.scaling.scale_down_delay_s, 2 * policy.scaling.cycle_s, m.slo.period_s)
         o = obs.get(m.name)
         notes: list[str] = []
         if o is not None and o.rate_rps is not None and not valid_rps(o.rate_rps):
@@ -128,8 +175,8 @@ def model_demands(observation: Observation, policy: Policy, now_s: float,
             demand = max(0.0, lower or 0.0)
             # the burst memory outlives a stale cycle (a start inside a burst makes the next reading
             # stale), and a stale peak, like the rate, is a lower bound that may raise capacity
-            burst, mem = bursts(o, m, state or PlannerState.initial(), now_s, keep_s)
-            memory.extend((m.name, t, v) for t, v in mem)
+            burst, mem = bursts(o, m, state or PlannerState.initial(), now_s, keep_s, demand, lead)
+            memory.extend((m.name, t, v, lv) for t, v, lv in mem)
             required = demand * (1 + m.headroom)
             if burst > required:
                 notes.append(f"bursts: short-window peaks need {burst:.2f} rps of capacity to drain within the "
@@ -148,8 +195,8 @@ def model_demands(observation: Observation, policy: Policy, now_s: float,
         if hold is not None:
             hold = max(demand, hold + fc.margin_rps)  # what the forecast said at that level
         required = demand * (1 + m.headroom)
-        burst, mem = bursts(o, m, state or PlannerState.initial(), now_s, keep_s)
-        memory.extend((m.name, t, v) for t, v in mem)
+        burst, mem = bursts(o, m, state or PlannerState.initial(), now_s, keep_s, demand, lead)
+        memory.extend((m.name, t, v, lv) for t, v, lv in mem)
         if burst > required:
             # bursts shorter than the lead time cannot be chased: keep what drains them within the SLO
             notes.append(f"bursts: short-window peaks need {burst:.2f} rps of capacity to drain within the "

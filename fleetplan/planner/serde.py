@@ -163,7 +163,9 @@ class StateDoc(_Strict):
     cycle: int = 0
     surplus_since_s: tuple[SurplusDoc, ...] = ()
     corrections: tuple[CorrectionDoc, ...] = ()
-    bursts: tuple[tuple[str, float, float], ...] = ()
+    # (model, t_s, excess rps, level rps); a stored 3-tuple (model, t_s, capacity needed) is read
+    # with level 0 (planner/demand.py drops it as a step once the rate holds half of it)
+    bursts: tuple[tuple[str, float, float, float] | tuple[str, float, float], ...] = ()
     lengths: tuple[LengthsDoc, ...] = ()
     budget: tuple[BudgetSliceDoc, ...] = Field(default=(), max_length=100_000)
 
@@ -256,7 +258,7 @@ def _state(doc: StateDoc) -> PlannerState:
                                  k.updated_s, k.observed_ttft_speed, k.observed_itl_speed, k.applied_ttft_log,
                                  k.applied_itl_log, tuple(k.ttft_points), tuple(k.itl_points))
                       for k in doc.corrections), key=lambda c: c.config)),
-        tuple(doc.bursts),
+        tuple((b[0], b[1], b[2], b[3] if len(b) > 3 else 0.0) for b in doc.bursts),
         tuple(HeldLengths(h.model, h.t_s, h.isl, h.osl, tuple(h.isl_quantiles), tuple(h.osl_quantiles),
                           h.isl_p99_low) for h in doc.lengths),
         tuple(BudgetSlice(b.model, b.t_s, b.updated_s, b.requests, b.missed_lo, b.missed_hi) for b in doc.budget),

@@ -213,7 +213,8 @@ class PlannerState:
     surplus_since_s: tuple[tuple[ConfigKey, float], ...] = ()
     cycle: int = 0
     corrections: tuple[Correction, ...] = ()  # per config, from observed latency (planner/correction.py)
-    bursts: tuple[tuple[str, float, float], ...] = ()  # (model, t_s, capacity a burst needed), recent
+    # (model, t_s, a burst's excess rps over its window's mean, that mean rps), recent (planner/demand.py)
+    bursts: tuple[tuple[str, float, float, float], ...] = ()
     lengths: tuple[HeldLengths, ...] = ()  # per model, the last length mix a reading showed
     budget: tuple[BudgetSlice, ...] = ()  # per model, the SLO's ledger over its period (planner/slo.py)
     # the stage-1 problems last solved and their solutions (planner/solve_memo.py): a memo, not a

@@ -82,7 +82,10 @@ def test_the_policy_workload_may_be_a_distribution_and_observed_quantiles_win() 
     assert w2.length_mix().isl_quantile(0.99) > 8000
 
 
-def test_a_one_off_burst_is_held_for_the_scale_down_delay_then_forgotten() -> None:
+def test_a_one_off_burst_is_held_for_the_slo_period_then_forgotten() -> None:
+    """A burst shorter than the lead time cannot be chased: the capacity that drains it is held for
+    the SLO's period (default 3600 s), whose objective it would spend when it comes back, then
+    forgotten."""
     p = policy(models=("m8",), scaling={"scale_down_delay_s": 300, "cycle_s": 60},
                model_extra={"m8": {"allowed": {"tp": [1], "engines": ["vllm"]}, "headroom": 0.0}})
     profiles = mp.ProfileSet((TRUE,))
@@ -92,8 +95,29 @@ def test_a_one_off_burst_is_held_for_the_scale_down_delay_then_forgotten() -> No
     assert burst.explanation.models[0].required_rps > 3 * calm.explanation.models[0].required_rps
     later = plan(_obs(10.0, 0, None, None), Fleet(hosts(2)), p, profiles, burst.next_state, NOW + 120)
     assert later.explanation.models[0].required_rps == burst.explanation.models[0].required_rps
-    gone = plan(_obs(10.0, 0, None, None), Fleet(hosts(2)), p, profiles, later.next_state, NOW + 400)
+    held = plan(_obs(10.0, 0, None, None), Fleet(hosts(2)), p, profiles, later.next_state, NOW + 3000)
+    assert held.explanation.models[0].required_rps == burst.explanation.models[0].required_rps
+    gone = plan(_obs(10.0, 0, None, None), Fleet(hosts(2)), p, profiles, held.next_state, NOW + 3700)
     assert gone.explanation.models[0].required_rps == calm.explanation.models[0].required_rps
+
+
+def test_a_burst_rides_on_the_level_and_a_step_down_is_no_burst() -> None:
+    """The memory holds a burst's excess over its window's mean: over a higher level it needs more,
+    and a steady level that steps down leaves nothing to hold."""
+    p = policy(models=("m8",), scaling={"scale_down_delay_s": 300, "cycle_s": 60},
+               model_extra={"m8": {"allowed": {"tp": [1], "engines": ["vllm"]}, "headroom": 0.0}})
+    profiles = mp.ProfileSet((TRUE,))
+    burst = plan(_obs(10.0, 0, None, None, peak_rps=60.0), Fleet(hosts(2)), p, profiles,
+                 PlannerState.initial(), NOW)
+    low = plan(_obs(10.0, 0, None, None), Fleet(hosts(2)), p, profiles, burst.next_state, NOW + 600)
+    high = plan(_obs(20.0, 0, None, None), Fleet(hosts(2)), p, profiles, burst.next_state, NOW + 600)
+    assert high.explanation.models[0].required_rps > low.explanation.models[0].required_rps + 9.0
+    steady = plan(_obs(90.0, 0, None, None, peak_rps=90.0), Fleet(hosts(8)), p, profiles,
+                  PlannerState.initial(), NOW)
+    assert not steady.next_state.bursts  # a peak inside the Poisson noise of its level is no burst
+    after = plan(_obs(15.0, 0, None, None), Fleet(hosts(8)), p, profiles, steady.next_state, NOW + 600)
+    calm = plan(_obs(15.0, 0, None, None), Fleet(hosts(8)), p, profiles, PlannerState.initial(), NOW + 600)
+    assert after.explanation.models[0].required_rps == calm.explanation.models[0].required_rps
 
 
 def test_corrections_survive_a_cycle_before_any_host_reported() -> None:
@@ -195,3 +219,18 @@ def test_a_held_mix_holds_only_what_a_stored_state_can_load_again() -> None:
     assert held[0].isl is None and held[0].osl is None and held[0].isl_quantiles == ((0.5, 900.0),)
     state = PlannerState(lengths=held)
     assert state_from_dict(json.loads(json.dumps(state_to_dict(state)))) == state
+
+
+def test_the_burst_memory_survives_a_restart_and_an_older_store_reads() -> None:
+    """The memory is stored with the plan (model, t, excess, level); a store written before the
+    level was kept holds (model, t, capacity needed) and reads with level 0."""
+    p = policy(models=("m8",), scaling={"scale_down_delay_s": 300, "cycle_s": 60},
+               model_extra={"m8": {"allowed": {"tp": [1], "engines": ["vllm"]}, "headroom": 0.0}})
+    burst = plan(_obs(10.0, 0, None, None, peak_rps=60.0), Fleet(hosts(2)), p, mp.ProfileSet((TRUE,)),
+                 PlannerState.initial(), NOW)
+    doc = json.loads(json.dumps(plan_to_dict(burst)["next_state"]))
+    assert state_from_dict(doc).bursts == burst.next_state.bursts
+    (model, t, excess, level), = burst.next_state.bursts
+    assert model == "m8" and t == NOW and excess > 40.0 and level == 10.0
+    old = state_from_dict({**doc, "bursts": [["m8", NOW, 55.0]]})
+    assert old.bursts == (("m8", NOW, 55.0, 0.0),)
