@@ -72,14 +72,16 @@ def burst_need_rps(peak_rps: float, window_s: float, ttft_slo_ms: float) -> floa
 def bursts(o: ModelObservation | None, m: ModelPolicy, state: PlannerState, now_s: float,
            keep_s: float, level_rps: float, lead_s: float) -> tuple[float, tuple[tuple[float, float, float], ...]]:
     """(the capacity that drains the largest burst of the last `keep_s` on top of `level_rps`, this
-    model's burst memory for the next state: (t_s, excess rps, the window's mean rps) per burst).
+    model's burst memory for the next state: (t_s, excess rps, the level rps then) per burst).
 
-    A burst is remembered as its EXCESS over the window's mean rate, not as the capacity it needed:
-    a burst is what rides on the level, and the level moves (a 24 rps peak over an 8 rps level
-    comes back over 8 or over 12 rps alike). A burst is shorter than the lead time (what lasts
-    longer is chased like any level): a remembered one whose window's mean plus half its excess the
-    rate still holds a lead time later (`lead_s`) was the leading edge of a step or a ramp, and is
-    dropped, so a step down from 90 to 15 rps holds nothing.
+    A burst stands above the level on both sides within a lead time (`lead_s`: what lasts longer is
+    chased like any level): its excess is the highest rate of the last lead time (the history's
+    samples and this window's short-window peak, each less its Poisson noise) over the higher of
+    the rate now and the rate a lead time before. A step up (the rate stays) and a step down (the
+    rate was as high before) leave none. It is remembered as that excess, not as the capacity it
+    needed: a burst rides on the level, and the level moves (a 24 rps peak over an 8 rps level comes
+    back over 8 or over 12 rps alike). A remembered one whose level plus half its excess the rate
+    holds a lead time later was the edge of a ramp, and is dropped.
 
     >>> m = ModelPolicy.model_validate({"name": "m", "slo": {"ttft_ms": 500, "itl_ms": 50},
     ...                                 "workload": {"isl": 2000, "osl": 30}})
@@ -92,10 +94,15 @@ def bursts(o: ModelObservation | None, m: ModelPolicy, state: PlannerState, now_
     30.6
     >>> bursts(ModelObservation("m", rate_rps=12.0), m, later, 4700.0, 3600.0, 12.0, 150.0)[0]  # past the period
     0.0
-    >>> bursts(ModelObservation("m", rate_rps=30.0), m, later, 1200.0, 3600.0, 30.0, 150.0)[0]  # it stayed: a step
+    >>> bursts(ModelObservation("m", rate_rps=30.0), m, later, 1200.0, 3600.0, 30.0, 150.0)[0]  # it stayed: a ramp
     0.0
-    >>> down = ModelObservation("m", rate_rps=10.0, peak_rps=32.0, history=((940.0, 32.0),), rate_window_s=60.0)
-    >>> bursts(down, m, PlannerState(), 1000.0, 3600.0, 10.0, 150.0)  # the level before it: a step down
+    >>> h = ((800.0, 8.0), (880.0, 8.0), (940.0, 30.0), (970.0, 30.0))  # 60 s rates: a minute at 30 rps
+    >>> after = ModelObservation("m", rate_rps=8.0, peak_rps=9.0, history=h, history_window_s=60.0)
+    >>> round(bursts(after, m, PlannerState(), 1000.0, 3600.0, 8.0, 150.0)[1][0][1], 1)  # 30 - 3 sd - 8
+    19.9
+    >>> down = ModelObservation("m", rate_rps=8.0, peak_rps=9.0, history=((800.0, 30.0), (940.0, 30.0)),
+    ...                         history_window_s=60.0)
+    >>> bursts(down, m, PlannerState(), 1000.0, 3600.0, 8.0, 150.0)  # as high before it: a step down
     (0.0, ())
     """
     rate = o.rate_rps if o is not None and o.rate_rps is not None and valid_rps(o.rate_rps) else None
@@ -104,17 +111,19 @@ def bursts(o: ModelObservation | None, m: ModelPolicy, state: PlannerState, now_
                  and valid_rps(v) and valid_rps(lv)
                  and not (known and rate is not None and now_s - t >= lead_s and rate >= lv + v / 2.0))
     window_s = o.peak_window_s if o is not None and o.peak_window_s > 0 else None
-    if o is not None and o.peak_rps is not None and valid_rps(o.peak_rps) and o.peak_rps > 0 \
-            and window_s is not None:
+    if o is not None:
         # a short window's rate of Poisson arrivals scatters by sqrt(rate / window): capacity at the
         # SLO (models/mix.py) is already sized for Poisson arrivals, so only the excess is a burst
-        peak = o.peak_rps - POISSON_Z * math.sqrt(o.peak_rps / window_s)
-        mean = rate if rate is not None else level_rps
-        # a peak at the start of a window whose rate stepped down is the level before it, no burst:
-        # a burst stands above the level on both sides
-        base = max(mean, _rate_before(o, now_s) or 0.0)
-        if peak > base:
-            past = (*past, (now_s, peak - base, mean))
+        highs = [_less_noise(r, o.history_window_s) for t, r in o.history
+                 if now_s - lead_s < t <= now_s and valid_rps(r)]
+        if o.peak_rps is not None and valid_rps(o.peak_rps) and window_s is not None:
+            highs.append(_less_noise(o.peak_rps, window_s))
+        level = rate if rate is not None else level_rps
+        before = _rate_before(o, now_s - lead_s)
+        base = max(level, before) if before is not None else level
+        top = max(highs, default=0.0)
+        if top > base:
+            past = (*past, (now_s, top - base, level))
     excess = max((v for _, v, _ in past), default=0.0)
     if excess <= 0:
         return 0.0, past
@@ -123,11 +132,14 @@ def bursts(o: ModelObservation | None, m: ModelPolicy, state: PlannerState, now_
     return (burst_need_rps(top, window_s, m.slo.ttft_p99_ms) if window_s is not None else top), past
 
 
-def _rate_before(o: ModelObservation, now_s: float) -> float | None:
-    """The rate the history read just before this window (its latest sample at least one rate
-    window old); None: no such sample."""
-    edge = now_s - (o.rate_window_s if o.rate_window_s is not None else o.history_window_s or 0.0)
-    before = [r for t, r in o.history if t <= edge and valid_rps(r)]
+def _less_noise(rps: float, window_s: float | None) -> float:
+    """A window's rate less POISSON_Z of its Poisson scatter (the window unknown: as read)."""
+    return rps - POISSON_Z * math.sqrt(rps / window_s) if window_s else rps
+
+
+def _rate_before(o: ModelObservation, edge_s: float) -> float | None:
+    """The history's latest rate read at or before `edge_s`; None: no such sample."""
+    before = [r for t, r in o.history if t <= edge_s and valid_rps(r)]
     return before[-1] if before else None
 
 
@@ -158,6 +170,9 @@ def model_demands(observation: Observation, policy: Policy, now_s: float,
                     for e in m.allowed.engines for g in (m.allowed.gpus or tuple(policy.gpu_types))
                     for t in m.allowed.tp), default=0.0)
         horizon = lead + policy.scaling.cycle_s
+        # a burst is what rises and falls back before capacity started for it serves: within the
+        # horizon, plus the window a rate is read over (it smears the burst's edges by that much)
+        burst_span = horizon + ((o.history_window_s or o.rate_window_s or 0.0) if o is not None else 0.0)
         if not known:
             # Fail static means no scale-DOWN on missing data, not no scaling: the floors keep every
             # running replica of this model (plan_with_capacities), and a stale model's rate, when
@@ -175,7 +190,7 @@ def model_demands(observation: Observation, policy: Policy, now_s: float,
             demand = max(0.0, lower or 0.0)
             # the burst memory outlives a stale cycle (a start inside a burst makes the next reading
             # stale), and a stale peak, like the rate, is a lower bound that may raise capacity
-            burst, mem = bursts(o, m, state or PlannerState.initial(), now_s, keep_s, demand, lead)
+            burst, mem = bursts(o, m, state or PlannerState.initial(), now_s, keep_s, demand, burst_span)
             memory.extend((m.name, t, v, lv) for t, v, lv in mem)
             required = demand * (1 + m.headroom)
             if burst > required:
@@ -195,7 +210,7 @@ def model_demands(observation: Observation, policy: Policy, now_s: float,
         if hold is not None:
             hold = max(demand, hold + fc.margin_rps)  # what the forecast said at that level
         required = demand * (1 + m.headroom)
-        burst, mem = bursts(o, m, state or PlannerState.initial(), now_s, keep_s, demand, lead)
+        burst, mem = bursts(o, m, state or PlannerState.initial(), now_s, keep_s, demand, burst_span)
         memory.extend((m.name, t, v, lv) for t, v, lv in mem)
         if burst > required:
             # bursts shorter than the lead time cannot be chased: keep what drains them within the SLO
