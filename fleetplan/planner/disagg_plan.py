@@ -7,7 +7,8 @@ hosts' link, the decode side's join), and in a decode pool, sized at the ITL tar
 with no prefill in them, the KV cache), both from the aggregated profile's own equations at the
 model's length mix (`models.disagg.disagg_capacity`). The online correction's speeds apply as
 `disagg_choice.PhaseSpeeds` says: the TTFT speed seen on aggregated replicas to the prefill pool,
-a decode pool's own ITL speed (once one runs) to the decode pool, never the ITL speed observed on
+a decode pool's own ITL speed where one is given (the correction keeps none per pool yet: the
+profile's ITL once the aggregated config was observed) to the decode pool, never the ITL speed observed on
 aggregated replicas (mostly the prefill interference a decode pool does not have); a speed that is
 a prior, with nothing observed (an extrapolating profile's conservative start), applies to both
 pools as to the aggregated replicas (the hardware is the same); a faster-than-profiled TTFT not
