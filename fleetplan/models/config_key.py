@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from enum import StrEnum
 
 from fleetplan.models.names import Engine, GpuType, Precision
@@ -74,5 +74,12 @@ class ConfigKey:
         return cached
 
     def __getstate__(self) -> dict[str, object]:
-        # a pickled key never carries its cached hash: string hashes differ between processes
-        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+        # a pickled key never carries its cached hash: string hashes differ between processes. The
+        # fields are read by name, never by iterating the instance dict: a process pool pickles its
+        # arguments on a feeder thread while the caller's thread may cache a label or hash into that
+        # dict ("dictionary changed size during iteration" in a replay's busy-machine test)
+        d = self.__dict__
+        return {name: d[name] for name in _FIELDS}
+
+
+_FIELDS = tuple(f.name for f in fields(ConfigKey))  # what a pickled key carries

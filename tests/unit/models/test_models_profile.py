@@ -447,3 +447,26 @@ def test_config_key_hash_is_cached_but_never_pickled() -> None:
     out = subprocess.run([sys.executable, "-c", code], input=blob, capture_output=True, check=True,
                          env={"PYTHONHASHSEED": "12345"})
     assert out.stdout.strip() == b"1"
+
+
+def test_config_key_pickles_while_another_thread_caches_into_it() -> None:
+    """A process pool pickles its arguments on a feeder thread while the caller's thread may cache
+    a key's label or hash into its instance dict: pickling reads the fields by name and never
+    iterates that dict (an iteration that sees it grow raises "dictionary changed size")."""
+    import pickle
+
+    class Growing(dict):  # type: ignore[type-arg]
+        """An instance dict that another thread writes to while it is read: iterating it fails."""
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            raise RuntimeError("dictionary changed size during iteration")
+
+        def items(self):  # type: ignore[no-untyped-def]
+            raise RuntimeError("dictionary changed size during iteration")
+
+        keys = values = items
+
+    key = ConfigKey("llama-3.1-8b", Engine.VLLM, GpuType.H100, 2, Precision.BF16)
+    object.__setattr__(key, "__dict__", Growing(key.__dict__))
+    back = pickle.loads(pickle.dumps(key))
+    assert back == key and back.label() == "llama-3.1-8b/vllm/h100x2/bf16"
