@@ -101,12 +101,22 @@ def _kalman(mean: float, var: float, rd: _Reading | None, z_prev: float | None =
       long way to go is not mistaken for certainty); and a reading whose bucket holds the value the
       estimate predicts is no evidence of a slower engine (no step down);
     - only an upper bound on the latency (the lowest bucket): "at least this fast" (a censored
-      measurement): it raises an estimate below the bound and narrows it, never lowers it.
+      measurement): it raises an estimate below the bound (by MAX_STEP_UP per window at most, like a
+      point value: the coding-like hours' lowest-bucket ITL windows lifted a TensorRT-LLM estimate
+      x2 in one cycle, and the fleet shrank into the next burst) and narrows it, never lowers it.
     """
     if rd is None:
         return mean, var
     if rd.z is None:
-        return _censored(mean, var, rd.z_slow, rd.var) if rd.z_slow is not None else (mean, var)
+        if rd.z_slow is None:
+            return mean, var
+        # a bound moves the estimate no faster than a point value may (MAX_STEP_UP), and a capped
+        # step absorbs only the share of the bound's certainty it applied
+        up, up_var = _censored(mean, var, rd.z_slow, rd.var)
+        step = up - mean
+        if step <= MAX_STEP_UP:
+            return up, up_var
+        return mean + MAX_STEP_UP, var - (var - up_var) * (MAX_STEP_UP / step)
     nu = rd.z - mean
     surprise = max(0.0, nu * nu - (var + rd.var))
     r = rd.var

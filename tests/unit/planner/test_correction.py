@@ -15,6 +15,7 @@ from fleetplan.models.mix import LengthMix, capacity_mix, predict_mix, scaled
 from fleetplan.planner.capacity import MixedWorkload, capacity_table
 from fleetplan.planner.correction import (
     MAX_STEP_DOWN,
+    MAX_STEP_UP,
     MIN_REQUESTS,
     applied_speeds,
     regression_cap,
@@ -171,6 +172,24 @@ def test_an_itl_under_the_lowest_bucket_is_an_upper_bound_not_no_evidence() -> N
     loose = ConfigObservation(KEY, 1, 2.0, seen.ttft_p99_ms, None, 300.0, itl_p99_range_ms=(0.0, 100.0))
     fitted = observe_once({}, loose)[KEY]
     assert fitted.itl_log == pytest.approx(0.0, abs=1e-9) and fitted.applied_itl_log == 0.0
+
+
+def test_a_bound_lifts_a_slow_estimate_no_faster_than_a_reading_may() -> None:
+    # an estimate at x0.40 and a window whose ITL p99 sits under the lowest bucket's edge at the
+    # profile's own prediction ("at least x1"): one window moves it by MAX_STEP_UP at most, as a
+    # point value may; before, the bound lifted it x2 in one cycle and the fleet shrank into a burst
+    slow = math.log(0.4)
+    c = Correction(KEY, slow, 0.3, slow, 0.3, 8, 0.0, 1000.0, None, None, slow, slow)
+    seen = predict_mix(TRUE, MIX, 2.0)
+    bound = ConfigObservation(KEY, 1, 2.0, seen.ttft_p99_ms / 0.4, None, 300.0,
+                              itl_p99_range_ms=(0.0, seen.itl_p99_ms))
+    nxt = observe_once({KEY: c}, bound, 1060.0)[KEY]
+    assert slow < nxt.itl_log <= slow + MAX_STEP_UP + 0.01  # (+ a minute of relaxing toward the profile)
+    assert nxt.itl_var < 0.3  # what it applied, it learnt
+    corr = {KEY: nxt}
+    for k in range(2, 10):  # windows that keep saying so carry it to the bound
+        corr = observe_once(corr, bound, 1000.0 + 60 * k)
+    assert corr[KEY].itl_log > -0.1
 
 
 def test_a_coarse_bucket_holding_the_prediction_is_no_evidence_of_a_slower_engine() -> None:
