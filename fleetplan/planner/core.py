@@ -214,7 +214,7 @@ def plan(
         note = held_note(held, me.model, now_s) if me.model in observed else None
         me = me if note is None else replace(me, notes=(*me.notes, note))
         me = explain_pools(policy, me, result.plan.counts, chosen, workloads, speeds, observed_configs,
-                           compare=counterfactuals)
+                           compare=counterfactuals, replicas=result.plan.replicas)
         if counterfactuals:  # the cost of uncertainty is a what-if too (the fleet if nothing were left to learn)
             u = cost_of_uncertainty(me, policy, table_by_model.get(me.model, {}), speeds, means, chosen, workloads)
             me = replace(me, uncertainty_usd_h=u.usd_h, uncertainty_why=u.why)

@@ -51,7 +51,7 @@ from fleetplan.planner.disagg_choice import (
 from fleetplan.planner.disagg_counts import families, served_rps
 from fleetplan.planner.disagg_fleet import ModelServing, choose_for_model
 from fleetplan.planner.policy import ModelPolicy, Policy
-from fleetplan.planner.types import ConfigCount, ConfigKey, ModelExplanation, ModelPools
+from fleetplan.planner.types import ConfigCount, ConfigKey, ModelExplanation, ModelPools, Replica
 
 EXTRAPOLATED = "pool figures from the aggregated profile's physics (no disaggregated benchmark)"
 
@@ -97,6 +97,16 @@ def _pools_at(profile: PerfProfile, m: ModelPolicy, w: MixedWorkload, link: KvLi
     mix, transfer = _mix(profile, w)
     return disagg_capacity(pool_profiles(profile), mix, ttft_p99_ms=m.slo.ttft_p99_ms, itl_p99_ms=m.slo.itl_p99_ms,
                            link=link, prefill_speed=sp.ttft, decode_speed=sp.decode_itl, transfer_isl_p99=transfer)
+
+
+def paired_prefill(replicas: Sequence[Replica], model: str) -> tuple[int, int]:
+    """(prefill replicas of `model` on a host that holds a decode replica of their engine and GPU
+    type, all its prefill replicas) in a placed plan (planner/placement.py pairs them where there is
+    room)."""
+    dec = {(r.config.engine, r.config.gpu, r.host) for r in replicas
+           if r.config.model == model and r.config.role is Role.DECODE}
+    pre = [r for r in replicas if r.config.model == model and r.config.role is Role.PREFILL]
+    return sum((r.config.engine, r.config.gpu, r.host) in dec for r in pre), len(pre)
 
 
 def pool_capacities(policy: Policy, profiles: Mapping[ConfigKey, PerfProfile], workloads: Mapping[str, MixedWorkload],
@@ -179,7 +189,8 @@ def _comparison_lines(s: ModelServing, flips: Flips) -> tuple[str, ...]:
 def explain_pools(policy: Policy, me: ModelExplanation, plan_counts: Sequence[ConfigCount],
                   profiles: Mapping[ConfigKey, PerfProfile], workloads: Mapping[str, MixedWorkload],
                   speeds: Mapping[ConfigKey, Speeds] | None = None, observed: Collection[ConfigKey] = (), *,
-                  compare: bool = True, link_for: Callable[[GpuType], KvLink] = host_link) -> ModelExplanation:
+                  compare: bool = True, link_for: Callable[[GpuType], KvLink] = host_link,
+                  replicas: Sequence[Replica] = ()) -> ModelExplanation:
     """`me` with its pools (the plan's prefill and decode replicas, the ratio) and, where `compare`,
     the comparison behind them in its notes (the module docstring); unchanged where the model's
     policy does not allow disaggregation."""
@@ -205,8 +216,11 @@ def explain_pools(policy: Policy, me: ModelExplanation, plan_counts: Sequence[Co
         notes.append(f"disaggregated: {p} prefill + {d} decode replicas ({pools.ratio()}) carry {served:.3g} req/s "
                      f"of the required {me.required_rps:.3g}")
         link = link_for(gpu)
+        paired, placed = paired_prefill(replicas, m.name)
         notes.append(f"the pools' capacities assume the hosts' KV link ({link.kind.value}, {link.gb_s:g} GB/s per "
-                     "GPU); prefill and decode replicas are placed like any replica, not paired on one host")
+                     f"GPU): {paired} of {placed} prefill replicas share a host with a decode replica of their "
+                     "engine and GPU type" + ("" if paired == placed else "; the others move the KV cache over "
+                                              "the network, slower than assumed"))
     else:
         pools = None
         notes.append("disaggregated pools allowed; the plan serves aggregated")

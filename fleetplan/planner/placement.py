@@ -19,6 +19,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice
 
+from fleetplan.models.config_key import Role
 from fleetplan.models.names import GpuType
 from fleetplan.planner.types import ConfigKey, HostInventory, Replica, ReplicaState
 
@@ -338,7 +339,7 @@ def _pack(items: Sequence[tuple[ConfigKey, int]], segs: list[tuple[str, list[int
     if spread_from is not None:
         trial: list[Replica] = []
         if not _pack_into(items, _Segments([(h, list(free)) for h, free in segs]), trial,
-                          _hosts_by_model(spread_from), only):
+                          _hosts_by_model(spread_from), only, _decode_hosts(spread_from)):
             out += trial
             return []
     return _pack_into(items, _Segments(segs), out, None, only)
@@ -351,22 +352,48 @@ def _hosts_by_model(replicas: Sequence[Replica]) -> dict[str, set[str]]:
     return by_model
 
 
+def _family(c: ConfigKey) -> tuple[str, str, str]:
+    """A disaggregated family: one model's pools on one engine and GPU type (their TPs may differ)."""
+    return (c.model, c.engine.value, c.gpu.value)
+
+
+def _decode_hosts(replicas: Sequence[Replica]) -> dict[tuple[str, str, str], set[str]]:
+    out: dict[tuple[str, str, str], set[str]] = {}
+    for r in replicas:
+        if r.config.role is Role.DECODE:
+            out.setdefault(_family(r.config), set()).add(r.host)
+    return out
+
+
 def _pack_into(items: Sequence[tuple[ConfigKey, int]], segs: _Segments, out: list[Replica],
                model_hosts: dict[str, set[str]] | None,
-               only: Mapping[ConfigKey, Collection[str]] | None = None) -> list[tuple[ConfigKey, int]]:
+               only: Mapping[ConfigKey, Collection[str]] | None = None,
+               partners: dict[tuple[str, str, str], set[str]] | None = None) -> list[tuple[ConfigKey, int]]:
+    """`partners`: per disaggregated family the hosts holding its decode replicas; a prefill replica
+    goes to one of them where one has room (its KV then moves over the host's own link, which the
+    pools' capacities assume), before spreading; decode replicas place first (`place` sorts them
+    so) and add their hosts. None: no pairing (the plain best fit)."""
     left: list[tuple[ConfigKey, int]] = []
     for c, k in items:
         missing = 0
         avoid: set[str] | None = model_hosts.setdefault(c.model, set()) if model_hosts is not None else None
         allowed = (only or {}).get(c)
+        near = partners.get(_family(c)) if partners is not None and c.role is Role.PREFILL else None
         for _ in range(k):
-            spot = segs.take(c.tp, avoid or (), allowed)
+            spot = None
+            if near:
+                hosts = near if allowed is None else [h for h in near if h in allowed]
+                spot = segs.take(c.tp, (), sorted(hosts)) if hosts else None
+            if spot is None:
+                spot = segs.take(c.tp, avoid or (), allowed)
             if spot is None:
                 missing += 1
                 continue
             host, idx = spot
             if avoid is not None:
                 avoid.add(host)
+            if partners is not None and c.role is Role.DECODE:
+                partners.setdefault(_family(c), set()).add(host)
             out.append(Replica(new_replica_id(c, host, idx), c, host, idx, ReplicaState.STARTING, None, None))
         if missing:
             left.append((c, missing))
