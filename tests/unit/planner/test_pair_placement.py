@@ -1,0 +1,188 @@
+"""Placement pairs a pool family's prefill replicas with its decode replicas on one host
+(planner/placement.py)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from dataclasses import replace
+
+from fleetplan.models.config_key import Role
+from fleetplan.models.names import Engine, GpuType, Precision
+from fleetplan.planner.placement import Placement, paired_prefill, place
+from fleetplan.planner.types import (
+    ConfigKey,
+    HostInventory,
+    Replica,
+    ReplicaState,
+)
+
+H100, A100 = GpuType.H100, GpuType.A100
+M = "m"
+
+
+def key(model: str, tp: int, engine: Engine = Engine.VLLM, gpu: GpuType = H100,
+        role: Role = Role.AGGREGATED) -> ConfigKey:
+    return ConfigKey(model, engine, gpu, tp, Precision.BF16, role)
+
+
+PRE, DEC = key(M, 1, role=Role.PREFILL), key(M, 1, role=Role.DECODE)
+
+
+def hosts(n: int, gpus: int = 8, gpu: GpuType = H100) -> list[HostInventory]:
+    return [HostInventory(f"h{i}", gpu, gpus) for i in range(n)]
+
+
+def ready(rid: str, c: ConfigKey, host: str, gpus: tuple[int, ...]) -> Replica:
+    return Replica(rid, c, host, gpus, ReplicaState.READY, None, 0.0)
+
+
+def roles_on(p: Placement) -> dict[str, Counter[Role]]:
+    out: dict[str, Counter[Role]] = {}
+    for r in p.replicas:
+        out.setdefault(r.host, Counter())[r.config.role] += 1
+    return out
+
+
+def assert_disjoint(p: Placement) -> None:
+    used = Counter((r.host, i) for r in p.replicas for i in r.gpu_indices)
+    assert max(used.values()) == 1
+
+
+# ---- an empty fleet ---------------------------------------------------------------------------
+
+def test_on_an_empty_fleet_prefill_replicas_fill_the_decode_replicas_host() -> None:
+    # 5 prefill + 1 decode TP1 on 2 hosts of 8: all 5 beside the decode replica (spreading alone
+    # sent the first prefill replica to the other host)
+    p = place({PRE: 5, DEC: 1}, hosts(2))
+    assert not p.unplaced
+    assert roles_on(p) == {"h0": Counter({Role.DECODE: 1, Role.PREFILL: 5})}
+    assert paired_prefill(p.replicas) == {M: 5}
+    # 9 + 1: the decode host holds 7 prefill partners, the other 2 go to the other host
+    p = place({PRE: 9, DEC: 1}, hosts(2))
+    assert not p.unplaced and len(p.replicas) == 10
+    assert_disjoint(p)
+    assert roles_on(p) == {"h0": Counter({Role.DECODE: 1, Role.PREFILL: 7}), "h1": Counter({Role.PREFILL: 2})}
+    assert paired_prefill(p.replicas) == {M: 7}
+
+
+def test_several_decode_replicas_each_get_their_share_of_prefill_partners() -> None:
+    # 3 decode replicas spread over 3 of 4 hosts; the 9 prefill replicas go 3 beside each
+    p = place({PRE: 9, DEC: 3}, hosts(4))
+    assert not p.unplaced
+    assert roles_on(p) == {h: Counter({Role.DECODE: 1, Role.PREFILL: 3}) for h in ("h0", "h1", "h2")}
+    assert paired_prefill(p.replicas) == {M: 9}
+
+
+def test_pairing_is_per_family_and_deterministic() -> None:
+    # a TensorRT-LLM family of the same model on the same hosts: its prefill replicas pair with its
+    # own decode replica, not with the vLLM one
+    tp, td = key(M, 1, Engine.TRTLLM, role=Role.PREFILL), key(M, 1, Engine.TRTLLM, role=Role.DECODE)
+    counts = {PRE: 3, DEC: 1, tp: 3, td: 1}
+    p = place(counts, hosts(2))
+    assert not p.unplaced
+    dec_host = {r.config.engine: r.host for r in p.replicas if r.config.role is Role.DECODE}
+    assert dec_host[Engine.VLLM] != dec_host[Engine.TRTLLM]  # spread: one lost host keeps a family
+    for r in p.replicas:
+        if r.config.role is Role.PREFILL:
+            assert r.host == dec_host[r.config.engine], r
+    assert paired_prefill(p.replicas) == {M: 6}
+    assert place(counts, hosts(2)) == p
+
+
+# ---- kept replicas ----------------------------------------------------------------------------
+
+def test_new_prefill_replicas_go_beside_a_kept_decode_replica() -> None:
+    # the kept decode replica runs on h2; the kept prefill replica on h0 stays where it is
+    cur = [ready("d-old", DEC, "h2", (3,)), ready("p-old", PRE, "h0", (0,))]
+    p = place({PRE: 4, DEC: 1}, hosts(3), cur)
+    assert set(p.kept) == set(cur)
+    assert {r.host for r in p.new} == {"h2"} and len(p.new) == 3
+    assert paired_prefill(p.replicas) == {M: 3}  # the kept one on h0 stays unpaired
+
+
+def test_a_new_decode_replica_goes_to_the_kept_prefill_replicas_without_a_partner() -> None:
+    # the family's decode replica was lost; its 3 prefill replicas still run on h1
+    cur = [ready(f"p{i}", PRE, "h1", (i,)) for i in range(3)]
+    p = place({PRE: 3, DEC: 1}, hosts(3), cur)
+    assert set(p.kept) == set(cur)
+    assert [(r.config.role, r.host) for r in p.new] == [(Role.DECODE, "h1")]
+    assert paired_prefill(p.replicas) == {M: 3}
+
+
+# ---- no room for a pair -----------------------------------------------------------------------
+
+def test_prefill_replicas_without_room_beside_a_decode_replica_are_placed_unpaired() -> None:
+    # hosts of 4 GPUs: the decode host holds 3 partners, the other 3 replicas are placed anyway
+    p = place({PRE: 6, DEC: 1}, hosts(2, gpus=4))
+    assert not p.unplaced and len(p.replicas) == 7
+    assert_disjoint(p)
+    assert paired_prefill(p.replicas) == {M: 3}
+    # a decode replica that fills its host leaves no room at all: every prefill replica unpaired
+    wide = key(M, 4, role=Role.DECODE)
+    q = place({PRE: 4, wide: 1}, hosts(2, gpus=4))
+    assert not q.unplaced and len(q.replicas) == 5
+    assert paired_prefill(q.replicas) == {M: 0}
+
+
+def test_pairing_never_costs_a_replica_the_plain_packing_places() -> None:
+    # one host of two NVLink pairs: the decode replicas first, each on the emptiest group, would
+    # leave no pair of GPUs for the TP2 prefill replica; best-fit-decreasing places all three
+    h = [HostInventory("h0", H100, 4, ((0, 1), (2, 3)))]
+    pre2, dec1 = key(M, 2, role=Role.PREFILL), key(M, 1, role=Role.DECODE)
+    p = place({pre2: 1, dec1: 2}, h)
+    assert not p.unplaced and len(p.replicas) == 3
+    assert_disjoint(p)
+    assert paired_prefill(p.replicas) == {M: 1}
+
+
+# ---- models without pools place exactly as before ---------------------------------------------
+
+def _summary(p: Placement) -> tuple[object, ...]:
+    return (sorted((r.replica_id, r.host, r.gpu_indices) for r in p.replicas), sorted(r.replica_id for r in p.kept),
+            sorted(r.replica_id for r in p.removed), sorted((c.label(), n) for c, n in p.unplaced.items()))
+
+
+def _digest(p: Placement) -> str:
+    return hashlib.sha256(repr(_summary(p)).encode()).hexdigest()[:16]
+
+
+def test_a_fleet_without_pools_places_as_before_pairing() -> None:
+    # kept replicas, a replica being removed, a draining one, GPUs held by a build, two NVLink groups,
+    # an engine on one host only and a second GPU type; recorded from the placement before pairing
+    hs = [HostInventory("h0", H100, 8), HostInventory("h1", H100, 8, ((0, 1, 2, 3), (4, 5, 6, 7))),
+          HostInventory("h2", H100, 8, held_gpus=(6, 7)), HostInventory("h3", H100, 8),
+          HostInventory("h4", A100, 8)]
+    cur = [ready("a-kept", key("a", 4), "h1", (0, 1, 2, 3)), ready("b-kept", key("b", 2), "h3", (4, 5)),
+           ready("c-gone", key("c", 1), "h0", (7,)),
+           Replica("b-drain", key("b", 2), "h0", (0, 1), ReplicaState.DRAINING, None, 0.0)]
+    trt = key("e", 2, Engine.TRTLLM)
+    counts = {key("a", 4): 3, key("a", 1): 2, key("b", 2): 3, key("c", 8): 1, key("d", 1, gpu=A100): 5, trt: 1}
+    p = place(counts, hs, cur, engine_hosts={trt: {"h3"}})
+    assert _summary(p) == (
+        [("a-kept", "h1", (0, 1, 2, 3)), ("a_vllm_tp1_h3_g6", "h3", (6,)), ("a_vllm_tp1_h3_g7", "h3", (7,)),
+         ("a_vllm_tp4_h1_g4-5-6-7", "h1", (4, 5, 6, 7)), ("a_vllm_tp4_h2_g0-1-2-3", "h2", (0, 1, 2, 3)),
+         ("b-kept", "h3", (4, 5)), ("b_vllm_tp2_h2_g4-5", "h2", (4, 5)), ("b_vllm_tp2_h3_g2-3", "h3", (2, 3)),
+         ("c_vllm_tp8_h0_g0-1-2-3-4-5-6-7", "h0", (0, 1, 2, 3, 4, 5, 6, 7)),
+         ("d_vllm_tp1_h4_g0", "h4", (0,)), ("d_vllm_tp1_h4_g1", "h4", (1,)), ("d_vllm_tp1_h4_g2", "h4", (2,)),
+         ("d_vllm_tp1_h4_g3", "h4", (3,)), ("d_vllm_tp1_h4_g4", "h4", (4,)), ("e_trtllm_tp2_h3_g0-1", "h3", (0, 1))],
+        ["a-kept", "b-kept"], ["c-gone"], [])
+    assert paired_prefill(p.replicas) == {}
+
+
+def test_a_large_fleet_without_pools_places_as_before_pairing() -> None:
+    # 200 hosts of two GPU types, 20 models at TP 1-8 from an empty fleet, then again with two
+    # thirds of it running and the counts moved by -1..+1; digests recorded before pairing
+    hs = [HostInventory(f"h{i:03d}", (H100, A100)[i % 2], 8) for i in range(200)]
+    counts: dict[ConfigKey, int] = {}
+    for j in range(20):
+        for tp in (1, 2, 4, 8):
+            n = (j * 7 + tp * 3) % 6
+            if n:
+                counts[key(f"m{j:02d}", tp, gpu=(H100, A100)[(j + tp) % 2])] = n
+    first = place(counts, hs)
+    running = [replace(r, state=ReplicaState.READY, since_s=0.0) for i, r in enumerate(first.replicas) if i % 3]
+    again = {c: n + ((c.tp * 5 + int(c.model[1:])) % 3) - 1 for c, n in counts.items()}
+    second = place(again, hs, running)
+    assert (len(first.replicas), len(second.replicas), len(second.kept), len(second.removed)) == (190, 185, 119, 7)
+    assert (_digest(first), _digest(second)) == ("4c3513e4b6f87544", "3a6ce6794e6acdd0")
