@@ -21,8 +21,9 @@ gives the plan's prefill:decode ratio and what would flip the choice (the demand
 prompts' lengths, the link's rate: `disagg_choice.choose_serving` on the prefill pool's config).
 
 The pools' capacities assume the hosts' own link (`models.disagg.host_link`: NVLink, else PCIe);
-placement puts pool replicas like any replica, it does not yet pair a prefill and a decode replica
-on one host.
+placement puts a family's prefill replicas beside its decode replicas where it can
+(`planner.placement`), and the explanation carries how many it paired (`ModelPools.paired_prefill`,
+counted on the plan's replicas: `placement.paired_prefill`); the others' KV moves over the network.
 
 Pure: the policy, the profiles, the workloads and the speeds are arguments.
 """
@@ -178,10 +179,12 @@ def _comparison_lines(s: ModelServing, flips: Flips) -> tuple[str, ...]:
 def explain_pools(policy: Policy, me: ModelExplanation, plan_counts: Sequence[ConfigCount],
                   profiles: Mapping[ConfigKey, PerfProfile], workloads: Mapping[str, MixedWorkload],
                   speeds: Mapping[ConfigKey, Speeds] | None = None, observed: Collection[ConfigKey] = (), *,
-                  compare: bool = True, link_for: Callable[[GpuType], KvLink] = host_link) -> ModelExplanation:
-    """`me` with its pools (the plan's prefill and decode replicas, the ratio) and, where `compare`,
-    the comparison behind them in its notes (the module docstring); unchanged where the model's
-    policy does not allow disaggregation."""
+                  paired_prefill: int, compare: bool = True,
+                  link_for: Callable[[GpuType], KvLink] = host_link) -> ModelExplanation:
+    """`me` with its pools (the plan's prefill and decode replicas, the ratio, `paired_prefill`: how
+    many of its prefill replicas the placement put on a host with a decode replica of their family)
+    and, where `compare`, the comparison behind them in its notes (the module docstring); unchanged
+    where the model's policy does not allow disaggregation."""
     m = policy.model(me.model)
     if m is None or not allowed(m):
         return me
@@ -199,13 +202,13 @@ def explain_pools(policy: Policy, me: ModelExplanation, plan_counts: Sequence[Co
         pools = ModelPools(pre, dec, served, None if s is None or s.aggregated is None else s.aggregated.pool.usd_h,
                            None if s is None or s.prefill is None or s.decode is None
                            else s.prefill.pool.usd_h + s.decode.pool.usd_h,
-                           f.rate_rps, f.isl_scale, f.link_gb_s, link_for(gpu).gb_s)
+                           f.rate_rps, f.isl_scale, f.link_gb_s, link_for(gpu).gb_s, paired_prefill)
         p, d = pools.replicas()
         notes.append(f"disaggregated: {p} prefill + {d} decode replicas ({pools.ratio()}) carry {served:.3g} req/s "
                      f"of the required {me.required_rps:.3g}")
         link = link_for(gpu)
         notes.append(f"the pools' capacities assume the hosts' KV link ({link.kind.value}, {link.gb_s:g} GB/s per "
-                     "GPU); prefill and decode replicas are placed like any replica, not paired on one host")
+                     "GPU)")
     else:
         pools = None
         notes.append("disaggregated pools allowed; the plan serves aggregated")

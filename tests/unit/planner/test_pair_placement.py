@@ -1,21 +1,34 @@
 """Placement pairs a pool family's prefill replicas with its decode replicas on one host
-(planner/placement.py)."""
+(planner/placement.py), and the plan's explanation carries the pairing it placed
+(ModelPools.paired_prefill, `paired_prefill_replicas` in the plan document, rendered by the reports)."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections import Counter
 from dataclasses import replace
 
+from fleetplan.controller.page import pairing_line
+from fleetplan.controller.plan_text import render_plan
 from fleetplan.models.config_key import Role
 from fleetplan.models.names import Engine, GpuType, Precision
+from fleetplan.models.profile import ProfileSet
+from fleetplan.planner.core import plan, plan_to_dict
 from fleetplan.planner.placement import Placement, paired_prefill, place
 from fleetplan.planner.types import (
     ConfigKey,
+    Fleet,
     HostInventory,
+    ModelObservation,
+    Observation,
+    PlannerState,
+    PlanResult,
     Replica,
     ReplicaState,
 )
+from tests.unit.planner.planner_helpers import policy
+from tests.unit.planner.test_disagg_plan import ALLOW, MODEL, NOW, RAG, _fitted
 
 H100, A100 = GpuType.H100, GpuType.A100
 M = "m"
@@ -134,6 +147,50 @@ def test_pairing_never_costs_a_replica_the_plain_packing_places() -> None:
     assert not p.unplaced and len(p.replicas) == 3
     assert_disjoint(p)
     assert paired_prefill(p.replicas) == {M: 1}
+
+
+# ---- the explanation ---------------------------------------------------------------------------
+
+def _pooled_plan(n_hosts: int, gpus: int) -> PlanResult:
+    """35 rps of 4,096-token prompts under ITL 20 ms (test_disagg_plan.py): 9 prefill + 1 decode
+    replicas of vLLM H100 TP1, on `n_hosts` hosts of `gpus` GPUs."""
+    pol = policy(models=(MODEL,), model_extra={MODEL: {**RAG, **ALLOW, "allowed": {"engines": ["vllm"], "tp": [1]}}})
+    obs = Observation({MODEL: ModelObservation(MODEL, 35.0, 4096.0, 32.0)})
+    return plan(obs, Fleet(tuple(HostInventory(f"h{i}", H100, gpus) for i in range(n_hosts))), pol,
+                ProfileSet((_fitted(1),)), PlannerState.initial(), NOW)
+
+
+def test_the_explanation_carries_the_pairing_placed() -> None:
+    r = _pooled_plan(2, 8)
+    me = r.explanation.models[0]
+    assert me.pools is not None and me.pools.replicas() == (9, 1)
+    assert me.pools.paired_prefill == 7 == paired_prefill(r.plan.replicas)[me.model]
+    assert not any("not paired" in n or "like any replica" in n for n in me.notes)
+    doc = plan_to_dict(r)
+    assert doc["explanation"]["models"][0]["pools"]["paired_prefill_replicas"] == 7
+    text = render_plan(doc)
+    assert ("placed: 7 of 9 prefill replicas share a host with a decode replica of their pool; 2 have none on "
+            "their host (their KV moves over the network)") in text
+    # the same document after a trip through JSON text (the state store) renders the same
+    assert render_plan(json.loads(json.dumps(doc))) == text
+
+
+def test_the_explanation_reports_unpaired_prefill_replicas_where_hosts_are_small() -> None:
+    # hosts of 4 GPUs: 3 prefill replicas beside the decode replica, 6 over the network
+    small = _pooled_plan(3, 4)
+    me = small.explanation.models[0]
+    assert me.pools is not None and me.pools.replicas() == (9, 1)
+    assert me.pools.paired_prefill == 3
+    line = pairing_line(plan_to_dict(small)["explanation"]["models"][0])
+    assert line is not None and "3 of 9 prefill replicas" in line and "; 6 have none on their host" in line
+    # hosts of 16: all nine beside it, nothing over the network
+    big = _pooled_plan(2, 16)
+    pools = big.explanation.models[0].pools
+    assert pools is not None and pools.replicas() == (9, 1) and pools.paired_prefill == 9
+    line = pairing_line(plan_to_dict(big)["explanation"]["models"][0])
+    assert line is not None and "9 of 9 prefill replicas" in line and "network" not in line
+    # a model without pools: no pairing line
+    assert pairing_line({"model": "x", "pools": None}) is None
 
 
 # ---- models without pools place exactly as before ---------------------------------------------
