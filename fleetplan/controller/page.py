@@ -155,6 +155,25 @@ def attainment_lines(c: Mapping[str, Any], *, indent: str = "    ") -> list[str]
     return [text]
 
 
+def pairing_line(m: Mapping[str, Any], *, indent: str = "  ") -> str | None:
+    """Where the plan placed a pooled model's prefill replicas (the plan's `pools`,
+    `paired_prefill_replicas`: planner/placement.py): how many share a host with a decode replica of
+    their pool, and that the others' KV moves over the network. None: no pools (or a plan stored
+    before the count was kept).
+
+    >>> pairing_line({"pools": {"prefill_replicas": 9, "paired_prefill_replicas": 7}})
+    '  placed: 7 of 9 prefill replicas share a host with a decode replica of their pool; 2 have none on their host (their KV moves over the network)'
+    """
+    pools = m.get("pools")
+    if not pools or pools.get("paired_prefill_replicas") is None:
+        return None
+    n, paired = pools["prefill_replicas"], pools["paired_prefill_replicas"]
+    text = f"{indent}placed: {paired} of {n} prefill replicas share a host with a decode replica of their pool"
+    if n > paired:
+        text += f"; {n - paired} have none on their host (their KV moves over the network)"
+    return text
+
+
 def budget_line(m: Mapping[str, Any], *, indent: str = "  ") -> str | None:
     """A model's SLO over its period and the error budget left (planner/slo.py, the plan's
     `error_budget`); each figure a range where the engines' histogram buckets bound it. None: no
@@ -211,6 +230,9 @@ def _plan_html(plan: Mapping[str, Any]) -> list[str]:
     for m in e.get("models", []):
         for note in m.get("notes", []):
             h.append(f"<li>{_e(m['model'])}: {_e(note)}</li>")
+        paired = pairing_line(m, indent="")
+        if paired:
+            h.append(f"<li>{_e(m['model'])}: {_e(paired)}</li>")
         for c in m.get("configs", []):
             for line in attainment_lines(c, indent=""):
                 h.append(f"<li>{_e(m['model'])} {_e(c['engine'])} {_e(c['gpu'])} tp{_e(c['tp'])}: "

@@ -2,7 +2,8 @@
 renderer of it and of its parts, never recomputing anything. `render_plan` is the full document
 (`fleetplan plan`); `plan_summary_lines` its part of the controller's report (`fleetplan report`);
 `render_alternatives`, `render_relaxations`, `config_lines`, `uncertainty_lines`, `held_lines` and
-`missed_line` the parts both and `fleetplan explain` show.
+`missed_line` the parts both and `fleetplan explain` show (with `page.pairing_line`, a pooled
+model's pairing).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from fleetplan.controller.page import attainment_lines
+from fleetplan.controller.page import attainment_lines, pairing_line
 from fleetplan.models.mix import SLO_SHARE
 
 SUMMARY_ALTERNATIVES = 3  # alternatives the report's plan part shows per model (the cheapest)
@@ -170,6 +171,9 @@ def plan_summary_lines(data: Mapping[str, Any]) -> list[str]:
         else:
             lines.append(f"  {m['model']}:")
         lines.extend(uncertainty_lines(m))
+        paired = pairing_line(m, indent="    ")
+        if paired:
+            lines.append(paired)
         for c in m["configs"]:
             lines.extend(config_lines(m, c, plan))
     for b in e.get("binding_constraints", []):
@@ -264,6 +268,9 @@ def render_plan(doc: dict[str, Any]) -> str:
             out.append(f"  {m['model']}: length mix: {m['length_mix']}")
         for note in m["notes"]:
             out.append(f"  {m['model']}: {note}")
+        paired = pairing_line(m, indent="")
+        if paired:
+            out.append(f"  {m['model']}: {paired}")
     out.append("")
     out.append("ALTERNATIVES (each allowed config not chosen, alone; why it lost; the load where it would win)")
     for m in e["models"]:

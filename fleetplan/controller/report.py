@@ -40,7 +40,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from fleetplan.controller import reporting
-from fleetplan.controller.page import budget_line
+from fleetplan.controller.page import budget_line, pairing_line
 from fleetplan.controller.plan_text import (
     ago,
     config_lines,
@@ -410,6 +410,9 @@ def render_explain(data: Mapping[str, Any], model: str) -> str | None:
         lines.extend(config_lines(m, c, plan))
     for n in m.get("notes", []):
         lines.append(f"  note: {n}")
+    paired = pairing_line(m)
+    if paired:
+        lines.append(paired)
     lines.append("  why not the others (each allowed config alone, from the plan's solve):")
     lines.extend(render_alternatives(m, indent="    "))
     relax = render_relaxations(m.get("relaxations") or [], model, indent="    ")

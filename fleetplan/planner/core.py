@@ -72,7 +72,7 @@ from fleetplan.planner.evidence import slo_missed_share
 from fleetplan.planner.explore import canaries
 from fleetplan.planner.lengths import held_note, hold_lengths
 from fleetplan.planner.payback import unpaid_builds
-from fleetplan.planner.placement import LIVE_STATES, Placement, place, slots_by_gpu
+from fleetplan.planner.placement import LIVE_STATES, Placement, paired_prefill, place, slots_by_gpu
 from fleetplan.planner.plan_json import plan_to_dict, replica_to_dict
 from fleetplan.planner.policy import Effective, ModelPolicy, Policy, effective
 from fleetplan.planner.prefix import planning_share
@@ -208,13 +208,14 @@ def plan(
     table_by_model: dict[str, dict[ConfigKey, CapacityInfo]] = {}
     for c, info in table.items():  # one pass: a per-model scan of the table is O(models x table)
         table_by_model.setdefault(c.model, {})[c] = info
+    paired = paired_prefill(result.plan.replicas)
     models = []
     for me in result.explanation.models:
         # a held mix is filled in only where the model has a reading
         note = held_note(held, me.model, now_s) if me.model in observed else None
         me = me if note is None else replace(me, notes=(*me.notes, note))
         me = explain_pools(policy, me, result.plan.counts, chosen, workloads, speeds, observed_configs,
-                           compare=counterfactuals, replicas=result.plan.replicas)
+                           paired_prefill=paired.get(me.model, 0), compare=counterfactuals)
         if counterfactuals:  # the cost of uncertainty is a what-if too (the fleet if nothing were left to learn)
             u = cost_of_uncertainty(me, policy, table_by_model.get(me.model, {}), speeds, means, chosen, workloads)
             me = replace(me, uncertainty_usd_h=u.usd_h, uncertainty_why=u.why)

@@ -22,8 +22,9 @@ gives the plan's prefill:decode ratio and what would flip the choice (the demand
 prompts' lengths, the link's rate: `disagg_choice.choose_serving` on the prefill pool's config).
 
 The pools' capacities assume the hosts' own link (`models.disagg.host_link`: NVLink, else PCIe);
-placement puts pool replicas like any replica, it does not yet pair a prefill and a decode replica
-on one host.
+placement puts a family's prefill replicas beside its decode replicas where it can
+(`planner.placement`), and the explanation carries how many it paired (`ModelPools.paired_prefill`,
+counted on the plan's replicas: `placement.paired_prefill`); the others' KV moves over the network.
 
 Pure: the policy, the profiles, the workloads and the speeds are arguments.
 """
@@ -51,7 +52,7 @@ from fleetplan.planner.disagg_choice import (
 from fleetplan.planner.disagg_counts import families, served_rps
 from fleetplan.planner.disagg_fleet import ModelServing, choose_for_model
 from fleetplan.planner.policy import ModelPolicy, Policy
-from fleetplan.planner.types import ConfigCount, ConfigKey, ModelExplanation, ModelPools, Replica
+from fleetplan.planner.types import ConfigCount, ConfigKey, ModelExplanation, ModelPools
 
 EXTRAPOLATED = "pool figures from the aggregated profile's physics (no disaggregated benchmark)"
 
@@ -97,16 +98,6 @@ def _pools_at(profile: PerfProfile, m: ModelPolicy, w: MixedWorkload, link: KvLi
     mix, transfer = _mix(profile, w)
     return disagg_capacity(pool_profiles(profile), mix, ttft_p99_ms=m.slo.ttft_p99_ms, itl_p99_ms=m.slo.itl_p99_ms,
                            link=link, prefill_speed=sp.ttft, decode_speed=sp.decode_itl, transfer_isl_p99=transfer)
-
-
-def paired_prefill(replicas: Sequence[Replica], model: str) -> tuple[int, int]:
-    """(prefill replicas of `model` on a host that holds a decode replica of their engine and GPU
-    type, all its prefill replicas) in a placed plan (planner/placement.py pairs them where there is
-    room)."""
-    dec = {(r.config.engine, r.config.gpu, r.host) for r in replicas
-           if r.config.model == model and r.config.role is Role.DECODE}
-    pre = [r for r in replicas if r.config.model == model and r.config.role is Role.PREFILL]
-    return sum((r.config.engine, r.config.gpu, r.host) in dec for r in pre), len(pre)
 
 
 def pool_capacities(policy: Policy, profiles: Mapping[ConfigKey, PerfProfile], workloads: Mapping[str, MixedWorkload],
@@ -189,11 +180,12 @@ def _comparison_lines(s: ModelServing, flips: Flips) -> tuple[str, ...]:
 def explain_pools(policy: Policy, me: ModelExplanation, plan_counts: Sequence[ConfigCount],
                   profiles: Mapping[ConfigKey, PerfProfile], workloads: Mapping[str, MixedWorkload],
                   speeds: Mapping[ConfigKey, Speeds] | None = None, observed: Collection[ConfigKey] = (), *,
-                  compare: bool = True, link_for: Callable[[GpuType], KvLink] = host_link,
-                  replicas: Sequence[Replica] = ()) -> ModelExplanation:
-    """`me` with its pools (the plan's prefill and decode replicas, the ratio) and, where `compare`,
-    the comparison behind them in its notes (the module docstring); unchanged where the model's
-    policy does not allow disaggregation."""
+                  paired_prefill: int, compare: bool = True,
+                  link_for: Callable[[GpuType], KvLink] = host_link) -> ModelExplanation:
+    """`me` with its pools (the plan's prefill and decode replicas, the ratio, `paired_prefill`: how
+    many of its prefill replicas the placement put on a host with a decode replica of their family)
+    and, where `compare`, the comparison behind them in its notes (the module docstring); unchanged
+    where the model's policy does not allow disaggregation."""
     m = policy.model(me.model)
     if m is None or not allowed(m):
         return me
@@ -211,16 +203,13 @@ def explain_pools(policy: Policy, me: ModelExplanation, plan_counts: Sequence[Co
         pools = ModelPools(pre, dec, served, None if s is None or s.aggregated is None else s.aggregated.pool.usd_h,
                            None if s is None or s.prefill is None or s.decode is None
                            else s.prefill.pool.usd_h + s.decode.pool.usd_h,
-                           f.rate_rps, f.isl_scale, f.link_gb_s, link_for(gpu).gb_s)
+                           f.rate_rps, f.isl_scale, f.link_gb_s, link_for(gpu).gb_s, paired_prefill)
         p, d = pools.replicas()
         notes.append(f"disaggregated: {p} prefill + {d} decode replicas ({pools.ratio()}) carry {served:.3g} req/s "
                      f"of the required {me.required_rps:.3g}")
         link = link_for(gpu)
-        paired, placed = paired_prefill(replicas, m.name)
         notes.append(f"the pools' capacities assume the hosts' KV link ({link.kind.value}, {link.gb_s:g} GB/s per "
-                     f"GPU): {paired} of {placed} prefill replicas share a host with a decode replica of their "
-                     "engine and GPU type" + ("" if paired == placed else "; the others move the KV cache over "
-                                              "the network, slower than assumed"))
+                     "GPU)")
     else:
         pools = None
         notes.append("disaggregated pools allowed; the plan serves aggregated")

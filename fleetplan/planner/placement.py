@@ -8,6 +8,17 @@ exactly the feasible counts (tests compare it with a per-host CP-SAT model). Kep
 fragment groups; a replica that does not fit is retried on GPUs freed by replicas being removed,
 then by a local repair (move a few smaller kept replicas), then by repacking the GPU type from
 scratch, and only then returned as unplaced (the caller tightens stage 1 and re-solves).
+
+Disaggregated pools (`ConfigKey.role`): a family's new replicas (one model, engine, GPU type and
+precision: `disagg_counts.family_of`) are placed so that prefill replicas share a host with a
+decode replica of their family, whose KV then moves over the host's own link, greedily: the
+family's decode replicas go first, each on the emptiest NVLink group (on a host that holds the
+family's prefill replicas and no decode replica first, the most of them first), then its prefill
+replicas on the hosts that hold a decode replica and have room, the fewest of the family's prefill
+replicas first; the rest are placed as any replica (their KV moves over the network). Kept
+replicas stay and count as partners. Pairing is a preference as spreading is: when it leaves
+anything unplaced, the plain best fit places the replicas. Configs without pools take none of
+these steps (no pairing state is built for them). `paired_prefill` counts the pairs placed.
 """
 
 from __future__ import annotations
@@ -15,12 +26,13 @@ from __future__ import annotations
 import hashlib
 import heapq
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice
 
 from fleetplan.models.config_key import Role
 from fleetplan.models.names import GpuType
+from fleetplan.planner.disagg_counts import FamilyKey, family_of
 from fleetplan.planner.types import ConfigKey, HostInventory, Replica, ReplicaState
 
 LIVE_STATES = (ReplicaState.STARTING, ReplicaState.READY)
@@ -91,24 +103,32 @@ class _Segments:
             heapq.heappush(self.buckets.setdefault(k, []), i)
             self.members.setdefault(k, {})[i] = None
 
-    def take(self, tp: int, avoid: Collection[str] = (),
-             only: Collection[str] | None = None) -> tuple[str, tuple[int, ...]] | None:
+    def take(self, tp: int, avoid: Collection[str] = (), only: Collection[str] | None = None,
+             largest: bool = False) -> tuple[str, tuple[int, ...]] | None:
         """`tp` GPUs of one segment: the best fit on a host not in `avoid` (hosts that already run
         the model), else the best fit anywhere; with `only`, on one of those hosts (the hosts that
-        hold the config's built engine)."""
+        hold the config's built engine). `largest`: the segment with the most free GPUs instead of
+        the best fit (a decode replica leaves room for prefill partners beside it)."""
         if only is not None:
             # best fit among those hosts' segments, a host not in `avoid` first (O(their segments))
-            fits = [(host in avoid, len(self.segs[i][1]), i) for host in only for i in self.of_host.get(host, ())
-                    if len(self.segs[i][1]) >= tp]
+            fits = [(host in avoid, -len(self.segs[i][1]) if largest else len(self.segs[i][1]), i)
+                    for host in only for i in self.of_host.get(host, ()) if len(self.segs[i][1]) >= tp]
             return self._cut(min(fits)[2], tp) if fits else None
+        sizes = range(self.max_free, tp - 1, -1) if largest else range(tp, self.max_free + 1)
         if avoid:
             segs, members = self.segs, self.members
-            for k in range(tp, self.max_free + 1):
+            for k in sizes:
                 bucket = members.get(k)
                 if bucket:
                     for i in islice(bucket, SPREAD_SCAN):
                         if segs[i][0] not in avoid:
                             return self._cut(i, tp)  # its heap entry is stale from now on
+        if largest:
+            for k in sizes:
+                bucket = self.members.get(k)
+                if bucket:
+                    return self._cut(next(iter(bucket)), tp)
+            return None
         for k in range(tp, self.max_free + 1):
             heap = self.buckets.get(k)
             while heap:
@@ -116,6 +136,11 @@ class _Segments:
                 if len(self.segs[i][1]) == k:  # else a stale entry
                     return self._cut(i, tp)
         return None
+
+    def take_on(self, host: str, tp: int) -> tuple[str, tuple[int, ...]] | None:
+        """`tp` GPUs of one segment of `host`, the best fit (O(the host's segments))."""
+        fits = [(len(self.segs[i][1]), i) for i in self.of_host.get(host, ()) if len(self.segs[i][1]) >= tp]
+        return self._cut(min(fits)[1], tp) if fits else None
 
     def _cut(self, i: int, tp: int) -> tuple[str, tuple[int, ...]]:
         host, free = self.segs[i]
@@ -199,13 +224,14 @@ def place(
         ghosts = [h for h in usable if h.gpu == gpu]
         items = [(c, k) for c, k in todo if c.gpu == gpu]
         placed: list[Replica] = []
-        left = _pack(items, _segments_for(ghosts, held), placed, spread_from=[*kept, *new], only=only)
+        left = _pack(items, _segments_for(ghosts, held), placed, spread_from=[*kept, *new], only=only,
+                     paired_with=kept)
         if left:
             # second pass: GPUs of replicas being removed become usable (start after their stop)
             taken_now: dict[str, set[int]] = {h: set(s) for h, s in used.items()}
             for r in placed:
                 taken_now.setdefault(r.host, set()).update(r.gpu_indices)
-            left = _pack(left, _segments_for(ghosts, taken_now), placed, only=only)
+            left = _pack(left, _segments_for(ghosts, taken_now), placed, only=only, paired_with=[*kept, *placed])
         if left:
             # third pass: local repair: move a few small kept replicas out of the way
             taken_now = {h: set(s) for h, s in used.items()}
@@ -327,7 +353,8 @@ def _repair(
 
 def _pack(items: Sequence[tuple[ConfigKey, int]], segs: list[tuple[str, list[int]]], out: list[Replica],
           spread_from: Sequence[Replica] | None = None,
-          only: Mapping[ConfigKey, Collection[str]] | None = None) -> list[tuple[ConfigKey, int]]:
+          only: Mapping[ConfigKey, Collection[str]] | None = None,
+          paired_with: Sequence[Replica] = ()) -> list[tuple[ConfigKey, int]]:
     """Best-fit-decreasing of `items` into the free GPUs `segs` (_segments_for), appending to `out`; returns what did not fit.
 
     With `spread_from` (the replicas already placed), a model's new replica goes to a host that
@@ -335,11 +362,22 @@ def _pack(items: Sequence[tuple[ConfigKey, int]], segs: list[tuple[str, list[int
     all of a model's serving capacity. Spreading can fragment NVLink groups, so it is only a
     preference: when the spread packing leaves anything unplaced, the plain best fit is used.
     Example: 3 hosts of 8 GPUs, 2 TP4 replicas of one model: best fit puts both on the first host;
-    spread puts them on two hosts."""
+    spread puts them on two hosts.
+
+    Where `items` hold pool configs, their replicas pair (the module docstring) with each other and
+    with the pool replicas of `paired_with` (those already on the hosts); pairing is a preference
+    too: spread and paired, else paired, else the plain best fit (in the order of `items`)."""
+    pairs = _Pairs(paired_with) if any(c.role is not Role.AGGREGATED for c, _ in items) else None
+    ordered = _decode_first(items) if pairs is not None else items
     if spread_from is not None:
         trial: list[Replica] = []
-        if not _pack_into(items, _Segments([(h, list(free)) for h, free in segs]), trial,
-                          _hosts_by_model(spread_from), only, _decode_hosts(spread_from)):
+        if not _pack_into(ordered, _Segments([(h, list(free)) for h, free in segs]), trial,
+                          _hosts_by_model(spread_from), only, pairs.copy() if pairs is not None else None):
+            out += trial
+            return []
+    if pairs is not None:
+        trial = []
+        if not _pack_into(ordered, _Segments([(h, list(free)) for h, free in segs]), trial, None, only, pairs):
             out += trial
             return []
     return _pack_into(items, _Segments(segs), out, None, only)
@@ -352,52 +390,117 @@ def _hosts_by_model(replicas: Sequence[Replica]) -> dict[str, set[str]]:
     return by_model
 
 
-def _family(c: ConfigKey) -> tuple[str, str, str]:
-    """A disaggregated family: one model's pools on one engine and GPU type (their TPs may differ)."""
-    return (c.model, c.engine.value, c.gpu.value)
-
-
-def _decode_hosts(replicas: Sequence[Replica]) -> dict[tuple[str, str, str], set[str]]:
-    out: dict[tuple[str, str, str], set[str]] = {}
-    for r in replicas:
-        if r.config.role is Role.DECODE:
-            out.setdefault(_family(r.config), set()).add(r.host)
+def _decode_first(items: Sequence[tuple[ConfigKey, int]]) -> list[tuple[ConfigKey, int]]:
+    """`items` with each pool family's decode configs moved just before its first prefill config
+    (a prefill replica pairs with a decode replica placed before it), the order otherwise kept."""
+    decode: dict[FamilyKey, list[tuple[ConfigKey, int]]] = {}
+    for c, k in items:
+        f = family_of(c)
+        if f is not None and c.role is Role.DECODE:
+            decode.setdefault(f, []).append((c, k))
+    out: list[tuple[ConfigKey, int]] = []
+    for c, k in items:
+        f = family_of(c)
+        if f is not None and f in decode:
+            out += decode.pop(f)
+        if c.role is not Role.DECODE:
+            out.append((c, k))
     return out
+
+
+class _Pairs:
+    """Per pool family and role, its replicas per host (those kept and those placed so far)."""
+
+    def __init__(self, replicas: Iterable[Replica] = ()) -> None:
+        self.on: dict[tuple[FamilyKey, Role], dict[str, int]] = {}
+        for r in replicas:
+            f = family_of(r.config)
+            if f is not None:
+                self.add(f, r.config.role, r.host)
+
+    def copy(self) -> _Pairs:
+        other = _Pairs()
+        other.on = {k: dict(v) for k, v in self.on.items()}
+        return other
+
+    def add(self, f: FamilyKey, role: Role, host: str) -> None:
+        on = self.on.setdefault((f, role), {})
+        on[host] = on.get(host, 0) + 1
+
+    def partners(self, f: FamilyKey, role: Role, allowed: Collection[str] | None) -> list[tuple[int, str]]:
+        """A heap of the hosts where a replica of `role` pairs: for a prefill replica those with a
+        decode replica of the family, the fewest of its prefill replicas first; for a decode
+        replica those with its prefill replicas and no decode replica, the most of them first."""
+        pre = self.on.get((f, Role.PREFILL), {})
+        dec = self.on.get((f, Role.DECODE), {})
+        if role is Role.PREFILL:
+            heap = [(pre.get(h, 0), h) for h in dec if allowed is None or h in allowed]
+        else:
+            heap = [(-n, h) for h, n in pre.items() if h not in dec and (allowed is None or h in allowed)]
+        heapq.heapify(heap)
+        return heap
+
+
+def _take_paired(segs: _Segments, heap: list[tuple[int, str]], c: ConfigKey) -> tuple[str, tuple[int, ...]] | None:
+    """`c.tp` GPUs on the first host of `heap` (`_Pairs.partners`) with room; hosts without room
+    leave the heap (for this config: room only shrinks), a prefill replica's host goes back with one more."""
+    while heap:
+        n, host = heapq.heappop(heap)
+        spot = segs.take_on(host, c.tp)
+        if spot is not None:
+            if c.role is Role.PREFILL:
+                heapq.heappush(heap, (n + 1, host))
+            return spot
+    return None
 
 
 def _pack_into(items: Sequence[tuple[ConfigKey, int]], segs: _Segments, out: list[Replica],
                model_hosts: dict[str, set[str]] | None,
                only: Mapping[ConfigKey, Collection[str]] | None = None,
-               partners: dict[tuple[str, str, str], set[str]] | None = None) -> list[tuple[ConfigKey, int]]:
-    """`partners`: per disaggregated family the hosts holding its decode replicas; a prefill replica
-    goes to one of them where one has room (its KV then moves over the host's own link, which the
-    pools' capacities assume), before spreading; decode replicas place first (`place` sorts them
-    so) and add their hosts. None: no pairing (the plain best fit)."""
+               pairs: _Pairs | None = None) -> list[tuple[ConfigKey, int]]:
     left: list[tuple[ConfigKey, int]] = []
     for c, k in items:
         missing = 0
         avoid: set[str] | None = model_hosts.setdefault(c.model, set()) if model_hosts is not None else None
         allowed = (only or {}).get(c)
-        near = partners.get(_family(c)) if partners is not None and c.role is Role.PREFILL else None
+        f = family_of(c) if pairs is not None else None
+        heap = pairs.partners(f, c.role, allowed) if pairs is not None and f is not None else None
         for _ in range(k):
-            spot = None
-            if near:
-                hosts = near if allowed is None else [h for h in near if h in allowed]
-                spot = segs.take(c.tp, (), sorted(hosts)) if hosts else None
+            spot = _take_paired(segs, heap, c) if heap else None
             if spot is None:
-                spot = segs.take(c.tp, avoid or (), allowed)
+                spot = segs.take(c.tp, avoid or (), allowed, largest=pairs is not None and c.role is Role.DECODE)
             if spot is None:
                 missing += 1
                 continue
             host, idx = spot
             if avoid is not None:
                 avoid.add(host)
-            if partners is not None and c.role is Role.DECODE:
-                partners.setdefault(_family(c), set()).add(host)
+            if pairs is not None and f is not None:
+                pairs.add(f, c.role, host)
             out.append(Replica(new_replica_id(c, host, idx), c, host, idx, ReplicaState.STARTING, None, None))
         if missing:
             left.append((c, missing))
     return left
+
+
+def paired_prefill(replicas: Sequence[Replica]) -> dict[str, int]:
+    """Per model with prefill replicas in `replicas`, how many share a host with a decode replica of
+    their family (their KV moves over the host's own link; the others' over the network).
+
+    >>> from fleetplan.models.names import Engine, GpuType, Precision
+    >>> p = ConfigKey("m", Engine.VLLM, GpuType.H100, 1, Precision.BF16, Role.PREFILL)
+    >>> d = ConfigKey("m", Engine.VLLM, GpuType.H100, 1, Precision.BF16, Role.DECODE)
+    >>> rs = [Replica(f"r{i}", c, h, (i,), ReplicaState.READY) for i, (c, h) in
+    ...       enumerate([(d, "h0"), (p, "h0"), (p, "h0"), (p, "h1")])]
+    >>> paired_prefill(rs)
+    {'m': 2}
+    """
+    decode = {(family_of(r.config), r.host) for r in replicas if r.config.role is Role.DECODE}
+    out: dict[str, int] = {}
+    for r in replicas:
+        if r.config.role is Role.PREFILL:
+            out[r.config.model] = out.get(r.config.model, 0) + ((family_of(r.config), r.host) in decode)
+    return out
 
 
 def slots_by_gpu(hosts: Sequence[HostInventory], tp_sizes: Sequence[int],

@@ -52,7 +52,8 @@ def pools_to_dict(p: ModelPools | None) -> dict[str, Any] | None:
     return {"prefill": [_count_dict(c) for c in p.prefill], "decode": [_count_dict(c) for c in p.decode],
             "prefill_replicas": pre, "decode_replicas": dec, "ratio": p.ratio(), "capacity_rps": p.capacity_rps,
             "aggregated_usd_h": p.aggregated_usd_h, "pair_usd_h": p.pair_usd_h, "flip_rate_rps": p.flip_rate_rps,
-            "flip_isl_scale": p.flip_isl_scale, "flip_link_gb_s": p.flip_link_gb_s, "link_gb_s": p.link_gb_s}
+            "flip_isl_scale": p.flip_isl_scale, "flip_link_gb_s": p.flip_link_gb_s, "link_gb_s": p.link_gb_s,
+            "paired_prefill_replicas": p.paired_prefill}
 
 
 def budget_to_dict(b: ErrorBudget | None) -> dict[str, Any] | None:

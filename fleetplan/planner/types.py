@@ -354,6 +354,9 @@ class ModelPools:
     flip_isl_scale: float | None  # the factor on every prompt's length at which it would
     flip_link_gb_s: float | None  # the KV link line rate (GB/s per GPU) at which it would
     link_gb_s: float  # the link the pools' capacities assume (the hosts' own: NVLink or PCIe)
+    # prefill replicas of the plan placed on a host with a decode replica of their family (their KV
+    # moves over the host's link); the others' KV moves over the network (planner/placement.py)
+    paired_prefill: int
 
     def replicas(self) -> tuple[int, int]:
         return sum(c.replicas for c in self.prefill), sum(c.replicas for c in self.decode)

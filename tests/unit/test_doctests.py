@@ -14,7 +14,7 @@ from fleetplan import models, planner
 MODULES = [*sorted(f"{pkg.__name__}.{m.name}" for pkg in (planner, models)
                    for m in pkgutil.iter_modules(pkg.__path__)),
            # adapters' modules whose docstrings carry a worked example
-           "fleetplan.sim.graduation", "fleetplan.sim.jobs", "fleetplan.harness.demo_day",
+           "fleetplan.sim.graduation", "fleetplan.sim.jobs", "fleetplan.harness.demo_day", "fleetplan.controller.page",
            "fleetplan.harness.demo_summary"]
 
 
