@@ -137,11 +137,6 @@ class _Segments:
                     return self._cut(i, tp)
         return None
 
-    def take_on(self, host: str, tp: int) -> tuple[str, tuple[int, ...]] | None:
-        """`tp` GPUs of one segment of `host`, the best fit (O(the host's segments))."""
-        fits = [(len(self.segs[i][1]), i) for i in self.of_host.get(host, ()) if len(self.segs[i][1]) >= tp]
-        return self._cut(min(fits)[1], tp) if fits else None
-
     def _cut(self, i: int, tp: int) -> tuple[str, tuple[int, ...]]:
         host, free = self.segs[i]
         del self.members[len(free)][i]
@@ -446,7 +441,7 @@ def _take_paired(segs: _Segments, heap: list[tuple[int, str]], c: ConfigKey) -> 
     leave the heap (for this config: room only shrinks), a prefill replica's host goes back with one more."""
     while heap:
         n, host = heapq.heappop(heap)
-        spot = segs.take_on(host, c.tp)
+        spot = segs.take(c.tp, only=(host,))  # the best fit among that host's segments
         if spot is not None:
             if c.role is Role.PREFILL:
                 heapq.heappush(heap, (n + 1, host))
