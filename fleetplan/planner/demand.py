@@ -70,18 +70,18 @@ def burst_need_rps(peak_rps: float, window_s: float, ttft_slo_ms: float) -> floa
 
 
 def bursts(o: ModelObservation | None, m: ModelPolicy, state: PlannerState, now_s: float,
-           keep_s: float, level_rps: float, lead_s: float) -> tuple[float, tuple[tuple[float, float, float], ...]]:
+           keep_s: float, level_rps: float, span_s: float) -> tuple[float, tuple[tuple[float, float, float], ...]]:
     """(the capacity that drains the largest burst of the last `keep_s` on top of `level_rps`, this
     model's burst memory for the next state: (t_s, excess rps, the level rps then) per burst).
 
-    A burst stands above the level on both sides within a lead time (`lead_s`: what lasts longer is
-    chased like any level): its excess is the highest rate of the last lead time (the history's
-    samples and this window's short-window peak, each less its Poisson noise) over the higher of
-    the rate now and the rate a lead time before. A step up (the rate stays) and a step down (the
+    A burst stands above the level on both sides within `span_s` (the lead time, a cycle and a rate
+    window: what lasts longer is chased like any level): its excess is the highest rate of the last
+    `span_s` (the history's samples and this window's short-window peak, each less its Poisson
+    noise) over the higher of the rate now and the rate `span_s` before. A step up (the rate stays) and a step down (the
     rate was as high before) leave none. It is remembered as that excess, not as the capacity it
     needed: a burst rides on the level, and the level moves (a 24 rps peak over an 8 rps level comes
     back over 8 or over 12 rps alike). A remembered one whose level plus half its excess the rate
-    holds a lead time later was the edge of a ramp, and is dropped.
+    holds `span_s` later was the edge of a ramp, and is dropped.
 
     >>> m = ModelPolicy.model_validate({"name": "m", "slo": {"ttft_ms": 500, "itl_ms": 50},
     ...                                 "workload": {"isl": 2000, "osl": 30}})
@@ -109,17 +109,17 @@ def bursts(o: ModelObservation | None, m: ModelPolicy, state: PlannerState, now_
     known = o is not None and not o.stale and rate is not None
     past = tuple((t, v, lv) for name, t, v, lv in state.bursts if name == m.name and now_s - t < keep_s
                  and valid_rps(v) and valid_rps(lv)
-                 and not (known and rate is not None and now_s - t >= lead_s and rate >= lv + v / 2.0))
+                 and not (known and rate is not None and now_s - t >= span_s and rate >= lv + v / 2.0))
     window_s = o.peak_window_s if o is not None and o.peak_window_s > 0 else None
     if o is not None:
         # a short window's rate of Poisson arrivals scatters by sqrt(rate / window): capacity at the
         # SLO (models/mix.py) is already sized for Poisson arrivals, so only the excess is a burst
         highs = [_less_noise(r, o.history_window_s) for t, r in o.history
-                 if now_s - lead_s < t <= now_s and valid_rps(r)]
+                 if now_s - span_s < t <= now_s and valid_rps(r)]
         if o.peak_rps is not None and valid_rps(o.peak_rps) and window_s is not None:
             highs.append(_less_noise(o.peak_rps, window_s))
         level = rate if rate is not None else level_rps
-        before = _rate_before(o, now_s - lead_s)
+        before = _rate_before(o, now_s - span_s)
         base = max(level, before) if before is not None else level
         top = max(highs, default=0.0)
         if top > base:
