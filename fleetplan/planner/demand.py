@@ -78,10 +78,14 @@ def bursts(o: ModelObservation | None, m: ModelPolicy, state: PlannerState, now_
     window: what lasts longer is chased like any level): its excess is the highest rate of the last
     `span_s` (the history's samples and this window's short-window peak, each less its Poisson
     noise) over the higher of the rate now and the rate `span_s` before. A step up (the rate stays) and a step down (the
-    rate was as high before) leave none. It is remembered as that excess, not as the capacity it
-    needed: a burst rides on the level, and the level moves (a 24 rps peak over an 8 rps level comes
-    back over 8 or over 12 rps alike). A remembered one whose level plus half its excess the rate
-    holds `span_s` later was the edge of a ramp, and is dropped.
+    rate was as high before) leave none. It is remembered as that excess over that rate, not as the
+    capacity it needed: a burst rides on the level, and the level moves (a 24 rps peak over an 8 rps
+    level comes back over 12 rps as 28). When the level falls below the one it stood over, the excess
+    shrinks with the square root of the ratio, as the fluctuation of a sum of independent clients
+    does (a tenth of the clients: a third of the excess); it never grows past what was seen. Why: a
+    plateau's noise read at 2 rps (+0.2) would otherwise stand whole over the 0.1 rps that follows
+    it, for the whole period. A remembered one whose level plus half its excess the rate holds
+    `span_s` later was the edge of a ramp, and is dropped.
 
     >>> m = ModelPolicy.model_validate({"name": "m", "slo": {"ttft_ms": 500, "itl_ms": 50},
     ...                                 "workload": {"isl": 2000, "osl": 30}})
@@ -92,6 +96,8 @@ def bursts(o: ModelObservation | None, m: ModelPolicy, state: PlannerState, now_
     >>> later = PlannerState(bursts=tuple(("m", t, x, lv) for t, x, lv in mem))
     >>> round(bursts(ModelObservation("m", rate_rps=12.0), m, later, 3000.0, 3600.0, 12.0, 150.0)[0], 1)
     30.6
+    >>> round(bursts(ModelObservation("m", rate_rps=2.0), m, later, 3000.0, 3600.0, 2.0, 150.0)[0], 1)  # a quarter of the level: half the excess
+    11.4
     >>> bursts(ModelObservation("m", rate_rps=12.0), m, later, 4700.0, 3600.0, 12.0, 150.0)[0]  # past the period
     0.0
     >>> bursts(ModelObservation("m", rate_rps=30.0), m, later, 1200.0, 3600.0, 30.0, 150.0)[0]  # it stayed: a ramp
@@ -123,8 +129,9 @@ def bursts(o: ModelObservation | None, m: ModelPolicy, state: PlannerState, now_
         base = max(level, before) if before is not None else level
         top = max(highs, default=0.0)
         if top > base:
-            past = (*past, (now_s, top - base, level))
-    excess = max((v for _, v, _ in past), default=0.0)
+            past = (*past, (now_s, top - base, base))
+    # a stored level of 0 (a store from before levels were kept): unknown, the excess rides whole
+    excess = max((v * min(1.0, math.sqrt(level_rps / lv)) if lv > 0 else v for _, v, lv in past), default=0.0)
     if excess <= 0:
         return 0.0, past
     top = level_rps + excess

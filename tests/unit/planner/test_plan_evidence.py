@@ -7,12 +7,14 @@ import json
 from dataclasses import replace
 
 from planner_helpers import H100, VLLM, hosts, policy, policy_dict
+from pytest import approx
 
 from fleetplan.controller.plan_text import config_lines
 from fleetplan.models import profile as mp
 from fleetplan.models.mix import LengthMix, predict_mix, scaled
 from fleetplan.planner.capacity import MixedWorkload
 from fleetplan.planner.core import plan, plan_to_dict, workloads_from
+from fleetplan.planner.demand import burst_need_rps
 from fleetplan.planner.policy import Policy, load_policy_dict
 from fleetplan.planner.serde import state_from_dict
 from fleetplan.planner.types import (
@@ -118,6 +120,26 @@ def test_a_burst_rides_on_the_level_and_a_step_down_is_no_burst() -> None:
     after = plan(_obs(15.0, 0, None, None), Fleet(hosts(8)), p, profiles, steady.next_state, NOW + 600)
     calm = plan(_obs(15.0, 0, None, None), Fleet(hosts(8)), p, profiles, PlannerState.initial(), NOW + 600)
     assert after.explanation.models[0].required_rps == calm.explanation.models[0].required_rps
+
+
+def test_a_burst_seen_over_a_high_level_shrinks_when_the_level_falls() -> None:
+    """A burst of +25 rps over a 40 rps level (its peak 70 rps, less noise), then the
+    level falls to 4 rps: the excess rides at sqrt(4 / 40) of its size (a tenth of the clients), not
+    whole (which would hold 34 rps for the SLO's period over a 4 rps level); over a level above the
+    one it stood over, it rides whole (never larger than seen)."""
+    p = policy(models=("m8",), scaling={"scale_down_delay_s": 300, "cycle_s": 60},
+               model_extra={"m8": {"allowed": {"tp": [1], "engines": ["vllm"]}, "headroom": 0.0}})
+    profiles = mp.ProfileSet((TRUE,))
+    burst = plan(_obs(40.0, 0, None, None, peak_rps=70.0), Fleet(hosts(8)), p, profiles,
+                 PlannerState.initial(), NOW)
+    (_, _, excess, level), = burst.next_state.bursts
+    assert level == 40.0 and 20.0 < excess < 30.0
+    low = plan(_obs(4.0, 0, None, None), Fleet(hosts(8)), p, profiles, burst.next_state, NOW + 600)
+    # the capacity that drains a 15 s burst within the 1 s TTFT SLO (planner/demand.py)
+    assert low.explanation.models[0].required_rps == approx(burst_need_rps(4.0 + excess * 0.1 ** 0.5, 15.0, 1000.0))
+    # (at 52 rps or more it would be the edge of a ramp: level plus half the excess held, dropped)
+    high = plan(_obs(50.0, 0, None, None), Fleet(hosts(8)), p, profiles, burst.next_state, NOW + 600)
+    assert high.explanation.models[0].required_rps == approx(burst_need_rps(50.0 + excess, 15.0, 1000.0))
 
 
 def test_corrections_survive_a_cycle_before_any_host_reported() -> None:
