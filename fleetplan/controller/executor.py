@@ -215,8 +215,11 @@ class Executor:
         r = self.settings.routing
         try:
             if proxy is not None:
+                # each URL with its host: the proxy hands a prefill's KV to a decode replica beside it
                 table = {m: ModelPools(m, tuple(self._url(by_id[i]) for i in p.prefill),
-                                       tuple(self._url(by_id[i]) for i in p.decode))
+                                       tuple(self._url(by_id[i]) for i in p.decode),
+                                       tuple(sorted({(self._url(by_id[i]), by_id[i].host)
+                                                     for i in (*p.prefill, *p.decode)})))
                          for m, p in decided.upstreams().items()}
                 current = self._pool_table_now(proxy.upstreams_path)
                 # the proxy's file before the router: its pools are there before the proxy joins a

@@ -86,6 +86,10 @@ class ProxyMetrics:
                                      ["side"], registry=r, buckets=LEG_BUCKETS_S)
         self.upstreams = Gauge("fleetplan_pool_proxy_upstreams", "replicas in the upstreams file",
                                ["model", "side"], registry=r)
+        # where a decode leg went: to the prefill replica's host (KV over NVLink), another host (the
+        # network), or unknown (the file names no host for one of them)
+        self.handoffs = Counter("fleetplan_pool_proxy_kv_handoffs", "decode legs by where the KV went",
+                                ["model", "link"], registry=r)
         for side in Side:
             self.upstream_errors.labels(side.value)
             self.retries.labels(side.value)
@@ -237,12 +241,12 @@ class PoolProxy:
         if "Authorization" in request.headers:  # engines started with --api-key check it on both legs
             headers["Authorization"] = request.headers["Authorization"]
         try:
-            first = await self._prefill(request.path, pools, body, headers)
+            first, prefilled_on = await self._prefill(request.path, pools, body, headers)
             decode = dict(body)
             kv = first.get("kv_transfer_params")
             if isinstance(kv, dict):
                 decode["kv_transfer_params"] = kv
-            return await self._decode(request, pools, decode, headers)
+            return await self._decode(request, pools, decode, headers, prefilled_on)
         except _LegFailed as exc:
             return exc.response
 
@@ -256,10 +260,11 @@ class PoolProxy:
         self.metrics.failures.labels(pools.name, side.value).inc()
         return _LegFailed(_error(502, f"model {pools.name}: the {side.value} leg failed: {detail}", "BadGatewayError"))
 
-    def _pick(self, pools: ModelPools, side: Side, tried: list[str]) -> Upstream:
-        """The replica for a leg's next attempt: the least outstanding, another than those tried
-        when there is one; a side with no replica raises the 503."""
-        up = self.file.pick(pools, side, exclude=tried)
+    def _pick(self, pools: ModelPools, side: Side, tried: list[str], near: str | None = None) -> Upstream:
+        """The replica for a leg's next attempt: the least outstanding (a decode leg: on the host of
+        the prefill replica `near` while within the load bound), another than those tried when there
+        is one; a side with no replica raises the 503."""
+        up = self.file.pick(pools, side, exclude=tried, near=near)
         if up is None:
             raise self._no_upstream(pools, side)
         if tried:
@@ -278,7 +283,8 @@ class PoolProxy:
         return Backoff(self.settings.retry_initial_s, self.settings.retry_max_s)
 
     async def _prefill(self, path: str, pools: ModelPools, body: dict[str, Any],
-                       headers: dict[str, str]) -> dict[str, Any]:
+                       headers: dict[str, str]) -> tuple[dict[str, Any], str]:
+        """The prefill leg's response, and the URL of the replica that gave it."""
         assert self._session is not None
         leg = prefill_body(body)
         detail = ""
@@ -303,7 +309,7 @@ class PoolProxy:
                 if not isinstance(out, dict):
                     raise _Transient(f"{up.url}: the response is not a JSON object")
                 self.metrics.leg_seconds.labels(Side.PREFILL.value).observe(time.monotonic() - t0)
-                return out
+                return out, up.url
             except (_Transient, aiohttp.ClientError, ValueError) as exc:  # ValueError: not JSON / UTF-8
                 detail = self._transient(pools, Side.PREFILL, headers, up, exc)
             finally:
@@ -311,7 +317,7 @@ class PoolProxy:
         raise self._gave_up(pools, Side.PREFILL, detail)
 
     async def _decode(self, request: web.Request, pools: ModelPools, body: dict[str, Any],
-                      headers: dict[str, str]) -> web.StreamResponse:
+                      headers: dict[str, str], prefilled_on: str) -> web.StreamResponse:
         assert self._session is not None
         detail = ""
         tried: list[str] = []
@@ -319,7 +325,10 @@ class PoolProxy:
         for attempt in range(ATTEMPTS):
             if attempt:
                 await asyncio.sleep(backoff.next_delay_s())
-            up = self._pick(pools, Side.DECODE, tried)
+            up = self._pick(pools, Side.DECODE, tried, near=prefilled_on)
+            src, dst = pools.host(prefilled_on), pools.host(up.url)
+            link = "unknown" if src is None or dst is None else "host" if src == dst else "network"
+            self.metrics.handoffs.labels(pools.name, link).inc()
             t0 = time.monotonic()
             up.outstanding += 1
             out: web.StreamResponse | None = None

@@ -4,10 +4,13 @@ JSON file (`fleetplan.controller.pool_proxy`), and the least-outstanding pick on
 The file (written atomically by whoever owns it: `fleetplan.shared.atomic`):
 
     {"models": {"llama-3.1-8b": {"prefill": ["http://10.0.0.5:8001", "http://10.0.0.6:8001"],
-                                 "decode": ["http://10.0.0.7:8002"]}}}
+                                 "decode": [{"url": "http://10.0.0.7:8002", "host": "gpu-07"}]}}}
 
 Models are matched spelling-insensitively (`models.names.model_key`). An upstream is a base URL
-`http(s)://host:port` (no path: the proxy appends the request's `/v1/...` path).
+`http(s)://host:port` (no path: the proxy appends the request's `/v1/...` path), or an object with
+that `url` and the `host` the replica runs on (the fleet's host name, as the daemon writes it): a
+prefill leg's KV then goes to a decode replica on the same host when one is within its load bound
+(`planner.kv_route`), over NVLink instead of the network.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from types import MappingProxyType
 from urllib.parse import urlsplit
 
 from fleetplan.models.names import model_key
+from fleetplan.planner.kv_route import decode_choices
 
 log = logging.getLogger(__name__)
 
@@ -46,14 +50,21 @@ class ModelPools:
     name: str  # as the file spells it (the metrics' model label)
     prefill: tuple[str, ...]
     decode: tuple[str, ...]
+    hosts: tuple[tuple[str, str], ...] = ()  # (URL, the host it runs on) where known
 
     def side(self, side: Side) -> tuple[str, ...]:
         return self.prefill if side is Side.PREFILL else self.decode
 
+    def host(self, url: str) -> str | None:
+        """The host `url` runs on; None: not known."""
+        return next((h for u, h in self.hosts if u == url), None)
+
     def joined(self, other: ModelPools) -> ModelPools:
         """Each side's URLs of `self`, then those of `other` not in it."""
         return ModelPools(self.name, tuple(dict.fromkeys((*self.prefill, *other.prefill))),
-                          tuple(dict.fromkeys((*self.decode, *other.decode))))
+                          tuple(dict.fromkeys((*self.decode, *other.decode))),
+                          tuple(dict.fromkeys((*self.hosts, *(uh for uh in other.hosts
+                                                               if self.host(uh[0]) is None)))))
 
 
 PoolTable = Mapping[str, ModelPools]  # model_key -> pools
@@ -73,6 +84,19 @@ def _base_url(path: Path, field: str, raw: object) -> str:
     return url
 
 
+def _upstream(path: Path, field: str, raw: object) -> tuple[str, str | None]:
+    """(base URL, host or None) of one upstream entry: a URL string or {"url": ..., "host": ...}."""
+    if not isinstance(raw, dict):
+        return _base_url(path, field, raw), None
+    unknown = set(raw) - {"url", "host"}
+    if unknown:
+        raise TableError(f"{path}: {field} has unknown fields {sorted(unknown)} (url, host)")
+    host = raw.get("host")
+    if host is not None and (not isinstance(host, str) or not host.strip()):
+        raise TableError(f"{path}: {field}.host must be a host name, got {host!r}")
+    return _base_url(path, f"{field}.url", raw.get("url")), host
+
+
 def parse_table(path: Path, text: str) -> PoolTable:
     """The pools of every model in `text` (the content of `path`); TableError when malformed."""
     try:
@@ -89,16 +113,22 @@ def parse_table(path: Path, text: str) -> PoolTable:
         if unknown:
             raise TableError(f"{path}: models.{name} has unknown fields {sorted(unknown)} (prefill, decode)")
         sides: dict[str, tuple[str, ...]] = {}
+        hosts: dict[str, str] = {}
         for side in Side:
             raw = pools.get(side.value, [])
             if not isinstance(raw, list):
                 raise TableError(f"{path}: models.{name}.{side.value} must be a list of URLs, got {raw!r}")
-            urls = [_base_url(path, f"models.{name}.{side.value}[{i}]", u) for i, u in enumerate(raw)]
+            urls = []
+            for i, entry in enumerate(raw):
+                url, host = _upstream(path, f"models.{name}.{side.value}[{i}]", entry)
+                urls.append(url)
+                if host is not None:
+                    hosts[url] = host
             sides[side.value] = tuple(dict.fromkeys(urls))  # a URL named twice is one upstream
         key = model_key(name)
         if key in table:
             raise TableError(f"{path}: models.{name} names the same model as models.{table[key].name}")
-        table[key] = ModelPools(name, sides["prefill"], sides["decode"])
+        table[key] = ModelPools(name, sides["prefill"], sides["decode"], tuple(sorted(hosts.items())))
     return MappingProxyType(table)
 
 
@@ -124,7 +154,10 @@ def render_table(pools: Iterable[ModelPools]) -> str:
       }
     }
     """
-    doc = {"models": {p.name: {"prefill": sorted(set(p.prefill)), "decode": sorted(set(p.decode))}
+    def entries(p: ModelPools, urls: tuple[str, ...]) -> list[object]:
+        return [u if p.host(u) is None else {"host": p.host(u), "url": u} for u in sorted(set(urls))]
+
+    doc = {"models": {p.name: {"prefill": entries(p, p.prefill), "decode": entries(p, p.decode)}
                       for p in sorted(pools, key=lambda p: p.name)}}
     return json.dumps(doc, indent=2, sort_keys=True) + "\n"
 
@@ -215,14 +248,17 @@ class UpstreamsFile:
     def pools(self, model: str) -> ModelPools | None:
         return self.table.get(model_key(model))
 
-    def pick(self, pools: ModelPools, side: Side, exclude: Iterable[str] = ()) -> Upstream | None:
+    def pick(self, pools: ModelPools, side: Side, exclude: Iterable[str] = (),
+             near: str | None = None) -> Upstream | None:
         """The replica of `side` with the fewest legs in flight (ties: at random), not in `exclude`
-        unless it is the only one left; None: the side has no replica."""
+        unless it is the only one left, on the host of the URL `near` when one there is within the
+        load bound (`planner.kv_route.decode_choices`); None: the side has no replica."""
         urls = pools.side(side)
         if not urls:
             return None
         skip = set(exclude)
         candidates = [u for u in urls if u not in skip] or list(urls)
         ups = [self._upstreams.setdefault(u, Upstream(u)) for u in candidates]
-        least = min(up.outstanding for up in ups)
-        return self._rng.choice([up for up in ups if up.outstanding == least])
+        choices = decode_choices([up.outstanding for up in ups], [pools.host(u) for u in candidates],
+                                 pools.host(near) if near is not None else None)
+        return ups[self._rng.choice(choices)]

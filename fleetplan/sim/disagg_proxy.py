@@ -9,9 +9,10 @@ decode replica receives the prompt's KV cache and decodes the output. The proxy:
    prefill replicas (the one least-loaded pick of the router, `des.py`; prefill replicas are in the
    model's routable set only while the model has a READY decode replica, so a model with pools and
    no decode replica rejects as one with no replica at all);
-2. when the prefill replica emits the first token, picks the least-loaded decode replica of the
-   model (READY ones; none: one still DRAINING; none either: the request waits for the next decode
-   replica to turn READY) and moves the KV cache: latency + KV bytes per token x prompt tokens /
+2. when the prefill replica emits the first token, picks a decode replica of the model by the live
+   proxy's rule (`planner.kv_route.decode_choices`: one on the prefill's host while its load is
+   within a bound, else the least loaded; READY ones; none: one still DRAINING; none either: the
+   request waits for the next decode replica to turn READY) and moves the KV cache: latency + KV bytes per token x prompt tokens /
    (TP x link efficiency x line rate) (`models.disagg.kv_transfer_ms`), over the host's link
    (`host_link`) when both replicas share a host, else the network link (`SimSettings.kv_network_link`);
 3. the request joins the decode replica after the prefill's front end and the transfer, with its
@@ -38,6 +39,7 @@ from collections.abc import Sequence
 
 from fleetplan.models.config_key import Role
 from fleetplan.models.disagg import host_link, kv_bytes_per_token, kv_transfer_ms
+from fleetplan.planner.kv_route import decode_choices
 from fleetplan.planner.types import ConfigKey, ReplicaState
 from fleetplan.sim.core import ITL_BUCKETS_S, LENGTH_BUCKETS, TPOT_BUCKETS_S, TTFT_BUCKETS_S, FastCore
 from fleetplan.sim.des_base import FleetSimBase, _SimReplica
@@ -71,7 +73,7 @@ class DisaggProxy(FleetSimBase):
     kv_waiting: list[deque[int]]  # prefilled requests waiting for a decode replica, per model
     decode_arrival: dict[int, float]  # request -> its arrival at the decode engine (after the prefill's front end)
     kv_source: dict[int, tuple[ConfigKey, str]]  # a waiting request's prefill config and host
-    kv_log: list[tuple[int, float, bool]]  # (request, transfer ms, across hosts) of every KV transfer
+    kv_log: list[tuple[int, float, bool, str]]  # (request, transfer ms, across hosts, prefill host) per KV transfer
     _kv_bytes: dict[ConfigKey, float]
 
     def _init_pools(self) -> None:
@@ -220,7 +222,7 @@ class DisaggProxy(FleetSimBase):
         """Request `idx` left prefill replica `src` at `t_out` (its front end passed): to a decode
         replica, or to the model's queue of requests waiting for one. Returns 1 when rejected."""
         mi = src.mi
-        dst = self._pick_decoder(mi)
+        dst = self._pick_decoder(mi, src.host)
         if dst is None:
             self.kv_waiting[mi].append(idx)
             self.kv_source[idx] = (src.config, src.host)
@@ -228,16 +230,15 @@ class DisaggProxy(FleetSimBase):
             return 0
         return self._send(idx, src.config, src.host, dst, t_out)
 
-    def _pick_decoder(self, mi: int) -> _SimReplica | None:
+    def _pick_decoder(self, mi: int, src_host: str) -> _SimReplica | None:
         reps = self.decoders[mi] or [r for r in self.replicas if r.mi == mi and r.config.role is Role.DECODE
                                      and r.state == ReplicaState.DRAINING]
         if not reps:
             return None
-        best = reps[0]
-        for r in reps:
-            if r.load < best.load:
-                best = r
-        return best
+        if len(reps) == 1:
+            return reps[0]
+        # the proxy's rule (planner/kv_route.py): the prefill's host first, within a load bound
+        return reps[decode_choices([r.load for r in reps], [r.host for r in reps], src_host)[0]]
 
     def _send(self, idx: int, src: ConfigKey, src_host: str, dst: _SimReplica, t_out: float) -> int:
         """Move request `idx`'s KV cache from a prefill replica (`src` on `src_host`) to `dst`; it
@@ -250,7 +251,7 @@ class DisaggProxy(FleetSimBase):
         across = src_host != dst.host
         link = self.s.kv_network_link if across else host_link(src.gpu)
         ms = kv_transfer_ms(self._kv_bytes_of(src), float(self.prompt[idx]), link, src.tp)
-        self.kv_log.append((idx, ms, across))
+        self.kv_log.append((idx, ms, across, src_host))
         self.owner[idx] = dst
         self.decode_arrival[idx] = t_out
         dst.load += 1
@@ -281,10 +282,11 @@ class DisaggProxy(FleetSimBase):
         """Requests that waited for a decode replica go to the model's decode replicas now."""
         q = self.kv_waiting[mi]
         while q:
-            dst = self._pick_decoder(mi)
+            key, host = self.kv_source[q[0]]
+            dst = self._pick_decoder(mi, host)
             if dst is None:
                 return
             idx = q.popleft()
-            key, host = self.kv_source.pop(idx)
+            del self.kv_source[idx]
             if self.status[idx] == PENDING and self._send(idx, key, host, dst, t):
                 self._cut += 1  # rejected: out of the replay's outstanding count

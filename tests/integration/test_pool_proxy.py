@@ -276,3 +276,73 @@ async def test_the_legs_bodies_and_a_503_decode_retried_on_the_other_replica(tmp
     assert _series(text, "fleetplan_pool_proxy_retries_total", side="decode") == retried
     assert _series(text, "fleetplan_pool_proxy_upstream_errors_total", side="decode") == retried
     assert _series(text, "fleetplan_pool_proxy_failures_total") == 0
+
+
+async def test_a_decode_leg_goes_to_the_prefill_replicas_host(tmp_path: Path) -> None:
+    """In-process: two hosts with a prefill and a decode replica each, the file naming their hosts.
+    Each request's KV goes to the decode replica on the host its prefill ran on (NVLink, not the
+    network: planner/kv_route.py), counted by `fleetplan_pool_proxy_kv_handoffs_total{link}`;
+    a file without hosts spreads the legs over both."""
+    from aiohttp import web
+
+    from fleetplan.controller.pool_proxy import PoolProxy, ProxySettings
+
+    pairs: list[tuple[str, str]] = []  # (the prefill's host, the decode's host) per request
+
+    def prefill(host: str) -> Callable[[web.Request], Any]:
+        async def handler(request: web.Request) -> web.Response:
+            await request.read()
+            return web.json_response({"choices": [{"text": " a"}], "kv_transfer_params": {"remote_host": host}})
+        return handler
+
+    def decode(host: str) -> Callable[[web.Request], Any]:
+        async def handler(request: web.Request) -> web.Response:
+            body = await request.json()
+            pairs.append((body["kv_transfer_params"]["remote_host"], host))
+            return web.json_response({"choices": [{"text": " a b"}]})
+        return handler
+
+    runners = []
+    urls: dict[tuple[str, str], str] = {}
+    for role, host in (("prefill", "gpu-a"), ("prefill", "gpu-b"), ("decode", "gpu-a"), ("decode", "gpu-b")):
+        app = web.Application()
+        app.router.add_post("/v1/completions", (prefill if role == "prefill" else decode)(host))
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        urls[role, host] = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    f = tmp_path / "pools.json"
+
+    def entries(role: str, hosts: bool) -> list[object]:
+        return [{"url": u, "host": h} if hosts else u for (r, h), u in urls.items() if r == role]
+
+    async def run(hosts: bool) -> str:
+        atomic_write_text(f, json.dumps({"models": {"m": {"prefill": entries("prefill", hosts),
+                                                          "decode": entries("decode", hosts)}}}))
+        proxy = PoolProxy(ProxySettings(f), rng=random.Random(5))
+        port = await proxy.start()
+        try:
+            async with aiohttp.ClientSession() as s:
+                for _ in range(40):
+                    body = {"model": "m", "prompt": "x", "max_tokens": 2}
+                    async with s.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
+                        assert resp.status == 200
+                async with s.get(f"http://127.0.0.1:{port}/metrics") as resp:
+                    return await resp.text()
+        finally:
+            await proxy.stop()
+
+    try:
+        text = await run(hosts=True)
+        assert len(pairs) == 40 and all(src == dst for src, dst in pairs)
+        assert {src for src, _ in pairs} == {"gpu-a", "gpu-b"}  # both prefill replicas served
+        assert _series(text, "fleetplan_pool_proxy_kv_handoffs_total", model="m", link="host") == 40
+        pairs.clear()
+        text = await run(hosts=False)
+        assert len(pairs) == 40 and any(src != dst for src, dst in pairs)
+        assert _series(text, "fleetplan_pool_proxy_kv_handoffs_total", model="m", link="unknown") == 40
+    finally:
+        for runner in runners:
+            await runner.cleanup()

@@ -120,12 +120,13 @@ def test_the_proxy_joins_a_models_upstream_once_its_file_lists_both_pools_and_le
         _report(c, [agg, pre])  # the decode replica still starts: no route through the proxy
         nginx, table = _route(c)
         assert nginx == {"m": ["10.0.0.1:18000"]}
-        assert table == {"m": ModelPools("m", (_url(c, pre),), ())}
+        assert table == {"m": ModelPools("m", (_url(c, pre),), (), ((_url(c, pre), "h1"),))}
 
         _report(c, [agg, pre, dec])  # both pools ready: the file lists them when nginx gets the proxy
         nginx, table = _route(c)
         assert nginx == {"m": ["10.0.0.1:18000", PROXY]}
-        pools = ModelPools("m", (_url(c, pre),), (_url(c, dec),))
+        # each URL with its host (the proxy's decode pick prefers the prefill's host)
+        pools = ModelPools("m", (_url(c, pre),), (_url(c, dec),), tuple(sorted(((_url(c, pre), "h1"), (_url(c, dec), "h1")))))
         assert router.applied[-1][1] == {"m": pools} and table == {"m": pools}
         assert c.executor.routed == {agg, pre, dec}
         # before nginx got the proxy, the controller saw the proxy serve that table (once: joining)
@@ -190,7 +191,7 @@ def test_a_decode_pool_lost_takes_the_proxy_out_of_the_upstream_before_the_file_
         nginx, table = _route(c)
         assert nginx == {"m": []}  # a known model with no replica: nginx answers 503 itself
         assert router.applied[-1][1] == {"m": both}  # the file changed only after nginx dropped the proxy
-        assert table == {"m": ModelPools("m", (_url(c, pre),), ())}
+        assert table == {"m": ModelPools("m", (_url(c, pre),), (), ((_url(c, pre), "h1"),))}
     finally:
         c.store.close()
 

@@ -31,6 +31,9 @@ def test_parse_matches_models_spelling_insensitively_and_drops_duplicate_urls() 
     ({"models": {"m": {"decode": ["http://a:x"]}}}, "models.m.decode[0] has a bad port"),
     ({"models": {"m": {"prefil": []}}}, "models.m has unknown fields ['prefil']"),
     ({"models": {"m-1": {}, "M 1": {}}}, "names the same model"),
+    ({"models": {"m": {"decode": [{"url": "http://a:1", "hots": "h"}]}}}, "models.m.decode[0] has unknown fields ['hots']"),
+    ({"models": {"m": {"decode": [{"url": "http://a:1", "host": ""}]}}}, "models.m.decode[0].host must be a host name"),
+    ({"models": {"m": {"decode": [{"host": "h"}]}}}, "models.m.decode[0].url must be a URL string"),
 ])
 def test_errors_name_the_file_and_field(doc: object, names: str) -> None:
     with pytest.raises(TableError, match=r"/etc/pools\.json") as err:
@@ -93,3 +96,24 @@ def test_a_rendered_table_reads_back_and_the_file_names_its_generation(tmp_path:
     f = UpstreamsFile(path)
     f.load()
     assert f.generation == table_generation(text)
+    # hosts: written as {"url", "host"} entries where known, read back; a URL alone has none
+    hosted = ModelPools("m", ("http://p:1", "http://p:2"), ("http://d:1",), (("http://d:1", "h1"), ("http://p:1", "h1")))
+    back = parse_table(P, render_table([hosted]))["m"]
+    assert back == hosted and back.host("http://p:1") == "h1" and back.host("http://p:2") is None
+    assert json.loads(render_table([hosted]))["models"]["m"]["decode"] == [{"host": "h1", "url": "http://d:1"}]
+
+
+def test_a_decode_pick_near_a_prefill_prefers_its_host_within_the_load_bound(tmp_path: Path) -> None:
+    from fleetplan.controller.pool_table import ModelPools
+
+    f = UpstreamsFile(tmp_path / "none.json", rng=random.Random(1))
+    pools = ModelPools("m", ("http://p:1",), ("http://d:1", "http://d:2"), (("http://d:2", "h2"), ("http://p:1", "h2")))
+    picks = [f.pick(pools, Side.DECODE, near="http://p:1") for _ in range(20)]
+    assert {up.url for up in picks if up is not None} == {"http://d:2"}  # nothing in flight: beside it
+    d2 = picks[0]
+    assert d2 is not None
+    d2.outstanding = 3  # under ceil(1.25 x (3/2 + 1)) = 4: still beside it
+    assert f.pick(pools, Side.DECODE, near="http://p:1") is d2
+    d2.outstanding = 4  # at ceil(1.25 x (4/2 + 1)) = 4: the least loaded elsewhere
+    other = f.pick(pools, Side.DECODE, near="http://p:1")
+    assert other is not None and other.url == "http://d:1"

@@ -109,6 +109,23 @@ def test_transfer_is_slower_across_hosts() -> None:
     assert abs(gap - (ms_across - ms_in)) < 1e-6  # the client's TTFT carries the transfer
 
 
+def test_a_prefill_hands_its_kv_to_a_decode_replica_on_its_host() -> None:
+    """Three hosts of two GPUs, three replicas per pool: the decode replicas fill h1 and h2, the
+    prefill ones h2 and h3. The prefill replica on h2 (at 10 rps of short prompts it takes nearly
+    every request: least loaded, ties to the oldest) hands its requests' KV to the decode replica
+    beside it (NVLink) while that one's load stays within the bound (planner/kv_route.py), the rest
+    to the others; a least-loaded pick over the three sent 72% over the network."""
+    reqs = [(i * 0.1, 500 + 37 * (i % 50), 20 + i % 60) for i in range(1200)]
+    sim, res = _sim(reqs, {PRE: 3, DEC: 3}, _env(tuple(HostInventory(f"h{i}", GpuType.H100, 2) for i in (1, 2, 3))))
+    assert res.served == len(reqs) and res.rejected == 0
+    placed = sorted((r.config.role.value, r.host) for r in sim.replicas)
+    assert placed == [("decode", "h1"), ("decode", "h1"), ("decode", "h2"),
+                      ("prefill", "h2"), ("prefill", "h3"), ("prefill", "h3")]
+    from_h2 = [across for _, _, across, src in sim.kv_log if src == "h2"]
+    assert len(from_h2) > 1000 and sum(not a for a in from_h2) > 0.6 * len(from_h2)
+    assert all(across for _, _, across, src in sim.kv_log if src == "h3")
+
+
 def test_each_pool_exports_its_own_series() -> None:
     rng = np.random.default_rng(1)
     reqs = [(float(t), int(p), int(o)) for t, p, o in zip(np.sort(rng.uniform(0, 60, 150)),
