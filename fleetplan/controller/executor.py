@@ -53,6 +53,7 @@ from fleetplan.models.config_key import Role
 from fleetplan.planner import act, act_port, records
 from fleetplan.planner.act import ActDecision, ActSettings, ActView
 from fleetplan.planner.act_types import AlertKey, AlertKind, DeferKey, Deferral, Repeat
+from fleetplan.planner.policy import ModelPolicy
 from fleetplan.planner.queries import ROLE_LABEL
 from fleetplan.shared.atomic import atomic_write_text
 
@@ -459,12 +460,15 @@ class Executor:
         except PrometheusError:
             return None
 
+    def _model_policy(self, model: str) -> ModelPolicy | None:
+        pol = self.policy.policy
+        return next((m for m in pol.models if m.name == model), None) if pol is not None else None
+
     def drain_deadline_s(self, model: str) -> float:
         """The drain deadline for `model` in wall seconds, from the policy (act.drain_deadline_s); the
         controller's drain_timeout_s setting (wall) is the floor and the default."""
-        pol = self.policy.policy
-        m = next((m for m in pol.models if m.name == model), None) if pol is not None else None
-        return act.model_drain_deadline_s(m, floor_s=self.settings.drain_timeout_s, time_scale=self.time_scale)
+        return act.model_drain_deadline_s(self._model_policy(model), floor_s=self.settings.drain_timeout_s,
+                                          time_scale=self.time_scale)
 
     async def drain(self, rid: str) -> None:
         """The replica's drain (planner/act_port.py `drain`, through this executor as its port)."""
@@ -472,7 +476,9 @@ class Executor:
         if row is None or row.phase != Phase.DRAINING:
             return
         done = await act_port.drain(self, rid, deadline_s=self.drain_deadline_s(row.model),
-                                    settle_s=self.settings.drain_settle_s, poll_s=self.settings.drain_poll_s)
+                                    settle_s=self.settings.drain_settle_s, poll_s=self.settings.drain_poll_s,
+                                    hold_s=act.kv_hold_s(self._model_policy(row.model), row.role,
+                                                         time_scale=self.time_scale))
         if done is None:
             return
         if done.timed_out:

@@ -1,7 +1,7 @@
 """The act core's routing and draining: which replicas nginx routes to, which the pool proxy sends
 legs to, and which Prometheus scrapes (`routes`), since when each serves (`ready_since`), one poll
-of a draining replica (`drain_step`), whose requests also hold a drain (`drain_holders`) and how
-long a drain may wait (`drain_deadline_s`). Pure; see `fleetplan.planner.act`.
+of a draining replica (`drain_step`), whose requests also hold a drain (`drain_holders`), how
+long a drain may wait (`drain_deadline_s`) and how long a prefill replica's KV holds it (`kv_hold_s`). Pure; see `fleetplan.planner.act`.
 """
 
 from __future__ import annotations
@@ -224,6 +224,7 @@ class DrainProgress:
     started_s: float
     zeros: int = 0  # consecutive polls that saw no request in flight
     last_inflight: float | None = None  # what the last poll saw (None: unknown)
+    zero_since_s: float | None = None  # when the polls first saw none in flight (None: some now)
 
 
 class DrainStep(StrEnum):
@@ -233,22 +234,45 @@ class DrainStep(StrEnum):
 
 
 def drain_step(progress: DrainProgress, inflight: float | None, now_s: float,
-               timeout_s: float) -> tuple[DrainStep, DrainProgress]:
+               timeout_s: float, hold_s: float = 0.0) -> tuple[DrainStep, DrainProgress]:
     """One poll of a draining replica: `inflight` requests (None: unknown, e.g. metrics unreachable).
+    Done once two polls in a row saw none in flight, `hold_s` or more after the first of them (a
+    prefill replica's last KV caches wait for the decode side to pull them: `kv_hold_s`).
 
     >>> p = DrainProgress(started_s=0.0)
     >>> drain_step(p, 0.0, 5.0, 120.0)
-    (<DrainStep.WAIT: 'wait'>, DrainProgress(started_s=0.0, zeros=1, last_inflight=0.0))
-    >>> drain_step(DrainProgress(0.0, 1), 0.0, 10.0, 120.0)[0]
+    (<DrainStep.WAIT: 'wait'>, DrainProgress(started_s=0.0, zeros=1, last_inflight=0.0, zero_since_s=5.0))
+    >>> drain_step(DrainProgress(0.0, 1, 0.0, 5.0), 0.0, 10.0, 120.0)[0]
     <DrainStep.DONE: 'done'>
+    >>> drain_step(DrainProgress(0.0, 1, 0.0, 5.0), 0.0, 10.0, 120.0, hold_s=15.0)[0]  # a prefill's KV held
+    <DrainStep.WAIT: 'wait'>
     >>> drain_step(DrainProgress(0.0, 1), None, 130.0, 120.0)[0]
     <DrainStep.TIMEOUT: 'timeout'>
     """
     if now_s - progress.started_s >= timeout_s:
         return DrainStep.TIMEOUT, progress
-    zeros = progress.zeros + 1 if inflight is not None and inflight <= 0 else 0
-    nxt = replace(progress, zeros=zeros, last_inflight=inflight)
-    return (DrainStep.DONE if zeros >= 2 else DrainStep.WAIT), nxt
+    idle = inflight is not None and inflight <= 0
+    zeros = progress.zeros + 1 if idle else 0
+    since = (progress.zero_since_s if progress.zero_since_s is not None else now_s) if idle else None
+    nxt = replace(progress, zeros=zeros, last_inflight=inflight, zero_since_s=since)
+    done = zeros >= 2 and since is not None and now_s - since >= hold_s
+    return (DrainStep.DONE if done else DrainStep.WAIT), nxt
+
+
+def kv_hold_s(m: ModelPolicy | None, role: str, *, time_scale: float = 1.0) -> float:
+    """How long a draining replica of `role` waits after its last request before it stops: a prefill
+    replica's engine holds each finished request's KV cache until the decode replica pulls it
+    (vLLM's NixlConnector: the decode engine reads the blocks when it schedules the request), which
+    a request within its SLO does before its TTFT target; stopping sooner loses the KV of the
+    last requests it handed over. Other roles: 0. On a clock `time_scale` times faster than the
+    policy's (the lab's wall clock).
+
+    >>> kv_hold_s(None, "prefill")
+    0.0
+    """
+    if m is None or role != Role.PREFILL.value:
+        return 0.0
+    return m.slo.ttft_p99_ms / 1000.0 / time_scale
 
 
 # A draining replica may serve its last requests slower than the SLO's pace (it may be the one

@@ -164,9 +164,10 @@ async def _inflight(port: Port, row: ReplicaRow) -> float | None:
 
 
 async def drain(port: Port, replica_id: str, *, deadline_s: float, settle_s: float,
-                poll_s: float) -> Drained | None:
+                poll_s: float, hold_s: float = 0.0) -> Drained | None:
     """Drain one replica (see the module docstring); its end, or None when it was not draining (or
-    stopped draining by other means while it waited)."""
+    stopped draining by other means while it waited). `hold_s`: how long it stays up after its
+    last request (`act_drain.kv_hold_s`: a prefill replica's KV waits for the decode side)."""
     row = port.replica(replica_id)
     if row is None or row.phase != Phase.DRAINING:
         return None
@@ -176,7 +177,7 @@ async def drain(port: Port, replica_id: str, *, deadline_s: float, settle_s: flo
         row = port.replica(replica_id)
         if row is None or row.phase != Phase.DRAINING:
             return None
-        step, progress = drain_step(progress, await _inflight(port, row), port.now_s(), deadline_s)
+        step, progress = drain_step(progress, await _inflight(port, row), port.now_s(), deadline_s, hold_s)
         if step != DrainStep.WAIT:
             break
         await port.sleep(poll_s)

@@ -278,7 +278,8 @@ class ReplayControl:
 
     async def _drain(self, row: act.ReplicaRow) -> None:
         done = await act_port.drain(self, row.replica_id, deadline_s=self.deadline_s(row.model),
-                                    settle_s=self.s.drain_settle_s, poll_s=self.s.drain_poll_s)
+                                    settle_s=self.s.drain_settle_s, poll_s=self.s.drain_poll_s,
+                                    hold_s=act.kv_hold_s(self.policy.model(row.model), row.role))
         self.drains.discard(row.replica_id)
         if done is not None and done.timed_out:
             self.drain_timeouts += 1

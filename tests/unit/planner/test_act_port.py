@@ -98,6 +98,26 @@ def test_a_drain_waits_for_two_idle_polls_then_removes_the_replica_routes_and_pu
     assert "r00001" not in port.recs.replicas
 
 
+def test_a_prefill_replicas_drain_holds_its_last_kv_for_the_ttft_target() -> None:
+    """A prefill replica with no request in flight still holds the KV caches of the last requests it
+    handed over until the decode replicas pull them (within the TTFT target, for a request within
+    the SLO): its drain ends that long after its first idle poll, not at the second poll."""
+    from dataclasses import replace
+
+    from fleetplan.planner.act import kv_hold_s
+    from tests.unit.planner.planner_helpers import policy
+
+    m = policy(models=("llama",), model_extra={"llama": {"slo": {"ttft_p99_ms": 4000, "itl_p99_ms": 80}}}).models[0]
+    assert kv_hold_s(m, "prefill") == 4.0 and kv_hold_s(m, "decode") == 0.0 and kv_hold_s(m, "aggregated") == 0.0
+    assert kv_hold_s(m, "prefill", time_scale=20.0) == 0.2  # the lab's wall clock
+    draining = replace(row("r00001", phase=Phase.DRAINING), role="prefill")
+    port = MemoryPort((draining,), (host("gpu-01", reported("r00001")),), [2.0] + [0.0] * 20)
+    done = run(act_port.drain(port, "r00001", deadline_s=120.0, settle_s=1.0, poll_s=0.5,
+                              hold_s=kv_hold_s(m, draining.role)))
+    assert done == records.Drained("r00001", False, 0.0, 120.0)
+    assert port.t == NOW + 1.0 + 0.5 + 4.0  # settle, a busy poll, then idle polls for the 4 s TTFT target
+
+
 def test_a_drain_past_its_deadline_stops_with_the_requests_cut() -> None:
     draining = row("r00001", phase=Phase.DRAINING)
     port = MemoryPort((draining,), (host("gpu-01", reported("r00001")),), [5.0] * 10)
