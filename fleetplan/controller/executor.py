@@ -462,7 +462,7 @@ class Executor:
 
     def _model_policy(self, model: str) -> ModelPolicy | None:
         pol = self.policy.policy
-        return next((m for m in pol.models if m.name == model), None) if pol is not None else None
+        return pol.model(model) if pol is not None else None
 
     def drain_deadline_s(self, model: str) -> float:
         """The drain deadline for `model` in wall seconds, from the policy (act.drain_deadline_s); the

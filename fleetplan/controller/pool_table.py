@@ -23,6 +23,7 @@ import random
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import cached_property
 from pathlib import Path
 from types import MappingProxyType
 from urllib.parse import urlsplit
@@ -55,9 +56,13 @@ class ModelPools:
     def side(self, side: Side) -> tuple[str, ...]:
         return self.prefill if side is Side.PREFILL else self.decode
 
+    @cached_property
+    def _host_of(self) -> dict[str, str]:
+        return dict(self.hosts)
+
     def host(self, url: str) -> str | None:
-        """The host `url` runs on; None: not known."""
-        return next((h for u, h in self.hosts if u == url), None)
+        """The host `url` runs on; None: not known (a lookup: the proxy asks it per candidate per leg)."""
+        return self._host_of.get(url)
 
     def joined(self, other: ModelPools) -> ModelPools:
         """Each side's URLs of `self`, then those of `other` not in it."""
