@@ -237,9 +237,11 @@ class FaultSuiteCore:
         plan = (self._report() or {}).get("plan") or {}
         surplus = (plan.get("next_state") or {}).get("surplus_since_s")
         expl = plan.get("explanation") or {}
-        if (surplus or (expl.get("target_usd_h") or 0.0) < (expl.get("usd_h") or 0.0) - 1e-6
-                or "scale-down delayed" in json.dumps(expl)):  # also: held for a recent peak
+        if surplus or (expl.get("target_usd_h") or 0.0) < (expl.get("usd_h") or 0.0) - 1e-6:
             return "the planner has a surplus (scale-down delay running)"
+        held = [r for m in expl.get("models") or [] for r in m.get("held_unproven") or []]
+        if held:  # kept above the demand's need until proven: shed when that time ends, fault or not
+            return f"the planner holds unproven replicas above the demand: {', '.join(held)}"
         return None
 
     async def settle(self, timeout_s: float = 90.0, stable_s: float = 3.0) -> str | None:

@@ -247,7 +247,8 @@ def _young(policy: Policy, fleet: Fleet, usable: set[str], demands: dict[str, De
             until = "once READY" if u.until_s is None else f"for {max(0.0, u.until_s - now_s):.0f} s more"
             demands[c.model] = replace(d, notes=(*d.notes, f"{c.label()}: not yet proven, kept {until} "
                                                  f"(never drained before, unless its host fails): "
-                                                 + ", ".join(u.replicas)))
+                                                 + ", ".join(u.replicas)),
+                                       held_unproven=(*d.held_unproven, *u.replicas))
     return young
 
 
@@ -753,7 +754,8 @@ def _explain(
             m.name, d.observed_rps, d.forecast_rps, d.demand_rps, m.headroom, d.required_rps, cap, tcap,
             unmet if unmet > UNMET_TOL_RPS else 0.0, m.slo.ttft_p99_ms, m.slo.itl_p99_ms, usd, tuple(configs),
             tuple(mnotes), workloads[m.name].length_mix().describe(),
-            observed_missed_share=_missed_share(obs.get(m.name), m), fail_static=not d.known))
+            observed_missed_share=_missed_share(obs.get(m.name), m), fail_static=not d.known,
+            held_unproven=d.held_unproven))
     solve_s = sum(r.wall_s for r in reports)
     main = now_sol.report
     return Explanation(tuple(models), tuple(dict.fromkeys(binding)), tuple(reports), main.objective, main.gap,

@@ -40,6 +40,9 @@ class Demand:
     plan_rps: float | None = None  # what the solver sizes for, when above required_rps (hysteresis)
     history: tuple[tuple[float, float], ...] = ()  # the observed rate history, valid samples only
     rate_window_s: float | None = None  # the window observed_rps was read over (None: unknown)
+    # replicas kept above what the demand needs only because they are not yet proven (never drained):
+    # the plan will shed them when their proving time ends (planner/core.py `_young`)
+    held_unproven: tuple[str, ...] = ()
 
 
 

@@ -111,6 +111,7 @@ def plan_to_dict(result: PlanResult) -> dict[str, Any]:
                 "alternatives": [alternative_to_dict(a) for a in m.alternatives],
                 "error_budget": budget_to_dict(m.error_budget),
                 "pools": pools_to_dict(m.pools),
+                "held_unproven": list(m.held_unproven),
             } for m in e.models],
             "relaxations": [relaxation_to_dict(r) for r in e.relaxations],
             "binding_constraints": list(e.binding_constraints),

@@ -397,6 +397,9 @@ class ModelExplanation:
     error_budget: ErrorBudget | None = None
     fail_static: bool = False  # its demand is unknown (no, stale or partial readings): never scaled down
     pools: ModelPools | None = None  # disaggregated pools in the plan (None: aggregated replicas only)
+    # replicas kept above the demand's need until they are proven (never drained before): a scale-down
+    # is due when their time ends, whatever the demand does
+    held_unproven: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

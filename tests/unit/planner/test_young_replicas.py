@@ -7,6 +7,7 @@ from __future__ import annotations
 from planner_helpers import TRT, VLLM, caps, hosts, key, observe, policy
 
 from fleetplan.planner.core import YOUNG_CYCLES, plan_with_capacities
+from fleetplan.planner.plan_json import plan_to_dict
 from fleetplan.planner.types import ActionKind, Fleet, PlannerState, Replica, ReplicaState
 
 NOW = 1_700_000_000.0
@@ -42,6 +43,10 @@ def test_a_young_replica_goes_when_demand_fell_once_it_has_proved_itself() -> No
     young = plan_with_capacities(observe({"m8": 1.0}), fleet(0.0), P, CAPS, PlannerState.initial(), NOW)
     assert not drains(young)  # 1 rps: one of the two is surplus, but neither has served a minute yet
     assert any("not yet proven" in n for n in young.explanation.models[0].notes)
+    # and says so in a field a harness or an SRE's script reads: which replicas the timer keeps
+    assert young.explanation.models[0].held_unproven == ("t0", "t1")
+    assert plan_to_dict(young)["explanation"]["models"][0]["held_unproven"] == ["t0", "t1"]
     old = plan_with_capacities(observe({"m8": 1.0}), fleet((YOUNG_CYCLES + 1) * P.scaling.cycle_s), P, CAPS,
                                PlannerState.initial(), NOW)
     assert len(drains(old)) == 1
+    assert old.explanation.models[0].held_unproven == ()
