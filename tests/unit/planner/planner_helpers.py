@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from fleetplan.models.config_key import Role
 from fleetplan.models.names import Engine, GpuType, Precision
 from fleetplan.planner.capacity import CapacityInfo
 from fleetplan.planner.policy import Policy, load_policy_dict
@@ -17,8 +18,9 @@ TRT = Engine.TRTLLM
 BF16 = Precision.BF16
 
 
-def key(model: str, engine: Engine = VLLM, gpu: GpuType = H100, tp: int = 1) -> ConfigKey:
-    return ConfigKey(model, engine, gpu, tp, BF16)
+def key(model: str, engine: Engine = VLLM, gpu: GpuType = H100, tp: int = 1,
+        role: Role = Role.AGGREGATED) -> ConfigKey:
+    return ConfigKey(model, engine, gpu, tp, BF16, role)
 
 
 def policy_dict(

@@ -12,7 +12,7 @@ from dataclasses import replace
 from fleetplan.controller.page import pairing_line
 from fleetplan.controller.plan_text import render_plan
 from fleetplan.models.config_key import Role
-from fleetplan.models.names import Engine, GpuType, Precision
+from fleetplan.models.names import Engine, GpuType
 from fleetplan.models.profile import ProfileSet
 from fleetplan.planner.core import plan, plan_to_dict
 from fleetplan.planner.placement import Placement, paired_prefill, place
@@ -27,23 +27,14 @@ from fleetplan.planner.types import (
     Replica,
     ReplicaState,
 )
-from tests.unit.planner.planner_helpers import policy
+from tests.unit.planner.planner_helpers import hosts, key, policy
 from tests.unit.planner.test_disagg_plan import ALLOW, MODEL, NOW, RAG, _fitted
 
 H100, A100 = GpuType.H100, GpuType.A100
 M = "m"
 
 
-def key(model: str, tp: int, engine: Engine = Engine.VLLM, gpu: GpuType = H100,
-        role: Role = Role.AGGREGATED) -> ConfigKey:
-    return ConfigKey(model, engine, gpu, tp, Precision.BF16, role)
-
-
-PRE, DEC = key(M, 1, role=Role.PREFILL), key(M, 1, role=Role.DECODE)
-
-
-def hosts(n: int, gpus: int = 8, gpu: GpuType = H100) -> list[HostInventory]:
-    return [HostInventory(f"h{i}", gpu, gpus) for i in range(n)]
+PRE, DEC = key(M, role=Role.PREFILL), key(M, role=Role.DECODE)
 
 
 def ready(rid: str, c: ConfigKey, host: str, gpus: tuple[int, ...]) -> Replica:
@@ -69,13 +60,13 @@ def test_on_an_empty_fleet_prefill_replicas_fill_the_decode_replicas_host() -> N
     # sent the first prefill replica to the other host)
     p = place({PRE: 5, DEC: 1}, hosts(2))
     assert not p.unplaced
-    assert roles_on(p) == {"h0": Counter({Role.DECODE: 1, Role.PREFILL: 5})}
+    assert roles_on(p) == {"h00": Counter({Role.DECODE: 1, Role.PREFILL: 5})}
     assert paired_prefill(p.replicas) == {M: 5}
     # 9 + 1: the decode host holds 7 prefill partners, the other 2 go to the other host
     p = place({PRE: 9, DEC: 1}, hosts(2))
     assert not p.unplaced and len(p.replicas) == 10
     assert_disjoint(p)
-    assert roles_on(p) == {"h0": Counter({Role.DECODE: 1, Role.PREFILL: 7}), "h1": Counter({Role.PREFILL: 2})}
+    assert roles_on(p) == {"h00": Counter({Role.DECODE: 1, Role.PREFILL: 7}), "h01": Counter({Role.PREFILL: 2})}
     assert paired_prefill(p.replicas) == {M: 7}
 
 
@@ -83,14 +74,14 @@ def test_several_decode_replicas_each_get_their_share_of_prefill_partners() -> N
     # 3 decode replicas spread over 3 of 4 hosts; the 9 prefill replicas go 3 beside each
     p = place({PRE: 9, DEC: 3}, hosts(4))
     assert not p.unplaced
-    assert roles_on(p) == {h: Counter({Role.DECODE: 1, Role.PREFILL: 3}) for h in ("h0", "h1", "h2")}
+    assert roles_on(p) == {h: Counter({Role.DECODE: 1, Role.PREFILL: 3}) for h in ("h00", "h01", "h02")}
     assert paired_prefill(p.replicas) == {M: 9}
 
 
 def test_pairing_is_per_family_and_deterministic() -> None:
     # a TensorRT-LLM family of the same model on the same hosts: its prefill replicas pair with its
     # own decode replica, not with the vLLM one
-    tp, td = key(M, 1, Engine.TRTLLM, role=Role.PREFILL), key(M, 1, Engine.TRTLLM, role=Role.DECODE)
+    tp, td = key(M, Engine.TRTLLM, role=Role.PREFILL), key(M, Engine.TRTLLM, role=Role.DECODE)
     counts = {PRE: 3, DEC: 1, tp: 3, td: 1}
     p = place(counts, hosts(2))
     assert not p.unplaced
@@ -107,19 +98,19 @@ def test_pairing_is_per_family_and_deterministic() -> None:
 
 def test_new_prefill_replicas_go_beside_a_kept_decode_replica() -> None:
     # the kept decode replica runs on h2; the kept prefill replica on h0 stays where it is
-    cur = [ready("d-old", DEC, "h2", (3,)), ready("p-old", PRE, "h0", (0,))]
+    cur = [ready("d-old", DEC, "h02", (3,)), ready("p-old", PRE, "h00", (0,))]
     p = place({PRE: 4, DEC: 1}, hosts(3), cur)
     assert set(p.kept) == set(cur)
-    assert {r.host for r in p.new} == {"h2"} and len(p.new) == 3
+    assert {r.host for r in p.new} == {"h02"} and len(p.new) == 3
     assert paired_prefill(p.replicas) == {M: 3}  # the kept one on h0 stays unpaired
 
 
 def test_a_new_decode_replica_goes_to_the_kept_prefill_replicas_without_a_partner() -> None:
     # the family's decode replica was lost; its 3 prefill replicas still run on h1
-    cur = [ready(f"p{i}", PRE, "h1", (i,)) for i in range(3)]
+    cur = [ready(f"p{i}", PRE, "h01", (i,)) for i in range(3)]
     p = place({PRE: 3, DEC: 1}, hosts(3), cur)
     assert set(p.kept) == set(cur)
-    assert [(r.config.role, r.host) for r in p.new] == [(Role.DECODE, "h1")]
+    assert [(r.config.role, r.host) for r in p.new] == [(Role.DECODE, "h01")]
     assert paired_prefill(p.replicas) == {M: 3}
 
 
@@ -127,13 +118,13 @@ def test_a_new_decode_replica_goes_to_the_kept_prefill_replicas_without_a_partne
 
 def test_prefill_replicas_without_room_beside_a_decode_replica_are_placed_unpaired() -> None:
     # hosts of 4 GPUs: the decode host holds 3 partners, the other 3 replicas are placed anyway
-    p = place({PRE: 6, DEC: 1}, hosts(2, gpus=4))
+    p = place({PRE: 6, DEC: 1}, hosts(2, count=4))
     assert not p.unplaced and len(p.replicas) == 7
     assert_disjoint(p)
     assert paired_prefill(p.replicas) == {M: 3}
     # a decode replica that fills its host leaves no room at all: every prefill replica unpaired
-    wide = key(M, 4, role=Role.DECODE)
-    q = place({PRE: 4, wide: 1}, hosts(2, gpus=4))
+    wide = key(M, tp=4, role=Role.DECODE)
+    q = place({PRE: 4, wide: 1}, hosts(2, count=4))
     assert not q.unplaced and len(q.replicas) == 5
     assert paired_prefill(q.replicas) == {M: 0}
 
@@ -142,7 +133,7 @@ def test_pairing_never_costs_a_replica_the_plain_packing_places() -> None:
     # one host of two NVLink pairs: the decode replicas first, each on the emptiest group, would
     # leave no pair of GPUs for the TP2 prefill replica; best-fit-decreasing places all three
     h = [HostInventory("h0", H100, 4, ((0, 1), (2, 3)))]
-    pre2, dec1 = key(M, 2, role=Role.PREFILL), key(M, 1, role=Role.DECODE)
+    pre2, dec1 = key(M, tp=2, role=Role.PREFILL), key(M, role=Role.DECODE)
     p = place({pre2: 1, dec1: 2}, h)
     assert not p.unplaced and len(p.replicas) == 3
     assert_disjoint(p)
@@ -210,11 +201,11 @@ def test_a_fleet_without_pools_places_as_before_pairing() -> None:
     hs = [HostInventory("h0", H100, 8), HostInventory("h1", H100, 8, ((0, 1, 2, 3), (4, 5, 6, 7))),
           HostInventory("h2", H100, 8, held_gpus=(6, 7)), HostInventory("h3", H100, 8),
           HostInventory("h4", A100, 8)]
-    cur = [ready("a-kept", key("a", 4), "h1", (0, 1, 2, 3)), ready("b-kept", key("b", 2), "h3", (4, 5)),
-           ready("c-gone", key("c", 1), "h0", (7,)),
-           Replica("b-drain", key("b", 2), "h0", (0, 1), ReplicaState.DRAINING, None, 0.0)]
-    trt = key("e", 2, Engine.TRTLLM)
-    counts = {key("a", 4): 3, key("a", 1): 2, key("b", 2): 3, key("c", 8): 1, key("d", 1, gpu=A100): 5, trt: 1}
+    cur = [ready("a-kept", key("a", tp=4), "h1", (0, 1, 2, 3)), ready("b-kept", key("b", tp=2), "h3", (4, 5)),
+           ready("c-gone", key("c", tp=1), "h0", (7,)),
+           Replica("b-drain", key("b", tp=2), "h0", (0, 1), ReplicaState.DRAINING, None, 0.0)]
+    trt = key("e", Engine.TRTLLM, tp=2)
+    counts = {key("a", tp=4): 3, key("a", tp=1): 2, key("b", tp=2): 3, key("c", tp=8): 1, key("d", gpu=A100): 5, trt: 1}
     p = place(counts, hs, cur, engine_hosts={trt: {"h3"}})
     assert _summary(p) == (
         [("a-kept", "h1", (0, 1, 2, 3)), ("a_vllm_tp1_h3_g6", "h3", (6,)), ("a_vllm_tp1_h3_g7", "h3", (7,)),
@@ -236,7 +227,7 @@ def test_a_large_fleet_without_pools_places_as_before_pairing() -> None:
         for tp in (1, 2, 4, 8):
             n = (j * 7 + tp * 3) % 6
             if n:
-                counts[key(f"m{j:02d}", tp, gpu=(H100, A100)[(j + tp) % 2])] = n
+                counts[key(f"m{j:02d}", gpu=(H100, A100)[(j + tp) % 2], tp=tp)] = n
     first = place(counts, hs)
     running = [replace(r, state=ReplicaState.READY, since_s=0.0) for i, r in enumerate(first.replicas) if i % 3]
     again = {c: n + ((c.tp * 5 + int(c.model[1:])) % 3) - 1 for c, n in counts.items()}
