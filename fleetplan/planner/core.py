@@ -67,7 +67,7 @@ from fleetplan.planner.demand import (
     valid_rps,
 )
 from fleetplan.planner.disagg_counts import pool_load_share, served_rps
-from fleetplan.planner.disagg_plan import explain_pools, pool_capacities, prefer_pools
+from fleetplan.planner.disagg_plan import decode_profiles, explain_pools, pool_capacities, prefer_pools
 from fleetplan.planner.evidence import slo_missed_share
 from fleetplan.planner.explore import canaries
 from fleetplan.planner.lengths import held_note, hold_lengths
@@ -184,10 +184,19 @@ def plan(
     allowed = set(candidate_configs(policy, {h.gpu for h in hosts}))
     # evidence is dropped only for configs the POLICY no longer allows, never because hosts have not
     # reported yet (the first cycles after a restart)
-    corrections = update_corrections(forget(state.correction_map(), set(candidate_configs(policy, policy.gpu_types))),
-                                     canonical_observations(observation, policy), chosen, workloads, extrap,
-                                     now_s, {m.name: (m.slo.ttft_p99_ms, m.slo.itl_p99_ms) for m in policy.models})
+    # a decode pool's own ITL speed is learnt on its profile from its replicas' windows (the pools'
+    # other speeds come from the aggregated configs: planner/disagg_plan.py phase_speeds)
+    decoding = decode_profiles(policy, chosen)
+    dec_extrap = {c: extrap.get(c.profile_key(), ()) for c in decoding}
+    policy_configs = candidate_configs(policy, policy.gpu_types)
+    corrections = update_corrections(forget(state.correction_map(),
+                                            {*policy_configs, *(replace(c, role=Role.DECODE) for c in policy_configs)}),
+                                     canonical_observations(observation, policy), {**chosen, **decoding}, workloads,
+                                     {**extrap, **dec_extrap}, now_s,
+                                     {m.name: (m.slo.ttft_p99_ms, m.slo.itl_p99_ms) for m in policy.models})
     speeds = applied_speeds(corrections, chosen, extrap)
+    speeds.update({c: sp for c, sp in applied_speeds(corrections, decoding, dec_extrap).items()
+                   if corrections.get(c) is not None and corrections[c].observations > 0})
     observed_configs = {c for c, corr in corrections.items() if corr.observations > 0}
     table, predictor = capacity_table(policy, chosen, workloads, gpus, speeds=speeds,
                                       shares=planned_shares(policy, state.budget, now_s))

@@ -650,8 +650,8 @@ def shared_prior(config: ConfigKey, corrections: Mapping[ConfigKey, Correction],
     """
     wt = mt = wi = mi = 0.0
     for c, k in corrections.items():
-        if c.model != config.model or c == config or k.observations == 0:
-            continue
+        if c.model != config.model or c == config or k.observations == 0 or c.role is not config.role:
+            continue  # a decode pool's ITL has no prefill in it: no sibling of another role speaks for it
         wt += 1.0 / max(k.ttft_var, 1e-6)
         mt += k.ttft_log / max(k.ttft_var, 1e-6)
         wi += 1.0 / max(k.itl_var, 1e-6)

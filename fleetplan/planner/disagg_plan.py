@@ -7,8 +7,9 @@ hosts' link, the decode side's join), and in a decode pool, sized at the ITL tar
 with no prefill in them, the KV cache), both from the aggregated profile's own equations at the
 model's length mix (`models.disagg.disagg_capacity`). The online correction's speeds apply as
 `disagg_choice.PhaseSpeeds` says: the TTFT speed seen on aggregated replicas to the prefill pool,
-a decode pool's own ITL speed where one is given (the correction keeps none per pool yet: the
-profile's ITL once the aggregated config was observed) to the decode pool, never the ITL speed observed on
+a decode pool's own ITL speed once its replicas have been observed (the correction keeps one per
+decode config, on the decode pool's profile: `decode_profiles`; before that, the profile's ITL once
+the aggregated config was observed) to the decode pool, never the ITL speed observed on
 aggregated replicas (mostly the prefill interference a decode pool does not have); a speed that is
 a prior, with nothing observed (an extrapolating profile's conservative start), applies to both
 pools as to the aggregated replicas (the hardware is the same); a faster-than-profiled TTFT not
@@ -98,6 +99,14 @@ def _pools_at(profile: PerfProfile, m: ModelPolicy, w: MixedWorkload, link: KvLi
     mix, transfer = _mix(profile, w)
     return disagg_capacity(pool_profiles(profile), mix, ttft_p99_ms=m.slo.ttft_p99_ms, itl_p99_ms=m.slo.itl_p99_ms,
                            link=link, prefill_speed=sp.ttft, decode_speed=sp.decode_itl, transfer_isl_p99=transfer)
+
+
+def decode_profiles(policy: Policy, profiles: Mapping[ConfigKey, PerfProfile]) -> dict[ConfigKey, PerfProfile]:
+    """Per aggregated config whose model allows pools, its decode pool's profile keyed by the decode
+    config: what the online correction learns a decode pool's own ITL speed on, from its replicas'
+    windows (`phase_speeds` takes it once one has been observed)."""
+    return {replace(k, role=Role.DECODE): pool_profiles(p).decode for k, p in sorted(profiles.items())
+            if k.role is Role.AGGREGATED and allowed(policy.model(k.model))}
 
 
 def pool_capacities(policy: Policy, profiles: Mapping[ConfigKey, PerfProfile], workloads: Mapping[str, MixedWorkload],

@@ -249,3 +249,39 @@ def test_a_long_prompt_tail_sizes_the_decode_pool_for_room_in_its_kv_cache() -> 
     assert dec.binding == mean_limit.binding == "memory"
     assert dec.max_rps == pytest.approx(kv_room_rps(decode, mix, wait_share=0.01), rel=1e-9)
     assert replicas_for(3.4, mean_limit.max_rps) == 1 and replicas_for(3.4, dec.max_rps) == 3
+
+
+def test_a_decode_pool_learns_its_own_itl_speed_from_its_replicas() -> None:
+    """The correction keeps a decode config of its own, on the decode pool's profile (no prefill
+    work), learnt from the decode replicas' windows: a decode replica twice as slow as that profile
+    moves the decode pool's capacity, and no aggregated sibling's estimate stands for it."""
+    from fleetplan.models.disagg import pool_profiles
+    from fleetplan.models.mix import LengthMix, predict_mix
+    from fleetplan.planner.correction import shared_prior
+    from fleetplan.planner.types import ConfigObservation, Correction, ReplicaState
+
+    pol = policy(models=(MODEL,), model_extra={MODEL: {**RAG, **ALLOW, "allowed": {"engines": ["vllm"], "tp": [1]}}})
+    profiles = mp.ProfileSet((_fitted(1),))
+    first = _plan({**RAG, **ALLOW}, rate=35.0)
+    dec = next(c.config for c in first.plan.counts if c.config.role is Role.DECODE)
+    fleet = Fleet(hosts(2), tuple(replace(r, state=ReplicaState.READY, since_s=NOW - 3600.0)
+                                  for r in first.plan.replicas))
+    seen = predict_mix(pool_profiles(_fitted(1)).decode, LengthMix.single(4096.0, 32.0), 35.0)
+    assert seen.itl_p99_ms is not None
+
+    def after(itl_factor: float) -> PlanResult:
+        obs = Observation({MODEL: ModelObservation(MODEL, 35.0, 4096.0, 32.0, configs=(
+            ConfigObservation(dec, 1, 35.0, None, seen.itl_p99_ms * itl_factor, 2000.0),))})
+        return plan(obs, fleet, pol, profiles, PlannerState.initial(), NOW + 60.0, counterfactuals=False)
+
+    as_profiled, slow = after(1.0), after(2.0)
+    corr = {c.config: c for c in slow.next_state.corrections}
+    assert corr[dec].observations == 1 and corr[dec].itl_log < -0.2
+    assert {c.config: c for c in as_profiled.next_state.corrections}[dec].itl_log == pytest.approx(0.0, abs=0.05)
+    assert _roles(as_profiled)[Role.DECODE] == 1 < _roles(slow)[Role.DECODE]
+    assert any("(decode)" in c.correction for c in slow.explanation.models[0].configs
+               if c.config.role is Role.DECODE)
+    # an aggregated sibling's slow ITL (the prefill interference) is no prior for a decode config
+    agg = dec.profile_key()
+    prior = shared_prior(dec, {agg: Correction(agg, 0.0, 0.01, -1.0, 0.01, observations=9)}, 0.0625)
+    assert prior.itl_log == 0.0 and prior.observations == 0
