@@ -187,16 +187,17 @@ def plan(
     # a decode pool's own ITL speed is learnt on its profile from its replicas' windows (the pools'
     # other speeds come from the aggregated configs: planner/disagg_plan.py phase_speeds)
     decoding = decode_profiles(policy, chosen)
-    dec_extrap = {c: extrap.get(c.profile_key(), ()) for c in decoding}
+    corrected = {**chosen, **decoding}
+    corrected_extrap = {**extrap, **{c: extrap.get(c.profile_key(), ()) for c in decoding}}
     policy_configs = candidate_configs(policy, policy.gpu_types)
     corrections = update_corrections(forget(state.correction_map(),
                                             {*policy_configs, *(replace(c, role=Role.DECODE) for c in policy_configs)}),
-                                     canonical_observations(observation, policy), {**chosen, **decoding}, workloads,
-                                     {**extrap, **dec_extrap}, now_s,
+                                     canonical_observations(observation, policy), corrected, workloads,
+                                     corrected_extrap, now_s,
                                      {m.name: (m.slo.ttft_p99_ms, m.slo.itl_p99_ms) for m in policy.models})
-    speeds = applied_speeds(corrections, chosen, extrap)
-    speeds.update({c: sp for c, sp in applied_speeds(corrections, decoding, dec_extrap).items()
-                   if corrections.get(c) is not None and corrections[c].observations > 0})
+    # a decode config's speed only once its own replicas were observed (before: phase_speeds' rule)
+    speeds = {c: sp for c, sp in applied_speeds(corrections, corrected, corrected_extrap).items()
+              if c not in decoding or (c in corrections and corrections[c].observations > 0)}
     observed_configs = {c for c, corr in corrections.items() if corr.observations > 0}
     table, predictor = capacity_table(policy, chosen, workloads, gpus, speeds=speeds,
                                       shares=planned_shares(policy, state.budget, now_s))
