@@ -16,7 +16,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from datetime import timezone as dt_timezone
-from functools import cached_property
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -452,7 +451,7 @@ class Policy(_Strict):
         duph = sorted({n for n in hosts if hosts.count(n) > 1})
         if duph:
             raise ValueError(f"duplicate host names: {duph}")
-        ModelAliases.build({m.name: m.aliases for m in self.models})  # raises on conflicting aliases
+        self._lookups()  # raises on conflicting aliases; derived now, so a policy in use never changes
         for m in self.models:
             for e in m.allowed.engines:
                 if e not in self.engines:
@@ -466,22 +465,28 @@ class Policy(_Strict):
         return self
 
     # ---- helpers used by the planner -------------------------------------------------------
-    @cached_property
-    def _aliases(self) -> ModelAliases:
-        return ModelAliases.build({m.name: m.aliases for m in self.models})
-
-    @cached_property
-    def _by_name(self) -> dict[str, ModelPolicy]:
-        return {m.name: m for m in self.models}
+    def _lookups(self) -> tuple[dict[str, ModelPolicy], ModelAliases]:
+        """The models by name and their aliases, derived from `models` once, at validation. Why not
+        lazily: a policy is pickled by a process pool's feeder thread while the caller goes on using
+        it (sim/evaluate.py), and a lookup filled in meanwhile changed its __dict__ under the pickler
+        ("dictionary changed size during iteration"). A `model_copy` with other models carries the
+        source's entry: it is derived again for the copy's own models (matched by identity)."""
+        derived = self.__dict__.get("_derived")
+        if derived is None or derived[0] is not self.models:
+            derived = (self.models, {m.name: m for m in self.models},
+                       ModelAliases.build({m.name: m.aliases for m in self.models}))
+            self.__dict__["_derived"] = derived  # frozen fields untouched: a derived value, as a cache
+        return derived[1], derived[2]
 
     def aliases(self) -> ModelAliases:
-        return self._aliases
+        return self._lookups()[1]
 
     def model(self, name: str) -> ModelPolicy | None:
         # a canonical name is its own canonical (ModelAliases.build refuses a clash): skip the
         # spelling key, which a plan at 500 models computed ~10k times (bench/solve_scale.py)
-        m = self._by_name.get(name)
-        return m if m is not None else self._by_name.get(self._aliases.canonical(name))
+        by_name, aliases = self._lookups()
+        m = by_name.get(name)
+        return m if m is not None else by_name.get(aliases.canonical(name))
 
     def price_usd_h(self, gpu: GpuType) -> float | None:
         g = self.gpu_types.get(gpu)

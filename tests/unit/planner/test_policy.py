@@ -116,3 +116,18 @@ def test_launch_templates_render_per_replica() -> None:
     d["engines"]["vllm"]["launch"]["args"] = ["--model", "{modle}"]
     with pytest.raises(PolicyError, match=r"engines.vllm: unknown placeholder \{modle\}"):
         load_policy_dict(d, "p")
+
+
+def test_a_policy_in_use_never_changes_and_a_copy_looks_up_its_own_models() -> None:
+    """A process pool's feeder thread pickles a policy while the caller goes on looking models up:
+    the lookups are derived at validation, so a lookup leaves the object as it was; a model_copy with
+    other models finds its own, not the source's."""
+    from planner_helpers import policy as make
+
+    p = make(models=("m8", "m70"))
+    before = dict(p.__dict__)
+    assert p.model("m8") is p.models[0] and p.aliases().canonical("m70") == "m70"
+    assert p.__dict__.keys() == before.keys() and all(p.__dict__[k] is v for k, v in before.items())
+    only = p.model_copy(update={"models": p.models[1:]})
+    assert only.model("m8") is None and only.model("m70") is p.models[1]
+    assert p.model("m8") is p.models[0]
