@@ -84,6 +84,11 @@ class Speeds:
     # a faster engine than the profile is trusted up to this load per replica (rps; None: no bound):
     # evidence gathered at low load does not prove the knee (planner/correction.py TRUST_GROWTH)
     trusted_rps: float | None = None
+    # the replicas missed the SLO at this load per replica within the SLO's period: no more is counted
+    # whatever the speeds say (planner/correction.py knee_load; None: no such load seen)
+    knee_rps: float | None = None
+    # the highest load per replica at which its windows held the SLO within the period (None: none seen)
+    held_rps: float | None = None
 
 
 def candidate_configs(policy: Policy, gpus: Iterable[GpuType]) -> list[ConfigKey]:
@@ -197,6 +202,14 @@ def config_capacity(profile: mp.PerfProfile, workload: MixedWorkload, m: ModelPo
     and the share an idle replica reaches when a target's p99 is out of its reach (models/mix.py).
     `base`: this call's answer at the fitted speeds, when the caller has it (it bounds a trusted
     rise; computed here otherwise)."""
+    c = _speed_capacity(profile, workload, m, speeds, base)
+    if speeds.knee_rps is not None and c.max_rps > speeds.knee_rps:
+        return MixCapacity(speeds.knee_rps, c.binding, c.floor_share)
+    return c
+
+
+def _speed_capacity(profile: mp.PerfProfile, workload: MixedWorkload, m: ModelPolicy,
+                    speeds: Speeds, base: MixCapacity | None) -> MixCapacity:
     mix = mix_for(profile, workload)
     if len(mix.classes) == 1 and not mix.cached_share and speeds.ttft == 1.0 and speeds.itl == 1.0:
         isl, osl, _ = mix.classes[0]
@@ -300,6 +313,38 @@ def below_best_reach(table: Mapping[ConfigKey, CapacityInfo], keys: Iterable[Con
     return out
 
 
+def _siblings_knees(table: dict[ConfigKey, CapacityInfo], knees: Mapping[ConfigKey, float],
+                    speeds: Mapping[ConfigKey, Speeds]) -> None:
+    """A config whose replicas have shown no knee of their own (planner/correction.py knee_load) is
+    counted at the lowest ratio its model's siblings of the same role showed (the knee's capacity
+    over what their speeds alone said), never below the highest load per replica its own windows
+    held within the SLO. Why: the profiles of one model err alike (one benchmark, one length mix), so
+    a knee below the profile's on TP4 says the TP8 profile's knee is as optimistic; without this the
+    plan moves the fleet onto the sibling nobody saw miss (azure x4: TP4 capped at the load that
+    missed, three TP8 replicas believed at 10 rps each missed 900 requests in two minutes).
+
+    >>> from fleetplan.models.names import Engine, GpuType, Precision
+    >>> k = lambda tp: ConfigKey("m", Engine.TRTLLM, GpuType("h100"), tp, Precision.BF16)
+    >>> t = {k(4): CapacityInfo(5.2, "itl"), k(8): CapacityInfo(10.0, "itl")}
+    >>> _siblings_knees(t, {k(4): 0.8}, {k(8): Speeds(held_rps=9.0)})
+    >>> t[k(8)].max_rps   # 10 x 0.8 = 8, but its own replicas held 9 rps
+    9.0
+    """
+    lowest: dict[tuple[str, object], float] = {}
+    for key, r in knees.items():
+        lowest[(key.model, key.role)] = min(r, lowest.get((key.model, key.role), 1.0))
+    for key, info in list(table.items()):
+        ratio = lowest.get((key.model, key.role))
+        if ratio is None or key in knees or not (math.isfinite(info.max_rps) and info.max_rps > 0):
+            continue
+        held = speeds.get(key, Speeds()).held_rps or 0.0
+        rps = max(info.max_rps * ratio, min(held, info.max_rps))
+        if rps < info.max_rps:
+            note = (f"{info.correction}; " if info.correction else "") + (
+                f"counted x{rps / info.max_rps:.2f}: a sibling's replicas missed the SLO below what its speeds said")
+            table[key] = replace(info, max_rps=rps, correction=note)
+
+
 def capacity_table(
     policy: Policy,
     profiles: mp.ProfileSet | Mapping[ConfigKey, mp.PerfProfile],
@@ -319,6 +364,7 @@ def capacity_table(
     chosen = (resolve_profiles(policy, profiles, gpus, use_prior) if isinstance(profiles, mp.ProfileSet)
               else dict(profiles))
     table: dict[ConfigKey, CapacityInfo] = {}
+    knees: dict[ConfigKey, float] = {}  # a knee's capacity over what the speeds alone say, per config
     for key, prof in sorted(chosen.items()):
         m = policy.model(key.model)
         assert m is not None
@@ -337,16 +383,22 @@ def capacity_table(
         share = (shares or {}).get(key.model)
         if share is not None and rps > 0 and applied.floor_share is None:
             # the same speeds, no trust bound: the ratio a spent budget buys, applied to what is trusted
-            free = applied if sp.trusted_rps is None else config_capacity(prof, w, m, replace(sp, trusted_rps=None))
+            free = (applied if sp.trusted_rps is None and sp.knee_rps is None
+                    else config_capacity(prof, w, m, replace(sp, trusted_rps=None, knee_rps=None)))
             try:
                 rps *= max(1.0, rate_at_share(prof, w, m, share, sp, free.max_rps) / free.max_rps)
             except (ValueError, ArithmeticError):
                 share = None
         else:
             share = None
+        if sp.knee_rps is not None and applied.max_rps > 0:
+            unbent = config_capacity(prof, w, m, replace(sp, knee_rps=None), base=base).max_rps
+            if unbent > applied.max_rps:
+                knees[key] = applied.max_rps / unbent
         table[key] = CapacityInfo(rps, binding, tuple(warnings), prof.source == "roofline", base_rps, sp.note,
                                   extrapolation(prof, mix_for(prof, w), w.isl_p99_low), applied.floor_share,
                                   share)
+    _siblings_knees(table, knees, speeds or {})
     _prefer_reachable(table)
 
     def predictor(config: ConfigKey, rate_rps: float) -> Predicted:

@@ -194,7 +194,8 @@ def plan(
                                             {*policy_configs, *(replace(c, role=Role.DECODE) for c in policy_configs)}),
                                      canonical_observations(observation, policy), corrected, workloads,
                                      corrected_extrap, now_s,
-                                     {m.name: (m.slo.ttft_p99_ms, m.slo.itl_p99_ms) for m in policy.models})
+                                     {m.name: (m.slo.ttft_p99_ms, m.slo.itl_p99_ms) for m in policy.models},
+                                     {m.name: m.slo.period_s for m in policy.models})
     # a decode config's speed only once its own replicas were observed (before: phase_speeds' rule)
     speeds = {c: sp for c, sp in applied_speeds(corrections, corrected, corrected_extrap).items()
               if c not in decoding or (c in corrections and corrections[c].observations > 0)}

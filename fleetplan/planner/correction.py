@@ -379,6 +379,78 @@ def regression_cap(points: Sequence[tuple[float, float, float]]) -> float | None
     return top + se
 
 
+MAX_SLO_WINDOWS = 240  # the most windows of an SLO period kept per config (4 h of 60 s cycles)
+KNEE_MIN = 2  # a knee needs this many windows on each side of it
+KNEE_MISSED = 0.5  # at or above a knee at least this share of the windows missed
+KNEE_BELOW = 0.25  # and below it at most this share
+
+
+def slo_verdict(ttft_p99_ms: float | None, ttft_sampling_ms: tuple[float, float] | None,
+                itl_p99_ms: float | None, itl_sampling_ms: tuple[float, float] | None,
+                slo: tuple[float, float]) -> bool | None:
+    """A window's verdict by the SLO: True when a p99 missed its target beyond its sampling noise
+    (`slo_missed`), False when every p99 read is within its target, None when it is neither (a p99
+    above its target within its noise, or none read).
+
+    >>> slo_verdict(740.0, (690.0, 800.0), 40.0, None, (500.0, 50.0)), slo_verdict(400.0, None, 40.0, None, (500.0, 50.0))
+    (True, False)
+    >>> slo_verdict(540.0, (450.0, 700.0), 40.0, None, (500.0, 50.0)) is None
+    True
+    """
+    if slo_missed(ttft_p99_ms, ttft_sampling_ms, slo[0]) or slo_missed(itl_p99_ms, itl_sampling_ms, slo[1]):
+        return True
+    read = [(p, t) for p, t in ((ttft_p99_ms, slo[0]), (itl_p99_ms, slo[1])) if p is not None and math.isfinite(p)]
+    if read and all(p <= t for p, t in read):
+        return False
+    return None
+
+
+def knee_load(windows: Sequence[tuple[float, float, bool]]) -> float | None:
+    """The load per replica (rps) at which this config's replicas were seen to miss the SLO, from
+    the SLO period's windows: the lowest load of a missed window at or above which at least
+    KNEE_MISSED of the windows missed while below it at most KNEE_BELOW did, KNEE_MIN windows or
+    more on each side; None: no such load (no miss, or misses at every load).
+
+    Why: the online correction moves the profile's speed, not its shape; where the engine's knee
+    sits lower than the profile's (a benchmark of other lengths, TP4 at 70B), windows far below the
+    knee read a speed that carries the capacity above the load at which the replicas missed. The
+    SLO's own verdicts say where the knee is, whatever the profile: the plan does not count a replica
+    for more than that load while the period remembers it. Misses at low loads as often as at high
+    ones (a long prompt's prefill in any window) are no knee: more replicas would not fix them.
+
+    >>> w = [(0, 3.0, False), (0, 4.0, False), (0, 4.5, False), (0, 5.2, True), (0, 5.4, True), (0, 7.3, True)]
+    >>> knee_load(w)
+    5.2
+    >>> knee_load([(0, x, m) for x, m in [(1.0, True), (2.0, False), (3.0, True), (4.0, False), (5.0, True)]]) is None
+    True
+    """
+    pts = sorted((x, m) for _, x, m in windows if x > 0 and math.isfinite(x))
+    missed_before = [0]  # misses among the first i windows by load
+    for _, m in pts:
+        missed_before.append(missed_before[-1] + m)
+    n, total = len(pts), missed_before[-1]
+    first = 0  # the first window at this load (ties count as at or above it)
+    for i, (x, missed) in enumerate(pts):
+        if i == 0 or x > pts[i - 1][0]:
+            first = i
+        if not missed:
+            continue
+        below, missed_below = first, missed_before[first]
+        above, missed_above = n - first, total - missed_before[first]
+        if (below >= KNEE_MIN and missed_above >= KNEE_MIN and missed_above >= KNEE_MISSED * above
+                and missed_below <= KNEE_BELOW * below):
+            return x
+    return None
+
+
+def _slo_windows(prev: tuple[tuple[float, float, bool], ...], verdict: bool | None, load: float,
+                 now_s: float, period_s: float | None) -> tuple[tuple[float, float, bool], ...]:
+    kept = tuple(w for w in prev if period_s is None or now_s - w[0] < period_s)
+    if verdict is not None and load > 0:
+        kept = (*kept, (now_s, load, verdict))
+    return kept[-MAX_SLO_WINDOWS:]
+
+
 def update_corrections(
     previous: Mapping[ConfigKey, Correction],
     observations: Mapping[str, ModelObservation],
@@ -387,21 +459,25 @@ def update_corrections(
     extrapolating: Mapping[ConfigKey, tuple[str, ...]],
     now_s: float,
     slos: Mapping[str, tuple[float, float]] | None = None,
+    periods_s: Mapping[str, float] | None = None,
 ) -> dict[ConfigKey, Correction]:
     """The corrections after this cycle's windows; a config without evidence keeps its estimate,
     and what the plan applies of it relaxes toward the profile (RELAX_S). `slos`: per model its
     (TTFT, ITL) p99 targets in ms, which a slower estimate inside the deadband must explain a miss
-    of to be applied (`_slower_shown`); None: the deadband alone."""
+    of to be applied (`_slower_shown`), and by which each window's verdict is kept (`knee_load`) for
+    the model's SLO period (`periods_s`; None: the last MAX_SLO_WINDOWS); None: the deadband alone."""
     out: dict[ConfigKey, Correction] = dict(previous)
     for config, prof in sorted(profiles.items()):
         extra = bool(extrapolating.get(config))
         var0 = _prior_sd(extra) ** 2
         prev = out.get(config)
+        period_s = (periods_s or {}).get(config.model)
         evidence = _evidence(config, prof, observations.get(config.model), workloads.get(config.model))
         if evidence is None:
             if prev is not None and prev.observations and prev.updated_s is not None:
                 a_t, a_i = _applied_logs(prev, extra, var0, now_s)
-                out[config] = replace(prev, applied_ttft_log=a_t, applied_itl_log=a_i)
+                out[config] = replace(prev, applied_ttft_log=a_t, applied_itl_log=a_i,
+                                      slo_windows=_slo_windows(prev.slo_windows, None, 0.0, now_s, period_s))
             continue
         r_t, r_i, load = evidence
         if prev is None or prev.observations == 0:
@@ -429,7 +505,10 @@ def update_corrections(
             slo_missed(ev.ttft_p99_ms, ev.ttft_p99_sampling_ms, slo[0]),
             slo_missed(ev.itl_p99_ms, ev.itl_p99_sampling_ms, slo[1]))
         a_t, a_i = _applied_logs(nxt, extra, var0, now_s, first=prev.observations == 0, missed=missed)
-        out[config] = replace(nxt, applied_ttft_log=a_t, applied_itl_log=a_i)
+        verdict = None if slo is None else slo_verdict(ev.ttft_p99_ms, ev.ttft_p99_sampling_ms, ev.itl_p99_ms,
+                                                       ev.itl_p99_sampling_ms, slo)
+        out[config] = replace(nxt, applied_ttft_log=a_t, applied_itl_log=a_i,
+                              slo_windows=_slo_windows(prev.slo_windows, verdict, load, now_s, period_s))
     return out
 
 
@@ -597,13 +676,19 @@ def applied_speeds(
         else:
             st = math.exp(_applied(corr.ttft_log, corr.ttft_var, conservative_t))
             si = math.exp(_applied(corr.itl_log, corr.itl_var, conservative_i))
-        if abs(math.log(st)) < 1e-9 and abs(math.log(si)) < 1e-9:
+        knee = knee_load(corr.slo_windows)
+        held = max((x for _, x, missed in corr.slo_windows if not missed), default=None)
+        if abs(math.log(st)) < 1e-9 and abs(math.log(si)) < 1e-9 and knee is None:
+            if held is not None:  # the profile as fitted; what it held bounds a sibling's knee
+                out[config] = Speeds(held_rps=held)
             continue
         trusted = trusted_load(corr) if st > 1.0 or si > 1.0 else None
         note = describe(corr, st, si, conservative_t or conservative_i)
         if trusted is not None:
             note += f"; faster than the profile trusted up to {trusted:.2f} rps per replica"
-        out[config] = Speeds(st, si, note, trusted)
+        if knee is not None:
+            note += f"; its replicas missed the SLO at {knee:.2f} rps per replica and above: counted for no more"
+        out[config] = Speeds(st, si, note, trusted, knee, held)
     return out
 
 
@@ -684,6 +769,6 @@ def forget(corrections: Mapping[ConfigKey, Correction], keep: set[ConfigKey]) ->
     return {c: v for c, v in corrections.items() if c in keep}
 
 
-__all__ = ["applied_speeds", "corrections_tuple", "describe", "forget", "regression_cap", "regression_floor",
-           "shared_prior",
+__all__ = ["applied_speeds", "corrections_tuple", "describe", "forget", "knee_load", "regression_cap",
+           "regression_floor", "shared_prior", "slo_verdict",
            "trusted_load", "update_corrections"]

@@ -138,6 +138,8 @@ class CorrectionDoc(_Strict):
     # (load per replica rps, ln speed, completions) of the last windows (planner/correction.py)
     ttft_points: tuple[tuple[float, float, float], ...] = Field(default=(), max_length=32)
     itl_points: tuple[tuple[float, float, float], ...] = Field(default=(), max_length=32)
+    # (t_s, load per replica rps, missed) of the SLO period's windows (planner/correction.py knee_load)
+    slo_windows: tuple[tuple[float, float, bool], ...] = Field(default=(), max_length=256)
 
 
 class LengthsDoc(_Strict):
@@ -235,7 +237,8 @@ def state_to_dict(state: PlannerState) -> dict[str, Any]:
                          "observed_ttft_speed": k.observed_ttft_speed, "observed_itl_speed": k.observed_itl_speed,
                          "applied_ttft_log": k.applied_ttft_log, "applied_itl_log": k.applied_itl_log,
                          "ttft_points": [list(p) for p in k.ttft_points],
-                         "itl_points": [list(p) for p in k.itl_points]}
+                         "itl_points": [list(p) for p in k.itl_points],
+                         "slo_windows": [list(w) for w in k.slo_windows]}
                         for k in state.corrections],
         "bursts": [list(b) for b in state.bursts],
         "lengths": [{"model": h.model, "t_s": h.t_s, "isl": h.isl, "osl": h.osl,
@@ -256,7 +259,8 @@ def _state(doc: StateDoc) -> PlannerState:
         doc.cycle,
         tuple(sorted((Correction(key(k), k.ttft_log, k.ttft_var, k.itl_log, k.itl_var, k.observations, k.since_s,
                                  k.updated_s, k.observed_ttft_speed, k.observed_itl_speed, k.applied_ttft_log,
-                                 k.applied_itl_log, tuple(k.ttft_points), tuple(k.itl_points))
+                                 k.applied_itl_log, tuple(k.ttft_points), tuple(k.itl_points),
+                                 tuple(k.slo_windows))
                       for k in doc.corrections), key=lambda c: c.config)),
         tuple((b[0], b[1], b[2], b[3] if len(b) > 3 else 0.0) for b in doc.bursts),
         tuple(HeldLengths(h.model, h.t_s, h.isl, h.osl, tuple(h.isl_quantiles), tuple(h.osl_quantiles),

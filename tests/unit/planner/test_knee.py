@@ -1,0 +1,98 @@
+"""The SLO's own verdicts bound a replica's capacity (planner/correction.py knee_load, planner/capacity.py
+_siblings_knees): where the replicas missed the SLO within the period, whatever the corrected profile
+says, and on the siblings nobody saw miss."""
+
+from __future__ import annotations
+
+from fleetplan.models.mix import capacity_mix, predict_mix
+from fleetplan.planner.capacity import MixedWorkload, capacity_table
+from fleetplan.planner.correction import applied_speeds, update_corrections
+from fleetplan.planner.serde import state_from_dict, state_to_dict
+from fleetplan.planner.types import ConfigKey, ConfigObservation, Correction, ModelObservation, PlannerState
+from tests.unit.planner.planner_helpers import BF16, H100, VLLM, policy
+from tests.unit.planner.test_correction import KEY, MIX, TRUE
+
+SLO_MS = (1000.0, 80.0)
+WORK = {"m8": MixedWorkload(500.0, 200.0)}
+KEY2 = ConfigKey("m8", VLLM, H100, 2, BF16)
+POLICY2 = policy(models=("m8",), tps={"m8": [1, 2]},
+                 model_extra={"m8": {"allowed": {"tp": [1, 2], "engines": ["vllm"]}}})
+
+
+def capacity() -> float:
+    return capacity_mix(TRUE, MIX, ttft_p99_ms=SLO_MS[0], itl_p99_ms=SLO_MS[1]).max_rps
+
+
+def window(key: ConfigKey, load_rps: float, *, missed: bool) -> ConfigObservation:
+    """One replica's window at `load_rps`: latency as the profile says (the correction's speed stays
+    at 1), or a TTFT p99 past the SLO with a sampling interval wholly above it (a clear miss)."""
+    seen = predict_mix(TRUE, MIX, load_rps)
+    if missed:
+        return ConfigObservation(key, 1, load_rps, 1500.0, seen.itl_p99_ms, 400.0,
+                                 ttft_p99_sampling_ms=(1300.0, 1700.0))
+    return ConfigObservation(key, 1, load_rps, seen.ttft_p99_ms, seen.itl_p99_ms, 400.0)
+
+
+def feed(loads: list[tuple[float, bool]], *, t0_s: float = 1000.0, key: ConfigKey = KEY,
+         start: dict[ConfigKey, Correction] | None = None, period_s: float = 3600.0) -> dict[ConfigKey, Correction]:
+    out = dict(start or {})
+    for i, (load, missed) in enumerate(loads):
+        obs = ModelObservation("m8", load, 500.0, 200.0, configs=(window(key, load, missed=missed),))
+        out = update_corrections(out, {"m8": obs}, {key: TRUE}, WORK, {}, t0_s + 60.0 * i, {"m8": SLO_MS},
+                                 {"m8": period_s})
+    return out
+
+
+def planned(corrections: dict[ConfigKey, Correction], keys: tuple[ConfigKey, ...] = (KEY,)) -> dict:
+    profiles = {k: TRUE for k in keys}
+    speeds = applied_speeds(corrections, profiles, {})
+    table, _ = capacity_table(POLICY2, profiles, WORK, [H100], speeds=speeds)
+    return table
+
+
+def test_a_replica_is_counted_for_no_more_than_the_load_at_which_it_missed_the_slo() -> None:
+    c = capacity()
+    knee = 0.7 * c  # the engine's knee sits lower than the profile's: misses from 0.7 of its capacity
+    held = [(f * c, False) for f in (0.3, 0.4, 0.5, 0.6)]
+    corr = feed([*held, (knee, True), (0.8 * c, True), (0.5 * c, False)])
+    info = planned(corr)[KEY]
+    assert info.max_rps <= knee + 1e-9
+    assert "missed the SLO at" in info.correction
+    # the same windows, every one within the SLO: counted as the profile says
+    assert planned(feed([*held, (0.65 * c, False), (0.5 * c, False)]))[KEY].max_rps > 0.95 * c
+
+
+def test_misses_at_every_load_are_no_knee_and_a_period_later_the_bound_is_gone() -> None:
+    c = capacity()
+    scattered = [(0.3 * c, True), (0.4 * c, False), (0.5 * c, True), (0.6 * c, False), (0.7 * c, True),
+                 (0.8 * c, False)]
+    corr = feed(scattered)
+    assert all(w[2] in (True, False) for w in corr[KEY].slo_windows) and len(corr[KEY].slo_windows) == 6
+    assert "missed the SLO at" not in planned(corr).get(KEY).correction
+    # a knee, then an hour of windows within the SLO at low load: the period forgets the misses
+    knee = feed([(0.3 * c, False), (0.4 * c, False), (0.7 * c, True), (0.8 * c, True)])
+    assert planned(knee)[KEY].max_rps <= 0.7 * c + 1e-9
+    later = feed([(0.4 * c, False)] * 5, t0_s=1000.0 + 3700.0, start=knee)
+    assert [w for w in later[KEY].slo_windows if w[2]] == []
+    assert "missed the SLO at" not in planned(later)[KEY].correction
+
+
+def test_a_sibling_nobody_saw_miss_is_counted_at_the_ratio_the_knee_showed_above_what_it_held() -> None:
+    c = capacity()
+    knee = feed([(0.3 * c, False), (0.4 * c, False), (0.6 * c, True), (0.7 * c, True)])
+    table = planned(knee, (KEY, KEY2))
+    assert table[KEY].max_rps <= 0.6 * c + 1e-9
+    # TP2 runs the same profile here, unobserved: counted at the knee's ratio of what its speeds (its
+    # sibling's, shared) say, and says why
+    assert table[KEY2].max_rps <= table[KEY].max_rps + 1e-6
+    assert "a sibling's replicas missed the SLO" in table[KEY2].correction
+    # its own windows held the SLO at 0.8 of the profile's capacity: no lower than that
+    both = feed([(0.8 * c, False)] * 3, key=KEY2, start=knee, t0_s=1300.0)
+    assert planned(both, (KEY, KEY2))[KEY2].max_rps >= 0.8 * c - 1e-6
+
+
+def test_the_verdicts_survive_the_state_round_trip() -> None:
+    c = Correction(KEY, -0.1, 0.01, 0.0, 0.02, 3, None, 1240.0, slo_windows=((1000.0, 2.0, False),
+                                                                             (1060.0, 3.1, True)))
+    state = PlannerState((), 7, (c,))
+    assert state_from_dict(state_to_dict(state)) == state
