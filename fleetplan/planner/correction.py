@@ -41,6 +41,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from fleetplan.models.config_key import Role
 from fleetplan.models.mix import LengthMix, speeds_from_latency
 from fleetplan.models.profile import PerfProfile
 from fleetplan.planner.capacity import MixedWorkload, Speeds, mix_for
@@ -505,8 +506,11 @@ def update_corrections(
             slo_missed(ev.ttft_p99_ms, ev.ttft_p99_sampling_ms, slo[0]),
             slo_missed(ev.itl_p99_ms, ev.itl_p99_sampling_ms, slo[1]))
         a_t, a_i = _applied_logs(nxt, extra, var0, now_s, first=prev.observations == 0, missed=missed)
-        verdict = None if slo is None else slo_verdict(ev.ttft_p99_ms, ev.ttft_p99_sampling_ms, ev.itl_p99_ms,
-                                                       ev.itl_p99_sampling_ms, slo)
+        # a decode replica's TTFT waits on the prefill pool and the transfer: its ITL alone is its own
+        own_ttft = config.role is not Role.DECODE
+        verdict = None if slo is None else slo_verdict(ev.ttft_p99_ms if own_ttft else None,
+                                                       ev.ttft_p99_sampling_ms if own_ttft else None,
+                                                       ev.itl_p99_ms, ev.itl_p99_sampling_ms, slo)
         out[config] = replace(nxt, applied_ttft_log=a_t, applied_itl_log=a_i,
                               slo_windows=_slo_windows(prev.slo_windows, verdict, load, now_s, period_s))
     return out

@@ -135,8 +135,14 @@ def pool_capacities(policy: Policy, profiles: Mapping[ConfigKey, PerfProfile], w
         for role, pool, fitted in ((Role.PREFILL, cap.prefill, base.prefill), (Role.DECODE, cap.decode, base.decode)):
             if pool.floor_share is not None or not (0.0 < pool.max_rps < math.inf):
                 continue  # out of its target's reach for this mix (or nothing to decode): no candidate
-            out[replace(key, role=role)] = CapacityInfo(pool.max_rps, pool.binding, (), prof.source == "roofline",
-                                                        fitted.max_rps, note, why)
+            rps, pool_note = pool.max_rps, note
+            knee = (speeds or {}).get(replace(key, role=role), Speeds()).knee_rps
+            if knee is not None and knee < rps:  # its replicas missed the SLO there (correction.knee_load)
+                rps = knee
+                pool_note = (f"{note}; " if note else "") + (f"its replicas missed the SLO at {knee:.2f} rps per "
+                                                             "replica and above: counted for no more")
+            out[replace(key, role=role)] = CapacityInfo(rps, pool.binding, (), prof.source == "roofline",
+                                                        fitted.max_rps, pool_note, why)
     complete = {k for f in families(sorted(out)) for k in (*f.prefill, *f.decode)}
     return {k: v for i, (k, v) in enumerate(sorted(out.items())) if i in complete}  # a pool alone serves nothing
 

@@ -285,3 +285,36 @@ def test_a_decode_pool_learns_its_own_itl_speed_from_its_replicas() -> None:
     agg = dec.profile_key()
     prior = shared_prior(dec, {agg: Correction(agg, 0.0, 0.01, -1.0, 0.01, observations=9)}, 0.0625)
     assert prior.itl_log == 0.0 and prior.observations == 0
+
+
+def test_a_decode_pool_is_counted_for_no_more_than_the_load_at_which_its_replicas_missed_the_itl() -> None:
+    """The knee (planner/correction.py knee_load) bounds a decode pool as it bounds an aggregated
+    replica, from the decode replicas' own ITL verdicts; their TTFT (the prefill pool's and the
+    transfer's wait) is no verdict on them."""
+    from fleetplan.models.disagg import pool_profiles
+    from fleetplan.planner.capacity import MixedWorkload
+    from fleetplan.planner.correction import applied_speeds, update_corrections
+    from fleetplan.planner.disagg_plan import pool_capacities
+    from fleetplan.planner.types import ConfigObservation, Correction
+
+    pol = policy(models=(MODEL,), model_extra={MODEL: {**RAG, **ALLOW, "allowed": {"engines": ["vllm"], "tp": [1]}}})
+    agg = key(MODEL, tp=1)
+    dec = replace(agg, role=Role.DECODE)
+    work = {MODEL: MixedWorkload(4096.0, 32.0)}
+    fitted = pool_capacities(pol, {agg: _fitted(1)}, work)[dec].max_rps
+    knee = 0.6 * fitted
+    windows = tuple((NOW + 60.0 * i, x * fitted, missed)
+                    for i, (x, missed) in enumerate([(0.3, False), (0.4, False), (0.6, True), (0.7, True)]))
+    corr = {dec: Correction(dec, observations=4, updated_s=NOW + 240.0, slo_windows=windows)}
+    speeds = applied_speeds(corr, {dec: pool_profiles(_fitted(1)).decode}, {})
+    pools = pool_capacities(pol, {agg: _fitted(1)}, work, speeds, observed={agg})
+    assert pools[dec].max_rps == pytest.approx(knee)
+    assert "missed the SLO at" in pools[dec].correction
+    assert pools[replace(agg, role=Role.PREFILL)].max_rps == pool_capacities(pol, {agg: _fitted(1)}, work)[
+        replace(agg, role=Role.PREFILL)].max_rps
+    # a decode window whose TTFT is ten times the target and whose ITL holds: held, not missed
+    obs = ModelObservation(MODEL, 10.0, 4096.0, 32.0, configs=(
+        ConfigObservation(dec, 1, 10.0, 6000.0, 10.0, 500.0, ttft_p99_sampling_ms=(5500.0, 6500.0)),))
+    out = update_corrections({}, {MODEL: obs}, {dec: pool_profiles(_fitted(1)).decode}, work, {}, NOW,
+                             {MODEL: (600.0, 20.0)}, {MODEL: 3600.0})
+    assert out[dec].slo_windows == ((NOW, 10.0, False),)
