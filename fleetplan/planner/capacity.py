@@ -85,7 +85,7 @@ class Speeds:
     # evidence gathered at low load does not prove the knee (planner/correction.py TRUST_GROWTH)
     trusted_rps: float | None = None
     # the replicas missed the SLO at this load per replica within the SLO's period: no more is counted
-    # whatever the speeds say (planner/correction.py knee_load; None: no such load seen)
+    # whatever the speeds say (planner/knee.py knee_load; None: no such load seen)
     knee_rps: float | None = None
     # the highest load per replica at which its windows held the SLO within the period (None: none seen)
     held_rps: float | None = None
@@ -315,7 +315,7 @@ def below_best_reach(table: Mapping[ConfigKey, CapacityInfo], keys: Iterable[Con
 
 def _siblings_knees(table: dict[ConfigKey, CapacityInfo], knees: Mapping[ConfigKey, float],
                     speeds: Mapping[ConfigKey, Speeds]) -> None:
-    """A config whose replicas have shown no knee of their own (planner/correction.py knee_load) is
+    """A config whose replicas have shown no knee of their own (planner/knee.py knee_load) is
     counted at the lowest ratio its model's siblings of the same role showed (the knee's capacity
     over what their speeds alone said), never below the highest load per replica its own windows
     held within the SLO. Why: the profiles of one model err alike (one benchmark, one length mix), so

@@ -45,6 +45,7 @@ from fleetplan.models.config_key import Role
 from fleetplan.models.mix import LengthMix, speeds_from_latency
 from fleetplan.models.profile import PerfProfile
 from fleetplan.planner.capacity import MixedWorkload, Speeds, mix_for
+from fleetplan.planner.knee import knee_load, slo_missed, slo_verdict, slo_windows
 from fleetplan.planner.types import ConfigKey, Correction, ModelObservation
 
 PRIOR_SD = 0.25
@@ -380,78 +381,6 @@ def regression_cap(points: Sequence[tuple[float, float, float]]) -> float | None
     return top + se
 
 
-MAX_SLO_WINDOWS = 240  # the most windows of an SLO period kept per config (4 h of 60 s cycles)
-KNEE_MIN = 2  # a knee needs this many windows on each side of it
-KNEE_MISSED = 0.5  # at or above a knee at least this share of the windows missed
-KNEE_BELOW = 0.25  # and below it at most this share
-
-
-def slo_verdict(ttft_p99_ms: float | None, ttft_sampling_ms: tuple[float, float] | None,
-                itl_p99_ms: float | None, itl_sampling_ms: tuple[float, float] | None,
-                slo: tuple[float, float]) -> bool | None:
-    """A window's verdict by the SLO: True when a p99 missed its target beyond its sampling noise
-    (`slo_missed`), False when every p99 read is within its target, None when it is neither (a p99
-    above its target within its noise, or none read).
-
-    >>> slo_verdict(740.0, (690.0, 800.0), 40.0, None, (500.0, 50.0)), slo_verdict(400.0, None, 40.0, None, (500.0, 50.0))
-    (True, False)
-    >>> slo_verdict(540.0, (450.0, 700.0), 40.0, None, (500.0, 50.0)) is None
-    True
-    """
-    if slo_missed(ttft_p99_ms, ttft_sampling_ms, slo[0]) or slo_missed(itl_p99_ms, itl_sampling_ms, slo[1]):
-        return True
-    read = [(p, t) for p, t in ((ttft_p99_ms, slo[0]), (itl_p99_ms, slo[1])) if p is not None and math.isfinite(p)]
-    if read and all(p <= t for p, t in read):
-        return False
-    return None
-
-
-def knee_load(windows: Sequence[tuple[float, float, bool]]) -> float | None:
-    """The load per replica (rps) at which this config's replicas were seen to miss the SLO, from
-    the SLO period's windows: the lowest load of a missed window at or above which at least
-    KNEE_MISSED of the windows missed while below it at most KNEE_BELOW did, KNEE_MIN windows or
-    more on each side; None: no such load (no miss, or misses at every load).
-
-    Why: the online correction moves the profile's speed, not its shape; where the engine's knee
-    sits lower than the profile's (a benchmark of other lengths, TP4 at 70B), windows far below the
-    knee read a speed that carries the capacity above the load at which the replicas missed. The
-    SLO's own verdicts say where the knee is, whatever the profile: the plan does not count a replica
-    for more than that load while the period remembers it. Misses at low loads as often as at high
-    ones (a long prompt's prefill in any window) are no knee: more replicas would not fix them.
-
-    >>> w = [(0, 3.0, False), (0, 4.0, False), (0, 4.5, False), (0, 5.2, True), (0, 5.4, True), (0, 7.3, True)]
-    >>> knee_load(w)
-    5.2
-    >>> knee_load([(0, x, m) for x, m in [(1.0, True), (2.0, False), (3.0, True), (4.0, False), (5.0, True)]]) is None
-    True
-    """
-    pts = sorted((x, m) for _, x, m in windows if x > 0 and math.isfinite(x))
-    missed_before = [0]  # misses among the first i windows by load
-    for _, m in pts:
-        missed_before.append(missed_before[-1] + m)
-    n, total = len(pts), missed_before[-1]
-    first = 0  # the first window at this load (ties count as at or above it)
-    for i, (x, missed) in enumerate(pts):
-        if i == 0 or x > pts[i - 1][0]:
-            first = i
-        if not missed:
-            continue
-        below, missed_below = first, missed_before[first]
-        above, missed_above = n - first, total - missed_before[first]
-        if (below >= KNEE_MIN and missed_above >= KNEE_MIN and missed_above >= KNEE_MISSED * above
-                and missed_below <= KNEE_BELOW * below):
-            return x
-    return None
-
-
-def _slo_windows(prev: tuple[tuple[float, float, bool], ...], verdict: bool | None, load: float,
-                 now_s: float, period_s: float | None) -> tuple[tuple[float, float, bool], ...]:
-    kept = tuple(w for w in prev if period_s is None or now_s - w[0] < period_s)
-    if verdict is not None and load > 0:
-        kept = (*kept, (now_s, load, verdict))
-    return kept[-MAX_SLO_WINDOWS:]
-
-
 def update_corrections(
     previous: Mapping[ConfigKey, Correction],
     observations: Mapping[str, ModelObservation],
@@ -478,7 +407,7 @@ def update_corrections(
             if prev is not None and prev.observations and prev.updated_s is not None:
                 a_t, a_i = _applied_logs(prev, extra, var0, now_s)
                 out[config] = replace(prev, applied_ttft_log=a_t, applied_itl_log=a_i,
-                                      slo_windows=_slo_windows(prev.slo_windows, None, 0.0, now_s, period_s))
+                                      slo_windows=slo_windows(prev.slo_windows, None, 0.0, now_s, period_s))
             continue
         r_t, r_i, load = evidence
         if prev is None or prev.observations == 0:
@@ -512,7 +441,7 @@ def update_corrections(
                                                        ev.ttft_p99_sampling_ms if own_ttft else None,
                                                        ev.itl_p99_ms, ev.itl_p99_sampling_ms, slo)
         out[config] = replace(nxt, applied_ttft_log=a_t, applied_itl_log=a_i,
-                              slo_windows=_slo_windows(prev.slo_windows, verdict, load, now_s, period_s))
+                              slo_windows=slo_windows(prev.slo_windows, verdict, load, now_s, period_s))
     return out
 
 
@@ -546,20 +475,6 @@ def _slower_shown(candidate: float, missed: bool, applied: float) -> bool:
     inside the band (one a miss showed) is held so; an estimate back within NOTABLE of the profile
     falls into the band again, as does one that was applied beyond the band and came back into it."""
     return candidate < -NOTABLE and (missed or -TRUSTED_BAND <= applied < 0.0)
-
-
-def slo_missed(p99_ms: float | None, sampling_ms: tuple[float, float] | None, slo_ms: float) -> bool:
-    """A window's p99 misses the SLO beyond its sampling noise: the low end of its sampling interval
-    (what a window of as many requests would read at its luckiest) is above the SLO; without an
-    interval, the point value.
-
-    >>> slo_missed(740.0, (690.0, 800.0), 500.0), slo_missed(540.0, (450.0, 700.0), 500.0)
-    (True, False)
-    """
-    if p99_ms is None or not math.isfinite(p99_ms) or p99_ms <= slo_ms:
-        return False
-    low = sampling_ms[0] if sampling_ms is not None and math.isfinite(sampling_ms[0]) else p99_ms
-    return low > slo_ms
 
 
 MIN_AGREEMENT_SD = 0.02  # ln: windows agreeing more closely than this still leave this much doubt
@@ -773,6 +688,6 @@ def forget(corrections: Mapping[ConfigKey, Correction], keep: set[ConfigKey]) ->
     return {c: v for c, v in corrections.items() if c in keep}
 
 
-__all__ = ["applied_speeds", "corrections_tuple", "describe", "forget", "knee_load", "regression_cap",
-           "regression_floor", "shared_prior", "slo_verdict",
+__all__ = ["applied_speeds", "corrections_tuple", "describe", "forget", "regression_cap", "regression_floor",
+           "shared_prior",
            "trusted_load", "update_corrections"]

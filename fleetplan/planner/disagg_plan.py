@@ -137,7 +137,7 @@ def pool_capacities(policy: Policy, profiles: Mapping[ConfigKey, PerfProfile], w
                 continue  # out of its target's reach for this mix (or nothing to decode): no candidate
             rps, pool_note = pool.max_rps, note
             knee = (speeds or {}).get(replace(key, role=role), Speeds()).knee_rps
-            if knee is not None and knee < rps:  # its replicas missed the SLO there (correction.knee_load)
+            if knee is not None and knee < rps:  # its replicas missed the SLO there (knee.knee_load)
                 rps = knee
                 pool_note = (f"{note}; " if note else "") + (f"its replicas missed the SLO at {knee:.2f} rps per "
                                                              "replica and above: counted for no more")

@@ -138,7 +138,7 @@ class CorrectionDoc(_Strict):
     # (load per replica rps, ln speed, completions) of the last windows (planner/correction.py)
     ttft_points: tuple[tuple[float, float, float], ...] = Field(default=(), max_length=32)
     itl_points: tuple[tuple[float, float, float], ...] = Field(default=(), max_length=32)
-    # (t_s, load per replica rps, missed) of the SLO period's windows (planner/correction.py knee_load)
+    # (t_s, load per replica rps, missed) of the SLO period's windows (planner/knee.py knee_load)
     slo_windows: tuple[tuple[float, float, bool], ...] = Field(default=(), max_length=256)
 
 

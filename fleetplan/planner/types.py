@@ -187,7 +187,7 @@ class Correction:
     itl_points: tuple[tuple[float, float, float], ...] = ()
     # the SLO's verdict on the windows of the SLO's period, oldest first: (t_s, load per replica rps,
     # missed) of each window whose p99s were clearly within the targets (False) or beyond them (True):
-    # where the replicas miss, whatever the profile's shape says (planner/correction.py knee_load)
+    # where the replicas miss, whatever the profile's shape says (planner/knee.py knee_load)
     slo_windows: tuple[tuple[float, float, bool], ...] = ()
 
 

@@ -288,7 +288,7 @@ def test_a_decode_pool_learns_its_own_itl_speed_from_its_replicas() -> None:
 
 
 def test_a_decode_pool_is_counted_for_no_more_than_the_load_at_which_its_replicas_missed_the_itl() -> None:
-    """The knee (planner/correction.py knee_load) bounds a decode pool as it bounds an aggregated
+    """The knee (planner/knee.py knee_load) bounds a decode pool as it bounds an aggregated
     replica, from the decode replicas' own ITL verdicts; their TTFT (the prefill pool's and the
     transfer's wait) is no verdict on them."""
     from fleetplan.models.disagg import pool_profiles

@@ -1,4 +1,4 @@
-"""The SLO's own verdicts bound a replica's capacity (planner/correction.py knee_load, planner/capacity.py
+"""The SLO's own verdicts bound a replica's capacity (planner/knee.py knee_load, planner/capacity.py
 _siblings_knees): where the replicas missed the SLO within the period, whatever the corrected profile
 says, and on the siblings nobody saw miss."""
 
