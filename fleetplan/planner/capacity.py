@@ -41,6 +41,9 @@ class CapacityInfo:
     # the good share this window is sized for where the error budget is spent (planner/slo.py
     # planned_share; max_rps is then the rate at that share); None: the p99 targets
     planned_share: float | None = None
+    # the load per replica at which this config's own replicas missed the SLO within the period, which
+    # max_rps is held to (planner/knee.py knee_load; None: none shown)
+    knee_rps: float | None = None
 
 
 @dataclass(frozen=True)
@@ -397,7 +400,7 @@ def capacity_table(
                 knees[key] = applied.max_rps / unbent
         table[key] = CapacityInfo(rps, binding, tuple(warnings), prof.source == "roofline", base_rps, sp.note,
                                   extrapolation(prof, mix_for(prof, w), w.isl_p99_low), applied.floor_share,
-                                  share)
+                                  share, sp.knee_rps if key in knees else None)
     _siblings_knees(table, knees, speeds or {})
     _prefer_reachable(table)
 

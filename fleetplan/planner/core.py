@@ -744,7 +744,7 @@ def _explain(
                 observed_rps_per_replica=(ev.rate_rps / ev.ready_replicas if ev is not None and ev.rate_rps
                                           is not None and ev.ready_replicas > 0 else None),
                 predicted_attainment=_finite(pred.attainment), last_replica_attainment=_finite(last),
-                floor_share=info.floor_share if info else None))
+                floor_share=info.floor_share if info else None, knee_rps=info.knee_rps if info else None))
 
         mnotes = list(d.notes)
         unmet = max(0.0, d.required_rps - cap)

@@ -142,7 +142,8 @@ def pool_capacities(policy: Policy, profiles: Mapping[ConfigKey, PerfProfile], w
                 pool_note = (f"{note}; " if note else "") + (f"its replicas missed the SLO at {knee:.2f} rps per "
                                                              "replica and above: counted for no more")
             out[replace(key, role=role)] = CapacityInfo(rps, pool.binding, (), prof.source == "roofline",
-                                                        fitted.max_rps, pool_note, why)
+                                                        fitted.max_rps, pool_note, why,
+                                                        knee_rps=knee if rps == knee else None)
     complete = {k for f in families(sorted(out)) for k in (*f.prefill, *f.decode)}
     return {k: v for i, (k, v) in enumerate(sorted(out.items())) if i in complete}  # a pool alone serves nothing
 

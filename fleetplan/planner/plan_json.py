@@ -101,7 +101,7 @@ def plan_to_dict(result: PlanResult) -> dict[str, Any]:
                              "observed_rps_per_replica": c.observed_rps_per_replica,
                              "predicted_attainment": c.predicted_attainment,
                              "last_replica_attainment": c.last_replica_attainment,
-                             "floor_share": c.floor_share}
+                             "floor_share": c.floor_share, "knee_rps": c.knee_rps}
                             for c in m.configs],
                 "length_mix": m.length_mix,
                 "uncertainty_usd_h": m.uncertainty_usd_h,

@@ -291,6 +291,9 @@ class ConfigExplanation:
     predicted_attainment: float | None = None
     last_replica_attainment: float | None = None
     floor_share: float | None = None
+    # the load per replica at which these replicas missed the SLO within the period: capacity_per_replica_rps
+    # is held to it (planner/knee.py); None: no such load shown
+    knee_rps: float | None = None
 
 
 class LossReason(StrEnum):

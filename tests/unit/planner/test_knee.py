@@ -96,3 +96,32 @@ def test_the_verdicts_survive_the_state_round_trip() -> None:
                                                                              (1060.0, 3.1, True)))
     state = PlannerState((), 7, (c,))
     assert state_from_dict(state_to_dict(state)) == state
+
+
+def test_the_plan_counts_a_config_at_its_knee_and_says_so_in_a_field() -> None:
+    from dataclasses import replace
+
+    from fleetplan.models import profile as mp
+    from fleetplan.planner.core import plan, plan_to_dict
+    from fleetplan.planner.types import Fleet, Observation
+    from tests.unit.planner.planner_helpers import hosts
+    from tests.unit.planner.test_correction import POLICY
+
+    c = capacity()
+    windows = ((900.0, 0.3 * c, False), (960.0, 0.4 * c, False), (1020.0, 0.7 * c, True), (1080.0, 0.8 * c, True))
+    state = replace(PlannerState.initial(),
+                    corrections=(Correction(KEY, observations=4, updated_s=1080.0, slo_windows=windows),))
+    obs = Observation({"m8": ModelObservation("m8", 3.0 * c, 500.0, 200.0)})
+
+    def counted(s: PlannerState) -> tuple[int, float | None, dict]:
+        r = plan(obs, Fleet(hosts(2)), POLICY, mp.ProfileSet((TRUE,)), s, 1100.0)
+        cfg = next(x for x in r.explanation.models[0].configs if x.config == KEY)
+        doc = next(x for x in plan_to_dict(r)["explanation"]["models"][0]["configs"] if x["tp"] == 1)
+        return cfg.replicas, cfg.knee_rps, doc
+
+    n, knee, doc = counted(state)
+    assert knee is not None and abs(knee - 0.7 * c) < 1e-9 and doc["knee_rps"] == knee
+    assert doc["capacity_per_replica_rps"] <= knee + 1e-9
+    n_free, none, doc_free = counted(PlannerState.initial())
+    assert none is None and doc_free["knee_rps"] is None
+    assert n > n_free  # 3x the profile's capacity at 1.2 headroom: 4 replicas as profiled, 6 at the knee
