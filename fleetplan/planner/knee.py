@@ -28,7 +28,9 @@ def slo_missed(p99_ms: float | None, sampling_ms: tuple[float, float] | None, sl
     return low > slo_ms
 
 
-MAX_SLO_WINDOWS = 240  # the most windows of an SLO period kept per config (4 h of 60 s cycles)
+# the most windows of an SLO period kept per config (2 h of 60 s cycles: a day's period keeps its last
+# two hours). Why a bound: the state is stored with every plan, a day of plans is kept
+MAX_SLO_WINDOWS = 120
 KNEE_MIN = 2  # a knee needs this many windows on each side of it
 KNEE_MISSED = 0.5  # at or above a knee at least this share of the windows missed
 KNEE_BELOW = 0.25  # and below it at most this share

@@ -139,7 +139,7 @@ class CorrectionDoc(_Strict):
     ttft_points: tuple[tuple[float, float, float], ...] = Field(default=(), max_length=32)
     itl_points: tuple[tuple[float, float, float], ...] = Field(default=(), max_length=32)
     # (t_s, load per replica rps, missed) of the SLO period's windows (planner/knee.py knee_load)
-    slo_windows: tuple[tuple[float, float, bool], ...] = Field(default=(), max_length=256)
+    slo_windows: tuple[tuple[float, float, bool], ...] = Field(default=(), max_length=128)
 
 
 class LengthsDoc(_Strict):
@@ -238,7 +238,8 @@ def state_to_dict(state: PlannerState) -> dict[str, Any]:
                          "applied_ttft_log": k.applied_ttft_log, "applied_itl_log": k.applied_itl_log,
                          "ttft_points": [list(p) for p in k.ttft_points],
                          "itl_points": [list(p) for p in k.itl_points],
-                         "slo_windows": [list(w) for w in k.slo_windows]}
+                         # a tenth of a second and four decimals of rps say all a knee needs, in half the bytes
+                         "slo_windows": [[round(t, 1), round(x, 4), m] for t, x, m in k.slo_windows]}
                         for k in state.corrections],
         "bursts": [list(b) for b in state.bursts],
         "lengths": [{"model": h.model, "t_s": h.t_s, "isl": h.isl, "osl": h.osl,
