@@ -205,9 +205,14 @@ def config_capacity(profile: mp.PerfProfile, workload: MixedWorkload, m: ModelPo
     and the share an idle replica reaches when a target's p99 is out of its reach (models/mix.py).
     `base`: this call's answer at the fitted speeds, when the caller has it (it bounds a trusted
     rise; computed here otherwise)."""
-    c = _speed_capacity(profile, workload, m, speeds, base)
-    if speeds.knee_rps is not None and c.max_rps > speeds.knee_rps:
-        return MixCapacity(speeds.knee_rps, c.binding, c.floor_share)
+    return knee_bound(_speed_capacity(profile, workload, m, speeds, base), speeds.knee_rps)
+
+
+def knee_bound(c: MixCapacity, knee_rps: float | None) -> MixCapacity:
+    """`c` held to the load at which its replicas missed the SLO (planner/knee.py knee_load), where
+    it lies above it; None: no knee shown."""
+    if knee_rps is not None and c.max_rps > knee_rps:
+        return MixCapacity(knee_rps, c.binding, c.floor_share)
     return c
 
 
@@ -375,7 +380,9 @@ def capacity_table(
         sp = (speeds or {}).get(key, Speeds())
         try:
             base = config_capacity(prof, w, m)
-            applied = base if sp == Speeds() else config_capacity(prof, w, m, sp, base=base)
+            # the speeds' capacity once, and the knee's bound on it (the siblings' ratio below needs both)
+            unbent = base if sp == Speeds() else config_capacity(prof, w, m, replace(sp, knee_rps=None), base=base)
+            applied = knee_bound(unbent, sp.knee_rps)
             base_rps, rps, binding = base.max_rps, applied.max_rps, applied.binding
             warnings = mp.capacity(prof, mp.Workload(isl=w.isl, osl=w.osl), ttft_p99_ms=m.slo.ttft_p99_ms,
                                    itl_p99_ms=m.slo.itl_p99_ms).warnings
@@ -386,7 +393,7 @@ def capacity_table(
         share = (shares or {}).get(key.model)
         if share is not None and rps > 0 and applied.floor_share is None:
             # the same speeds, no trust bound: the ratio a spent budget buys, applied to what is trusted
-            free = (applied if sp.trusted_rps is None and sp.knee_rps is None
+            free = (unbent if sp.trusted_rps is None
                     else config_capacity(prof, w, m, replace(sp, trusted_rps=None, knee_rps=None)))
             try:
                 rps *= max(1.0, rate_at_share(prof, w, m, share, sp, free.max_rps) / free.max_rps)
@@ -394,10 +401,8 @@ def capacity_table(
                 share = None
         else:
             share = None
-        if sp.knee_rps is not None and applied.max_rps > 0:
-            unbent = config_capacity(prof, w, m, replace(sp, knee_rps=None), base=base).max_rps
-            if unbent > applied.max_rps:
-                knees[key] = applied.max_rps / unbent
+        if 0 < applied.max_rps < unbent.max_rps:
+            knees[key] = applied.max_rps / unbent.max_rps
         table[key] = CapacityInfo(rps, binding, tuple(warnings), prof.source == "roofline", base_rps, sp.note,
                                   extrapolation(prof, mix_for(prof, w), w.isl_p99_low), applied.floor_share,
                                   share, sp.knee_rps if key in knees else None)

@@ -45,7 +45,7 @@ from fleetplan.models.config_key import Role
 from fleetplan.models.mix import LengthMix, speeds_from_latency
 from fleetplan.models.profile import PerfProfile
 from fleetplan.planner.capacity import MixedWorkload, Speeds, mix_for
-from fleetplan.planner.knee import knee_load, slo_missed, slo_verdict, slo_windows
+from fleetplan.planner.knee import knee_load, knee_note, slo_missed, slo_verdict, slo_windows
 from fleetplan.planner.types import ConfigKey, Correction, ModelObservation
 
 PRIOR_SD = 0.25
@@ -606,7 +606,7 @@ def applied_speeds(
         if trusted is not None:
             note += f"; faster than the profile trusted up to {trusted:.2f} rps per replica"
         if knee is not None:
-            note += f"; its replicas missed the SLO at {knee:.2f} rps per replica and above: counted for no more"
+            note += f"; {knee_note(knee)}"
         out[config] = Speeds(st, si, note, trusted, knee, held)
     return out
 

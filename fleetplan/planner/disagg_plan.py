@@ -41,7 +41,7 @@ from fleetplan.models.disagg import DisaggCapacity, KvLink, disagg_capacity, hos
 from fleetplan.models.mix import LengthMix
 from fleetplan.models.names import GpuType
 from fleetplan.models.profile import PerfProfile
-from fleetplan.planner.capacity import CapacityInfo, MixedWorkload, Speeds, extrapolation, mix_for
+from fleetplan.planner.capacity import CapacityInfo, MixedWorkload, Speeds, extrapolation, knee_bound, mix_for
 from fleetplan.planner.disagg_choice import (
     DisaggFleet,
     Flips,
@@ -52,6 +52,7 @@ from fleetplan.planner.disagg_choice import (
 )
 from fleetplan.planner.disagg_counts import families, served_rps
 from fleetplan.planner.disagg_fleet import ModelServing, choose_for_model
+from fleetplan.planner.knee import knee_note
 from fleetplan.planner.policy import ModelPolicy, Policy
 from fleetplan.planner.types import ConfigCount, ConfigKey, ModelExplanation, ModelPools
 
@@ -135,15 +136,12 @@ def pool_capacities(policy: Policy, profiles: Mapping[ConfigKey, PerfProfile], w
         for role, pool, fitted in ((Role.PREFILL, cap.prefill, base.prefill), (Role.DECODE, cap.decode, base.decode)):
             if pool.floor_share is not None or not (0.0 < pool.max_rps < math.inf):
                 continue  # out of its target's reach for this mix (or nothing to decode): no candidate
-            rps, pool_note = pool.max_rps, note
             knee = (speeds or {}).get(replace(key, role=role), Speeds()).knee_rps
-            if knee is not None and knee < rps:  # its replicas missed the SLO there (knee.knee_load)
-                rps = knee
-                pool_note = (f"{note}; " if note else "") + (f"its replicas missed the SLO at {knee:.2f} rps per "
-                                                             "replica and above: counted for no more")
-            out[replace(key, role=role)] = CapacityInfo(rps, pool.binding, (), prof.source == "roofline",
-                                                        fitted.max_rps, pool_note, why,
-                                                        knee_rps=knee if rps == knee else None)
+            bound = knee_bound(pool, knee)  # its replicas missed the SLO there (knee.knee_load)
+            held = knee if bound.max_rps < pool.max_rps else None
+            pool_note = note if held is None else (f"{note}; " if note else "") + knee_note(held)
+            out[replace(key, role=role)] = CapacityInfo(bound.max_rps, pool.binding, (), prof.source == "roofline",
+                                                        fitted.max_rps, pool_note, why, knee_rps=held)
     complete = {k for f in families(sorted(out)) for k in (*f.prefill, *f.decode)}
     return {k: v for i, (k, v) in enumerate(sorted(out.items())) if i in complete}  # a pool alone serves nothing
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-__all__ = ["knee_load", "slo_missed", "slo_verdict", "slo_windows"]
+__all__ = ["knee_load", "knee_note", "slo_missed", "slo_verdict", "slo_windows"]
 
 
 def slo_missed(p99_ms: float | None, sampling_ms: tuple[float, float] | None, slo_ms: float) -> bool:
@@ -94,8 +94,13 @@ def knee_load(windows: Sequence[tuple[float, float, bool]]) -> float | None:
     return None
 
 
+def knee_note(knee_rps: float) -> str:
+    """What the explanation says of a capacity held to its knee."""
+    return f"its replicas missed the SLO at {knee_rps:.2f} rps per replica and above: counted for no more"
+
+
 def slo_windows(prev: tuple[tuple[float, float, bool], ...], verdict: bool | None, load: float,
-                 now_s: float, period_s: float | None) -> tuple[tuple[float, float, bool], ...]:
+                now_s: float, period_s: float | None) -> tuple[tuple[float, float, bool], ...]:
     kept = tuple(w for w in prev if period_s is None or now_s - w[0] < period_s)
     if verdict is not None and load > 0:
         kept = (*kept, (now_s, load, verdict))
