@@ -84,14 +84,18 @@ class Speeds:
     ttft: float = 1.0
     itl: float = 1.0
     note: str = ""
-    # a faster engine than the profile is trusted up to this load per replica (rps; None: no bound):
-    # evidence gathered at low load does not prove the knee (planner/correction.py TRUST_GROWTH)
+    # a faster engine than the profile, or a profile outside its data, is trusted up to this load per
+    # replica (rps; None: no bound): evidence gathered at low load does not prove the knee
+    # (planner/correction.py TRUST_GROWTH)
     trusted_rps: float | None = None
     # the replicas missed the SLO at this load per replica within the SLO's period: no more is counted
     # whatever the speeds say (planner/knee.py knee_load; None: no such load seen)
     knee_rps: float | None = None
     # the highest load per replica at which its windows held the SLO within the period (None: none seen)
     held_rps: float | None = None
+    # the profile's own capacity is evidence (a fit inside its data): a trusted bound never counts a
+    # replica below it. False: a prior or lengths beyond the data, bounded by the loads seen alone
+    profile_proven: bool = True
 
 
 def candidate_configs(policy: Policy, gpus: Iterable[GpuType]) -> list[ConfigKey]:
@@ -227,6 +231,8 @@ def _speed_capacity(profile: mp.PerfProfile, workload: MixedWorkload, m: ModelPo
             return MixCapacity(float(cap.max_rps), cap.binding.value)
     c = capacity_mix(profile, mix, ttft_p99_ms=m.slo.ttft_p99_ms, itl_p99_ms=m.slo.itl_p99_ms,
                      ttft_speed=speeds.ttft, itl_speed=speeds.itl)
+    if speeds.trusted_rps is not None and c.max_rps > speeds.trusted_rps and not speeds.profile_proven:
+        return MixCapacity(speeds.trusted_rps, c.binding, c.floor_share)
     if speeds.trusted_rps is not None and c.max_rps > speeds.trusted_rps:
         base = base if base is not None else config_capacity(profile, workload, m)
         if base.max_rps < c.max_rps:

@@ -597,17 +597,21 @@ def applied_speeds(
             si = math.exp(_applied(corr.itl_log, corr.itl_var, conservative_i))
         knee = knee_load(corr.slo_windows)
         held = max((x for _, x, missed in corr.slo_windows if not missed), default=None)
-        if abs(math.log(st)) < 1e-9 and abs(math.log(si)) < 1e-9 and knee is None:
+        # a profile outside its data (a roofline prior, lengths beyond the benchmark) is no evidence of
+        # what a replica carries above the loads it was seen at, whatever speed it is corrected to
+        unproven = extra and corr.observations > 0 and trusted_load(corr) > 0
+        if abs(math.log(st)) < 1e-9 and abs(math.log(si)) < 1e-9 and knee is None and not unproven:
             if held is not None:  # the profile as fitted; what it held bounds a sibling's knee
                 out[config] = Speeds(held_rps=held)
             continue
-        trusted = trusted_load(corr) if st > 1.0 or si > 1.0 else None
+        trusted = trusted_load(corr) if st > 1.0 or si > 1.0 or unproven else None
         note = describe(corr, st, si, conservative_t or conservative_i)
         if trusted is not None:
-            note += f"; faster than the profile trusted up to {trusted:.2f} rps per replica"
+            note += (f"; the profile is outside its data: trusted up to {trusted:.2f} rps per replica" if unproven
+                     else f"; faster than the profile trusted up to {trusted:.2f} rps per replica")
         if knee is not None:
             note += f"; {knee_note(knee)}"
-        out[config] = Speeds(st, si, note, trusted, knee, held)
+        out[config] = Speeds(st, si, note, trusted, knee, held, profile_proven=not unproven)
     return out
 
 
@@ -615,12 +619,17 @@ TRUST_GROWTH = 2.0  # a faster engine carries at most this x the highest load pe
 
 
 def trusted_load(corr: Correction) -> float:
-    """How much load per replica a correction toward a FASTER engine is trusted for: TRUST_GROWTH x
-    the highest load per replica among its recent windows (0 without any: nothing beyond the profile).
+    """How much load per replica a correction toward a FASTER engine, or any observed config whose
+    profile is used outside its data, is trusted for: TRUST_GROWTH x the highest load per replica
+    among its recent windows (0 without any: nothing beyond the profile).
     Why: latency seen at low load says little about the knee (the demo's day: ITL x1.27 seen at
     0.5-1.3 rps per replica made the capacity 2.55 rps, the truth is 1.66); the fleet shrinks as its
     replicas show, window by window, that the higher load holds (2x: a fleet of n replicas may step to n - 1
-    for any n >= 2; 1.5x held the demo at 3 replicas where 2 serve, the fixed point n >= 3).
+    for any n >= 2; 1.5x held the demo at 3 replicas where 2 serve, the fixed point n >= 3). A
+    profile outside its data has no shape to trust either: benchmark-fitted mooncake (a roofline
+    prior for vLLM TP2, 2.1x the truth) read a vLLM TP2 canary's TTFT at 0.33 rps per replica as
+    x0.85 of the prior, counted it at 1.84 rps (the truth: 1.06) and moved the fleet onto it, and
+    off it again when it missed: 33 starts in a steady hour.
 
     >>> from fleetplan.models.names import Engine, GpuType, Precision
     >>> k = ConfigKey("m", Engine.VLLM, GpuType("h100"), 4, Precision.BF16)

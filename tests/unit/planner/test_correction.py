@@ -306,6 +306,36 @@ def test_a_faster_engine_is_trusted_up_to_twice_the_load_it_was_seen_at() -> Non
     assert "trusted up to" in speeds[KEY].note
 
 
+def test_a_profile_outside_its_data_is_trusted_only_up_to_twice_the_load_seen() -> None:
+    # benchmark-fitted mooncake: a vLLM TP2 canary seen at 0.33 rps per replica read as x0.85 of a
+    # roofline prior 2.1x the truth, counted at 1.84 rps; the fleet moved onto it and off it again.
+    # Slower than the profile or not, a prior's capacity above the loads seen is not evidence
+    from fleetplan.planner.correction import TRUST_GROWTH
+
+    work = {"m8": MixedWorkload(500.0, 200.0)}
+    profile_rps = capacity_mix(TRUE, MIX, **SLO).max_rps
+    low = profile_rps / 8
+    slower = Correction(KEY, -0.1, 0.001, -0.1, 0.001, 12, 0.0, 0.0, 0.9, 0.9, -0.1, -0.1,
+                        ((low, -0.1, 300.0),) * 4, ((low, -0.1, 300.0),) * 4)
+    outside = {KEY: ("roofline prior only (no benchmark data)",)}
+
+    def capacity(extrapolating: dict[ConfigKey, tuple[str, ...]]) -> tuple[float, str]:
+        speeds = applied_speeds({KEY: slower}, {KEY: TRUE}, extrapolating)
+        table, _ = capacity_table(POLICY, {KEY: TRUE}, work, [H100], speeds=speeds)
+        return table[KEY].max_rps, speeds[KEY].note
+
+    inside_rps, inside_note = capacity({})
+    outside_rps, outside_note = capacity(outside)
+    assert inside_rps > 0.8 * profile_rps  # a fit inside its data: its shape holds above the loads seen
+    assert outside_rps == pytest.approx(TRUST_GROWTH * low)  # a prior: what was seen, twice, no more
+    assert "outside its data: trusted up to" in outside_note and "trusted up to" not in inside_note
+    # and the bound grows with the load the replicas show they hold
+    seen_high = replace(slower, itl_points=((0.45 * profile_rps, -0.1, 300.0),) * 4)
+    speeds = applied_speeds({KEY: seen_high}, {KEY: TRUE}, outside)
+    table, _ = capacity_table(POLICY, {KEY: TRUE}, work, [H100], speeds=speeds)
+    assert table[KEY].max_rps == pytest.approx(inside_rps)
+
+
 def test_a_config_not_observed_starts_from_what_its_siblings_showed() -> None:
     # issue 18.3: a slower engine seen on one config moves the model's others before they run
     other = ConfigKey("m8", VLLM, H100, 2, BF16)
