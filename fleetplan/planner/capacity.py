@@ -93,6 +93,9 @@ class Speeds:
     knee_rps: float | None = None
     # the highest load per replica at which its windows held the SLO within the period (None: none seen)
     held_rps: float | None = None
+    # the load its replicas held the SLO at below every miss: no less is counted whatever the speeds
+    # say (planner/knee.py held_floor; None: not shown)
+    floor_rps: float | None = None
     # the profile's own capacity is evidence (a fit inside its data): a trusted bound never counts a
     # replica below it. False: a prior or lengths beyond the data, bounded by the loads seen alone
     profile_proven: bool = True
@@ -209,14 +212,17 @@ def config_capacity(profile: mp.PerfProfile, workload: MixedWorkload, m: ModelPo
     and the share an idle replica reaches when a target's p99 is out of its reach (models/mix.py).
     `base`: this call's answer at the fitted speeds, when the caller has it (it bounds a trusted
     rise; computed here otherwise)."""
-    return knee_bound(_speed_capacity(profile, workload, m, speeds, base), speeds.knee_rps)
+    return knee_bound(_speed_capacity(profile, workload, m, speeds, base), speeds.knee_rps, speeds.floor_rps)
 
 
-def knee_bound(c: MixCapacity, knee_rps: float | None) -> MixCapacity:
+def knee_bound(c: MixCapacity, knee_rps: float | None, floor_rps: float | None = None) -> MixCapacity:
     """`c` held to the load at which its replicas missed the SLO (planner/knee.py knee_load), where
-    it lies above it; None: no knee shown."""
+    it lies above it, and raised to the load they held it at below every miss (`held_floor`), where
+    it lies below; None: no such load shown."""
     if knee_rps is not None and c.max_rps > knee_rps:
         return MixCapacity(knee_rps, c.binding, c.floor_share)
+    if floor_rps is not None and c.max_rps < floor_rps and c.floor_share is None:
+        return MixCapacity(floor_rps, c.binding, c.floor_share)
     return c
 
 
@@ -388,7 +394,7 @@ def capacity_table(
             base = config_capacity(prof, w, m)
             # the speeds' capacity once, and the knee's bound on it (the siblings' ratio below needs both)
             unbent = base if sp == Speeds() else config_capacity(prof, w, m, replace(sp, knee_rps=None), base=base)
-            applied = knee_bound(unbent, sp.knee_rps)
+            applied = knee_bound(unbent, sp.knee_rps, sp.floor_rps)
             base_rps, rps, binding = base.max_rps, applied.max_rps, applied.binding
             warnings = mp.capacity(prof, mp.Workload(isl=w.isl, osl=w.osl), ttft_p99_ms=m.slo.ttft_p99_ms,
                                    itl_p99_ms=m.slo.itl_p99_ms).warnings

@@ -45,7 +45,15 @@ from fleetplan.models.config_key import Role
 from fleetplan.models.mix import LengthMix, speeds_from_latency
 from fleetplan.models.profile import PerfProfile
 from fleetplan.planner.capacity import MixedWorkload, Speeds, mix_for
-from fleetplan.planner.knee import knee_load, knee_note, slo_missed, slo_verdict, slo_windows
+from fleetplan.planner.knee import (
+    floor_note,
+    held_floor,
+    knee_load,
+    knee_note,
+    slo_missed,
+    slo_verdict,
+    slo_windows,
+)
 from fleetplan.planner.types import ConfigKey, Correction, ModelObservation
 
 PRIOR_SD = 0.25
@@ -597,12 +605,13 @@ def applied_speeds(
             si = math.exp(_applied(corr.itl_log, corr.itl_var, conservative_i))
         knee = knee_load(corr.slo_windows)
         held = max((x for _, x, missed in corr.slo_windows if not missed), default=None)
+        floor = held_floor(corr.slo_windows)
         # a profile outside its data (a roofline prior, lengths beyond the benchmark) is no evidence of
         # what a replica carries above the loads it was seen at, whatever speed it is corrected to
         unproven = extra and corr.observations > 0 and trusted_load(corr) > 0
         if abs(math.log(st)) < 1e-9 and abs(math.log(si)) < 1e-9 and knee is None and not unproven:
             if held is not None:  # the profile as fitted; what it held bounds a sibling's knee
-                out[config] = Speeds(held_rps=held)
+                out[config] = Speeds(held_rps=held, floor_rps=floor)
             continue
         trusted = trusted_load(corr) if st > 1.0 or si > 1.0 or unproven else None
         note = describe(corr, st, si, conservative_t or conservative_i)
@@ -611,7 +620,9 @@ def applied_speeds(
                      else f"; faster than the profile trusted up to {trusted:.2f} rps per replica")
         if knee is not None:
             note += f"; {knee_note(knee)}"
-        out[config] = Speeds(st, si, note, trusted, knee, held, profile_proven=not unproven)
+        elif floor is not None:
+            note += f"; {floor_note(floor)}"
+        out[config] = Speeds(st, si, note, trusted, knee, held, floor_rps=floor, profile_proven=not unproven)
     return out
 
 

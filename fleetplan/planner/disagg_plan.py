@@ -52,7 +52,7 @@ from fleetplan.planner.disagg_choice import (
 )
 from fleetplan.planner.disagg_counts import families, served_rps
 from fleetplan.planner.disagg_fleet import ModelServing, choose_for_model
-from fleetplan.planner.knee import knee_note
+from fleetplan.planner.knee import floor_note, knee_note
 from fleetplan.planner.policy import ModelPolicy, Policy
 from fleetplan.planner.types import ConfigCount, ConfigKey, ModelExplanation, ModelPools
 
@@ -136,10 +136,14 @@ def pool_capacities(policy: Policy, profiles: Mapping[ConfigKey, PerfProfile], w
         for role, pool, fitted in ((Role.PREFILL, cap.prefill, base.prefill), (Role.DECODE, cap.decode, base.decode)):
             if pool.floor_share is not None or not (0.0 < pool.max_rps < math.inf):
                 continue  # out of its target's reach for this mix (or nothing to decode): no candidate
-            knee = (speeds or {}).get(replace(key, role=role), Speeds()).knee_rps
-            bound = knee_bound(pool, knee)  # its replicas missed the SLO there (knee.knee_load)
+            own = (speeds or {}).get(replace(key, role=role), Speeds())
+            knee = own.knee_rps
+            # its replicas missed the SLO there (knee.knee_load), or held it there below every miss
+            bound = knee_bound(pool, knee, own.floor_rps)
             held = knee if bound.max_rps < pool.max_rps else None
             pool_note = note if held is None else (f"{note}; " if note else "") + knee_note(held)
+            if bound.max_rps > pool.max_rps and own.floor_rps is not None:
+                pool_note = (f"{pool_note}; " if pool_note else "") + floor_note(own.floor_rps)
             out[replace(key, role=role)] = CapacityInfo(bound.max_rps, pool.binding, (), prof.source == "roofline",
                                                         fitted.max_rps, pool_note, why, knee_rps=held)
     complete = {k for f in families(sorted(out)) for k in (*f.prefill, *f.decode)}

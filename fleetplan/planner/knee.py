@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-__all__ = ["knee_load", "knee_note", "slo_missed", "slo_verdict", "slo_windows"]
+__all__ = ["floor_note", "held_floor", "knee_load", "knee_note", "slo_missed", "slo_verdict", "slo_windows"]
 
 
 def slo_missed(p99_ms: float | None, sampling_ms: tuple[float, float] | None, slo_ms: float) -> bool:
@@ -94,6 +94,29 @@ def knee_load(windows: Sequence[tuple[float, float, bool]]) -> float | None:
     return None
 
 
+def held_floor(windows: Sequence[tuple[float, float, bool]]) -> float | None:
+    """The load per replica (rps) this config's replicas were seen to hold the SLO at, below every
+    load at which one of its windows missed: the KNEE_MIN-th highest such held load (one window
+    may have been a light one); None: fewer held windows below every miss.
+
+    Why: the knee's mirror. A window whose p99s were clearly within the targets at a load shows
+    that a replica carries that load at the SLO, whatever the profile's shape says; where that shape
+    is wrong the other way (a roofline prior's queue for prompts beyond its data, a mix the
+    benchmark never held), the speeds the windows read count a replica for less than it was seen
+    to carry. Below every miss only: a miss at a lower load (a heavier mix since, a long prompt's
+    prefill) takes the floor down to the loads held below it, so one miss is enough to undo it.
+
+    >>> w = [(0, 3.0, False), (0, 4.0, False), (0, 4.5, False), (0, 5.2, True), (0, 6.0, False)]
+    >>> held_floor(w)
+    4.0
+    >>> held_floor([(0, 1.0, True), (0, 3.0, False), (0, 4.0, False)]) is None
+    True
+    """
+    lowest_miss = min((x for _, x, missed in windows if missed), default=math.inf)
+    held = sorted((x for _, x, missed in windows if not missed and 0 < x < lowest_miss), reverse=True)
+    return held[KNEE_MIN - 1] if len(held) >= KNEE_MIN else None
+
+
 def knee_note(knee_rps: float) -> str:
     """What the explanation says of a capacity held to its knee."""
     return f"its replicas missed the SLO at {knee_rps:.2f} rps per replica and above: counted for no more"
@@ -105,3 +128,8 @@ def slo_windows(prev: tuple[tuple[float, float, bool], ...], verdict: bool | Non
     if verdict is not None and load > 0:
         kept = (*kept, (now_s, load, verdict))
     return kept[-MAX_SLO_WINDOWS:]
+
+
+def floor_note(floor_rps: float) -> str:
+    """What the explanation says of a capacity raised to the load its replicas held."""
+    return f"its replicas held the SLO at {floor_rps:.2f} rps per replica below every miss: counted for no less"

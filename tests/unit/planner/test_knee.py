@@ -125,3 +125,32 @@ def test_the_plan_counts_a_config_at_its_knee_and_says_so_in_a_field() -> None:
     n_free, none, doc_free = counted(PlannerState.initial())
     assert none is None and doc_free["knee_rps"] is None
     assert n > n_free  # 3x the profile's capacity at 1.2 headroom: 4 replicas as profiled, 6 at the knee
+
+
+def test_a_replica_is_counted_for_no_less_than_the_load_its_windows_held_below_every_miss() -> None:
+    # the knee's mirror (planner/knee.py held_floor): windows clearly within the targets at loads the
+    # profile's shape says miss (a roofline prior's queue for prompts beyond its data); the speeds
+    # they read move by capped steps, what they held is counted at once (the second highest load)
+    from dataclasses import replace
+
+    c = capacity()
+
+    def within(load: float) -> ModelObservation:
+        return ModelObservation("m8", load, 500.0, 200.0,
+                                configs=(ConfigObservation(KEY, 1, load, 600.0, 60.0, 400.0),))
+
+    corr: dict[ConfigKey, Correction] = {}
+    for i, f in enumerate((1.6, 1.5, 1.4)):
+        corr = update_corrections(corr, {"m8": within(f * c)}, {KEY: TRUE}, WORK, {}, 1000.0 + 60.0 * i,
+                                  {"m8": SLO_MS}, {"m8": 3600.0})
+    speeds = applied_speeds(corr, {KEY: TRUE}, {})
+    floored = capacity_table(POLICY2, {KEY: TRUE}, WORK, [H100], speeds=speeds)[0][KEY]
+    alone = capacity_table(POLICY2, {KEY: TRUE}, WORK, [H100],
+                           speeds={KEY: replace(speeds[KEY], floor_rps=None)})[0][KEY]
+    assert alone.max_rps < 1.5 * c - 1e-6  # the speeds alone: less than the replicas carried
+    assert abs(floored.max_rps - 1.5 * c) < 1e-6
+    assert "held the SLO at" in floored.correction
+    # one miss at a lower load (a heavier mix since): nothing held below it, the floor is gone
+    missed = feed([(1.0 * c, True)], t0_s=1200.0, start=corr)
+    assert "held the SLO at" not in planned(missed)[KEY].correction
+    assert planned(missed)[KEY].max_rps < 1.5 * c - 1e-6
