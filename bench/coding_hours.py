@@ -1,6 +1,6 @@
 """Bursty coding-like traffic over several seeds: fleetplan against the fleet fixed with hindsight.
 
-    .venv/bin/python bench/coding_hours.py [--seeds 0-7] [--hours 1] [--policies fleetplan,best-fixed]
+    .venv/bin/python bench/coding_hours.py [--seeds 0-15] [--hours 1] [--policies fleetplan,best-fixed]
         [--profiles benchmarks|FILE] [--policy config/example-policy.yaml] [--workers 2]
 
 One trace is one draw of a process (`fleetplan trace coding`: edit bursts, burst episodes with
@@ -58,7 +58,7 @@ def _one(seed: int, hours: float, policy_path: str, profiles: ProfileSet, polici
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seeds", default="0-7", help="e.g. 0-7 or 1,3,5")
+    ap.add_argument("--seeds", default="0-15", help="e.g. 0-15 or 1,3,5")
     ap.add_argument("--hours", type=float, default=1.0, help="hours of the process per seed")
     ap.add_argument("--policies", default="fleetplan,best-fixed")
     ap.add_argument("--policy", default=str(ROOT / "config" / "example-policy.yaml"))
