@@ -237,9 +237,9 @@ def _speed_capacity(profile: mp.PerfProfile, workload: MixedWorkload, m: ModelPo
             return MixCapacity(float(cap.max_rps), cap.binding.value)
     c = capacity_mix(profile, mix, ttft_p99_ms=m.slo.ttft_p99_ms, itl_p99_ms=m.slo.itl_p99_ms,
                      ttft_speed=speeds.ttft, itl_speed=speeds.itl)
-    if speeds.trusted_rps is not None and c.max_rps > speeds.trusted_rps and not speeds.profile_proven:
-        return MixCapacity(speeds.trusted_rps, c.binding, c.floor_share)
     if speeds.trusted_rps is not None and c.max_rps > speeds.trusted_rps:
+        if not speeds.profile_proven:  # the profile's own capacity is no evidence: the loads seen alone
+            return MixCapacity(speeds.trusted_rps, c.binding, c.floor_share)
         base = base if base is not None else config_capacity(profile, workload, m)
         if base.max_rps < c.max_rps:
             return MixCapacity(max(base.max_rps, speeds.trusted_rps),

@@ -608,12 +608,13 @@ def applied_speeds(
         floor = held_floor(corr.slo_windows)
         # a profile outside its data (a roofline prior, lengths beyond the benchmark) is no evidence of
         # what a replica carries above the loads it was seen at, whatever speed it is corrected to
-        unproven = extra and corr.observations > 0 and trusted_load(corr) > 0
+        seen_bound = trusted_load(corr)
+        unproven = extra and corr.observations > 0 and seen_bound > 0
         if abs(math.log(st)) < 1e-9 and abs(math.log(si)) < 1e-9 and knee is None and not unproven:
             if held is not None:  # the profile as fitted; what it held bounds a sibling's knee
                 out[config] = Speeds(held_rps=held, floor_rps=floor)
             continue
-        trusted = trusted_load(corr) if st > 1.0 or si > 1.0 or unproven else None
+        trusted = seen_bound if st > 1.0 or si > 1.0 or unproven else None
         note = describe(corr, st, si, conservative_t or conservative_i)
         if trusted is not None:
             note += (f"; the profile is outside its data: trusted up to {trusted:.2f} rps per replica" if unproven

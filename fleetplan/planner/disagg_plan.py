@@ -137,15 +137,14 @@ def pool_capacities(policy: Policy, profiles: Mapping[ConfigKey, PerfProfile], w
             if pool.floor_share is not None or not (0.0 < pool.max_rps < math.inf):
                 continue  # out of its target's reach for this mix (or nothing to decode): no candidate
             own = (speeds or {}).get(replace(key, role=role), Speeds())
-            knee = own.knee_rps
             # its replicas missed the SLO there (knee.knee_load), or held it there below every miss
-            bound = knee_bound(pool, knee, own.floor_rps)
-            held = knee if bound.max_rps < pool.max_rps else None
-            pool_note = note if held is None else (f"{note}; " if note else "") + knee_note(held)
-            if bound.max_rps > pool.max_rps and own.floor_rps is not None:
-                pool_note = (f"{pool_note}; " if pool_note else "") + floor_note(own.floor_rps)
+            bound = knee_bound(pool, own.knee_rps, own.floor_rps)
+            knee = own.knee_rps if bound.max_rps < pool.max_rps else None  # the knee in force
+            floor = own.floor_rps if bound.max_rps > pool.max_rps else None  # the floor in force
+            pool_note = "; ".join(n for n in (note, knee_note(knee) if knee is not None else "",
+                                              floor_note(floor) if floor is not None else "") if n)
             out[replace(key, role=role)] = CapacityInfo(bound.max_rps, pool.binding, (), prof.source == "roofline",
-                                                        fitted.max_rps, pool_note, why, knee_rps=held)
+                                                        fitted.max_rps, pool_note, why, knee_rps=knee)
     complete = {k for f in families(sorted(out)) for k in (*f.prefill, *f.decode)}
     return {k: v for i, (k, v) in enumerate(sorted(out.items())) if i in complete}  # a pool alone serves nothing
 
