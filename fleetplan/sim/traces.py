@@ -347,6 +347,24 @@ def day_shape(x: np.ndarray | float, amplitude: float = DEFAULT_DAY_AMPLITUDE) -
     return np.asarray(1.0 - amplitude * np.cos(2.0 * np.pi * np.asarray(x, dtype=float)))
 
 
+def rotated(trace: Trace, offset_s: float) -> Trace:
+    """`trace` with every arrival moved `offset_s` later, the arrivals pushed past its end wrapped
+    round to its start (the tile period of `reshape`: the span plus one mean gap), the first at 0:
+    the same requests and rate, meeting the control cycles and scrapes at another phase.
+
+    >>> t = Trace("x", TraceFormat.AZURE, tuple(TraceRequest(s, 10, 5) for s in (0.0, 0.1, 0.2, 3.0)))
+    >>> [round(r.t_s, 2) for r in rotated(t, 1.5).requests]  # the period is 4 s: 3.0 wraps to 0.5
+    [0.0, 1.0, 1.1, 1.2]
+    """
+    reqs = trace.requests
+    if len(reqs) < 2 or offset_s == 0:
+        return trace
+    period = reqs[-1].t_s + reqs[-1].t_s / (len(reqs) - 1)
+    moved = sorted(((r.t_s + offset_s) % period, i) for i, r in enumerate(reqs))
+    first = moved[0][0]
+    return replace(trace, requests=tuple(replace(reqs[i], t_s=t - first) for t, i in moved))
+
+
 def reshape(
     trace: Trace, *, duration_s: float, rate_scale: float = 1.0, amplitude: float = 0.0
 ) -> Trace:

@@ -17,6 +17,7 @@ from fleetplan.sim.traces import (
     read_trace,
     repeat_days,
     reshape,
+    rotated,
     shape_day,
 )
 
@@ -153,3 +154,18 @@ def test_as_single_model_relabels_and_keeps_a_labelled_trace() -> None:
     one = tr.as_single_model("a")
     assert one.requests == (TraceRequest(0.0, 5, 2, "a", (3,)), TraceRequest(1.0, 7, 3, "a"))
     assert one.as_single_model("a") is one  # already labelled: not copied
+
+
+def test_rotated_keeps_the_requests_and_moves_their_phase_against_the_clock() -> None:
+    reqs = tuple(TraceRequest(t, 100 + i, 10 + i, None, (i,)) for i, t in enumerate((0.0, 0.7, 2.9, 3.0, 5.2, 8.0)))
+    trace = Trace("t.csv", TraceFormat.AZURE, reqs)
+    out = rotated(trace, 2.0)  # the tile period: 8.0 + 8.0 / 5 = 9.6 s; 8.0 wraps to 8.0 + 2.0 - 9.6 = 0.4
+    assert sorted((r.prompt_tokens, r.output_tokens, r.blocks) for r in out.requests) == \
+        sorted((r.prompt_tokens, r.output_tokens, r.blocks) for r in reqs)
+    assert [r.prompt_tokens for r in out.requests] == [105, 100, 101, 102, 103, 104]  # the last one first
+    ts = [r.t_s for r in out.requests]
+    assert ts[0] == 0.0 and ts == sorted(ts)
+    # the others keep their spacing, 2.0 s later, less the 0.4 s the first one now starts at
+    assert [round(t, 9) for t in ts[1:]] == [1.6, 2.3, 4.5, 4.6, 6.8]
+    assert rotated(trace, 0.0) is trace
+    assert out.duration_s <= trace.duration_s + 1.6
