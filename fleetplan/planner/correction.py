@@ -657,21 +657,26 @@ SHARED_VAR = 0.25 ** 2  # ln^2: how far one config's error may stand from its si
 
 def shared_prior(config: ConfigKey, corrections: Mapping[ConfigKey, Correction], var0: float) -> Correction:
     """The estimate for a config not observed yet: what the observed configs of its model share
-    (their estimates pooled, weighted by 1/variance), with the prior's variance widened by how far
-    one config's error may stand from its siblings' (SHARED_VAR). Why: the length mix stretches every
-    config of a model alike, and profiles fitted from one benchmark err alike (the demo's day: vLLM
-    and TRT-LLM profiles both half the truth), so the running config's evidence moves the others;
-    the wider variance keeps what a TP or an engine does differently (a TP4 replica's prefill stalls
-    its decode less than a TP1's) as doubt, which the plan's conservative side and a canary
-    (planner/explore.py) resolve. No sibling observed: the prior (0, var0).
+    (their estimates pooled, weighted by 1/variance), its variance the pooled estimate's own (at most
+    the prior's, `var0`) widened by how far one config's error may stand from its siblings'
+    (SHARED_VAR). Why: the length mix stretches every config of a model alike, and profiles fitted
+    from one benchmark err alike (the demo's day: vLLM and TRT-LLM profiles both half the truth;
+    benchmark-fitted mooncake: the roofline prior 1.8-2.2x the truth for all four configs), so the
+    running config's evidence moves the others; SHARED_VAR keeps what a TP or an engine does
+    differently (a TP4 replica's prefill stalls its decode less than a TP1's) as doubt, which the
+    plan's conservative side and a canary (planner/explore.py) resolve. The prior's variance is not
+    added again: the siblings have measured the shared error it stands for, and a roofline prior's
+    (0.7 ln) left an unobserved config at x0.48 of what its siblings showed, out of every plan (the
+    azure day at 1M requests: TensorRT-LLM TP4 at 0.0-0.8 rps per replica for seven hours while
+    three TP4 replicas, once run, served where two TP8 did). No sibling observed: the prior (0, var0).
 
     >>> from fleetplan.models.names import Engine, GpuType, Precision
     >>> v = ConfigKey("m", Engine.VLLM, GpuType("h100"), 4, Precision.BF16)
     >>> t = ConfigKey("m", Engine.TRTLLM, GpuType("h100"), 4, Precision.BF16)
     >>> seen = {v: Correction(v, -0.1, 0.01, 0.3, 0.01, observations=18)}
     >>> p = shared_prior(t, seen, 0.0625)
-    >>> round(p.ttft_log, 2), round(p.itl_log, 2), round(p.itl_var, 3), p.observations
-    (-0.1, 0.3, 0.125, 0)
+    >>> round(p.ttft_log, 2), round(p.itl_log, 2), round(p.itl_var, 4), p.observations
+    (-0.1, 0.3, 0.0725, 0)
     """
     wt = mt = wi = mi = 0.0
     for c, k in corrections.items():
@@ -683,7 +688,10 @@ def shared_prior(config: ConfigKey, corrections: Mapping[ConfigKey, Correction],
         mi += k.itl_log / max(k.itl_var, 1e-6)
     if wt == 0.0:
         return Correction(config, 0.0, var0, 0.0, var0, 0, None, None)
-    return Correction(config, mt / wt, var0 + SHARED_VAR, mi / wi, var0 + SHARED_VAR, 0, None, None)
+    # the doubt: the pooled estimate's own (never more than the prior's) plus how far one config may stand
+    # from it; the prior's whole variance again would count the profiles' shared error twice
+    return Correction(config, mt / wt, min(var0, 1.0 / wt) + SHARED_VAR, mi / wi, min(var0, 1.0 / wi) + SHARED_VAR,
+                      0, None, None)
 
 
 def describe(corr: Correction, ttft_speed: float, itl_speed: float, conservative: bool) -> str:

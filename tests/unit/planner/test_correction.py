@@ -17,6 +17,7 @@ from fleetplan.planner.correction import (
     MAX_STEP_DOWN,
     MAX_STEP_UP,
     MIN_REQUESTS,
+    SHARED_VAR,
     applied_speeds,
     regression_cap,
     update_corrections,
@@ -344,6 +345,20 @@ def test_a_config_not_observed_starts_from_what_its_siblings_showed() -> None:
     assert speeds[other].itl == pytest.approx(math.exp(-0.5), rel=1e-6)
     assert "shared from the model's observed configs" in speeds[other].note
     assert applied_speeds({}, {other: TRUE}, {}) == {}  # nothing observed: the profile as fitted
+
+
+def test_a_prior_not_observed_doubts_its_siblings_evidence_not_its_own_prior_again() -> None:
+    # an unobserved config whose profile is a roofline prior: its siblings measured the profiles'
+    # shared error, so it stands at their estimate less the doubt of how far one config may differ
+    # (SHARED_VAR), not less the prior's whole doubt again (x0.48: out of every plan)
+    other = ConfigKey("m8", VLLM, H100, 2, BF16)
+    seen = Correction(KEY, -0.7, 0.001, -0.7, 0.001, 30)
+    outside = {KEY: ("roofline prior only (no benchmark data)",), other: ("roofline prior only (no benchmark data)",)}
+    speeds = applied_speeds({KEY: seen}, {KEY: TRUE, other: TRUE}, outside)
+    doubt = math.sqrt(0.001 + SHARED_VAR)
+    assert speeds[other].itl == pytest.approx(math.exp(-0.7 - doubt), rel=1e-6)
+    assert speeds[other].ttft == pytest.approx(math.exp(-0.7 - doubt), rel=1e-6)
+    assert speeds[other].itl > math.exp(-0.7) * 0.7  # the prior's doubt again would leave x0.48
 
 
 def test_a_latency_that_does_not_follow_the_load_does_not_ratchet_the_fleet_up() -> None:
