@@ -122,14 +122,14 @@ def knee_note(knee_rps: float) -> str:
     return f"its replicas missed the SLO at {knee_rps:.2f} rps per replica and above: counted for no more"
 
 
+def floor_note(floor_rps: float) -> str:
+    """What the explanation says of a capacity raised to the load its replicas held."""
+    return f"its replicas held the SLO at {floor_rps:.2f} rps per replica below every miss: counted for no less"
+
+
 def slo_windows(prev: tuple[tuple[float, float, bool], ...], verdict: bool | None, load: float,
                 now_s: float, period_s: float | None) -> tuple[tuple[float, float, bool], ...]:
     kept = tuple(w for w in prev if period_s is None or now_s - w[0] < period_s)
     if verdict is not None and load > 0:
         kept = (*kept, (now_s, load, verdict))
     return kept[-MAX_SLO_WINDOWS:]
-
-
-def floor_note(floor_rps: float) -> str:
-    """What the explanation says of a capacity raised to the load its replicas held."""
-    return f"its replicas held the SLO at {floor_rps:.2f} rps per replica below every miss: counted for no less"

@@ -347,6 +347,12 @@ def day_shape(x: np.ndarray | float, amplitude: float = DEFAULT_DAY_AMPLITUDE) -
     return np.asarray(1.0 - amplitude * np.cos(2.0 * np.pi * np.asarray(x, dtype=float)))
 
 
+def _tile_period(span_s: float, n: int) -> float:
+    """A trace's tile period: its span plus one mean gap, so copies laid end to end (or an arrival
+    wrapped round) neither overlap nor leave a hole; 1 s for a trace of one instant."""
+    return span_s + (span_s / (n - 1) if n > 1 and span_s > 0 else 1.0)
+
+
 def rotated(trace: Trace, offset_s: float) -> Trace:
     """`trace` with every arrival moved `offset_s` later, the arrivals pushed past its end wrapped
     round to its start (the tile period of `reshape`: the span plus one mean gap), the first at 0:
@@ -359,7 +365,7 @@ def rotated(trace: Trace, offset_s: float) -> Trace:
     reqs = trace.requests
     if len(reqs) < 2 or offset_s == 0:
         return trace
-    period = reqs[-1].t_s + reqs[-1].t_s / (len(reqs) - 1)
+    period = _tile_period(reqs[-1].t_s, len(reqs))
     moved = sorted(((r.t_s + offset_s) % period, i) for i, r in enumerate(reqs))
     first = moved[0][0]
     return replace(trace, requests=tuple(replace(reqs[i], t_s=t - first) for t, i in moved))
@@ -380,8 +386,7 @@ def reshape(
     if n == 0:
         return trace
     src_t = np.array([r.t_s for r in reqs], dtype=float)
-    # tile period: the trace's span plus one mean gap, so copies neither overlap nor leave a hole
-    period = src_t[-1] + (src_t[-1] / (n - 1) if n > 1 and src_t[-1] > 0 else 1.0)
+    period = _tile_period(float(src_t[-1]), n)
     total_src = rate_scale * duration_s  # source seconds consumed over the new duration
     copies = math.ceil(total_src / period)
     tiled = (np.arange(copies)[:, None] * period + src_t[None, :]).ravel()
