@@ -408,7 +408,7 @@ def counters_start_s(created_s: float | None, ready_s: float | None) -> float | 
 
 
 def window_arrivals(done: float | None, running: float | None, waiting: float | None, *, start_s: float,
-                    last_s: float | None, eval_s: float) -> float | None:
+                    last_s: float | None, eval_s: float, others_last_s: float | None = None) -> float | None:
     """A replica's arrivals over its part of the rate window, when its counters started at 0 inside
     the window (`start_s`, see `counters_start_s`): the requests it received by its last scrape
     (`last_s`): completed (its success counter) plus running and waiting, extrapolated to `eval_s`
@@ -417,17 +417,35 @@ def window_arrivals(done: float | None, running: float | None, waiting: float | 
     its time in the window (the extrapolation would be most of the count). Missing gauges count 0,
     as the arrival rate query falls back to completions without them.
 
+    One case needs no extrapolation of its own: a replica scraped only at its start (or before)
+    when that start is at or after the last scrape of every other target of its model
+    (`others_last_s`). The spans the others' samples cover then hold none of its serving time, so
+    every request of those spans reached them, and rate() extrapolates their rate to the window's
+    end as it does for any target: the replica counts what it held at its start (0 requests, or the
+    few that arrived that instant). Why: a TensorRT-LLM replica (45 s startup) started at one cycle is
+    READY at a scrape that reads it at 0, 15 s before the next cycle, and that cycle was fail-static
+    after every start (benchmark-fitted mooncake: 20 of 59). Prometheus spreads its targets' scrapes
+    over the interval (a per-target offset), so in a real fleet a replica's start often falls
+    before another target's last scrape: then the others' spans hold part of its serving time and
+    the reading stays a lower bound, as before.
+
     >>> window_arrivals(40.0, 3.0, 1.0, start_s=960.0, last_s=980.0, eval_s=1000.0)  # 44 in 20 s, 40 s
     88.0
     >>> window_arrivals(40.0, 3.0, 1.0, start_s=960.0, last_s=965.0, eval_s=1000.0) is None  # 5 s of 40
+    True
+    >>> window_arrivals(0.0, 0.0, 0.0, start_s=985.0, last_s=985.0, eval_s=1000.0, others_last_s=985.0)
+    0.0
+    >>> window_arrivals(0.0, 0.0, 0.0, start_s=985.0, last_s=985.0, eval_s=1000.0, others_last_s=990.0) is None
     True
     """
     if done is None or not math.isfinite(done) or done < 0 or last_s is None or not math.isfinite(last_s):
         return None
     seen_s = last_s - start_s
+    n = done + (finite(running) or 0.0) + (finite(waiting) or 0.0)
+    if seen_s <= 0 and others_last_s is not None and start_s >= others_last_s:
+        return n  # the others' spans end before it served: nothing of theirs is its, nothing of its is missed
     if not seen_s > 0 or eval_s - last_s > seen_s:
         return None
-    n = done + (finite(running) or 0.0) + (finite(waiting) or 0.0)
     return n * (max(eval_s, last_s) - start_s) / seen_s
 
 
@@ -496,8 +514,10 @@ def interpret(readings: Readings, models: Iterable[str], *, now_s: float, rules:
         for r in reps:
             start = counters_start_s(started.get(r.replica_id), (ready_wall_s or {}).get(r.replica_id))
             if r.replica_id in partial and start is not None and start > readings.wall_s - rules.window_s:
+                others = [o.last_s for o in reps if o is not r and o.up and o.last_s is not None]
                 n = window_arrivals(replica_done.get(r.replica_id), r.running, r.waiting, start_s=start,
-                                    last_s=r.last_s, eval_s=readings.wall_s)
+                                    last_s=r.last_s, eval_s=readings.wall_s,
+                                    others_last_s=max(others) if others else None)
                 if n is not None:
                     exact[r.replica_id] = n
         partial = [rid for rid in partial if rid not in exact]

@@ -125,6 +125,24 @@ def test_a_replica_ready_inside_the_window_is_counted_from_its_start_not_stale()
     assert interpret(blind, [M], now_s=WALL, rules=RULES, ready_wall_s={"r3": WALL - 30}).models[M].stale
 
 
+def test_a_replica_ready_after_every_other_targets_last_scrape_adds_nothing_and_is_not_stale() -> None:
+    """The two old replicas were last scraped 7.5 s ago; r3 became READY then and was scraped at 0.
+    The spans the old replicas' samples cover hold none of r3's serving time: every request of
+    those spans reached them, and rate() extrapolates them to now as any target: known, 8 rps.
+    Before, r3's single sample left the model stale for the cycle after every start. Ready 2.5 s
+    earlier, the old replicas' last samples hold some of its serving time: a lower bound, stale."""
+    old = [target("r1"), target("r2"), per_replica("r1", rate=4.0), per_replica("r2", rate=4.0)]
+    last = WALL - 7.5  # the old targets' last sample (target(): half an interval in, every 15 s)
+    new = [target("r3", since_s=last), per_replica("r3", done=0.0)]
+    r = readings(*old, *new, rate=8.0)
+    m = interpret(r, [M], now_s=WALL, rules=RULES, ready_wall_s={"r3": last, "r1": WALL - 900}).models[M]
+    assert not m.stale and m.reasons == () and m.rate_rps == pytest.approx(8.0)
+    early = [target("r3", since_s=last - 2.5), per_replica("r3", done=0.0)]
+    m = interpret(readings(*old, *early, rate=8.0), [M], now_s=WALL, rules=RULES,
+                  ready_wall_s={"r3": last - 2.5, "r1": WALL - 900}).models[M]
+    assert m.stale and any("not yet covered" in x and "r3" in x for x in m.reasons)
+
+
 def test_a_model_whose_only_replica_is_new_and_has_one_sample_is_counted_from_its_start() -> None:
     """One sample: rate() answers nothing for it (no RATE series at all), its counter still counts:
     15 requests in the 4 s from its READY to its scrape, at that rate to now (6 s), over the window."""
