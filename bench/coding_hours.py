@@ -1,7 +1,7 @@
 """Bursty coding-like traffic over several seeds: fleetplan against the fleet fixed with hindsight.
 
     .venv/bin/python bench/coding_hours.py [--seeds 0-15] [--hours 1] [--policies fleetplan,best-fixed]
-        [--profiles benchmarks|FILE] [--policy config/example-policy.yaml] [--workers 2]
+        [--profiles benchmarks|FILE] [--policy config/example-policy.yaml] [--workers 2] [--scrape-offsets K]
 
 One trace is one draw of a process (`fleetplan trace coding`: edit bursts, burst episodes with
 Pareto amplitudes, IDE prompts; fleetplan/sim/trace_build.py `CodingHour`), so a rule judged on
@@ -29,6 +29,7 @@ from evaluate_traces import DATA, _benchmark_profiles  # noqa: E402
 from fleetplan.models.profile import ProfileSet  # noqa: E402
 from fleetplan.planner.policy import load_policy_text  # noqa: E402
 from fleetplan.shared.benchfiles import load_profiles  # noqa: E402
+from fleetplan.sim.des import SimSettings  # noqa: E402
 from fleetplan.sim.evaluate import EvaluateOptions, evaluate  # noqa: E402
 from fleetplan.sim.trace_build import CodingHour, coding_hour  # noqa: E402
 
@@ -42,11 +43,12 @@ def _seeds(text: str) -> list[int]:
 
 
 def _one(seed: int, hours: float, policy_path: str, profiles: ProfileSet, policies: tuple[str, ...],
-         model: str) -> tuple[int, dict[str, tuple[float, float, float]], float]:
+         model: str, scrape_offsets: int = 1) -> tuple[int, dict[str, tuple[float, float, float]], float]:
     t0 = time.perf_counter()
     trace = coding_hour(CodingHour(duration_s=3600.0 * hours), seed)
     policy = load_policy_text(Path(policy_path).read_text(encoding="utf-8"), policy_path)
-    ev = evaluate(trace, policy, profiles, EvaluateOptions(policies=policies, model=model, workers=1))
+    ev = evaluate(trace, policy, profiles, EvaluateOptions(policies=policies, model=model, workers=1,
+                                                           settings=SimSettings(scrape_offsets=scrape_offsets)))
     out: dict[str, tuple[float, float, float]] = {}
     for name, f in ev.policies.items():
         if f.slo_attainment is None:  # the oracle: a bound, not a run
@@ -67,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
                     "DATA/benchmarks, cached in --profiles-cache) or a PROFILES.json path")
     ap.add_argument("--profiles-cache", type=Path, default=Path("/tmp/fleetplan-benchmark-profiles.json"))
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--scrape-offsets", type=int, default=1,
+                    help="scrape each target at one of K offsets in the interval, as Prometheus does (1: all at once)")
     args = ap.parse_args(argv)
     profiles = (_benchmark_profiles(DATA / "benchmarks", args.profiles_cache) if args.profiles == "benchmarks"
                 else load_profiles(args.profiles))
@@ -75,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     rows: dict[int, dict[str, tuple[float, float, float]]] = {}
     with ProcessPoolExecutor(max_workers=max(1, args.workers)) as pool:
-        futs = [pool.submit(_one, s, args.hours, args.policy, profiles, policies, args.model) for s in seeds]
+        futs = [pool.submit(_one, s, args.hours, args.policy, profiles, policies, args.model, args.scrape_offsets)
+                for s in seeds]
         for fut in futs:
             seed, out, wall = fut.result()
             rows[seed] = out

@@ -3,6 +3,7 @@
     .venv/bin/python bench/evaluate_traces.py [--traces azure,mooncake] [--day] [--workers 2] [--out DIR]
         [--data DIR]     (default: the repository's data/, or $FLEETPLAN_DATA; data/SOURCES.md)
         [--rotations N]  (each hour also at N phases of the control cycle: the spread of a chaotic path)
+        [--scrape-offsets K]  (each target scraped at one of K offsets in the interval, as Prometheus does)
 
 Per trace it builds profiles the way a team would (a rate sweep per config on the simulator's ground
 truth with the trace's own length mix, fitted with fleetplan.models.fit), runs `fleetplan.sim.evaluate.evaluate` for
@@ -193,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rotations", type=int, default=1,
                     help="replay each hour N times, its arrivals rotated by k x cycle_s / N seconds (k < N): "
                          "the same requests meeting the control cycles at N phases; prints each run and the spread")
+    ap.add_argument("--scrape-offsets", type=int, default=1,
+                    help="scrape each target at one of K offsets in the scrape interval (a hash of its id, as "
+                         "Prometheus offsets targets); 1 (default): every target at once, on the cycles' grid")
     ap.add_argument("--data", type=Path, default=DATA,
                     help="the data folder with traces/ and benchmarks/ (default: the repository's data/, "
                          "or $FLEETPLAN_DATA)")
@@ -224,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 profiles = ProfileSet.from_json_dict(json.loads(Path(args.profiles).read_text()))
             t_prof = time.perf_counter() - t0
-            settings = SimSettings(routing=RouteMode(args.routing), prefix_cache=not args.no_prefix_cache)
+            settings = SimSettings(routing=RouteMode(args.routing), prefix_cache=not args.no_prefix_cache,
+                                   scrape_offsets=args.scrape_offsets)
             opts = EvaluateOptions(policies=tuple(args.policies.split(",")), settings=settings,
                                    workers=args.workers)
             ev = evaluate(tr, pol, profiles, opts, trace_info={"scenario": key, "shape": shape_name,

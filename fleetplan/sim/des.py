@@ -110,7 +110,7 @@ class FleetSim(BaselineExecutor, FleetMeter):
         self.prom = PromSim(window_s=self.s.window_s, scrape_s=self.s.scrape_s, delay_s=self.s.scrape_delay_s,
                             history_s=self.s.history_s, history_step_s=self.s.history_step_s,
                             peak_window_s=self.s.peak_window_s, epoch0_s=env.epoch0_s,
-                            length_window_s=self.s.length_window_s)
+                            length_window_s=self.s.length_window_s, offsets=self.s.scrape_offsets)
         self._init_pools()
         self.control: ReplayControl | None = None
         if isinstance(controller, FleetplanController):
@@ -134,8 +134,9 @@ class FleetSim(BaselineExecutor, FleetMeter):
         if s.warm_start:
             self._warm_start()
         k = 0
-        while k * s.scrape_s <= end_s:
-            self._push(k * s.scrape_s, self._P_SCRAPE, "scrape", None)
+        slots = max(1, s.scrape_offsets)
+        while k * s.scrape_s / slots <= end_s:
+            self._push(k * s.scrape_s / slots, self._P_SCRAPE, "scrape", k % slots)
             k += 1
         period = self.ctl.period_s
         if self.control is not None and self.control.s.cycle_s is not None:
@@ -230,7 +231,7 @@ class FleetSim(BaselineExecutor, FleetMeter):
                     elif baseline and rep.state == ReplicaState.DRAINING and rep.load == 0:
                         self._stop(rep, t)
                 elif kind == "scrape":
-                    self._scrape(t)
+                    self._scrape(t, cast(int, payload))
                 elif kind == "timeline":
                     lo = t - s.demand_window_s
                     a = int(np.searchsorted(self.arr_t, max(0.0, lo), side="left"))

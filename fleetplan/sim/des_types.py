@@ -78,6 +78,10 @@ class Environment:
 class SimSettings:
     scrape_s: float = 15.0
     scrape_delay_s: float = 5.0  # a scrape becomes visible this long after it is taken
+    # each target is scraped at its own offset within the interval, one of this many (Prometheus
+    # offsets a target by a hash of its labels: scrape/target.go); 1: every target at once, on the
+    # cycles' grid (the default while the difference is open: docs/decisions/0007)
+    scrape_offsets: int = 1
     # the observation windows: the daemon's defaults (controller/settings.py; `fleetplan evaluate
     # --controller-config` takes them from the daemon's own config: fleetplan/harness/replay_settings.py)
     window_s: float = 60.0  # rate()/histogram window

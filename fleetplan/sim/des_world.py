@@ -232,16 +232,19 @@ class FleetWorld(DisaggProxy):
                 return h.name, spot
         return None
 
-    def _scrape(self, t: float) -> None:
-        for r in self.replicas:
-            if r.state in (ReplicaState.READY, ReplicaState.DRAINING):
+    def _scrape(self, t: float, slot: int = 0) -> None:
+        """The scrapes at offset `slot` of the interval (SimSettings.scrape_offsets): the targets
+        whose offset it is (`PromSim.slot`); the baselines' load snapshot once an interval (slot 0)."""
+        if self.control is not None:
+            prom = self.prom
+            live = [r for r in self.replicas if r.state in (ReplicaState.READY, ReplicaState.DRAINING)
+                    and prom.slot(r.rid) == slot]
+            for r in live:
                 r.counters.prefix_queries = float(r.core.prefix_queries_tokens)
                 r.counters.prefix_hits = float(r.core.prefix_hit_tokens)
-        if self.control is not None:
-            self.prom.scrape(t, {r.rid: (r.counters, float(r.core.num_running), float(r.core.num_waiting),
-                                         r.core.kv_usage)
-                                 for r in self.replicas if r.state in (ReplicaState.READY, ReplicaState.DRAINING)})
-        else:
+            prom.scrape(t, {r.rid: (r.counters, float(r.core.num_running), float(r.core.num_waiting), r.core.kv_usage)
+                            for r in live}, sweep=slot == 0)
+        elif slot == 0:
             loads = {r.rid: ReplicaLoad(float(r.core.num_running), float(r.core.num_waiting), r.core.kv_usage)
                      for r in self.replicas if r.state == ReplicaState.READY}
             self.replica_scrape_hist.append((t, loads))

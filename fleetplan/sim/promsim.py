@@ -4,7 +4,9 @@ The daemon reads Prometheus through `controller/observe.py` (PromQL over HTTP) a
 answers to the pure decision path (`fleetplan.planner.cycle.observe`). The replay hands that path
 the same raw answers, computed here from the simulated replicas' counters, gauges and histograms
 (the bucket edges the real engines export, fleetplan.sim.core): one scrape per target every
-`scrape_s`, visible `delay_s` later, each query answered over the same windows the Observer asks.
+`scrape_s`, each target at its own offset in the interval (`slot`: as Prometheus offsets a target
+by a hash of its labels), visible `delay_s` later, each query answered over the same windows the
+Observer asks.
 
 Only the I/O is simulated; no rule of the planner lives here. The instant queries and the
 evidence's are the descriptions of planner/queries.py (`Latest`, `Rate`, `Arrivals`, `Quantile`,
@@ -21,13 +23,16 @@ returns:
   fleetplan.planner.evidence.histogram_quantile);
 - `up` and the window coverage (first/last sample time, samples) per current target; per target
   its arrival rate and its completions counter's latest value;
-- the request-rate history: the model's completions over `max(window, step)` at `step` intervals.
+- the request-rate history and the burst query: `sum by (model) (rate(completions[w]))`, a rate per
+  target from its own samples (a first sample is no increase), summed, over `max(window, step)` at
+  `step` intervals and over the burst window.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
+import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -224,8 +229,10 @@ class PromSim:
 
     def __init__(self, *, window_s: float, scrape_s: float, delay_s: float, history_s: float,
                  history_step_s: float, peak_window_s: float, epoch0_s: float,
-                 length_window_s: float | None = None) -> None:
+                 length_window_s: float | None = None, offsets: int = 1) -> None:
         self.window_s = window_s
+        self.offsets = max(1, offsets)
+        self._slots: dict[str, int] = {}
         self.length_window_s = max(window_s, length_window_s or window_s)
         self.scrape_s = scrape_s
         self.delay_s = delay_s
@@ -236,10 +243,11 @@ class PromSim:
         self.samples: dict[str, deque[TargetScrape]] = {}  # replica id -> its recent scrapes
         self.labels: dict[str, dict[str, str]] = {}  # replica id -> its target labels
         self.targets: set[str] = set()  # the current scrape targets (file_sd)
-        # per model: (t, completions of all its targets so far) at every scrape, for the history
-        self.model_done: dict[str, list[tuple[float, float]]] = {}
-        self._done_total: dict[str, float] = {}
-        self._last_done: dict[str, float] = {}
+        # per target where requests enter: (t, its completions counter) at every scrape, kept for the
+        # rate history and the burst query (`sum by (model) (rate(...))`: a rate per target, summed)
+        self.target_done: dict[str, list[tuple[float, float]]] = {}
+        self.model_targets: dict[str, list[str]] = {}  # model -> its targets in target_done
+        self.model_first: dict[str, float] = {}  # model -> its first scrape
         self._history_done: dict[str, dict[float, float | None]] = {}  # model -> end -> final history rate
         # model -> (its first end, the final history points from there on, None where no rate)
         self._history_runs: dict[str, tuple[float, list[tuple[float, float] | None]]] = {}
@@ -255,14 +263,26 @@ class PromSim:
             if role and role[0] != Role.AGGREGATED.value:
                 self.labels[rid][ROLE_LABEL] = role[0]
 
-    def scrape(self, t_s: float, engines: Mapping[str, tuple[Counters, float, float, float]]) -> None:
-        """One scrape of every current target: `engines` maps replica id -> (counters, running,
-        waiting, kv usage) for every engine still running."""
+    def slot(self, rid: str) -> int:
+        """The target's scrape offset, one of `offsets` within the interval: a hash of its id, as
+        Prometheus offsets each target by a hash of its labels (scrape/target.go), so a fleet's
+        targets are not all read at one instant and a new replica's first scrape falls anywhere in
+        the interval after its READY."""
+        s = self._slots.get(rid)
+        if s is None:
+            s = self._slots[rid] = zlib.crc32(rid.encode()) % self.offsets
+        return s
+
+    def scrape(self, t_s: float, engines: Mapping[str, tuple[Counters, float, float, float]],
+               sweep: bool = True) -> None:
+        """One scrape of the current targets in `engines` (replica id -> (counters, running,
+        waiting, kv usage) of an engine still running); `sweep`: also drop every target's samples
+        too old for any query (else only the scraped targets')."""
         keep = self.length_window_s + 4 * self.scrape_s
-        per_model: dict[str, float] = {}
-        for rid in sorted(self.targets):
+        old = t_s - self.history_s - 2 * max(self.window_s, self.history_step_s) - self.scrape_s
+        for rid in sorted(engines):
             e = engines.get(rid)
-            if e is None:
+            if e is None or rid not in self.targets:
                 continue
             c, running, waiting, kv = e
             dq = self.samples.setdefault(rid, deque())
@@ -270,24 +290,27 @@ class PromSim:
                                    tuple(c.ttft), tuple(c.itl), tuple(c.tpot), tuple(c.prompt_len),
                                    tuple(c.gen_len), tuple(c.sums), c.prefix_queries, c.prefix_hits))
             model = self.labels[rid]["model"]
-            inc = c.completed - self._last_done.get(rid, 0.0)
-            self._last_done[rid] = c.completed
             if Leg.ENTRY.counts(_role(self.labels[rid])):  # bursts and history: where requests enter
-                per_model[model] = per_model.get(model, 0.0) + max(0.0, inc)
-        for model, inc in per_model.items():
-            self._done_total[model] = self._done_total.get(model, 0.0) + inc
-        for model, total in self._done_total.items():
-            hist = self.model_done.setdefault(model, [])
-            hist.append((t_s, total))
-            if len(hist) > 64 and hist[0][0] < t_s - self.history_s - 2 * max(self.window_s, self.history_step_s):
-                cut = t_s - self.history_s - max(self.window_s, self.history_step_s) - self.scrape_s
-                del hist[: bisect.bisect_left(hist, (cut, -math.inf))]
-        for rid in list(self.samples):
+                done = self.target_done.get(rid)
+                if done is None:
+                    done = self.target_done[rid] = []
+                    self.model_targets.setdefault(model, []).append(rid)
+                    self.model_first.setdefault(model, t_s)
+                done.append((t_s, c.completed))
+                if len(done) > 64 and done[0][0] < old:
+                    del done[: bisect.bisect_left(done, (old, -math.inf))]
+        for rid in (list(self.samples) if sweep else [r for r in engines if r in self.samples]):
             dq = self.samples[rid]
             while dq and dq[0].t_s < t_s - keep:
                 dq.popleft()
             if not dq:
                 del self.samples[rid]
+        if sweep:  # a target stopped long ago leaves the history
+            for rids in self.model_targets.values():
+                gone = [r for r in rids if self.target_done[r][-1][0] < old]
+                for r in gone:
+                    rids.remove(r)
+                    del self.target_done[r]
 
     def preroll(self, model: str, arrivals: Sequence[tuple[float, int, int]], *, start_s: float, end_s: float) -> None:
         """A stand-in target for `model` that served `arrivals` (time, prompt tokens, output
@@ -413,22 +436,30 @@ class PromSim:
         return Readings(self._wall(t_s), {q: tuple(v) for q, v in res.items()}, self._history(t_s))
 
     def _model_rate(self, model: str, end_s: float, w: float, vis_s: float) -> float | None:
-        """rate() over (end - w, end] of the model's completions (all its targets' counters), from
-        the samples visible at `vis_s`."""
-        hist = self.model_done.get(model, [])
-        lo = bisect.bisect_right(hist, (end_s - w, math.inf))
-        hi = bisect.bisect_right(hist, (min(end_s, vis_s), math.inf))
-        pts = hist[lo:hi]
-        if len(pts) < 2:
-            return None
-        return _extrapolated_rate([t for t, _ in pts], [v for _, v in pts], end_s - w, end_s)
+        """`sum by (model) (rate(completions[w]))` at `end`: per target where requests enter, rate()
+        over (end - w, end] from its samples visible at `vis_s`, summed (None: no target has two)."""
+        total: float | None = None
+        top = min(end_s, vis_s)
+        for rid in self.model_targets.get(model, ()):
+            pts = self.target_done[rid]
+            if pts[-1][0] <= end_s - w or pts[0][0] > top:
+                continue
+            lo = bisect.bisect_right(pts, (end_s - w, math.inf))
+            hi = bisect.bisect_right(pts, (top, math.inf))
+            if hi - lo < 2:
+                continue
+            win = pts[lo:hi]
+            r = _extrapolated_rate([t for t, _ in win], [v for _, v in win], end_s - w, end_s)
+            if r is not None:
+                total = r if total is None else total + r
+        return total
 
     def _peaks(self, t_s: float) -> dict[str, float]:
         """max_over_time(sum by model (rate(success[peak_window]))[window:peak_window/2])."""
         vis = t_s - self.delay_s
         step = max(1.0, float(round(self.peak_window_s) // 2))
         out: dict[str, float] = {}
-        for model in self.model_done:
+        for model in self.model_targets:
             best: float | None = None
             k = 0
             while k * step < self.window_s:
@@ -446,10 +477,9 @@ class PromSim:
         step = self.history_step_s
         n = int(self.history_s // step)
         out = []
-        for model in sorted(self.model_done):
-            hist = self.model_done[model]
+        for model in sorted(self.model_targets):
             # no rate before the model's first scrape: a history of days is not walked from its start
-            first = hist[0][0] if hist else t_s
+            first = self.model_first.get(model, t_s)
             avail = min(n, int(max(0.0, t_s - first) // step) + 1)
             # a point whose window ends before the visible data does is final: read once, kept (a
             # replay of days reads 2,880 points per cycle and model, as the daemon keeps what it read)

@@ -80,3 +80,26 @@ def test_recent_level_max_reads_shuffled_history_as_ordered() -> None:
         assert repr(a) == repr(recent_level_max(shuffled, 3.0, now, span))
     assert recent_level_max(hist, 3.0, now, 900.0) is not None
     assert recent_level_max(hist, 3.0, now, 5_000.0) is None  # the history does not reach back that far
+
+
+def test_the_history_sums_each_targets_rate_as_prometheus_sums_rate_by_model() -> None:
+    """`sum by (model) (rate(...))`: each target's rate from its own samples, summed. r1 serves 2 rps
+    scraped on the grid, r2 3 rps scraped 7 s later in each interval; r2 first seen at 300 s with 900
+    completions already counted (its engine ran before Prometheus found it): a first sample is no
+    increase, so the rate around 300 s is 2 rps and then 5 rps, never a 900-request jump."""
+    prom = PromSim(window_s=60.0, scrape_s=15.0, delay_s=0.0, history_s=3600.0, history_step_s=30.0,
+                   peak_window_s=30.0, epoch0_s=0.0, length_window_s=600.0, offsets=15)
+    prom.set_targets([("r1", "m"), ("r2", "m")])
+    c1, c2 = Counters(), Counters()
+    t = 0.0
+    while t <= 600.0:
+        if t % 15.0 == 0.0:
+            c1.completed = 2.0 * t
+            prom.scrape(t, {"r1": (c1, 0.0, 0.0, 0.0)})
+        if t >= 300.0 and t % 15.0 == 7.0:
+            c2.completed = 900.0 + 3.0 * (t - 300.0)
+            prom.scrape(t, {"r2": (c2, 0.0, 0.0, 0.0)})
+        t += 1.0
+    points = dict(prom.readings(600.0).history[0].points)
+    assert max(points.values()) < 5.5, points
+    assert abs(points[300.0] - 2.0) < 0.01 and abs(points[600.0] - 5.0) < 0.01, points

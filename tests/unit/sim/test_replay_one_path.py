@@ -211,3 +211,25 @@ def test_the_warm_start_sizes_the_first_fleet_from_readings() -> None:
     assert len(warm) >= 2  # more than one replica's worth of traffic
     assert sim.replica_starts == 0  # steady traffic: the fleet read at t = 0 was the right one
     assert res.rejected == 0 and res.served == res.arrived
+
+
+def _offsets(settings: SimSettings) -> dict[str, set[float]]:
+    """Per target still scraped at the end of a step up, the offsets of its samples in the interval."""
+    policy, profiles = _world(4.0)
+    ctl = FleetplanController("fleetplan", policy, profiles)  # type: ignore[arg-type]
+    sim = FleetSim(_trace([(600.0, 15.0), (600.0, 90.0)]), ctl, make_environment(policy), settings)  # type: ignore[arg-type]
+    sim.run()
+    return {rid: {x.t_s % settings.scrape_s for x in dq} for rid, dq in sim.prom.samples.items() if dq}
+
+
+def test_each_target_is_scraped_at_its_own_offset_in_the_interval() -> None:
+    """As Prometheus offsets each target by a hash of its labels: a target keeps one offset, and the
+    fleet's targets do not all fall on one instant (a new replica's first scrape lands anywhere in
+    the interval after its READY, not on the cycle's grid). One offset (the default): every target
+    at once."""
+    spread = _offsets(SimSettings(scrape_offsets=15))
+    assert len(spread) >= 4
+    assert all(len(o) == 1 for o in spread.values()), spread
+    assert len({next(iter(o)) for o in spread.values()}) >= 2, spread
+    lockstep = _offsets(SimSettings())
+    assert {next(iter(o)) for o in lockstep.values()} == {0.0}, lockstep
