@@ -280,11 +280,9 @@ class PromSim:
         too old for any query (else only the scraped targets')."""
         keep = self.length_window_s + 4 * self.scrape_s
         old = t_s - self.history_s - 2 * max(self.window_s, self.history_step_s) - self.scrape_s
-        for rid in sorted(engines):
-            e = engines.get(rid)
-            if e is None or rid not in self.targets:
+        for rid, (c, running, waiting, kv) in sorted(engines.items()):
+            if rid not in self.targets:
                 continue
-            c, running, waiting, kv = e
             dq = self.samples.setdefault(rid, deque())
             dq.append(TargetScrape(t_s, c.completed, c.prompt_tokens, c.gen_tokens, running, waiting, kv,
                                    tuple(c.ttft), tuple(c.itl), tuple(c.tpot), tuple(c.prompt_len),
