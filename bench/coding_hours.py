@@ -8,7 +8,9 @@ Pareto amplitudes, IDE prompts; fleetplan/sim/trace_build.py `CodingHour`), so a
 one hour is judged on its bursts; this replays `--hours` hours of the process per seed (seed s
 is `fleetplan trace coding --seed s --duration-s 3600 x hours`), deterministically, and prints
 per seed and policy the GPU-hours, the share of requests within the SLO, the worst rolling
-hour's share (the SLO the policy writes) and fleetplan over best-fixed; then the totals. The
+hour's share (the SLO the policy writes), the share of the misses in the 3 worst minutes (a burst
+the standing fleet did not serve, or misses spread over the hour: sim/slo_periods.py miss_minutes)
+and fleetplan over best-fixed; then the totals. The
 profiles are fitted from data/benchmarks by default (the user's workflow: the roofline prior
 for Llama-3-8B, which has no benchmark rows).
 """
@@ -43,18 +45,19 @@ def _seeds(text: str) -> list[int]:
 
 
 def _one(seed: int, hours: float, policy_path: str, profiles: ProfileSet, policies: tuple[str, ...],
-         model: str, scrape_offsets: int = 1) -> tuple[int, dict[str, tuple[float, float, float]], float]:
+         model: str, scrape_offsets: int = 1) -> tuple[int, dict[str, tuple[float, float, float, float]], float]:
     t0 = time.perf_counter()
     trace = coding_hour(CodingHour(duration_s=3600.0 * hours), seed)
     policy = load_policy_text(Path(policy_path).read_text(encoding="utf-8"), policy_path)
     ev = evaluate(trace, policy, profiles, EvaluateOptions(policies=policies, model=model, workers=1,
                                                            settings=SimSettings(scrape_offsets=scrape_offsets)))
-    out: dict[str, tuple[float, float, float]] = {}
+    out: dict[str, tuple[float, float, float, float]] = {}
     for name, f in ev.policies.items():
         if f.slo_attainment is None:  # the oracle: a bound, not a run
             continue
         worst = f.slo_periods.worst_share if f.slo_periods is not None else f.slo_attainment
-        out[name] = (f.gpu_hours, f.slo_attainment, worst)
+        burst = f.miss_minutes.worst_share if f.miss_minutes is not None else 0.0
+        out[name] = (f.gpu_hours, f.slo_attainment, worst, burst)
     return seed, out, time.perf_counter() - t0
 
 
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     seeds = _seeds(args.seeds)
     t0 = time.perf_counter()
-    rows: dict[int, dict[str, tuple[float, float, float]]] = {}
+    rows: dict[int, dict[str, tuple[float, float, float, float]]] = {}
     with ProcessPoolExecutor(max_workers=max(1, args.workers)) as pool:
         futs = [pool.submit(_one, s, args.hours, args.policy, profiles, policies, args.model, args.scrape_offsets)
                 for s in seeds]
@@ -86,16 +89,16 @@ def main(argv: list[str] | None = None) -> int:
             rows[seed] = out
             print(f"seed {seed}: replayed in {wall:.0f} s", file=sys.stderr, flush=True)
     print(f"{args.hours:g} h of coding-like traffic per seed, policy {args.policy}, profiles {args.profiles}")
-    print(f"{'seed':>4}  " + "  ".join(f"{p:>28}" for p in policies) + "  fleetplan/best-fixed")
+    print(f"{'seed':>4}  " + "  ".join(f"{p:>34}" for p in policies) + "  fleetplan/best-fixed")
     totals = {p: [0.0, 0, 0] for p in policies}
     for seed in seeds:
         cells = []
         for p in policies:
             if p not in rows[seed]:
-                cells.append(f"{'-':>28}")
+                cells.append(f"{'-':>34}")
                 continue
-            g, a, w = rows[seed][p]
-            cells.append(f"{g:7.2f} GPU-h {100 * a:6.2f}% w{100 * w:6.2f}%")
+            g, a, w, b = rows[seed][p]
+            cells.append(f"{g:7.2f} GPU-h {100 * a:6.2f}% w{100 * w:6.2f}% 3m{100 * b:4.0f}%")
             totals[p][0] += g
             totals[p][1] += a >= 0.99
             totals[p][2] += w >= 0.99
@@ -107,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         g, n_all, n_worst = totals[p]
         print(f"{p}: {g:.2f} GPU-h over {len(seeds)} seeds; >= 99% of requests on {n_all}, "
               f"every rolling hour >= 99% on {n_worst}")
+    print("w: the worst rolling hour's share; 3m: the share of the misses in the 3 worst minutes")
     print(f"wall {time.perf_counter() - t0:.0f} s")
     return 0
 

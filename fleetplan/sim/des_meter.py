@@ -10,7 +10,7 @@ from fleetplan.models.mix import SLO_SHARE
 from fleetplan.planner.types import ConfigKey, ReplicaState
 from fleetplan.sim.des_base import FleetSimBase
 from fleetplan.sim.des_types import PENDING, REJECTED, SERVED, SimResult, TimelinePoint
-from fleetplan.sim.slo_periods import judge
+from fleetplan.sim.slo_periods import judge, miss_minutes
 
 
 def hours_by_role(by_config: dict[ConfigKey, float]) -> tuple[tuple[Role, float], ...]:
@@ -88,6 +88,7 @@ class FleetMeter(FleetSimBase):
             slo_met=int(ok.sum()),
             met=ok,
             judged=judged,
+            misses=miss_minutes(self.arr_t, ok),
             gpu_hours=gpu_hours,
             build_gpu_hours=build_s / 3600.0,
             cost_usd=cost,

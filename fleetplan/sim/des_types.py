@@ -15,7 +15,7 @@ from fleetplan.planner.types import ConfigKey, Fleet, HostInventory
 from fleetplan.sim.control import FleetplanController
 from fleetplan.sim.groundtruth import EngineParams
 from fleetplan.sim.router import RouteMode
-from fleetplan.sim.slo_periods import PeriodJudgement
+from fleetplan.sim.slo_periods import MissMinutes, PeriodJudgement
 
 # request status codes
 PENDING, SERVED, REJECTED = 0, 1, 2
@@ -153,6 +153,7 @@ class SimResult:
     judged: PeriodJudgement | None = None  # the SLO over every rolling period (None: not judged)
     # replicas' GPU-hours per role (aggregated, and the prefill and decode pools; builds apart)
     gpu_hours_by_role: tuple[tuple[Role, float], ...] = ()
+    misses: MissMinutes | None = None  # where the misses fell (sim/slo_periods.py; None: not counted)
 
     @property
     def slo_attainment(self) -> float:

@@ -54,7 +54,7 @@ from fleetplan.sim.evaluate_yardsticks import run_yardsticks
 from fleetplan.sim.graduation import Graduation, graduation
 from fleetplan.sim.groundtruth import EngineParams, build_params
 from fleetplan.sim.jobs import open_jobs
-from fleetplan.sim.slo_periods import PeriodJudgement
+from fleetplan.sim.slo_periods import MissMinutes, PeriodJudgement
 from fleetplan.sim.solve_limits import replay_policy
 from fleetplan.sim.traces import Trace, TraceRequest, window_rates
 
@@ -102,6 +102,7 @@ class PolicyFigures:
     graduation: Graduation | None = None  # its builds and when each engine served (None: not replayed)
     # the SLO as the policy writes it: every rolling period at its objective (sim/slo_periods.py)
     slo_periods: PeriodJudgement | None = None
+    miss_minutes: MissMinutes | None = None  # where its misses fell (sim/slo_periods.py; None: not simulated)
 
     def gpu_hours_by_engine(self) -> dict[str, float]:
         """Per engine: its replicas' GPU-hours (+ "build": the engine builds')."""
@@ -138,6 +139,7 @@ class PolicyFigures:
                 "refused_starts": self.refused_starts,
                 "graduation": None if self.graduation is None else self.graduation.to_json(),
                 "slo_periods": None if self.slo_periods is None else self.slo_periods.to_json(),
+                "miss_minutes": None if self.miss_minutes is None else self.miss_minutes.to_json(),
                 "sim_wall_s": r(self.wall_s, 2),
             })
         d.update({
@@ -748,6 +750,7 @@ def _figures(res: SimResult, wall: float, caps: Mapping[ConfigKey, float]) -> Po
         cost_usd=res.cost_usd,
         slo_attainment=res.slo_attainment,
         slo_periods=res.judged,
+        miss_minutes=res.misses,
         ttft_p50_ms=_q(res.ttft_ms, 0.5),
         ttft_p99_ms=_q(res.ttft_ms, 0.99),
         itl_p50_ms=_q(res.itl_ms, 0.5),

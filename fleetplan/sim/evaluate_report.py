@@ -57,6 +57,11 @@ def render_table(ev: Evaluation) -> str:
             lines.append(f"fleetplan / {name} GPU-hours: {fp.gpu_hours / y.gpu_hours:.2f} (SLO attainment "
                          f"{100 * (fp.slo_attainment or 0.0):.2f}% vs {100 * (y.slo_attainment or 0.0):.2f}%; "
                          f"worst period {_period(fp).strip()} vs {_period(y).strip()})")
+    missed = [(name, p.miss_minutes) for name, p in ev.policies.items() if p.miss_minutes is not None
+              and p.miss_minutes.misses]
+    if missed:  # a burst the standing fleet did not serve, or a fleet short all along (docs/evaluate.md)
+        lines.append("where the misses fell (minutes from the trace's start):")
+        lines.extend(f"  {name}: {mm.describe()}" for name, mm in missed)
     judged = fp.slo_periods if fp is not None else None
     if judged is not None and judged.windows > 1:
         lines.append(f"SLO judged over every rolling {judged.period_s / 3600:g} h period (the policy's): "

@@ -156,6 +156,12 @@ def test_cli_json_shape_and_charts(world: tuple[Policy, object, dict[ConfigKey, 
         assert per["windows"] == 1 and per["period_s"] == 3600.0 and per["objective"] == 0.99
         assert per["worst_share"] == pytest.approx(doc["policies"][name]["slo_attainment"], abs=1e-5)
         assert per["met"] == (per["worst_share"] >= 0.99)
+        # where the misses fell: they add up to the requests not within the SLO
+        mm = doc["policies"][name]["miss_minutes"]
+        pol = doc["policies"][name]
+        assert mm["misses"] == round(pol["arrived"] * (1.0 - pol["slo_attainment"]))
+        assert sum(w["misses"] for w in mm["worst_minutes"]) <= mm["misses"]
+        assert all(0.0 <= w["start_s"] < 240.0 and w["start_s"] % 60 == 0 for w in mm["worst_minutes"])
     assert doc["policies"]["fleetplan"]["refused_starts"] == 0  # nothing an agent would refuse
     assert doc["policies"]["oracle"]["gpu_hours"] > 0
     # GPU-hours per engine and config add up to the total (builds apart); the idle floor per config
@@ -228,6 +234,12 @@ def test_hpa_target_stays_finite_when_the_profile_saturates() -> None:
     assert conc == pytest.approx(1.0 * (m.slo.ttft_p99_ms + 343 * m.slo.itl_p99_ms) / 1000.0)
 
 
+def _replace_figures(ev: Evaluation, name: str, **changes: object) -> Evaluation:
+    from dataclasses import replace as _replace
+
+    return _replace(ev, policies={**ev.policies, name: _replace(ev.policies[name], **changes)})  # type: ignore[arg-type]
+
+
 def test_a_trace_no_config_serves_within_the_slo_still_evaluates_without_an_oracle(
         world: tuple[Policy, object, dict[ConfigKey, float]]) -> None:
     # requests too long for the SLO even on an idle replica (ground-truth capacity 0 everywhere):
@@ -240,6 +252,14 @@ def test_a_trace_no_config_serves_within_the_slo_still_evaluates_without_an_orac
     assert any(n.startswith(f"oracle left out: no config of {MODEL} meets the SLO") for n in ev.notes)
     assert "note: oracle left out" in render_table(ev)
     assert ev.to_json()["trace"]["notes"] == list(ev.notes)
+    # where the misses fell: no line without a miss, one per policy with misses
+    from fleetplan.sim.slo_periods import MissMinutes
+
+    sm = ev.policies["static-mean"]
+    assert sm.miss_minutes is not None and sm.miss_minutes.misses == sm.arrived - round(sm.arrived * (sm.slo_attainment or 0))
+    burst = _replace_figures(ev, "static-mean", miss_minutes=MissMinutes(5, ((60.0, 4),)))
+    assert ("where the misses fell" in render_table(ev)) == (sm.miss_minutes.misses > 0)
+    assert "  static-mean: 5 misses, 80% of them in the 1 worst minute (0:01 4)" in render_table(burst)
     # a start an agent would refuse is a defect of the act path: the table says so
     from dataclasses import replace as _replace
 

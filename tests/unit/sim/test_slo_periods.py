@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fleetplan.sim.slo_periods import judge
+from fleetplan.sim.slo_periods import judge, miss_minutes
 
 
 def _day(misses_at: slice, rate_rps: float = 1.0, span_s: float = 86_400.0) -> tuple[np.ndarray, np.ndarray]:
@@ -48,3 +48,22 @@ def test_each_model_is_held_to_its_own_objective_and_the_worst_gap_is_reported()
 def test_no_requests_is_met() -> None:
     j = judge(np.zeros(0), np.zeros(0, dtype=int), np.zeros(0, dtype=bool), ["m"], {"m": 0.99}, {"m": 3600.0}, 0.0)
     assert j.met and j.windows == 0 and j.worst_share == 1.0
+
+
+def test_the_misses_of_one_burst_are_shown_in_its_minutes_and_spread_misses_are_not() -> None:
+    # a burst: 600 misses in minutes 48-49 of an hour at 8 rps, plus one every 10 minutes
+    t = np.arange(0.0, 3600.0, 0.125)
+    met = np.ones(t.size, dtype=bool)
+    burst = (t >= 2880.0) & (t < 2955.0)
+    met[burst] = False
+    met[::4800] = False
+    mm = miss_minutes(t, met)
+    assert mm.misses == int(burst.sum()) + 6
+    assert [m for m, _ in mm.worst[:2]] == [2880.0, 2940.0]  # the burst's minutes, most first
+    assert mm.worst_share > 0.98
+    assert mm.describe().startswith(f"{mm.misses} misses, 99% of them in the 3 worst minutes (0:48 480, 0:49 120")
+    # the same number of misses spread over the hour: no minute holds more than a few of them
+    spread = np.ones(t.size, dtype=bool)
+    spread[:: t.size // mm.misses] = False
+    assert miss_minutes(t, spread).worst_share < 0.1
+    assert miss_minutes(t, np.ones(t.size, dtype=bool)).describe() == "no miss"
