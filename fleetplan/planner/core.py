@@ -197,7 +197,8 @@ def plan(
                                      {m.name: (m.slo.ttft_p99_ms, m.slo.itl_p99_ms) for m in policy.models},
                                      {m.name: m.slo.period_s for m in policy.models})
     # a decode config's speed only once its own replicas were observed (before: phase_speeds' rule)
-    speeds = {c: sp for c, sp in applied_speeds(corrections, corrected, corrected_extrap).items()
+    speeds = {c: sp for c, sp in applied_speeds(corrections, corrected, corrected_extrap,
+                                                {m.name: m.slo.ttft_p99_ms for m in policy.models}).items()
               if c not in decoding or (c in corrections and corrections[c].observations > 0)}
     observed_configs = {c for c, corr in corrections.items() if corr.observations > 0}
     table, predictor = capacity_table(policy, chosen, workloads, gpus, speeds=speeds,

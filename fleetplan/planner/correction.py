@@ -50,6 +50,9 @@ from fleetplan.planner.knee import (
     held_floor,
     knee_load,
     knee_note,
+    latency_windows,
+    queue_knee,
+    queue_note,
     slo_missed,
     slo_verdict,
     slo_windows,
@@ -415,7 +418,8 @@ def update_corrections(
             if prev is not None and prev.observations and prev.updated_s is not None:
                 a_t, a_i = _applied_logs(prev, extra, var0, now_s)
                 out[config] = replace(prev, applied_ttft_log=a_t, applied_itl_log=a_i,
-                                      slo_windows=slo_windows(prev.slo_windows, None, 0.0, now_s, period_s))
+                                      slo_windows=slo_windows(prev.slo_windows, None, 0.0, now_s, period_s),
+                                      ttft_windows=latency_windows(prev.ttft_windows, None, 0.0, now_s, period_s))
             continue
         r_t, r_i, load = evidence
         if prev is None or prev.observations == 0:
@@ -449,7 +453,9 @@ def update_corrections(
                                                        ev.ttft_p99_sampling_ms if own_ttft else None,
                                                        ev.itl_p99_ms, ev.itl_p99_sampling_ms, slo)
         out[config] = replace(nxt, applied_ttft_log=a_t, applied_itl_log=a_i,
-                              slo_windows=slo_windows(prev.slo_windows, verdict, load, now_s, period_s))
+                              slo_windows=slo_windows(prev.slo_windows, verdict, load, now_s, period_s),
+                              ttft_windows=latency_windows(prev.ttft_windows, ev.ttft_p99_ms if own_ttft else None,
+                                                           load, now_s, period_s))
     return out
 
 
@@ -586,8 +592,11 @@ def applied_speeds(
     corrections: Mapping[ConfigKey, Correction],
     configs: Mapping[ConfigKey, PerfProfile],
     extrapolating: Mapping[ConfigKey, tuple[str, ...]],
+    ttft_slo_ms: Mapping[str, float] | None = None,
 ) -> dict[ConfigKey, Speeds]:
-    """The speeds the plan uses per config (absent: the profile as fitted), with a readable note."""
+    """The speeds the plan uses per config (absent: the profile as fitted), with a readable note.
+    `ttft_slo_ms`: per model its TTFT target, by which a profile outside its data is held to its
+    replicas' own queue (`knee.queue_knee`); None: not held."""
     out: dict[ConfigKey, Speeds] = {}
     for config in sorted(configs):
         corr = corrections.get(config)
@@ -606,6 +615,15 @@ def applied_speeds(
         knee = knee_load(corr.slo_windows)
         held = max((x for _, x, missed in corr.slo_windows if not missed), default=None)
         floor = held_floor(corr.slo_windows)
+        # a profile outside its data may read the right speed at the loads seen and still put the knee
+        # too far out (its queue grows too slowly): the replicas' own TTFT curve bounds it
+        target = (ttft_slo_ms or {}).get(config.model)
+        queue = queue_knee(corr.ttft_windows, target) if extra and target is not None else None
+        if queue is not None and floor is not None:
+            queue = max(queue, floor)  # what the replicas held stands
+        queued = queue is not None and (knee is None or queue < knee)
+        if queued:
+            knee = queue
         # a profile outside its data (a roofline prior, lengths beyond the benchmark) is no evidence of
         # what a replica carries above the loads it was seen at, whatever speed it is corrected to
         seen_bound = trusted_load(corr)
@@ -619,7 +637,9 @@ def applied_speeds(
         if trusted is not None:
             note += (f"; the profile is outside its data: trusted up to {trusted:.2f} rps per replica" if unproven
                      else f"; faster than the profile trusted up to {trusted:.2f} rps per replica")
-        if knee is not None:
+        if queued and knee is not None:
+            note += f"; {queue_note(knee)}"
+        elif knee is not None:
             note += f"; {knee_note(knee)}"
         elif floor is not None:
             note += f"; {floor_note(floor)}"

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TypeVar
 
-__all__ = ["floor_note", "held_floor", "knee_load", "knee_note", "slo_missed", "slo_verdict", "slo_windows"]
+__all__ = ["floor_note", "held_floor", "knee_load", "knee_note", "latency_windows", "queue_knee", "queue_note",
+           "slo_missed", "slo_verdict", "slo_windows"]
 
 
 def slo_missed(p99_ms: float | None, sampling_ms: tuple[float, float] | None, slo_ms: float) -> bool:
@@ -127,9 +129,74 @@ def floor_note(floor_rps: float) -> str:
     return f"its replicas held the SLO at {floor_rps:.2f} rps per replica below every miss: counted for no less"
 
 
+W = TypeVar("W", tuple[float, float, bool], tuple[float, float, float])
+
+
+def _in_period(prev: tuple[W, ...], now_s: float, period_s: float | None) -> tuple[W, ...]:
+    """The windows (t_s first) of the SLO's period ending now (None: every one)."""
+    return tuple(w for w in prev if period_s is None or now_s - w[0] < period_s)
+
+
 def slo_windows(prev: tuple[tuple[float, float, bool], ...], verdict: bool | None, load: float,
                 now_s: float, period_s: float | None) -> tuple[tuple[float, float, bool], ...]:
-    kept = tuple(w for w in prev if period_s is None or now_s - w[0] < period_s)
+    kept = _in_period(prev, now_s, period_s)
     if verdict is not None and load > 0:
         kept = (*kept, (now_s, load, verdict))
+    return kept[-MAX_SLO_WINDOWS:]
+
+
+QUEUE_MIN_WINDOWS = 4  # a queue's curve needs its lightest windows and loaded ones
+QUEUE_LIGHT = 3  # the lightest windows whose median TTFT p99 is the latency without a queue
+QUEUE_SHOWN = 1.2  # a window shows a queue when its TTFT p99 is this many times that latency
+QUEUE_TOP = 3  # the most loaded such windows whose median reading is taken
+
+
+def queue_knee(windows: Sequence[tuple[float, float, float]], target_ms: float) -> float | None:
+    """The load per replica (rps) at which the replicas' own TTFT curve reaches the target, read as
+    a queue's: from the SLO period's windows (t_s, load per replica, TTFT p99 ms), the latency
+    without a queue (the median p99 of the QUEUE_LIGHT lightest windows: prefill of the long
+    prompts) and, per window that held the target with a queue shown (p99 above QUEUE_SHOWN x that
+    latency), the load at which a waiting time growing as 1 / (1 - utilisation) reaches the
+    target; the median of the QUEUE_TOP most loaded. None: fewer than QUEUE_MIN_WINDOWS windows, or
+    no queue shown below the target.
+
+    Why: a profile outside its data (a roofline prior) can read the right speed at the loads seen and
+    still put the knee too far out: its queue grows too slowly with load. azure x4's TensorRT-LLM TP4
+    replicas read TTFT x0.89 of the prior (capacity 6.5 rps per replica) while their p99 went
+    332 -> 715 ms from 2.0 to 4.4 rps against a 1,000 ms target: the queue says ~5.5-5.9, the ground
+    truth is 4.4 (p99 in every window), and the replicas missed at 5.2. At utilisation u the
+    p99 of an M/M/1 queue's time in system is the service time's x 1 / (1 - u); with the light
+    latency b, a window at load x with p99 w has u = 1 - b / w, and the target T is reached at
+    u_T = 1 - b / T, so at x * u_T / u.
+
+    >>> w = [(0, 2.0, 330.0), (0, 2.1, 340.0), (0, 2.3, 335.0), (0, 3.2, 420.0), (0, 4.4, 715.0), (0, 4.5, 675.0)]
+    >>> round(queue_knee(w, 1000.0), 2)   # light 335 ms: the target at u 0.665; 4.5, 4.4, 3.2 rps read 5.94, 5.50, 10.5
+    5.94
+    >>> queue_knee([(0, 2.0, 330.0), (0, 2.5, 340.0), (0, 3.0, 335.0), (0, 3.5, 338.0)], 1000.0) is None  # no queue
+    True
+    """
+    pts = sorted((x, ms) for _, x, ms in windows if x > 0 and math.isfinite(ms) and ms > 0)
+    if len(pts) < QUEUE_MIN_WINDOWS or not target_ms > 0:
+        return None
+    light = sorted(ms for _, ms in pts[:QUEUE_LIGHT])[QUEUE_LIGHT // 2]
+    if light >= target_ms:
+        return None
+    loaded = sorted(((x, ms) for x, ms in pts if QUEUE_SHOWN * light < ms <= target_ms), reverse=True)[:QUEUE_TOP]
+    if not loaded:
+        return None
+    reach = sorted(x * (1.0 - light / target_ms) / (1.0 - light / ms) for x, ms in loaded)
+    return reach[len(reach) // 2]
+
+
+def queue_note(rps: float) -> str:
+    """What the explanation says of a capacity held to its queue's knee."""
+    return f"its replicas' TTFT queue reaches the target at {rps:.2f} rps per replica: counted for no more"
+
+
+def latency_windows(prev: tuple[tuple[float, float, float], ...], ttft_ms: float | None, load: float,
+                    now_s: float, period_s: float | None) -> tuple[tuple[float, float, float], ...]:
+    """The SLO period's (t_s, load per replica, TTFT p99 ms) windows after this one (`queue_knee`)."""
+    kept = _in_period(prev, now_s, period_s)
+    if ttft_ms is not None and math.isfinite(ttft_ms) and ttft_ms > 0 and load > 0:
+        kept = (*kept, (now_s, load, ttft_ms))
     return kept[-MAX_SLO_WINDOWS:]

@@ -68,12 +68,16 @@ def test_misses_at_every_load_are_no_knee_and_a_period_later_the_bound_is_gone()
                  (0.8 * c, False)]
     corr = feed(scattered)
     assert all(w[2] in (True, False) for w in corr[KEY].slo_windows) and len(corr[KEY].slo_windows) == 6
+    # each window's TTFT p99 is kept with its load for the period, as read (planner/knee.py queue_knee)
+    assert [round(x, 9) for _, x, _ in corr[KEY].ttft_windows] == [round(x, 9) for x, _ in scattered]
+    assert [ms for _, _, ms in corr[KEY].ttft_windows][0::2] == [1500.0] * 3  # the misses' p99s
     assert "missed the SLO at" not in planned(corr).get(KEY).correction
     # a knee, then an hour of windows within the SLO at low load: the period forgets the misses
     knee = feed([(0.3 * c, False), (0.4 * c, False), (0.7 * c, True), (0.8 * c, True)])
     assert planned(knee)[KEY].max_rps <= 0.7 * c + 1e-9
     later = feed([(0.4 * c, False)] * 5, t0_s=1000.0 + 3700.0, start=knee)
     assert [w for w in later[KEY].slo_windows if w[2]] == []
+    assert [t for t, _, _ in later[KEY].ttft_windows] == [t for t, _, _ in later[KEY].slo_windows]  # the period's
     assert "missed the SLO at" not in planned(later)[KEY].correction
 
 
@@ -93,7 +97,8 @@ def test_a_sibling_nobody_saw_miss_is_counted_at_the_ratio_the_knee_showed_above
 
 def test_the_verdicts_survive_the_state_round_trip() -> None:
     c = Correction(KEY, -0.1, 0.01, 0.0, 0.02, 3, None, 1240.0, slo_windows=((1000.0, 2.0, False),
-                                                                             (1060.0, 3.1, True)))
+                                                                             (1060.0, 3.1, True)),
+                   ttft_windows=((1000.0, 2.0, 335.0), (1060.0, 3.1, 1500.5)))
     state = PlannerState((), 7, (c,))
     assert state_from_dict(state_to_dict(state)) == state
 
@@ -154,3 +159,31 @@ def test_a_replica_is_counted_for_no_less_than_the_load_its_windows_held_below_e
     missed = feed([(1.0 * c, True)], t0_s=1200.0, start=corr)
     assert "held the SLO at" not in planned(missed)[KEY].correction
     assert planned(missed)[KEY].max_rps < 1.5 * c - 1e-6
+
+
+def test_a_profile_outside_its_data_is_held_to_its_replicas_ttft_queue() -> None:
+    """A roofline prior read at the right speed at the loads seen can put the knee too far out; the
+    replicas' TTFT p99 rising toward the target says where the queue reaches it (knee.queue_knee)."""
+    c = capacity()
+    # 335 ms without a queue, then 420, 715 and 675 ms at 0.35, 0.48 and 0.5 of the profile's capacity
+    rising = ((900.0, 0.2 * c, 330.0), (960.0, 0.22 * c, 340.0), (1020.0, 0.25 * c, 335.0),
+              (1080.0, 0.35 * c, 420.0), (1140.0, 0.48 * c, 715.0), (1200.0, 0.5 * c, 675.0))
+    corr = {KEY: Correction(KEY, observations=6, updated_s=1200.0, ttft_windows=rising)}
+    outside = {KEY: ("roofline prior only (no benchmark data)",)}
+
+    def counted(extrapolating: dict, slo: dict | None) -> tuple[float, str]:
+        speeds = applied_speeds(corr, {KEY: TRUE}, extrapolating, slo)
+        table, _ = capacity_table(POLICY2, {KEY: TRUE}, WORK, [H100], speeds=speeds)
+        return table[KEY].max_rps, table[KEY].correction
+
+    held, note = counted(outside, {"m8": SLO_MS[0]})
+    assert abs(held - 0.5 * c * (1 - 335.0 / 1000.0) / (1 - 335.0 / 675.0)) < 1e-6  # the median reading, 0.66 c
+    assert "TTFT queue reaches the target at" in note
+    # a profile inside its data keeps its own shape, and without the target nothing is held
+    assert counted({}, {"m8": SLO_MS[0]})[0] > 0.95 * c
+    assert counted(outside, None)[0] > 0.95 * c
+    # what the replicas held below every miss stands above the queue's reading
+    floor = {KEY: Correction(KEY, observations=6, updated_s=1200.0, ttft_windows=rising,
+                             slo_windows=tuple((t, 0.8 * c, False) for t in (900.0, 960.0, 1020.0)))}
+    speeds = applied_speeds(floor, {KEY: TRUE}, outside, {"m8": SLO_MS[0]})
+    assert speeds[KEY].knee_rps is not None and abs(speeds[KEY].knee_rps - 0.8 * c) < 1e-9
