@@ -637,10 +637,8 @@ def applied_speeds(
         if trusted is not None:
             note += (f"; the profile is outside its data: trusted up to {trusted:.2f} rps per replica" if unproven
                      else f"; faster than the profile trusted up to {trusted:.2f} rps per replica")
-        if queued and knee is not None:
-            note += f"; {queue_note(knee)}"
-        elif knee is not None:
-            note += f"; {knee_note(knee)}"
+        if knee is not None:
+            note += f"; {queue_note(knee) if queued else knee_note(knee)}"
         elif floor is not None:
             note += f"; {floor_note(floor)}"
         out[config] = Speeds(st, si, note, trusted, knee, held, floor_rps=floor, profile_proven=not unproven)
