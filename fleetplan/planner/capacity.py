@@ -22,6 +22,7 @@ from fleetplan.models.mix import (
     scaled,
 )
 from fleetplan.models.names import Engine, GpuType
+from fleetplan.planner.knee import KneeKind, sibling_note
 from fleetplan.planner.policy import ModelPolicy, Policy
 from fleetplan.planner.types import ConfigKey
 
@@ -99,6 +100,7 @@ class Speeds:
     # the profile's own capacity is evidence (a fit inside its data): a trusted bound never counts a
     # replica below it. False: a prior or lengths beyond the data, bounded by the loads seen alone
     profile_proven: bool = True
+    knee_kind: KneeKind = KneeKind.MISSES  # what `knee_rps` was read from
 
 
 def candidate_configs(policy: Policy, gpus: Iterable[GpuType]) -> list[ConfigKey]:
@@ -350,18 +352,19 @@ def _siblings_knees(table: dict[ConfigKey, CapacityInfo], knees: Mapping[ConfigK
     >>> t[k(8)].max_rps   # 10 x 0.8 = 8, but its own replicas held 9 rps
     9.0
     """
-    lowest: dict[tuple[str, object], float] = {}
-    for key, r in knees.items():
-        lowest[(key.model, key.role)] = min(r, lowest.get((key.model, key.role), 1.0))
+    lowest: dict[tuple[str, object], tuple[float, KneeKind]] = {}
+    for key, r in sorted(knees.items()):
+        kind = speeds.get(key, Speeds()).knee_kind
+        if r < lowest.get((key.model, key.role), (1.0, kind))[0]:
+            lowest[(key.model, key.role)] = (r, kind)
     for key, info in list(table.items()):
-        ratio = lowest.get((key.model, key.role))
-        if ratio is None or key in knees or not (math.isfinite(info.max_rps) and info.max_rps > 0):
+        if (key.model, key.role) not in lowest or key in knees or not (math.isfinite(info.max_rps) and info.max_rps > 0):
             continue
+        ratio, kind = lowest[(key.model, key.role)]
         held = speeds.get(key, Speeds()).held_rps or 0.0
         rps = max(info.max_rps * ratio, min(held, info.max_rps))
         if rps < info.max_rps:
-            note = (f"{info.correction}; " if info.correction else "") + (
-                f"counted x{rps / info.max_rps:.2f}: a sibling's replicas missed the SLO below what its speeds said")
+            note = (f"{info.correction}; " if info.correction else "") + sibling_note(rps / info.max_rps, kind)
             table[key] = replace(info, max_rps=rps, correction=note)
 
 

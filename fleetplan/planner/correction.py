@@ -46,13 +46,13 @@ from fleetplan.models.mix import LengthMix, speeds_from_latency
 from fleetplan.models.profile import PerfProfile
 from fleetplan.planner.capacity import MixedWorkload, Speeds, mix_for
 from fleetplan.planner.knee import (
+    KneeKind,
     floor_note,
     held_floor,
     knee_load,
     knee_note,
     latency_windows,
     queue_knee,
-    queue_note,
     slo_missed,
     slo_verdict,
     slo_windows,
@@ -621,9 +621,9 @@ def applied_speeds(
         queue = queue_knee(corr.ttft_windows, target) if extra and target is not None else None
         if queue is not None and floor is not None:
             queue = max(queue, floor)  # what the replicas held stands
-        queued = queue is not None and (knee is None or queue < knee)
-        if queued:
-            knee = queue
+        kind = KneeKind.MISSES
+        if queue is not None and (knee is None or queue < knee):
+            knee, kind = queue, KneeKind.QUEUE
         # a profile outside its data (a roofline prior, lengths beyond the benchmark) is no evidence of
         # what a replica carries above the loads it was seen at, whatever speed it is corrected to
         seen_bound = trusted_load(corr)
@@ -638,10 +638,11 @@ def applied_speeds(
             note += (f"; the profile is outside its data: trusted up to {trusted:.2f} rps per replica" if unproven
                      else f"; faster than the profile trusted up to {trusted:.2f} rps per replica")
         if knee is not None:
-            note += f"; {queue_note(knee) if queued else knee_note(knee)}"
+            note += f"; {knee_note(knee, kind)}"
         elif floor is not None:
             note += f"; {floor_note(floor)}"
-        out[config] = Speeds(st, si, note, trusted, knee, held, floor_rps=floor, profile_proven=not unproven)
+        out[config] = Speeds(st, si, note, trusted, knee, held, floor_rps=floor, profile_proven=not unproven,
+                             knee_kind=kind)
     return out
 
 

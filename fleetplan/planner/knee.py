@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from enum import Enum
 from typing import TypeVar
 
-__all__ = ["floor_note", "held_floor", "knee_load", "knee_note", "latency_windows", "queue_knee", "queue_note",
+__all__ = ["KneeKind", "floor_note", "held_floor", "knee_load", "knee_note", "latency_windows", "queue_knee",
+           "sibling_note",
            "slo_missed", "slo_verdict", "slo_windows"]
 
 
@@ -119,9 +121,28 @@ def held_floor(windows: Sequence[tuple[float, float, bool]]) -> float | None:
     return held[KNEE_MIN - 1] if len(held) >= KNEE_MIN else None
 
 
-def knee_note(knee_rps: float) -> str:
+class KneeKind(Enum):
+    """What a knee was read from."""
+
+    MISSES = "misses"  # the replicas' windows missed the SLO at that load (`knee_load`)
+    QUEUE = "queue"  # their TTFT queue reaches the target there (`queue_knee`)
+
+
+def knee_note(knee_rps: float, kind: KneeKind = KneeKind.MISSES) -> str:
     """What the explanation says of a capacity held to its knee."""
+    if kind is KneeKind.QUEUE:
+        return f"its replicas' TTFT queue reaches the target at {knee_rps:.2f} rps per replica: counted for no more"
     return f"its replicas missed the SLO at {knee_rps:.2f} rps per replica and above: counted for no more"
+
+
+def sibling_note(ratio: float, kind: KneeKind) -> str:
+    """What the explanation says of a config counted at the ratio its sibling's knee showed.
+
+    >>> sibling_note(0.8, KneeKind.QUEUE)
+    "counted x0.80: a sibling's replicas showed a TTFT queue reaching the target below what its speeds said"
+    """
+    shown = ("showed a TTFT queue reaching the target" if kind is KneeKind.QUEUE else "missed the SLO")
+    return f"counted x{ratio:.2f}: a sibling's replicas {shown} below what its speeds said"
 
 
 def floor_note(floor_rps: float) -> str:
@@ -186,11 +207,6 @@ def queue_knee(windows: Sequence[tuple[float, float, float]], target_ms: float) 
         return None
     reach = sorted(x * (1.0 - light / target_ms) / (1.0 - light / ms) for x, ms in loaded)
     return reach[len(reach) // 2]
-
-
-def queue_note(rps: float) -> str:
-    """What the explanation says of a capacity held to its queue's knee."""
-    return f"its replicas' TTFT queue reaches the target at {rps:.2f} rps per replica: counted for no more"
 
 
 def latency_windows(prev: tuple[tuple[float, float, float], ...], ttft_ms: float | None, load: float,

@@ -90,6 +90,7 @@ def test_a_sibling_nobody_saw_miss_is_counted_at_the_ratio_the_knee_showed_above
     # sibling's, shared) say, and says why
     assert table[KEY2].max_rps <= table[KEY].max_rps + 1e-6
     assert "a sibling's replicas missed the SLO" in table[KEY2].correction
+    assert "TTFT queue" not in table[KEY2].correction
     # its own windows held the SLO at 0.8 of the profile's capacity: no lower than that
     both = feed([(0.8 * c, False)] * 3, key=KEY2, start=knee, t0_s=1300.0)
     assert planned(both, (KEY, KEY2))[KEY2].max_rps >= 0.8 * c - 1e-6
@@ -179,6 +180,12 @@ def test_a_profile_outside_its_data_is_held_to_its_replicas_ttft_queue() -> None
     held, note = counted(outside, {"m8": SLO_MS[0]})
     assert abs(held - 0.5 * c * (1 - 335.0 / 1000.0) / (1 - 335.0 / 675.0)) < 1e-6  # the median reading, 0.66 c
     assert "TTFT queue reaches the target at" in note
+    # an unobserved sibling is counted at the same ratio, and its note says the bound came from a queue
+    speeds = applied_speeds(corr, {KEY: TRUE, KEY2: TRUE}, outside, {"m8": SLO_MS[0]})
+    table, _ = capacity_table(POLICY2, {KEY: TRUE, KEY2: TRUE}, WORK, [H100], speeds=speeds)
+    assert abs(table[KEY2].max_rps - held) < 0.01 * c  # the same profile: the same ratio of it
+    assert "a sibling's replicas showed a TTFT queue reaching the target" in table[KEY2].correction
+    assert "missed" not in table[KEY2].correction
     # a profile inside its data keeps its own shape, and without the target nothing is held
     assert counted({}, {"m8": SLO_MS[0]})[0] > 0.95 * c
     assert counted(outside, None)[0] > 0.95 * c
