@@ -6,9 +6,12 @@
 Each case (cycle seconds : models) drives a real StateStore (controller/state.py) in a temporary
 directory on disk, on a simulated clock, with what a cycle of the daemon writes: the clock, the
 hosts' statuses (4 hosts, upserted), the cycle row, the observation (~2 KB per model), the plan
-(~7 KB per model, with the planner state), the decision record (~2 KB per model), the alerts, the
-cycle's end; every 10 simulated minutes a start and a drain per model with their acks. The
-payloads are JSON of the measured sizes (10-12 KB per model and cycle in the daemon).
+(`--plan-kb`, default 7 KB per model, with the planner state), the decision record (~2 KB per
+model), the alerts, the cycle's end; every 10 simulated minutes a start and a drain per model with
+their acks. The payloads are JSON of measured sizes: 10-12 KB per model and cycle in the daemon with
+one config observed; a model whose four configs were observed through an hour of bursty traffic
+carries a 24-26 KB plan (its planner state 11.6 KB, of which the TTFT windows and the verdicts are
+1.8 KB each: the coding-like hour, seed 4, `plan_to_dict` of the replay's last cycles).
 
 With retention, each cycle then runs one `prune_step` (controller/state_retention.py) with the
 controller's default settings (or --keep-days / --keep-plans-days / --max-mb). Without, the store
@@ -48,11 +51,11 @@ def blob(rng: random.Random, nbytes: int) -> str:
     return "".join(rng.choice("0123456789.,") for _ in range(nbytes))
 
 
-def payloads(models: int, seed: int = 0) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+def payloads(models: int, seed: int = 0, plan_kb: float = 7.0) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     rng = random.Random(seed)
     names = [f"model-{i:02d}" for i in range(models)]
     obs: dict[str, Any] = {m: {"series": blob(rng, 2000)} for m in names}
-    plan: dict[str, Any] = {"models": {m: {"explanation": blob(rng, 7000)} for m in names}}
+    plan: dict[str, Any] = {"models": {m: {"explanation": blob(rng, round(plan_kb * 1000))} for m in names}}
     decision: dict[str, Any] = {"models": {m: {"why": blob(rng, 2000)} for m in names}}
     return obs, plan, decision
 
@@ -62,13 +65,14 @@ def size_mb(path: Path) -> float:
     return (path.stat().st_size + (wal.stat().st_size if wal.exists() else 0)) / 2**20
 
 
-def run(cycle_s: float, models: int, days: float, rules: RetentionRules | None, t0: float = 1.7e9) -> dict[str, float]:
+def run(cycle_s: float, models: int, days: float, rules: RetentionRules | None, t0: float = 1.7e9,
+        plan_kb: float = 7.0) -> dict[str, float]:
     clock = [t0]
     with tempfile.TemporaryDirectory(prefix="store-growth-") as d:
         path = Path(d) / "state.db"
         store = StateStore(path, clock=lambda: clock[0])
         store._db.execute("PRAGMA synchronous=OFF")
-        obs, plan, decision = payloads(models)
+        obs, plan, decision = payloads(models, plan_kb=plan_kb)
         statuses = {f"host-{c}": {"host": f"host-{c}", "online": True, "gpu": "h100", "gpu_count": 8}
                     for c in "abcd"}
         cycles = int(days * DAY_S / cycle_s)
@@ -125,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-plans-days", type=float, default=defaults.keep_plans_days)
     ap.add_argument("--max-mb", type=float, default=defaults.max_mb)
     ap.add_argument("--rows-per-cycle", type=int, default=defaults.rows_per_cycle)
+    ap.add_argument("--plan-kb", type=float, default=7.0, help="the plan document per model and cycle (KB)")
     args = ap.parse_args(argv)
     rules = RetentionRules(keep_s=args.keep_days * DAY_S, keep_documents_s=args.keep_plans_days * DAY_S,
                            max_bytes=int(args.max_mb * 2**20), rows_per_cycle=args.rows_per_cycle)
@@ -135,12 +140,12 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         print(f"case {case} ({cycle_s:g} s cycles, {models} model(s)), without retention, "
               f"{args.without_days:g} day(s):", flush=True)
-        without = run(cycle_s, models, args.without_days, None)
+        without = run(cycle_s, models, args.without_days, None, plan_kb=args.plan_kb)
         week = without["final_mb"] / args.without_days * 7
         print(f"    {without['final_mb'] / args.without_days:.1f} MiB per day -> {week:.0f} MiB a week (extrapolated), "
               f"{without['final_mb'] * 2**20 / without['cycles'] / 1024:.1f} KiB per cycle", flush=True)
         print(f"  with retention, {args.days:g} day(s):", flush=True)
-        with_ = run(cycle_s, models, args.days, rules)
+        with_ = run(cycle_s, models, args.days, rules, plan_kb=args.plan_kb)
         print(f"case={case} with_mb={with_['final_mb']:.1f} max_with_mb={with_['peak_mb']:.1f} "
               f"without_week_mb={week:.0f} longest_prune_ms={with_['longest_s'] * 1000:.1f} "
               f"rows_pruned={with_['pruned']:.0f} wall_s={time.perf_counter() - t:.0f}", flush=True)
