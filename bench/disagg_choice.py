@@ -31,23 +31,22 @@ from pathlib import Path
 import numpy as np
 
 from fleetplan.models import disagg
-from fleetplan.models.mix import QUANTILE_LEVELS, LengthMix, mix_from_quantiles
+from fleetplan.models.mix import LengthMix
 from fleetplan.models.names import Precision, parse_engine, parse_gpu
 from fleetplan.models.profile import ConfigKey, PerfProfile, roofline_profile
 from fleetplan.planner.disagg_choice import choose_serving
 from fleetplan.shared.benchfiles import load_profiles
+from fleetplan.sim.evaluate import trace_workload
 from fleetplan.sim.traces import read_trace
 
 DEFAULT_TRACE = Path(__file__).resolve().parent.parent / "data" / "traces" / "coding_like_hour.jsonl"
 
 
 def trace_mix(path: Path) -> LengthMix:
-    reqs = read_trace(path).requests
-    isl = np.array([r.prompt_tokens for r in reqs], dtype=float)
-    osl = np.array([r.output_tokens for r in reqs], dtype=float)
-    qi = [(q, float(np.quantile(isl, q))) for q in QUANTILE_LEVELS]
-    qo = [(q, float(np.quantile(osl, q))) for q in QUANTILE_LEVELS]
-    return mix_from_quantiles(qi, qo, isl_mean=float(isl.mean()), osl_mean=float(osl.mean()))
+    """The trace's length mix as the controller reads it (`fleetplan.sim.evaluate.trace_workload`)."""
+    mix = trace_workload(read_trace(path).as_single_model("m"), "m").mix
+    assert mix is not None
+    return mix
 
 
 def _link(name: str, key: ConfigKey) -> disagg.KvLink:

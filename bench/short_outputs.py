@@ -24,17 +24,12 @@ from dataclasses import replace
 
 import numpy as np
 
-from fleetplan.models.mix import (
-    QUANTILE_LEVELS,
-    attainment_mix,
-    capacity_mix,
-    mix_from_quantiles,
-    predict_mix,
-)
+from fleetplan.models.mix import attainment_mix, capacity_mix, predict_mix
 from fleetplan.models.names import GpuType, Precision, parse_engine
 from fleetplan.models.profile import ConfigKey, PerfProfile, roofline_profile
 from fleetplan.shared.benchfiles import load_profiles
 from fleetplan.sim.core import replay_on_core
+from fleetplan.sim.evaluate import trace_workload
 from fleetplan.sim.groundtruth import build_params
 from fleetplan.sim.trace_build import CodingHour, coding_hour
 
@@ -64,22 +59,21 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     engine = parse_engine(args.engine)
     key = ConfigKey(MODEL, engine, GpuType.H100, args.tp, Precision.BF16)
-    trace = coding_hour(CodingHour(duration_s=3600.0), args.seed)
+    trace = coding_hour(CodingHour(duration_s=3600.0), args.seed).as_single_model(MODEL)
     lengths = [(r.prompt_tokens, r.output_tokens) for r in trace.requests]
     rng = random.Random(0)
     sample = [lengths[rng.randrange(len(lengths))] for _ in range(args.requests)]
     gaps = [rng.expovariate(1.0) for _ in range(args.requests)]
     warm = args.requests // 10
     params = build_params(engine, MODEL, GpuType.H100, args.tp)
-    isl = np.array([p for p, _ in lengths], dtype=float)
+    workload = trace_workload(trace, MODEL)  # the mix as the controller reads it from histograms
+    mix = workload.mix
+    assert mix is not None
     osl = np.array([o for _, o in lengths], dtype=float)
-    mix = mix_from_quantiles([(q, float(np.quantile(isl, q))) for q in QUANTILE_LEVELS],
-                             [(q, float(np.quantile(osl, q))) for q in QUANTILE_LEVELS],
-                             isl_mean=float(isl.mean()), osl_mean=float(osl.mean()))
     fitted = _profile(key, args.profiles)
     stalled = replace(fitted, params=replace(fitted.params, itl_stall_weight=args.stall_weight))
-    print(f"{key.label()}, coding-like seed {args.seed} lengths (prompts mean {isl.mean():.0f}, outputs "
-          f"mean {osl.mean():.0f}, {np.mean(osl <= 5):.0%} of outputs 5 tokens or fewer); SLO "
+    print(f"{key.label()}, coding-like seed {args.seed} lengths (prompts mean {workload.isl:.0f}, outputs "
+          f"mean {workload.osl:.0f}, {np.mean(osl <= 5):.0%} of outputs 5 tokens or fewer); SLO "
           f"{args.ttft_ms:g} / {args.itl_ms:g} ms; model: {fitted.source} profile, stall weight "
           f"{fitted.params.itl_stall_weight:g} as fitted, {args.stall_weight:g} set")
     for w, prof in ((fitted.params.itl_stall_weight, fitted), (args.stall_weight, stalled)):
