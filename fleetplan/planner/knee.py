@@ -150,7 +150,7 @@ def floor_note(floor_rps: float) -> str:
     return f"its replicas held the SLO at {floor_rps:.2f} rps per replica below every miss: counted for no less"
 
 
-W = TypeVar("W", tuple[float, float, bool], tuple[float, float, float])
+W = TypeVar("W", tuple[float, float, bool], tuple[float, float, float, float])
 
 
 def _in_period(prev: tuple[W, ...], now_s: float, period_s: float | None) -> tuple[W, ...]:
@@ -172,14 +172,15 @@ QUEUE_SHOWN = 1.2  # a window shows a queue when its TTFT p99 is this many times
 QUEUE_TOP = 3  # the most loaded such windows whose median reading is taken
 
 
-def queue_knee(windows: Sequence[tuple[float, float, float]], target_ms: float) -> float | None:
+def queue_knee(windows: Sequence[tuple[float, float, float, float]], target_ms: float) -> float | None:
     """The load per replica (rps) at which the replicas' own TTFT curve reaches the target, read as
-    a queue's: from the SLO period's windows (t_s, load per replica, TTFT p99 ms), the latency
-    without a queue (the median p99 of the QUEUE_LIGHT lightest windows: prefill of the long
-    prompts) and, per window that held the target with a queue shown (p99 above QUEUE_SHOWN x that
-    latency), the load at which a waiting time growing as 1 / (1 - utilisation) reaches the
-    target; the median of the QUEUE_TOP most loaded. None: fewer than QUEUE_MIN_WINDOWS windows, or
-    no queue shown below the target.
+    a queue's: from the SLO period's windows (t_s, load per replica, TTFT p99 ms, the low end of its
+    sampling interval ms), the latency without a queue (the median p99 of the QUEUE_LIGHT lightest
+    windows: prefill of the long prompts) and, per window that held the target with a queue shown
+    beyond its noise (the low end of its p99's sampling interval above QUEUE_SHOWN x that latency),
+    the load at which a waiting time growing as 1 / (1 - utilisation) reaches the target, read at
+    that low end; the median of the QUEUE_TOP most loaded. None: fewer than QUEUE_MIN_WINDOWS
+    windows, or no queue shown below the target.
 
     Why: a profile outside its data (a roofline prior) can read the right speed at the loads seen and
     still put the knee too far out: its queue grows too slowly with load. azure x4's TensorRT-LLM TP4
@@ -188,31 +189,46 @@ def queue_knee(windows: Sequence[tuple[float, float, float]], target_ms: float) 
     truth is 4.4 (p99 in every window), and the replicas missed at 5.2. At utilisation u the
     p99 of an M/M/1 queue's time in system is the service time's x 1 / (1 - u); with the light
     latency b, a window at load x with p99 w has u = 1 - b / w, and the target T is reached at
-    u_T = 1 - b / T, so at x * u_T / u.
+    u_T = 1 - b / T, so at x * u_T / u. Beyond the noise: at 1-2 rps a window's p99 is its one or
+    two slowest requests, and one long prompt among them is no queue (`latency_windows`).
 
-    >>> w = [(0, 2.0, 330.0), (0, 2.1, 340.0), (0, 2.3, 335.0), (0, 3.2, 420.0), (0, 4.4, 715.0), (0, 4.5, 675.0)]
-    >>> round(queue_knee(w, 1000.0), 2)   # light 335 ms: the target at u 0.665; 4.5, 4.4, 3.2 rps read 5.94, 5.50, 10.5
-    5.94
-    >>> queue_knee([(0, 2.0, 330.0), (0, 2.5, 340.0), (0, 3.0, 335.0), (0, 3.5, 338.0)], 1000.0) is None  # no queue
+    >>> w = [(0, 2.0, 330.0, 320.0), (0, 2.1, 340.0, 330.0), (0, 2.3, 335.0, 325.0), (0, 3.2, 420.0, 410.0),
+    ...      (0, 4.4, 715.0, 700.0), (0, 4.5, 675.0, 665.0)]
+    >>> round(queue_knee(w, 1000.0), 2)   # light 335 ms: the target at u 0.665; 4.5, 4.4, 3.2 rps read 6.03, 5.61, 11.6
+    6.03
+    >>> queue_knee([(0, 2.0, 330.0, 320.0), (0, 2.5, 340.0, 330.0), (0, 3.0, 335.0, 325.0), (0, 3.5, 338.0, 328.0)],
+    ...            1000.0) is None  # no queue
+    True
+    >>> queue_knee([(0, 1.0, 500.0, 450.0), (0, 1.1, 520.0, 470.0), (0, 1.2, 510.0, 460.0), (0, 1.6, 900.0, 520.0)],
+    ...            1000.0) is None  # a p99 of 900 ms whose window could read 520: one long prompt, no queue
     True
     """
-    pts = sorted((x, ms) for _, x, ms in windows if x > 0 and math.isfinite(ms) and ms > 0)
+    pts = sorted((x, ms, lo) for _, x, ms, lo in windows if x > 0 and math.isfinite(ms) and ms > 0 and lo > 0)
     if len(pts) < QUEUE_MIN_WINDOWS or not target_ms > 0:
         return None
-    light = sorted(ms for _, ms in pts[:QUEUE_LIGHT])[QUEUE_LIGHT // 2]
+    light = sorted(ms for _, ms, _lo in pts[:QUEUE_LIGHT])[QUEUE_LIGHT // 2]
     if light >= target_ms:
         return None
-    loaded = sorted(((x, ms) for x, ms in pts if QUEUE_SHOWN * light < ms <= target_ms), reverse=True)[:QUEUE_TOP]
+    loaded = sorted(((x, lo) for x, ms, lo in pts if QUEUE_SHOWN * light < lo and ms <= target_ms),
+                    reverse=True)[:QUEUE_TOP]
     if not loaded:
         return None
-    reach = sorted(x * (1.0 - light / target_ms) / (1.0 - light / ms) for x, ms in loaded)
+    reach = sorted(x * (1.0 - light / target_ms) / (1.0 - light / lo) for x, lo in loaded)
     return reach[len(reach) // 2]
 
 
-def latency_windows(prev: tuple[tuple[float, float, float], ...], ttft_ms: float | None, load: float,
-                    now_s: float, period_s: float | None) -> tuple[tuple[float, float, float], ...]:
-    """The SLO period's (t_s, load per replica, TTFT p99 ms) windows after this one (`queue_knee`)."""
+def latency_windows(prev: tuple[tuple[float, float, float, float], ...], ttft_ms: float | None,
+                    sampling_ms: tuple[float, float] | None, load: float,
+                    now_s: float, period_s: float | None) -> tuple[tuple[float, float, float, float], ...]:
+    """The SLO period's (t_s, load per replica, TTFT p99 ms, low ms) windows after this one
+    (`queue_knee`): low is the low end of the p99's sampling interval (`sampling_ms`, what a window
+    of as many requests would read at its luckiest; without one, the p99 itself).
+
+    >>> latency_windows((), 900.0, (520.0, 1400.0), 1.5, 60.0, 3600.0)
+    ((60.0, 1.5, 900.0, 520.0),)
+    """
     kept = _in_period(prev, now_s, period_s)
     if ttft_ms is not None and math.isfinite(ttft_ms) and ttft_ms > 0 and load > 0:
-        kept = (*kept, (now_s, load, ttft_ms))
+        low = sampling_ms[0] if sampling_ms is not None and math.isfinite(sampling_ms[0]) else ttft_ms
+        kept = (*kept, (now_s, load, ttft_ms, min(ttft_ms, low) if low > 0 else ttft_ms))
     return kept[-MAX_SLO_WINDOWS:]

@@ -140,8 +140,10 @@ class CorrectionDoc(_Strict):
     itl_points: tuple[tuple[float, float, float], ...] = Field(default=(), max_length=32)
     # (t_s, load per replica rps, missed) of the SLO period's windows (planner/knee.py knee_load)
     slo_windows: tuple[tuple[float, float, bool], ...] = Field(default=(), max_length=128)
-    # (t_s, load per replica rps, TTFT p99 ms) of the SLO period's windows (planner/knee.py queue_knee)
-    ttft_windows: tuple[tuple[float, float, float], ...] = Field(default=(), max_length=128)
+    # (t_s, load per replica rps, TTFT p99 ms, its sampling interval's low end ms) of the SLO period's
+    # windows (planner/knee.py queue_knee); a state written before the low end was kept has three
+    ttft_windows: tuple[tuple[float, float, float, float] | tuple[float, float, float], ...] = Field(
+        default=(), max_length=128)
 
 
 class LengthsDoc(_Strict):
@@ -242,7 +244,8 @@ def state_to_dict(state: PlannerState) -> dict[str, Any]:
                          "itl_points": [list(p) for p in k.itl_points],
                          # a tenth of a second and four decimals of rps say all a knee needs, in half the bytes
                          "slo_windows": [[round(t, 1), round(x, 4), m] for t, x, m in k.slo_windows],
-                         "ttft_windows": [[round(t, 1), round(x, 4), round(ms, 1)] for t, x, ms in k.ttft_windows]}
+                         "ttft_windows": [[round(t, 1), round(x, 4), round(ms, 1), round(lo, 1)]
+                                          for t, x, ms, lo in k.ttft_windows]}
                         for k in state.corrections],
         "bursts": [list(b) for b in state.bursts],
         "lengths": [{"model": h.model, "t_s": h.t_s, "isl": h.isl, "osl": h.osl,
@@ -264,7 +267,8 @@ def _state(doc: StateDoc) -> PlannerState:
         tuple(sorted((Correction(key(k), k.ttft_log, k.ttft_var, k.itl_log, k.itl_var, k.observations, k.since_s,
                                  k.updated_s, k.observed_ttft_speed, k.observed_itl_speed, k.applied_ttft_log,
                                  k.applied_itl_log, tuple(k.ttft_points), tuple(k.itl_points),
-                                 tuple(k.slo_windows), tuple(k.ttft_windows))
+                                 tuple(k.slo_windows),
+                                 tuple((w[0], w[1], w[2], w[3] if len(w) > 3 else w[2]) for w in k.ttft_windows))
                       for k in doc.corrections), key=lambda c: c.config)),
         tuple((b[0], b[1], b[2], b[3] if len(b) > 3 else 0.0) for b in doc.bursts),
         tuple(HeldLengths(h.model, h.t_s, h.isl, h.osl, tuple(h.isl_quantiles), tuple(h.osl_quantiles),

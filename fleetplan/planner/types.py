@@ -189,9 +189,10 @@ class Correction:
     # missed) of each window whose p99s were clearly within the targets (False) or beyond them (True):
     # where the replicas miss, whatever the profile's shape says (planner/knee.py knee_load)
     slo_windows: tuple[tuple[float, float, bool], ...] = ()
-    # (t_s, load per replica rps, TTFT p99 ms) of the SLO period's windows, oldest first: the replicas'
-    # own queue, which bounds a profile used outside its data (planner/knee.py queue_knee)
-    ttft_windows: tuple[tuple[float, float, float], ...] = ()
+    # (t_s, load per replica rps, TTFT p99 ms, the low end of its sampling interval ms) of the SLO
+    # period's windows, oldest first: the replicas' own queue, which bounds a profile used outside its
+    # data (planner/knee.py queue_knee)
+    ttft_windows: tuple[tuple[float, float, float, float], ...] = ()
 
 
 @dataclass(frozen=True)

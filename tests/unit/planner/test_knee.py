@@ -68,16 +68,18 @@ def test_misses_at_every_load_are_no_knee_and_a_period_later_the_bound_is_gone()
                  (0.8 * c, False)]
     corr = feed(scattered)
     assert all(w[2] in (True, False) for w in corr[KEY].slo_windows) and len(corr[KEY].slo_windows) == 6
-    # each window's TTFT p99 is kept with its load for the period, as read (planner/knee.py queue_knee)
-    assert [round(x, 9) for _, x, _ in corr[KEY].ttft_windows] == [round(x, 9) for x, _ in scattered]
-    assert [ms for _, _, ms in corr[KEY].ttft_windows][0::2] == [1500.0] * 3  # the misses' p99s
+    # each window's TTFT p99 is kept with its load for the period, as read, with the low end of its
+    # sampling interval (the p99 itself where the window has none; planner/knee.py queue_knee)
+    assert [round(x, 9) for _, x, _, _ in corr[KEY].ttft_windows] == [round(x, 9) for x, _ in scattered]
+    assert [(ms, lo) for _, _, ms, lo in corr[KEY].ttft_windows][0::2] == [(1500.0, 1300.0)] * 3  # the misses'
+    assert all(ms == lo for _, _, ms, lo in corr[KEY].ttft_windows[1::2])
     assert "missed the SLO at" not in planned(corr).get(KEY).correction
     # a knee, then an hour of windows within the SLO at low load: the period forgets the misses
     knee = feed([(0.3 * c, False), (0.4 * c, False), (0.7 * c, True), (0.8 * c, True)])
     assert planned(knee)[KEY].max_rps <= 0.7 * c + 1e-9
     later = feed([(0.4 * c, False)] * 5, t0_s=1000.0 + 3700.0, start=knee)
     assert [w for w in later[KEY].slo_windows if w[2]] == []
-    assert [t for t, _, _ in later[KEY].ttft_windows] == [t for t, _, _ in later[KEY].slo_windows]  # the period's
+    assert [t for t, *_ in later[KEY].ttft_windows] == [t for t, _, _ in later[KEY].slo_windows]  # the period's
     assert "missed the SLO at" not in planned(later)[KEY].correction
 
 
@@ -99,9 +101,14 @@ def test_a_sibling_nobody_saw_miss_is_counted_at_the_ratio_the_knee_showed_above
 def test_the_verdicts_survive_the_state_round_trip() -> None:
     c = Correction(KEY, -0.1, 0.01, 0.0, 0.02, 3, None, 1240.0, slo_windows=((1000.0, 2.0, False),
                                                                              (1060.0, 3.1, True)),
-                   ttft_windows=((1000.0, 2.0, 335.0), (1060.0, 3.1, 1500.5)))
+                   ttft_windows=((1000.0, 2.0, 335.0, 320.5), (1060.0, 3.1, 1500.5, 1300.0)))
     state = PlannerState((), 7, (c,))
     assert state_from_dict(state_to_dict(state)) == state
+    # a state written before the low end was kept reads each window's p99 as its own low end
+    doc = state_to_dict(state)
+    doc["corrections"][0]["ttft_windows"] = [w[:3] for w in doc["corrections"][0]["ttft_windows"]]
+    old = state_from_dict(doc).corrections[0].ttft_windows
+    assert old == ((1000.0, 2.0, 335.0, 335.0), (1060.0, 3.1, 1500.5, 1500.5))
 
 
 def test_the_plan_counts_a_config_at_its_knee_and_says_so_in_a_field() -> None:
@@ -167,8 +174,8 @@ def test_a_profile_outside_its_data_is_held_to_its_replicas_ttft_queue() -> None
     replicas' TTFT p99 rising toward the target says where the queue reaches it (knee.queue_knee)."""
     c = capacity()
     # 335 ms without a queue, then 420, 715 and 675 ms at 0.35, 0.48 and 0.5 of the profile's capacity
-    rising = ((900.0, 0.2 * c, 330.0), (960.0, 0.22 * c, 340.0), (1020.0, 0.25 * c, 335.0),
-              (1080.0, 0.35 * c, 420.0), (1140.0, 0.48 * c, 715.0), (1200.0, 0.5 * c, 675.0))
+    rising = ((900.0, 0.2 * c, 330.0, 330.0), (960.0, 0.22 * c, 340.0, 340.0), (1020.0, 0.25 * c, 335.0, 335.0),
+              (1080.0, 0.35 * c, 420.0, 420.0), (1140.0, 0.48 * c, 715.0, 715.0), (1200.0, 0.5 * c, 675.0, 675.0))
     corr = {KEY: Correction(KEY, observations=6, updated_s=1200.0, ttft_windows=rising)}
     outside = {KEY: ("roofline prior only (no benchmark data)",)}
 
@@ -194,3 +201,28 @@ def test_a_profile_outside_its_data_is_held_to_its_replicas_ttft_queue() -> None
                              slo_windows=tuple((t, 0.8 * c, False) for t in (900.0, 960.0, 1020.0)))}
     speeds = applied_speeds(floor, {KEY: TRUE}, outside, {"m8": SLO_MS[0]})
     assert speeds[KEY].knee_rps is not None and abs(speeds[KEY].knee_rps - 0.8 * c) < 1e-9
+
+
+def test_a_p99_within_its_sampling_noise_of_the_light_latency_is_no_queue() -> None:
+    """At 1-2 rps a window's p99 is its one or two slowest requests: a long prompt among them reads
+    as a queue that the 1 / (1 - utilisation) curve carries down to the load the window held. Read at
+    the low end of its sampling interval, a window shows a queue only beyond its noise."""
+    c = capacity()
+    p99s = ((0.2, 330.0), (0.22, 340.0), (0.25, 335.0), (0.35, 420.0), (0.48, 715.0), (0.5, 675.0))
+    outside = {KEY: ("roofline prior only (no benchmark data)",)}
+
+    def knee(low_of: float) -> float | None:
+        """The queue's reading when each window's p99 could have read `low_of` x the light latency."""
+        ws = tuple((900.0 + 60.0 * i, f * c, ms, min(ms, low_of * 335.0)) for i, (f, ms) in enumerate(p99s))
+        corr = {KEY: Correction(KEY, observations=6, updated_s=1200.0, ttft_windows=ws)}
+        speeds = applied_speeds(corr, {KEY: TRUE}, outside, {"m8": SLO_MS[0]}).get(KEY)
+        return None if speeds is None else speeds.knee_rps
+
+    assert knee(1.05) is None  # every window could have read within 5% of the light latency: no queue
+    shown = knee(1.6)  # the loaded windows' luckiest reading still 1.6x it: a queue, read at that low end
+    assert shown is not None and abs(shown - 0.5 * c * (1 - 335.0 / 1000.0) / (1 - 1.0 / 1.6)) < 1e-6
+    # through the correction: windows fed with wide intervals keep their low ends
+    wide = ConfigObservation(KEY, 1, 0.5 * c, 900.0, 40.0, 400.0, ttft_p99_sampling_ms=(350.0, 1400.0))
+    out = update_corrections({}, {"m8": ModelObservation("m8", 0.5 * c, 500.0, 200.0, configs=(wide,))},
+                             {KEY: TRUE}, WORK, {}, 1000.0, {"m8": SLO_MS}, {"m8": 3600.0})
+    assert out[KEY].ttft_windows == ((1000.0, 0.5 * c, 900.0, 350.0),)
