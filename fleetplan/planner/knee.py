@@ -28,8 +28,13 @@ def slo_missed(p99_ms: float | None, sampling_ms: tuple[float, float] | None, sl
     """
     if p99_ms is None or not math.isfinite(p99_ms) or p99_ms <= slo_ms:
         return False
-    low = sampling_ms[0] if sampling_ms is not None and math.isfinite(sampling_ms[0]) else p99_ms
-    return low > slo_ms
+    return _luckiest(p99_ms, sampling_ms) > slo_ms
+
+
+def _luckiest(p99_ms: float, sampling_ms: tuple[float, float] | None) -> float:
+    """What a window of as many requests would read at its luckiest: the low end of the p99's
+    sampling interval; without one, the p99 itself."""
+    return sampling_ms[0] if sampling_ms is not None and math.isfinite(sampling_ms[0]) else p99_ms
 
 
 # the most windows of an SLO period kept per config (2 h of 60 s cycles: a day's period keeps its last
@@ -229,6 +234,6 @@ def latency_windows(prev: tuple[tuple[float, float, float, float], ...], ttft_ms
     """
     kept = _in_period(prev, now_s, period_s)
     if ttft_ms is not None and math.isfinite(ttft_ms) and ttft_ms > 0 and load > 0:
-        low = sampling_ms[0] if sampling_ms is not None and math.isfinite(sampling_ms[0]) else ttft_ms
+        low = _luckiest(ttft_ms, sampling_ms)
         kept = (*kept, (now_s, load, ttft_ms, min(ttft_ms, low) if low > 0 else ttft_ms))
     return kept[-MAX_SLO_WINDOWS:]
