@@ -1,7 +1,7 @@
 """Days and weeks: fleetplan against the yardsticks found with hindsight, over the users' horizon.
 
     .venv/bin/python bench/evaluate_days.py [--scenarios azure,mooncake] [--per-day 100000,400000]
-        [--shape day|week] [--day 2] [--profiles benchmarks|ground-truth|FILE] [--seed 1]
+        [--shape day|week] [--day 2] [--swing X] [--profiles benchmarks|ground-truth|FILE] [--seed 1]
         [--policies fleetplan,best-fixed,hpa-tuned,clairvoyant] [--workers 2 | --ray ADDRESS]
         [--json-out FILE]
 
@@ -10,8 +10,10 @@ real week shape (data/traces/azure_llm_conv_2024_week_rate.csv; `fleetplan trace
 fleetplan/sim/trace_build.py: the source log's burstiness inside a minute, lengths, sessions and
 prefix blocks, the week's envelope) at each requested number of requests per day, and replays it
 with `fleetplan.sim.evaluate.evaluate` under the scenario's policy (bench/evaluate_traces.py: azure =
-Llama-3-70B on 8 x 8 H100, mooncake = Llama-3-8B on 4 x 8 H100, TensorRT-LLM builds paid at their
-lead time where not cached) and profiles fitted from data/benchmarks (the user's workflow). It prints
+Llama-3-70B on 8 x 8 H100, mooncake = Llama-3-8B on 4 x 8 H100, coding = the bursty coding-like hour
+under config/example-policy.yaml's Llama-3-8B, TensorRT-LLM builds paid at their lead time where not
+cached; `--swing X` deepens the span's nights until its hourly peak-to-trough is X, as a coding
+service's, `trace_build.deepened`) and profiles fitted from data/benchmarks (the user's workflow). It prints
 per run: GPU-hours, SLO attainment (the day's share) and the worst rolling period's share (the
 SLO the policy writes, every policy and yardstick judged by it: sim/slo_periods.py) per policy,
 fleetplan over best-fixed, tuned hpa and the
@@ -41,20 +43,26 @@ GOALS = {"best-fixed": 0.70, "hpa-tuned": 0.85, "clairvoyant": 1.20}
 DAY_S = 86_400.0
 
 
-def build(scenario: str, per_day: float, shape: tb.Shape, day: int, seed: int) -> Any:
-    """The scenario's source log on the week's shape at `per_day` requests a day: (trace, policy, model)."""
+def build(scenario: str, per_day: float, shape: tb.Shape, day: int, seed: int,
+          swing: float | None = None) -> Any:
+    """The scenario's source log on the week's shape at `per_day` requests a day: (trace, policy, model).
+    `swing`: the span's peak-to-trough of hourly means made this (`trace_build.deepened`); None: the week's."""
     raw, _hour, policy, model, _scale = _scenario(scenario, DATA)
     week = tb.read_week_rate(DATA / "traces" / "azure_llm_conv_2024_week_rate.csv")
-    built = tb.build_on_shape(tb.source_log(raw), tb.envelope(week, shape, day), per_day / DAY_S, seed)
-    trace = prepare_trace(built.to_trace(f"{scenario}-{shape.value}-{per_day:g}/day", model), policy, model)
+    env = tb.envelope(week, shape, day)
+    if swing is not None:
+        env = tb.deepened(env, swing)
+    built = tb.build_on_shape(tb.source_log(raw), env, per_day / DAY_S, seed)
+    name = f"{scenario}-{shape.value}-{per_day:g}/day" + (f"-swing{swing:g}" if swing is not None else "")
+    trace = prepare_trace(built.to_trace(name, model), policy, model)
     return trace, policy, model
 
 
 def run(scenario: str, per_day: float, args: argparse.Namespace) -> dict[str, Any]:
     shape = tb.Shape(args.shape)
     t0 = time.perf_counter()
-    trace, policy, model = build(scenario, per_day, shape, args.day, args.seed)
-    profiles = profiles_for(args.profiles, f"days-{scenario}-{shape.value}-{per_day:g}-{args.seed}", trace, policy,
+    trace, policy, model = build(scenario, per_day, shape, args.day, args.seed, args.swing)
+    profiles = profiles_for(args.profiles, f"days-{scenario}-{shape.value}-{per_day:g}-{args.seed}-{args.swing}", trace, policy,
                             model, DATA)
     print(f"== {trace.source}: {len(trace.requests):,} requests over {trace.duration_s / 3600:.1f} h "
           f"(built in {time.perf_counter() - t0:.0f} s)", flush=True)
@@ -99,6 +107,8 @@ def main() -> int:
     ap.add_argument("--per-day", default="100000,400000", help="requests per day, comma-separated")
     ap.add_argument("--shape", choices=[s.value for s in tb.Shape], default="day")
     ap.add_argument("--day", type=int, default=tb.DEFAULT_DAY, help="with --shape day: 0 = Sunday .. 6")
+    ap.add_argument("--swing", type=float, default=None,
+                    help="the span's peak-to-trough of hourly means (default: the week's own; a coding service's ~31)")
     ap.add_argument("--profiles", default="benchmarks")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--policies", default="fleetplan,best-fixed,hpa-tuned,clairvoyant")

@@ -108,6 +108,7 @@ models:
 """
 
 LONG_CONTEXT_POLICY = (ROOT / "config" / "example-policy-long-context.yaml").read_text()
+EXAMPLE_POLICY = (ROOT / "config" / "example-policy.yaml").read_text()
 
 SCENARIOS = {
     "azure": ("azure_llm_conv_2023.csv", AZURE_POLICY, "llama-3-70b", 4.0),
@@ -115,6 +116,9 @@ SCENARIOS = {
     # the issue's long-context case: config/example-policy-long-context.yaml (TTFT 15 s / ITL 120 ms,
     # TP 1/2/4, TRT-LLM TP1/TP2 cached); meant to be run with --profiles benchmarks
     "mooncake-long": ("mooncake_conversation.jsonl", LONG_CONTEXT_POLICY, "llama-3-8b", 1.0),
+    # the bursty coding-like hour (`fleetplan trace coding`, seed 1: 60 s peak 4x the mean, 2.2k-token
+    # prompts, 28-token outputs) under config/example-policy.yaml's Llama-3-8B (TTFT 500 ms / ITL 50 ms)
+    "coding": ("coding_like_hour.jsonl", EXAMPLE_POLICY, "llama-3-8b", 1.0),
 }
 
 
@@ -122,6 +126,8 @@ def _scenario(key: str, data: Path) -> tuple[Trace, Trace, Policy, str, float]:
     """(the raw trace, its hour at the scenario's rate scale, the policy, the model, the scale)."""
     fname, policy_text, model, scale = SCENARIOS[key]
     policy = load_policy_text(policy_text, f"bench:{key}")
+    if len(policy.models) > 1:
+        policy = policy_for_models(policy, [model])
     raw = read_trace(data / "traces" / fname, model=model)
     hour = raw if scale == 1.0 else reshape(raw, duration_s=raw.duration_s, rate_scale=scale)
     return raw, hour, policy, model, scale

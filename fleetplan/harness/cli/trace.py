@@ -43,6 +43,9 @@ def register(subparsers: Any) -> None:
                    help="the request log: azure (Azure conversation 2023, 1 h) or mooncake (Kimi conversations "
                         "with prefix blocks, 1 h) from data/traces, or a trace FILE (Azure CSV, Mooncake JSONL, BurstGPT)")
     b.add_argument("--week-rate", type=Path, default=None, help=f"the week's rate CSV (default data/traces/{WEEK_RATE})")
+    b.add_argument("--swing", type=float, default=None,
+                   help="make the span's peak-to-trough of hourly means X (the week: 3.5; a coding service's: ~31): "
+                        "the same hours, deeper nights (default: the week's own)")
     b.add_argument("--seed", type=int, required=True)
     b.add_argument("--out", type=Path, required=True)
     b.set_defaults(handler=_build)
@@ -104,6 +107,10 @@ def _build(args: argparse.Namespace) -> int:
         week = tb.read_week_rate(args.week_rate or DATA / "traces" / WEEK_RATE)
         shape = tb.Shape(args.shape)
         env = tb.envelope(week, shape, args.day)
+        if args.swing is not None:
+            if not args.swing >= 1.0:
+                raise ValueError(f"--swing must be >= 1 (a peak-to-trough ratio of hourly means), got {args.swing}")
+            env = tb.deepened(env, args.swing)
         src_path = _source_path(args.source)
         src = tb.source_log(read_trace(src_path))
         src_rps = len(src.offset_s) / (src.minutes * tb.MINUTE_S)
@@ -124,7 +131,7 @@ def _build(args: argparse.Namespace) -> int:
     days = len(env) / tb.DAY_MINUTES
     info = {
         "kind": "shape", "shape": shape.value, "day": args.day if shape is tb.Shape.DAY else None, "seed": args.seed,
-        "week_rate": week.source, "source": str(src_path), "source_mean_rps": round(src_rps, 4),
+        "week_rate": week.source, "swing": round(tb.hourly_swing(env), 3), "source": str(src_path), "source_mean_rps": round(src_rps, 4),
         "mean_rps": round(mean_rps, 4), "requests_per_day": round(len(built) / days),
         "peak_to_mean_60s": round(tb.peak_to_mean(built.t_s, tb.MINUTE_S, len(env) * tb.MINUTE_S), 3),
         "source_minute_cv": {"raw": round(src.raw_cv, 4), "poisson": round(src.poisson_cv, 4),

@@ -27,6 +27,16 @@ def test_build_a_day_at_a_requests_per_day(tmp_path: Path, capsys: pytest.Captur
     assert f"{out}: {len(tr)} requests over 1 day(s)" in capsys.readouterr().out
 
 
+def test_a_day_with_a_coding_services_swing(tmp_path: Path) -> None:
+    out = tmp_path / "deep.jsonl"
+    assert main(["trace", "build", "--shape", "day", "--requests-per-day", "40000", "--swing", "10", "--seed", "3",
+                 "--out", str(out)]) == 0
+    t = np.array([r.t_s for r in read_trace(out).requests])
+    hourly = np.bincount((t // 3600).astype(int), minlength=24)[:24]
+    assert hourly.max() / hourly.min() == pytest.approx(10.0, rel=0.25)  # the conversation day's own is ~2
+    assert json.loads((tmp_path / "deep.jsonl.info.json").read_text())["swing"] == pytest.approx(10.0)
+
+
 def test_same_seed_same_file(tmp_path: Path) -> None:
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     for out in (a, b):
@@ -48,6 +58,8 @@ def test_bad_arguments_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "--rate-scale must be > 0, got 0.0" in capsys.readouterr().err
     assert main(["trace", "build", "--shape", "day", "--day", "9", "--seed", "1", "--out", str(out)]) == 2
     assert "day must be 0 (Sunday) to 6, got 9" in capsys.readouterr().err
+    assert main(["trace", "build", "--shape", "day", "--swing", "0.5", "--seed", "1", "--out", str(out)]) == 2
+    assert "--swing must be >= 1 (a peak-to-trough ratio of hourly means), got 0.5" in capsys.readouterr().err
     assert main(["trace", "build", "--shape", "week", "--source", str(tmp_path / "none.csv"), "--seed", "1",
                  "--out", str(out)]) == 2
     assert "none.csv: cannot read trace" in capsys.readouterr().err

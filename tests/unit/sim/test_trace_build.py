@@ -46,6 +46,20 @@ def test_week_envelope_is_the_services_week(week: tb.WeekRate) -> None:
     assert np.corrcoef(day, env[2 * 1440:3 * 1440])[0, 1] > 0.999
 
 
+def test_a_deeper_swing_keeps_the_hours_order_and_the_mean(week: tb.WeekRate) -> None:
+    day = tb.envelope(week, tb.Shape.DAY, 2)
+    assert tb.hourly_swing(day) == pytest.approx(1.97, rel=0.02)  # the conversation service's Tuesday
+    for swing in (1.97, 10.0, 31.0):
+        deep = tb.deepened(day, swing)
+        assert tb.hourly_swing(deep) == pytest.approx(swing, rel=1e-3) and deep.mean() == pytest.approx(1.0)
+        assert (np.argsort(deep, kind="stable") == np.argsort(day, kind="stable")).all()  # every minute keeps its rank
+    assert np.ptp(tb.deepened(day, 1.0)) < 0.15 * np.ptp(day)  # 1: (nearly) flat hours
+    with pytest.raises(ValueError, match=r"a peak-to-trough ratio, >= 1; got 0\.5"):
+        tb.deepened(day, 0.5)
+    with pytest.raises(ValueError, match="a flat envelope has no shape to deepen"):
+        tb.deepened(np.ones(120), 2.0)
+
+
 def test_week_rate_errors_name_file_line_field() -> None:
     text = "minute_start,rpm_min,rpm_median,rpm_max\n1,10,20,30\n8,10,x,30\n"
     with pytest.raises(TraceError, match=r"w.csv:3: field 'rpm_median' = 'x'"):
