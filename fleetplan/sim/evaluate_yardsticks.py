@@ -56,7 +56,11 @@ def run_clairvoyant(trace: Trace, subs: Mapping[str, Trace], cands: Mapping[str,
         counts.update(found.schedule.counts)
         lead.update(found.schedule.lead_s)
         first_lead.update(found.schedule.first_lead_s)
-        labels.append(f"{m} at {found.setting:g}x the window's rate")
+        if found.low_setting is None:
+            labels.append(f"{m} at {found.setting:g}x the window's rate")
+        else:
+            labels.append(f"{m} at {found.low_setting:g}x the window's rate, {found.setting:g}x in the "
+                          f"{found.high_windows} windows where {found.low_setting:g}x missed")
     schedule = Schedule(window_s, counts, lead, first_lead)
     res = FleetSim(trace, ScheduleController("clairvoyant", schedule), env, settings).run()
     return YardstickRun(res, f"{window_s:g} s windows; " + "; ".join(labels), 0.0)
