@@ -207,18 +207,23 @@ def _ladder_search(values: Sequence[float], run: Callable[[float], SimResult | N
     return Yardstick(best, values[i], log)
 
 
-def missed_windows(trace: Trace, result: SimResult, window_s: float, nwin: int, objective: float) -> np.ndarray:
+def missed_windows(trace: Trace, result: SimResult, window_s: float, nwin: int, objective: float,
+                   period_s: float | None = None) -> np.ndarray:
     """Per window, whether the requests that arrived in it missed more than the objective allows
     (a share above 1 - objective), widened by one window each side: a queue built in one window is
-    served in the next, and the schedule asks for a window's replicas ahead of it. All False when the
-    replay kept no per-request verdicts.
+    served in the next, and the schedule asks for a window's replicas ahead of it. With `period_s`
+    (the SLO's rolling period) also every window with a miss inside a period that missed more than
+    the objective allows: small misses in many windows add up. All False when the replay kept no
+    per-request verdicts.
 
     >>> from fleetplan.sim.traces import TraceRequest
-    >>> reqs = tuple(TraceRequest(float(t), 8, 8, "m") for t in range(0, 600, 6))  # 10 per 60 s window
-    >>> met = np.ones(100, dtype=bool); met[45:48] = False  # 3 of window 4's 10 requests missed
-    >>> res = SimResult("x", 600.0, 100, 100, 0, 0, 97, 1.0, 0.0, 0.0, np.zeros(0), np.zeros(0), 0, 0, (), 0, met=met)
-    >>> missed_windows(Trace("t", "synthetic", reqs), res, 60.0, 10, 0.99).astype(int).tolist()
-    [0, 0, 0, 1, 1, 1, 0, 0, 0, 0]
+    >>> trace = Trace("t", "synthetic", tuple(TraceRequest(float(t), 8, 8, "m") for t in range(0, 600, 3)))
+    >>> met = np.ones(200, dtype=bool); met[[1, 2, 3, 4, 45]] = False  # 20 a window: 4 miss in window 0, 1 in 2
+    >>> res = SimResult("x", 600.0, 200, 200, 0, 0, 195, 1.0, 0.0, 0.0, np.zeros(0), np.zeros(0), 0, 0, (), 0, met=met)
+    >>> missed_windows(trace, res, 60.0, 10, 0.92).astype(int).tolist()  # 4 > 8% of 20; 1 is not
+    [1, 1, 0, 0, 0, 0, 0, 0, 0, 0]
+    >>> missed_windows(trace, res, 60.0, 10, 0.92, period_s=180.0).astype(int).tolist()  # 5 > 8% of 60
+    [1, 1, 1, 0, 0, 0, 0, 0, 0, 0]
     """
     if result.met is None or not len(trace.requests):
         return np.zeros(nwin, dtype=bool)
@@ -230,6 +235,14 @@ def missed_windows(trace: Trace, result: SimResult, window_s: float, nwin: int, 
     wide = hot.copy()
     wide[1:] |= hot[:-1]
     wide[:-1] |= hot[1:]
+    if period_s is not None:
+        w = min(nwin, max(1, round(period_s / window_s)))
+        ca, cm = np.concatenate(([0.0], np.cumsum(arrived))), np.concatenate(([0.0], np.cumsum(missed)))
+        bad = np.flatnonzero(cm[w:] - cm[:-w] > (1.0 - objective) * (ca[w:] - ca[:-w]))  # period starts
+        cover = np.zeros(nwin + 1)
+        np.add.at(cover, bad, 1.0)
+        np.add.at(cover, bad + w, -1.0)
+        wide |= (np.cumsum(cover)[:nwin] > 0) & (missed > 0)
     return wide
 
 
@@ -238,13 +251,15 @@ REFINE_ROUNDS = 3  # replays per lower margin: each adds the windows its replay 
 
 def clairvoyant(trace: Trace, configs: Sequence[ConfigKey], capacity_rps: Mapping[ConfigKey, float],
                 env: Environment, settings: SimSettings, max_count: Callable[[ConfigKey], int],
-                gpus_of_type: Mapping[str, int], objective: float, window_s: float) -> Yardstick | None:
+                gpus_of_type: Mapping[str, int], objective: float, window_s: float,
+                period_s: float | None = None) -> Yardstick | None:
     """The clairvoyant autoscaler on one model's `trace` (module docstring): the smallest margin of
     MARGIN_LADDER whose schedule, replayed, serves `objective` of the requests; then, per lower
     margin the search replayed (the next one down, and the lowest at no less than half the found
     one), that lower margin everywhere except
     the windows its replay missed in, which keep the found one (`missed_windows`; a replay that still
-    misses adds its own missed windows, REFINE_ROUNDS at most). The cheapest schedule that serves is
+    misses adds its own missed windows and those with a miss in an SLO period (`period_s`) it
+    failed, REFINE_ROUNDS at most). The cheapest schedule that serves is
     the yardstick. Why: with hindsight a burst needs its margin only where it falls; one margin for a
     whole day holds a burst's margin through every quiet hour (a coding day's: 2x everywhere)."""
     rates = [float(r) for r in window_rates(trace.requests, window_s, trace.duration_s)]
@@ -292,7 +307,7 @@ def clairvoyant(trace: Trace, configs: Sequence[ConfigKey], capacity_rps: Mappin
                 if res.gpu_hours < best.result.gpu_hours:
                     best = replace(best, result=res, schedule=sched, low_setting=low, high_windows=int(hot.sum()))
                 break
-            more = hot | missed_windows(trace, res, window_s, nwin, objective)
+            more = hot | missed_windows(trace, res, window_s, nwin, objective, period_s)
             if (more == hot).all():
                 break
             hot = more
