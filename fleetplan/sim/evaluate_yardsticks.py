@@ -50,7 +50,7 @@ def run_clairvoyant(trace: Trace, subs: Mapping[str, Trace], cands: Mapping[str,
     first_lead: dict[ConfigKey, float] = {}
     labels = []
     for m, sub in sorted(subs.items()):
-        mp = next((x for x in policy.models if x.name == m), None)
+        mp = policy.model(m)
         found = clairvoyant(sub, cands[m], caps, env, settings, max_count, have, objective, window_s,
                             mp.slo.period_s if mp is not None else None)
         if found is None or found.schedule is None:

@@ -158,7 +158,7 @@ def envelope(week: WeekRate, shape: Shape, day: int = DEFAULT_DAY) -> np.ndarray
 
 def hourly_swing(env: np.ndarray) -> float:
     """Peak-to-trough of an envelope's hourly means (the figure a service's daily swing is quoted in:
-    the Azure conversation service's Tuesday 2.6x, its week 3.5x; a coding service's 31x)."""
+    the Azure conversation service's Tuesday 1.97x, its week 3.5x; a coding service's 31x)."""
     hours = np.asarray(env[: len(env) // 60 * 60], dtype=float).reshape(-1, 60).mean(axis=1)
     if not len(hours) or float(hours.min()) <= 0.0:
         raise ValueError("the envelope needs whole hours with a rate above 0")

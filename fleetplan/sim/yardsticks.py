@@ -266,6 +266,7 @@ def clairvoyant(trace: Trace, configs: Sequence[ConfigKey], capacity_rps: Mappin
     nwin = len(rates)
     replayed: dict[tuple[tuple[ConfigKey, tuple[int, ...]], ...], SimResult] = {}
     schedules: dict[float, Schedule] = {}
+    results: dict[float, SimResult] = {}  # per margin the search replayed
 
     def replay(margin: float | Sequence[float]) -> tuple[Schedule, SimResult] | None:
         sched = clairvoyant_schedule(rates, window_s, configs, capacity_rps, env.price_usd_h, env, max_count,
@@ -281,7 +282,7 @@ def clairvoyant(trace: Trace, configs: Sequence[ConfigKey], capacity_rps: Mappin
         got = replay(margin)
         if got is None:
             return None
-        schedules[margin] = got[0]
+        schedules[margin], results[margin] = got
         return got[1]
 
     found = _ladder_search(MARGIN_LADDER, run, objective)
@@ -289,15 +290,11 @@ def clairvoyant(trace: Trace, configs: Sequence[ConfigKey], capacity_rps: Mappin
         return None
     best = replace(found, schedule=schedules[found.setting])
     high = found.setting
-    below = sorted(m for m, _gh, _att in found.tried if m < high and m in schedules)
+    below = sorted(m for m in results if m < high)
+    half = [m for m in below if m >= high / 2.0]
     # the next margin down, and the lowest replayed at no less than half the found one
-    lows = sorted({below[-1], min(m for m in below if m >= high / 2.0)} if below and any(
-        m >= high / 2.0 for m in below) else set(below[-1:]), reverse=True)
-    for low in lows:
-        first = replay(low)
-        if first is None:
-            continue
-        hot = missed_windows(trace, first[1], window_s, nwin, objective)
+    for low in sorted({*below[-1:], *half[:1]}, reverse=True):
+        hot = missed_windows(trace, results[low], window_s, nwin, objective)
         for _ in range(REFINE_ROUNDS):
             got = replay([high if h else low for h in hot])
             if got is None:
