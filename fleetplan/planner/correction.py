@@ -419,7 +419,7 @@ def update_corrections(
                 a_t, a_i = _applied_logs(prev, extra, var0, now_s)
                 out[config] = replace(prev, applied_ttft_log=a_t, applied_itl_log=a_i,
                                       slo_windows=slo_windows(prev.slo_windows, None, 0.0, now_s, period_s),
-                                      ttft_windows=latency_windows(prev.ttft_windows, None, None, 0.0, now_s, period_s))
+                                      ttft_windows=latency_windows(prev.ttft_windows, None, None, 0.0, now_s, period_s, 0.0))
             continue
         r_t, r_i, load = evidence
         if prev is None or prev.observations == 0:
@@ -455,7 +455,8 @@ def update_corrections(
         out[config] = replace(nxt, applied_ttft_log=a_t, applied_itl_log=a_i,
                               slo_windows=slo_windows(prev.slo_windows, verdict, load, now_s, period_s),
                               ttft_windows=latency_windows(prev.ttft_windows, ev.ttft_p99_ms if own_ttft else None,
-                                                           ev.ttft_p99_sampling_ms, load, now_s, period_s))
+                                                           ev.ttft_p99_sampling_ms, load, now_s, period_s,
+                                                           ev.requests))
     return out
 
 

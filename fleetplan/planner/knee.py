@@ -222,18 +222,33 @@ def queue_knee(windows: Sequence[tuple[float, float, float, float]], target_ms: 
     return reach[len(reach) // 2]
 
 
+# a window's TTFT enters the queue's curve only when its p99 was read from this many requests or more
+QUEUE_MIN_REQUESTS = 100.0
+
+
 def latency_windows(prev: tuple[tuple[float, float, float, float], ...], ttft_ms: float | None,
                     sampling_ms: tuple[float, float] | None, load: float,
-                    now_s: float, period_s: float | None) -> tuple[tuple[float, float, float, float], ...]:
+                    now_s: float, period_s: float | None, requests: float) -> tuple[tuple[float, float, float, float], ...]:
     """The SLO period's (t_s, load per replica, TTFT p99 ms, low ms) windows after this one
     (`queue_knee`): low is the low end of the p99's sampling interval (`sampling_ms`, what a window
-    of as many requests would read at its luckiest; without one, the p99 itself).
+    of as many requests would read at its luckiest; without one, the p99 itself). A window of fewer
+    than QUEUE_MIN_REQUESTS `requests` is not kept.
 
-    >>> latency_windows((), 900.0, (520.0, 1400.0), 1.5, 60.0, 3600.0)
+    Why: the p99 of n < 100 requests is their slowest one, which reads on average the n / (n + 1)
+    quantile of their latencies, not the 99th: a window at half the load reads a lower quantile of
+    the same prompts' prefill. So the lightest windows of a light day read a "latency without a
+    queue" below the loaded windows' with no queue at all. Measured: a coding day at 1 rps
+    (one TensorRT-LLM TP1 replica, windows of 6-40 requests) read a queue reaching the 500 ms
+    target at 0.6-1.7 rps per replica against a ground truth of 2.7 (docs/decisions/0030).
+
+    >>> latency_windows((), 900.0, (520.0, 1400.0), 1.5, 60.0, 3600.0, 180.0)
     ((60.0, 1.5, 900.0, 520.0),)
+    >>> latency_windows((), 900.0, (520.0, 1400.0), 0.5, 60.0, 3600.0, 30.0)  # its slowest request
+    ()
     """
     kept = _in_period(prev, now_s, period_s)
-    if ttft_ms is not None and math.isfinite(ttft_ms) and ttft_ms > 0 and load > 0:
+    if (ttft_ms is not None and math.isfinite(ttft_ms) and ttft_ms > 0 and load > 0
+            and requests >= QUEUE_MIN_REQUESTS):
         low = _luckiest(ttft_ms, sampling_ms)
         kept = (*kept, (now_s, load, ttft_ms, min(ttft_ms, low) if low > 0 else ttft_ms))
     return kept[-MAX_SLO_WINDOWS:]

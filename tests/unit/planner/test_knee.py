@@ -226,3 +226,34 @@ def test_a_p99_within_its_sampling_noise_of_the_light_latency_is_no_queue() -> N
     out = update_corrections({}, {"m8": ModelObservation("m8", 0.5 * c, 500.0, 200.0, configs=(wide,))},
                              {KEY: TRUE}, WORK, {}, 1000.0, {"m8": SLO_MS}, {"m8": 3600.0})
     assert out[KEY].ttft_windows == ((1000.0, 0.5 * c, 900.0, 350.0),)
+
+
+def test_a_window_of_fewer_requests_than_a_p99_needs_shows_no_queue() -> None:
+    """The p99 of n < 100 requests is their slowest one, on average their n / (n + 1) quantile: on a
+    light day the lightest windows (8 requests, no long prompt among them) read a lower quantile of
+    the same prompts' prefill than the windows at three times their load (24-30 requests), which
+    reads as a queue that is not there. Such windows stay out of the queue's curve; the same
+    readings from windows of a p99's size still show one."""
+    c = capacity()
+    outside = {KEY: ("roofline prior only (no benchmark data)",)}
+    readings = [(0.04, 98.0), (0.045, 97.0), (0.05, 99.0), (0.14, 240.0), (0.15, 238.0), (0.16, 242.0)]
+
+    def fed(requests: float) -> dict[ConfigKey, Correction]:
+        out: dict[ConfigKey, Correction] = {}
+        for i, (f, ms) in enumerate(readings):
+            w = ConfigObservation(KEY, 1, f * c, ms, 20.0, requests, ttft_p99_sampling_ms=(0.95 * ms, ms))
+            obs = ModelObservation("m8", f * c, 500.0, 200.0, configs=(w,))
+            out = update_corrections(out, {"m8": obs}, {KEY: TRUE}, WORK, {}, 1000.0 + 60.0 * i, {"m8": SLO_MS},
+                                     {"m8": 3600.0})
+        return out
+
+    def knee(corr: dict[ConfigKey, Correction]) -> float | None:
+        speeds = applied_speeds(corr, {KEY: TRUE}, outside, {"m8": SLO_MS[0]}).get(KEY)
+        return None if speeds is None else speeds.knee_rps
+
+    few = fed(24.0)
+    assert few[KEY].ttft_windows == () and knee(few) is None
+    many = fed(400.0)
+    assert len(many[KEY].ttft_windows) == len(readings)
+    shown = knee(many)
+    assert shown is not None and shown < 0.5 * c  # what the rule keeps out: a queue at a third of the capacity
