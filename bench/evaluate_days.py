@@ -1,7 +1,7 @@
 """Days and weeks: fleetplan against the yardsticks found with hindsight, over the users' horizon.
 
     .venv/bin/python bench/evaluate_days.py [--scenarios azure,mooncake] [--per-day 100000,400000]
-        [--shape day|week] [--day 2] [--swing X] [--profiles benchmarks|ground-truth|FILE] [--seed 1]
+        [--shape day|week] [--day 2] [--swing X] [--window-floor F] [--profiles benchmarks|ground-truth|FILE] [--seed 1]
         [--policies fleetplan,best-fixed,hpa-tuned,clairvoyant] [--workers 2 | --ray ADDRESS]
         [--json-out FILE]
 
@@ -13,7 +13,10 @@ with `fleetplan.sim.evaluate.evaluate` under the scenario's policy (bench/evalua
 Llama-3-70B on 8 x 8 H100, mooncake = Llama-3-8B on 4 x 8 H100, coding = the bursty coding-like hour
 under config/example-policy.yaml's Llama-3-8B, TensorRT-LLM builds paid at their lead time where not
 cached; `--swing X` deepens the span's nights until its hourly peak-to-trough is X, as a coding
-service's, `trace_build.deepened`) and profiles fitted from data/benchmarks (the user's workflow). It prints
+service's, `trace_build.deepened`; `--window-floor F` lets fleetplan spend the SLO's error budget
+down to a good share of F in a window while the period has budget left, the policy's
+`slo.window_floor`: every policy is still judged by the objective over the period) and profiles
+fitted from data/benchmarks (the user's workflow). It prints
 per run: GPU-hours, SLO attainment (the day's share) and the worst rolling period's share (the
 SLO the policy writes, every policy and yardstick judged by it: sim/slo_periods.py) per policy,
 fleetplan over best-fixed, tuned hpa and the
@@ -34,8 +37,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from evaluate_traces import DATA, _scenario  # noqa: E402
+from pydantic import ValidationError  # noqa: E402
 from replay_day import profiles_for  # noqa: E402
 
+from fleetplan.planner.policy import Policy, Slo  # noqa: E402
 from fleetplan.sim import trace_build as tb  # noqa: E402
 from fleetplan.sim.evaluate import EvaluateOptions, evaluate, prepare_trace  # noqa: E402
 
@@ -58,13 +63,27 @@ def build(scenario: str, per_day: float, shape: tb.Shape, day: int, seed: int,
     return trace, policy, model
 
 
+def with_window_floor(policy: Policy, floor: float) -> Policy:
+    """The policy with every model's per-window floor at `floor` (`slo.window_floor`), validated as a
+    policy file's would be (a floor above the objective is refused)."""
+    models = tuple(m.model_copy(update={"slo": Slo.model_validate({**m.slo.model_dump(), "window_floor": floor})})
+                   for m in policy.models)
+    return policy.model_copy(update={"models": models})
+
+
 def run(scenario: str, per_day: float, args: argparse.Namespace) -> dict[str, Any]:
     shape = tb.Shape(args.shape)
     t0 = time.perf_counter()
     trace, policy, model = build(scenario, per_day, shape, args.day, args.seed, args.swing)
+    if args.window_floor is not None:
+        try:
+            policy = with_window_floor(policy, args.window_floor)
+        except ValidationError as e:
+            raise SystemExit(f"--window-floor {args.window_floor:g}: {e.errors()[0]['msg']}") from None
     profiles = profiles_for(args.profiles, f"days-{scenario}-{shape.value}-{per_day:g}-{args.seed}-{args.swing}", trace, policy,
                             model, DATA)
-    print(f"== {trace.source}: {len(trace.requests):,} requests over {trace.duration_s / 3600:.1f} h "
+    floor = "" if args.window_floor is None else f", window floor {args.window_floor:g}"
+    print(f"== {trace.source}: {len(trace.requests):,} requests over {trace.duration_s / 3600:.1f} h{floor} "
           f"(built in {time.perf_counter() - t0:.0f} s)", flush=True)
     t1 = time.perf_counter()
     ev = evaluate(trace, policy, profiles,
@@ -74,6 +93,7 @@ def run(scenario: str, per_day: float, args: argparse.Namespace) -> dict[str, An
     doc = ev.to_json()
     pols = doc["policies"]
     row: dict[str, Any] = {"scenario": scenario, "shape": shape.value, "requests_per_day": per_day,
+                           "window_floor": args.window_floor,
                            "requests": len(trace.requests), "wall_s": round(time.perf_counter() - t1, 1),
                            "policies": {n: {k: p.get(k) for k in ("gpu_hours", "slo_attainment", "slo_periods",
                                                                   "gpu_hours_by_engine", "found_at")}
@@ -109,6 +129,9 @@ def main() -> int:
     ap.add_argument("--day", type=int, default=tb.DEFAULT_DAY, help="with --shape day: 0 = Sunday .. 6")
     ap.add_argument("--swing", type=float, default=None,
                     help="the span's peak-to-trough of hourly means (default: the week's own; a coding service's ~31)")
+    ap.add_argument("--window-floor", type=float, default=None, metavar="F",
+                    help="fleetplan may size a window for a good share of F (< the objective) while the period "
+                         "has error budget left (slo.window_floor); default: every window at the objective")
     ap.add_argument("--profiles", default="benchmarks")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--policies", default="fleetplan,best-fixed,hpa-tuned,clairvoyant")
