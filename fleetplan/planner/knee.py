@@ -223,6 +223,8 @@ def queue_knee(windows: Sequence[tuple[float, float, float, float]], target_ms: 
 
 
 # a window's TTFT enters the queue's curve only when its p99 was read from this many requests or more
+# (more than planner/evidence.py's MIN_P99_SAMPLES, from which a window's p99 is read at all: a speed
+# reading weighs a small window by its sampling interval, a queue compares windows' quantiles)
 QUEUE_MIN_REQUESTS = 100.0
 
 

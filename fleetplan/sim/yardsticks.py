@@ -265,8 +265,7 @@ def clairvoyant(trace: Trace, configs: Sequence[ConfigKey], capacity_rps: Mappin
     rates = [float(r) for r in window_rates(trace.requests, window_s, trace.duration_s)]
     nwin = len(rates)
     replayed: dict[tuple[tuple[ConfigKey, tuple[int, ...]], ...], SimResult] = {}
-    schedules: dict[float, Schedule] = {}
-    results: dict[float, SimResult] = {}  # per margin the search replayed
+    tried: dict[float, tuple[Schedule, SimResult]] = {}  # per margin the search replayed
 
     def replay(margin: float | Sequence[float]) -> tuple[Schedule, SimResult] | None:
         sched = clairvoyant_schedule(rates, window_s, configs, capacity_rps, env.price_usd_h, env, max_count,
@@ -282,19 +281,19 @@ def clairvoyant(trace: Trace, configs: Sequence[ConfigKey], capacity_rps: Mappin
         got = replay(margin)
         if got is None:
             return None
-        schedules[margin], results[margin] = got
+        tried[margin] = got
         return got[1]
 
     found = _ladder_search(MARGIN_LADDER, run, objective)
     if found is None:
         return None
-    best = replace(found, schedule=schedules[found.setting])
+    best = replace(found, schedule=tried[found.setting][0])
     high = found.setting
-    below = sorted(m for m in results if m < high)
+    below = sorted(m for m in tried if m < high)
     half = [m for m in below if m >= high / 2.0]
     # the next margin down, and the lowest replayed at no less than half the found one
     for low in sorted({*below[-1:], *half[:1]}, reverse=True):
-        hot = missed_windows(trace, results[low], window_s, nwin, objective)
+        hot = missed_windows(trace, tried[low][1], window_s, nwin, objective)
         for _ in range(REFINE_ROUNDS):
             got = replay([high if h else low for h in hot])
             if got is None:

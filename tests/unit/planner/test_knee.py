@@ -256,4 +256,4 @@ def test_a_window_of_fewer_requests_than_a_p99_needs_shows_no_queue() -> None:
     many = fed(400.0)
     assert len(many[KEY].ttft_windows) == len(readings)
     shown = knee(many)
-    assert shown is not None and shown < 0.5 * c  # what the rule keeps out: a queue at a third of the capacity
+    assert shown is not None and shown < 0.5 * c  # what the rule keeps out: a queue at a quarter of the capacity (0.24)
