@@ -35,7 +35,7 @@ import httpx
 import yaml
 
 from fleetplan.harness.demo import Rig, demo_policy
-from fleetplan.harness.procs import free_port
+from fleetplan.harness.procs import free_port, port_is_free
 from fleetplan.sim.replay import RequestResult, run_load
 
 REPO = Path(__file__).resolve().parents[2]
@@ -59,6 +59,10 @@ def policy_doc(**over: Any) -> dict[str, Any]:
     for m in doc["models"]:
         m["allowed"]["tp"] = [4]
     return doc
+
+
+class _PortTaken(Exception):
+    """The report API's port was held by another process when the controller tried to bind it."""
 
 
 class ControllerProc:
@@ -87,6 +91,28 @@ class ControllerProc:
         os.replace(tmp, self.policy_path)
 
     def start(self, env: dict[str, str] | None = None) -> ControllerProc:
+        """Start the controller and wait for its report API.
+
+        A restart reuses the port, unless something took it while the controller was down (a client's
+        ephemeral port can land on it; the CI saw that once). Then the report API moves to a fresh port:
+        the controller's behaviour under test does not depend on the port, and `url` follows it.
+        """
+        if not port_is_free(self.port):
+            self._move_port()
+        for attempt in range(2):
+            try:
+                return self._start_once(env)
+            except _PortTaken:
+                if attempt:
+                    raise AssertionError(f"controller could not bind port {self.port}:\n{self.log_tail()}") from None
+                self._move_port()
+        raise AssertionError("unreachable")
+
+    def _move_port(self) -> None:
+        self.port = free_port(exclude=(self.port,))
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def _start_once(self, env: dict[str, str] | None) -> ControllerProc:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "fleetplan", "-v", "controller", "--policy", str(self.policy_path),
@@ -100,6 +126,10 @@ class ControllerProc:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                # Why check the port, not the log: the exit is the controller's; whether the port is held
+                # by another process is a fact the harness can read itself.
+                if not port_is_free(self.port):
+                    raise _PortTaken
                 raise AssertionError(f"controller exited {self.proc.returncode}:\n{self.log_tail()}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:

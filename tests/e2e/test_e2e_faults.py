@@ -141,7 +141,15 @@ async def test_lost_database_adopts_running_engines(rig, controller_factory) -> 
     ctrl.kill9()
     for f in ctrl.work.glob("state.db*"):
         f.unlink()
-    ctrl.start()
+    old_port = ctrl.port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as squatter:
+        # Another process holds the report port while the controller is down (a client's ephemeral port
+        # landed on it in a CI run): the restart moves the report API instead of failing.
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind(("127.0.0.1", old_port))
+        squatter.listen()
+        ctrl.start()
+    assert ctrl.port != old_port and ctrl.url.endswith(f":{ctrl.port}")
     await wait_until(lambda: len(ready_replicas(ctrl.report())) == 2, 30, "the 2 running engines adopted")
     await asyncio.sleep(3)  # more cycles: nothing may start or stop
     rep = ctrl.report()
