@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,7 +32,7 @@ ATTEMPTS = 3
 BEHIND_MAX_WALL_S = 0.5
 
 
-async def _sweeps(persona: Engine, meta: dict[str, object]) -> tuple[list[dict[str, object]], dict[str, object], float]:
+async def _sweeps(persona: Engine, meta: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any], float]:
     """(the training sweeps, the unseen one, the most wall seconds the engine's clock fell behind)."""
     engine = SimEngine(EngineConfig(persona, "llama-3.1-8b", GpuType.H100, 1, time_scale=K, startup_s=0.0,
                                     min_chunk_interval_ms=10.0, seed=3))
