@@ -39,7 +39,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from fleetplan.harness.procs import LabError, ManagedProcess, free_port, pid_alive, port_is_free
+from fleetplan.harness.procs import (
+    LabError,
+    ManagedProcess,
+    free_port,
+    pid_alive,
+    port_is_free,
+    retry_if_port_taken,
+)
 from fleetplan.harness.servers import (
     MosquittoServer,
     MqttUser,
@@ -246,16 +253,14 @@ class Lab:
         server: MosquittoServer | PrometheusServer | NginxServer | PoolProxyServer, used: set[int]
     ) -> None:
         """Start; if another process took the free port meanwhile, take another one (3 tries)."""
-        for attempt in range(3):
-            try:
-                server.start()
-                return
-            except LabError as exc:
-                if attempt == 2 or "address already in use" not in str(exc).lower():
-                    raise
+        def move() -> None:
             used.add(server.port)
             server.port = free_port(exclude=used)  # start() writes the config with it
             used.add(server.port)
+
+        retry_if_port_taken(server.start,
+                            lambda exc: isinstance(exc, LabError) and "address already in use" in str(exc).lower(),
+                            move, tries=3)
 
     def _scrape_pool_proxy(self) -> None:
         """Prometheus scrapes the pool proxy's own metrics (labelled service="pool-proxy": no

@@ -13,7 +13,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 LOOPBACK = "127.0.0.1"
 
@@ -55,6 +55,24 @@ def free_port(host: str = LOOPBACK, exclude: Iterable[int] = ()) -> int:
         if port not in excluded:
             return port
     raise LabError("no free port found")
+
+
+_T = TypeVar("_T")
+
+
+def retry_if_port_taken(start: Callable[[], _T], taken: Callable[[Exception], bool], move: Callable[[], None],
+                        tries: int) -> _T:
+    """`start()`; when it fails because another process took its port meanwhile (`taken(exc)`: a free
+    port is only free until someone binds it), `move()` to another port and start again, `tries` times
+    in all. Any other failure, and the last one, propagates."""
+    for attempt in range(tries):
+        try:
+            return start()
+        except Exception as exc:
+            if attempt == tries - 1 or not taken(exc):
+                raise
+        move()
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def port_is_free(port: int, host: str = LOOPBACK) -> bool:

@@ -35,7 +35,7 @@ import httpx
 import yaml
 
 from fleetplan.harness.demo import Rig, demo_policy
-from fleetplan.harness.procs import free_port, port_is_free
+from fleetplan.harness.procs import free_port, port_is_free, retry_if_port_taken
 from fleetplan.sim.replay import RequestResult, run_load
 
 REPO = Path(__file__).resolve().parents[2]
@@ -61,7 +61,7 @@ def policy_doc(**over: Any) -> dict[str, Any]:
     return doc
 
 
-class _PortTaken(Exception):
+class _PortTaken(AssertionError):
     """The report API's port was held by another process when the controller tried to bind it."""
 
 
@@ -99,14 +99,8 @@ class ControllerProc:
         """
         if not port_is_free(self.port):
             self._move_port()
-        for attempt in range(2):
-            try:
-                return self._start_once(env)
-            except _PortTaken:
-                if attempt:
-                    raise AssertionError(f"controller could not bind port {self.port}:\n{self.log_tail()}") from None
-                self._move_port()
-        raise AssertionError("unreachable")
+        return retry_if_port_taken(lambda: self._start_once(env), lambda exc: isinstance(exc, _PortTaken),
+                                   self._move_port, tries=2)
 
     def _move_port(self) -> None:
         self.port = free_port(exclude=(self.port,))
@@ -129,7 +123,7 @@ class ControllerProc:
                 # Why check the port, not the log: the exit is the controller's; whether the port is held
                 # by another process is a fact the harness can read itself.
                 if not port_is_free(self.port):
-                    raise _PortTaken
+                    raise _PortTaken(f"controller could not bind port {self.port}:\n{self.log_tail()}")
                 raise AssertionError(f"controller exited {self.proc.returncode}:\n{self.log_tail()}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
